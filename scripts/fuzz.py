@@ -1,0 +1,146 @@
+"""Fuzz the decoder, the reassembler and a live tcp:// consumer with mutated frames.
+
+Mutations (byte flips, deletions, insertions, splices, length-field lies) of valid frames of every
+kind go through `tensorbus.decode` and a `Reassembler` (with checksums off, so mutations reach the
+parsers), and a share of them is sent over real sockets to a live consumer beside an honest
+producer whose tensors must all arrive. Anything other than a tensorbus CodecError is a crash; a
+single case over 2 s is a hang. Prints a report with peak RSS.
+
+    python scripts/fuzz.py --cases 1000000            # the full run (about 2-4 minutes here)
+    python scripts/fuzz.py --cases 20000 --live 2000  # a quick slice
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import resource
+import socket
+import struct
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tensorbus as tb
+from tensorbus.transports.stream import HELLO, proof
+
+
+def seeds() -> list[bytes]:
+    """Valid frames of every kind, checksum off so that mutations reach the header parser."""
+    rng = np.random.default_rng(0)
+    objects = [
+        np.arange(64, dtype=np.float32),
+        np.asfortranarray(rng.random((5, 7))),
+        np.array(3, np.int8),
+        np.zeros((0, 4)),
+        {"w": rng.random((8, 8)).astype(np.float16), "b": np.arange(3)},
+        tb.SparseTensor(np.array([[0, 1], [2, 0]]), np.array([1.5, -2.0]), (3, 3)),
+        np.arange(200, dtype=">i4"),
+    ]
+    frames = [tb.dumps(o, key=f"k{i}", metadata={"i": i, "tag": ["x"]}, checksum=False) for i, o in enumerate(objects)]
+    frames.append(tb.dumps(np.zeros(4096), compression="zstd", checksum=False))
+    frames.append(tb.dumps(np.zeros(4096), compression="lz4", checksum=False))
+    big = tb.encode(rng.random(3000), key="chunked", message_id=("fuzz", 1))
+    frames += [b"".join(c) for c in tb.split(big, max_chunk_bytes=4096, message_id=("fuzz", 1), checksum=False)]
+    return frames
+
+
+def mutate(rng: random.Random, data: bytes, pool: list[bytes]) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 5)):
+        op = rng.random()
+        at = rng.randrange(len(out)) if out else 0
+        if op < 0.45 and out:
+            out[at] = rng.randrange(256)
+        elif op < 0.6:
+            del out[at : at + rng.randint(1, 64)]
+        elif op < 0.75:
+            out[at:at] = rng.randbytes(rng.randint(1, 32))
+        elif op < 0.85:
+            other = rng.choice(pool)
+            cut = rng.randrange(len(other))
+            out[at:] = other[cut:]
+        elif len(out) >= 24:  # lie in a length field of the prefix
+            field, fmt, top = rng.choice([(8, "<I", 2**32 - 1), (12, "<Q", 2**64 - 1)])
+            struct.pack_into(fmt, out, field, rng.choice([0, 1, 2**31, top, top // 3, rng.randrange(1 << 20)]))
+    return bytes(out)
+
+
+def raw_connection(address: str) -> socket.socket:
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(proof(None, HELLO.unpack(sock.recv(HELLO.size, socket.MSG_WAITALL))[3]))
+    sock.recv(1)
+    return sock
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=1_000_000)
+    parser.add_argument("--live", type=int, default=20_000, help="mutated frames sent to a live tcp:// consumer")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    logging.disable(logging.CRITICAL)  # every rejected frame logs an error; the report counts them
+    rng = random.Random(args.seed)
+    pool = seeds()
+    limits = tb.Limits(max_payload_bytes=64 << 20)
+    reassembler = tb.Reassembler(max_bytes=256 << 20, timeout_s=1.0, limits=limits)
+    counts = {"accepted": 0, "rejected": 0, "crashes": 0, "hangs": 0}
+    started = time.perf_counter()
+    for case in range(args.cases):
+        data = mutate(rng, rng.choice(pool), pool)
+        t0 = time.perf_counter()
+        for target in (lambda d: tb.decode(d, limits=limits), reassembler.feed):
+            try:
+                target(data)
+                counts["accepted"] += 1
+            except tb.CodecError:
+                counts["rejected"] += 1
+            except Exception:
+                counts["crashes"] += 1
+                if counts["crashes"] <= 5:
+                    print(f"CRASH on case {case}: {data[:80]!r}...", file=sys.stderr)
+                    traceback.print_exc()
+        if time.perf_counter() - t0 > 2.0:
+            counts["hangs"] += 1
+        if case and case % 200_000 == 0:
+            print(f"  {case:,} cases, {time.perf_counter() - started:.0f}s", flush=True)
+    offline_s = time.perf_counter() - started
+
+    live = {"sent": 0, "honest_sent": 0, "honest_received": 0}
+    with tb.Consumer("tcp://127.0.0.1:0", max_payload_bytes=64 << 20) as consumer:
+        honest = tb.Producer(consumer.address)
+        attacker = raw_connection(consumer.address)
+        for i in range(args.live):
+            try:
+                attacker.sendall(mutate(rng, rng.choice(pool), pool))
+            except OSError:  # the consumer dropped this connection (garbage): open another
+                attacker.close()
+                attacker = raw_connection(consumer.address)
+            live["sent"] += 1
+            if i % 100 == 0:
+                honest.send(f"h{i}", np.full(16, i))
+                live["honest_sent"] += 1
+        honest.flush(60)
+        for i in range(0, args.live, 100):
+            if np.array_equal(consumer.recv(f"h{i}", timeout=30), np.full(16, i)):
+                live["honest_received"] += 1
+        honest.close()
+        attacker.close()
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"offline: {args.cases:,} mutated frames x (decode, reassembler) in {offline_s:.0f}s: {counts}")
+    print(f"live tcp:// consumer: {live}")
+    print(
+        f"peak RSS {peak_mb:.0f} MB; reassembler held {reassembler.held_bytes} bytes, stats {dict(reassembler.stats)}"
+    )
+    ok = counts["crashes"] == 0 and counts["hangs"] == 0 and live["honest_received"] == live["honest_sent"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

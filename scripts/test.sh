@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run the whole test suite from nothing: a venv with every extra, the brokers (Docker Compose if an
+# engine answers, native otherwise), ruff, pytest; the brokers are stopped again on the way out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[rabbitmq,kafka,compression,bench,cli,dev]"
+
+if [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && [ -f scripts/brokers.sh ]; then
+  if docker info >/dev/null 2>&1; then
+    docker compose up -d --wait
+    trap 'docker compose down' EXIT
+  else
+    bash scripts/brokers.sh up
+    trap 'bash scripts/brokers.sh down' EXIT
+  fi
+fi
+
+.venv/bin/ruff check .
+.venv/bin/python -m pytest "$@"

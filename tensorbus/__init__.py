@@ -1,0 +1,35 @@
+"""tensorbus: move tensors between processes and machines over pluggable transports."""
+
+from .api import Consumer, Producer
+from .codec import Limits, Message, Reassembler, SparseTensor, decode, dumps, encode, loads, split
+from .errors import (
+    Aborted,
+    BadMagic,
+    Cancelled,
+    ChecksumMismatch,
+    Closed,
+    CodecError,
+    ConfigError,
+    LimitExceeded,
+    MalformedHeader,
+    SignatureError,
+    StaleIncarnation,
+    TensorBusError,
+    Timeout,
+    TransportError,
+    TruncatedFrame,
+    UnsupportedDtype,
+    UnsupportedVersion,
+)
+from .keys import ParsedKey, make_key, parse_key
+from .rendezvous import RecvHandle, Rendezvous
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aborted", "BadMagic", "Cancelled", "ChecksumMismatch", "Closed", "CodecError", "ConfigError", "Consumer",
+    "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey", "Producer", "Reassembler", "RecvHandle",
+    "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation", "TensorBusError", "Timeout",
+    "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion", "__version__",
+    "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",
+]  # fmt: skip

@@ -1,0 +1,5 @@
+"""`python -m tensorbus` runs the tensorbus command."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,268 @@
+"""Producer and Consumer: the user-facing ends of a transport, with chunking, dedup and rendezvous."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .codec import Limits, Message, MessageId, Reassembler, encode, split
+from .codec.frame import Buffer
+from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
+from .options import load_config, merge
+from .rendezvous import Callback, RecvHandle, Rendezvous
+from .transports import Delivered, Transport, resolve_transport
+
+log = logging.getLogger(__name__)
+
+PRODUCER_OPTIONS: dict[str, Any] = {
+    "compression": None,
+    "checksum": True,
+    "signing_key": None,
+    "max_frame_bytes": None,
+}
+CONSUMER_OPTIONS: dict[str, Any] = {
+    "signing_key": None,
+    "max_frame_bytes": None,
+    "max_buffered_bytes": 1 << 30,
+    "max_reassembly_bytes": 1 << 31,
+    "reassembly_timeout_s": 60.0,
+    "max_header_bytes": Limits.max_header_bytes,
+    "max_payload_bytes": Limits.max_payload_bytes,
+    "max_ndim": Limits.max_ndim,
+    "dedup_window": 100_000,
+}
+
+
+def _key_bytes(value: Any) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise ConfigError(f"signing_key must be bytes or str, got {type(value).__name__}")
+
+
+def _open(url: str, own: dict[str, Any], kwargs: dict[str, Any], role: str) -> tuple[Transport, dict[str, Any]]:
+    """Resolve the transport and split the options into the endpoint's own and the transport's."""
+    cls, parsed = resolve_transport(url)
+    options = merge({**own, **cls.OPTIONS}, url=parsed, kwargs=kwargs, where=f"{role} {parsed.scheme}://")
+    transport = cls(parsed._replace(query=""), {k: options[k] for k in cls.OPTIONS})
+    return transport, {k: options[k] for k in own}
+
+
+def _config_args(path: str | Path, role: str, url: str | None, overrides: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The url and options a `from_config` builds from: the file's, then `url` and `overrides` on top."""
+    file_url, options = load_config(path, role)
+    chosen = url or file_url
+    if chosen is None:
+        raise ConfigError(f"{path} has no url and none was given")
+    return chosen, {**options, **overrides}
+
+
+class Producer:
+    """Sends tensors to the consumer at `url`; `send` returns once the transport has taken the frame."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.url = url
+        self.transport, opts = _open(url, PRODUCER_OPTIONS, options, "Producer")
+        self.compression, self.checksum = opts["compression"], opts["checksum"]
+        self.signing_key = _key_bytes(opts["signing_key"])
+        self.producer_id = uuid.uuid4().hex[:16]
+        self._sequence = itertools.count(1)
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, path: str | Path, url: str | None = None, **overrides: Any) -> Producer:
+        """Build a producer from a TOML file (`url` plus options); keyword arguments win."""
+        chosen, options = _config_args(path, "producer", url, overrides)
+        return cls(chosen, **options)
+
+    def send(self, key: str | None, tensor: Any, *, metadata: dict[str, Any] | None = None) -> MessageId:
+        """Encode and send one tensor (ndarray, SparseTensor, dict bundle, torch tensor) under `key`."""
+        if self._closed:
+            raise Closed("send on a closed Producer")
+        message_id = (self.producer_id, next(self._sequence))
+        frame = encode(
+            tensor,
+            key=key,
+            metadata=metadata,
+            compression=self.compression,
+            checksum=self.checksum,
+            message_id=message_id,
+            signing_key=self.signing_key,
+        )
+        limit = self.transport.max_frame_bytes
+        parts: list[list[Buffer]] = (
+            [frame]
+            if limit is None
+            else split(
+                frame,
+                max_chunk_bytes=limit,
+                message_id=message_id,
+                key=key,
+                checksum=self.checksum,
+                signing_key=self.signing_key,
+            )
+        )
+        for part in parts:
+            self.transport.send(part, key=key)
+        return message_id
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the transport confirms everything sent so far (where it confirms at all)."""
+        self.transport.flush(timeout)
+
+    def close(self) -> None:
+        """Flush what can be flushed and release the connection."""
+        if not self._closed:
+            self._closed = True
+            self.transport.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Sink:
+    """The consumer as its transport sees it: a frame callback plus a question about chunked messages."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+
+    def __call__(self, frame: Buffer, crc: int | None = None) -> Delivered:
+        return self._consumer._deliver(frame, crc)
+
+    def is_pending(self, message_id: MessageId | None) -> bool:
+        return self._consumer.reassembler.is_pending(message_id)
+
+
+class Consumer:
+    """Receives the tensors sent to `url` and matches them to receivers by key (or arrival order)."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.url = url
+        self.transport, opts = _open(url, CONSUMER_OPTIONS, options, "Consumer")
+        self.signing_key = _key_bytes(opts["signing_key"])
+        limits = Limits(
+            max_header_bytes=opts["max_header_bytes"],
+            max_payload_bytes=opts["max_payload_bytes"],
+            max_ndim=opts["max_ndim"],
+        )
+        self.table = Rendezvous(max_buffered_bytes=opts["max_buffered_bytes"])
+        self.reassembler = Reassembler(
+            max_bytes=opts["max_reassembly_bytes"],
+            timeout_s=opts["reassembly_timeout_s"],
+            limits=limits,
+            signing_key=self.signing_key,
+        )
+        self._lock = threading.Lock()
+        self._seen: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        self._dedup_window = opts["dedup_window"]
+        self.stats = collections.Counter[str]()
+        self._closed = False
+        self._stopping = threading.Event()
+        self.transport.listen(_Sink(self), limits)
+        self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
+        self._expiry.start()
+
+    @classmethod
+    def from_config(cls, path: str | Path, url: str | None = None, **overrides: Any) -> Consumer:
+        """Build a consumer from a TOML file (`url` plus options); keyword arguments win."""
+        chosen, options = _config_args(path, "consumer", url, overrides)
+        return cls(chosen, **options)
+
+    @property
+    def address(self) -> str:
+        """The URL producers should use (for tcp://host:0, with the port actually bound)."""
+        return self.transport.address
+
+    def _deliver(self, data: Buffer, crc: int | None = None) -> Delivered:
+        """Called by the transport for each received frame; never raises."""
+        if self.table.buffered_bytes >= self.table.max_buffered_bytes:
+            self.table.wait_for_room()
+        with self._lock:
+            try:
+                message = self.reassembler.feed(data, crc=crc)
+            except CodecError as exc:
+                self.stats["rejected"] += 1
+                log.error("%s: dropped a bad frame: %s", self.url, exc)
+                return Delivered(None, True)
+            if message is None:
+                self.stats["chunks"] += 1
+                message_id = self.reassembler.last_message_id
+                return Delivered(message_id, not self.reassembler.is_pending(message_id))
+            message_id = message.message_id
+            if message_id is not None:
+                if message_id in self._seen:
+                    self.stats["duplicates"] += 1
+                    return Delivered(message_id, True)
+                self._seen[message_id] = None
+                if len(self._seen) > self._dedup_window:
+                    self._seen.popitem(last=False)
+        try:
+            self.table.put(message)
+            self.stats["received"] += 1
+        except Aborted:
+            return Delivered(message_id, False)  # not acknowledged: a broker hands it to the next consumer
+        except TensorBusError as exc:
+            self.stats["refused"] += 1
+            log.error("%s: refused message %s: %s", self.url, message_id, exc)
+        return Delivered(message_id, True)
+
+    def _expire_loop(self) -> None:
+        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""
+        interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0))
+        while not self._stopping.wait(interval):
+            with self._lock:
+                self.reassembler.expire()
+
+    def recv(self, key: str, timeout: float | None = None) -> Any:
+        """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""
+        return self.table.recv(key, timeout)
+
+    def recv_message(self, key: str, timeout: float | None = None) -> Message:
+        """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
+        return self.table.recv_message(key, timeout)
+
+    def recv_async(self, key: str, callback: Callback) -> RecvHandle:
+        """Call `callback(message, error)` once when `key` arrives (or fails); returns a cancel handle."""
+        return self.table.recv_async(key, callback)
+
+    def next_message(self, timeout: float | None = None) -> Message:
+        """The oldest message not yet received, of any key (work-queue use)."""
+        return self.table.next_message(timeout)
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and later receive with `Aborted(reason)`."""
+        self.table.abort(reason)
+
+    def __iter__(self) -> Iterator[Message]:
+        """Yield messages in arrival order until the consumer is closed or aborted."""
+        while True:
+            try:
+                yield self.table.next_message()
+            except Aborted:
+                if self._closed:
+                    return
+                raise
+
+    def close(self) -> None:
+        """Stop receiving; pending receives fail with `Aborted("consumer closed")`."""
+        if not self._closed:
+            self._closed = True
+            self._stopping.set()
+            self.table.abort("consumer closed")  # first: a delivery waiting for room must not hold up close
+            self.transport.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,221 @@
+"""The raw broker clients, moving the same bytes as the tensorbus broker transports in the same run.
+
+- `PikaLink`: raw pika, durable queue, persistent messages, publisher confirms, manual acks,
+  prefetch 16 and the tensorbus amqp transport's chunk size.
+- `KafkaLink`: raw kafka-python, acks=all (idempotent), one partition, the tensorbus kafka
+  transport's chunk size; otherwise kafka-python's defaults, as a user would start.
+Chunks of one tensor are joined in order into a reused buffer (a single chunk is used as is).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from typing import Any
+
+import numpy as np
+
+from . import brokers
+from .links import Link
+
+AMQP_PREFETCH = 16  # the tensorbus amqp transport's default prefetch_count
+
+
+class _Assembler:
+    """Joins the chunks of one tensor (in order) into a reused buffer; one chunk is passed through."""
+
+    def __init__(self) -> None:
+        self.buffer: memoryview | None = None
+        self.offset = 0
+
+    def prepare(self, nbytes: int) -> None:
+        array = np.empty(nbytes, np.uint8)
+        array.fill(1)
+        self.buffer = memoryview(array)
+
+    def add(self, chunk: int, count: int, body: bytes, chunk_bytes: int) -> memoryview | bytes | None:
+        """Take chunk `chunk` of `count`; return the whole tensor after the last one."""
+        if count == 1:
+            return body
+        if chunk == 0 and (self.buffer is None or len(self.buffer) <= (count - 1) * chunk_bytes):
+            self.prepare(count * chunk_bytes)
+        assert self.buffer is not None
+        start = chunk * chunk_bytes
+        end = start + len(body)
+        if end > len(self.buffer):
+            raise ValueError(f"chunk {chunk} of {count} does not fit the tensor being assembled")
+        self.buffer[start:end] = body
+        return self.buffer[:end] if chunk == count - 1 else None
+
+
+class PikaLink(Link):
+    """Raw pika: a confirming publisher connection and a consuming connection with manual acks."""
+
+    def __init__(self, spec: dict[str, Any], role: str) -> None:
+        super().__init__(spec, role)
+        import pika
+
+        self.pika = pika
+        self.chunk_bytes: int = spec["chunk_bytes"]
+        self.params = brokers.amqp_parameters(spec["url"], min(self.timeout_s, 30.0))
+        self.rx: Any = None
+        self.tx: Any = None
+        self.inbox: collections.deque[tuple[int, dict[str, Any], bytes]] = collections.deque()
+        self.assembler = _Assembler()
+        self.queues: list[str] = []
+
+    def open(self) -> str:
+        self.rx = self.pika.BlockingConnection(self.params)
+        channel = self.rx.channel()
+        channel.queue_declare(self.name, durable=True)
+        self.queues.append(self.name)
+        channel.basic_qos(prefetch_count=AMQP_PREFETCH)
+        channel.basic_consume(
+            self.name, lambda ch, method, props, body: self.inbox.append((method.delivery_tag, props.headers, body))
+        )
+        self.rx_channel = channel
+        return self.name
+
+    def connect(self, address: str) -> None:
+        self.tx = self.pika.BlockingConnection(self.params)
+        self.tx_channel = self.tx.channel()
+        self.tx_channel.confirm_delivery()
+        self.tx_channel.queue_declare(address, durable=True)
+        self.tx_queue = address
+
+    def prepare(self, nbytes: int) -> None:
+        if nbytes > self.chunk_bytes:
+            self.assembler.prepare(nbytes)
+
+    def release(self) -> None:
+        self.assembler.buffer = None
+
+    def send(self, array: np.ndarray, index: int) -> None:
+        view = memoryview(array).cast("B")
+        step = self.chunk_bytes
+        count = max(1, -(-len(view) // step))
+        for chunk in range(count):
+            self.tx_channel.basic_publish(
+                "",
+                self.tx_queue,
+                bytes(view[chunk * step : (chunk + 1) * step]),
+                properties=self.pika.BasicProperties(delivery_mode=2, headers={"i": index, "c": chunk, "n": count}),
+                mandatory=True,
+            )
+
+    def recv(self, timeout: float) -> tuple[int, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            while self.inbox:
+                tag, headers, body = self.inbox.popleft()
+                whole = self.assembler.add(headers["c"], headers["n"], body, self.chunk_bytes)
+                self.rx_channel.basic_ack(tag)
+                if whole is not None:
+                    return headers["i"], whole
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no message on {self.name} within {timeout:.1f}s")
+            self.rx.process_data_events(time_limit=min(remaining, 1.0))
+
+    def idle(self) -> None:
+        for connection in (self.rx, self.tx):
+            if connection is not None and connection.is_open:
+                connection.process_data_events(0)
+
+    def close(self) -> None:
+        for connection in (self.tx, self.rx):
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    connection.close()
+        for queue in self.queues:
+            with contextlib.suppress(Exception):
+                brokers.delete_queue(self.spec["url"], queue)
+
+
+class KafkaLink(Link):
+    """Raw kafka-python: a topic per direction, one partition, chunked records, acks=all."""
+
+    def __init__(self, spec: dict[str, Any], role: str) -> None:
+        super().__init__(spec, role)
+        self.chunk_bytes: int = spec["chunk_bytes"]
+        self.bootstrap = brokers.kafka_bootstrap(spec["url"])
+        self.consumer: Any = None
+        self.producer: Any = None
+        self.records: collections.deque[Any] = collections.deque()
+        self.assembler = _Assembler()
+
+    def open(self) -> str:
+        from kafka import KafkaConsumer
+
+        brokers.create_topic(self.spec["url"], self.name, self.timeout_s)
+        self.consumer = KafkaConsumer(
+            self.name,
+            bootstrap_servers=self.bootstrap,
+            group_id=self.name,
+            auto_offset_reset="earliest",  # otherwise kafka-python's defaults, as a user would start
+            max_partition_fetch_bytes=max(1 << 20, self.chunk_bytes + 1024),
+            request_timeout_ms=int(max(self.timeout_s, 31) * 1000),
+        )
+        deadline = time.monotonic() + self.timeout_s
+        while not self.consumer.assignment() and time.monotonic() < deadline:
+            self.records.extend(r for rs in self.consumer.poll(timeout_ms=200).values() for r in rs)
+        if not self.consumer.assignment():
+            raise TimeoutError(f"kafka consumer got no partition of {self.name} within {self.timeout_s:.0f}s")
+        return self.name
+
+    def connect(self, address: str) -> None:
+        from kafka import KafkaProducer
+
+        self.producer = KafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            acks="all",  # and kafka-python's default: the idempotent producer
+            max_request_size=max(1 << 20, self.chunk_bytes + 1024),
+            max_block_ms=int(self.timeout_s * 1000),
+        )
+        self.topic = address
+
+    def prepare(self, nbytes: int) -> None:
+        if nbytes > self.chunk_bytes:
+            self.assembler.prepare(nbytes)
+
+    def release(self) -> None:
+        self.assembler.buffer = None
+
+    def send(self, array: np.ndarray, index: int) -> None:
+        view = memoryview(array).cast("B")
+        step = self.chunk_bytes
+        count = max(1, -(-len(view) // step))
+        for chunk in range(count):
+            headers = [("i", index.to_bytes(8, "little")), ("c", chunk.to_bytes(4, "little"))]
+            headers.append(("n", count.to_bytes(4, "little")))
+            value = bytes(view[chunk * step : (chunk + 1) * step])
+            self.producer.send(self.topic, value=value, key=b"t", headers=headers)
+
+    def recv(self, timeout: float) -> tuple[int, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            while self.records:
+                record = self.records.popleft()
+                h = {k: int.from_bytes(v, "little") for k, v in record.headers}
+                whole = self.assembler.add(h["c"], h["n"], record.value, self.chunk_bytes)
+                if whole is not None:
+                    return h["i"], whole
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no record on {self.name} within {timeout:.1f}s")
+            polled = self.consumer.poll(timeout_ms=int(min(remaining, 1.0) * 1000))
+            for records in polled.values():
+                self.records.extend(records)
+
+    def finish(self, timeout: float) -> None:
+        self.producer.flush(timeout=timeout)
+
+    def close(self) -> None:
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                self.producer.close(timeout=5)
+        if self.consumer is not None:
+            with contextlib.suppress(Exception):
+                self.consumer.close(autocommit=False)
+            brokers.delete_endpoint(f"kafka://{self.bootstrap}/{self.name}")

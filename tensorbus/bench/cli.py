@@ -1,0 +1,131 @@
+"""`tensorbus bench`: arguments and entry point (importing this module is cheap; the work is lazy)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+EPILOG = """\
+Producer and consumer run in separate processes (memory:// in one, it cannot cross processes).
+Every received tensor is checked (order, size, dtype, CRC32C). Baselines: socket (bare TCP
+sendall + recv_into), zmq (pyzmq PUSH/PULL, copy=False), pickle (protocol 5, out-of-band buffers,
+over TCP), pika (raw, confirms + manual acks), kafka-python (raw, acks=all). A broker that does not
+answer is skipped and the table says why. Settings: flags, else the --config file (default
+config/bench.toml when it exists), else built-in defaults. A quick look:
+
+  tensorbus bench --transports tcp,unix --sizes 64KB,16MB --budget-s 2 --plot bench.png
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare `tensorbus bench`'s options on `parser` (defaults come from the config, not from here)."""
+    parser.description = "Compare tensorbus transports with the baselines users would write instead."
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add = parser.add_argument
+    add("--transports", metavar="LIST", help="names or URLs: memory,tcp,unix,amqp,kafka (default: all)")
+    add("--sizes", metavar="LIST", help="tensor sizes, binary units (default: 4KB,64KB,1MB,16MB,256MB)")
+    add("--dtype", help="element type of the tensors (default: float32)")
+    add("--repeats", "--rounds", dest="repeats", type=int, metavar="N", help="timed rounds per cell (median)")
+    add("--budget-s", type=float, metavar="S", help="time budget per (method, size) cell, warm-up included")
+    add("--baselines", metavar="LIST", help="socket,zmq,pickle,pika,kafka-python, auto (default) or none")
+    add("--latency-sizes", metavar="LIST", help="sizes for round trips (default: 4KB)")
+    add("--warmup-s", type=float, metavar="S", help="untimed traffic per cell before timing")
+    add("--round-s", type=float, metavar="S", help="target length of a timed round")
+    add("--broker-round-s", type=float, metavar="S", help="the same for amqp, kafka and their raw clients")
+    add("--verify", choices=["crc32c", "index"], help="check received tensors by CRC32C (default) or order only")
+    add("--timeout-s", type=float, metavar="S", help="hard limit for any single step")
+    add("--amqp-url", metavar="URL", help="broker for amqp and raw pika (env TENSORBUS_AMQP_URL)")
+    add("--kafka-url", metavar="URL", help="broker for kafka and raw kafka-python (env TENSORBUS_KAFKA_URL)")
+    add("--config", metavar="FILE", help="settings file (default: config/bench.toml if it exists)")
+    add("--json", metavar="FILE", help="write every measurement as JSON")
+    add("--csv", metavar="FILE", help="write one CSV row per (method, metric, size)")
+    add("--plot", metavar="FILE.png", help="draw throughput and latency panels (matplotlib)")
+    add("--no-progress", action="store_true", help="no progress bar")
+
+
+_OVERRIDES = (
+    "transports", "sizes", "dtype", "repeats", "budget_s", "baselines", "latency_sizes", "warmup_s", "round_s",
+    "broker_round_s", "verify", "timeout_s", "amqp_url", "kafka_url",
+)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and write the outputs; 1 if a tensor failed verification or a cell failed, else 0."""
+    from . import config, report
+    from .runner import Runner
+
+    cfg = config.load(args.config, {name: getattr(args, name, None) for name in _OVERRIDES})
+    if args.plot:
+        _check_plot_path(args.plot)
+    with _Progress(enabled=not args.no_progress) as progress:
+        results = Runner(cfg, progress, verbose=getattr(args, "verbose", False)).run()
+    report.print_report(results)
+    if args.json:
+        report.write_json(results, args.json)
+    if args.csv:
+        report.write_csv(results, args.csv)
+    if args.plot:
+        from .plot import write_plot
+
+        write_plot(results, args.plot)
+    written = [f for f in (args.json, args.csv, args.plot) if f]
+    if written:
+        print(f"wrote {', '.join(written)}")
+    return 1 if any(c.failures or c.error for c in results.cells) else 0
+
+
+def _check_plot_path(path: str) -> None:
+    from ..errors import ConfigError
+
+    if not path.lower().endswith(".png"):
+        raise ConfigError(f"--plot writes a PNG: give a .png file name, not {path!r}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'tensorbus[bench]'") from None
+
+
+class _Progress:
+    """A rich progress bar on stderr (plain lines without rich); yields the runner's callback."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.bar: Any = None
+        self.task: Any = None
+        self.last = 0.0
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return None
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        except ImportError:
+            return self._plain
+        self.bar = Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self.bar.start()
+        self.task = self.bar.add_task("starting workers", total=None)
+        return self._rich
+
+    def _rich(self, done: int, total: int, text: str) -> None:
+        self.bar.update(self.task, completed=done, total=total, description=text)
+
+    def _plain(self, done: int, total: int, text: str) -> None:
+        now = time.monotonic()
+        if now - self.last >= 2 or done == total:
+            self.last = now
+            print(f"[{done}/{total}] {text}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,117 @@
+"""Which methods a run measures: the requested transports and baselines, and what keeps one from running."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import platform
+import sys
+from typing import Any
+
+from . import brokers
+from .config import BenchConfig
+from .results import Method
+
+AMQP_CHUNK_BYTES = 16 * 1024 * 1024 - 4096  # the tensorbus amqp transport's default max_frame_bytes
+KAFKA_CHUNK_BYTES = 1024 * 1024 - 4096  # used only when the tensorbus kafka transport cannot say
+_COMPARE = {"tcp": ["socket", "zmq"], "unix": ["socket", "zmq"], "amqp": ["pika"], "kafka": ["kafka-python"]}
+_BASELINE_FAMILY = {"socket": "tcp", "zmq": "tcp", "pickle": "tcp", "pika": "amqp", "kafka-python": "kafka"}
+_BASELINE_MODULE = {"zmq": "zmq", "pika": "pika", "kafka-python": "kafka"}
+
+
+def plan(cfg: BenchConfig) -> list[Method]:
+    """Every requested transport and baseline, with the reason when one cannot run here."""
+    methods: list[Method] = []
+    urls: dict[str, str] = {"tcp": "tcp://127.0.0.1:0", "amqp": cfg.amqp_url, "kafka": cfg.kafka_url}
+    families = []
+    for entry in cfg.transports:
+        family = entry.partition("://")[0] if "://" in entry else entry
+        families.append(family)
+        url = entry if "://" in entry else _default_url(family, cfg)
+        if family in ("tcp", "amqp", "kafka") and "://" in entry:
+            urls[family] = entry
+        methods.append(Method(family, "tensorbus", "tensorbus", family, url, in_process=family == "memory"))
+    for method in methods:  # the same transport twice (two URLs): name them by URL
+        if families.count(method.family) > 1:
+            method.name = method.url
+    for name in cfg.chosen_baselines():
+        family = _BASELINE_FAMILY[name]
+        methods.append(Method(name, "baseline", name, family, urls[family]))
+    chosen = {m.name for m in methods if m.kind == "baseline"}
+    for method in methods:
+        if method.kind == "tensorbus":
+            method.compare = [b for b in _COMPARE.get(method.family, []) if b in chosen]
+        check(method)
+    return methods
+
+
+def check(method: Method) -> None:
+    """Mark a method skipped when its driver is missing or its broker does not answer."""
+    if method.family == "amqp":
+        method.chunk_bytes = _transport_option("amqp://h/?queue=q", "max_frame_bytes") or AMQP_CHUNK_BYTES
+    if method.family == "kafka":
+        method.chunk_bytes = _transport_option("kafka://h:1/t", "max_frame_bytes") or KAFKA_CHUNK_BYTES
+    if method.kind == "tensorbus" and method.family != "memory":
+        from ..transports import resolve_transport
+
+        try:
+            resolve_transport(method.url)
+        except Exception as exc:
+            method.status, method.reason = "skipped", f"transport unavailable: {type(exc).__name__}: {exc}"
+            return
+    module = _BASELINE_MODULE.get(method.name)
+    if method.kind == "baseline" and module and importlib.util.find_spec(module) is None:
+        method.status, method.reason = "skipped", f"{module} is not installed"
+        return
+    if method.family in ("amqp", "kafka"):
+        reason = brokers.unreachable(method.url)
+        if reason is not None:
+            method.status, method.reason = "skipped", reason
+
+
+def _default_url(family: str, cfg: BenchConfig) -> str:
+    import tempfile
+
+    return {
+        "memory": "memory://bench",
+        "tcp": "tcp://127.0.0.1:0",
+        "unix": f"unix://{tempfile.gettempdir()}",
+        "amqp": cfg.amqp_url,
+        "kafka": cfg.kafka_url,
+    }[family]
+
+
+def _transport_option(url: str, name: str) -> Any:
+    """A tensorbus transport's default for option `name`, or None when the transport cannot be loaded."""
+    try:
+        from ..transports import resolve_transport
+
+        cls, _ = resolve_transport(url)
+        return cls.OPTIONS.get(name)
+    except Exception:
+        return None
+
+
+def environment(cfg: BenchConfig, methods: list[Method]) -> dict[str, Any]:
+    """Machine, versions and broker versions, for the record."""
+    from .. import __version__
+
+    versions = {"tensorbus": __version__, "python": platform.python_version()}
+    for module in ("numpy", "zmq", "pika", "kafka", "crc32c"):
+        if importlib.util.find_spec(module) is not None:
+            try:
+                versions[module] = getattr(importlib.import_module(module), "__version__", "?")
+            except Exception:
+                continue
+    if "zmq" in versions:
+        versions["libzmq"] = importlib.import_module("zmq").zmq_version()
+    used = {m.family: m.url for m in methods if m.status == "ok"}
+    return {
+        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.system()} {platform.release()}",
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "argv": sys.argv,
+        "versions": versions,
+        "brokers": brokers.versions(used.get("amqp"), used.get("kafka")),
+    }

@@ -1,0 +1,272 @@
+"""Drive the benchmark: plan the methods, run worker pairs, interleave timed rounds within budgets.
+
+For each tensor size every method first gets a probe and a warm-up (untimed), then the timed rounds
+run interleaved: round 1 of every method, round 2 of every method (in rotated order), ... so that
+a slow spell of the machine hits all methods alike. A cell stops when its next round would overrun
+its time budget (after at least one timed round). Every wait on a worker has a deadline; a worker
+pair that misses one is killed, its cell marked, and the pair restarted for the next size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import plan
+from .config import BenchConfig, format_size
+from .pairs import Pair, StepFailed
+from .results import Cell, Method, Results
+
+Progress = Callable[[int, int, str], None]
+_GRACE_S = 5.0
+
+
+@dataclass
+class _CellRun:
+    """Bookkeeping for one cell while its rounds are interleaved with other cells'."""
+
+    pair: Pair
+    cell: Cell
+    target: int
+    #: seconds this cell's own steps took (other cells' interleaved rounds do not count)
+    spent: float = 0.0
+    wall_per_tensor: float = 0.0
+    n: int = 1
+    done: bool = False
+
+
+def _probe_count(nbytes: int, metric: str) -> int:
+    return 20 if metric == "latency" else max(1, min(64, (1 << 20) // nbytes))
+
+
+class Runner:
+    """Runs a `BenchConfig`, reporting progress as (steps done, steps planned, what is running)."""
+
+    def __init__(self, config: BenchConfig, progress: Progress | None = None, verbose: bool = False) -> None:
+        self.config = config
+        self.progress = progress or (lambda done, total, text: None)
+        self.verbose = verbose
+        self.run_id = uuid.uuid4().hex[:8]
+        self.pairs: dict[str, Pair] = {}
+        self.generation = itertools.count()
+        self.results = Results(config=config, methods=[])
+        self._done = self._total = 0
+
+    # -- worker pairs ---------------------------------------------------------------------------
+
+    def _spec(self, method: Method) -> dict[str, Any]:
+        tag = f"{self.run_id}-{re.sub(r'[^A-Za-z0-9]+', '-', method.name).strip('-')}-{next(self.generation)}"
+        return {
+            "method": method.name,
+            "impl": method.impl,
+            "url": method.url,
+            "tag": tag,
+            "dtype": self.config.dtype,
+            "verify": self.config.verify,
+            "timeout_s": self.config.timeout_s,
+            "chunk_bytes": method.chunk_bytes,
+            "verbose": self.verbose,
+        }
+
+    def _start(self, methods: list[Method]) -> None:
+        """Spawn every pair at once (imports overlap), then open and connect each; failures skip the method."""
+        fresh = []
+        for method in methods:
+            if method.status == "ok" and method.name not in self.pairs:
+                pair = Pair(method, self._spec(method))
+                pair.start()
+                self.pairs[method.name] = pair
+                fresh.append(pair)
+        timeout = self.config.timeout_s
+        for pair in fresh:
+            try:
+                pair.send("B", "open")
+                pair.send("A", "open")
+                pair.opened = True
+                address_b = pair.wait("B", "open", timeout)
+                address_a = pair.wait("A", "open", timeout)
+                pair.send("A", "connect", address=address_b)
+                pair.send("B", "connect", address=address_a)
+                pair.wait("A", "connect", timeout)
+                pair.wait("B", "connect", timeout)
+            except StepFailed as exc:
+                pair.broken = str(exc)
+                pair.kill()
+                del self.pairs[pair.method.name]
+                measured = any(cell.method == pair.method.name for cell in self.results.cells)
+                pair.method.status = "failed" if measured else "skipped"  # failed: restarting after an error
+                pair.method.reason = f"setup failed: {exc}"
+
+    def _restart_broken(self, methods: list[Method]) -> None:
+        for method in methods:
+            pair = self.pairs.get(method.name)
+            if pair is not None and pair.broken:
+                pair.kill()
+                del self.pairs[method.name]
+        self._start(methods)
+
+    # -- measuring ------------------------------------------------------------------------------
+
+    def run(self) -> Results:
+        """Run everything; worker processes are always stopped before this returns or raises."""
+        cfg = self.config
+        results = self.results
+        results.started = time.time()
+        t0 = time.monotonic()
+        results.methods = plan.plan(cfg)
+        results.environment = plan.environment(cfg, results.methods)
+        sizes = sorted(set(cfg.sizes) | set(cfg.latency_sizes))
+        try:
+            self._start(results.methods)
+            live = [m for m in results.methods if m.status == "ok"]
+            self._total = sum(
+                sum(2 + self._target(m, n) for n in cfg.sizes) + len(cfg.latency_sizes) * (2 + cfg.repeats)
+                for m in live
+            )
+            for nbytes in sizes:
+                self._restart_broken(results.methods)
+                pairs = [self.pairs[m.name] for m in results.methods if m.status == "ok" and m.name in self.pairs]
+                self._prepare(pairs, nbytes)
+                if nbytes in cfg.sizes:
+                    self._measure(pairs, nbytes, "throughput")
+                if nbytes in cfg.latency_sizes:
+                    self._measure(pairs, nbytes, "latency")
+                for pair in pairs:
+                    if not pair.broken:
+                        try:
+                            pair.call("A", "release", cfg.timeout_s)
+                            pair.call("B", "release", cfg.timeout_s)
+                        except StepFailed as exc:
+                            pair.broken = str(exc)
+        except BaseException:  # Ctrl-C or a bug: workers may be mid-step, do not wait for them
+            for pair in self.pairs.values():
+                pair.broken = pair.broken or "interrupted"
+            raise
+        finally:
+            for pair in self.pairs.values():  # ask all at once, then wait: broker cleanup runs in parallel
+                pair.request_close()
+            for pair in self.pairs.values():
+                pair.finish_close(15.0)
+            self.pairs.clear()
+        results.duration_s = time.monotonic() - t0
+        return results
+
+    def _target(self, method: Method, nbytes: int) -> int:
+        cfg = self.config
+        if method.family in ("amqp", "kafka") and nbytes >= cfg.broker_cap_from:
+            return min(cfg.repeats, cfg.broker_max_rounds)
+        return cfg.repeats
+
+    def _tick(self, steps: int, text: str) -> None:
+        self._done += steps
+        self._total = max(self._total, self._done)
+        self.progress(self._done, self._total, text)
+
+    def _prepare(self, pairs: list[Pair], nbytes: int) -> None:
+        """Make the sender's tensors and the receiver's buffers for this size (a failure breaks the pair)."""
+        for pair in pairs:
+            try:
+                crcs = pair.call("A", "prepare", self.config.timeout_s, nbytes=nbytes)
+                pair.call("B", "prepare", self.config.timeout_s, nbytes=nbytes, crcs=crcs)
+            except StepFailed as exc:
+                self._fail(pair, exc)
+
+    def _fail(self, pair: Pair, exc: Exception) -> None:
+        pair.broken = str(exc)
+        pair.kill()
+
+    def _measure(self, pairs: list[Pair], nbytes: int, metric: str) -> None:
+        """Probe and warm up every pair, then run their timed rounds interleaved."""
+        cfg = self.config
+        runs: list[_CellRun] = []
+        for pair in pairs:
+            cell = Cell(pair.method.name, metric, nbytes)
+            self.results.cells.append(cell)
+            target = self._target(pair.method, nbytes) if metric == "throughput" else cfg.repeats
+            run = _CellRun(pair, cell, target)
+            label = f"{format_size(nbytes)} {metric}: {pair.method.name}"
+            if pair.broken:
+                cell.error = f"not measured: {pair.broken}"
+                self._tick(2 + target, label)
+                continue
+            try:
+                n = _probe_count(nbytes, metric)
+                self._step(run, n, cfg.timeout_s, timed=False)
+                self._tick(1, f"{label} probe")
+                n_warm = min(cfg.max_tensors_per_round, int(cfg.warmup_s / max(run.wall_per_tensor, 1e-9)))
+                if run.target < cfg.repeats:
+                    n_warm = 0  # a capped broker cell: the probe was the warm-up
+                if n_warm >= 1:
+                    self._step(run, n_warm, self._timeout(run, n_warm), timed=False)
+                self._tick(1, f"{label} warm-up")
+            except StepFailed as exc:
+                cell.error = str(exc)
+                self._fail(pair, exc)
+                self._tick(target, label)
+                continue
+            round_s = cfg.broker_round_s if pair.method.family in ("amqp", "kafka") else cfg.round_s
+            run.n = max(1, min(cfg.max_tensors_per_round, round(round_s / max(run.wall_per_tensor, 1e-9))))
+            cell.tensors_per_round = run.n
+            runs.append(run)
+        for r in range(max((run.target for run in runs), default=0)):
+            for run in runs[r % len(runs) :] + runs[: r % len(runs)]:
+                if run.done or r >= run.target:
+                    continue
+                label = f"{format_size(nbytes)} {metric}: {run.pair.method.name} round {r + 1}/{run.target}"
+                if r >= 1 and run.spent + run.n * run.wall_per_tensor > cfg.budget_s:
+                    run.done, run.cell.stopped_by = True, "budget"
+                    self._tick(run.target - r, label)
+                    continue
+                try:
+                    self._step(run, run.n, self._timeout(run, run.n), timed=True)
+                except StepFailed as exc:
+                    run.cell.error, run.done = str(exc), True
+                    self._fail(run.pair, exc)
+                    self._tick(run.target - r, label)
+                    continue
+                self._tick(1, label)
+        for run in runs:
+            run.cell.spent_s = run.spent
+            if run.cell.stopped_by is None and run.target < cfg.repeats:
+                run.cell.stopped_by = "cap"
+
+    def _timeout(self, run: _CellRun, n: int) -> float:
+        return min(self.config.timeout_s, max(10.0, 10 * n * run.wall_per_tensor + 5))
+
+    def _step(self, run: _CellRun, n: int, timeout: float, *, timed: bool) -> None:
+        """One round of n tensors (or n round trips); updates the cell and the time-per-tensor estimate."""
+        pair, cell = run.pair, run.cell
+        first = pair.next_index
+        pair.next_index += n
+        started = time.monotonic()
+        if cell.metric == "throughput":
+            pair.send("B", "recv", n=n, first=first, timeout=timeout)
+            pair.send("A", "send", n=n, first=first, timeout=timeout)
+            sent = pair.wait("A", "send", timeout + _GRACE_S)
+            got = pair.wait("B", "recv", timeout + _GRACE_S)
+            elapsed = max(got["t_last"] - sent["t_start"], 1e-9)
+            if timed:
+                cell.rounds.append(n * cell.nbytes / elapsed / 1e9)
+            cell.peak_rss_mib = got["peak_rss_mib"]
+            failures, problem = got["failures"], got["problem"]
+        else:
+            pair.send("B", "echo", n=n, first=first, timeout=timeout)
+            pair.send("A", "ping", n=n, first=first, timeout=timeout)
+            pinged = pair.wait("A", "ping", timeout + _GRACE_S)
+            echoed = pair.wait("B", "echo", timeout + _GRACE_S)
+            if timed:
+                cell.samples.extend(pinged["rtts"])
+                cell.rounds.append(sorted(pinged["rtts"])[len(pinged["rtts"]) // 2])
+            failures = pinged["failures"] + echoed["failures"]
+            problem = pinged["problem"] or echoed["problem"]
+        cell.verified += n if cell.metric == "throughput" else 2 * n  # a round trip verifies at both ends
+        cell.failures += failures
+        cell.problem = cell.problem or problem
+        wall = time.monotonic() - started
+        run.spent += wall
+        run.wall_per_tensor = wall / n

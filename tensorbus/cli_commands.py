@@ -1,0 +1,152 @@
+"""What each `tensorbus` subcommand does (argument parsing lives in cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from .api import Consumer, Producer
+from .codec import SparseTensor
+from .codec.frame import PREFIX, _unpack_header, frame_length, parse
+from .errors import CodecError, TruncatedFrame
+from .files import read_tensor, write_tensor
+from .keys import make_key
+
+
+def _describe(tensor: Any) -> str:
+    if isinstance(tensor, dict):
+        return f"bundle of {len(tensor)} tensors, {sum(a.nbytes for a in tensor.values()):,} bytes"
+    if isinstance(tensor, SparseTensor):
+        return f"sparse {tensor.values.dtype} {tensor.dense_shape}, nnz={len(tensor.values)}"
+    return f"{tensor.dtype} {tuple(tensor.shape)}, {tensor.nbytes:,} bytes"
+
+
+def _checksum(tensor: Any) -> int:
+    if isinstance(tensor, dict):
+        return crc32c.crc32c(b"".join(np.ascontiguousarray(a).tobytes() for a in tensor.values()))
+    if isinstance(tensor, SparseTensor):
+        return crc32c.crc32c(tensor.indices.tobytes() + tensor.values.tobytes())
+    return crc32c.crc32c(np.ascontiguousarray(tensor).tobytes())
+
+
+def _demo_tensors() -> dict[str, Any]:
+    rng = np.random.default_rng(42)
+    return {
+        make_key("trainer", 1, "server", "params"): {
+            "dense1.weight": rng.standard_normal((256, 128), dtype=np.float32),
+            "dense1.bias": np.zeros(128, np.float32),
+            "dense2.weight": rng.standard_normal((128, 10), dtype=np.float32),
+        },
+        make_key("trainer", 1, "server", "grad/embedding"): SparseTensor(
+            rng.integers(0, 1000, (64, 2)), rng.standard_normal(64), (1000, 1000)
+        ),
+        make_key("trainer", 1, "server", "activations", (0, 1)): rng.standard_normal((32, 1024), dtype=np.float32),
+    }
+
+
+def _demo_producer(address: str) -> None:
+    with Producer(address) as producer:
+        for key, tensor in _demo_tensors().items():
+            producer.send(key, tensor, metadata={"crc32c": _checksum(tensor)})
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Start a consumer, send tensors to it from a second process, and print what arrived."""
+    with Consumer(args.url) as consumer:
+        print(f"consumer listening on {consumer.address}; starting a producer process")
+        process = multiprocessing.get_context("spawn").Process(target=_demo_producer, args=(consumer.address,))
+        started = time.perf_counter()
+        process.start()
+        ok = True
+        for key in reversed(list(_demo_tensors())):  # ask in another order than they are sent
+            message = consumer.recv_message(key, timeout=60)
+            match = message.metadata["crc32c"] == _checksum(message.tensor)
+            ok &= match
+            print(f"  {key:<48} {_describe(message.tensor):<42} {'checksum ok' if match else 'CHECKSUM BAD'}")
+        process.join(30)
+        print(f"received 3 tensors in {time.perf_counter() - started:.2f}s, in the order asked for, not the order sent")
+    return 0 if ok and process.exitcode == 0 else 1
+
+
+def send(args: argparse.Namespace) -> int:
+    """Send a tensor file to a consumer."""
+    tensor = read_tensor(args.file)
+    with Producer(args.url, compression=args.compression) as producer:
+        producer.send(args.key, tensor)
+        producer.flush(timeout=60)
+    print(f"sent {args.key}: {_describe(tensor)}")
+    return 0
+
+
+def recv(args: argparse.Namespace) -> int:
+    """Listen at the URL, wait for one tensor under the key, and write it to a file."""
+    with Consumer(args.url) as consumer:
+        print(f"waiting for {args.key!r} on {consumer.address}", flush=True)
+        tensor = consumer.recv(args.key, timeout=args.timeout)
+        write_tensor(args.output, tensor)
+    print(f"received {args.key}: {_describe(tensor)} -> {args.output}")
+    return 0
+
+
+def _versioned(path: Path, version: int) -> Path:
+    return path.with_name(f"{path.stem}-{version:06d}{path.suffix}")
+
+
+def save(args: argparse.Namespace) -> int:
+    """Wait for bundles under the key and write each atomically (numbered with --follow)."""
+    output = Path(args.output)
+    with Consumer(args.url) as consumer:
+        print(f"waiting for {args.key!r} on {consumer.address}", flush=True)
+        for version in itertools.count(1):
+            message = consumer.recv_message(args.key, timeout=args.timeout)
+            target = _versioned(output, version) if args.follow else output
+            started = time.perf_counter()
+            write_tensor(target, message.tensor)
+            print(f"saved {_describe(message.tensor)} -> {target} ({time.perf_counter() - started:.2f}s)", flush=True)
+            if not args.follow or (args.max_versions and version >= args.max_versions):
+                return 0
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """Print each frame's header in a file of frames, checking checksums but not building arrays."""
+    data = memoryview(Path(args.file).read_bytes())
+    offset, count = 0, 0
+    while offset < len(data):
+        total = frame_length(data[offset : offset + PREFIX.size])
+        if offset + total > len(data):
+            raise TruncatedFrame(
+                f"frame {count} at byte {offset} needs {total} bytes, the file has {len(data) - offset}"
+            )
+        frame_bytes = data[offset : offset + total]
+        header_len = PREFIX.unpack_from(frame_bytes)[4]
+        header = _unpack_header(frame_bytes[PREFIX.size : PREFIX.size + header_len])
+        try:
+            parse(frame_bytes)
+            status = "ok" if frame_bytes[5] & 1 else "absent"
+        except CodecError as exc:
+            status = f"BAD ({exc})"
+        print(
+            f"frame {count} at byte {offset}: {total:,} bytes, kind={header.get('kind')}, key={header.get('key')!r}, "
+            f"id={header.get('id')}, compression={header.get('comp')}, checksum {status}"
+        )
+        if header.get("chunk"):
+            print(f"  chunk {header['chunk'][0] + 1} of {header['chunk'][1]}, message of {header['chunk'][2]:,} bytes")
+        for entry in header.get("tensors") or []:
+            name = entry.get("name") or "(tensor)"
+            print(
+                f"  {name}: {entry.get('dtype')} {entry.get('order')} shape={entry.get('shape')} "
+                f"{entry.get('nbytes'):,} bytes at payload offset {entry.get('offset')}"
+            )
+        if header.get("meta"):
+            print(f"  metadata: {header['meta']}")
+        offset += total
+        count += 1
+    return 0

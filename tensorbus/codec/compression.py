@@ -1,0 +1,45 @@
+"""Optional per-frame payload compression (lz4, zstd), bounded on the way back in."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError, LimitExceeded, MalformedHeader
+
+CODECS = ("lz4", "zstd")
+
+
+def compress(name: str, data: bytes | memoryview) -> bytes:
+    """Compress a payload with the named codec (the libraries are imported only when used)."""
+    if name == "lz4":
+        import lz4.block
+
+        return lz4.block.compress(data, store_size=False)
+    if name == "zstd":
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=3).compress(data)
+    raise ConfigError(f"unknown compression {name!r}; known: {', '.join(CODECS)}")
+
+
+def decompress(name: object, data: memoryview, raw_len: int, max_bytes: int) -> bytes:
+    """Decompress into exactly `raw_len` bytes, refusing to allocate beyond `max_bytes`."""
+    if raw_len > max_bytes:
+        raise LimitExceeded(f"compressed payload claims {raw_len} bytes; the limit is {max_bytes}")
+    try:
+        if name == "lz4":
+            import lz4.block
+
+            out = lz4.block.decompress(data, uncompressed_size=raw_len)
+        elif name == "zstd":
+            import zstandard
+
+            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+                out = reader.read(raw_len + 1)  # one byte more reveals a lying header
+        else:
+            raise MalformedHeader(f"unknown compression {name!r}; known: {', '.join(CODECS)}")
+    except MalformedHeader:
+        raise
+    except Exception as exc:  # the libraries raise their own error types on corrupt input
+        raise MalformedHeader(f"{name} payload does not decompress: {exc}") from None
+    if len(out) != raw_len:
+        raise MalformedHeader(f"{name} payload decompressed to {len(out)} bytes, header says {raw_len}")
+    return out

@@ -1,0 +1,286 @@
+"""The tensorbus frame: fixed prefix, msgpack header, 64-byte aligned payload (see docs/FORMAT.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import msgpack
+
+from ..errors import (
+    BadMagic,
+    ChecksumMismatch,
+    LimitExceeded,
+    MalformedHeader,
+    SignatureError,
+    TruncatedFrame,
+    UnsupportedVersion,
+)
+from .compression import compress, decompress
+from .tensors import align, flatten, rebuild
+from .torch_bridge import to_like
+
+MAGIC = b"TBUS"
+VERSION = 1
+#: magic, version, flags, reserved, header length, payload length, CRC32C
+PREFIX = struct.Struct("<4sBBHIQI")
+CRC_AT = PREFIX.size - 4
+FLAG_CHECKSUM = 0x01
+FLAG_SIGNED = 0x02
+KNOWN_FLAGS = FLAG_CHECKSUM | FLAG_SIGNED
+SIGNATURE_BYTES = 32
+
+Buffer = bytes | bytearray | memoryview
+MessageId = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied to untrusted frames before anything is allocated or built."""
+
+    max_header_bytes: int = 1 << 20
+    max_ndim: int = 32
+    max_tensors: int = 65536
+    max_payload_bytes: int = 1 << 36
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass
+class Message:
+    """A decoded frame: the tensor plus what travelled with it."""
+
+    key: str | None
+    tensor: Any
+    metadata: dict[str, Any] = field(default_factory=dict)
+    message_id: MessageId | None = None
+    kind: str = "ndarray"
+
+
+@dataclass
+class Frame:
+    """A parsed and verified frame whose payload has not been turned into arrays yet."""
+
+    header: dict[str, Any]
+    payload: memoryview
+    flags: int
+    nbytes: int
+
+
+def _message_id(value: object) -> MessageId | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) and type(value[1]) is int:
+        return value[0], value[1]
+    raise MalformedHeader(f"message id must be [producer id, sequence], got {value!r}")
+
+
+def _seal(head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None) -> list[Buffer]:
+    """Fill in the CRC over prefix, header and payload, and append the HMAC if signing."""
+    if checksum:
+        crc = crc32c.crc32c(memoryview(head)[:CRC_AT])
+        crc = crc32c.crc32c(memoryview(head)[PREFIX.size :], crc)
+        for part in body:
+            crc = crc32c.crc32c(part, crc)
+        struct.pack_into("<I", head, CRC_AT, crc)
+    if signing_key is None:
+        return [bytes(head), *body]
+    mac = hmac.new(signing_key, head, hashlib.sha256)
+    for part in body:
+        mac.update(part)
+    return [bytes(head), *body, mac.digest()]
+
+
+def encode_raw(
+    header: dict[str, Any],
+    body: Sequence[Buffer],
+    payload_len: int,
+    *,
+    checksum: bool = True,
+    signing_key: bytes | None = None,
+) -> list[Buffer]:
+    """Frame an already-laid-out payload under `header`; used for tensors and for chunks."""
+    packed = msgpack.packb(header, use_bin_type=True)
+    flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
+    head = bytearray(align(PREFIX.size + len(packed)))
+    PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
+    head[PREFIX.size : PREFIX.size + len(packed)] = packed
+    return _seal(head, body, checksum, signing_key)
+
+
+def encode(
+    obj: Any,
+    *,
+    key: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    compression: str | None = None,
+    checksum: bool = True,
+    message_id: MessageId | None = None,
+    signing_key: bytes | None = None,
+) -> list[Buffer]:
+    """Encode a tensor as scatter-gather buffers; the payload buffers are the arrays' own memory."""
+    kind, extra, entries, arrays = flatten(obj)
+    body: list[Buffer] = []
+    end = 0
+    for entry, array in zip(entries, arrays, strict=False):
+        if entry["offset"] > end:
+            body.append(bytes(entry["offset"] - end))
+        if array.nbytes:
+            body.append(memoryview(array.reshape(-1, order="A").view("u1")))
+        end = entry["offset"] + array.nbytes
+    header: dict[str, Any] = {
+        "kind": kind,
+        "key": key,
+        "meta": metadata or {},
+        "id": list(message_id) if message_id else None,
+        "tensors": entries,
+        "comp": None,
+        **extra,
+    }
+    if compression is not None:
+        raw = b"".join(body)
+        packed = compress(compression, raw)
+        if len(packed) < len(raw):
+            header["comp"], header["raw"] = compression, len(raw)
+            body, end = [packed], len(packed)
+    try:
+        return encode_raw(header, body, end, checksum=checksum, signing_key=signing_key)
+    except (TypeError, ValueError) as exc:
+        raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
+
+
+def dumps(obj: Any, *, out: bytearray | memoryview | None = None, **options: Any) -> bytes | memoryview:
+    """Encode a tensor into one contiguous frame (see `encode` for the options).
+
+    With `out`, the frame is written into that caller-owned buffer and a memoryview of the used
+    part is returned: reusing one buffer avoids the fresh-page cost of a new large `bytes` per call.
+    """
+    buffers = encode(obj, **options)
+    if out is None:
+        return b"".join(buffers)
+    target = memoryview(out).cast("B")
+    total = sum(memoryview(b).nbytes for b in buffers)
+    if len(target) < total:
+        raise LimitExceeded(f"out has {len(target)} bytes; the frame needs {total}")
+    at = 0
+    for buf in buffers:
+        n = memoryview(buf).nbytes
+        target[at : at + n] = memoryview(buf).cast("B")
+        at += n
+    return target[:total]
+
+
+def _unpack_header(raw: memoryview) -> dict[str, Any]:
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise MalformedHeader(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise MalformedHeader(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def checksum_of(view: memoryview, end: int) -> int:
+    """CRC32C of what a frame's checksum covers: bytes 0-19 (the prefix but its CRC), then 24 up to `end`."""
+    return crc32c.crc32c(view[PREFIX.size : end], crc32c.crc32c(view[:CRC_AT]))
+
+
+def frame_length(prefix: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:
+    """Validate a frame's fixed prefix and return the frame's total length (for stream readers)."""
+    view = memoryview(prefix).cast("B")
+    if len(view) < PREFIX.size:
+        raise TruncatedFrame(f"frame needs at least {PREFIX.size} bytes for its prefix, got {len(view)}")
+    magic, version, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise BadMagic(f"expected magic {MAGIC!r}, found {bytes(magic)!r}")
+    if version != VERSION:
+        raise UnsupportedVersion(f"expected format version {VERSION}, found {version}")
+    if flags & ~KNOWN_FLAGS:
+        raise UnsupportedVersion(f"frame sets unknown flags {flags:#x}")
+    if header_len > limits.max_header_bytes:
+        raise LimitExceeded(f"header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}")
+    if payload_len > limits.max_payload_bytes:
+        raise LimitExceeded(f"payload of {payload_len} bytes exceeds max_payload_bytes={limits.max_payload_bytes}")
+    return align(PREFIX.size + header_len) + payload_len + (SIGNATURE_BYTES if flags & FLAG_SIGNED else 0)
+
+
+def parse(
+    data: Buffer,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    signing_key: bytes | None = None,
+    crc: int | None = None,
+) -> Frame:
+    """Check a frame's prefix, lengths, checksum and signature; return its header and payload view.
+
+    `crc` is the CRC32C of the checksummed bytes when the caller already computed it (a stream
+    reader does, slice by slice while the bytes are still in cache); it is compared, not trusted.
+    """
+    view = memoryview(data).cast("B")
+    total = frame_length(view, limits)
+    _, _, flags, _, header_len, _, stored = PREFIX.unpack_from(view)
+    start = align(PREFIX.size + header_len)
+    end = total - (SIGNATURE_BYTES if flags & FLAG_SIGNED else 0)
+    if len(view) < total:
+        raise TruncatedFrame(f"frame needs {total} bytes, got {len(view)}")
+    if len(view) > total:
+        raise MalformedHeader(f"frame is {total} bytes but {len(view) - total} more follow it")
+    if signing_key is not None:
+        if not flags & FLAG_SIGNED:
+            raise SignatureError("frame is unsigned but this endpoint requires a signature")
+        expected = hmac.new(signing_key, view[:end], hashlib.sha256).digest()
+        if not hmac.compare_digest(expected, view[end:total]):
+            raise SignatureError("frame signature does not match: tampered, or signed with another key")
+    if flags & FLAG_CHECKSUM:
+        actual = crc if crc is not None else checksum_of(view, end)
+        if actual != stored:
+            raise ChecksumMismatch(f"CRC32C stored {stored:#010x}, computed {actual:#010x}")
+    header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    tensors = header.get("tensors", [])
+    if isinstance(tensors, list) and len(tensors) > limits.max_tensors:
+        raise LimitExceeded(f"frame holds {len(tensors)} tensors; the limit is max_tensors={limits.max_tensors}")
+    return Frame(header, view[start:end], flags, total)
+
+
+def decode(
+    data: Buffer,
+    *,
+    copy: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
+    signing_key: bytes | None = None,
+    like: str = "numpy",
+) -> Message:
+    """Decode one frame into a `Message`; with copy=False the arrays are views of `data`."""
+    return message_from_frame(parse(data, limits=limits, signing_key=signing_key), copy=copy, limits=limits, like=like)
+
+
+def message_from_frame(
+    frame: Frame, *, copy: bool = False, limits: Limits = DEFAULT_LIMITS, like: str = "numpy"
+) -> Message:
+    """Build the arrays a parsed frame describes."""
+    header, payload = frame.header, frame.payload
+    if header.get("kind") == "chunk":
+        raise MalformedHeader("frame is one chunk of a larger message; feed it to a Reassembler")
+    key, metadata = header.get("key"), header.get("meta", {})
+    if key is not None and not isinstance(key, str):
+        raise MalformedHeader(f"key must be a string, got {type(key).__name__}")
+    if not isinstance(metadata, dict):
+        raise MalformedHeader(f"metadata must be a map, got {type(metadata).__name__}")
+    if header.get("comp") is not None:
+        raw = header.get("raw")
+        if type(raw) is not int or raw < 0:
+            raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {raw!r}")
+        payload = memoryview(decompress(header["comp"], payload, raw, limits.max_payload_bytes))
+    tensor = rebuild(header, payload, copy=copy, max_ndim=limits.max_ndim)
+    return Message(key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"])
+
+
+def loads(data: Buffer, *, copy: bool = False, like: str = "numpy", **options: Any) -> Any:
+    """Decode one frame and return just the tensor (ndarray, SparseTensor or dict)."""
+    return decode(data, copy=copy, like=like, **options).tensor

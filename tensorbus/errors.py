@@ -1,0 +1,86 @@
+"""The tensorbus exception tree: one root, a few branches, behaviour on the class."""
+
+from __future__ import annotations
+
+
+class TensorBusError(Exception):
+    """Root of every error tensorbus raises on purpose."""
+
+    retriable = False
+
+
+# -- codec -------------------------------------------------------------------------------------
+
+
+class CodecError(TensorBusError, ValueError):
+    """A frame, header or object that the codec refuses."""
+
+
+class TruncatedFrame(CodecError):
+    """The buffer ends before the frame it claims to hold."""
+
+
+class BadMagic(CodecError):
+    """The buffer does not start with the tensorbus magic bytes."""
+
+
+class UnsupportedVersion(CodecError):
+    """The frame was written by a format version this build cannot read."""
+
+
+class ChecksumMismatch(CodecError):
+    """The CRC32C stored in the frame does not match its bytes."""
+
+
+class SignatureError(CodecError):
+    """A frame is unsigned, or its HMAC does not match, where a signature is required."""
+
+
+class LimitExceeded(CodecError):
+    """A size, count or memory limit set for untrusted input would be exceeded."""
+
+
+class UnsupportedDtype(CodecError, TypeError):
+    """A dtype that cannot travel without pickling (object, structured, void) or is unknown."""
+
+
+class MalformedHeader(CodecError):
+    """The msgpack header is not valid msgpack, or does not describe a consistent tensor."""
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+class ConfigError(TensorBusError, ValueError):
+    """An unknown option, a bad value, or a URL scheme nobody registered."""
+
+
+# -- transport and rendezvous ------------------------------------------------------------------
+
+
+class TransportError(TensorBusError):
+    """The connection to a peer or broker failed; retrying may succeed."""
+
+    retriable = True
+
+
+class Timeout(TensorBusError, TimeoutError):
+    """An operation did not finish within its deadline."""
+
+    retriable = True
+
+
+class Aborted(TensorBusError):
+    """The rendezvous was aborted; every pending and later operation fails with the reason."""
+
+
+class Cancelled(TensorBusError):
+    """A `recv_async` was cancelled through its handle before a message arrived."""
+
+
+class StaleIncarnation(TensorBusError):
+    """A key names an older incarnation of a source than one already seen (a restarted producer)."""
+
+
+class Closed(TensorBusError):
+    """The producer or consumer was used after `close()`."""

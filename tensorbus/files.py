@@ -1,0 +1,78 @@
+"""Tensor files on disk: .npy, .npz, .safetensors and raw tensorbus frames (.tbf), written atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .codec import dumps
+from .errors import ConfigError
+
+FORMATS = (".npy", ".npz", ".safetensors", ".tbf")
+
+
+def _suffix(path: str | Path) -> str:
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        raise ConfigError(f"cannot tell the format of {path}: use one of {', '.join(FORMATS)}")
+    return suffix
+
+
+def read_tensor(path: str | Path) -> Any:
+    """Load a file: .npy gives an array, .npz and .safetensors a dict bundle; never unpickles."""
+    suffix = _suffix(path)
+    if suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    if suffix == ".npz":
+        with np.load(path, allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files}
+    if suffix == ".safetensors":
+        from safetensors.numpy import load_file
+
+        return load_file(str(path))
+    from .codec import loads
+
+    return loads(Path(path).read_bytes(), copy=True)
+
+
+def write_tensor(path: str | Path, tensor: Any, *, frame: bytes | None = None) -> None:
+    """Write atomically (temp file in the same directory, then rename); .tbf keeps the raw frame."""
+    suffix = _suffix(path)
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if suffix == ".npy":
+                np.save(f, _single(tensor, path), allow_pickle=False)
+            elif suffix == ".npz":
+                np.savez(f, **_bundle(tensor))
+            elif suffix == ".safetensors":
+                from safetensors.numpy import save
+
+                f.write(save({k: np.ascontiguousarray(v) for k, v in _bundle(tensor).items()}))
+            else:
+                f.write(frame if frame is not None else dumps(tensor))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _single(tensor: Any, path: str | Path) -> np.ndarray:
+    if not isinstance(tensor, np.ndarray):
+        raise ConfigError(f"{path}: .npy holds one array, but a {type(tensor).__name__} arrived; use .npz")
+    return tensor
+
+
+def _bundle(tensor: Any) -> dict[str, np.ndarray]:
+    if isinstance(tensor, dict):
+        return tensor
+    if isinstance(tensor, np.ndarray):
+        return {"tensor": tensor}
+    raise ConfigError(f"cannot write a {type(tensor).__name__} as a bundle; use .tbf")

@@ -1,0 +1,67 @@
+"""Options from keyword arguments, a URL's query string and TOML files, validated by name."""
+
+from __future__ import annotations
+
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from .errors import ConfigError
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, text: str, default: Any) -> Any:
+    """Turn a query-string value into the type of the option's default."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() in _TRUE | _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError(text)
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if default is None:  # no default to copy the type from: the unit in the name says (max_frame_bytes)
+            if name.endswith("_bytes"):
+                return int(text)
+            if name.endswith("_s"):
+                return float(text)
+        return text
+    except ValueError:
+        raise ConfigError(f"option {name}={text!r} is not a valid {type(default).__name__}") from None
+
+
+def merge(
+    known: dict[str, Any], *, url: urllib.parse.SplitResult, kwargs: dict[str, Any], where: str
+) -> dict[str, Any]:
+    """Defaults, overridden by the URL query, overridden by keyword arguments; unknown names are errors."""
+    options = dict(known)
+    query = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
+    for source, values in (("URL query", query), ("keyword arguments", kwargs)):
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {', '.join(unknown)} in {source} for {where}; known: {', '.join(sorted(known))}"
+            )
+        for name, value in values.items():
+            options[name] = _coerce(name, value, known[name]) if source == "URL query" else value
+    return options
+
+
+def load_config(path: str | Path, role: str) -> tuple[str | None, dict[str, Any]]:
+    """Read `url` and options from a TOML file: top-level keys, then the `[producer]`/`[consumer]` table."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    sections = {"producer", "consumer"}
+    options = {k: v for k, v in data.items() if k not in sections}
+    role_options = data.get(role, {})
+    if not isinstance(role_options, dict):
+        raise ConfigError(f"[{role}] in {path} must be a table")
+    options.update(role_options)
+    return options.pop("url", None), options

@@ -1,0 +1,255 @@
+"""The key-matching table: sends never block, receives wait (or call back) until their key arrives.
+
+Semantics follow TensorFlow's Rendezvous: a consumer may ask for a key before or after it is
+produced, each key is a FIFO, a waiting consumer can time out or be cancelled, and `abort` fails
+everything pending and everything later.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .codec import Message, SparseTensor
+from .errors import Aborted, Cancelled, ConfigError, StaleIncarnation, Timeout
+from .keys import parse_key
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[Message | None, BaseException | None], None]
+ANY = object()  # the waiter key of arrival-order receivers
+
+
+def tensor_nbytes(tensor: Any) -> int:
+    """Bytes of array memory a received object holds (what the buffer limit counts)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor.nbytes
+    if isinstance(tensor, SparseTensor):
+        return tensor.indices.nbytes + tensor.values.nbytes
+    if isinstance(tensor, dict):
+        return sum(tensor_nbytes(v) for v in tensor.values())
+    return int(getattr(tensor, "nbytes", 0))
+
+
+class _Waiter:
+    __slots__ = ("callback", "done", "key", "result")
+
+    def __init__(self, key: object, callback: Callback | None) -> None:
+        self.key, self.callback = key, callback
+        self.done: threading.Lock | None = None  # held until the result is in (a lock is cheaper than an Event)
+        if callback is None:
+            self.done = threading.Lock()
+            self.done.acquire()
+        self.result: Message | BaseException | None = None
+
+
+class RecvHandle:
+    """Returned by `recv_async`; `cancel()` withdraws the request if it has not been served yet."""
+
+    def __init__(self, table: Rendezvous, waiter: _Waiter) -> None:
+        self._table, self._waiter = table, waiter
+
+    def cancel(self) -> bool:
+        """Cancel; the callback then receives a `Cancelled` error. False if it already ran."""
+        return self._table._fail_waiter(self._waiter, Cancelled(f"recv of {self._waiter.key!r} was cancelled"))
+
+
+class Rendezvous:
+    """A thread-safe table that matches sent messages with receivers by key.
+
+    Unmatched messages are buffered up to `max_buffered_bytes`; past it, `send` still succeeds but
+    `wait_for_room` blocks, which is how transports stop reading from the network (backpressure).
+    """
+
+    def __init__(self, *, max_buffered_bytes: int = 1 << 30) -> None:
+        if max_buffered_bytes <= 0:
+            raise ConfigError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
+        self.max_buffered_bytes = max_buffered_bytes
+        self.buffered_bytes = 0
+        self._cond = threading.Condition()
+        self._arrivals: collections.OrderedDict[int, Message] = collections.OrderedDict()
+        self._by_key: dict[str | None, collections.deque[int]] = {}
+        self._waiters: dict[object, collections.deque[_Waiter]] = {}
+        self._incarnations: dict[str, int] = {}
+        self._counter = 0
+        self._aborted: Aborted | None = None
+        self.stats = collections.Counter[str]()
+
+    # -- producing ------------------------------------------------------------------------------
+
+    def send(self, key: str, tensor: Any, *, metadata: dict[str, Any] | None = None) -> None:
+        """Hand a tensor to whoever receives `key`, now or later; never blocks."""
+        self.put(Message(key, tensor, dict(metadata or {})))
+
+    def put(self, message: Message) -> None:
+        """Deliver a decoded message (what transports call); never blocks."""
+        waiter = None
+        with self._cond:
+            self._raise_if_aborted()
+            self._fence(message.key)
+            for wanted in (message.key, ANY):
+                queue = self._waiters.get(wanted)
+                if queue:
+                    waiter = queue.popleft()
+                    if not queue:
+                        del self._waiters[wanted]
+                    break
+            if waiter is None:
+                self._counter += 1
+                self._arrivals[self._counter] = message
+                self._by_key.setdefault(message.key, collections.deque()).append(self._counter)
+                self.buffered_bytes += tensor_nbytes(message.tensor)
+                self.stats["buffered"] += 1
+                return
+        self._complete(waiter, message)
+
+    def _fence(self, key: str | None) -> None:
+        """Reject keys that name an older incarnation of a source than one already seen."""
+        if key is None or key.count(";") != 4:
+            return
+        try:
+            parsed = parse_key(key)
+        except ConfigError:
+            return
+        newest = self._incarnations.get(parsed.src, -1)
+        if parsed.src_incarnation < newest:
+            self.stats["stale"] += 1
+            raise StaleIncarnation(
+                f"key {key!r} names incarnation {parsed.src_incarnation:x} of {parsed.src!r}, "
+                f"but incarnation {newest:x} has already been seen"
+            )
+        self._incarnations[parsed.src] = parsed.src_incarnation
+
+    # -- consuming -------------------------------------------------------------------------------
+
+    def recv(self, key: str, timeout: float | None = None) -> Any:
+        """Return the next tensor sent under `key`, waiting up to `timeout` seconds (None: forever)."""
+        return self.recv_message(key, timeout).tensor
+
+    def recv_message(self, key: str, timeout: float | None = None) -> Message:
+        """Like `recv`, but return the whole `Message` (key, tensor, metadata, message id)."""
+        return self._wait(key, timeout)
+
+    def next_message(self, timeout: float | None = None) -> Message:
+        """Return the oldest unclaimed message of any key (arrival order), waiting if there is none."""
+        return self._wait(ANY, timeout)
+
+    def recv_async(self, key: str, callback: Callback) -> RecvHandle:
+        """Call `callback(message, None)` once `key` arrives, or `callback(None, error)`; never blocks."""
+        waiter = _Waiter(key, callback)
+        with self._cond:
+            message = self._take(key) if self._aborted is None else None
+            if message is None and self._aborted is None:
+                self._waiters.setdefault(key, collections.deque()).append(waiter)
+                return RecvHandle(self, waiter)
+        self._complete(waiter, message if message is not None else self._aborted)
+        return RecvHandle(self, waiter)
+
+    def _take(self, key: object) -> Message | None:
+        """Pop the oldest buffered message for `key` (ANY: of any key). Caller holds the lock."""
+        if key is ANY:
+            if not self._arrivals:
+                return None
+            _, message = self._arrivals.popitem(last=False)
+            numbers = self._by_key[message.key]
+            numbers.popleft()
+        else:
+            numbers = self._by_key.get(key)  # type: ignore[arg-type]
+            if not numbers:
+                return None
+            message = self._arrivals.pop(numbers.popleft())
+        if not numbers:
+            del self._by_key[message.key]
+        self.buffered_bytes -= tensor_nbytes(message.tensor)
+        self._cond.notify_all()  # room may have opened for a transport in wait_for_room
+        return message
+
+    def _wait(self, key: object, timeout: float | None) -> Message:
+        waiter = _Waiter(key, None)
+        with self._cond:
+            self._raise_if_aborted()
+            message = self._take(key)
+            if message is not None:
+                return message
+            self._waiters.setdefault(key, collections.deque()).append(waiter)
+        assert waiter.done is not None
+        if not waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+            what = "no message" if key is ANY else f"no tensor for key {key!r}"
+            if not self._fail_waiter(waiter, Timeout(f"{what} within {timeout}s")):
+                waiter.done.acquire()  # served just as the time ran out: the result is being handed over
+        if isinstance(waiter.result, BaseException):
+            raise waiter.result
+        assert waiter.result is not None
+        return waiter.result
+
+    def _fail_waiter(self, waiter: _Waiter, error: BaseException) -> bool:
+        with self._cond:
+            queue = self._waiters.get(waiter.key)
+            if queue is None or waiter not in queue:
+                return False
+            queue.remove(waiter)
+            if not queue:
+                del self._waiters[waiter.key]
+        self._complete(waiter, error)
+        return True
+
+    @staticmethod
+    def _complete(waiter: _Waiter, result: Message | BaseException | None) -> None:
+        waiter.result = result
+        if waiter.done is not None:
+            waiter.done.release()
+            return
+        assert waiter.callback is not None
+        try:
+            if isinstance(result, BaseException):
+                waiter.callback(None, result)
+            else:
+                waiter.callback(result, None)
+        except Exception:
+            log.exception("recv_async callback for %r raised", waiter.key)
+
+    # -- flow control and shutdown ----------------------------------------------------------------
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Block while the buffered bytes are at the limit; True once there is room (or aborted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self.buffered_bytes >= self.max_buffered_bytes and self._aborted is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending receive, drop what is buffered, and make every later call raise `Aborted`."""
+        with self._cond:
+            if self._aborted is None:
+                self._aborted = Aborted(reason)
+            waiters = [w for queue in self._waiters.values() for w in queue]
+            self._waiters.clear()
+            self._arrivals.clear()
+            self._by_key.clear()
+            self.buffered_bytes = 0
+            self._cond.notify_all()
+        for waiter in waiters:
+            self._complete(waiter, self._aborted)
+
+    @property
+    def aborted(self) -> Aborted | None:
+        """The `Aborted` error once `abort` was called, else None."""
+        return self._aborted
+
+    def _raise_if_aborted(self) -> None:
+        if self._aborted is not None:
+            raise Aborted(*self._aborted.args)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._arrivals)

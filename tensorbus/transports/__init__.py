@@ -1,0 +1,49 @@
+"""Transports by URL scheme, imported lazily so that unused drivers need not be installed."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import urllib.parse
+
+from ..errors import ConfigError
+from .base import Deliver, Delivered, Transport
+
+TRANSPORTS: dict[str, str] = {
+    "memory": "tensorbus.transports.memory:MemoryTransport",
+    "tcp": "tensorbus.transports.socket:SocketTransport",
+    "tcps": "tensorbus.transports.socket:SocketTransport",
+    "unix": "tensorbus.transports.socket:SocketTransport",
+    "amqp": "tensorbus.transports.rabbitmq:RabbitMQTransport",
+    "amqps": "tensorbus.transports.rabbitmq:RabbitMQTransport",
+    "kafka": "tensorbus.transports.kafka:KafkaTransport",
+    "kafkas": "tensorbus.transports.kafka:KafkaTransport",
+}
+
+
+def resolve_transport(url: str) -> tuple[type[Transport], urllib.parse.SplitResult]:
+    """Return the transport class for `url`'s scheme and the parsed URL."""
+    parsed = urllib.parse.urlsplit(url)
+    target = TRANSPORTS.get(parsed.scheme)
+    if target is None:
+        near = difflib.get_close_matches(parsed.scheme, TRANSPORTS, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(
+            f"unknown transport scheme {parsed.scheme!r} in {url!r}{hint} Known: {', '.join(sorted(TRANSPORTS))}"
+        )
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"the {parsed.scheme}:// transport needs a package that is not installed ({exc.name}); "
+            f"install tensorbus with the matching extra, e.g. pip install 'tensorbus[{_extra(parsed.scheme)}]'"
+        ) from None
+    return getattr(module, class_name), parsed
+
+
+def _extra(scheme: str) -> str:
+    return {"amqp": "rabbitmq", "amqps": "rabbitmq", "kafka": "kafka", "kafkas": "kafka"}.get(scheme, "dev")
+
+
+__all__ = ["TRANSPORTS", "Deliver", "Delivered", "Transport", "resolve_transport"]

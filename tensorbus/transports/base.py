@@ -1,0 +1,84 @@
+"""The transport interface: carry whole frames from producers to the consumer of an endpoint.
+
+Chunking, deduplication, reassembly and key matching live above this interface, once; a
+transport only moves frames (lists of buffers) and reports each received frame to `deliver`.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+from ..codec.frame import Buffer, Limits, MessageId
+
+
+class Delivered(NamedTuple):
+    """What the consumer made of one received frame: which message, and whether it is finished.
+
+    `done` is True once the frame's message was handed to the rendezvous table (or rejected for
+    good), so the transport may acknowledge every frame of `message_id`; False while chunks are missing.
+    """
+
+    message_id: MessageId | None
+    done: bool
+
+
+class Deliver(Protocol):
+    """What a listening transport reports to: called with each received frame."""
+
+    def __call__(self, frame: Buffer, crc: int | None = None) -> Delivered:
+        """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises."""
+        ...
+
+    def is_pending(self, message_id: MessageId | None) -> bool:
+        """True while the message still waits for chunks (False once complete, rejected or expired)."""
+        ...
+
+
+def backoff_s(first_s: float = 0.05, max_s: float = 2.0) -> Iterator[float]:
+    """Exponential backoff delays: first_s, 2*first_s, ... capped at max_s."""
+    delay = first_s
+    while True:
+        yield delay
+        delay = min(delay * 2, max_s)
+
+
+class Transport:
+    """One endpoint connection, used either as a sender (`send`) or as a receiver (`listen`).
+
+    Class attributes declare what the transport can do, so callers branch on data:
+    `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart).
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+    acknowledges: ClassVar[bool] = False
+    persists: ClassVar[bool] = False
+    #: option name -> default; every transport also accepts `max_frame_bytes`
+    OPTIONS: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+        self.url = url
+        self.options = options
+        #: frames larger than this are chunked above the transport; None means no limit
+        self.max_frame_bytes: int | None = options.get("max_frame_bytes")
+
+    @property
+    def address(self) -> str:
+        """The endpoint URL as it is actually served (e.g. with the port a listener picked)."""
+        return urllib.parse.urlunsplit(self.url)
+
+    def send(self, frame: list[Buffer], *, key: str | None) -> None:
+        """Send one frame (scatter-gather buffers) to the endpoint."""
+        raise NotImplementedError
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every sent frame is confirmed by the endpoint (a no-op where nothing is pending)."""
+
+    def listen(self, deliver: Deliver, limits: Limits) -> None:
+        """Start receiving the endpoint's frames on background threads, calling `deliver` for each."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections and threads; safe to call twice."""
+        raise NotImplementedError

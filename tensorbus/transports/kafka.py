@@ -1,0 +1,442 @@
+"""`kafka://HOST:PORT/TOPIC` (and `kafkas://`, TLS): tensors through a Kafka topic, one record per frame.
+
+Each frame (or chunk frame) is one record keyed by the tensor key (UTF-8), so all chunks of a tensor
+land in one partition, in order (a producer pins its keyless records to one partition). Records go
+out through the idempotent producer with `acks=all`; `send` only queues them, `flush` waits for the
+acks and raises the first failure. The consumer, a consumer-group member on one thread (kafka-python's
+consumer is not thread-safe), commits a partition only up to the first record of a tensor whose
+chunks are incomplete: a consumer that dies loses nothing, its successor re-reads from there, and
+the duplicates are dropped above this layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import re
+import socket
+import ssl
+import struct
+import threading
+import time
+import urllib.parse
+import warnings
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas with importlib.resources.read_text
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import kafka.errors as ke
+    from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
+    from kafka.structs import OffsetAndMetadata, TopicPartition
+
+from ..codec.frame import Buffer, Limits, MessageId
+from ..errors import ConfigError, TensorBusError, TransportError
+from .base import Deliver, Delivered, Transport
+
+log = logging.getLogger(__name__)
+#: bytes a record batch adds around one record's value (batch header, record fields, a short key)
+RECORD_OVERHEAD = 1024
+_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
+#: what the guarantees above rest on (5 in flight is the most idempotence allows)
+_PRODUCER = {"acks": "all", "enable_idempotence": True, "max_in_flight_requests_per_connection": 5}
+_CONSUMER = {"enable_auto_commit": False, "auto_offset_reset": "earliest"}
+#: ApiVersions v0 (api key 18, correlation id 1, no client id): every Kafka listener answers it before any login
+_API_VERSIONS = struct.pack(">ihhih", 10, 18, 0, 1, -1)
+
+
+class _Fatal(TransportError):
+    retriable = False
+
+
+def translate(exc: BaseException, where: str, nbytes: int | None = None) -> TensorBusError:
+    """The tensorbus error for a kafka-python (or socket) exception, marking what a retry cannot fix."""
+    if isinstance(exc, (ke.MessageSizeTooLargeError, ke.RecordListTooLargeError)):
+        return _Fatal(
+            f"Kafka at {where} refused a record{f' of {nbytes} bytes' if nbytes else ''} as too large ({exc}); lower "
+            f"max_frame_bytes under the broker's message.max.bytes (default ~1 MiB) or raise it and max_request_size"
+        )
+    if isinstance(exc, ke.KafkaConfigurationError):
+        return ConfigError(f"kafka-python refused the configuration for {where}: {exc}")
+    if isinstance(exc, (ke.AuthorizationError, ke.UnsupportedSaslMechanismError, ke.InvalidTopicError)):
+        return _Fatal(f"Kafka at {where} refused the request: {exc!r}")
+    return TransportError(f"Kafka at {where} failed: {exc!r}")
+
+
+@contextlib.contextmanager
+def map_errors(where: str) -> Iterator[None]:
+    """Translate kafka-python's exceptions (and socket errors) into tensorbus's, at the edge."""
+    try:
+        yield
+    except (ke.KafkaError, OSError) as exc:
+        raise translate(exc, where) from None
+
+
+def _ask(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -> bytes:
+    """Send ApiVersions to host:port (inside TLS with `context`): the reply's first 8 bytes, fewer if it hangs up."""
+    with socket.create_connection((host, port), timeout) as raw:
+        with raw if context is None else context.wrap_socket(raw, server_hostname=host) as sock:
+            sock.sendall(_API_VERSIONS)
+            reply = b""
+            while len(reply) < 8 and (data := sock.recv(8 - len(reply))):
+                reply += data
+            return reply
+
+
+class _Offsets(AsyncConsumerRebalanceListener):
+    """What the group may commit: per partition, up to the first record of a tensor still incomplete.
+
+    `record` and `commit` run on the consumer thread; the rebalance callbacks on kafka-python's I/O
+    thread (while the consumer thread waits in `poll`), hence the lock.
+    """
+
+    def __init__(self, consumer: KafkaConsumer, deliver: Deliver, shown: str) -> None:
+        self.consumer, self.deliver, self.shown = consumer, deliver, shown
+        self.assigned: frozenset[int] = frozenset()
+        self._lock = threading.Lock()
+        self._next: dict[TopicPartition, int] = {}  # the offset after the last delivered record
+        self._waiting: dict[TopicPartition, dict[MessageId | None, int]] = {}  # message -> its first offset
+        self._committed: dict[TopicPartition, int] = {}
+
+    def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
+        with self._lock:
+            self._next[tp] = offset + 1
+            waiting = self._waiting.setdefault(tp, {})
+            if result.done:
+                waiting.pop(result.message_id, None)
+            else:
+                waiting.setdefault(result.message_id, offset)
+
+    def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
+        """Offsets safe to commit that differ from the last commit."""
+        offsets = {}
+        with self._lock:
+            for tp, after in self._next.items():
+                waiting = self._waiting[tp]
+                for message_id in [m for m in waiting if not self.deliver.is_pending(m)]:
+                    del waiting[message_id]  # expired (given up on) since: nothing more to wait for
+                safe = min(waiting.values(), default=after)
+                if self._committed.get(tp) != safe:
+                    offsets[tp] = OffsetAndMetadata(safe, "", -1)
+        return offsets
+
+    def commit(self, timeout_s: float) -> None:
+        """Commit what is safe, synchronously; a failure only means records may be read again."""
+        offsets = self.committable()
+        try:
+            if offsets:
+                with map_errors(self.shown):
+                    self.consumer.commit(offsets, timeout_ms=int(timeout_s * 1000))
+                self._committed_now(offsets)
+        except TransportError as exc:  # e.g. a rebalance took the partitions: their new owner re-reads
+            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, exc)
+
+    def _committed_now(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        with self._lock:
+            self._committed.update((tp, meta.offset) for tp, meta in offsets.items())
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Commit the revoked partitions' progress before their new owner starts (awaited: heartbeats go on)."""
+        offsets = self.committable()
+        try:
+            if offsets:
+                await self.consumer.commit_async(offsets)
+                self._committed_now(offsets)
+        except Exception as exc:  # the new owner re-reads from the last commit: duplicates, dropped above
+            log.warning("%s: commit before giving up partitions failed: %r", self.shown, exc)
+        await self.on_partitions_lost(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.assigned = frozenset(tp.partition for tp in self.consumer.assignment())
+
+    async def on_partitions_lost(self, lost: set[TopicPartition]) -> None:
+        with self._lock:
+            for tp in lost:
+                for table in (self._next, self._waiting, self._committed):
+                    table.pop(tp, None)
+        self.assigned -= {tp.partition for tp in lost}
+
+
+class KafkaTransport(Transport):
+    """A topic per endpoint: an idempotent producer, or a consumer-group member on a thread of its own."""
+
+    schemes = ("kafka", "kafkas")
+    acknowledges = True
+    persists = True
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "max_frame_bytes": 1_000_000,  # chunk size: under max_request_size and the broker's message.max.bytes
+        "max_request_size": 1_048_576,
+        "partitions": 1,  # for topics this transport creates
+        "replication_factor": 1,
+        "group": None,  # consumer group; default tensorbus-TOPIC
+        "max_pending_bytes": 256 * 1024 * 1024,  # send() blocks while this much is unacknowledged
+        "connect_timeout_s": 10.0,
+        "close_timeout_s": 30.0,
+        "fetch_max_bytes": 50 * 1024 * 1024,
+        "max_partition_fetch_bytes": None,  # default: max_frame_bytes plus record overhead, at least 1 MiB
+        "max_poll_records": 64,
+        "max_poll_interval_s": 300.0,
+        "session_timeout_s": 10.0,
+        "commit_interval_s": 0.5,
+        **dict.fromkeys(("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_password")),  # kafkas:// (TLS)
+        **dict.fromkeys(("sasl_mechanism", "sasl_plain_username", "sasl_plain_password")),  # e.g. PLAIN
+    }
+
+    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+        super().__init__(url, options)
+        self.topic = urllib.parse.unquote(url.path.lstrip("/"))
+        if not _TOPIC.fullmatch(self.topic):
+            raise ConfigError(
+                f"Kafka URL needs a topic ({_TOPIC.pattern}), e.g. kafka://HOST:9092/tensors: {self.address!r}"
+            )
+        hosts = url.netloc.rpartition("@")[2]
+        self.servers = [h if re.search(r":\d+$", h) else f"{h}:9092" for h in hosts.split(",") if h]
+        self._shown = f"{url.scheme}://{','.join(self.servers)}/{self.topic}"
+        o, record = options, (options["max_frame_bytes"] or 1 << 62) + RECORD_OVERHEAD
+        self._fetch_bytes = o["max_partition_fetch_bytes"] or max(1 << 20, record)
+        if not (record <= o["max_request_size"] and record <= self._fetch_bytes <= o["fetch_max_bytes"]):
+            raise ConfigError(
+                f"max_frame_bytes + {RECORD_OVERHEAD} must be at most max_request_size and max_partition_fetch_bytes "
+                f"(at most fetch_max_bytes); got {o['max_frame_bytes']}, {o['max_request_size']}, {self._fetch_bytes}, "
+                f"{o['fetch_max_bytes']}. Raise the broker's message.max.bytes along with max_frame_bytes"
+            )
+        for name in [n for n in o if n == "group" or n.startswith(("ssl_", "sasl_"))]:  # names, secrets: text
+            o[name] = None if o[name] is None else str(o[name])  # (a URL query turns "1234" into a number)
+        self.group: str = o["group"] or f"tensorbus-{self.topic}"
+        self._lock = threading.Lock()
+        self._producer: KafkaProducer | None = None
+        self._failed = False  # a record failed: kafka-python's idempotent producer is stuck, replace it
+        self._keyless_partition: int | None = None
+        self._pending = threading.Condition()
+        self._pending_bytes = self._unconfirmed = 0
+        self._error: TensorBusError | None = None
+        self._offsets: _Offsets | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+
+    @property
+    def assignment(self) -> frozenset[int]:
+        """The partitions this consumer owns at the moment (they move on rebalances)."""
+        return self._offsets.assigned if self._offsets is not None else frozenset()
+
+    def _client_config(self) -> dict[str, Any]:
+        """Connection settings shared by the producer, the consumer and the admin client."""
+        o = self.options
+        protocol = ("SASL_" if o["sasl_mechanism"] else "") + ("SSL" if self.url.scheme == "kafkas" else "PLAINTEXT")
+        return {
+            "bootstrap_servers": self.servers,
+            "security_protocol": protocol,
+            "bootstrap_timeout_ms": int(o["connect_timeout_s"] * 1000),
+            **{name: value for name, value in o.items() if name.startswith(("ssl_", "sasl_"))},
+        }
+
+    def _probe(self, timeout: float) -> None:
+        """Check that a broker answers a Kafka request, over TLS for kafkas://, before kafka-python tries.
+
+        kafka-python 3.0 leaks sockets and threads when no broker answers, and reports an untrusted certificate or
+        a listener of the other protocol (TLS or not) only as "Unable to bootstrap", after its timeout: here each
+        of those fails at once, saying why.
+        """
+        context = self._ssl_context()
+        error: TransportError = TransportError(f"no Kafka broker answers at {self._shown}")
+        for host, _, port in (server.rpartition(":") for server in self.servers):
+            where = f"{host}:{port}"
+            try:
+                reply = _ask(host.strip("[]"), int(port), timeout, context)
+                if reply[4:8] == b"\0\0\0\1":  # our correlation id: a Kafka response
+                    return
+                tls = reply[:1] in (b"\x15", b"\x16")  # a TLS alert or handshake record
+                hint = "it speaks TLS: use kafkas:// and ssl_cafile" if tls else f"got {reply!r}"
+                error = _Fatal(f"Kafka at {where} did not answer a Kafka request ({hint})")
+            except ssl.SSLCertVerificationError as exc:
+                error = _Fatal(f"Kafka at {where}: certificate not trusted ({exc.verify_message}): check ssl_cafile")
+            except ssl.SSLError as exc:
+                error = _Fatal(f"Kafka at {where}: TLS handshake failed ({exc.reason}): a plaintext port? (kafka://)")
+            except OSError as exc:
+                error = error if isinstance(error, _Fatal) else TransportError(f"{error}: {exc!r}")
+        raise error
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """For kafkas://, TLS configured as kafka-python configures it (for the probe); None for kafka://."""
+        if self.url.scheme != "kafkas":
+            return None
+        o = self.options
+        try:
+            context = ssl.create_default_context(cafile=o["ssl_cafile"])
+            if o["ssl_certfile"]:
+                context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"], o["ssl_password"])
+        except OSError as exc:
+            raise ConfigError(f"the TLS files for {self._shown} cannot be used: {exc}") from None
+        return context
+
+    def _ensure_topic(self) -> None:
+        """Create the topic (partitions, replication_factor) unless it exists."""
+        o, timeout = self.options, self.options["connect_timeout_s"]
+        self._probe(timeout)
+        with map_errors(self._shown):
+            try:
+                admin = KafkaAdminClient(**self._client_config())
+            except ke.KafkaTimeoutError:  # a broker answered the probe: with SASL, the login is what failed
+                if not o["sasl_mechanism"]:
+                    raise
+                raise _Fatal(
+                    f"Kafka at {self._shown} answered, but no SASL {o['sasl_mechanism']} login succeeded within "
+                    f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
+                ) from None
+            try:
+                spec = {"num_partitions": o["partitions"], "replication_factor": o["replication_factor"]}
+                admin.create_topics({self.topic: spec})
+                admin.wait_for_topics([self.topic], timeout_ms=int(timeout * 1000))
+                log.info("created topic %s with %d partition(s)", self._shown, o["partitions"])
+            except ke.TopicAlreadyExistsError:
+                pass
+            finally:
+                admin.close()
+
+    # -- producer side -------------------------------------------------------------------------------
+
+    def _start_producer(self) -> KafkaProducer:
+        """Create the topic if needed and the idempotent producer; after a failed record, a fresh producer."""
+        with self._lock:
+            if self._producer is not None and self._failed:
+                self._producer.close(timeout=0)  # what it still holds fails, and is reported, at once
+                self._producer = None
+            if self._producer is None:
+                self._ensure_topic()
+                o = self.options
+                with map_errors(self._shown):
+                    producer = KafkaProducer(
+                        **self._client_config(),
+                        **_PRODUCER,
+                        max_request_size=o["max_request_size"],
+                        max_block_ms=int(o["connect_timeout_s"] * 1000),
+                        allow_auto_create_topics=False,
+                    )
+                    self._keyless_partition = random.choice(sorted(producer.partitions_for(self.topic)))
+                self._producer, self._failed = producer, False
+            return self._producer
+
+    def send(self, frame: list[Buffer], *, key: str | None) -> None:
+        """Queue one frame as one record; blocks only while max_pending_bytes are unacknowledged."""
+        producer = self._producer if self._producer is not None and not self._failed else self._start_producer()
+        value = b"".join(frame)
+        nbytes = len(value)
+        kafka_key, partition = (None, self._keyless_partition) if key is None else (key.encode(), None)
+        limit = self.options["max_pending_bytes"] - nbytes
+        with self._pending:
+            self._pending.wait_for(lambda: self._error or not self._pending_bytes or self._pending_bytes <= limit)
+            self._raise_error()
+            self._pending_bytes += nbytes
+            self._unconfirmed += 1
+        try:
+            with map_errors(self._shown):
+                future = producer.send(self.topic, value=value, key=kafka_key, partition=partition)
+        except TensorBusError:
+            self._settle(nbytes, None)
+            raise
+        future.add_callback(lambda _, n=nbytes: self._settle(n, None))
+        future.add_errback(lambda exc, n=nbytes: self._settle(n, translate(exc, self._shown, n)))
+
+    def _settle(self, nbytes: int, error: TensorBusError | None) -> None:
+        """A record was acknowledged or failed for good (called on kafka-python's sender thread)."""
+        with self._pending:
+            self._pending_bytes -= nbytes
+            self._unconfirmed -= 1
+            if error is not None:
+                self._failed = True
+                self._error = self._error or error
+            self._pending.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the broker has acknowledged every record sent so far; raise the first failure."""
+        if self._producer is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with contextlib.suppress(TransportError), map_errors(self._shown):
+            self._producer.flush(timeout)  # a timeout is reported below, with the count
+        with self._pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._pending.wait_for(lambda: self._error or not self._unconfirmed, remaining):
+                raise TransportError(f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s")
+            self._raise_error()
+
+    # -- consumer side -------------------------------------------------------------------------------
+
+    def listen(self, deliver: Deliver, limits: Limits) -> None:
+        """Create the topic if needed, then join the group and deliver records on a background thread."""
+        self._ensure_topic()
+        self._thread = threading.Thread(target=self._consume, args=(deliver,), daemon=True, name=f"kafka-{self.topic}")
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread = None
+            self._raise_error()
+
+    def _consume(self, deliver: Deliver) -> None:
+        """The consumer thread: poll, deliver each record, commit what is complete (periodically and at the end)."""
+        o = self.options
+        try:
+            with map_errors(self._shown):
+                consumer = KafkaConsumer(
+                    **self._client_config(),
+                    group_id=self.group,
+                    **_CONSUMER,
+                    allow_auto_create_topics=False,
+                    fetch_max_bytes=o["fetch_max_bytes"],
+                    max_partition_fetch_bytes=self._fetch_bytes,
+                    max_poll_records=o["max_poll_records"],
+                    max_poll_interval_ms=int(o["max_poll_interval_s"] * 1000),
+                    session_timeout_ms=int(o["session_timeout_s"] * 1000),
+                    heartbeat_interval_ms=int(o["session_timeout_s"] * 100),  # a tenth: rebalances start quickly
+                )
+                offsets = self._offsets = _Offsets(consumer, deliver, self._shown)
+                consumer.subscribe([self.topic], listener=offsets)
+        except TensorBusError as exc:
+            self._error = exc
+            return
+        finally:
+            self._ready.set()
+        last_commit = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                with map_errors(self._shown):
+                    batches = consumer.poll(timeout_ms=200)
+            except TransportError as exc:  # kafka-python reconnects by itself, with backoff
+                log.warning("%s; polling again", exc)
+                self._stop.wait(1.0)
+                continue
+            for tp, records in batches.items():
+                for record in records:
+                    if self._stop.is_set():
+                        break  # not delivered, so not committed: the group's next consumer reads it
+                    offsets.record(tp, record.offset, deliver(record.value))
+            if time.monotonic() - last_commit >= o["commit_interval_s"]:
+                offsets.commit(o["connect_timeout_s"])
+                last_commit = time.monotonic()
+        offsets.commit(o["close_timeout_s"])
+        with contextlib.suppress(Exception):
+            consumer.close(autocommit=False, timeout_ms=int(o["close_timeout_s"] * 1000))
+
+    def close(self) -> None:
+        """Flush and close the producer, or stop the consumer thread (which commits and leaves the group)."""
+        if self._producer is not None:
+            timeout = self.options["close_timeout_s"]
+            try:
+                self.flush(timeout)
+            except TransportError as exc:
+                log.warning("closing with records not acknowledged: %s", exc)
+                timeout = 0
+            with contextlib.suppress(Exception):
+                self._producer.close(timeout=timeout)
+            self._producer = None
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=self.options["close_timeout_s"])
+            self._thread = None

@@ -1,0 +1,334 @@
+"""`amqp://user:pass@host:port/vhost?queue=NAME` (and `amqps://`): tensors through a RabbitMQ queue.
+
+Each frame (or chunk frame) is one persistent message on the endpoint's durable queue, published
+with confirms. The consumer acks a message only once its whole tensor reached the rendezvous
+table, so a consumer that dies loses nothing: the broker redelivers to its successor, and
+redelivered duplicates are dropped by message id above this layer.
+
+pika is not thread-safe and only answers heartbeats while its thread is inside pika, so every
+connection lives on an I/O thread of its own; the application talks to it through queues and
+`add_callback_threadsafe`, and a slow application never starves the heartbeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import pika
+import pika.exceptions as px
+
+from ..codec.frame import Buffer, Limits, MessageId
+from ..errors import ConfigError, TransportError
+from .base import Deliver, Transport, backoff_s
+
+log = logging.getLogger(__name__)
+CONTENT_TYPE = "application/vnd.tensorbus.frame"
+_STOP = object()
+
+
+class _Fatal(TransportError):
+    retriable = False
+
+
+@contextlib.contextmanager
+def map_errors(address: str) -> Iterator[None]:
+    """Translate pika's exceptions into tensorbus's, marking which ones a retry can fix."""
+    try:
+        yield
+    except (px.ProbableAuthenticationError, px.ProbableAccessDeniedError, px.AuthenticationError) as exc:
+        raise _Fatal(f"RabbitMQ at {address} refused the credentials or vhost: {exc!r}") from None
+    except px.ChannelClosedByBroker as exc:
+        hint = " (the broker's max_message_size; lower max_frame_bytes)" if "max size" in exc.reply_text else ""
+        raise _Fatal(f"RabbitMQ at {address} closed the channel: {exc.reply_code} {exc.reply_text}{hint}") from None
+    except (px.UnroutableError, px.NackError) as exc:
+        raise _Fatal(f"RabbitMQ at {address} did not accept a message: {exc!r}") from None
+    except (px.AMQPError, OSError) as exc:
+        raise TransportError(f"connection to RabbitMQ at {address} failed: {exc!r}") from None
+
+
+class RabbitMQTransport(Transport):
+    """A durable queue per endpoint; a publisher I/O thread or a consumer I/O thread per instance."""
+
+    schemes = ("amqp", "amqps")
+    acknowledges = True
+    persists = True
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "queue": None,
+        "max_frame_bytes": 16 * 1024 * 1024 - 4096,
+        "durable": True,
+        "persistent": True,
+        "prefetch_count": 16,
+        "heartbeat_s": 30,
+        "connect_timeout_s": 10.0,
+        "reconnect_timeout_s": 60.0,
+        "max_pending_bytes": 256 * 1024 * 1024,
+        "ssl_cafile": None,
+        "ssl_certfile": None,
+        "ssl_keyfile": None,
+    }
+
+    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+        super().__init__(url, options)
+        if not options["queue"]:
+            raise ConfigError(
+                f"AMQP URL needs a queue, e.g. amqp://guest:guest@127.0.0.1:5672/%2F?queue=tensors; "
+                f"got {urllib.parse.urlunsplit(url)!r}"
+            )
+        self.queue: str = options["queue"]
+        self._shown = f"{url.scheme}://{url.hostname}:{url.port or 5672}{url.path or '/'}?queue={self.queue}"
+        self._params = self._parameters()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: TransportError | None = None
+        # publisher state
+        self._outbox: queue.Queue[Any] = queue.Queue()
+        self._pending = threading.Condition()
+        self._pending_bytes = 0
+        self._unconfirmed = 0
+
+    @property
+    def address(self) -> str:
+        return urllib.parse.urlunsplit(self.url._replace(query=f"queue={urllib.parse.quote(self.queue)}"))
+
+    def _parameters(self) -> pika.ConnectionParameters:
+        url, o = self.url, self.options
+        ssl_options = None
+        if url.scheme == "amqps":
+            context = ssl.create_default_context(cafile=o["ssl_cafile"])
+            if o["ssl_certfile"]:
+                context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"])
+            ssl_options = pika.SSLOptions(context, url.hostname)
+        vhost = urllib.parse.unquote(url.path[1:]) if len(url.path) > 1 else "/"
+        return pika.ConnectionParameters(
+            host=url.hostname or "127.0.0.1",
+            port=url.port or (5671 if ssl_options else 5672),
+            virtual_host=vhost,
+            ssl_options=ssl_options,
+            heartbeat=o["heartbeat_s"],
+            blocked_connection_timeout=o["reconnect_timeout_s"],
+            socket_timeout=o["connect_timeout_s"],
+            stack_timeout=o["connect_timeout_s"] * 2,
+            connection_attempts=1,
+            credentials=pika.PlainCredentials(
+                urllib.parse.unquote(url.username or "guest"), urllib.parse.unquote(url.password or "guest")
+            ),
+        )
+
+    def _connect(self) -> tuple[pika.BlockingConnection, Any]:
+        """Open a connection and a confirming channel with the endpoint's queue declared, retrying with backoff."""
+        deadline = time.monotonic() + self.options["reconnect_timeout_s"]
+        for delay in backoff_s(0.1, 2.0):
+            try:
+                with map_errors(self._shown):
+                    connection = pika.BlockingConnection(self._params)
+                    channel = connection.channel()
+                    channel.queue_declare(self.queue, durable=self.options["durable"])
+                    return connection, channel
+            except _Fatal:
+                raise
+            except TransportError as exc:
+                if self._stop.is_set() or time.monotonic() + delay > deadline:
+                    raise
+                log.info("%s; retrying in %.1fs", exc, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _start(self, target: Any, *args: Any) -> None:
+        """Run `target` on the I/O thread and wait until it is connected (or failed to connect)."""
+        self._thread = threading.Thread(target=target, args=args, daemon=True, name=f"tensorbus-amqp-{self.queue}")
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    # -- producer side -------------------------------------------------------------------------------
+
+    def send(self, frame: list[Buffer], *, key: str | None) -> None:
+        """Queue one frame for the publisher thread; blocks only while max_pending_bytes are unconfirmed."""
+        if self._thread is None:
+            self._start(self._publish_loop)
+        body = b"".join(frame)
+        with self._pending:
+            self._raise_error()
+            while self._pending_bytes and self._pending_bytes + len(body) > self.options["max_pending_bytes"]:
+                self._pending.wait(1.0)
+                self._raise_error()
+            self._pending_bytes += len(body)
+            self._unconfirmed += 1
+        self._outbox.put((body, key))
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the broker has confirmed every queued frame; raise the first failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._pending:
+            while self._unconfirmed and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TransportError(f"{self._unconfirmed} frames unconfirmed by {self._shown} after {timeout}s")
+                self._pending.wait(remaining)
+            self._raise_error()
+
+    def _publish_loop(self) -> None:
+        connection = channel = None
+        item: Any = None
+        while True:
+            try:
+                if connection is None or not connection.is_open:
+                    connection, channel = self._connect()
+                    channel.confirm_delivery()
+                    self._ready.set()
+                if item is None:
+                    try:
+                        item = self._outbox.get(timeout=1.0)
+                    except queue.Empty:
+                        connection.process_data_events(0)  # heartbeats while idle
+                        continue
+                if item is _STOP:
+                    break
+                body, key = item
+                with map_errors(self._shown):
+                    channel.basic_publish(
+                        "",
+                        self.queue,
+                        body,
+                        mandatory=True,
+                        properties=pika.BasicProperties(
+                            content_type=CONTENT_TYPE,
+                            delivery_mode=2 if self.options["persistent"] else 1,
+                            headers={"tensorbus-key": key} if key is not None else None,
+                        ),
+                    )
+                self._confirmed(len(body), None)
+                item = None
+            except _Fatal as exc:  # this frame can never be published: report it, go on with the next
+                if not self._ready.is_set():  # refused at connect (credentials, vhost): nothing ever will be published
+                    self._confirmed(0, exc)
+                    self._ready.set()
+                    break
+                self._confirmed(len(item[0]) if isinstance(item, tuple) else 0, exc)
+                item = None
+                with contextlib.suppress(Exception):
+                    connection.close()  # type: ignore[union-attr]
+                connection = None
+            except TransportError as exc:
+                if not self._ready.is_set() or self._stop.is_set():
+                    self._confirmed(0, exc)
+                    self._ready.set()
+                    break
+                log.warning("%s; reconnecting and publishing again", exc)
+                connection = None
+        with contextlib.suppress(Exception):
+            connection.close()  # type: ignore[union-attr]
+
+    def _confirmed(self, nbytes: int, error: TransportError | None) -> None:
+        with self._pending:
+            if nbytes:
+                self._pending_bytes -= nbytes
+                self._unconfirmed -= 1
+            if error is not None and self._error is None:
+                self._error = error
+            self._pending.notify_all()
+
+    # -- consumer side -------------------------------------------------------------------------------
+
+    def listen(self, deliver: Deliver, limits: Limits) -> None:
+        """Consume the queue on an I/O thread; a worker thread delivers and posts acks back."""
+        inbox: queue.Queue[Any] = queue.Queue()
+        threading.Thread(
+            target=self._work, args=(inbox, deliver), daemon=True, name=f"tensorbus-amqp-deliver-{self.queue}"
+        ).start()
+        self._inbox = inbox
+        self._start(self._consume_loop, inbox)
+
+    def _consume_loop(self, inbox: queue.Queue[Any]) -> None:
+        generation = 0
+        while not self._stop.is_set():
+            try:
+                connection, channel = self._connect()
+                generation += 1
+                self._connection, self._channel, self._generation = connection, channel, generation
+                self._pending_chunks = 0
+                channel.basic_qos(prefetch_count=self.options["prefetch_count"], global_qos=True)
+                channel.basic_consume(
+                    self.queue, lambda ch, method, props, body, g=generation: inbox.put((g, method.delivery_tag, body))
+                )
+                self._ready.set()
+                with map_errors(self._shown):
+                    while not self._stop.is_set():
+                        connection.process_data_events(time_limit=0.2)
+            except TransportError as exc:
+                if not self._ready.is_set():
+                    self._error = exc
+                    self._ready.set()
+                    return
+                if not self._stop.is_set():
+                    log.warning("%s; reconnecting (unacked messages will be redelivered)", exc)
+        with contextlib.suppress(Exception):
+            self._connection.close()
+
+    def _work(self, inbox: queue.Queue[Any], deliver: Deliver) -> None:
+        """Deliver each message; ack every message of a tensor once the tensor is complete."""
+        waiting: dict[MessageId | None, list[tuple[int, int]]] = {}
+        while True:
+            try:
+                item = inbox.get(timeout=1.0)
+            except queue.Empty:
+                item = None
+            for message_id in [m for m in waiting if not deliver.is_pending(m)]:
+                held = waiting.pop(message_id)  # expired: the tensor was given up on, its chunks go
+                self._call(self._ack, held, len(held))
+            if item is None:
+                continue
+            if item is _STOP:
+                return
+            generation, tag, body = item
+            result = deliver(body)
+            if not result.done:
+                waiting.setdefault(result.message_id, []).append((generation, tag))
+                self._call(self._grow_window, 1)
+                continue
+            held = waiting.pop(result.message_id, [])
+            self._call(self._ack, [*held, (generation, tag)], len(held))
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        with contextlib.suppress(Exception):  # connection gone: unacked messages come back anyway
+            self._connection.add_callback_threadsafe(lambda: fn(*args))
+
+    def _grow_window(self, delta: int) -> None:
+        """Raise the prefetch window by the chunks held for incomplete tensors, so they cannot starve it."""
+        self._pending_chunks += delta
+        self._channel.basic_qos(prefetch_count=self.options["prefetch_count"] + self._pending_chunks, global_qos=True)
+
+    def _ack(self, tags: list[tuple[int, int]], released: int) -> None:
+        """Ack the tags of the current channel (older ones were requeued), and shrink the window by `released`."""
+        for generation, tag in tags:
+            if generation == self._generation:
+                self._channel.basic_ack(tag)
+        if released:
+            self._grow_window(-released)
+
+    def close(self) -> None:
+        """Stop the I/O thread(s); the publisher first publishes what is queued."""
+        if self._thread is None:
+            return
+        if self._ready.is_set() and hasattr(self, "_inbox"):
+            self._inbox.put(_STOP)
+        else:
+            self._outbox.put(_STOP)
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._thread = None

@@ -1,0 +1,374 @@
+"""`tcp://HOST:PORT`, `tcps://` (TLS) and `unix:///path`: frames straight over a stream socket, no broker.
+
+The consumer listens (127.0.0.1 unless told otherwise) and producers connect, many per consumer.
+A frame goes out as one scatter-gather `sendmsg` of header and array memory, and comes in with
+`recv_into` a buffer sized from the frame's prefix, so the tensor bytes are never copied twice.
+The consumer acknowledges frames once they reached the rendezvous table; a producer keeps
+unacknowledged frames (by reference: do not modify a sent array before `flush`) and sends them
+again after reconnecting to a restarted consumer. Duplicates are dropped above, by message id.
+See `stream.py` for the handshake and acks.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from typing import Any, ClassVar
+
+import crc32c
+
+from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Buffer, Limits, frame_length
+from ..errors import CodecError, ConfigError, LimitExceeded, TransportError
+from .base import Deliver, Transport, backoff_s
+from .buffers import BufferPool
+from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, recv_checksummed, recv_exact, sendmsg_all
+
+log = logging.getLogger(__name__)
+#: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
+CHECKSUM_WHILE_RECEIVING = 4 << 20
+NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
+
+
+def skip(sock: socket.socket, nbytes: int) -> bool:
+    """Read and discard `nbytes` through a small scratch buffer; False if the stream ended first."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+    while nbytes:
+        got = sock.recv_into(scratch[: min(nbytes, len(scratch))])
+        if got == 0:
+            return False
+        nbytes -= got
+    return True
+
+
+class SocketTransport(Transport):
+    """One stream socket per producer; a listener with a reader thread per connected producer."""
+
+    schemes = ("tcp", "tcps", "unix")
+    acknowledges = True
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "max_frame_bytes": None,
+        "connect_timeout_s": 5.0,
+        "send_timeout_s": 30.0,
+        "reconnect_timeout_s": 10.0,
+        "max_unacked_bytes": 256 * 1024 * 1024,
+        "ack_every_frames": 32,
+        "ack_every_bytes": 8 * 1024 * 1024,
+        "close_timeout_s": 10.0,
+        "backlog": 128,
+        "pooled_buffers": 4,
+        "auth_secret": None,
+        "ssl_cafile": None,
+        "ssl_certfile": None,
+        "ssl_keyfile": None,
+        "ssl_context": None,
+    }
+
+    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+        super().__init__(url, options)
+        self.target: str | tuple[str, int]
+        if url.scheme == "unix":
+            if not url.path:
+                raise ConfigError(f"unix URL needs a path, e.g. unix:///tmp/tensorbus.sock; got {self.address!r}")
+            self.family, self.target = socket.AF_UNIX, url.path
+        else:
+            if url.port is None:
+                raise ConfigError(f"{url.scheme} URL needs a port, e.g. tcp://127.0.0.1:5555; got {self.address!r}")
+            host = url.hostname or "127.0.0.1"
+            self.family, self.target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, url.port)
+        secret = options["auth_secret"]
+        self.secret: bytes | None = secret.encode() if isinstance(secret, str) else secret
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._unacked: collections.deque[tuple[list[Buffer], int]] = collections.deque()
+        self._unacked_bytes = 0
+        self._sent = self._acked = 0
+        self._ack_buf = bytearray()
+        self._ack_requested = False
+        self._server: socket.socket | None = None
+        self._peers: set[socket.socket] = set()
+        self._closed = threading.Event()
+        self._pool = BufferPool(options["pooled_buffers"])
+
+    @property
+    def address(self) -> str:
+        """The endpoint URL, with the port the listener actually bound."""
+        return f"unix://{self.target}" if self.family == socket.AF_UNIX else super().address
+
+    def _ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
+        if self.url.scheme != "tcps":
+            return None
+        if self.options["ssl_context"] is not None:
+            return self.options["ssl_context"]
+        o = self.options
+        if server_side:
+            if not o["ssl_certfile"]:
+                raise ConfigError("a tcps:// consumer needs ssl_certfile (and ssl_keyfile) or ssl_context")
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=o["ssl_cafile"])
+        else:
+            context = ssl.create_default_context(cafile=o["ssl_cafile"])
+        if o["ssl_certfile"]:
+            context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"])
+        return context
+
+    # -- producer side ------------------------------------------------------------------------------
+
+    def _connect(self) -> socket.socket:
+        """Connect, handshake, and send again every frame the last connection left unacknowledged."""
+        deadline = time.monotonic() + self.options["reconnect_timeout_s"]
+        context = self._ssl_context(server_side=False)
+        for delay in backoff_s():
+            sock = socket.socket(self.family, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(self.options["connect_timeout_s"])
+                sock.connect(self.target)
+                if context is not None:
+                    sock = context.wrap_socket(sock, server_hostname=self.target[0])
+                introduce(sock, self.secret, self.address)
+                sock.settimeout(self.options["send_timeout_s"])
+                if self.family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sent = self._acked = 0
+                self._ack_buf.clear()
+                self._ack_requested = False
+                for frame, _ in self._unacked:
+                    sendmsg_all(sock, frame)
+                    self._sent += 1
+                return sock
+            except (AuthRefused, ssl.SSLCertVerificationError) as exc:
+                sock.close()
+                raise TransportError(f"{self.address}: {exc}") if isinstance(exc, ssl.SSLError) else exc from None
+            except (OSError, TransportError) as exc:
+                sock.close()
+                if self._closed.is_set() or time.monotonic() + delay > deadline:
+                    raise TransportError(f"cannot connect to {self.address}: {exc}") from None
+                log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def send(self, frame: list[Buffer], *, key: str | None) -> None:
+        """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
+        nbytes = sum(memoryview(b).nbytes for b in frame)
+        with self._lock:
+            for attempt in (1, 2):
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect()
+                    sendmsg_all(self._sock, frame)
+                    break
+                except OSError as exc:
+                    self._drop_connection()  # a partly sent frame is dropped by the consumer
+                    if isinstance(exc, TimeoutError) or attempt == 2:
+                        raise TransportError(f"sending to {self.address} failed: {exc}") from None
+                    log.warning("connection to %s broke (%s); reconnecting", self.address, exc)
+            self._unacked.append((frame, nbytes))
+            self._unacked_bytes += nbytes
+            self._sent += 1
+            if len(self._unacked) >= 64 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
+                self._trim_acked()
+
+    def _drop_connection(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._ack_requested = False
+
+    def _trim_acked(self) -> None:
+        """Ask for an ack (once), and release the frames acks already received cover; never blocks."""
+        assert self._sock is not None
+        try:
+            if not self._ack_requested:
+                self._sock.sendall(ACK_REQUEST)
+                self._ack_requested = True
+            self._read_acks(0)
+        except OSError as exc:
+            log.warning("connection to %s broke (%s); frames will be resent on reconnect", self.address, exc)
+            self._drop_connection()
+
+    def _read_acks(self, wait_s: float) -> None:
+        """Apply the acks that arrive within `wait_s` seconds (0: only those already here)."""
+        sock = self._sock
+        assert sock is not None
+        pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
+        if not pending and not select.select([sock], [], [], wait_s)[0]:
+            return
+        data = sock.recv(4096)
+        if not data:
+            raise ConnectionResetError("consumer closed the connection")
+        self._ack_buf += data
+        while len(self._ack_buf) >= ACK.size:
+            (count,) = ACK.unpack_from(self._ack_buf)
+            del self._ack_buf[: ACK.size]
+            self._ack_requested = False
+            for _ in range(count - self._acked):
+                _, n = self._unacked.popleft()
+                self._unacked_bytes -= n
+            self._acked = count
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._unacked:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TransportError(
+                        f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s"
+                    )
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect()
+                    if not self._ack_requested:
+                        self._sock.sendall(ACK_REQUEST)
+                        self._ack_requested = True
+                    self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
+                except OSError as exc:
+                    log.warning("connection to %s broke while flushing (%s); reconnecting", self.address, exc)
+                    self._drop_connection()
+
+    # -- consumer side ------------------------------------------------------------------------------
+
+    def listen(self, deliver: Deliver, limits: Limits) -> None:
+        """Bind, then accept producers on a background thread, one reader thread each."""
+        context = self._ssl_context(server_side=True)
+        server = socket.socket(self.family, socket.SOCK_STREAM)
+        try:
+            if self.family == socket.AF_UNIX:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.target)  # type: ignore[arg-type]
+            else:
+                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(self.target)
+            server.listen(self.options["backlog"])
+        except OSError as exc:
+            server.close()
+            raise TransportError(f"cannot listen on {self.address}: {exc}") from None
+        if self.family != socket.AF_UNIX:
+            host, port = server.getsockname()[:2]
+            self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        self._server = server
+        threading.Thread(
+            target=self._accept, args=(deliver, limits, context), daemon=True, name=f"tensorbus-accept-{self.address}"
+        ).start()
+
+    def _accept(self, deliver: Deliver, limits: Limits, context: ssl.SSLContext | None) -> None:
+        assert self._server is not None
+        while not self._closed.is_set():
+            try:
+                conn, peer = self._server.accept()
+            except OSError:
+                return  # closed
+            self._peers.add(conn)
+            threading.Thread(
+                target=self._serve,
+                args=(conn, peer, deliver, limits, context),
+                daemon=True,
+                name=f"tensorbus-peer-{peer}",
+            ).start()
+
+    def _serve(self, conn: socket.socket, peer: Any, deliver: Deliver, limits: Limits, ctx: Any) -> None:
+        """Handshake, then read frames from one producer until it leaves or sends something that is not a frame."""
+        try:
+            conn.settimeout(self.options["connect_timeout_s"])
+            if ctx is not None:
+                conn = ctx.wrap_socket(conn, server_side=True)
+            if not greet(conn, self.secret):
+                log.error("refused producer %s: no valid proof of the shared secret", peer)
+                return
+            self._read_frames(conn, peer, deliver, limits)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            log.info("producer %s went away: %s", peer, exc)
+        except (OSError, ssl.SSLError) as exc:
+            if not self._closed.is_set():
+                log.error("connection from %s failed: %s", peer, exc)
+        finally:
+            self._peers.discard(conn)
+            conn.close()
+
+    def _read_frames(self, conn: socket.socket, peer: Any, deliver: Deliver, limits: Limits) -> None:
+        """Read frames and ack requests; acks count the frames before the oldest still-incomplete tensor."""
+        conn.settimeout(None)
+        prefix = memoryview(bytearray(PREFIX.size))
+        frames = acked = unacked_bytes = 0
+        incomplete: dict[Any, int] = {}  # message id -> index of its first frame on this connection
+
+        def ack() -> None:
+            nonlocal acked, unacked_bytes
+            for message_id in [m for m in incomplete if not deliver.is_pending(m)]:
+                del incomplete[message_id]  # expired (given up on) since: nothing more to wait for
+            safe = next(iter(incomplete.values()), frames)
+            conn.sendall(ACK.pack(safe))
+            acked, unacked_bytes = safe, 0
+
+        while not self._closed.is_set():
+            got = recv_exact(conn, prefix)
+            if got == 0:
+                return
+            if got < PREFIX.size:
+                log.error("peer %s disconnected mid-frame (prefix %d of %d bytes)", peer, got, PREFIX.size)
+                return
+            if prefix == ACK_REQUEST:
+                ack()
+                continue
+            try:
+                total = frame_length(prefix, limits)
+            except LimitExceeded:
+                # a well-formed frame over this consumer's limits: skip its bytes, let the consumer count it
+                if not skip(conn, frame_length(prefix, NO_LIMITS) - PREFIX.size):
+                    return
+                deliver(prefix)
+                frames += 1
+                continue
+            except CodecError as exc:
+                log.error("dropping peer %s: it sent something that is not a tensorbus frame: %s", peer, exc)
+                return
+            buffer = self._pool.take(total)
+            buffer[: PREFIX.size] = prefix
+            crc = None
+            if total >= CHECKSUM_WHILE_RECEIVING and prefix[5] & FLAG_CHECKSUM:
+                crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
+                got, crc = recv_checksummed(conn, buffer, PREFIX.size, crc_end, crc32c.crc32c(prefix[:CRC_AT]))
+            else:
+                got = PREFIX.size + recv_exact(conn, buffer[PREFIX.size :])
+            if got < total:
+                log.error("peer %s disconnected mid-frame (%d of %d bytes)", peer, got, total)
+                return
+            result = deliver(buffer, crc)
+            del buffer
+            if result.done:
+                incomplete.pop(result.message_id, None)
+            else:
+                incomplete.setdefault(result.message_id, frames)
+            frames += 1
+            unacked_bytes += total
+            if frames - acked >= self.options["ack_every_frames"] or unacked_bytes >= self.options["ack_every_bytes"]:
+                ack()
+
+    def close(self) -> None:
+        """Flush (up to close_timeout_s) and close the producer connection, or stop listening and drop every peer."""
+        if self._unacked and not self._closed.is_set():
+            try:
+                self.flush(self.options["close_timeout_s"])
+            except TransportError as exc:
+                log.warning("closing with frames not acknowledged: %s", exc)
+        self._closed.set()
+        with self._lock:
+            self._drop_connection()
+        if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.shutdown(socket.SHUT_RDWR)
+            self._server.close()
+            for peer in list(self._peers):
+                with contextlib.suppress(OSError):
+                    peer.shutdown(socket.SHUT_RDWR)
+            if self.family == socket.AF_UNIX:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.target)  # type: ignore[arg-type]
+            self._server = None

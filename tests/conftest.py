@@ -1,0 +1,62 @@
+"""Shared fixtures: a fresh endpoint per test on every transport, brokers read from the environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from tensorbus.transports.memory import HUB
+
+AMQP_URL = os.environ.get("TENSORBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+KAFKA_URL = os.environ.get("TENSORBUS_KAFKA_URL", "kafka://127.0.0.1:9092")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def reachable(url: str) -> bool:
+    """True if something accepts TCP connections at the URL's host and port."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def require_broker(url: str) -> None:
+    """Fail in CI, skip (saying why) elsewhere, when the broker at `url` does not answer."""
+    if reachable(url):
+        return
+    message = f"no broker answers at {url} (start one with: bash scripts/brokers.sh up)"
+    if IN_CI:
+        pytest.fail(f"CI=true and {message}")
+    pytest.skip(message)
+
+
+def endpoint_url(transport: str) -> str:
+    """A consumer URL for a fresh endpoint nobody else uses."""
+    name = f"tb-{uuid.uuid4().hex[:12]}"
+    if transport == "memory":
+        return f"memory://{name}"
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    if transport == "unix":
+        return f"unix://{tempfile.gettempdir()}/{name}.sock"
+    if transport == "amqp":
+        require_broker(AMQP_URL)
+        return f"{AMQP_URL}?queue={name}"
+    if transport == "kafka":
+        require_broker(KAFKA_URL)
+        return f"{KAFKA_URL.rstrip('/')}/{name}"
+    raise ValueError(transport)
+
+
+@pytest.fixture(autouse=True)
+def _reset_memory_hub() -> Iterator[None]:
+    yield
+    HUB.reset()

@@ -1,0 +1,103 @@
+"""A fault harness: stream tensors, break something mid-stream, and account for every tensor.
+
+The producer sends `count` tensors of mixed sizes (some large enough to be chunked) under keys
+t0..t{count-1}, each stamped with the CRC32C of its bytes. Consumer processes append one line per
+tensor handed to the rendezvous table (i.e. to the application) to a shared log, before the
+transport acknowledges it, so a SIGKILL at any moment cannot hide a loss; the report counts what
+was lost, duplicated to the application, or corrupted.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+
+import tensorbus as tb
+from tests.peers import make_tensor
+
+CONTEXT = multiprocessing.get_context("spawn")
+
+
+def spec(i: int) -> dict[str, Any]:
+    """Mostly small tensors, every 100th one 20 MB (chunked by the broker transports)."""
+    n = 5_000_000 if i % 100 == 50 else 1_000 + (i * 7919) % 60_000
+    return {"seed": i, "n": n}
+
+
+def checksum(array: np.ndarray) -> int:
+    return crc32c.crc32c(np.ascontiguousarray(array).view(np.uint8))
+
+
+def produce(url: str, count: int, options: dict[str, Any], progress: str) -> None:
+    """Send the stream, noting progress in a file, then flush (waiting for every acknowledgement)."""
+    with tb.Producer(url, **options) as producer:
+        for i in range(count):
+            tensor = make_tensor(spec(i))
+            producer.send(f"t{i}", tensor, metadata={"crc": checksum(tensor)})
+            if i % 10 == 0:
+                Path(progress).write_text(str(i))
+        producer.flush(timeout=240)
+        Path(progress).write_text(str(count))
+
+
+def consume(url: str, log: str, options: dict[str, Any]) -> None:
+    """Record every message the consumer hands to the application, then wait to be killed or stopped."""
+    consumer = tb.Consumer(url, **options)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    put = consumer.table.put
+
+    def recording_put(message: tb.Message) -> None:
+        os.write(fd, f"{message.key} {checksum(message.tensor)} {message.metadata['crc']} {os.getpid()}\n".encode())
+        put(message)
+
+    consumer.table.put = recording_put  # type: ignore[method-assign]
+    for message in consumer:  # the application drains the table
+        del message
+
+
+def lines(log: Path) -> list[list[str]]:
+    return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def report(log: Path, count: int) -> dict[str, int]:
+    """sent, received (distinct), lost, duplicated to the application, corrupted."""
+    records = lines(log)
+    seen = collections.Counter(r[0] for r in records)
+    corrupted = sum(1 for r in records if r[1] != r[2])
+    expected = {f"t{i}" for i in range(count)}
+    return {
+        "sent": count,
+        "received": len(expected & set(seen)),
+        "lost": len(expected - set(seen)),
+        "duplicated": sum(c - 1 for c in seen.values()),
+        "corrupted": corrupted,
+        "consumer_processes": len({r[3] for r in records}),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
+    process = CONTEXT.Process(target=target, args=args, daemon=True)
+    process.start()
+    return process

@@ -1,0 +1,170 @@
+"""The tensorbus command through its entry point, in subprocesses: every command and its error paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import tensorbus as tb
+from tensorbus.files import read_tensor
+
+ROOT = Path(__file__).parents[2]
+
+
+def tensorbus(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tensorbus", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def listen(*args: str) -> tuple[subprocess.Popen[str], str]:
+    """Start a listening command (recv, save) on a free port; return it and the address it printed."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tensorbus", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert " on " in line, line + process.stderr.read() if process.stderr else line
+    return process, line.rsplit(" on ", 1)[1].strip()
+
+
+def finish(process: subprocess.Popen[str]) -> str:
+    """Wait for a listening command, close its pipes, fail with its stderr if it failed."""
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    return out
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["send"], ["recv"], ["save"], ["inspect"], ["bench"]])
+def test_help(command: list[str]) -> None:
+    result = tensorbus(*command, "--help")
+    assert result.returncode == 0 and "usage: tensorbus" in result.stdout
+
+
+def test_demo() -> None:
+    result = tensorbus("demo")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("checksum ok") == 3
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".safetensors", ".tbf"])
+def test_send_and_recv_each_format(tmp_path: Path, suffix: str) -> None:
+    source = tmp_path / f"in{suffix}"
+    tensor: object
+    if suffix == ".npy":
+        tensor = np.arange(12, dtype=np.float32).reshape(3, 4)
+        np.save(source, tensor)
+    elif suffix == ".npz":
+        tensor = {"w": np.ones((2, 2)), "b": np.arange(3)}
+        np.savez(source, **tensor)
+    elif suffix == ".safetensors":
+        tensor = {"layer.weight": np.eye(3, dtype=np.float32)}
+        save_file(tensor, str(source))
+    else:
+        tensor = np.full(5, 7, np.int16)
+        source.write_bytes(tb.dumps(tensor))
+    output = tmp_path / f"out{suffix}"
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(output), "--timeout", "30")
+    sent = tensorbus("send", address, "k", str(source))
+    assert sent.returncode == 0, sent.stderr
+    finish(receiver)
+    got = read_tensor(output)
+    if isinstance(tensor, dict):
+        assert got.keys() == tensor.keys() and all(np.array_equal(got[k], tensor[k]) for k in tensor)
+    else:
+        assert np.array_equal(got, tensor) and got.dtype == tensor.dtype
+
+
+def test_save_follow_keeps_every_version_atomically(tmp_path: Path) -> None:
+    saver, address = listen(
+        "save",
+        "tcp://127.0.0.1:0",
+        "params",
+        "-o",
+        str(tmp_path / "p.safetensors"),
+        "--follow",
+        "--max-versions",
+        "3",
+        "--timeout",
+        "30",
+    )
+    with tb.Producer(address) as producer:
+        for step in range(3):
+            producer.send("params", {"w": np.full((4, 4), step, np.float32)})
+    assert finish(saver).count("saved") == 3
+    for version in range(1, 4):
+        saved = read_tensor(tmp_path / f"p-{version:06d}.safetensors")
+        assert np.array_equal(saved["w"], np.full((4, 4), version - 1, np.float32))
+    assert not list(tmp_path.glob(".*"))  # no temp files left behind
+
+
+def test_inspect_prints_headers_and_checksum_status(tmp_path: Path) -> None:
+    frames = tmp_path / "frames.tbf"
+    frames.write_bytes(
+        tb.dumps(np.zeros((2, 3), np.float32), key="a", metadata={"m": 1}) + tb.dumps({"w": np.ones(4)}, key="b")
+    )
+    result = tensorbus("inspect", str(frames))
+    assert result.returncode == 0, result.stderr
+    assert (
+        "key='a'" in result.stdout
+        and "float32 < shape=[2, 3]" in result.stdout
+        and "metadata: {'m': 1}" in result.stdout
+    )
+    assert "kind=bundle" in result.stdout and result.stdout.count("checksum ok") == 2
+    corrupt = bytearray(frames.read_bytes())
+    corrupt[-1] ^= 1
+    frames.write_bytes(bytes(corrupt))
+    assert "checksum BAD" in tensorbus("inspect", str(frames)).stdout
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_errors_are_one_line(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.ones(2))
+    one_line_error(tensorbus("send", "tpc://127.0.0.1:1", "k", str(tmp_path / "x.npy")), "did you mean 'tcp'")
+    one_line_error(
+        tensorbus(
+            "send", "amqp://guest:guest@127.0.0.1:1/%2F?queue=q&reconnect_timeout_s=1", "k", str(tmp_path / "x.npy")
+        ),
+        "TransportError",
+    )
+    one_line_error(
+        tensorbus("send", "tcp://127.0.0.1:1?reconnect_timeout_s=1", "k", str(tmp_path / "x.npy")), "cannot connect"
+    )
+    started = time.monotonic()
+    one_line_error(
+        tensorbus("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "y.npy"), "--timeout", "0.5"), "Timeout", "'k'"
+    )
+    assert time.monotonic() - started < 30
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "missing.npy")), "missing.npy")
+    (tmp_path / "bad.tbf").write_bytes(b"not a frame at all, just text")
+    one_line_error(tensorbus("inspect", str(tmp_path / "bad.tbf")), "BadMagic")
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "bad.tbf")), "BadMagic")
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "x.csv")), "cannot tell the format")
+
+
+@pytest.mark.parametrize("example", ["param_streaming.py", "mapreduce.py"])
+@pytest.mark.parametrize("transport", ["tcp://127.0.0.1:0", "unix"])
+def test_examples_run_as_is(example: str, transport: str, tmp_path: Path) -> None:
+    url = f"unix://{tmp_path}/example.sock" if transport == "unix" else transport
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / example), "--url", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": True" in result.stdout

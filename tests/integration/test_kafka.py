@@ -1,0 +1,200 @@
+"""Kafka-specific behaviour against a real broker: chunking, consumer groups, commits after reassembly, layout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+import urllib.parse
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+
+# kafka-python's own classes, imported by the transport with its import-time DeprecationWarnings silenced
+from tensorbus.transports.kafka import KafkaAdminClient, KafkaConsumer, KafkaTransport, TopicPartition
+from tests.conftest import KAFKA_URL, endpoint_url
+from tests.peers import same
+
+BOOTSTRAP = urllib.parse.urlsplit(KAFKA_URL).netloc
+
+
+@pytest.fixture
+def url() -> str:
+    return endpoint_url("kafka")
+
+
+def topic_of(url: str) -> str:
+    return urllib.parse.urlsplit(url).path.lstrip("/")
+
+
+def committed(group: str, topic: str) -> dict[int, int]:
+    """The group's committed offset per partition of `topic`, read with the admin client."""
+    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
+    try:
+        offsets = admin.list_group_offsets({group: None})[group]
+    finally:
+        admin.close()
+    return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic}
+
+
+def owned(consumer: tb.Consumer) -> frozenset[int]:
+    """The partitions a consumer owns right now."""
+    assert isinstance(consumer.transport, KafkaTransport)
+    return consumer.transport.assignment
+
+
+def wait_until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_64_mb_tensor_is_chunked_under_the_default_limit(url: str) -> None:
+    big = np.random.default_rng(0).standard_normal(16 << 20).astype(np.float32)  # 64 MiB
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        assert producer.transport.max_frame_bytes is not None and producer.transport.max_frame_bytes < 1 << 20
+        producer.send("big", big)
+        producer.flush(timeout=60)
+        assert same(consumer.recv("big", timeout=60), big)
+        assert consumer.stats["chunks"] >= 64
+
+
+def test_two_consumers_in_one_group_share_partitions_without_duplicates(url: str) -> None:
+    with tb.Consumer(url, partitions=2) as first, tb.Producer(url) as producer:
+        for i in range(20):
+            producer.send(f"k{i}", np.full(1000, i, np.int32))
+        producer.flush(30)
+        wait_until(lambda: len(first.table) == 20, 30, "the first consumer to receive 20 tensors")
+        with tb.Consumer(url) as second:  # joins the group: a rebalance hands it one of the two partitions
+            wait_until(lambda: owned(first) and owned(second), 30, "a partition each")
+            assert owned(first) | owned(second) == {0, 1}
+            for i in range(20, 40):
+                producer.send(f"k{i}", np.full(1000, i, np.int32))
+            producer.flush(30)
+            wait_until(lambda: len(first.table) + len(second.table) >= 40, 30, "all 40 tensors")
+            time.sleep(1.0)  # anything read twice would have arrived by now
+            got = [[str(c.next_message(timeout=1).key) for _ in range(len(c.table))] for c in (first, second)]
+    assert sorted(got[0] + got[1]) == sorted(f"k{i}" for i in range(40))  # nothing lost, nothing twice
+    assert got[1], "the second consumer received nothing: the partitions were not shared"
+
+
+def _victim(url: str, ready: Any) -> None:
+    consumer = tb.Consumer(url, session_timeout_s=6.0)
+    while consumer.stats["chunks"] < 5 or consumer.stats["received"] < 1:
+        time.sleep(0.01)
+    time.sleep(1.5)  # several commit intervals: its progress is committed before it dies
+    ready.set()
+    time.sleep(600)  # killed long before this
+
+
+def test_consumer_killed_with_chunks_pending_hands_its_tensor_to_the_next(url: str) -> None:
+    tensor = np.arange(2_000_000, dtype=np.float32)
+    frame = tb.encode(tensor, key="survivor", message_id=("p", 1))
+    chunks = tb.split(frame, max_chunk_bytes=512 * 1024, message_id=("p", 1), key="survivor")
+    context = multiprocessing.get_context("spawn")
+    with tb.Producer(url) as producer:
+        producer.send("before", np.arange(3))  # offset 0: complete, so committed
+        for chunk in chunks[:5]:  # offsets 1-5: an incomplete tensor, never committed
+            producer.transport.send(chunk, key="survivor")
+        producer.flush(30)
+        ready = context.Event()
+        victim = context.Process(target=_victim, args=(url, ready))
+        victim.start()
+        try:
+            assert ready.wait(60), "the first consumer never received the first chunks"
+        finally:
+            os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            victim.join(10)
+        assert committed(f"tensorbus-{topic_of(url)}", topic_of(url)) == {0: 1}  # up to the first pending chunk
+        for chunk in chunks[5:]:
+            producer.transport.send(chunk, key="survivor")
+        producer.flush(30)
+    with tb.Consumer(url) as successor:
+        assert same(successor.recv("survivor", timeout=60), tensor)
+        with pytest.raises(tb.Timeout):
+            successor.recv("before", timeout=0.5)  # committed by the victim: not read again
+    assert committed(f"tensorbus-{topic_of(url)}", topic_of(url)) == {0: 1 + len(chunks)}  # committed on close
+
+
+def test_broker_side_size_error_is_a_tensorbus_error(url: str) -> None:
+    with tb.Producer(url, max_frame_bytes=3_000_000, max_request_size=4_000_000) as producer:
+        producer.send("too-big", np.zeros(2_500_000, np.uint8))  # one 2.5 MB record > the broker's ~1 MiB
+        with pytest.raises(tb.TransportError, match=r"too large.*message\.max\.bytes") as info:
+            producer.flush(timeout=30)
+        assert not info.value.retriable
+        producer.send("fine", np.zeros(10))  # the producer keeps working
+        producer.flush(timeout=30)
+    with tb.Producer(url) as producer:  # a huge key pushes a full chunk past max_request_size: refused at send
+        with pytest.raises(tb.TransportError, match="too large"):
+            producer.send("k" * 60_000, np.zeros(2_000_000, np.uint8))
+        producer.send("fine", np.zeros(10))
+        producer.flush(timeout=30)
+
+
+def test_a_plain_kafka_python_consumer_can_read_tensorbus_records(url: str) -> None:
+    with tb.Producer(url) as producer:
+        producer.send("weights", np.arange(12.0).reshape(3, 4), metadata={"step": 3})
+        producer.send("big", np.arange(300_000, dtype=np.float64))  # 2.4 MB: chunk records
+        producer.flush(30)
+    consumer = KafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False, auto_offset_reset="earliest")
+    try:
+        consumer.assign([TopicPartition(topic_of(url), 0)])
+        records: list[Any] = []
+        deadline = time.monotonic() + 30
+        while len(records) < 4 and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                records.extend(batch)
+    finally:
+        consumer.close()
+    first = records[0]
+    assert first.key == b"weights" and first.headers == [] and first.value[:4] == b"TBUS"
+    message = tb.decode(first.value)
+    assert message.key == "weights" and message.metadata == {"step": 3}
+    assert same(message.tensor, np.arange(12.0).reshape(3, 4))
+    reassembler = tb.Reassembler()
+    results = [reassembler.feed(r.value) for r in records[1:]]
+    assert all(r.key == b"big" for r in records[1:]) and results[:-1] == [None, None]
+    assert results[-1] is not None and same(results[-1].tensor, np.arange(300_000, dtype=np.float64))
+
+
+def test_configuration_errors_are_clear(url: str) -> None:
+    with pytest.raises(tb.ConfigError, match=r"unknown option.*partition_count"):
+        tb.Consumer(f"{url}?partition_count=3")
+    with pytest.raises(tb.ConfigError, match=r"unknown option.*groupid"):
+        tb.Producer(url, groupid="x")
+    with pytest.raises(tb.ConfigError, match="needs a topic"):
+        tb.Producer(KAFKA_URL)
+    with pytest.raises(tb.ConfigError, match="max_request_size"):
+        tb.Producer(url, max_frame_bytes=2_000_000)  # over kafka-python's default max_request_size
+
+
+def test_no_broker_fails_fast_with_a_tensorbus_error() -> None:
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError):
+        tb.Consumer("kafka://127.0.0.1:1/tb-nobody", connect_timeout_s=2.0)
+    assert time.monotonic() - started < 15
+
+
+def test_tls_and_sasl_options_reach_kafka_python() -> None:
+    def transport(url: str, **options: Any) -> KafkaTransport:
+        producer = tb.Producer(url, **options)  # nothing connects before the first send
+        assert isinstance(producer.transport, KafkaTransport)
+        return producer.transport
+
+    plain = transport("kafka://127.0.0.1:9092/t?group=1234")
+    assert plain.group == "1234" and plain._client_config()["security_protocol"] == "PLAINTEXT"
+    config = transport(
+        "kafkas://b1:9093,b2/t", ssl_cafile="ca.pem", ssl_certfile="c.pem", ssl_keyfile="k.pem"
+    )._client_config()
+    assert config["security_protocol"] == "SSL" and config["bootstrap_servers"] == ["b1:9093", "b2:9092"]
+    assert (config["ssl_cafile"], config["ssl_certfile"], config["ssl_keyfile"]) == ("ca.pem", "c.pem", "k.pem")
+    config = transport(
+        "kafkas://b1/t?sasl_mechanism=PLAIN&sasl_plain_username=u&sasl_plain_password=1234"
+    )._client_config()
+    assert config["security_protocol"] == "SASL_SSL" and config["sasl_mechanism"] == "PLAIN"
+    assert (config["sasl_plain_username"], config["sasl_plain_password"]) == ("u", "1234")

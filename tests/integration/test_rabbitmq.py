@@ -1,0 +1,105 @@
+"""RabbitMQ-specific behaviour against a real broker: chunking past its limit, redelivery, errors, layout."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+import urllib.parse
+
+import numpy as np
+import pika
+import pytest
+
+import tensorbus as tb
+from tests.conftest import AMQP_URL, endpoint_url
+from tests.peers import same
+
+
+@pytest.fixture
+def url() -> str:
+    return endpoint_url("amqp")
+
+
+def test_300_mb_tensor_is_chunked_under_the_default_limit(url: str) -> None:
+    big = np.random.default_rng(0).standard_normal(300 * 2**20 // 8)
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("big", big)
+        producer.flush(timeout=120)
+        received = consumer.recv("big", timeout=120)
+        assert same(received, big)
+        assert consumer.stats["chunks"] >= 18  # 300 MB in chunks of at most 16 MiB
+
+
+def _partial_consumer(url: str, ready: multiprocessing.synchronize.Event) -> None:
+    consumer = tb.Consumer(url)
+    while consumer.stats["chunks"] < 5:
+        time.sleep(0.01)
+    ready.set()
+    time.sleep(600)  # killed long before this
+
+
+def test_consumer_killed_before_acking_hands_its_tensor_to_the_next(url: str) -> None:
+    tensor = np.arange(2_000_000, dtype=np.float32)
+    frame = tb.encode(tensor, key="survivor", message_id=("p", 1))
+    chunks = tb.split(frame, max_chunk_bytes=512 * 1024, message_id=("p", 1), key="survivor")
+    with tb.Producer(url) as producer:
+        for chunk in chunks[:5]:
+            producer.transport.send(chunk, key="survivor")
+        producer.flush(30)
+        ready = multiprocessing.get_context("spawn").Event()
+        victim = multiprocessing.get_context("spawn").Process(target=_partial_consumer, args=(url, ready))
+        victim.start()
+        assert ready.wait(60), "the first consumer never received the first chunks"
+        os.kill(victim.pid, signal.SIGKILL)  # dies holding 5 unacked chunks
+        victim.join(10)
+        for chunk in chunks[5:]:
+            producer.transport.send(chunk, key="survivor")
+        producer.flush(30)
+    with tb.Consumer(url) as successor:
+        assert same(successor.recv("survivor", timeout=60), tensor)
+
+
+def test_broker_side_size_error_is_a_tensorbus_error(url: str) -> None:
+    with tb.Producer(url, max_frame_bytes=200 * 2**20) as producer:
+        producer.send("too-big", np.zeros(150 * 2**20, np.uint8))  # one 150 MB message > 128 MiB broker max
+        with pytest.raises(tb.TransportError, match="max size"):
+            producer.flush(timeout=60)
+        producer.send("fine", np.zeros(10))  # the producer keeps working
+        producer.flush(timeout=30)
+
+
+def test_a_plain_pika_consumer_can_read_tensorbus_messages(url: str) -> None:
+    queue = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
+    with tb.Producer(url) as producer:
+        producer.send("weights", np.arange(12.0).reshape(3, 4), metadata={"step": 3})
+        producer.flush(30)
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+    try:
+        channel = connection.channel()
+        method, properties, body = channel.basic_get(queue, auto_ack=True)
+        assert method is not None
+        assert properties.content_type == "application/vnd.tensorbus.frame"
+        assert properties.headers == {"tensorbus-key": "weights"} and properties.delivery_mode == 2
+        message = tb.decode(body)
+        assert message.key == "weights" and message.metadata == {"step": 3}
+        assert same(message.tensor, np.arange(12.0).reshape(3, 4))
+    finally:
+        connection.close()
+
+
+def test_configuration_errors_are_clear() -> None:
+    with pytest.raises(tb.ConfigError, match="needs a queue"):
+        tb.Producer(AMQP_URL)
+    with pytest.raises(tb.ConfigError, match=r"unknown option.*prefetch"):
+        tb.Consumer(f"{AMQP_URL}?queue=x&prefetch=3")
+
+
+def test_wrong_password_fails_fast_with_a_tensorbus_error() -> None:
+    parts = urllib.parse.urlsplit(endpoint_url("amqp"))
+    wrong = parts._replace(netloc=f"guest:wrong@{parts.hostname}:{parts.port}")
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError, match="refused the credentials"):
+        tb.Consumer(urllib.parse.urlunsplit(wrong))
+    assert time.monotonic() - started < 30

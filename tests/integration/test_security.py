@@ -1,0 +1,84 @@
+"""Signed frames on every transport, and hostile input against a live consumer's limits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec.frame import encode_raw
+from tests.conftest import endpoint_url
+from tests.integration.test_behaviour import TRANSPORTS
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_signed_endpoint_rejects_unsigned_and_tampered_frames(transport: str) -> None:
+    with tb.Consumer(endpoint_url(transport), signing_key=b"team-key") as consumer:
+        address = consumer.address
+        with tb.Producer(address) as unsigned:
+            unsigned.send("w", np.zeros(4))
+            unsigned.flush(30)
+        tampered = bytearray(tb.dumps(np.zeros(4), key="w", signing_key=b"team-key", message_id=("evil", 1)))
+        tampered[-40] ^= 1  # inside the payload; the CRC is also wrong, the signature is checked first
+        forged = tb.dumps(np.zeros(4), key="w", signing_key=b"guessed", message_id=("evil", 2))
+        with tb.Producer(address) as raw:
+            raw.transport.send([bytes(tampered)], key="w")
+            raw.transport.send([forged], key="w")
+            raw.flush(30)
+        with tb.Producer(address, signing_key=b"team-key") as signed:
+            signed.send("w", np.full(4, 9.0))
+            signed.send("big", np.arange(300_000.0))  # chunked on brokers; every chunk is signed too
+            signed.flush(60)
+        assert consumer.recv("w", timeout=60)[0] == 9.0
+        assert np.array_equal(consumer.recv("big", timeout=60), np.arange(300_000.0))
+        assert consumer.stats["rejected"] == 3
+
+
+def test_chunk_flood_claiming_huge_totals_stays_within_the_reassembly_limit() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", max_reassembly_bytes=64 << 20) as consumer:
+        with tb.Producer(consumer.address) as attacker:
+            for seq in range(2000):
+                header = {"kind": "chunk", "key": "x", "id": ["evil", seq], "chunk": [0, 4096, 1 << 34, 1 << 22]}
+                attacker.transport.send(encode_raw(header, [bytes(1 << 10)], 1 << 10), key="x")
+            attacker.flush(30)
+        with tb.Producer(consumer.address) as honest:
+            honest.send("real", np.arange(1000))
+        assert np.array_equal(consumer.recv("real", timeout=30), np.arange(1000))
+        assert consumer.reassembler.held_bytes == 0
+        assert consumer.stats["rejected"] == 2000
+
+
+def test_frames_over_the_consumer_limits_are_refused_before_allocation() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", max_payload_bytes=1 << 20, max_header_bytes=4096) as consumer:
+        with tb.Producer(consumer.address, reconnect_timeout_s=2) as producer:
+            producer.send("fits", np.zeros(1000))
+            producer.flush(10)
+            assert np.array_equal(consumer.recv("fits", timeout=10), np.zeros(1000))
+            producer.send("huge-meta", np.zeros(1), metadata={"blob": "x" * 10_000})
+            producer.send("huge", np.zeros(1 << 20))  # 8 MB > 1 MiB payload limit
+            producer.send("after", np.ones(3))
+            producer.flush(10)  # refused frames are skipped and acknowledged, never resent forever
+        assert np.array_equal(consumer.recv("after", timeout=10), np.ones(3))
+        with pytest.raises(tb.Timeout):
+            consumer.recv("huge", timeout=0.2)
+        assert consumer.stats["rejected"] == 2
+        with tb.Producer(consumer.address) as other:
+            other.send("still-serving", np.ones(2))
+        assert np.array_equal(consumer.recv("still-serving", timeout=10), np.ones(2))
+
+
+def test_fuzz_script_slice_finds_no_crash_or_hang() -> None:
+    """A bounded slice of scripts/fuzz.py (the full run is 1,000,000 cases, by hand)."""
+    script = Path(__file__).parents[2] / "scripts" / "fuzz.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--cases", "20000", "--live", "2000", "--seed", "7"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "'crashes': 0, 'hangs': 0" in result.stdout

@@ -1,0 +1,161 @@
+"""Socket transport specifics: hostile peers, shared-secret auth, TLS, acks and resend."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import trustme
+
+import tensorbus as tb
+from tensorbus.transports.stream import HELLO, proof
+from tests.peers import Peer, make_tensor, same
+
+
+def raw_peer(address: str, secret: bytes | None = None) -> socket.socket:
+    """A hand-driven producer connection that has done the handshake."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    hello = sock.recv(HELLO.size, socket.MSG_WAITALL)
+    sock.sendall(proof(secret, HELLO.unpack(hello)[3]))
+    assert sock.recv(1) == b"\x01"
+    return sock
+
+
+def test_garbage_truncated_and_vanishing_peers_do_not_disturb_others(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR)
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        good = Peer(consumer.address, [(f"g{i}", {"seed": i, "n": 50_000}) for i in range(20)])
+        garbage = raw_peer(consumer.address)
+        garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(100))
+        truncated = raw_peer(consumer.address)
+        truncated.sendall(tb.dumps(np.zeros(1000))[:-100])
+        truncated.close()
+        mid_prefix = raw_peer(consumer.address)
+        mid_prefix.sendall(b"TBUS\x01")
+        mid_prefix.close()
+        corrupt = raw_peer(consumer.address)
+        data = bytearray(tb.dumps(np.zeros(1000), key="corrupt"))
+        data[-1] ^= 0xFF
+        corrupt.sendall(bytes(data) + tb.dumps(np.ones(3), key="after-corrupt"))
+        good.join()
+        for i in range(20):
+            assert same(consumer.recv(f"g{i}", timeout=30), make_tensor({"seed": i, "n": 50_000}))
+        assert same(consumer.recv("after-corrupt", timeout=10), np.ones(3))  # the corrupt frame cost only itself
+        assert consumer.stats["rejected"] == 1
+        garbage.close()
+        corrupt.close()
+    assert "not a tensorbus frame" in caplog.text and "mid-frame" in caplog.text
+
+
+def test_a_peer_without_the_secret_cannot_send_a_single_tensor() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", auth_secret="s3cret") as consumer:
+        with pytest.raises(tb.TransportError, match="requires a shared secret"):
+            tb.Producer(consumer.address, reconnect_timeout_s=2).send("x", np.ones(1))
+        with pytest.raises(tb.TransportError, match="refused"):
+            tb.Producer(consumer.address, auth_secret="guess", reconnect_timeout_s=2).send("x", np.ones(1))
+        host, port = consumer.address.removeprefix("tcp://").rsplit(":", 1)
+        intruder = socket.create_connection((host, int(port)), timeout=5)  # skips the handshake
+        intruder.recv(HELLO.size, socket.MSG_WAITALL)
+        intruder.sendall(tb.dumps(np.ones(1), key="x"))  # taken as its proof: refused, then closed
+        assert intruder.recv(1) == b"\x00"
+        intruder.close()
+        with tb.Producer(consumer.address, auth_secret="s3cret") as producer:
+            producer.send("x", np.full(2, 5.0))
+        assert consumer.recv("x", timeout=10)[0] == 5.0
+        with pytest.raises(tb.Timeout):
+            consumer.recv("x", timeout=0.3)  # nothing from the intruders arrived
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    paths = {"ca": directory / "ca.pem", "cert": directory / "server.pem", "other_ca": directory / "other.pem"}
+    ca.cert_pem.write_to_path(paths["ca"])
+    server.private_key_and_cert_chain_pem.write_to_path(paths["cert"])
+    trustme.CA().cert_pem.write_to_path(paths["other_ca"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+def test_tls_round_trip(tls: dict[str, str]) -> None:
+    with tb.Consumer("tcps://127.0.0.1:0", ssl_certfile=tls["cert"]) as consumer:
+        Peer(consumer.address, [("secure", {"seed": 1, "n": 300_000})], ssl_cafile=tls["ca"]).join()
+        assert same(consumer.recv("secure", timeout=30), make_tensor({"seed": 1, "n": 300_000}))
+
+
+def test_tls_wrong_ca_and_plain_client_fail_clearly(tls: dict[str, str]) -> None:
+    with tb.Consumer("tcps://127.0.0.1:0", ssl_certfile=tls["cert"]) as consumer:
+        with pytest.raises(tb.TransportError, match="CERTIFICATE_VERIFY_FAILED"):
+            tb.Producer(consumer.address, ssl_cafile=tls["other_ca"]).send("x", np.ones(1))
+        plain = consumer.address.replace("tcps://", "tcp://")
+        started = time.monotonic()
+        with pytest.raises(tb.TransportError, match="TLS"):
+            tb.Producer(plain, connect_timeout_s=1, reconnect_timeout_s=1).send("x", np.ones(1))
+        assert time.monotonic() - started < 10
+    with tb.Consumer("tcp://127.0.0.1:0") as plain_consumer:
+        tls_url = plain_consumer.address.replace("tcp://", "tcps://")
+        with pytest.raises(tb.TransportError):
+            tb.Producer(tls_url, ssl_cafile=tls["ca"], reconnect_timeout_s=1).send("x", np.ones(1))
+
+
+def test_flush_waits_for_acks_and_unacked_frames_are_resent_after_a_consumer_restart() -> None:
+    consumer = tb.Consumer("tcp://127.0.0.1:0")
+    address = consumer.address
+    producer = tb.Producer(address, reconnect_timeout_s=20)
+    for i in range(5):
+        producer.send(f"a{i}", np.full(10, i))
+    producer.flush(10)
+    assert producer.transport._unacked_bytes == 0  # everything acknowledged
+    consumer.close()  # the consumer goes away; what the producer sends next is not acknowledged
+    replacement: list[tb.Consumer] = []
+    threading.Timer(1.0, lambda: replacement.append(tb.Consumer(address))).start()
+    for i in range(5, 10):
+        producer.send(f"a{i}", np.full(10, i))  # the first may vanish into the dead socket's buffer
+    producer.flush(20)
+    received = {i: replacement[0].recv(f"a{i}", timeout=10)[0] for i in range(5, 10)}
+    assert received == {i: i for i in range(5, 10)}
+    producer.close()
+    replacement[0].close()
+
+
+def test_producer_to_nobody_fails_within_its_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError, match="cannot connect"):
+        tb.Producer("tcp://127.0.0.1:1", reconnect_timeout_s=1).send("x", np.ones(1))
+    assert time.monotonic() - started < 5
+
+
+def _receive_and_measure(address_out: Any, result_out: Any) -> None:
+    """In a fresh process: receive one 256 MB tensor and report how much the peak RSS grew."""
+    import resource
+
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        address_out.send(consumer.address)
+        tensor = consumer.recv("big", timeout=120)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        result_out.send((grown, int(tensor[-1]), tensor.nbytes))
+
+
+def test_receiving_256_mb_raises_peak_rss_by_at_most_1_2x_its_size() -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    address_in, address_out = context.Pipe(duplex=False)
+    result_in, result_out = context.Pipe(duplex=False)
+    receiver = context.Process(target=_receive_and_measure, args=(address_out, result_out))
+    receiver.start()
+    address = address_in.recv()
+    Peer(address, [("big", {"n": 64 << 20, "dtype": "float32", "seed": 1})]).join()
+    assert result_in.poll(120)
+    grown, _, nbytes = result_in.recv()
+    receiver.join(30)
+    print(f"\npeak RSS grew by {grown / 2**20:.0f} MiB receiving {nbytes / 2**20:.0f} MiB ({grown / nbytes:.2f}x)")
+    assert nbytes == 256 << 20 and grown <= 1.2 * nbytes

@@ -1,0 +1,114 @@
+"""Producer/Consumer plumbing on memory://: URL schemes, options, config files, lifecycle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+import tensorbus.options
+import tensorbus.transports
+
+
+def test_unknown_scheme_names_the_known_ones_and_suggests() -> None:
+    with pytest.raises(tb.ConfigError, match=r"'tpc'.*did you mean 'tcp'.*Known: amqp, amqps, kafka"):
+        tb.Producer("tpc://127.0.0.1:1")
+
+
+def test_unknown_options_are_errors_from_kwargs_and_query() -> None:
+    with pytest.raises(tb.ConfigError, match=r"unknown option.*compresion"):
+        tb.Producer("memory://x", compresion="lz4")
+    with pytest.raises(tb.ConfigError, match=r"unknown option.*bogus.*URL query"):
+        tb.Consumer("memory://x?bogus=1")
+    with pytest.raises(tb.ConfigError, match="not a valid float"):
+        tb.Producer("tcp://127.0.0.1:9?send_timeout_s=soon")
+
+
+def test_url_query_options_are_typed() -> None:
+    producer = tb.Producer("tcp://127.0.0.1:9?send_timeout_s=2.5&max_frame_bytes=65536")
+    assert producer.transport.options["send_timeout_s"] == 2.5 and producer.transport.max_frame_bytes == 65536
+    producer.close()
+
+
+def test_from_config_reads_url_and_role_tables(tmp_path: Path) -> None:
+    config = tmp_path / "bus.toml"
+    config.write_text(
+        'url = "memory://cfg"\ncompression = "zstd"\nmax_frame_bytes = 4096\n'
+        "[consumer]\nmax_buffered_bytes = 1000000\n[producer]\nchecksum = false\n"
+    )
+    with pytest.raises(tb.ConfigError, match="compression"):
+        tb.Consumer.from_config(config)  # compression is a producer option, and the file is shared
+    config.write_text(
+        'url = "memory://cfg"\nmax_frame_bytes = 4096\n[consumer]\nmax_buffered_bytes = 1000000\n'
+        '[producer]\nchecksum = false\ncompression = "zstd"\n'
+    )
+    with tb.Consumer.from_config(config) as consumer, tb.Producer.from_config(config) as producer:
+        assert consumer.table.max_buffered_bytes == 1_000_000
+        assert producer.checksum is False and producer.compression == "zstd"
+        producer.send("k", np.arange(10_000))
+        assert np.array_equal(consumer.recv("k", timeout=5), np.arange(10_000))
+    (tmp_path / "bad.toml").write_text('url = "memory://x"\nmystery = 1\n')
+    with pytest.raises(tb.ConfigError, match="mystery"):
+        tb.Producer.from_config(tmp_path / "bad.toml")
+
+
+def test_shipped_config_files_name_only_known_options() -> None:
+    configs = [p for p in sorted(Path(__file__).parents[2].joinpath("config").glob("*.toml")) if p.name != "bench.toml"]
+    assert configs, "config/ ships example files"
+    for path in configs:
+        _, options = tb.options.load_config(path, "producer")
+        url, _ = tb.options.load_config(path, "consumer")
+        assert url, f"{path} names a url"
+        cls, _ = tb.transports.resolve_transport(url)
+        known = set(cls.OPTIONS) | set(tb.api.PRODUCER_OPTIONS) | set(tb.api.CONSUMER_OPTIONS)
+        assert set(options) <= known, f"{path}: {set(options) - known}"
+
+
+def test_send_after_close_is_an_error_and_close_is_idempotent() -> None:
+    producer = tb.Producer("memory://closed")
+    producer.close()
+    producer.close()
+    with pytest.raises(tb.Closed):
+        producer.send("k", np.ones(1))
+
+
+def test_closing_a_consumer_ends_iteration_and_fails_waiters() -> None:
+    consumer = tb.Consumer("memory://iter")
+    with tb.Producer("memory://iter") as producer:
+        producer.send("a", np.ones(1))
+    seen = []
+    for message in consumer:
+        seen.append(message.key)
+        consumer.close()
+    assert seen == ["a"]
+    with pytest.raises(tb.Aborted, match="consumer closed"):
+        consumer.recv("b", timeout=1)
+
+
+def test_producer_sends_before_the_consumer_exists() -> None:
+    with tb.Producer("memory://early") as producer:
+        producer.send("early", np.arange(3))
+    with tb.Consumer("memory://early") as consumer:
+        assert np.array_equal(consumer.recv("early", timeout=5), np.arange(3))
+
+
+def test_signed_endpoint_rejects_unsigned_frames_and_counts_them() -> None:
+    with tb.Consumer("memory://signed", signing_key="k1") as consumer:
+        with tb.Producer("memory://signed") as unsigned, tb.Producer("memory://signed", signing_key="k2") as wrong:
+            unsigned.send("x", np.ones(1))
+            wrong.send("x", np.ones(1))
+        with tb.Producer("memory://signed", signing_key="k1") as good:
+            good.send("x", np.full(1, 7.0))
+        assert consumer.recv("x", timeout=5)[0] == 7.0
+        assert consumer.stats["rejected"] == 2
+
+
+def test_stale_incarnation_from_a_transport_is_refused_and_counted() -> None:
+    with tb.Consumer("memory://fence") as consumer, tb.Producer("memory://fence") as producer:
+        producer.send(tb.make_key("w", 5, "ps", "g"), np.ones(1))
+        producer.send(tb.make_key("w", 4, "ps", "g"), np.ones(1))
+        producer.send("after", np.ones(1))
+        consumer.recv("after", timeout=5)
+        assert consumer.stats["refused"] == 1 and consumer.stats["received"] == 2

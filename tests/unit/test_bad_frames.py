@@ -1,0 +1,175 @@
+"""Hostile and broken frames: every one raises a specific CodecError, never anything else."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import msgpack
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec.frame import PREFIX, encode_raw
+
+
+def craft(header: dict, payload: bytes = b"", checksum: bool = True) -> bytes:
+    """A frame with a correct prefix and checksum around an arbitrary (possibly lying) header."""
+    return b"".join(encode_raw(header, [payload] if payload else [], len(payload), checksum=checksum))
+
+
+def tensor_header(**changes: object) -> dict:
+    entry = {"name": "", "dtype": "float32", "order": "<", "shape": [4], "fortran": False, "offset": 0, "nbytes": 16}
+    entry.update(changes)
+    return {"kind": "ndarray", "key": None, "meta": {}, "id": None, "comp": None, "tensors": [entry]}
+
+
+GOOD = tb.dumps(np.arange(16, dtype=np.float32), key="k", metadata={"a": 1})
+
+
+def test_crafted_frame_helper_builds_a_valid_frame() -> None:
+    np.testing.assert_array_equal(tb.loads(craft(tensor_header(), bytes(16))), np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("cut", [0, 1, 10, PREFIX.size - 1, PREFIX.size, 100, len(GOOD) - 1])
+def test_truncated_frames(cut: int) -> None:
+    with pytest.raises(tb.TruncatedFrame, match="needs"):
+        tb.decode(GOOD[:cut])
+
+
+def test_trailing_bytes_are_refused() -> None:
+    with pytest.raises(tb.MalformedHeader, match="more follow"):
+        tb.decode(GOOD + b"x")
+
+
+def test_bad_magic_and_version() -> None:
+    with pytest.raises(tb.BadMagic, match="expected magic b'TBUS'"):
+        tb.decode(b"XXXX" + GOOD[4:])
+    with pytest.raises(tb.UnsupportedVersion, match="expected format version 1, found 9"):
+        tb.decode(GOOD[:4] + b"\x09" + GOOD[5:])
+
+
+def test_checksum_mismatch_anywhere() -> None:
+    for position in (6, PREFIX.size + 3, len(GOOD) - 1):
+        corrupt = bytearray(GOOD)
+        corrupt[position] ^= 0x40
+        with pytest.raises(tb.CodecError):
+            tb.decode(corrupt)
+    corrupt = bytearray(GOOD)
+    corrupt[-1] ^= 1
+    with pytest.raises(tb.ChecksumMismatch, match="CRC32C stored"):
+        tb.decode(corrupt)
+
+
+def test_header_and_payload_length_limits() -> None:
+    with pytest.raises(tb.LimitExceeded, match="max_header_bytes"):
+        tb.decode(GOOD, limits=tb.Limits(max_header_bytes=16))
+    with pytest.raises(tb.LimitExceeded, match="max_payload_bytes"):
+        tb.decode(GOOD, limits=tb.Limits(max_payload_bytes=8))
+    huge = bytearray(GOOD)
+    struct.pack_into("<Q", huge, 12, 1 << 62)  # payload length field
+    with pytest.raises(tb.LimitExceeded):
+        tb.decode(huge)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"shape": [10**18]}, tb.MalformedHeader, "needs"),
+        ({"shape": [10**9, 10**9], "nbytes": 4 * 10**18}, tb.MalformedHeader, "payload holds only"),
+        ({"shape": [-4]}, tb.MalformedHeader, "non-negative"),
+        ({"shape": "4"}, tb.MalformedHeader, "list"),
+        ({"shape": [1] * 40, "nbytes": 4}, tb.LimitExceeded, "max_ndim"),
+        ({"offset": -64}, tb.MalformedHeader, "offset"),
+        ({"offset": 3}, tb.MalformedHeader, "offset"),
+        ({"nbytes": 12}, tb.MalformedHeader, "header says 12"),
+        ({"dtype": "object"}, tb.UnsupportedDtype, "does not know"),
+        ({"dtype": "O"}, tb.UnsupportedDtype, "does not know"),
+        ({"dtype": ["<f4"]}, tb.UnsupportedDtype, "does not know"),
+        ({"order": "?"}, tb.UnsupportedDtype, "byte order"),
+        ({"dtype": "bfloat16", "order": ">", "nbytes": 8}, tb.UnsupportedDtype, "cannot hold"),
+    ],
+)
+def test_lying_headers(changes: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        tb.decode(craft(tensor_header(**changes), bytes(16)))
+
+
+def test_missing_fields_and_wrong_kinds() -> None:
+    header = tensor_header()
+    del header["tensors"][0]["dtype"]
+    with pytest.raises(tb.MalformedHeader, match="lacks field 'dtype'"):
+        tb.decode(craft(header, bytes(16)))
+    with pytest.raises(tb.MalformedHeader, match="not one this build knows"):
+        tb.decode(craft({**tensor_header(), "kind": "pickle"}, bytes(16)))
+    with pytest.raises(tb.MalformedHeader, match="must be a map"):
+        tb.decode(craft({**tensor_header(), "tensors": [1]}, bytes(16)))
+    with pytest.raises(tb.MalformedHeader, match="message id"):
+        tb.decode(craft({**tensor_header(), "id": "x"}, bytes(16)))
+    with pytest.raises(tb.MalformedHeader, match="key must be a string"):
+        tb.decode(craft({**tensor_header(), "key": 5}, bytes(16)))
+    with pytest.raises(tb.MalformedHeader, match="Reassembler"):
+        tb.decode(craft({"kind": "chunk", "chunk": [0, 1, 1, 1]}, b"x"))
+
+
+def test_garbage_msgpack_header() -> None:
+    for garbage in (b"\xc1", b"\x93\x01", b"\xff" * 8, msgpack.packb([1, 2, 3])):
+        head = bytearray(64)
+        PREFIX.pack_into(head, 0, b"TBUS", 1, 0, 0, len(garbage), 0, 0)
+        head[PREFIX.size : PREFIX.size + len(garbage)] = garbage
+        with pytest.raises(tb.MalformedHeader):
+            tb.decode(bytes(head))
+
+
+def test_too_many_tensors_in_a_bundle() -> None:
+    data = tb.dumps({f"t{i}": np.zeros(1) for i in range(20)})
+    with pytest.raises(tb.LimitExceeded, match="max_tensors"):
+        tb.decode(data, limits=tb.Limits(max_tensors=10))
+
+
+def test_compression_bombs_and_lies() -> None:
+    header = {**tensor_header(), "comp": "zstd", "raw": 1 << 40}
+    with pytest.raises(tb.LimitExceeded, match="claims"):
+        tb.decode(craft(header, b"\x00" * 64), limits=tb.Limits(max_payload_bytes=1 << 20))
+    good = tb.dumps(np.zeros(1 << 16, np.float32), compression="zstd")
+    frame = tb.codec.parse(good)
+    lying = craft({**frame.header, "raw": 100}, bytes(frame.payload))
+    with pytest.raises(tb.MalformedHeader, match="decompressed to"):
+        tb.decode(lying)
+    with pytest.raises(tb.MalformedHeader, match="does not decompress"):
+        tb.decode(craft({**tensor_header(), "comp": "lz4", "raw": 16}, b"\xff" * 64))
+    with pytest.raises(tb.MalformedHeader, match="unknown compression"):
+        tb.decode(craft({**tensor_header(), "comp": "rot13", "raw": 16}, bytes(16)))
+
+
+SEEDS = [
+    np.arange(64, dtype=np.float32),
+    {"w": np.ones((4, 4)), "b": np.zeros(3, np.int8)},
+    tb.SparseTensor(np.array([[0, 0], [1, 2]]), np.array([1.0, 2.0]), (2, 3)),
+    np.zeros(300, np.float64),
+]
+
+
+def test_bounded_fuzz_of_mutated_frames() -> None:
+    """Mutated frames (checksum off, so mutations reach the parser) raise only CodecError."""
+    rng = random.Random(1234)
+    frames = [tb.dumps(s, key="k", metadata={"m": [1, "x"]}, checksum=False) for s in SEEDS]
+    frames.append(tb.dumps(SEEDS[3], compression="zstd", checksum=False))
+    outcomes = {"ok": 0, "rejected": 0}
+    for _ in range(6000):
+        data = bytearray(rng.choice(frames))
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            position = rng.randrange(len(data))
+            if op < 0.6:
+                data[position] = rng.randrange(256)
+            elif op < 0.8:
+                del data[position : position + rng.randint(1, 16)]
+            else:
+                data[position:position] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
+        try:
+            tb.decode(bytes(data))
+            outcomes["ok"] += 1
+        except tb.CodecError:
+            outcomes["rejected"] += 1
+    assert outcomes["rejected"] > 3000 and sum(outcomes.values()) == 6000

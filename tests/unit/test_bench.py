@@ -1,0 +1,163 @@
+"""`tensorbus bench` through its entry point, in a configuration that finishes in seconds."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorbus.bench import config
+from tensorbus.cli import main
+from tensorbus.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "config" / "bench.toml"
+TINY = [
+    "bench", "--config", str(SHIPPED), "--transports", "memory,tcp,unix", "--baselines", "socket",
+    "--sizes", "4KB,64KB", "--latency-sizes", "4KB", "--repeats", "2", "--budget-s", "2",
+    "--warmup-s", "0.05", "--round-s", "0.05", "--timeout-s", "30", "--no-progress",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the tiny benchmark once; every test below reads its outputs."""
+    out = tmp_path_factory.mktemp("bench")
+    files = {"json": out / "bench.json", "csv": out / "bench.csv", "plot": out / "bench.png"}
+    code = main([*TINY, *(arg for kind, path in files.items() for arg in (f"--{kind}", str(path)))])
+    return {"code": code, **files}
+
+
+def test_tiny_run_succeeds(tiny_run: dict[str, Any]) -> None:
+    assert tiny_run["code"] == 0
+
+
+def test_json_has_every_cell_measured_and_verified(tiny_run: dict[str, Any]) -> None:
+    data = json.loads(tiny_run["json"].read_text())
+    methods = {m["name"]: m for m in data["methods"]}
+    assert set(methods) == {"memory", "tcp", "unix", "socket"}
+    assert all(m["status"] == "ok" for m in methods.values())
+    throughput = {(c["method"], c["size"]): c for c in data["throughput"]}
+    assert set(throughput) == {(m, s) for m in methods for s in ("4KB", "64KB")}
+    for cell in throughput.values():
+        assert cell["status"] == "ok", cell
+        assert cell["gbps_median"] > 0 and cell["tensors_per_s"] > 0
+        assert 1 <= cell["rounds"] <= 2
+        assert cell["verified"] > 0 and cell["failures"] == 0
+    latency = {c["method"]: c for c in data["latency"]}
+    assert set(latency) == set(methods)
+    for cell in latency.values():
+        assert cell["status"] == "ok" and cell["failures"] == 0
+        assert 0 < cell["p50_us"] <= cell["p99_us"]
+    ratios = {(r["transport"], r["baseline"], r["size"]) for r in data["ratios"] if r["metric"] == "throughput"}
+    assert ("tcp", "socket", "64KB") in ratios and ("unix", "socket", "4KB") in ratios
+
+
+def test_csv_has_a_row_per_cell(tiny_run: dict[str, Any]) -> None:
+    with open(tiny_run["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 * (2 + 1)  # four methods, two throughput sizes and one latency size
+    assert all(row["status"] == "ok" and row["failures"] == "0" for row in rows)
+    assert all(float(row["gbps_median"]) > 0 for row in rows if row["metric"] == "throughput")
+
+
+def test_plot_is_a_png(tiny_run: dict[str, Any]) -> None:
+    assert tiny_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unreachable_broker_is_skipped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    code = main(
+        ["bench", "--transports", "amqp", "--baselines", "auto", "--sizes", "4KB", "--no-progress",
+         "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F", "--json", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
+    assert set(methods) == {"amqp", "pika"}
+    for method in methods.values():
+        assert method["status"] == "skipped" and "127.0.0.1:1" in method["reason"]
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "--transports" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--sizes", "4XB"], ["--sizes", "0"], ["--transports", "carrier-pigeon"]])
+def test_bad_argument_is_one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorbus bench: ConfigError:") and err.count("\n") == 1
+
+
+def test_bad_size_from_the_shell() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tensorbus", "bench", "--sizes", "4KB,lots"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("\n") == 1 and "bad tensor size 'lots'" in done.stderr
+
+
+def test_importing_the_cli_is_cheap() -> None:
+    code = (
+        "import sys, tensorbus.cli; tensorbus.cli.build_parser(); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'rich', 'matplotlib', 'pika', 'kafka', 'zmq'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_shipped_config_holds_the_defaults() -> None:
+    shipped = config.load(SHIPPED, {})
+    assert shipped == config.BenchConfig(amqp_url=shipped.amqp_url, kafka_url=shipped.kafka_url)
+
+
+def test_unknown_config_key_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "bench.toml"
+    path.write_text('sizes = ["4KB"]\nrepeat = 3\n')
+    with pytest.raises(ConfigError, match="unknown benchmark setting 'repeat'"):
+        config.load(path, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"), [("4KB", 4096), ("64kib", 65536), ("1MB", 1 << 20), ("256MB", 1 << 28), ("1000", 1000)]
+)
+def test_sizes(text: str, nbytes: int) -> None:
+    assert config.parse_size(text) == nbytes
+    if nbytes % 1024 == 0:
+        assert config.parse_size(config.format_size(nbytes)) == nbytes
+
+
+def test_plain_text_report_without_rich(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorbus.bench import report
+    from tensorbus.bench.results import Cell, Method, Results
+
+    for name in [m for m in sys.modules if m == "rich" or m.startswith("rich.")] + ["rich"]:
+        monkeypatch.setitem(sys.modules, name, None)  # import rich... -> ImportError
+    cfg = config.BenchConfig(transports=["tcp"], sizes=[4096], baselines=["socket"])
+    results = Results(
+        config=cfg,
+        methods=[
+            Method("tcp", "tensorbus", "tensorbus", "tcp", "tcp://127.0.0.1:0", compare=["socket"]),
+            Method("socket", "baseline", "socket", "tcp", "tcp://127.0.0.1:0"),
+        ],
+        cells=[
+            Cell("tcp", "throughput", 4096, rounds=[0.1, 0.2]),
+            Cell("socket", "throughput", 4096, rounds=[0.4, 0.4]),
+            Cell("tcp", "latency", 4096, rounds=[1e-4], samples=[1e-4] * 10),
+            Cell("socket", "latency", 4096, rounds=[5e-5], samples=[5e-5] * 10),
+        ],
+    )
+    report.print_report(results)
+    out = capsys.readouterr().out
+    assert "bare socket" in out and "100 µs" in out and "50 µs" in out
+    assert "tcp ÷ bare socket: 4KB 0.38x, 4KB RTT 2.00x" in out
+    assert "MISSED  tcp 4KB round trip (p50) ≤ 1.5x bare socket's: 4KB 2.00x" in out

@@ -1,0 +1,140 @@
+"""Chunk splitting and reassembly: any order, duplicates, expiry, bounded memory."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec.chunking import frame_size
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chunks_of(obj: object, size: int, seq: int = 1, key: str = "k") -> list[bytes]:
+    frame = tb.encode(obj, key=key, message_id=("p", seq))
+    return [b"".join(c) for c in tb.split(frame, max_chunk_bytes=size, message_id=("p", seq), key=key)]
+
+
+def test_small_frames_are_not_split() -> None:
+    frame = tb.encode(np.zeros(10))
+    assert tb.split(frame, max_chunk_bytes=1 << 20, message_id=("p", 1)) == [frame]
+
+
+def test_chunks_respect_the_size_limit_and_carry_their_fields() -> None:
+    array = np.arange(200_000, dtype=np.float32)
+    parts = tb.split(tb.encode(array), max_chunk_bytes=65536, message_id=("p", 7), key="k")
+    total = frame_size(tb.encode(array))
+    stride = tb.codec.parse(b"".join(parts[0])).header["chunk"][3]
+    assert len(parts) == -(-total // stride) and stride > 65536 - 512
+    for index, part in enumerate(parts):
+        assert frame_size(part) <= 65536
+        header = tb.codec.parse(b"".join(part)).header
+        assert header["kind"] == "chunk" and header["id"] == ["p", 7] and header["key"] == "k"
+        assert header["chunk"][:3] == [index, len(parts), total]
+
+
+def test_split_slices_without_copying_the_tensor() -> None:
+    array = np.arange(100_000, dtype=np.float64)
+    parts = tb.split(tb.encode(array), max_chunk_bytes=100_000, message_id=("p", 1))
+    assert any(np.shares_memory(np.frombuffer(buf, np.uint8), array) for buf in parts[1][1:])
+
+
+def test_reassembly_in_any_order_with_duplicates() -> None:
+    array = np.random.default_rng(0).random((300, 301))
+    chunks = chunks_of(array, 50_000)
+    rng = random.Random(3)
+    stream = chunks + rng.sample(chunks, 5)
+    rng.shuffle(stream)
+    reassembler = tb.Reassembler()
+    messages = [m for m in (reassembler.feed(c) for c in stream) if m is not None]
+    assert len(messages) == 1
+    assert messages[0].key == "k" and messages[0].message_id == ("p", 1)
+    np.testing.assert_array_equal(messages[0].tensor, array)
+    assert reassembler.stats["duplicates"] == 5 and reassembler.held_bytes == 0 and reassembler.pending == 0
+
+
+def test_interleaved_messages() -> None:
+    a, b = np.arange(50_000.0), np.arange(70_000, dtype=np.int32)
+    ca, cb = chunks_of(a, 40_000, seq=1), chunks_of(b, 40_000, seq=2)
+    stream = [c for pair in zip(ca, cb, strict=False) for c in pair] + ca[len(cb) :] + cb[len(ca) :]
+    reassembler = tb.Reassembler()
+    out = {m.message_id[1]: m.tensor for m in map(reassembler.feed, stream) if m is not None}
+    np.testing.assert_array_equal(out[1], a)
+    np.testing.assert_array_equal(out[2], b)
+
+
+def test_unchunked_frames_pass_straight_through() -> None:
+    message = tb.Reassembler().feed(tb.dumps(np.ones(3), key="x"))
+    assert message is not None and message.key == "x"
+
+
+def test_incomplete_messages_expire_and_free_memory() -> None:
+    clock = FakeClock()
+    reassembler = tb.Reassembler(timeout_s=5, clock=clock)
+    chunks = chunks_of(np.zeros(100_000), 30_000)
+    for c in chunks[:-1]:
+        assert reassembler.feed(c) is None
+    assert reassembler.held_bytes > 0
+    clock.now = 6
+    assert reassembler.expire() == 1
+    assert reassembler.held_bytes == 0 and reassembler.stats["expired"] == 1
+    later = reassembler.feed(tb.dumps(np.ones(2), key="later"))
+    assert later is not None and later.key == "later"
+
+
+def test_memory_limit_refuses_new_messages_but_keeps_going() -> None:
+    reassembler = tb.Reassembler(max_bytes=1_000_000)
+    big = chunks_of(np.zeros(100_000), 100_000, seq=1)  # ~800 KB held once started
+    assert reassembler.feed(big[0]) is None
+    other = chunks_of(np.zeros(100_000), 100_000, seq=2)
+    with pytest.raises(tb.LimitExceeded, match="limit is 1000000"):
+        reassembler.feed(other[0])
+    messages = [reassembler.feed(c) for c in big[1:]]
+    assert messages[-1] is not None and messages[-1].tensor.shape == (100_000,)
+
+
+def test_flood_of_chunks_claiming_huge_totals_allocates_nothing_beyond_the_limit() -> None:
+    from tensorbus.codec.frame import encode_raw
+
+    reassembler = tb.Reassembler(max_bytes=10 << 20)
+    refused = 0
+    for seq in range(1000):
+        header = {"kind": "chunk", "key": None, "id": ["evil", seq], "chunk": [0, 1 << 20, 1 << 40, 1 << 20]}
+        try:
+            reassembler.feed(b"".join(encode_raw(header, [b"x" * 64], 64)))
+        except tb.CodecError:
+            refused += 1
+    assert refused == 1000 and reassembler.held_bytes == 0
+
+
+def test_chunk_that_disagrees_or_lies_about_its_size() -> None:
+    chunks = chunks_of(np.zeros(50_000), 30_000)
+    other = chunks_of(np.zeros(60_000), 30_000)  # same message id, different total
+    reassembler = tb.Reassembler()
+    reassembler.feed(chunks[0])
+    with pytest.raises(tb.MalformedHeader, match="disagrees"):
+        reassembler.feed(other[1])
+
+
+def test_signed_chunks_require_the_key() -> None:
+    frame = tb.encode(np.zeros(50_000), signing_key=b"s")
+    parts = tb.split(frame, max_chunk_bytes=30_000, message_id=("p", 1), signing_key=b"s")
+    reassembler = tb.Reassembler(signing_key=b"s")
+    out = [reassembler.feed(b"".join(p)) for p in parts]
+    assert out[-1] is not None
+    with pytest.raises(tb.SignatureError):
+        tb.Reassembler(signing_key=b"other").feed(b"".join(parts[0]))
+
+
+def test_too_small_chunk_size_is_a_config_error() -> None:
+    with pytest.raises(tb.ConfigError, match="no room"):
+        tb.split(tb.encode(np.zeros(10_000)), max_chunk_bytes=300, message_id=("p", 1))

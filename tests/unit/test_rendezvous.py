@@ -1,0 +1,107 @@
+"""The rendezvous table on its own: keys, fencing, FIFO under threads, backpressure."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+
+
+def test_make_key_and_parse_key_round_trip() -> None:
+    key = tb.make_key("/job:worker/task:0", 0x1F, "/job:ps/task:1", "grad/w", (2, 7))
+    assert key == "/job:worker/task:0;1f;/job:ps/task:1;grad/w;2:7"
+    assert tb.parse_key(key) == ("/job:worker/task:0", 31, "/job:ps/task:1", "grad/w", (2, 7))
+
+
+@pytest.mark.parametrize("bad", ["a;1;b;c", "a;1;b;c;0:0;x", "a;zz;b;c;0:0", "a;1;b;c;0", ";1;b;c;0:0", "a;1;b;c;x:0"])
+def test_parse_key_rejects_anything_but_five_good_parts(bad: str) -> None:
+    with pytest.raises(tb.ConfigError):
+        tb.parse_key(bad)
+
+
+def test_make_key_rejects_separators_in_parts() -> None:
+    with pytest.raises(tb.ConfigError, match="without ';'"):
+        tb.make_key("a;b", 1, "c", "d")
+
+
+def test_older_incarnation_is_fenced_off() -> None:
+    table = tb.Rendezvous()
+    table.send(tb.make_key("w", 2, "ps", "x"), np.ones(1))
+    with pytest.raises(tb.StaleIncarnation, match="incarnation 1 of 'w'"):
+        table.send(tb.make_key("w", 1, "ps", "x"), np.ones(1))
+    table.send(tb.make_key("w", 3, "ps", "x"), np.ones(1))  # a newer restart is fine
+    table.send("plain-key", np.ones(1))  # keys that are not rendezvous keys are never fenced
+    assert table.stats["stale"] == 1 and len(table) == 3
+
+
+def test_keys_are_compared_in_full() -> None:
+    table = tb.Rendezvous()
+    table.send("layer1", np.ones(1))
+    with pytest.raises(tb.Timeout):
+        table.recv("layer", timeout=0.05)
+    assert table.recv("layer1", timeout=1)[0] == 1
+
+
+def test_many_threads_send_and_receive_every_tensor_once_in_fifo_order() -> None:
+    table = tb.Rendezvous()
+    keys, per_key = 8, 200
+    received: dict[str, list[int]] = {f"k{k}": [] for k in range(keys)}
+
+    def consume(key: str) -> None:
+        for _ in range(per_key):
+            received[key].append(int(table.recv(key, timeout=30)[0]))
+
+    def produce(key: str) -> None:
+        for i in range(per_key):
+            table.send(key, np.array([i]))
+
+    threads = [threading.Thread(target=consume, args=(f"k{k}",)) for k in range(keys)]
+    threads += [threading.Thread(target=produce, args=(f"k{k}",)) for k in range(keys)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(values == list(range(per_key)) for values in received.values())
+    assert len(table) == 0 and table.buffered_bytes == 0
+
+
+def test_buffer_limit_makes_wait_for_room_block_until_a_receive() -> None:
+    table = tb.Rendezvous(max_buffered_bytes=1000)
+    table.send("a", np.zeros(200))  # 1600 bytes: over the limit, but send never blocks
+    assert table.buffered_bytes == 1600
+    assert table.wait_for_room(timeout=0.05) is False
+    threading.Timer(0.1, lambda: table.recv("a")).start()
+    started = time.monotonic()
+    assert table.wait_for_room(timeout=5) is True
+    assert time.monotonic() - started >= 0.09 and table.buffered_bytes == 0
+
+
+def test_recv_async_is_served_from_the_buffer_immediately() -> None:
+    table = tb.Rendezvous()
+    table.send("a", np.ones(2), metadata={"m": 1})
+    got: list[tb.Message] = []
+    table.recv_async("a", lambda m, e: got.append(m))
+    assert got[0].metadata == {"m": 1}
+
+
+def test_callback_errors_do_not_break_the_table(caplog: pytest.LogCaptureFixture) -> None:
+    table = tb.Rendezvous()
+    table.recv_async("a", lambda m, e: 1 / 0)
+    table.send("a", np.ones(1))
+    table.send("b", np.ones(1))
+    assert table.recv("b", timeout=1)[0] == 1
+    assert "callback for 'a' raised" in caplog.text
+
+
+def test_arrival_order_and_keyed_receives_share_one_queue() -> None:
+    table = tb.Rendezvous()
+    for i, key in enumerate(["a", "b", "a", "c"]):
+        table.send(key, np.array([i]))
+    assert table.recv("a", timeout=1)[0] == 0
+    assert [int(table.next_message(timeout=1).tensor[0]) for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(tb.Timeout, match="no message"):
+        table.next_message(timeout=0.01)
