@@ -396,6 +396,7 @@ class KafkaTransport(Transport):
                     session_timeout_ms=int(o["session_timeout_s"] * 1000),
                     heartbeat_interval_ms=int(o["session_timeout_s"] * 100),  # a tenth: rebalances start quickly
                 )
+                self._await_metadata(consumer, o["connect_timeout_s"])
                 offsets = self._offsets = _Offsets(consumer, deliver, self._shown)
                 consumer.subscribe([self.topic], listener=offsets)
         except TensorBusError as exc:
@@ -423,6 +424,18 @@ class KafkaTransport(Transport):
         offsets.commit(o["close_timeout_s"])
         with contextlib.suppress(Exception):
             consumer.close(autocommit=False, timeout_ms=int(o["close_timeout_s"] * 1000))
+
+    def _await_metadata(self, consumer: KafkaConsumer, timeout: float) -> None:
+        """Wait until this client's metadata lists the topic's partitions.
+
+        A group joined before that is assigned nothing, and kafka-python only refreshes metadata every
+        few minutes: a freshly created topic would sit unread until then.
+        """
+        deadline = time.monotonic() + timeout
+        while not consumer.partitions_for_topic(self.topic):
+            if time.monotonic() > deadline:
+                raise TransportError(f"{self._shown}: partitions of the topic unknown to the client after {timeout}s")
+            time.sleep(0.1)
 
     def close(self) -> None:
         """Flush and close the producer, or stop the consumer thread (which commits and leaves the group)."""
