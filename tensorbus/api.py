@@ -13,6 +13,7 @@ from typing import Any
 
 from .codec import Limits, Message, MessageId, Reassembler, encode, split
 from .codec.frame import Buffer
+from .dedup import SeenIds
 from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
 from .options import load_config, merge
 from .rendezvous import Callback, RecvHandle, Rendezvous
@@ -36,6 +37,7 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "max_payload_bytes": Limits.max_payload_bytes,
     "max_ndim": Limits.max_ndim,
     "dedup_window": 100_000,
+    "dedup_file": None,
 }
 
 
@@ -163,8 +165,7 @@ class Consumer:
             signing_key=self.signing_key,
         )
         self._lock = threading.Lock()
-        self._seen: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
-        self._dedup_window = opts["dedup_window"]
+        self._seen = SeenIds(opts["dedup_window"], opts["dedup_file"])
         self.stats = collections.Counter[str]()
         self._closed = False
         self._stopping = threading.Event()
@@ -203,12 +204,13 @@ class Consumer:
                 if message_id in self._seen:
                     self.stats["duplicates"] += 1
                     return Delivered(message_id, True)
-                self._seen[message_id] = None
-                if len(self._seen) > self._dedup_window:
-                    self._seen.popitem(last=False)
+                self._seen.add(message_id)
         try:
             self.table.put(message)
             self.stats["received"] += 1
+            if message_id is not None:
+                with self._lock:
+                    self._seen.persist(message_id)  # after the put: a kill in between repeats, never loses
         except Aborted:
             return Delivered(message_id, False)  # not acknowledged: a broker hands it to the next consumer
         except TensorBusError as exc:
@@ -260,6 +262,8 @@ class Consumer:
             self._stopping.set()
             self.table.abort("consumer closed")  # first: a delivery waiting for room must not hold up close
             self.transport.close()
+            with self._lock:
+                self._seen.close()
 
     def __enter__(self) -> Consumer:
         return self
