@@ -169,7 +169,10 @@ class Consumer:
         self.stats = collections.Counter[str]()
         self._closed = False
         self._stopping = threading.Event()
+        self._local = threading.local()  # .pumping: this thread reads frames while it waits in recv
         self.transport.listen(_Sink(self), limits)
+        if hasattr(self.transport, "pump"):
+            self.table.pump = self._pump
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
         self._expiry.start()
 
@@ -186,8 +189,8 @@ class Consumer:
 
     def _deliver(self, data: Buffer, crc: int | None = None) -> Delivered:
         """Called by the transport for each received frame; never raises."""
-        if self.table.buffered_bytes >= self.table.max_buffered_bytes:
-            self.table.wait_for_room()
+        if self.table.buffered_bytes >= self.table.max_buffered_bytes and not getattr(self._local, "pumping", False):
+            self.table.wait_for_room()  # backpressure; a thread reading for its own recv stops reading instead
         with self._lock:
             try:
                 message = self.reassembler.feed(data, crc=crc)
@@ -217,6 +220,17 @@ class Consumer:
             self.stats["refused"] += 1
             log.error("%s: refused message %s: %s", self.url, message_id, exc)
         return Delivered(message_id, True)
+
+    def _pump(self, done: threading.Lock, deadline: float | None) -> bool:
+        """Let a thread waiting in `recv` read frames itself: its tensor then needs no thread hand-off."""
+        self._local.pumping = True
+        try:
+            return self.transport.pump(done, deadline, self._has_room)  # type: ignore[attr-defined]
+        finally:
+            self._local.pumping = False
+
+    def _has_room(self) -> bool:
+        return self.table.buffered_bytes < self.table.max_buffered_bytes
 
     def _expire_loop(self) -> None:
         """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""

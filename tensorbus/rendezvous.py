@@ -80,6 +80,9 @@ class Rendezvous:
         self._counter = 0
         self._aborted: Aborted | None = None
         self.stats = collections.Counter[str]()
+        #: set by a consumer whose transport can read on the waiting thread: `pump(done, deadline)`
+        #: waits for the waiter's lock `done` (True) or the deadline (False), reading frames meanwhile
+        self.pump: Callable[[threading.Lock, float | None], bool] | None = None
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -179,7 +182,12 @@ class Rendezvous:
                 return message
             self._waiters.setdefault(key, collections.deque()).append(waiter)
         assert waiter.done is not None
-        if not waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0)):
+        if self.pump is not None:
+            deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
+            served = self.pump(waiter.done, deadline)
+        else:
+            served = waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+        if not served:
             what = "no message" if key is ANY else f"no tensor for key {key!r}"
             if not self._fail_waiter(waiter, Timeout(f"{what} within {timeout}s")):
                 waiter.done.acquire()  # served just as the time ran out: the result is being handed over

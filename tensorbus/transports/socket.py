@@ -6,7 +6,7 @@ A frame goes out as one scatter-gather `sendmsg` of header and array memory, and
 The consumer acknowledges frames once they reached the rendezvous table; a producer keeps
 unacknowledged frames (by reference: do not modify a sent array before `flush`) and sends them
 again after reconnecting to a restarted consumer. Duplicates are dropped above, by message id.
-See `stream.py` for the handshake and acks.
+See `stream.py` for the handshake and acks, `reactor.py` for how the consumer reads.
 """
 
 from __future__ import annotations
@@ -21,31 +21,17 @@ import ssl
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-import crc32c
-
-from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Buffer, Limits, frame_length
-from ..errors import CodecError, ConfigError, LimitExceeded, TransportError
+from ..codec.frame import Buffer, Limits
+from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, backoff_s
 from .buffers import BufferPool
-from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, recv_checksummed, recv_exact, sendmsg_all
+from .reactor import Reactor
+from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, sendmsg_all
 
 log = logging.getLogger(__name__)
-#: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
-CHECKSUM_WHILE_RECEIVING = 4 << 20
-NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
-
-
-def skip(sock: socket.socket, nbytes: int) -> bool:
-    """Read and discard `nbytes` through a small scratch buffer; False if the stream ended first."""
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-    while nbytes:
-        got = sock.recv_into(scratch[: min(nbytes, len(scratch))])
-        if got == 0:
-            return False
-        nbytes -= got
-    return True
 
 
 class SocketTransport(Transport):
@@ -64,6 +50,7 @@ class SocketTransport(Transport):
         "close_timeout_s": 10.0,
         "backlog": 128,
         "pooled_buffers": 4,
+        "linger_s": 0.001,
         "auth_secret": None,
         "ssl_cafile": None,
         "ssl_certfile": None,
@@ -93,7 +80,7 @@ class SocketTransport(Transport):
         self._ack_buf = bytearray()
         self._ack_requested = False
         self._server: socket.socket | None = None
-        self._peers: set[socket.socket] = set()
+        self.reactor: Reactor | None = None
         self._closed = threading.Event()
         self._pool = BufferPool(options["pooled_buffers"])
 
@@ -236,7 +223,7 @@ class SocketTransport(Transport):
     # -- consumer side ------------------------------------------------------------------------------
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
-        """Bind, then accept producers on a background thread, one reader thread each."""
+        """Bind, then accept producers on a background thread; their frames are read by a `Reactor`."""
         context = self._ssl_context(server_side=True)
         server = socket.socket(self.family, socket.SOCK_STREAM)
         try:
@@ -254,102 +241,47 @@ class SocketTransport(Transport):
             host, port = server.getsockname()[:2]
             self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self._server = server
+        self.reactor = Reactor(deliver, limits, self.options, self._pool)
         threading.Thread(
-            target=self._accept, args=(deliver, limits, context), daemon=True, name=f"tensorbus-accept-{self.address}"
+            target=self._accept, args=(context,), daemon=True, name=f"tensorbus-accept-{self.address}"
         ).start()
 
-    def _accept(self, deliver: Deliver, limits: Limits, context: ssl.SSLContext | None) -> None:
+    def pump(self, done: threading.Lock, deadline: float | None, room: Callable[[], bool]) -> bool:
+        """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.pump`)."""
+        assert self.reactor is not None
+        return self.reactor.pump(done, deadline, room)
+
+    def _accept(self, context: ssl.SSLContext | None) -> None:
         assert self._server is not None
         while not self._closed.is_set():
             try:
                 conn, peer = self._server.accept()
             except OSError:
                 return  # closed
-            self._peers.add(conn)
             threading.Thread(
-                target=self._serve,
-                args=(conn, peer, deliver, limits, context),
-                daemon=True,
-                name=f"tensorbus-peer-{peer}",
+                target=self._handshake, args=(conn, peer, context), daemon=True, name=f"tensorbus-hello-{peer}"
             ).start()
 
-    def _serve(self, conn: socket.socket, peer: Any, deliver: Deliver, limits: Limits, ctx: Any) -> None:
-        """Handshake, then read frames from one producer until it leaves or sends something that is not a frame."""
+    def _handshake(self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None) -> None:
+        """TLS and the shared-secret check (blocking, with a timeout), then hand the connection to the reactor."""
         try:
             conn.settimeout(self.options["connect_timeout_s"])
             if ctx is not None:
                 conn = ctx.wrap_socket(conn, server_side=True)
             if not greet(conn, self.secret):
                 log.error("refused producer %s: no valid proof of the shared secret", peer)
+                conn.close()
                 return
-            self._read_frames(conn, peer, deliver, limits)
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            log.info("producer %s went away: %s", peer, exc)
         except (OSError, ssl.SSLError) as exc:
             if not self._closed.is_set():
-                log.error("connection from %s failed: %s", peer, exc)
-        finally:
-            self._peers.discard(conn)
+                log.error("handshake with %s failed: %s", peer, exc)
             conn.close()
-
-    def _read_frames(self, conn: socket.socket, peer: Any, deliver: Deliver, limits: Limits) -> None:
-        """Read frames and ack requests; acks count the frames before the oldest still-incomplete tensor."""
-        conn.settimeout(None)
-        prefix = memoryview(bytearray(PREFIX.size))
-        frames = acked = unacked_bytes = 0
-        incomplete: dict[Any, int] = {}  # message id -> index of its first frame on this connection
-
-        def ack() -> None:
-            nonlocal acked, unacked_bytes
-            for message_id in [m for m in incomplete if not deliver.is_pending(m)]:
-                del incomplete[message_id]  # expired (given up on) since: nothing more to wait for
-            safe = next(iter(incomplete.values()), frames)
-            conn.sendall(ACK.pack(safe))
-            acked, unacked_bytes = safe, 0
-
-        while not self._closed.is_set():
-            got = recv_exact(conn, prefix)
-            if got == 0:
-                return
-            if got < PREFIX.size:
-                log.error("peer %s disconnected mid-frame (prefix %d of %d bytes)", peer, got, PREFIX.size)
-                return
-            if prefix == ACK_REQUEST:
-                ack()
-                continue
-            try:
-                total = frame_length(prefix, limits)
-            except LimitExceeded:
-                # a well-formed frame over this consumer's limits: skip its bytes, let the consumer count it
-                if not skip(conn, frame_length(prefix, NO_LIMITS) - PREFIX.size):
-                    return
-                deliver(prefix)
-                frames += 1
-                continue
-            except CodecError as exc:
-                log.error("dropping peer %s: it sent something that is not a tensorbus frame: %s", peer, exc)
-                return
-            buffer = self._pool.take(total)
-            buffer[: PREFIX.size] = prefix
-            crc = None
-            if total >= CHECKSUM_WHILE_RECEIVING and prefix[5] & FLAG_CHECKSUM:
-                crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
-                got, crc = recv_checksummed(conn, buffer, PREFIX.size, crc_end, crc32c.crc32c(prefix[:CRC_AT]))
-            else:
-                got = PREFIX.size + recv_exact(conn, buffer[PREFIX.size :])
-            if got < total:
-                log.error("peer %s disconnected mid-frame (%d of %d bytes)", peer, got, total)
-                return
-            result = deliver(buffer, crc)
-            del buffer
-            if result.done:
-                incomplete.pop(result.message_id, None)
-            else:
-                incomplete.setdefault(result.message_id, frames)
-            frames += 1
-            unacked_bytes += total
-            if frames - acked >= self.options["ack_every_frames"] or unacked_bytes >= self.options["ack_every_bytes"]:
-                ack()
+            return
+        assert self.reactor is not None
+        if self._closed.is_set():
+            conn.close()
+            return
+        self.reactor.add(conn, peer)
 
     def close(self) -> None:
         """Flush (up to close_timeout_s) and close the producer connection, or stop listening and drop every peer."""
@@ -365,9 +297,8 @@ class SocketTransport(Transport):
             with contextlib.suppress(OSError):
                 self._server.shutdown(socket.SHUT_RDWR)
             self._server.close()
-            for peer in list(self._peers):
-                with contextlib.suppress(OSError):
-                    peer.shutdown(socket.SHUT_RDWR)
+            if self.reactor is not None:
+                self.reactor.close(self.options["close_timeout_s"])
             if self.family == socket.AF_UNIX:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.target)  # type: ignore[arg-type]

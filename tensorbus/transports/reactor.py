@@ -1,0 +1,340 @@
+"""The receiving side of the stream sockets: every producer connection read by whichever thread leads.
+
+A thread hand-off costs about as much as a process wake-up here (~25 µs), so a frame should be
+read by the thread that wants it. Connections are non-blocking and share one selector; one
+thread at a time leads (selects and reads whole frames, delivering each). An application thread
+waiting in `Consumer.recv` leads itself, so its tensor needs no hand-off; a background thread
+leads when no application thread has waited recently (`linger_s`), so acks flow and producers
+never stall while the application is busy elsewhere (leadership leaves it in microseconds, and
+a background leader is woken through a pipe when an application thread wants to lead).
+
+Each connection is a small state machine (prefix, then the frame into one buffer, or skipping a
+frame over the limits), so a producer that stalls mid-frame holds up nobody else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import crc32c
+
+from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Limits, MessageId, frame_length
+from ..errors import CodecError, LimitExceeded
+from .base import Deliver
+from .buffers import BufferPool
+from .stream import ACK, ACK_REQUEST, CRC_SLICE
+
+log = logging.getLogger(__name__)
+#: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
+CHECKSUM_WHILE_RECEIVING = 4 << 20
+NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
+#: bytes read at once while waiting for a prefix (so a small frame costs one system call)
+READ_AHEAD = 64 << 10
+#: frames read from one connection before the others get a turn
+FAIR_SHARE = 16
+#: an application leader looks up at least this often (e.g. for an abort)
+POLL_S = 0.05
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+class PeerGone(Exception):
+    """The connection ended (cleanly or not); the message says why, for the log."""
+
+
+class _Peer:
+    """One producer connection and where its reader stands in the current frame."""
+
+    def __init__(self, conn: socket.socket, name: Any) -> None:
+        self.conn, self.name = conn, name
+        self.prefix = memoryview(bytearray(PREFIX.size))
+        self.prefix_got = 0
+        self.frame: memoryview | None = None
+        self.got = self.total = self.crc_end = 0
+        self.crc: int | None = None
+        self.skip_left = 0
+        self.inbox = memoryview(bytearray(READ_AHEAD))  # small frames arrive with their prefix in one read
+        self.in_lo = self.in_hi = 0
+        self.frames = self.acked = self.unacked_bytes = 0
+        self.ack_owed = False
+        self.incomplete: dict[MessageId | None, int] = {}  # message id -> index of its first frame here
+
+
+class Reactor:
+    """Reads frames from registered connections on the leading thread and hands them to `deliver`."""
+
+    def __init__(self, deliver: Deliver, limits: Limits, options: dict[str, Any], pool: BufferPool) -> None:
+        self.deliver, self.limits, self.options, self.pool = deliver, limits, options, pool
+        self.linger_s: float = options["linger_s"]
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._peers: dict[int, _Peer] = {}
+        self._pending: set[_Peer] = set()  # peers with bytes read ahead (or decrypted) that the selector cannot see
+        self._scratch = memoryview(bytearray(1 << 20))
+        self._leader = threading.Lock()
+        self._state = threading.Condition()
+        self._wanted = 0  # application threads waiting to lead
+        self._idle_until = 0.0  # the background thread leaves leadership to the application until then
+        self._closed = False
+        self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
+        self._background.start()
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def add(self, conn: socket.socket, name: Any) -> None:
+        """Start reading a connection that finished its handshake."""
+        conn.setblocking(False)
+        if conn.family != socket.AF_UNIX:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
+        peer = _Peer(conn, name)
+        self._peers[conn.fileno()] = peer
+        self._selector.register(conn, selectors.EVENT_READ, peer)
+        if isinstance(conn, ssl.SSLSocket) and conn.pending():
+            self._pending.add(peer)
+            self._wake()
+
+    def _drop(self, peer: _Peer, reason: str, level: int) -> None:
+        log.log(level, "producer %s: %s", peer.name, reason)
+        self._pending.discard(peer)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(peer.conn)
+        self._peers.pop(peer.conn.fileno(), None)
+        peer.conn.close()
+
+    # -- leadership -----------------------------------------------------------------------------
+
+    def pump(self, done: threading.Lock, deadline: float | None, room: Callable[[], bool]) -> bool:
+        """Wait for `done` (a waiter's lock) until `deadline`, reading frames on this thread meanwhile.
+
+        True once `done` was acquired, False when the deadline passed. When another application
+        thread leads, or the consumer's table is full, this just waits for `done`.
+        """
+        while True:
+            if done.acquire(blocking=False):
+                return True
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            slice_s = POLL_S if remaining is None else min(remaining, POLL_S)
+            if self._closed or not room() or not self._take_lead(slice_s):
+                if done.acquire(timeout=slice_s):
+                    return True
+                continue
+            try:
+                self._lead(lambda: not done.locked() or not room(), time.monotonic() + slice_s)
+            finally:
+                self._idle_until = time.monotonic() + self.linger_s
+                self._leader.release()
+
+    def _take_lead(self, wait_s: float) -> bool:
+        """Become the leader: at once if nobody leads, else by asking a background leader to step aside."""
+        if self._leader.acquire(blocking=False):
+            return True
+        with self._state:
+            self._wanted += 1
+        try:
+            self._wake()
+            return self._leader.acquire(timeout=wait_s)
+        finally:
+            with self._state:
+                self._wanted -= 1
+
+    def _lead_in_background(self) -> None:
+        """Lead while no application thread has led recently; step aside as soon as one wants to."""
+        while not self._closed:
+            pause = self._idle_until - time.monotonic()
+            if pause > 0 or self._wanted:
+                with self._state:
+                    self._state.wait(max(pause, 0.001))
+                continue
+            if not self._leader.acquire(timeout=POLL_S):
+                continue
+            try:
+                self._lead(lambda: self._wanted > 0, time.monotonic() + 1.0)
+            except Exception:  # a bug here must not silently stop all reading
+                log.exception("the background reader failed; restarting it")
+            finally:
+                self._leader.release()
+
+    def _lead(self, stop: Callable[[], bool], deadline: float) -> bool:
+        """Select and read until `stop()` or the deadline; True if `stop()` ended it. Caller leads."""
+        while not self._closed:
+            if stop():
+                return True
+            timeout = 0.0 if self._pending else max(0.0, deadline - time.monotonic())
+            ready = []
+            for key, _ in self._selector.select(timeout):
+                if key.data is None:
+                    self._drain_wake()
+                else:
+                    ready.append(key.data)
+            for peer in [*ready, *self._pending]:
+                self._pending.discard(peer)
+                self._read(peer, stop)
+            if time.monotonic() >= deadline:
+                return stop()
+        return False
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"\0")
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.read(self._wake_r, 4096)
+
+    # -- reading one connection -----------------------------------------------------------------
+
+    def _read(self, peer: _Peer, stop: Callable[[], bool]) -> None:
+        """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
+        try:
+            for _ in range(FAIR_SHARE):
+                self._step(peer)
+                if stop():
+                    break
+            if peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending()):
+                self._pending.add(peer)
+        except _WOULD_BLOCK:
+            return
+        except PeerGone as exc:
+            self._drop(peer, str(exc), logging.INFO if str(exc) == "went away" else logging.ERROR)
+        except (OSError, ssl.SSLError) as exc:
+            self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
+
+    def _recv(self, peer: _Peer, view: memoryview) -> int:
+        n = peer.conn.recv_into(view)
+        if n == 0:
+            where = peer.frame is not None or peer.skip_left or 0 < peer.prefix_got
+            raise PeerGone("disconnected mid-frame" if where else "went away")
+        return n
+
+    def _take(self, peer: _Peer, view: memoryview) -> int:
+        """Fill `view` from bytes read ahead, reading ahead again (one system call) only for a prefix."""
+        if peer.in_lo == peer.in_hi:
+            if len(view) >= len(peer.inbox) or peer.frame is not None:
+                return self._recv(peer, view)  # large: straight into its place
+            peer.in_lo, peer.in_hi = 0, self._recv(peer, peer.inbox)
+        n = min(len(view), peer.in_hi - peer.in_lo)
+        view[:n] = peer.inbox[peer.in_lo : peer.in_lo + n]
+        peer.in_lo += n
+        return n
+
+    def _step(self, peer: _Peer) -> None:
+        """Advance the connection by one frame (or ack request); raises a _WOULD_BLOCK error when out of bytes."""
+        while peer.skip_left:
+            n = self._take(peer, self._scratch[: min(peer.skip_left, len(self._scratch))])
+            peer.skip_left -= n
+            if not peer.skip_left:
+                peer.total = PREFIX.size
+                self._finish(peer, self.deliver(peer.prefix))  # the consumer counts it as refused
+                return
+        while peer.frame is None:
+            peer.prefix_got += self._take(peer, peer.prefix[peer.prefix_got :])
+            if peer.prefix_got < PREFIX.size:
+                continue
+            if peer.prefix == ACK_REQUEST:
+                peer.prefix_got = 0
+                self._ack(peer)
+                return
+            if not self._start_frame(peer):
+                return
+        frame = peer.frame
+        while peer.got < peer.total:
+            end = min(peer.got + CRC_SLICE, peer.total) if peer.crc is not None else peer.total
+            n = self._take(peer, frame[peer.got : end])
+            if peer.crc is not None and peer.got < peer.crc_end:
+                peer.crc = crc32c.crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
+            peer.got += n
+        crc, peer.frame = peer.crc, None
+        self._finish(peer, self.deliver(frame, crc))
+
+    def _start_frame(self, peer: _Peer) -> bool:
+        """Size the frame from its prefix and get its buffer; False when its bytes are to be skipped."""
+        prefix = peer.prefix
+        try:
+            total = frame_length(prefix, self.limits)
+        except LimitExceeded:
+            # a well-formed frame over this consumer's limits: skip its bytes, let the consumer count it
+            peer.skip_left = frame_length(prefix, NO_LIMITS) - PREFIX.size
+            return False
+        except CodecError as exc:
+            raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}") from None
+        frame = self.pool.take(total)
+        frame[: PREFIX.size] = prefix
+        peer.frame, peer.got, peer.total, peer.crc = frame, PREFIX.size, total, None
+        if total >= CHECKSUM_WHILE_RECEIVING and prefix[5] & FLAG_CHECKSUM:
+            peer.crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
+            peer.crc = crc32c.crc32c(prefix[:CRC_AT])
+        return True
+
+    def _finish(self, peer: _Peer, result: Any) -> None:
+        """Book a delivered frame; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
+        peer.prefix_got = 0
+        if result.done:
+            peer.incomplete.pop(result.message_id, None)
+        else:
+            peer.incomplete.setdefault(result.message_id, peer.frames)
+        peer.frames += 1
+        peer.unacked_bytes += peer.total
+        o = self.options
+        due = peer.frames - peer.acked >= o["ack_every_frames"] or peer.unacked_bytes >= o["ack_every_bytes"]
+        if due or peer.ack_owed:
+            self._ack(peer)
+
+    def _ack(self, peer: _Peer) -> None:
+        """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full)."""
+        for message_id in [m for m in peer.incomplete if not self.deliver.is_pending(m)]:
+            del peer.incomplete[message_id]  # expired (given up on) since: nothing more to wait for
+        safe = next(iter(peer.incomplete.values()), peer.frames)
+        try:
+            sent = peer.conn.send(ACK.pack(safe))
+        except _WOULD_BLOCK:
+            sent = 0
+        if sent != ACK.size:  # a partial 8-byte send would need the rest sent: the buffer is never that full
+            peer.ack_owed = sent == 0
+            if sent:
+                raise PeerGone(f"ack cut short ({sent} of {ACK.size} bytes)")
+            return
+        peer.ack_owed = False
+        peer.acked, peer.unacked_bytes = safe, 0
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def close(self, timeout: float) -> None:
+        """Answer what already arrived (ack requests above all), then drop every connection and stop."""
+        with self._state:
+            self._wanted += 1  # a background leader steps aside
+        self._wake()
+        got = self._leader.acquire(timeout=timeout)
+        try:
+            if got:
+                self._lead(lambda: False, time.monotonic())  # one pass over what is readable now
+            self._closed = True
+            self._wake()
+            with self._state:
+                self._state.notify_all()
+            self._background.join(timeout)
+            for peer in list(self._peers.values()):
+                with contextlib.suppress(OSError):
+                    peer.conn.shutdown(socket.SHUT_RDWR)
+                peer.conn.close()
+            self._peers.clear()
+            self._selector.close()
+            wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
+            os.close(wake_r)
+            os.close(wake_w)
+        finally:
+            if got:
+                self._leader.release()
