@@ -27,7 +27,7 @@ class BufferPool:
     def take(self, n: int) -> memoryview:
         """A buffer of exactly `n` bytes (a view of a pooled one when a free one fits)."""
         if n < _MIN_POOLED:
-            return memoryview(bytearray(n))
+            return memoryview(np.empty(n, np.uint8))  # not zero-filled: every byte is about to be received
         with self._lock:
             for base in self._buffers:
                 # references: the list, `base`, and getrefcount's own argument; any more is a live view

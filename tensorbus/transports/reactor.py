@@ -3,7 +3,8 @@
 A thread hand-off costs about as much as a process wake-up here (~25 µs), so a frame should be
 read by the thread that wants it. Connections are non-blocking and share one selector; one
 thread at a time leads (selects and reads whole frames, delivering each). An application thread
-waiting in `Consumer.recv` leads itself, so its tensor needs no hand-off; a background thread
+waiting in `Consumer.recv` leads itself, so its tensor needs no hand-off, and busy-polls for
+`spin_s` before it sleeps, so a reply that comes quickly needs no wake-up; a background thread
 leads when no application thread has waited recently (`linger_s`), so acks flow and producers
 never stall while the application is busy elsewhere (leadership leaves it in microseconds, and
 a background leader is woken through a pipe when an application thread wants to lead).
@@ -74,6 +75,7 @@ class Reactor:
     def __init__(self, deliver: Deliver, limits: Limits, options: dict[str, Any], pool: BufferPool) -> None:
         self.deliver, self.limits, self.options, self.pool = deliver, limits, options, pool
         self.linger_s: float = options["linger_s"]
+        self.spin_s: float = options["spin_s"]
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -132,7 +134,7 @@ class Reactor:
                     return True
                 continue
             try:
-                self._lead(lambda: not done.locked() or not room(), time.monotonic() + slice_s)
+                self._lead(lambda: not done.locked() or not room(), time.monotonic() + slice_s, self.spin_s)
             finally:
                 self._idle_until = time.monotonic() + self.linger_s
                 self._leader.release()
@@ -167,14 +169,25 @@ class Reactor:
             finally:
                 self._leader.release()
 
-    def _lead(self, stop: Callable[[], bool], deadline: float) -> bool:
-        """Select and read until `stop()` or the deadline; True if `stop()` ended it. Caller leads."""
+    def _lead(self, stop: Callable[[], bool], deadline: float, spin_s: float = 0.0) -> bool:
+        """Select and read until `stop()` or the deadline; True if `stop()` ended it. Caller leads.
+
+        With `spin_s`, each wait polls without sleeping for that long first (application leaders
+        only: that is where a wake-up's latency is felt, and a background thread must not hog the GIL).
+        """
         while not self._closed:
             if stop():
                 return True
             timeout = 0.0 if self._pending else max(0.0, deadline - time.monotonic())
+            events = self._selector.select(0.0)
+            if not events and timeout > 0.0:
+                spin_until = time.monotonic() + spin_s  # busy-poll first: a sleeping thread wakes ~25 µs late
+                while not events and time.monotonic() < spin_until:
+                    events = self._selector.select(0.0)
+                if not events:
+                    events = self._selector.select(max(0.0, deadline - time.monotonic()))
             ready = []
-            for key, _ in self._selector.select(timeout):
+            for key, _ in events:
                 if key.data is None:
                     self._drain_wake()
                 else:

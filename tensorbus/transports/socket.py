@@ -51,6 +51,7 @@ class SocketTransport(Transport):
         "backlog": 128,
         "pooled_buffers": 4,
         "linger_s": 0.001,
+        "spin_s": 0.0001,
         "auth_secret": None,
         "ssl_cafile": None,
         "ssl_certfile": None,

@@ -159,3 +159,61 @@ def test_receiving_256_mb_raises_peak_rss_by_at_most_1_2x_its_size() -> None:
     receiver.join(30)
     print(f"\npeak RSS grew by {grown / 2**20:.0f} MiB receiving {nbytes / 2**20:.0f} MiB ({grown / nbytes:.2f}x)")
     assert nbytes == 256 << 20 and grown <= 1.2 * nbytes
+
+
+def test_a_producer_stalled_mid_frame_holds_up_nobody() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        stalled = raw_peer(consumer.address)
+        frame = tb.dumps(np.zeros(100_000), key="stalled")
+        stalled.sendall(frame[: len(frame) // 2])  # half a frame, then silence
+        good = Peer(consumer.address, [(f"g{i}", {"seed": i, "n": 10_000}) for i in range(10)])
+        good.join()
+        for i in range(10):
+            assert same(consumer.recv(f"g{i}", timeout=10), make_tensor({"seed": i, "n": 10_000}))
+        stalled.sendall(frame[len(frame) // 2 :])  # the rest, late: the frame still arrives whole
+        assert same(consumer.recv("stalled", timeout=10), np.zeros(100_000))
+        stalled.close()
+
+
+def test_acks_flow_while_the_application_is_not_receiving() -> None:
+    # no thread waits in recv: the background reader must read, deliver and acknowledge
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+        for i in range(100):
+            producer.send(f"k{i}", np.full(1000, i))
+        producer.flush(timeout=10)
+        assert len(consumer.table) == 100
+
+
+def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:
+    # a thread hand-off costs about a process wake-up here: the waiting thread reads for itself
+    readers: list[str] = []
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+        deliver = consumer._deliver
+
+        def spy(frame: Any, crc: Any = None) -> Any:
+            readers.append(threading.current_thread().name)
+            return deliver(frame, crc)
+
+        consumer._deliver = spy  # type: ignore[method-assign]
+        for i in range(50):
+            producer.send("k", np.full(10, i))
+            assert consumer.recv("k", timeout=5)[0] == i
+    assert readers.count(threading.current_thread().name) >= 45, readers
+
+
+def test_many_threads_waiting_on_one_consumer_each_get_their_key() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+        results: dict[int, Any] = {}
+
+        def wait(i: int) -> None:
+            results[i] = consumer.recv(f"k{i}", timeout=10)
+
+        threads = [threading.Thread(target=wait, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for i in reversed(range(8)):
+            producer.send(f"k{i}", np.full(10, i))
+            time.sleep(0.01)
+        for t in threads:
+            t.join(15)
+        assert {i: int(v[0]) for i, v in results.items()} == {i: i for i in range(8)}
