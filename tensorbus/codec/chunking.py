@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import numpy as np
 
+from ..buffers import BufferPool
 from ..errors import ConfigError, LimitExceeded, MalformedHeader
 from .frame import (
     DEFAULT_LIMITS,
@@ -92,7 +92,7 @@ def split(
 
 @dataclass
 class _Partial:
-    buffer: np.ndarray
+    buffer: memoryview
     count: int
     stride: int
     key: str | None
@@ -124,6 +124,7 @@ class Reassembler:
         #: the message id of the last chunk fed (None for whole frames), for transports that ack per message
         self.last_message_id: MessageId | None = None
         self.stats = collections.Counter[str]()
+        self._pool = BufferPool(max_buffers=2)
 
     def feed(self, data: Buffer, *, copy: bool = False, crc: int | None = None) -> Message | None:
         """Take one received frame; return the decoded message once it is complete, else None.
@@ -185,7 +186,8 @@ class Reassembler:
             raise LimitExceeded(
                 f"reassembling {total} more bytes would hold {self.held_bytes + total}; the limit is {self.max_bytes}"
             )
-        partial = _Partial(np.empty(total, np.uint8), count, stride, header.get("key"), self.clock())
+        buffer = self._pool.take(total)  # a reused one when no tensor still views it: fresh pages are slow
+        partial = _Partial(buffer, count, stride, header.get("key"), self.clock())
         self._partials[message_id] = partial
         self.held_bytes += total
         return partial

@@ -28,10 +28,10 @@ from typing import Any
 
 import crc32c
 
+from ..buffers import BufferPool
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Limits, MessageId, frame_length
 from ..errors import CodecError, LimitExceeded
 from .base import Deliver
-from .buffers import BufferPool
 from .stream import ACK, ACK_REQUEST, CRC_SLICE
 
 log = logging.getLogger(__name__)

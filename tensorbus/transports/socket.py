@@ -24,10 +24,10 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, backoff_s
-from .buffers import BufferPool
 from .reactor import Reactor
 from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, sendmsg_all
 

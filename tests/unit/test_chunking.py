@@ -138,3 +138,17 @@ def test_signed_chunks_require_the_key() -> None:
 def test_too_small_chunk_size_is_a_config_error() -> None:
     with pytest.raises(tb.ConfigError, match="no room"):
         tb.split(tb.encode(np.zeros(10_000)), max_chunk_bytes=300, message_id=("p", 1))
+
+
+def test_a_large_buffer_is_reused_once_no_tensor_views_it() -> None:
+    reassembler = tb.Reassembler()
+    first = np.arange(600_000, dtype=np.float32)  # 2.4 MB: pooled
+    (message,) = [m for m in (reassembler.feed(c) for c in chunks_of(first, 1 << 20, seq=1)) if m is not None]
+    held = message.tensor
+    (second,) = [m for m in (reassembler.feed(c) for c in chunks_of(first + 1, 1 << 20, seq=2)) if m is not None]
+    assert not np.shares_memory(held, second.tensor)  # the first tensor is alive: its memory is not reused
+    np.testing.assert_array_equal(held, first)
+    del held, message, second
+    (third,) = [m for m in (reassembler.feed(c) for c in chunks_of(first + 2, 1 << 20, seq=3)) if m is not None]
+    np.testing.assert_array_equal(third.tensor, first + 2)
+    assert reassembler._pool.reused == 1

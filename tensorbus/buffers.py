@@ -12,7 +12,8 @@ import threading
 
 import numpy as np
 
-_MIN_POOLED = 1 << 20
+#: buffers at least this large are pooled (smaller ones are cheap to allocate)
+POOLED_FROM = 1 << 20
 
 
 class BufferPool:
@@ -26,7 +27,7 @@ class BufferPool:
 
     def take(self, n: int) -> memoryview:
         """A buffer of exactly `n` bytes (a view of a pooled one when a free one fits)."""
-        if n < _MIN_POOLED:
+        if n < POOLED_FROM:
             return memoryview(np.empty(n, np.uint8))  # not zero-filled: every byte is about to be received
         with self._lock:
             for base in self._buffers:
