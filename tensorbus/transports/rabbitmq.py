@@ -38,6 +38,10 @@ class _Fatal(TransportError):
     retriable = False
 
 
+#: TLS failures that are configuration mistakes (an untrusted certificate, TLS to a plain port)
+_TLS_MISTAKES = ("CERTIFICATE_VERIFY_FAILED", "WRONG_VERSION_NUMBER")
+
+
 @contextlib.contextmanager
 def map_errors(address: str) -> Iterator[None]:
     """Translate pika's exceptions into tensorbus's, marking which ones a retry can fix."""
@@ -51,6 +55,9 @@ def map_errors(address: str) -> Iterator[None]:
     except (px.UnroutableError, px.NackError) as exc:
         raise _Fatal(f"RabbitMQ at {address} did not accept a message: {exc!r}") from None
     except (px.AMQPError, OSError) as exc:
+        if any(reason in repr(exc) for reason in _TLS_MISTAKES):  # a retry cannot fix these
+            raise _Fatal(f"TLS with RabbitMQ at {address} failed (check ssl_cafile, and that the port speaks TLS): "
+                         f"{exc!r}") from None
         raise TransportError(f"connection to RabbitMQ at {address} failed: {exc!r}") from None
 
 
