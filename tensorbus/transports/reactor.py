@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 CHECKSUM_WHILE_RECEIVING = 4 << 20
 NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
 #: bytes read at once while waiting for a prefix (so a small frame costs one system call)
-READ_AHEAD = 64 << 10
+READ_AHEAD = 256 << 10
 #: frames read from one connection before the others get a turn
 FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
@@ -101,10 +101,8 @@ class Reactor:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
         peer = _Peer(conn, name)
         self._peers[conn.fileno()] = peer
+        # (no TLS bytes can be pending yet: a producer sends nothing until it has read the verdict)
         self._selector.register(conn, selectors.EVENT_READ, peer)
-        if isinstance(conn, ssl.SSLSocket) and conn.pending():
-            self._pending.add(peer)
-            self._wake()
 
     def _drop(self, peer: _Peer, reason: str, level: int) -> None:
         log.log(level, "producer %s: %s", peer.name, reason)
@@ -175,25 +173,28 @@ class Reactor:
         With `spin_s`, each wait polls without sleeping for that long first (application leaders
         only: that is where a wake-up's latency is felt, and a background thread must not hog the GIL).
         """
+        polls = 0
         while not self._closed:
             if stop():
                 return True
-            timeout = 0.0 if self._pending else max(0.0, deadline - time.monotonic())
-            events = self._selector.select(0.0)
-            if not events and timeout > 0.0:
-                spin_until = time.monotonic() + spin_s  # busy-poll first: a sleeping thread wakes ~25 µs late
-                while not events and time.monotonic() < spin_until:
-                    events = self._selector.select(0.0)
-                if not events:
-                    events = self._selector.select(max(0.0, deadline - time.monotonic()))
-            ready = []
+            polls += 1
+            if self._pending and polls % FAIR_SHARE:
+                events = []  # bytes already read ahead come first, without a system call (most rounds)
+            else:
+                events = self._selector.select(0.0)
+                if not events and not self._pending:
+                    spin_until = time.monotonic() + spin_s  # busy-poll first: a sleeping thread wakes ~25 µs late
+                    while not events and time.monotonic() < spin_until:
+                        events = self._selector.select(0.0)
+                    if not events:
+                        events = self._selector.select(max(0.0, deadline - time.monotonic()))
+            ready, self._pending = self._pending, set()
             for key, _ in events:
                 if key.data is None:
                     self._drain_wake()
                 else:
-                    ready.append(key.data)
-            for peer in [*ready, *self._pending]:
-                self._pending.discard(peer)
+                    ready.add(key.data)
+            for peer in ready:
                 self._read(peer, stop)
             if time.monotonic() >= deadline:
                 return stop()
@@ -215,16 +216,28 @@ class Reactor:
         try:
             for _ in range(FAIR_SHARE):
                 self._step(peer)
-                if stop():
-                    break
+                if stop() and not self._whole_frame_read_ahead(peer):
+                    break  # frames already read ahead cost no system call: deliver them now, for later recvs
             if peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending()):
                 self._pending.add(peer)
         except _WOULD_BLOCK:
             return
         except PeerGone as exc:
             self._drop(peer, str(exc), logging.INFO if str(exc) == "went away" else logging.ERROR)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self._drop(peer, f"went away: {exc}", logging.INFO)
         except (OSError, ssl.SSLError) as exc:
             self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
+
+    def _whole_frame_read_ahead(self, peer: _Peer) -> bool:
+        """Whether the next frame (or ack request) is entirely in the read-ahead buffer."""
+        available = peer.in_hi - peer.in_lo
+        if peer.frame is not None or peer.skip_left or peer.prefix_got or available < PREFIX.size:
+            return False
+        try:
+            return frame_length(peer.inbox[peer.in_lo : peer.in_lo + PREFIX.size], self.limits) <= available
+        except CodecError:
+            return True  # an ack request, or something `_step` will reject
 
     def _recv(self, peer: _Peer, view: memoryview) -> int:
         n = peer.conn.recv_into(view)
