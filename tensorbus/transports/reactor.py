@@ -87,6 +87,7 @@ class Reactor:
         self._leader = threading.Lock()
         self._state = threading.Condition()
         self._wanted = 0  # application threads waiting to lead
+        self._app_leads = False  # an application thread (not the background one) holds `_leader`
         self._idle_until = 0.0  # the background thread leaves leadership to the application until then
         self._closed = False
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
@@ -131,16 +132,23 @@ class Reactor:
                 if done.acquire(timeout=slice_s):
                     return True
                 continue
+            self._app_leads = True
             try:
                 self._lead(lambda: not done.locked() or not room(), time.monotonic() + slice_s, self.spin_s)
             finally:
+                self._app_leads = False
                 self._idle_until = time.monotonic() + self.linger_s
                 self._leader.release()
 
     def _take_lead(self, wait_s: float) -> bool:
-        """Become the leader: at once if nobody leads, else by asking a background leader to step aside."""
+        """Become the leader: at once if nobody leads, else by asking a background leader to step aside.
+
+        False when another application thread leads: it delivers this thread's tensor too.
+        """
         if self._leader.acquire(blocking=False):
             return True
+        if self._app_leads:
+            return False
         with self._state:
             self._wanted += 1
         try:
@@ -226,6 +234,8 @@ class Reactor:
             self._drop(peer, str(exc), logging.INFO if str(exc) == "went away" else logging.ERROR)
         except (BrokenPipeError, ConnectionResetError) as exc:
             self._drop(peer, f"went away: {exc}", logging.INFO)
+        except MemoryError:
+            self._drop(peer, "dropped: no memory for its next frame", logging.ERROR)
         except (OSError, ssl.SSLError) as exc:
             self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
 
