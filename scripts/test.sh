@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[rabbitmq,kafka,compression,bench,cli,dev]"
+.venv/bin/python -m pip install -q -e ".[rabbitmq,kafka,compression,bench,cli,dev,torch]"
 
 if [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && [ -f scripts/brokers.sh ]; then
   if docker info >/dev/null 2>&1; then
