@@ -41,7 +41,9 @@ RECORD_OVERHEAD = 1024
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 #: what the guarantees above rest on (5 in flight is the most idempotence allows)
 _PRODUCER = {"acks": "all", "enable_idempotence": True, "max_in_flight_requests_per_connection": 5}
-_CONSUMER = {"enable_auto_commit": False, "auto_offset_reset": "earliest"}
+#: metadata refreshed every 5 s (not kafka-python's 5 min): a group joined while the topic's metadata
+#: was incomplete (a topic just created) is assigned nothing until a refresh triggers a rejoin
+_CONSUMER = {"enable_auto_commit": False, "auto_offset_reset": "earliest", "metadata_max_age_ms": 5000}
 #: ApiVersions v0 (api key 18, correlation id 1, no client id): every Kafka listener answers it before any login
 _API_VERSIONS = struct.pack(">ihhih", 10, 18, 0, 1, -1)
 
