@@ -124,7 +124,7 @@ class Reassembler:
         #: the message id of the last chunk fed (None for whole frames), for transports that ack per message
         self.last_message_id: MessageId | None = None
         self.stats = collections.Counter[str]()
-        self._pool = BufferPool(max_buffers=2)
+        self._pool = BufferPool(max_buffers=4)  # a consumer holds ~3 in flight: assembling, queued, in use
 
     def feed(self, data: Buffer, *, copy: bool = False, crc: int | None = None) -> Message | None:
         """Take one received frame; return the decoded message once it is complete, else None.
