@@ -223,9 +223,9 @@ class Reactor:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
         try:
             for _ in range(FAIR_SHARE):
-                self._step(peer)
                 if stop() and not self._whole_frame_read_ahead(peer):
-                    break  # frames already read ahead cost no system call: deliver them now, for later recvs
+                    break  # done: only frames already read ahead (no system call, no wait) are still worth it
+                self._step(peer)
             if peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending()):
                 self._pending.add(peer)
         except _WOULD_BLOCK:
