@@ -48,10 +48,14 @@ class SeenIds:
     def persist(self, message_id: MessageId) -> None:
         """Append an id the application now has to the file (if any); compact it at twice the window."""
         if self._fd is not None:
-            os.write(self._fd, msgpack.packb(list(message_id)))
-            self._records += 1
-            if self._records >= 2 * self.window:
-                self._compact()
+            try:
+                os.write(self._fd, msgpack.packb(list(message_id)))
+                self._records += 1
+                if self._records >= 2 * self.window:
+                    self._compact()
+            except OSError as exc:  # e.g. a full disk: delivery goes on, dedup across restarts is lost
+                log.error("cannot keep delivered ids in %s any more (%s); dedup is in memory only now", self._path, exc)
+                self._fd = None
 
     def close(self) -> None:
         if self._fd is not None:

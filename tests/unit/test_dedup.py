@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import tensorbus as tb
 from tensorbus.api import _Sink
@@ -64,3 +66,12 @@ def test_a_restarted_consumer_on_the_same_file_drops_a_resent_message(tmp_path: 
     with tb.Consumer("memory://dedup-b", **options) as second:
         _Sink(second)(frame)  # what a producer resends after reconnecting
         assert second.stats["duplicates"] == 1 and second.stats["received"] == 0
+
+
+def test_a_failing_file_degrades_to_memory_only(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seen = SeenIds(window=10, path=tmp_path / "ids")
+    os.close(seen._fd)  # type: ignore[arg-type]  # as if the disk had gone away
+    seen.add(("p", 1))
+    seen.persist(("p", 1))  # logs, does not raise: the tensor was delivered all the same
+    assert ("p", 1) in seen and "dedup is in memory only" in caplog.text
+    seen.persist(("p", 2))
