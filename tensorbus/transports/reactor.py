@@ -32,12 +32,14 @@ from ..buffers import BufferPool
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Limits, MessageId, frame_length
 from ..errors import CodecError, LimitExceeded
 from .base import Deliver
-from .stream import ACK, ACK_REQUEST, CRC_SLICE
+from .stream import ACK, ACK_REQUEST
 
 log = logging.getLogger(__name__)
 #: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
 CHECKSUM_WHILE_RECEIVING = 4 << 20
 NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
+#: large frames are received (and checksummed, while still in cache) at most this many bytes at a time
+CRC_SLICE = 1 << 20
 #: bytes read at once while waiting for a prefix (so a small frame costs one system call)
 READ_AHEAD = 256 << 10
 #: frames read from one connection before the others get a turn

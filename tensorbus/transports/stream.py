@@ -17,8 +17,6 @@ import socket
 import ssl
 import struct
 
-import crc32c
-
 from ..codec.frame import Buffer
 from ..errors import TransportError
 
@@ -31,7 +29,6 @@ ACK = struct.Struct("<Q")
 ACK_REQUEST = b"TBAK" + bytes(20)
 _AUTH_CONTEXT = b"tensorbus-socket-auth-v1"
 IOV_MAX = 512
-CRC_SLICE = 1 << 20
 
 
 class AuthRefused(TransportError):
@@ -73,23 +70,6 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
             break
         got += n
     return got
-
-
-def recv_checksummed(sock: socket.socket, frame: memoryview, start: int, crc_end: int, crc: int) -> tuple[int, int]:
-    """Fill `frame[start:]`, folding bytes before `crc_end` into the running CRC32C as each slice lands.
-
-    Slices of at most 1 MiB are checksummed while still in cache, which saves a second pass over a
-    large frame after it arrived. Returns (bytes of the frame now received, CRC).
-    """
-    got = start
-    while got < len(frame):
-        n = sock.recv_into(frame[got : got + CRC_SLICE])
-        if n == 0:
-            break
-        if got < crc_end:
-            crc = crc32c.crc32c(frame[got : min(got + n, crc_end)], crc)
-        got += n
-    return got, crc
 
 
 def greet(sock: socket.socket, secret: bytes | None) -> bool:
