@@ -164,15 +164,20 @@ def dumps(obj: Any, *, out: bytearray | memoryview | None = None, **options: Any
     buffers = encode(obj, **options)
     if out is None:
         return b"".join(buffers)
+    return join_into(buffers, out)
+
+
+def join_into(buffers: Sequence[Buffer], out: bytearray | memoryview) -> memoryview:
+    """Copy scatter-gather buffers back to back into `out`; return the used part of it."""
     target = memoryview(out).cast("B")
-    total = sum(memoryview(b).nbytes for b in buffers)
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = sum(len(v) for v in views)
     if len(target) < total:
         raise LimitExceeded(f"out has {len(target)} bytes; the frame needs {total}")
     at = 0
-    for buf in buffers:
-        n = memoryview(buf).nbytes
-        target[at : at + n] = memoryview(buf).cast("B")
-        at += n
+    for view in views:
+        target[at : at + len(view)] = view
+        at += len(view)
     return target[:total]
 
 

@@ -14,7 +14,7 @@ import urllib.parse
 from typing import Any, ClassVar
 
 from ..buffers import POOLED_FROM, BufferPool
-from ..codec.frame import Buffer, Limits
+from ..codec.frame import Buffer, Limits, join_into
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport
 
@@ -80,11 +80,8 @@ class MemoryTransport(Transport):
         if total < POOLED_FROM:
             HUB.endpoint(self.name).put(b"".join(views))
             return
-        copy, at = self._pool.take(total), 0  # a large buffer no tensor views any more: fresh pages are slow
-        for view in views:
-            copy[at : at + len(view)] = view
-            at += len(view)
-        HUB.endpoint(self.name).put(copy)
+        # into a large buffer no tensor views any more: fresh pages are slow
+        HUB.endpoint(self.name).put(join_into(views, self._pool.take(total)))
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Deliver queued and future frames of this endpoint on a background thread."""
