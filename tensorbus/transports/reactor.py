@@ -50,7 +50,11 @@ _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class PeerGone(Exception):
-    """The connection ended (cleanly or not); the message says why, for the log."""
+    """The connection ended; the message says why, `level` how loudly to log it (INFO: it just left)."""
+
+    def __init__(self, reason: str, level: int = logging.ERROR) -> None:
+        super().__init__(reason)
+        self.level = level
 
 
 class _Peer:
@@ -233,7 +237,7 @@ class Reactor:
         except _WOULD_BLOCK:
             return
         except PeerGone as exc:
-            self._drop(peer, str(exc), logging.INFO if str(exc) == "went away" else logging.ERROR)
+            self._drop(peer, str(exc), exc.level)
         except (BrokenPipeError, ConnectionResetError) as exc:
             self._drop(peer, f"went away: {exc}", logging.INFO)
         except MemoryError:
@@ -255,7 +259,7 @@ class Reactor:
         n = peer.conn.recv_into(view)
         if n == 0:
             where = peer.frame is not None or peer.skip_left or 0 < peer.prefix_got
-            raise PeerGone("disconnected mid-frame" if where else "went away")
+            raise PeerGone("disconnected mid-frame") if where else PeerGone("went away", logging.INFO)
         return n
 
     def _take(self, peer: _Peer, view: memoryview) -> int:
