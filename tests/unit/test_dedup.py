@@ -13,6 +13,15 @@ from tensorbus.api import _Sink
 from tensorbus.dedup import SeenIds
 
 
+def delivered(path: Path, window: int, count: int) -> SeenIds:
+    """A file-backed window that has seen and persisted ids ("p", 0) .. ("p", count - 1)."""
+    seen = SeenIds(window=window, path=path)
+    for seq in range(count):
+        seen.add(("p", seq))
+        seen.persist(("p", seq))
+    return seen
+
+
 def test_the_window_forgets_the_oldest_ids() -> None:
     seen = SeenIds(window=3)
     for seq in range(5):
@@ -22,11 +31,7 @@ def test_the_window_forgets_the_oldest_ids() -> None:
 
 def test_persisted_ids_survive_a_restart_and_a_torn_last_record(tmp_path: Path) -> None:
     path = tmp_path / "ids"
-    seen = SeenIds(window=100, path=path)
-    for seq in range(10):
-        seen.add(("p", seq))
-        seen.persist(("p", seq))
-    seen.close()
+    delivered(path, window=100, count=10).close()
     with path.open("ab") as f:
         f.write(b"\x92\xa1")  # a record cut short by a kill
     again = SeenIds(window=100, path=path)
@@ -35,10 +40,7 @@ def test_persisted_ids_survive_a_restart_and_a_torn_last_record(tmp_path: Path) 
 
 def test_the_file_is_compacted_to_the_window(tmp_path: Path) -> None:
     path = tmp_path / "ids"
-    seen = SeenIds(window=50, path=path)
-    for seq in range(1000):
-        seen.add(("p", seq))
-        seen.persist(("p", seq))
+    delivered(path, window=50, count=1000)
     size = path.stat().st_size
     assert size < 100 * 12, size  # at most twice the window of ~10-byte records
     again = SeenIds(window=50, path=path)
@@ -47,10 +49,7 @@ def test_the_file_is_compacted_to_the_window(tmp_path: Path) -> None:
 
 def test_a_damaged_file_keeps_the_ids_before_the_damage(tmp_path: Path) -> None:
     path = tmp_path / "ids"
-    seen = SeenIds(window=10, path=path)
-    seen.add(("p", 1))
-    seen.persist(("p", 1))
-    seen.close()
+    delivered(path, window=10, count=2).close()
     with path.open("ab") as f:
         f.write(b"\xc1" * 8)  # 0xc1 is never valid msgpack
     again = SeenIds(window=10, path=path)
