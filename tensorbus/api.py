@@ -248,7 +248,11 @@ class Consumer:
         return self.table.recv_message(key, timeout)
 
     def recv_async(self, key: str, callback: Callback) -> RecvHandle:
-        """Call `callback(message, error)` once when `key` arrives (or fails); returns a cancel handle."""
+        """Call `callback(message, error)` once when `key` arrives (or fails); returns a cancel handle.
+
+        The callback runs on the thread that delivered the message (a reading thread): it must not
+        block, e.g. by calling `recv`, or no frame is read until it returns.
+        """
         return self.table.recv_async(key, callback)
 
     def next_message(self, timeout: float | None = None) -> Message:
