@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .codec import Limits, Message, MessageId, Reassembler, encode, split
+from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunks
 from .codec.frame import Buffer
 from .dedup import SeenIds
 from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
@@ -89,27 +89,17 @@ class Producer:
         if self._closed:
             raise Closed("send on a closed Producer")
         message_id = (self.producer_id, next(self._sequence))
-        frame = encode(
-            tensor,
-            key=key,
-            metadata=metadata,
-            compression=self.compression,
-            checksum=self.checksum,
-            message_id=message_id,
-            signing_key=self.signing_key,
-        )
+        options = {
+            "key": key,
+            "metadata": metadata,
+            "compression": self.compression,
+            "checksum": self.checksum,
+            "message_id": message_id,
+            "signing_key": self.signing_key,
+        }
         limit = self.transport.max_frame_bytes
-        parts: list[list[Buffer]] = (
-            [frame]
-            if limit is None
-            else split(
-                frame,
-                max_chunk_bytes=limit,
-                message_id=message_id,
-                key=key,
-                checksum=self.checksum,
-                signing_key=self.signing_key,
-            )
+        parts = (
+            [encode(tensor, **options)] if limit is None else encode_chunks(tensor, max_chunk_bytes=limit, **options)
         )
         for part in parts:
             self.transport.send(part, key=key)

@@ -1,6 +1,6 @@
 """The frame codec: tensors to scatter-gather buffers and back, checksummed, chunkable."""
 
-from .chunking import Reassembler, split
+from .chunking import Reassembler, encode_chunks, split
 from .frame import DEFAULT_LIMITS, Frame, Limits, Message, MessageId, decode, dumps, encode, loads, parse
 from .tensors import SparseTensor
 
@@ -15,6 +15,7 @@ __all__ = [
     "decode",
     "dumps",
     "encode",
+    "encode_chunks",
     "loads",
     "parse",
     "split",

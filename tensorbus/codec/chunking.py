@@ -5,31 +5,48 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import crc32c
 import msgpack
 
 from ..buffers import BufferPool
 from ..errors import ConfigError, LimitExceeded, MalformedHeader
+from .crc import combine
 from .frame import (
+    CRC_AT,
     DEFAULT_LIMITS,
+    FLAG_CHECKSUM,
+    FLAG_SIGNED,
     PREFIX,
     SIGNATURE_BYTES,
     Buffer,
     Limits,
     Message,
     MessageId,
+    _head,
     _message_id,
+    _seal,
     encode_raw,
+    head_crc,
+    layout,
     message_from_frame,
     parse,
+    payload_crcs,
+    seal_with_crc,
+    split_checksum,
 )
 from .tensors import align
 
 log = logging.getLogger(__name__)
+
+#: received frames at least this large get their payload's CRC on the side of the frame check (one
+#: pass for both); smaller chunks are read a second time, which costs less than the extra bookkeeping
+SPLIT_CRC_FROM = 64 * 1024
 
 
 def frame_size(buffers: list[Buffer]) -> int:
@@ -90,6 +107,67 @@ def split(
     ]
 
 
+def encode_chunks(
+    obj: Any,
+    *,
+    max_chunk_bytes: int,
+    message_id: MessageId,
+    key: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    compression: str | None = None,
+    checksum: bool = True,
+    signing_key: bytes | None = None,
+) -> list[list[Buffer]]:
+    """`split(encode(obj, ...))`, but a chunked tensor's bytes are checksummed once, not twice.
+
+    Each chunk's CRC32C is computed over its slice, and the whole frame's CRC is combined from
+    those (see `crc.combine`); with a signing key the HMAC needs its own pass anyway, so that
+    case (like an unchunked frame) takes the plain path.
+    """
+    header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
+    flags = FLAG_CHECKSUM if checksum else 0
+    try:
+        head = _head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
+    except (TypeError, ValueError) as exc:
+        raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
+    total = len(head) + end
+    stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
+    one_pass_anyway = total <= max_chunk_bytes or not checksum or signing_key is not None
+    if one_pass_anyway or stride < 1024 or len(head) > stride:  # split() refuses a stride under 1024
+        frame = _seal(head, body, checksum, signing_key)
+        return split(
+            frame,
+            max_chunk_bytes=max_chunk_bytes,
+            message_id=message_id,
+            key=key,
+            checksum=checksum,
+            signing_key=signing_key,
+        )
+    runs = _slices([head, *body], stride)  # runs[0] starts with the whole head, whose CRC field is still 0
+    tails = []  # (CRC32C, length) of each run's bytes past the head: the one pass over the tensor
+    for index, run in enumerate(runs):
+        crc = 0
+        for part in run[1:] if index == 0 else run:
+            crc = crc32c.crc32c(part, crc)
+        tails.append((crc, sum(len(part) for part in run) - (len(head) if index == 0 else 0)))
+    frame_crc = head_crc(head)
+    for crc, length in tails:
+        frame_crc = combine(frame_crc, crc, length)
+    struct.pack_into("<I", head, CRC_AT, frame_crc)
+    chunks = []
+    for index, (run, (crc, length)) in enumerate(zip(runs, tails, strict=True)):
+        if index == 0:  # its slice is the head (CRC now filled in), then the first bytes of the payload
+            crc, length = combine(crc32c.crc32c(head), crc, length), length + len(head)
+        chunk_head = _head(
+            {"kind": "chunk", "key": key, "id": list(message_id), "chunk": [index, len(runs), total, stride]},
+            length,
+            flags,
+        )
+        seal_with_crc(chunk_head, crc, length)
+        chunks.append([bytes(chunk_head), *run])
+    return chunks
+
+
 @dataclass
 class _Partial:
     buffer: memoryview
@@ -98,6 +176,8 @@ class _Partial:
     key: str | None
     started: float
     received: set[int] = field(default_factory=set)
+    #: per chunk: CRC32C of its slice (the first: without the frame's CRC field), to combine at the end
+    crcs: dict[int, int | None] = field(default_factory=dict)
 
 
 class Reassembler:
@@ -134,7 +214,9 @@ class Reassembler:
         if self._partials:
             self.expire()
         self.last_message_id = None
-        frame = parse(data, limits=self.limits, signing_key=self.signing_key, crc=crc)
+        view = memoryview(data).cast("B")
+        crcs = split_checksum(view) if crc is None and len(view) >= SPLIT_CRC_FROM else None
+        frame = parse(view, limits=self.limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0])
         if frame.header.get("kind") != "chunk":
             return message_from_frame(frame, copy=copy, limits=self.limits)
         message_id = _message_id(frame.header.get("id"))
@@ -161,12 +243,30 @@ class Reassembler:
             return None
         partial.buffer[index * stride : index * stride + expected] = frame.payload
         partial.received.add(index)
+        if frame.flags & (FLAG_CHECKSUM | FLAG_SIGNED) == FLAG_CHECKSUM:
+            whole, skipped = crcs[1:] if crcs is not None else payload_crcs(frame.payload)
+            partial.crcs[index] = skipped if index == 0 else whole
         if len(partial.received) < count:
             return None
         self._finish(message_id)
+        crc = self._combined_crc(partial)
         return message_from_frame(
-            parse(partial.buffer, limits=self.limits, signing_key=self.signing_key), limits=self.limits
+            parse(partial.buffer, limits=self.limits, signing_key=self.signing_key, crc=crc), limits=self.limits
         )
+
+    @staticmethod
+    def _combined_crc(partial: _Partial) -> int | None:
+        """The reassembled frame's CRC32C from its chunks' (None: a frame `parse` must read through)."""
+        buffer = partial.buffer
+        if len(partial.crcs) != partial.count or len(buffer) < PREFIX.size or buffer[5] & FLAG_SIGNED:
+            return None  # a signed frame's checksum stops before its signature: not the chunks' sum
+        crc = partial.crcs[0]
+        for index in range(1, partial.count):
+            slice_crc = partial.crcs[index]
+            if crc is None or slice_crc is None:
+                return None
+            crc = combine(crc, slice_crc, min(partial.stride, len(buffer) - index * partial.stride))
+        return crc
 
     def _chunk_fields(self, header: dict[str, Any]) -> tuple[int, int, int, int]:
         fields = header.get("chunk")

@@ -22,6 +22,7 @@ from ..errors import (
     UnsupportedVersion,
 )
 from .compression import compress, decompress
+from .crc import combine
 from .tensors import align, flatten, rebuild
 from .torch_bridge import to_like
 
@@ -81,11 +82,30 @@ def _message_id(value: object) -> MessageId | None:
     raise MalformedHeader(f"message id must be [producer id, sequence], got {value!r}")
 
 
+def _head(header: dict[str, Any], payload_len: int, flags: int) -> bytearray:
+    """Prefix (CRC still zero) plus the packed header, padded to the 64-byte payload alignment."""
+    packed = msgpack.packb(header, use_bin_type=True)
+    head = bytearray(align(PREFIX.size + len(packed)))
+    PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
+    head[PREFIX.size : PREFIX.size + len(packed)] = packed
+    return head
+
+
+def head_crc(head: Buffer) -> int:
+    """CRC32C of the part of a frame's head its checksum covers (all but the CRC field itself)."""
+    view = memoryview(head)
+    return crc32c.crc32c(view[PREFIX.size :], crc32c.crc32c(view[:CRC_AT]))
+
+
+def seal_with_crc(head: bytearray, body_crc: int, body_len: int) -> None:
+    """Write the frame CRC into `head` from the separately computed CRC32C of its payload."""
+    struct.pack_into("<I", head, CRC_AT, combine(head_crc(head), body_crc, body_len))
+
+
 def _seal(head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None) -> list[Buffer]:
     """Fill in the CRC over prefix, header and payload, and append the HMAC if signing."""
     if checksum:
-        crc = crc32c.crc32c(memoryview(head)[:CRC_AT])
-        crc = crc32c.crc32c(memoryview(head)[PREFIX.size :], crc)
+        crc = head_crc(head)
         for part in body:
             crc = crc32c.crc32c(part, crc)
         struct.pack_into("<I", head, CRC_AT, crc)
@@ -106,25 +126,19 @@ def encode_raw(
     signing_key: bytes | None = None,
 ) -> list[Buffer]:
     """Frame an already-laid-out payload under `header`; used for tensors and for chunks."""
-    packed = msgpack.packb(header, use_bin_type=True)
     flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
-    head = bytearray(align(PREFIX.size + len(packed)))
-    PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
-    head[PREFIX.size : PREFIX.size + len(packed)] = packed
-    return _seal(head, body, checksum, signing_key)
+    return _seal(_head(header, payload_len, flags), body, checksum, signing_key)
 
 
-def encode(
+def layout(
     obj: Any,
     *,
     key: str | None = None,
     metadata: dict[str, Any] | None = None,
     compression: str | None = None,
-    checksum: bool = True,
     message_id: MessageId | None = None,
-    signing_key: bytes | None = None,
-) -> list[Buffer]:
-    """Encode a tensor as scatter-gather buffers; the payload buffers are the arrays' own memory."""
+) -> tuple[dict[str, Any], list[Buffer], int]:
+    """The header, the payload buffers (the arrays' own memory) and the payload length of a tensor."""
     kind, extra, entries, arrays = flatten(obj)
     body: list[Buffer] = []
     end = 0
@@ -149,6 +163,21 @@ def encode(
         if len(packed) < len(raw):
             header["comp"], header["raw"] = compression, len(raw)
             body, end = [packed], len(packed)
+    return header, body, end
+
+
+def encode(
+    obj: Any,
+    *,
+    key: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    compression: str | None = None,
+    checksum: bool = True,
+    message_id: MessageId | None = None,
+    signing_key: bytes | None = None,
+) -> list[Buffer]:
+    """Encode a tensor as scatter-gather buffers; the payload buffers are the arrays' own memory."""
+    header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
     try:
         return encode_raw(header, body, end, checksum=checksum, signing_key=signing_key)
     except (TypeError, ValueError) as exc:
@@ -194,6 +223,32 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
 def checksum_of(view: memoryview, end: int) -> int:
     """CRC32C of what a frame's checksum covers: bytes 0-19 (the prefix but its CRC), then 24 up to `end`."""
     return crc32c.crc32c(view[PREFIX.size : end], crc32c.crc32c(view[:CRC_AT]))
+
+
+def payload_crcs(payload: memoryview) -> tuple[int, int | None]:
+    """CRC32C of a chunk's payload, and of it without bytes 20-23 (None if shorter than a prefix).
+
+    The first chunk's slice begins with the reassembled frame's prefix, whose checksum skips its
+    own CRC field (bytes 20-23); with both, the reassembled frame's CRC is combined from its
+    chunks' and the tensor is not read a second time.
+    """
+    if len(payload) < PREFIX.size:
+        return crc32c.crc32c(payload), None
+    before, field = crc32c.crc32c(payload[:CRC_AT]), crc32c.crc32c(payload[CRC_AT : PREFIX.size])
+    after, rest = crc32c.crc32c(payload[PREFIX.size :]), len(payload) - PREFIX.size
+    return combine(combine(before, field, 4), after, rest), combine(before, after, rest)
+
+
+def split_checksum(view: memoryview) -> tuple[int, int, int | None] | None:
+    """For a checksummed, unsigned frame: its CRC to verify plus `payload_crcs`, in one pass; else None."""
+    if len(view) < PREFIX.size:
+        return None
+    _, _, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
+    start = align(PREFIX.size + header_len)
+    if flags & (FLAG_CHECKSUM | FLAG_SIGNED) != FLAG_CHECKSUM or len(view) != start + payload_len:
+        return None
+    whole, skipped = payload_crcs(view[start:])
+    return combine(head_crc(view[:start]), whole, payload_len), whole, skipped
 
 
 def frame_length(prefix: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:

@@ -56,8 +56,9 @@ def map_errors(address: str) -> Iterator[None]:
         raise _Fatal(f"RabbitMQ at {address} did not accept a message: {exc!r}") from None
     except (px.AMQPError, OSError) as exc:
         if any(reason in repr(exc) for reason in _TLS_MISTAKES):  # a retry cannot fix these
-            raise _Fatal(f"TLS with RabbitMQ at {address} failed (check ssl_cafile, and that the port speaks TLS): "
-                         f"{exc!r}") from None
+            raise _Fatal(
+                f"TLS with RabbitMQ at {address} failed (check ssl_cafile, and that the port speaks TLS): {exc!r}"
+            ) from None
         raise TransportError(f"connection to RabbitMQ at {address} failed: {exc!r}") from None
 
 

@@ -355,7 +355,7 @@ class Reactor:
     # -- shutdown -------------------------------------------------------------------------------
 
     def close(self, timeout: float) -> None:
-        """Answer what already arrived (ack requests above all), then drop every connection and stop."""
+        """Answer what already arrived (ack requests above all), ack every delivered frame, drop every connection."""
         with self._state:
             self._wanted += 1  # a background leader steps aside
         self._wake()
@@ -369,6 +369,9 @@ class Reactor:
                 self._state.notify_all()
             self._background.join(timeout)
             for peer in list(self._peers.values()):
+                with contextlib.suppress(OSError, PeerGone, *_WOULD_BLOCK):
+                    if got and peer.frames > peer.acked:
+                        self._ack(peer)  # a producer flushing right now need not resend what arrived
                 with contextlib.suppress(OSError):
                     peer.conn.shutdown(socket.SHUT_RDWR)
                 peer.conn.close()

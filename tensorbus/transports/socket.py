@@ -218,6 +218,12 @@ class SocketTransport(Transport):
                         self._ack_requested = True
                     self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
                 except OSError as exc:
+                    if self._sock is not None:
+                        with contextlib.suppress(OSError):
+                            self._read_acks(0)  # a consumer that closed may have acked everything first
+                    if not self._unacked:
+                        self._drop_connection()
+                        break
                     log.warning("connection to %s broke while flushing (%s); reconnecting", self.address, exc)
                     self._drop_connection()
 

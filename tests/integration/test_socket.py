@@ -125,6 +125,20 @@ def test_flush_waits_for_acks_and_unacked_frames_are_resent_after_a_consumer_res
     replacement[0].close()
 
 
+def test_a_consumer_that_closes_after_receiving_everything_acks_it_on_the_way_out() -> None:
+    # the example's race: the saver got every tensor and exited before the trainer's flush asked
+    consumer = tb.Consumer("tcp://127.0.0.1:0", ack_every_frames=1000)  # no ack goes out on its own
+    producer = tb.Producer(consumer.address, reconnect_timeout_s=1)
+    for i in range(5):
+        producer.send(f"a{i}", np.full(10, i))
+    assert [consumer.recv(f"a{i}", timeout=10)[0] for i in range(5)] == list(range(5))
+    assert producer.transport._unacked  # sent, received, but not acknowledged yet
+    consumer.close()
+    producer.flush(5)  # no reconnect (nobody listens any more) and no resend: the farewell ack covered it
+    assert not producer.transport._unacked
+    producer.close()
+
+
 def test_producer_to_nobody_fails_within_its_timeout() -> None:
     started = time.monotonic()
     with pytest.raises(tb.TransportError, match="cannot connect"):

@@ -1,0 +1,108 @@
+"""CRC32C combining, and what it buys: a chunked tensor is checksummed once on each side, still fully checked."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import crc32c
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tensorbus as tb
+from tensorbus.codec import chunking, frame
+from tensorbus.codec.crc import combine
+from tensorbus.codec.frame import CRC_AT
+
+
+@given(st.binary(max_size=300), st.binary(max_size=300))
+def test_combine_equals_the_crc_of_the_concatenation(a: bytes, b: bytes) -> None:
+    assert combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+
+
+def test_combine_over_large_and_odd_lengths() -> None:
+    for la, lb in [(0, 1 << 20), (1 << 20, 12345), (7, (1 << 20) - 1)]:
+        a, b = os.urandom(la), os.urandom(lb)
+        assert combine(crc32c.crc32c(a), crc32c.crc32c(b), lb) == crc32c.crc32c(a + b)
+
+
+BUNDLE = {"w": np.arange(70_001, dtype=np.float32), "b": np.ones((3, 5), np.int8), "e": np.zeros(0)}
+
+
+@pytest.mark.parametrize("tensor", [np.arange(300_000, dtype=np.float64), BUNDLE], ids=["array", "bundle"])
+@pytest.mark.parametrize("max_chunk_bytes", [4096, 65536, 1 << 20])
+def test_encode_chunks_is_byte_for_byte_split_of_encode(tensor: object, max_chunk_bytes: int) -> None:
+    options = {"key": "k", "message_id": ("p", 3), "metadata": {"step": 1}}
+    expected = tb.split(tb.encode(tensor, **options), max_chunk_bytes=max_chunk_bytes, message_id=("p", 3), key="k")
+    got = tb.codec.encode_chunks(tensor, max_chunk_bytes=max_chunk_bytes, **options)
+    assert [b"".join(c) for c in got] == [b"".join(c) for c in expected]
+
+
+def test_encode_chunks_with_compression_or_signing_or_no_checksum_matches_too() -> None:
+    tensor = np.tile(np.arange(1000, dtype=np.int32), 300)
+    for options in ({"compression": "zstd"}, {"signing_key": b"s"}, {"checksum": False}):
+        full = {"key": "k", "message_id": ("p", 1), **options}
+        frame_ = tb.encode(tensor, **full)
+        split_options = {k: v for k, v in options.items() if k in ("signing_key", "checksum")}
+        expected = tb.split(frame_, max_chunk_bytes=8192, message_id=("p", 1), key="k", **split_options)
+        got = tb.codec.encode_chunks(tensor, max_chunk_bytes=8192, **full)
+        assert [b"".join(c) for c in got] == [b"".join(c) for c in expected], options
+
+
+class CountingCrc:
+    """Wraps crc32c.crc32c to count the bytes it reads."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._crc = crc32c.crc32c
+
+    def __call__(self, data: object, value: int = 0) -> int:
+        self.bytes += memoryview(data).nbytes
+        return self._crc(data, value)
+
+
+def test_a_chunked_tensor_is_checksummed_once_when_sent_and_once_when_received(monkeypatch) -> None:
+    tensor = np.random.default_rng(0).random(1 << 20)  # 8 MiB in 1 MiB chunks
+    counter = CountingCrc()
+    for module in (frame, chunking):
+        monkeypatch.setattr(module.crc32c, "crc32c", counter)
+    chunks = tb.codec.encode_chunks(tensor, max_chunk_bytes=1 << 20, key="k", message_id=("p", 1))
+    assert len(chunks) == 9 and counter.bytes < tensor.nbytes * 1.01
+    counter.bytes = 0
+    reassembler = tb.Reassembler()
+    results = [reassembler.feed(b"".join(c)) for c in chunks]
+    assert counter.bytes < tensor.nbytes * 1.01
+    np.testing.assert_array_equal(results[-1].tensor, tensor)
+
+
+def _reseal_chunk(data: bytearray) -> None:
+    """Give a chunk frame a correct CRC again after its payload was changed (a chunk that checks out)."""
+    struct.pack_into("<I", data, CRC_AT, frame.checksum_of(memoryview(data), len(data)))
+
+
+@pytest.mark.parametrize("where", ["payload", "crc field", "first header byte"])
+def test_a_change_the_chunk_checks_miss_is_caught_by_the_combined_frame_crc(where: str) -> None:
+    tensor = np.arange(1 << 18, dtype=np.float32)  # 1 MiB in 128 KiB chunks: all on the combining path
+    chunks = [
+        bytearray(b"".join(c)) for c in tb.codec.encode_chunks(tensor, max_chunk_bytes=1 << 17, message_id=("p", 1))
+    ]
+    target, offset = {"payload": (3, 5000), "crc field": (0, 20), "first header byte": (0, 24)}[where]
+    start = frame.parse(chunks[target]).nbytes - len(frame.parse(chunks[target]).payload)
+    chunks[target][start + offset] ^= 0x40
+    _reseal_chunk(chunks[target])
+    reassembler = tb.Reassembler()
+    for chunk in chunks[:-1]:
+        assert reassembler.feed(chunk) is None
+    with pytest.raises(tb.ChecksumMismatch):
+        reassembler.feed(chunks[-1])
+
+
+def test_small_chunks_and_signed_chunks_still_reassemble() -> None:
+    tensor = np.arange(50_000, dtype=np.int16)
+    for options in ({}, {"signing_key": b"secret"}):
+        chunks = tb.codec.encode_chunks(tensor, max_chunk_bytes=4096, message_id=("p", 1), **options)
+        reassembler = tb.Reassembler(signing_key=options.get("signing_key"))
+        results = [reassembler.feed(b"".join(c)) for c in reversed(chunks)]
+        np.testing.assert_array_equal(results[-1].tensor, tensor)
