@@ -239,9 +239,16 @@ def payload_crcs(payload: memoryview) -> tuple[int, int | None]:
     return combine(combine(before, field, 4), after, rest), combine(before, after, rest)
 
 
+#: how a chunk frame's header begins (`split` writes "kind" first): a hint, checked like everything else
+_CHUNK_HEADER_START = b"\xa4kind\xa5chunk"
+
+
 def split_checksum(view: memoryview) -> tuple[int, int, int | None] | None:
-    """For a checksummed, unsigned frame: its CRC to verify plus `payload_crcs`, in one pass; else None."""
-    if len(view) < PREFIX.size:
+    """For a checksummed, unsigned chunk frame: its CRC to verify plus `payload_crcs`, in one pass; else None.
+
+    Other frames need no payload CRC, and combining costs ~10 µs: they get None and `parse` as usual.
+    """
+    if view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] != _CHUNK_HEADER_START:
         return None
     _, _, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
     start = align(PREFIX.size + header_len)
