@@ -29,7 +29,7 @@ from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, backoff_s
 from .reactor import Reactor
-from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, sendmsg_all
+from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, sendmsg_all, set_send_timeout
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class SocketTransport(Transport):
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
                 introduce(sock, self.secret, self.address)
-                sock.settimeout(self.options["send_timeout_s"])
+                set_send_timeout(sock, self.options["send_timeout_s"])
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._sent = self._acked = 0
@@ -153,7 +153,11 @@ class SocketTransport(Transport):
                     break
                 except OSError as exc:
                     self._drop_connection()  # a partly sent frame is dropped by the consumer
-                    if isinstance(exc, TimeoutError) or attempt == 2:
+                    if isinstance(exc, (TimeoutError, BlockingIOError)):  # the consumer stopped reading
+                        raise TransportError(
+                            f"sending to {self.address} made no progress for {self.options['send_timeout_s']}s"
+                        ) from None
+                    if attempt == 2:
                         raise TransportError(f"sending to {self.address} failed: {exc}") from None
                     log.warning("connection to %s broke (%s); reconnecting", self.address, exc)
             self._unacked.append((frame, nbytes))

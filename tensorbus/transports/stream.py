@@ -61,6 +61,19 @@ def sendmsg_all(sock: socket.socket, buffers: list[Buffer]) -> None:
             views[first] = views[first][sent:]
 
 
+def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make sends give up after `seconds` without progress (then `BlockingIOError`), enforced by the kernel.
+
+    Python's own socket timeout polls before every call: one more system call per frame.
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)  # TLS retries its reads and writes itself: keep Python's timeout
+        return
+    sock.settimeout(None)
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> int:
     """Fill `view` from the socket; return the bytes received (fewer only at end of stream)."""
     got = 0

@@ -13,7 +13,7 @@ import pytest
 import trustme
 
 import tensorbus as tb
-from tensorbus.transports.stream import HELLO, proof
+from tensorbus.transports.stream import HELLO, greet, proof
 from tests.peers import Peer, make_tensor, same
 
 
@@ -144,6 +144,26 @@ def test_producer_to_nobody_fails_within_its_timeout() -> None:
     with pytest.raises(tb.TransportError, match="cannot connect"):
         tb.Producer("tcp://127.0.0.1:1", reconnect_timeout_s=1).send("x", np.ones(1))
     assert time.monotonic() - started < 5
+
+
+def test_a_send_to_a_consumer_that_stopped_reading_fails_within_send_timeout() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def accept_and_ignore() -> None:  # handshake, then never read again
+        conn, _ = server.accept()
+        greet(conn, None)
+        accepted.append(conn)
+
+    threading.Thread(target=accept_and_ignore, daemon=True).start()
+    producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", send_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError, match="made no progress for 1.0s"):
+        for i in range(200):  # 200 MB: far more than the socket buffers hold
+            producer.send(f"k{i}", np.zeros(1 << 18, np.float32))
+    assert time.monotonic() - started < 15
+    for conn in (*accepted, server):
+        conn.close()
 
 
 def _receive_and_measure(address_out: Any, result_out: Any) -> None:
