@@ -45,7 +45,7 @@ class SocketTransport(Transport):
         "send_timeout_s": 30.0,
         "reconnect_timeout_s": 10.0,
         "max_unacked_bytes": 256 * 1024 * 1024,
-        "ack_every_frames": 32,
+        "ack_every_frames": 128,
         "ack_every_bytes": 8 * 1024 * 1024,
         "close_timeout_s": 10.0,
         "backlog": 128,
@@ -163,7 +163,7 @@ class SocketTransport(Transport):
             self._unacked.append((frame, nbytes))
             self._unacked_bytes += nbytes
             self._sent += 1
-            if len(self._unacked) >= 64 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
+            if self._sent % 64 == 0 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
                 self._trim_acked()
 
     def _drop_connection(self) -> None:
@@ -173,10 +173,15 @@ class SocketTransport(Transport):
         self._ack_requested = False
 
     def _trim_acked(self) -> None:
-        """Ask for an ack (once), and release the frames acks already received cover; never blocks."""
+        """Release the frames acks already received cover; never blocks.
+
+        The consumer acks every `ack_every_frames` frames by itself (each ack costs it a system call
+        that also wakes this side): an ack is asked for only when that plainly is not happening.
+        """
         assert self._sock is not None
+        overdue = len(self._unacked) >= 4 * 64 or self._unacked_bytes >= self.options["max_unacked_bytes"]
         try:
-            if not self._ack_requested:
+            if overdue and not self._ack_requested:
                 self._sock.sendall(ACK_REQUEST)
                 self._ack_requested = True
             self._read_acks(0)
