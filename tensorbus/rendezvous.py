@@ -174,12 +174,12 @@ class Rendezvous:
         return message
 
     def _wait(self, key: object, timeout: float | None) -> Message:
-        waiter = _Waiter(key, None)
         with self._cond:
             self._raise_if_aborted()
             message = self._take(key)
             if message is not None:
                 return message
+            waiter = _Waiter(key, None)
             self._waiters.setdefault(key, collections.deque()).append(waiter)
         assert waiter.done is not None
         if self.pump is not None:

@@ -229,9 +229,9 @@ class Reactor:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
         try:
             for _ in range(FAIR_SHARE):
-                if stop() and not self._whole_frame_read_ahead(peer):
-                    break  # done: only frames already read ahead (no system call, no wait) are still worth it
-                self._step(peer)
+                if stop() and peer.in_lo == peer.in_hi:
+                    break  # done, and nothing read ahead says more is on its way
+                self._step(peer)  # read on while bytes keep coming: the next `recv` then finds its tensor waiting
             if peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending()):
                 self._pending.add(peer)
         except _WOULD_BLOCK:
