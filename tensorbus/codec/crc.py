@@ -27,13 +27,15 @@ def _multmodp(a: int, b: int) -> int:
 
 def _x2n_table() -> list[int]:
     table, p = [], 1 << 30  # x^1
-    for _ in range(32):
+    for _ in range(67):  # k = 3 (bytes to bits) + 64 bits of length
         table.append(p)
         p = _multmodp(p, p)
     return table
 
 
-_X2N = _x2n_table()  # x^(2^k) modulo the polynomial
+#: x^(2^k) modulo the polynomial. Not indexed modulo 32 as zlib does for CRC-32: that relies on
+#: x^(2^32) = x for zlib's polynomial, which does not hold for Castagnoli's (lengths >= 512 MiB broke)
+_X2N = _x2n_table()
 
 
 @functools.lru_cache(maxsize=256)
@@ -42,7 +44,7 @@ def _shift_operator(nbytes: int) -> int:
     p, k = _ONE, 3
     while nbytes:
         if nbytes & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = _multmodp(_X2N[k], p)
         nbytes >>= 1
         k += 1
     return p

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import tensorbus as tb
 from tensorbus.codec import chunking, frame
-from tensorbus.codec.crc import combine
+from tensorbus.codec.crc import _ONE, _multmodp, _shift_operator, combine
 from tensorbus.codec.frame import CRC_AT
 
 
@@ -26,6 +26,23 @@ def test_combine_over_large_and_odd_lengths() -> None:
     for la, lb in [(0, 1 << 20), (1 << 20, 12345), (7, (1 << 20) - 1)]:
         a, b = os.urandom(la), os.urandom(lb)
         assert combine(crc32c.crc32c(a), crc32c.crc32c(b), lb) == crc32c.crc32c(a + b)
+
+
+def _power(operator: int, exponent: int) -> int:
+    result = _ONE
+    while exponent:
+        if exponent & 1:
+            result = _multmodp(result, operator)
+        operator, exponent = _multmodp(operator, operator), exponent >> 1
+    return result
+
+
+def test_shifts_past_512_mib_agree_with_composed_1_mib_shifts() -> None:
+    # too large to checksum real bytes in a test: compose the 1 MiB shift checked against real bytes above
+    mib = _shift_operator(1 << 20)
+    for n in (1 << 29, (1 << 29) + 12345, (1 << 30) + 7, (1 << 36) + 1):
+        whole_mibs, rest = divmod(n, 1 << 20)
+        assert _shift_operator(n) == _multmodp(_power(mib, whole_mibs), _shift_operator(rest)), n
 
 
 BUNDLE = {"w": np.arange(70_001, dtype=np.float32), "b": np.ones((3, 5), np.int8), "e": np.zeros(0)}
