@@ -134,6 +134,9 @@ class _Sink:
     def is_pending(self, message_id: MessageId | None) -> bool:
         return self._consumer.reassembler.is_pending(message_id)
 
+    def handed_over_all(self) -> bool:
+        return self._consumer.table.dropped == 0
+
 
 class Consumer:
     """Receives the tensors sent to `url` and matches them to receivers by key (or arrival order)."""

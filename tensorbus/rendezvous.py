@@ -79,6 +79,8 @@ class Rendezvous:
         self._incarnations: dict[str, int] = {}
         self._counter = 0
         self._aborted: Aborted | None = None
+        #: messages `abort` dropped unreceived (a transport must not acknowledge them on the way out)
+        self.dropped = 0
         self.stats = collections.Counter[str]()
         #: set by a consumer whose transport can read on the waiting thread: `pump(done, deadline)`
         #: waits for the waiter's lock `done` (True) or the deadline (False), reading frames meanwhile
@@ -242,6 +244,7 @@ class Rendezvous:
                 self._aborted = Aborted(reason)
             waiters = [w for queue in self._waiters.values() for w in queue]
             self._waiters.clear()
+            self.dropped += len(self._arrivals)
             self._arrivals.clear()
             self._by_key.clear()
             self.buffered_bytes = 0

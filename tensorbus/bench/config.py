@@ -85,7 +85,7 @@ class BenchConfig:
     #: "crc32c": checksum every received tensor; "index": only sequence, size and dtype
     verify: str = "crc32c"
     #: broker transports and their raw clients: at most this many timed rounds from `broker_cap_from` up
-    broker_max_rounds: int = 3
+    broker_max_rounds: int = 5
     broker_cap_from: int = parse_size("64MB")
     #: hard limit for any one step (a round, a connection); a worker pair that exceeds it is killed
     timeout_s: float = 90.0

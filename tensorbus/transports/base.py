@@ -35,6 +35,10 @@ class Deliver(Protocol):
         """True while the message still waits for chunks (False once complete, rejected or expired)."""
         ...
 
+    def handed_over_all(self) -> bool:
+        """False once an abort or close dropped delivered tensors nobody received (a last ack must not cover them)."""
+        ...
+
 
 def backoff_s(first_s: float = 0.05, max_s: float = 2.0) -> Iterator[float]:
     """Exponential backoff delays: first_s, 2*first_s, ... capped at max_s."""

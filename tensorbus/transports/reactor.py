@@ -73,6 +73,7 @@ class _Peer:
         self.frames = self.acked = self.unacked_bytes = 0
         self.ack_owed = False
         self.incomplete: dict[MessageId | None, int] = {}  # message id -> index of its first frame here
+        self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
 
 
 class Reactor:
@@ -326,8 +327,10 @@ class Reactor:
         peer.prefix_got = 0
         if result.done:
             peer.incomplete.pop(result.message_id, None)
-        else:
+        elif self.deliver.is_pending(result.message_id):
             peer.incomplete.setdefault(result.message_id, peer.frames)
+        elif peer.turned_away is None:
+            peer.turned_away = peer.frames  # aborted: never acknowledged, so the producer sends it again
         peer.frames += 1
         peer.unacked_bytes += peer.total
         o = self.options
@@ -340,6 +343,8 @@ class Reactor:
         for message_id in [m for m in peer.incomplete if not self.deliver.is_pending(m)]:
             del peer.incomplete[message_id]  # expired (given up on) since: nothing more to wait for
         safe = next(iter(peer.incomplete.values()), peer.frames)
+        if peer.turned_away is not None:
+            safe = min(safe, peer.turned_away)
         try:
             sent = peer.conn.send(ACK.pack(safe))
         except _WOULD_BLOCK:
@@ -370,8 +375,8 @@ class Reactor:
             self._background.join(timeout)
             for peer in list(self._peers.values()):
                 with contextlib.suppress(OSError, PeerGone, *_WOULD_BLOCK):
-                    if got and peer.frames > peer.acked:
-                        self._ack(peer)  # a producer flushing right now need not resend what arrived
+                    if got and peer.frames > peer.acked and self.deliver.handed_over_all():
+                        self._ack(peer)  # a producer flushing right now need not resend what was received
                 with contextlib.suppress(OSError):
                     peer.conn.shutdown(socket.SHUT_RDWR)
                 peer.conn.close()

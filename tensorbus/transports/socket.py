@@ -45,7 +45,7 @@ class SocketTransport(Transport):
         "send_timeout_s": 30.0,
         "reconnect_timeout_s": 10.0,
         "max_unacked_bytes": 256 * 1024 * 1024,
-        "ack_every_frames": 128,
+        "ack_every_frames": 32,
         "ack_every_bytes": 8 * 1024 * 1024,
         "close_timeout_s": 10.0,
         "backlog": 128,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import socket
 import ssl
@@ -61,17 +62,20 @@ def sendmsg_all(sock: socket.socket, buffers: list[Buffer]) -> None:
             views[first] = views[first][sent:]
 
 
-def set_send_timeout(sock: socket.socket, seconds: float) -> None:
+def set_send_timeout(sock: socket.socket, seconds: float | None) -> None:
     """Make sends give up after `seconds` without progress (then `BlockingIOError`), enforced by the kernel.
 
     Python's own socket timeout polls before every call: one more system call per frame.
+    None (or infinity): sends wait as long as the consumer takes.
     """
-    if isinstance(sock, ssl.SSLSocket):
+    if seconds is not None and math.isinf(seconds):
+        seconds = None
+    if isinstance(sock, ssl.SSLSocket) or seconds is None:
         sock.settimeout(seconds)  # TLS retries its reads and writes itself: keep Python's timeout
         return
     sock.settimeout(None)
-    whole = int(seconds)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+    whole, micros = divmod(max(round(seconds * 1e6), 1), 1_000_000)  # 0 would mean "never time out"
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, micros))
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> int:
