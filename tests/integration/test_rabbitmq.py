@@ -32,6 +32,25 @@ def test_300_mb_tensor_is_chunked_under_the_default_limit(url: str) -> None:
         assert consumer.stats["chunks"] >= 18  # 300 MB in chunks of at most 16 MiB
 
 
+def test_tensors_of_many_more_chunks_than_the_prefetch_window_all_arrive(url: str) -> None:
+    # chunks are acked only once their tensor is whole, so the window must grow past the held ones
+    tensors = [np.random.default_rng(i).standard_normal(40_000) for i in range(3)]
+    with (
+        tb.Consumer(f"{url}&prefetch_count=4") as consumer,
+        tb.Producer(url, max_frame_bytes=10_000) as producer,
+    ):
+        for i, tensor in enumerate(tensors):
+            producer.send(f"t{i}", tensor)  # 320 kB each: 33 chunks, against a window of 4
+        producer.flush(timeout=60)
+        for i, tensor in enumerate(tensors):
+            assert same(consumer.recv(f"t{i}", timeout=60), tensor)
+        assert consumer.stats["chunks"] >= 3 * 32
+        deadline = time.monotonic() + 10
+        while consumer.transport._window > 4 + 2 * 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the last ack (and shrink) runs on the connection's thread
+        assert consumer.transport._window <= 4 + 2 * 2  # it shrank back once nothing was held
+
+
 def _partial_consumer(url: str, ready: multiprocessing.synchronize.Event) -> None:
     consumer = tb.Consumer(url)
     while consumer.stats["chunks"] < 5:
