@@ -28,15 +28,15 @@ from .frame import (
     Limits,
     Message,
     MessageId,
-    _head,
     _message_id,
-    _seal,
     encode_raw,
+    frame_head,
     head_crc,
     layout,
     message_from_frame,
     parse,
     payload_crcs,
+    seal,
     seal_with_crc,
     split_checksum,
 )
@@ -127,14 +127,14 @@ def encode_chunks(
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
     flags = FLAG_CHECKSUM if checksum else 0
     try:
-        head = _head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
+        head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
     except (TypeError, ValueError) as exc:
         raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
     total = len(head) + end
     stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
     one_pass_anyway = total <= max_chunk_bytes or not checksum or signing_key is not None
     if one_pass_anyway or stride < 1024 or len(head) > stride:  # split() refuses a stride under 1024
-        frame = _seal(head, body, checksum, signing_key)
+        frame = seal(head, body, checksum, signing_key)
         return split(
             frame,
             max_chunk_bytes=max_chunk_bytes,
@@ -158,7 +158,7 @@ def encode_chunks(
     for index, (run, (crc, length)) in enumerate(zip(runs, tails, strict=True)):
         if index == 0:  # its slice is the head (CRC now filled in), then the first bytes of the payload
             crc, length = combine(crc32c.crc32c(head), crc, length), length + len(head)
-        chunk_head = _head(
+        chunk_head = frame_head(
             {"kind": "chunk", "key": key, "id": list(message_id), "chunk": [index, len(runs), total, stride]},
             length,
             flags,

@@ -82,7 +82,7 @@ def _message_id(value: object) -> MessageId | None:
     raise MalformedHeader(f"message id must be [producer id, sequence], got {value!r}")
 
 
-def _head(header: dict[str, Any], payload_len: int, flags: int) -> bytearray:
+def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearray:
     """Prefix (CRC still zero) plus the packed header, padded to the 64-byte payload alignment."""
     packed = msgpack.packb(header, use_bin_type=True)
     head = bytearray(align(PREFIX.size + len(packed)))
@@ -102,7 +102,7 @@ def seal_with_crc(head: bytearray, body_crc: int, body_len: int) -> None:
     struct.pack_into("<I", head, CRC_AT, combine(head_crc(head), body_crc, body_len))
 
 
-def _seal(head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None) -> list[Buffer]:
+def seal(head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None) -> list[Buffer]:
     """Fill in the CRC over prefix, header and payload, and append the HMAC if signing."""
     if checksum:
         crc = head_crc(head)
@@ -127,7 +127,7 @@ def encode_raw(
 ) -> list[Buffer]:
     """Frame an already-laid-out payload under `header`; used for tensors and for chunks."""
     flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
-    return _seal(_head(header, payload_len, flags), body, checksum, signing_key)
+    return seal(frame_head(header, payload_len, flags), body, checksum, signing_key)
 
 
 def layout(
