@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -49,11 +50,39 @@ def endpoint_url(transport: str) -> str:
         return f"unix://{tempfile.gettempdir()}/{name}.sock"
     if transport == "amqp":
         require_broker(AMQP_URL)
+        _CREATED["amqp"].append(name)
         return f"{AMQP_URL}?queue={name}"
     if transport == "kafka":
         require_broker(KAFKA_URL)
+        _CREATED["kafka"].append(name)
         return f"{KAFKA_URL.rstrip('/')}/{name}"
     raise ValueError(transport)
+
+
+_CREATED: dict[str, list[str]] = {"amqp": [], "kafka": []}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _delete_broker_endpoints() -> Iterator[None]:
+    """Delete the queues and topics the session made, so brokers that live on do not fill up with them."""
+    yield
+    if _CREATED["kafka"] and reachable(KAFKA_URL):
+        from kafka import KafkaAdminClient
+
+        with contextlib.suppress(Exception):  # best effort: a left-over topic only takes disk
+            admin = KafkaAdminClient(
+                bootstrap_servers=urllib.parse.urlsplit(KAFKA_URL).netloc, request_timeout_ms=10000
+            )
+            existing = set(admin.list_topics())
+            admin.delete_topics([t for t in _CREATED["kafka"] if t in existing])
+            admin.close()
+    if _CREATED["amqp"] and reachable(AMQP_URL):
+        import pika
+
+        with contextlib.suppress(Exception), pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            channel = connection.channel()
+            for queue in _CREATED["amqp"]:
+                channel.queue_delete(queue)
 
 
 @pytest.fixture(autouse=True)
