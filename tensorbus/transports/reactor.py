@@ -246,16 +246,6 @@ class Reactor:
         except (OSError, ssl.SSLError) as exc:
             self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
 
-    def _whole_frame_read_ahead(self, peer: _Peer) -> bool:
-        """Whether the next frame (or ack request) is entirely in the read-ahead buffer."""
-        available = peer.in_hi - peer.in_lo
-        if peer.frame is not None or peer.skip_left or peer.prefix_got or available < PREFIX.size:
-            return False
-        try:
-            return frame_length(peer.inbox[peer.in_lo : peer.in_lo + PREFIX.size], self.limits) <= available
-        except CodecError:
-            return True  # an ack request, or something `_step` will reject
-
     def _recv(self, peer: _Peer, view: memoryview) -> int:
         n = peer.conn.recv_into(view)
         if n == 0:
