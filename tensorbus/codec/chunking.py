@@ -29,9 +29,9 @@ from .frame import (
     Message,
     MessageId,
     _message_id,
+    checksum_of,
     encode_raw,
     frame_head,
-    head_crc,
     layout,
     message_from_frame,
     parse,
@@ -126,10 +126,7 @@ def encode_chunks(
     """
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
     flags = FLAG_CHECKSUM if checksum else 0
-    try:
-        head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
-    except (TypeError, ValueError) as exc:
-        raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
+    head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
     total = len(head) + end
     stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
     one_pass_anyway = total <= max_chunk_bytes or not checksum or signing_key is not None
@@ -146,11 +143,11 @@ def encode_chunks(
     runs = _slices([head, *body], stride)  # runs[0] starts with the whole head, whose CRC field is still 0
     tails = []  # (CRC32C, length) of each run's bytes past the head: the one pass over the tensor
     for index, run in enumerate(runs):
-        crc = 0
-        for part in run[1:] if index == 0 else run:
+        crc, tail = 0, run[1:] if index == 0 else run
+        for part in tail:
             crc = crc32c.crc32c(part, crc)
-        tails.append((crc, sum(len(part) for part in run) - (len(head) if index == 0 else 0)))
-    frame_crc = head_crc(head)
+        tails.append((crc, sum(len(part) for part in tail)))
+    frame_crc = checksum_of(head)
     for crc, length in tails:
         frame_crc = combine(frame_crc, crc, length)
     struct.pack_into("<I", head, CRC_AT, frame_crc)

@@ -84,28 +84,25 @@ def _message_id(value: object) -> MessageId | None:
 
 def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearray:
     """Prefix (CRC still zero) plus the packed header, padded to the 64-byte payload alignment."""
-    packed = msgpack.packb(header, use_bin_type=True)
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError) as exc:
+        raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
     head = bytearray(align(PREFIX.size + len(packed)))
     PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
     head[PREFIX.size : PREFIX.size + len(packed)] = packed
     return head
 
 
-def head_crc(head: Buffer) -> int:
-    """CRC32C of the part of a frame's head its checksum covers (all but the CRC field itself)."""
-    view = memoryview(head)
-    return crc32c.crc32c(view[PREFIX.size :], crc32c.crc32c(view[:CRC_AT]))
-
-
 def seal_with_crc(head: bytearray, body_crc: int, body_len: int) -> None:
     """Write the frame CRC into `head` from the separately computed CRC32C of its payload."""
-    struct.pack_into("<I", head, CRC_AT, combine(head_crc(head), body_crc, body_len))
+    struct.pack_into("<I", head, CRC_AT, combine(checksum_of(head), body_crc, body_len))
 
 
 def seal(head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None) -> list[Buffer]:
     """Fill in the CRC over prefix, header and payload, and append the HMAC if signing."""
     if checksum:
-        crc = head_crc(head)
+        crc = checksum_of(head)
         for part in body:
             crc = crc32c.crc32c(part, crc)
         struct.pack_into("<I", head, CRC_AT, crc)
@@ -178,10 +175,7 @@ def encode(
 ) -> list[Buffer]:
     """Encode a tensor as scatter-gather buffers; the payload buffers are the arrays' own memory."""
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
-    try:
-        return encode_raw(header, body, end, checksum=checksum, signing_key=signing_key)
-    except (TypeError, ValueError) as exc:
-        raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
+    return encode_raw(header, body, end, checksum=checksum, signing_key=signing_key)
 
 
 def dumps(obj: Any, *, out: bytearray | memoryview | None = None, **options: Any) -> bytes | memoryview:
@@ -220,9 +214,10 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
     return header
 
 
-def checksum_of(view: memoryview, end: int) -> int:
-    """CRC32C of what a frame's checksum covers: bytes 0-19 (the prefix but its CRC), then 24 up to `end`."""
-    return crc32c.crc32c(view[PREFIX.size : end], crc32c.crc32c(view[:CRC_AT]))
+def checksum_of(data: Buffer) -> int:
+    """CRC32C of what a frame's checksum covers, over the frame (or its head) in `data`: all but bytes 20-23."""
+    view = memoryview(data)
+    return crc32c.crc32c(view[PREFIX.size :], crc32c.crc32c(view[:CRC_AT]))
 
 
 def payload_crcs(payload: memoryview) -> tuple[int, int | None]:
@@ -255,7 +250,7 @@ def split_checksum(view: memoryview) -> tuple[int, int, int | None] | None:
     if flags & (FLAG_CHECKSUM | FLAG_SIGNED) != FLAG_CHECKSUM or len(view) != start + payload_len:
         return None
     whole, skipped = payload_crcs(view[start:])
-    return combine(head_crc(view[:start]), whole, payload_len), whole, skipped
+    return combine(checksum_of(view[:start]), whole, payload_len), whole, skipped
 
 
 def frame_length(prefix: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:
@@ -305,7 +300,7 @@ def parse(
         if not hmac.compare_digest(expected, view[end:total]):
             raise SignatureError("frame signature does not match: tampered, or signed with another key")
     if flags & FLAG_CHECKSUM:
-        actual = crc if crc is not None else checksum_of(view, end)
+        actual = crc if crc is not None else checksum_of(view[:end])
         if actual != stored:
             raise ChecksumMismatch(f"CRC32C stored {stored:#010x}, computed {actual:#010x}")
     header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])

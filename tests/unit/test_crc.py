@@ -96,7 +96,7 @@ def test_a_chunked_tensor_is_checksummed_once_when_sent_and_once_when_received(m
 
 def _reseal_chunk(data: bytearray) -> None:
     """Give a chunk frame a correct CRC again after its payload was changed (a chunk that checks out)."""
-    struct.pack_into("<I", data, CRC_AT, frame.checksum_of(memoryview(data), len(data)))
+    struct.pack_into("<I", data, CRC_AT, frame.checksum_of(data))
 
 
 @pytest.mark.parametrize("where", ["payload", "crc field", "first header byte"])
