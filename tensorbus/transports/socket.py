@@ -32,6 +32,8 @@ from .reactor import Reactor
 from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, sendmsg_all, set_send_timeout
 
 log = logging.getLogger(__name__)
+#: a producer reads the acks that arrived every this many sends; four times as many unacked asks for one
+READ_ACKS_EVERY = 64
 
 
 class SocketTransport(Transport):
@@ -163,7 +165,7 @@ class SocketTransport(Transport):
             self._unacked.append((frame, nbytes))
             self._unacked_bytes += nbytes
             self._sent += 1
-            if self._sent % 64 == 0 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
+            if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
                 self._trim_acked()
 
     def _drop_connection(self) -> None:
@@ -179,7 +181,7 @@ class SocketTransport(Transport):
         that also wakes this side): an ack is asked for only when that plainly is not happening.
         """
         assert self._sock is not None
-        overdue = len(self._unacked) >= 4 * 64 or self._unacked_bytes >= self.options["max_unacked_bytes"]
+        overdue = len(self._unacked) >= 4 * READ_ACKS_EVERY or self._unacked_bytes >= self.options["max_unacked_bytes"]
         try:
             if overdue and not self._ack_requested:
                 self._sock.sendall(ACK_REQUEST)
@@ -230,11 +232,9 @@ class SocketTransport(Transport):
                     if self._sock is not None:
                         with contextlib.suppress(OSError):
                             self._read_acks(0)  # a consumer that closed may have acked everything first
-                    if not self._unacked:
-                        self._drop_connection()
-                        break
-                    log.warning("connection to %s broke while flushing (%s); reconnecting", self.address, exc)
                     self._drop_connection()
+                    if self._unacked:
+                        log.warning("connection to %s broke while flushing (%s); reconnecting", self.address, exc)
 
     # -- consumer side ------------------------------------------------------------------------------
 
