@@ -14,6 +14,7 @@ import trustme
 
 import tensorbus as tb
 from tensorbus.transports.stream import HELLO, greet, proof
+from tests.faults import wait_for
 from tests.peers import Peer, make_tensor, same
 
 
@@ -105,19 +106,23 @@ def test_tls_wrong_ca_and_plain_client_fail_clearly(tls: dict[str, str]) -> None
             tb.Producer(tls_url, ssl_cafile=tls["ca"], reconnect_timeout_s=1).send("x", np.ones(1))
 
 
+def send_numbered(producer: tb.Producer, numbers: range) -> None:
+    """Send np.full(10, i) under key a<i> for each i."""
+    for i in numbers:
+        producer.send(f"a{i}", np.full(10, i))
+
+
 def test_flush_waits_for_acks_and_unacked_frames_are_resent_after_a_consumer_restart() -> None:
     consumer = tb.Consumer("tcp://127.0.0.1:0")
     address = consumer.address
     producer = tb.Producer(address, reconnect_timeout_s=20)
-    for i in range(5):
-        producer.send(f"a{i}", np.full(10, i))
+    send_numbered(producer, range(5))
     producer.flush(10)
     assert producer.transport._unacked_bytes == 0  # everything acknowledged
     consumer.close()  # the consumer goes away; what the producer sends next is not acknowledged
     replacement: list[tb.Consumer] = []
     threading.Timer(1.0, lambda: replacement.append(tb.Consumer(address))).start()
-    for i in range(5, 10):
-        producer.send(f"a{i}", np.full(10, i))  # the first may vanish into the dead socket's buffer
+    send_numbered(producer, range(5, 10))  # the first may vanish into the dead socket's buffer
     producer.flush(20)
     received = {i: replacement[0].recv(f"a{i}", timeout=10)[0] for i in range(5, 10)}
     assert received == {i: i for i in range(5, 10)}
@@ -129,8 +134,7 @@ def test_a_consumer_that_closes_after_receiving_everything_acks_it_on_the_way_ou
     # the example's race: the saver got every tensor and exited before the trainer's flush asked
     consumer = tb.Consumer("tcp://127.0.0.1:0", ack_every_frames=1000)  # no ack goes out on its own
     producer = tb.Producer(consumer.address, reconnect_timeout_s=1)
-    for i in range(5):
-        producer.send(f"a{i}", np.full(10, i))
+    send_numbered(producer, range(5))
     assert [consumer.recv(f"a{i}", timeout=10)[0] for i in range(5)] == list(range(5))
     assert producer.transport._unacked  # sent, received, but not acknowledged yet
     consumer.close()
@@ -146,20 +150,12 @@ def test_producer_to_nobody_fails_within_its_timeout() -> None:
     assert time.monotonic() - started < 5
 
 
-def _wait_until(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 def test_tensors_a_closing_consumer_drops_unreceived_are_resent_to_its_successor() -> None:
     consumer = tb.Consumer("tcp://127.0.0.1:0")
     address = consumer.address
     producer = tb.Producer(address, reconnect_timeout_s=20)
-    for i in range(5):
-        producer.send(f"a{i}", np.full(10, i))
-    _wait_until(lambda: len(consumer.table) == 5)  # in its table, never received by the application
+    send_numbered(producer, range(5))
+    wait_for(lambda: len(consumer.table) == 5, 10, "5 tensors in the table")  # never received by the application
     consumer.close()  # drops them: so it must not acknowledge them on the way out
     successor = tb.Consumer(address)
     producer.flush(20)
