@@ -173,6 +173,21 @@ def test_configuration_errors_are_clear(url: str) -> None:
         tb.Producer(url, max_frame_bytes=2_000_000)  # over kafka-python's default max_request_size
 
 
+def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes() -> None:
+    def fetch_bytes(**options: Any) -> int:
+        transport = tb.Producer("kafka://127.0.0.1:9092/t", **options).transport  # nothing connects yet
+        assert isinstance(transport, KafkaTransport)
+        return transport._fetch_bytes
+
+    assert fetch_bytes() == 16 << 20  # 16 one-MB chunks per round trip, not kafka-python's one
+    assert fetch_bytes(fetch_max_bytes=4 << 20) == 4 << 20
+    assert fetch_bytes(max_partition_fetch_bytes=2 << 20) == 2 << 20
+    big = {"max_frame_bytes": 20 << 20, "max_request_size": 21 << 20}
+    assert fetch_bytes(**big) == (20 << 20) + 1024  # always room for one whole record
+    with pytest.raises(tb.ConfigError, match="fetch_max_bytes"):
+        fetch_bytes(fetch_max_bytes=500_000)  # cannot hold one 1 MB chunk
+
+
 def test_no_broker_fails_fast_with_a_tensorbus_error() -> None:
     started = time.monotonic()
     with pytest.raises(tb.TransportError):
