@@ -24,10 +24,12 @@ from typing import Any, ClassVar
 
 import pika
 import pika.exceptions as px
+from pika.adapters.utils import connection_workflow as workflow
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, backoff_s
+from .rabbitmq_publisher import Publisher
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/vnd.tensorbus.frame"
@@ -91,17 +93,14 @@ class RabbitMQTransport(Transport):
                 f"got {urllib.parse.urlunsplit(url)!r}"
             )
         self.queue: str = options["queue"]
-        self._shown = f"{url.scheme}://{url.hostname}:{url.port or 5672}{url.path or '/'}?queue={self.queue}"
-        self._params = self._parameters()
+        self.shown = f"{url.scheme}://{url.hostname}:{url.port or 5672}{url.path or '/'}?queue={self.queue}"
+        self.params = self._parameters()
+        self.content_type = CONTENT_TYPE
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: TransportError | None = None
-        # publisher state
-        self._outbox: queue.Queue[Any] = queue.Queue()
-        self._pending = threading.Condition()
-        self._pending_bytes = 0
-        self._unconfirmed = 0
+        self._publisher: Publisher | None = None
 
     @property
     def address(self) -> str:
@@ -136,8 +135,8 @@ class RabbitMQTransport(Transport):
         deadline = time.monotonic() + self.options["reconnect_timeout_s"]
         for delay in backoff_s(0.1, 2.0):
             try:
-                with map_errors(self._shown):
-                    connection = pika.BlockingConnection(self._params)
+                with map_errors(self.shown):
+                    connection = pika.BlockingConnection(self.params)
                     channel = connection.channel()
                     channel.queue_declare(self.queue, durable=self.options["durable"])
                     return connection, channel
@@ -162,94 +161,32 @@ class RabbitMQTransport(Transport):
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Queue one frame for the publisher thread; blocks only while max_pending_bytes are unconfirmed."""
-        if self._thread is None:
-            self._start(self._publish_loop)
-        body = b"".join(frame)
-        with self._pending:
-            self._raise_error()
-            while self._pending_bytes and self._pending_bytes + len(body) > self.options["max_pending_bytes"]:
-                self._pending.wait(1.0)
-                self._raise_error()
-            self._pending_bytes += len(body)
-            self._unconfirmed += 1
-        self._outbox.put((body, key))
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        if self._publisher is None:
+            self._publisher = Publisher(self)
+        self._publisher.send(b"".join(frame), key)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker has confirmed every queued frame; raise the first failure."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._pending:
-            while self._unconfirmed and self._error is None:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TransportError(f"{self._unconfirmed} frames unconfirmed by {self._shown} after {timeout}s")
-                self._pending.wait(remaining)
-            self._raise_error()
+        if self._publisher is not None:
+            self._publisher.flush(timeout)
 
-    def _publish_loop(self) -> None:
-        connection = channel = None
-        item: Any = None
-        while True:
-            try:
-                if connection is None or not connection.is_open:
-                    connection, channel = self._connect()
-                    channel.confirm_delivery()
-                    self._ready.set()
-                if item is None:
-                    try:
-                        item = self._outbox.get(timeout=1.0)
-                    except queue.Empty:
-                        connection.process_data_events(0)  # heartbeats while idle
-                        continue
-                if item is _STOP:
-                    break
-                body, key = item
-                with map_errors(self._shown):
-                    channel.basic_publish(
-                        "",
-                        self.queue,
-                        body,
-                        mandatory=True,
-                        properties=pika.BasicProperties(
-                            content_type=CONTENT_TYPE,
-                            delivery_mode=2 if self.options["persistent"] else 1,
-                            headers={"tensorbus-key": key} if key is not None else None,
-                        ),
-                    )
-                self._confirmed(len(body), None)
-                item = None
-            except _Fatal as exc:  # this frame can never be published: report it, go on with the next
-                if not self._ready.is_set():  # refused at connect (credentials, vhost): nothing ever will be published
-                    self._confirmed(0, exc)
-                    self._ready.set()
-                    break
-                self._confirmed(len(item[0]) if isinstance(item, tuple) else 0, exc)
-                item = None
-                with contextlib.suppress(Exception):
-                    connection.close()  # type: ignore[union-attr]
-                connection = None
-            except TransportError as exc:
-                if not self._ready.is_set() or self._stop.is_set():
-                    self._confirmed(0, exc)
-                    self._ready.set()
-                    break
-                log.warning("%s; reconnecting and publishing again", exc)
-                connection = None
-        with contextlib.suppress(Exception):
-            connection.close()  # type: ignore[union-attr]
-
-    def _confirmed(self, nbytes: int, error: TransportError | None) -> None:
-        with self._pending:
-            if nbytes:
-                self._pending_bytes -= nbytes
-                self._unconfirmed -= 1
-            if error is not None and self._error is None:
-                self._error = error
-            self._pending.notify_all()
+    def as_error(self, exc: BaseException) -> TransportError:
+        """The tensorbus error for a pika exception, as `map_errors` translates it."""
+        if isinstance(exc, TransportError):
+            return exc
+        if isinstance(exc, workflow.AMQPConnectionWorkflowFailed):  # unwrapped as BlockingConnection does
+            exc = exc.exceptions[-1]
+            if isinstance(exc, workflow.AMQPConnectorSocketConnectError):
+                exc = px.AMQPConnectionError(exc)
+            elif isinstance(exc, workflow.AMQPConnectorPhaseErrorBase):
+                exc = exc.exception
+        try:
+            with map_errors(self.shown):
+                raise exc
+        except TransportError as mapped:
+            return mapped
+        except Exception:
+            return TransportError(f"RabbitMQ at {self.shown}: {exc!r}")
 
     # -- consumer side -------------------------------------------------------------------------------
 
@@ -276,7 +213,7 @@ class RabbitMQTransport(Transport):
                     self.queue, lambda ch, method, props, body, g=generation: inbox.put((g, method.delivery_tag, body))
                 )
                 self._ready.set()
-                with map_errors(self._shown):
+                with map_errors(self.shown):
                     while not self._stop.is_set():
                         connection.process_data_events(time_limit=0.2)
             except TransportError as exc:
@@ -341,12 +278,12 @@ class RabbitMQTransport(Transport):
 
     def close(self) -> None:
         """Stop the I/O thread(s); the publisher first publishes what is queued."""
+        if self._publisher is not None:
+            self._publisher.close(timeout=30)
         if self._thread is None:
             return
-        if self._ready.is_set() and hasattr(self, "_inbox"):
+        if self._ready.is_set():
             self._inbox.put(_STOP)
-        else:
-            self._outbox.put(_STOP)
         self._stop.set()
         self._thread.join(timeout=30)
         self._thread = None

@@ -83,10 +83,41 @@ def test_consumer_killed_before_acking_hands_its_tensor_to_the_next(url: str) ->
 def test_broker_side_size_error_is_a_tensorbus_error(url: str) -> None:
     with tb.Producer(url, max_frame_bytes=200 * 2**20) as producer:
         producer.send("too-big", np.zeros(150 * 2**20, np.uint8))  # one 150 MB message > 128 MiB broker max
+        producer.send("fine", np.arange(10.0))  # published behind it, before any confirm: must not be lost
         with pytest.raises(tb.TransportError, match="max size"):
             producer.flush(timeout=60)
-        producer.send("fine", np.zeros(10))  # the producer keeps working
+        producer.flush(timeout=30)  # the producer keeps working
+        producer.send("after", np.arange(3.0))
         producer.flush(timeout=30)
+    with tb.Consumer(url) as consumer:
+        assert same(consumer.recv("fine", timeout=30), np.arange(10.0))
+        assert same(consumer.recv("after", timeout=30), np.arange(3.0))
+        with pytest.raises(tb.Timeout):
+            consumer.recv("too-big", timeout=0.5)
+
+
+def test_publishing_does_not_wait_for_each_confirm(url: str) -> None:
+    with tb.Producer(url) as producer:
+        for i in range(200):
+            producer.send("small", np.full(1000, i, np.float32))
+        producer.flush(timeout=30)
+        publisher = producer.transport._publisher
+        assert publisher is not None and publisher.peak_in_flight > 1
+    with tb.Consumer(url) as consumer:
+        assert [int(consumer.recv("small", timeout=30)[0]) for _ in range(200)] == list(range(200))
+
+
+def test_queue_declared_otherwise_is_a_clear_error_at_send(url: str) -> None:
+    queue = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
+    connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+    try:
+        connection.channel().queue_declare(queue, durable=True, arguments={"x-max-length": 2})
+        started = time.monotonic()
+        with tb.Producer(url) as producer, pytest.raises(tb.TransportError, match="inequivalent arg 'x-max-length'"):
+            producer.send("k", np.arange(3.0))
+        assert time.monotonic() - started < 15
+    finally:
+        connection.close()
 
 
 def test_a_plain_pika_consumer_can_read_tensorbus_messages(url: str) -> None:

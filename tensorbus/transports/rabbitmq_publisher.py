@@ -1,0 +1,251 @@
+"""The amqp:// producer's I/O thread: publishes with confirms, many messages in flight at once.
+
+pika's BlockingChannel waits for each confirm before the next publish: one broker round trip per
+message. This publisher runs a `SelectConnection` on a thread of its own and keeps up to
+IN_FLIGHT_BYTES unconfirmed (measured on the native broker: 64 KB messages 4x, 1 MB 1.6x and
+16 MB chunks 1.2x the blocking rate; sixteen 16 MB chunks in flight were slower than one).
+Messages are confirmed in any order the broker likes; after a lost connection or channel every
+unconfirmed one is published again (duplicates are dropped by message id on the consumer side).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import re
+import threading
+import time
+from typing import Any
+
+import pika
+import pika.exceptions as px
+import pika.spec
+
+from ..errors import TransportError
+from .base import backoff_s
+
+log = logging.getLogger(__name__)
+#: unconfirmed bytes kept in flight (always at least one message)
+IN_FLIGHT_BYTES = 64 << 20
+#: unconfirmed messages kept in flight
+IN_FLIGHT_MESSAGES = 256
+_MESSAGE_SIZE = re.compile(r"message size (\d+)")
+
+
+class Publisher:
+    """Publishes queued frames on its own thread; `send` blocks only while max_pending_bytes are unconfirmed."""
+
+    def __init__(self, transport: Any) -> None:
+        # the transport's connection parameters, options, queue name, error mapping (`as_error`)
+        self.t = transport
+        self._outbox: collections.deque[tuple[bytes, str | None]] = collections.deque()
+        self._in_flight: dict[int, tuple[bytes, str | None]] = {}  # delivery tag -> frame, in publish order
+        self._in_flight_bytes = 0
+        #: the most messages that were unconfirmed at once (1 would mean one broker round trip per message)
+        self.peak_in_flight = 0
+        self._pending = threading.Condition()
+        self._pending_bytes = 0
+        self._unconfirmed = 0
+        self._error: TransportError | None = None
+        self._returned: TransportError | None = None  # an unroutable message, reported with its confirm
+        self._connection: pika.SelectConnection | None = None
+        self._channel: Any = None
+        self._next_tag = 1
+        self._wake_scheduled = False
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-amqp-{transport.queue}")
+        self._thread.start()
+        self._ready.wait()
+        self.raise_error()
+
+    # -- application threads --------------------------------------------------------------------
+
+    def send(self, body: bytes, key: str | None) -> None:
+        """Queue one frame; blocks while max_pending_bytes are queued or unconfirmed."""
+        with self._pending:
+            self.raise_error()
+            while self._pending_bytes and self._pending_bytes + len(body) > self.t.options["max_pending_bytes"]:
+                self._pending.wait(1.0)
+                self.raise_error()
+            self._pending_bytes += len(body)
+            self._unconfirmed += 1
+        self._outbox.append((body, key))
+        self._wake()
+
+    def flush(self, timeout: float | None) -> None:
+        """Wait until the broker has confirmed every queued frame; raise the first failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._pending:
+            while self._unconfirmed and self._error is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TransportError(f"{self._unconfirmed} frames unconfirmed by {self.t.shown} after {timeout}s")
+                self._pending.wait(remaining)
+            self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise (once) the first failure the I/O thread recorded."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self, timeout: float) -> None:
+        """Publish what is queued, wait for its confirms (up to `timeout`), then close the connection."""
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout)
+
+    def _wake(self) -> None:
+        """Have the I/O thread publish what is queued (one wake-up at a time)."""
+        connection = self._connection
+        if connection is None or self._wake_scheduled:
+            return  # connecting: the new channel publishes the outbox once it is ready
+        self._wake_scheduled = True
+        with contextlib.suppress(Exception):  # closing: the reconnect publishes the outbox
+            connection.ioloop.add_callback_threadsafe(self._publish)
+
+    # -- the I/O thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Connect, run the connection's I/O loop until it closes, reconnect with backoff."""
+        deadline = time.monotonic() + self.t.options["reconnect_timeout_s"]
+        delays = backoff_s(0.1, 2.0)
+        while True:
+            self._open_error: BaseException | None = None
+            self._refused: BaseException | None = None  # the broker refused the channel's setup
+            connection = pika.SelectConnection(
+                self.t.params,
+                on_open_callback=lambda c: c.channel(on_open_callback=self._on_channel),
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_closed,
+            )
+            self._connection = connection
+            connection.ioloop.start()
+            self._connection = self._channel = None
+            connection.ioloop.close()  # its wake-up socket pair
+            self._outbox.extendleft(reversed(self._in_flight.values()))  # published again, in order
+            self._in_flight.clear()
+            self._in_flight_bytes = 0
+            if self._stop.is_set() and not self._outbox:
+                return
+            error = self.t.as_error(self._refused or self._open_error or TransportError("connection lost"))
+            first = not self._ready.is_set()
+            if not error.retriable or self._stop.is_set() or (first and time.monotonic() > deadline):
+                self._fail_all(error)  # e.g. wrong credentials: nothing will ever be published
+                if first or self._stop.is_set():
+                    self._ready.set()
+                    return
+            delay = next(delays)
+            log.warning("%s; reconnecting in %.1fs", error, delay)
+            time.sleep(delay)
+
+    def _on_open_error(self, connection: pika.SelectConnection, error: BaseException) -> None:
+        self._open_error = error
+        connection.ioloop.stop()
+
+    def _on_closed(self, connection: pika.SelectConnection, reason: BaseException) -> None:
+        self._open_error = reason
+        connection.ioloop.stop()
+
+    def _on_channel(self, channel: Any) -> None:
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.queue_declare(
+            self.t.queue,
+            durable=self.t.options["durable"],
+            callback=lambda _: channel.confirm_delivery(self._on_confirm, callback=lambda _: self._on_ready(channel)),
+        )
+
+    def _on_ready(self, channel: Any) -> None:
+        self._channel, self._next_tag = channel, 1
+        self._ready.set()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Publish from the outbox while the in-flight window has room; close once stopping and all is confirmed."""
+        self._wake_scheduled = False
+        channel = self._channel
+        if channel is None or not channel.is_open:
+            return
+        properties = pika.BasicProperties(
+            content_type=self.t.content_type, delivery_mode=2 if self.t.options["persistent"] else 1
+        )
+        while self._outbox and (
+            not self._in_flight
+            or (
+                self._in_flight_bytes + len(self._outbox[0][0]) <= IN_FLIGHT_BYTES
+                and len(self._in_flight) < IN_FLIGHT_MESSAGES
+            )
+        ):
+            body, key = self._outbox.popleft()
+            properties.headers = {"tensorbus-key": key} if key is not None else None
+            channel.basic_publish("", self.t.queue, body, properties=properties, mandatory=True)
+            self._in_flight[self._next_tag] = (body, key)
+            self._in_flight_bytes += len(body)
+            self._next_tag += 1
+        self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
+        if self._stop.is_set() and not self._outbox and not self._in_flight and self._connection is not None:
+            self._connection.close()
+
+    def _on_confirm(self, frame: Any) -> None:
+        """Basic.Ack or Basic.Nack for one delivery tag, or (multiple) for every tag up to it."""
+        method = frame.method
+        if method.multiple:
+            tags = [tag for tag in self._in_flight if tag <= method.delivery_tag]
+        else:
+            tags = [method.delivery_tag] if method.delivery_tag in self._in_flight else []
+        for tag in tags:
+            body, _ = self._in_flight.pop(tag)
+            self._in_flight_bytes -= len(body)
+            error, self._returned = self._returned, None
+            if isinstance(method, pika.spec.Basic.Nack):
+                error = TransportError(f"RabbitMQ at {self.t.shown} did not accept a message (nack)")
+            self._confirmed(len(body), error)
+        self._publish()
+
+    def _on_return(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
+        """An unroutable message (its queue was deleted): reported with the confirm that follows it."""
+        self._returned = TransportError(
+            f"RabbitMQ at {self.t.shown} could not route a message to queue {self.t.queue!r}: {method.reply_text}"
+        )
+
+    def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
+        """The broker closed the channel over one message (e.g. over max_message_size): fail it, resend the rest."""
+        if not isinstance(reason, px.ChannelClosedByBroker) or self._connection is None:
+            return  # closed by this side, or with the connection: `_run` reconnects
+        if self._channel is not channel:  # refused while being set up, e.g. the queue exists with other arguments
+            self._refused = reason
+            self._connection.close()
+            return
+        self._channel = None
+        culprit = next(iter(self._in_flight), None)
+        size = _MESSAGE_SIZE.search(reason.reply_text)
+        if size is not None:
+            culprit = next((t for t, (body, _) in self._in_flight.items() if len(body) == int(size[1])), culprit)
+        if culprit is not None:
+            body, _ = self._in_flight.pop(culprit)
+            self._confirmed(len(body), self.t.as_error(reason))
+        self._outbox.extendleft(reversed(self._in_flight.values()))
+        self._in_flight.clear()
+        self._in_flight_bytes = 0
+        self._connection.channel(on_open_callback=self._on_channel)
+
+    def _confirmed(self, nbytes: int, error: TransportError | None) -> None:
+        with self._pending:
+            self._pending_bytes -= nbytes
+            self._unconfirmed -= 1
+            if error is not None and self._error is None:
+                self._error = error
+            self._pending.notify_all()
+
+    def _fail_all(self, error: TransportError) -> None:
+        """Give up on every queued frame (flush raises `error`)."""
+        while self._outbox:
+            body, _ = self._outbox.popleft()
+            self._confirmed(len(body), None)
+        with self._pending:
+            if self._error is None:
+                self._error = error
+            self._pending.notify_all()
