@@ -53,6 +53,9 @@ class Publisher:
         self._channel: Any = None
         self._next_tag = 1
         self._wake_scheduled = False
+        self._open_error: BaseException | None = None  # why the connection ended (or never opened)
+        self._refused: BaseException | None = None  # the broker refused to set up the channel
+        self._delays = backoff_s(0.1, 2.0)  # between reconnects; restarts once a channel is ready
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-amqp-{transport.queue}")
@@ -111,10 +114,8 @@ class Publisher:
     def _run(self) -> None:
         """Connect, run the connection's I/O loop until it closes, reconnect with backoff."""
         deadline = time.monotonic() + self.t.options["reconnect_timeout_s"]
-        delays = backoff_s(0.1, 2.0)
         while True:
-            self._open_error: BaseException | None = None
-            self._refused: BaseException | None = None  # the broker refused the channel's setup
+            self._open_error = self._refused = None
             connection = pika.SelectConnection(
                 self.t.params,
                 on_open_callback=lambda c: c.channel(on_open_callback=self._on_channel),
@@ -137,7 +138,7 @@ class Publisher:
                 if first or self._stop.is_set():
                     self._ready.set()
                     return
-            delay = next(delays)
+            delay = next(self._delays)
             log.warning("%s; reconnecting in %.1fs", error, delay)
             time.sleep(delay)
 
@@ -160,6 +161,7 @@ class Publisher:
 
     def _on_ready(self, channel: Any) -> None:
         self._channel, self._next_tag = channel, 1
+        self._delays = backoff_s(0.1, 2.0)
         self._ready.set()
         self._publish()
 
