@@ -52,7 +52,7 @@ class Publisher:
         self._connection: pika.SelectConnection | None = None
         self._channel: Any = None
         self._next_tag = 1
-        self._wake_scheduled = False
+        self._wake_posted: pika.SelectConnection | None = None  # the connection a wake-up is posted to
         self._open_error: BaseException | None = None  # why the connection ended (or never opened)
         self._refused: BaseException | None = None  # the broker refused to set up the channel
         self._delays = backoff_s(0.1, 2.0)  # between reconnects; restarts once a channel is ready
@@ -74,7 +74,7 @@ class Publisher:
                 self.raise_error()
             self._pending_bytes += len(body)
             self._unconfirmed += 1
-        self._outbox.append((body, key))
+            self._outbox.append((body, key))  # under the lock: `_fail_all` cannot miss it
         self._wake()
 
     def flush(self, timeout: float | None) -> None:
@@ -103,9 +103,9 @@ class Publisher:
     def _wake(self) -> None:
         """Have the I/O thread publish what is queued (one wake-up at a time)."""
         connection = self._connection
-        if connection is None or self._wake_scheduled:
+        if connection is None or self._wake_posted is connection:
             return  # connecting: the new channel publishes the outbox once it is ready
-        self._wake_scheduled = True
+        self._wake_posted = connection  # (one posted to a connection that has since closed does not count)
         with contextlib.suppress(Exception):  # closing: the reconnect publishes the outbox
             connection.ioloop.add_callback_threadsafe(self._publish)
 
@@ -113,9 +113,17 @@ class Publisher:
 
     def _run(self) -> None:
         """Connect, run the connection's I/O loop until it closes, reconnect with backoff."""
+        try:
+            self._connect_until_stopped()
+        except BaseException as exc:  # a bug here must not leave send, flush and close waiting forever
+            log.exception("the amqp publisher thread failed")
+            self._fail_all(TransportError(f"the publisher for {self.t.shown} failed: {exc!r}"))
+            self._ready.set()
+
+    def _connect_until_stopped(self) -> None:
         deadline = time.monotonic() + self.t.options["reconnect_timeout_s"]
         while True:
-            self._open_error = self._refused = None
+            self._open_error = self._refused = self._returned = None
             connection = pika.SelectConnection(
                 self.t.params,
                 on_open_callback=lambda c: c.channel(on_open_callback=self._on_channel),
@@ -123,9 +131,11 @@ class Publisher:
                 on_close_callback=self._on_closed,
             )
             self._connection = connection
-            connection.ioloop.start()
-            self._connection = self._channel = None
-            connection.ioloop.close()  # its wake-up socket pair
+            try:
+                connection.ioloop.start()
+            finally:
+                self._connection = self._channel = None
+                connection.ioloop.close()  # its wake-up socket pair
             self._outbox.extendleft(reversed(self._in_flight.values()))  # published again, in order
             self._in_flight.clear()
             self._in_flight_bytes = 0
@@ -133,12 +143,12 @@ class Publisher:
                 return
             error = self.t.as_error(self._refused or self._open_error or TransportError("connection lost"))
             first = not self._ready.is_set()
-            if not error.retriable or self._stop.is_set() or (first and time.monotonic() > deadline):
+            delay = next(self._delays)
+            if not error.retriable or self._stop.is_set() or (first and time.monotonic() + delay > deadline):
                 self._fail_all(error)  # e.g. wrong credentials: nothing will ever be published
                 if first or self._stop.is_set():
                     self._ready.set()
                     return
-            delay = next(self._delays)
             log.warning("%s; reconnecting in %.1fs", error, delay)
             time.sleep(delay)
 
@@ -167,7 +177,7 @@ class Publisher:
 
     def _publish(self) -> None:
         """Publish from the outbox while the in-flight window has room; close once stopping and all is confirmed."""
-        self._wake_scheduled = False
+        self._wake_posted = None
         channel = self._channel
         if channel is None or not channel.is_open:
             return
@@ -208,10 +218,15 @@ class Publisher:
         self._publish()
 
     def _on_return(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
-        """An unroutable message (its queue was deleted): reported with the confirm that follows it."""
+        """An unroutable message (its queue was deleted): reported with the confirm that follows it.
+
+        The queue is declared again, so the frames after it reach a queue (as after a reconnect).
+        """
         self._returned = TransportError(
             f"RabbitMQ at {self.t.shown} could not route a message to queue {self.t.queue!r}: {method.reply_text}"
         )
+        if channel.is_open:
+            channel.queue_declare(self.t.queue, durable=self.t.options["durable"])
 
     def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
         """The broker closed the channel over one message (e.g. over max_message_size): fail it, resend the rest."""
@@ -221,7 +236,7 @@ class Publisher:
             self._refused = reason
             self._connection.close()
             return
-        self._channel = None
+        self._channel, self._returned = None, None
         culprit = next(iter(self._in_flight), None)
         size = _MESSAGE_SIZE.search(reason.reply_text)
         if size is not None:

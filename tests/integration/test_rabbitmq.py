@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import time
 import urllib.parse
 
@@ -118,6 +119,43 @@ def test_queue_declared_otherwise_is_a_clear_error_at_send(url: str) -> None:
         assert time.monotonic() - started < 15
     finally:
         connection.close()
+
+
+def test_a_queue_deleted_mid_stream_is_declared_again(url: str) -> None:
+    queue = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
+    with tb.Producer(url) as producer:
+        producer.send("a", np.arange(3.0))
+        producer.flush(30)
+        connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        connection.channel().queue_delete(queue)
+        connection.close()
+        producer.send("b", np.arange(3.0))  # unroutable: reported, not silently dropped
+        with pytest.raises(tb.TransportError, match="could not route"):
+            producer.flush(30)
+        producer.send("c", np.arange(4.0))
+        producer.flush(30)
+    with tb.Consumer(url) as consumer:
+        assert same(consumer.recv("c", timeout=30), np.arange(4.0))
+
+
+def test_a_lost_connection_is_replaced_and_a_stale_wake_up_stalls_nothing(url: str) -> None:
+    with tb.Producer(url) as producer:
+        producer.send("a", np.arange(3.0))
+        producer.flush(30)
+        publisher = producer.transport._publisher
+        old = publisher._connection
+        old._transport._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under the publisher
+        deadline = time.monotonic() + 20
+        while (publisher._connection is old or publisher._channel is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert publisher._channel is not None, "no new channel within 20 s"
+        # an application thread that read the old connection just before the swap posts its wake-up there
+        publisher._wake_posted = old
+        old.ioloop.add_callback_threadsafe(publisher._publish)
+        producer.send("b", np.arange(5.0))
+        producer.flush(10)
+    with tb.Consumer(url) as consumer:
+        assert same(consumer.recv("b", timeout=30), np.arange(5.0))
 
 
 def test_a_plain_pika_consumer_can_read_tensorbus_messages(url: str) -> None:
