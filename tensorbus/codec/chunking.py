@@ -212,7 +212,7 @@ class Reassembler:
             self.expire()
         self.last_message_id = None
         view = memoryview(data).cast("B")
-        crcs = split_checksum(view) if crc is None and len(view) >= SPLIT_CRC_FROM else None
+        crcs = split_checksum(view, crc) if len(view) >= SPLIT_CRC_FROM else None
         frame = parse(view, limits=self.limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0])
         if frame.header.get("kind") != "chunk":
             return message_from_frame(frame, copy=copy, limits=self.limits)

@@ -53,3 +53,8 @@ def _shift_operator(nbytes: int) -> int:
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC32C of `a + b` given CRC32C(a), CRC32C(b) and len(b)."""
     return _multmodp(_shift_operator(len_b), crc_a) ^ crc_b
+
+
+def uncombine(crc_ab: int, crc_a: int, len_b: int) -> int:
+    """CRC32C of `b` given CRC32C(a + b), CRC32C(a) and len(b): what `combine` took, recovered."""
+    return combine(crc_a, 0, len_b) ^ crc_ab

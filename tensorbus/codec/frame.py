@@ -22,7 +22,7 @@ from ..errors import (
     UnsupportedVersion,
 )
 from .compression import compress, decompress
-from .crc import combine
+from .crc import combine, uncombine
 from .tensors import align, flatten, rebuild
 from .torch_bridge import to_like
 
@@ -220,28 +220,36 @@ def checksum_of(data: Buffer) -> int:
     return crc32c.crc32c(view[PREFIX.size :], crc32c.crc32c(view[:CRC_AT]))
 
 
-def payload_crcs(payload: memoryview) -> tuple[int, int | None]:
+def payload_crcs(payload: memoryview, whole: int | None = None) -> tuple[int, int | None]:
     """CRC32C of a chunk's payload, and of it without bytes 20-23 (None if shorter than a prefix).
 
     The first chunk's slice begins with the reassembled frame's prefix, whose checksum skips its
     own CRC field (bytes 20-23); with both, the reassembled frame's CRC is combined from its
-    chunks' and the tensor is not read a second time.
+    chunks' and the tensor is not read a second time. Given `whole` (the first value, known
+    already), only the 24 bytes of that prefix are read.
     """
     if len(payload) < PREFIX.size:
-        return crc32c.crc32c(payload), None
+        return (crc32c.crc32c(payload) if whole is None else whole), None
     before, field = crc32c.crc32c(payload[:CRC_AT]), crc32c.crc32c(payload[CRC_AT : PREFIX.size])
-    after, rest = crc32c.crc32c(payload[PREFIX.size :]), len(payload) - PREFIX.size
-    return combine(combine(before, field, 4), after, rest), combine(before, after, rest)
+    head, rest = combine(before, field, 4), len(payload) - PREFIX.size
+    if whole is None:
+        after = crc32c.crc32c(payload[PREFIX.size :])
+        whole = combine(head, after, rest)
+    else:
+        after = uncombine(whole, head, rest)
+    return whole, combine(before, after, rest)
 
 
 #: how a chunk frame's header begins (`split` writes "kind" first): a hint, checked like everything else
 _CHUNK_HEADER_START = b"\xa4kind\xa5chunk"
 
 
-def split_checksum(view: memoryview) -> tuple[int, int, int | None] | None:
+def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, int | None] | None:
     """For a checksummed, unsigned chunk frame: its CRC to verify plus `payload_crcs`, in one pass; else None.
 
-    Other frames need no payload CRC, and combining costs ~10 µs: they get None and `parse` as usual.
+    With `crc`, the frame's CRC32C as a stream reader computed it while receiving, the payload's
+    are derived from it and the payload is not read again. Other frames need no payload CRC, and
+    combining costs ~10 µs: they get None and `parse` as usual.
     """
     if view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] != _CHUNK_HEADER_START:
         return None
@@ -249,8 +257,11 @@ def split_checksum(view: memoryview) -> tuple[int, int, int | None] | None:
     start = align(PREFIX.size + header_len)
     if flags & (FLAG_CHECKSUM | FLAG_SIGNED) != FLAG_CHECKSUM or len(view) != start + payload_len:
         return None
+    head = checksum_of(view[:start])
+    if crc is not None:
+        return crc, *payload_crcs(view[start:], uncombine(crc, head, payload_len))
     whole, skipped = payload_crcs(view[start:])
-    return combine(checksum_of(view[:start]), whole, payload_len), whole, skipped
+    return combine(head, whole, payload_len), whole, skipped
 
 
 def frame_length(prefix: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:

@@ -94,13 +94,38 @@ def test_a_chunked_tensor_is_checksummed_once_when_sent_and_once_when_received(m
     np.testing.assert_array_equal(results[-1].tensor, tensor)
 
 
+@pytest.mark.parametrize("nbytes", [1 << 20, (1 << 20) + 7, 3 << 17])
+def test_payload_crcs_derived_from_a_received_frame_crc_equal_those_read_from_the_bytes(nbytes: int) -> None:
+    tensor = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    chunks = tb.codec.encode_chunks(tensor, max_chunk_bytes=1 << 17, message_id=("p", 1))
+    for chunk in chunks:  # the first carries the frame's prefix, the last may be a few bytes only
+        view = memoryview(b"".join(chunk))
+        read = frame.split_checksum(view)
+        assert read is not None and frame.split_checksum(view, frame.checksum_of(view)) == read
+        assert frame.split_checksum(view, read[0] ^ 1)[1] != read[1]  # derived from the CRC, not copied
+
+
+def test_a_chunk_whose_crc_was_computed_while_receiving_is_not_read_again(monkeypatch) -> None:
+    tensor = np.random.default_rng(1).random(1 << 20)  # 8 MiB in 1 MiB chunks, as tcp:// reads them
+    chunks = [b"".join(c) for c in tb.codec.encode_chunks(tensor, max_chunk_bytes=1 << 20, message_id=("p", 1))]
+    received = [frame.checksum_of(c) for c in chunks]  # what the socket reader computed, slice by slice
+    counter = CountingCrc()
+    for module in (frame, chunking):
+        monkeypatch.setattr(module.crc32c, "crc32c", counter)
+    reassembler = tb.Reassembler()
+    results = [reassembler.feed(c, crc=crc) for c, crc in zip(chunks, received, strict=True)]
+    assert counter.bytes < tensor.nbytes * 0.01
+    np.testing.assert_array_equal(results[-1].tensor, tensor)
+
+
 def _reseal_chunk(data: bytearray) -> None:
     """Give a chunk frame a correct CRC again after its payload was changed (a chunk that checks out)."""
     struct.pack_into("<I", data, CRC_AT, frame.checksum_of(data))
 
 
+@pytest.mark.parametrize("received_crc", [False, True], ids=["crc-checked-here", "crc-computed-while-receiving"])
 @pytest.mark.parametrize("where", ["payload", "crc field", "first header byte"])
-def test_a_change_the_chunk_checks_miss_is_caught_by_the_combined_frame_crc(where: str) -> None:
+def test_a_change_the_chunk_checks_miss_is_caught_by_the_combined_frame_crc(where: str, received_crc: bool) -> None:
     tensor = np.arange(1 << 18, dtype=np.float32)  # 1 MiB in 128 KiB chunks: all on the combining path
     chunks = [
         bytearray(b"".join(c)) for c in tb.codec.encode_chunks(tensor, max_chunk_bytes=1 << 17, message_id=("p", 1))
@@ -110,10 +135,14 @@ def test_a_change_the_chunk_checks_miss_is_caught_by_the_combined_frame_crc(wher
     chunks[target][start + offset] ^= 0x40
     _reseal_chunk(chunks[target])
     reassembler = tb.Reassembler()
+
+    def crc(chunk: bytearray) -> int | None:
+        return frame.checksum_of(chunk) if received_crc else None
+
     for chunk in chunks[:-1]:
-        assert reassembler.feed(chunk) is None
+        assert reassembler.feed(chunk, crc=crc(chunk)) is None
     with pytest.raises(tb.ChecksumMismatch):
-        reassembler.feed(chunks[-1])
+        reassembler.feed(chunks[-1], crc=crc(chunks[-1]))
 
 
 def test_small_chunks_and_signed_chunks_still_reassemble() -> None:
