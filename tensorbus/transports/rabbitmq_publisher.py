@@ -16,7 +16,7 @@ import logging
 import re
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pika
 import pika.exceptions as px
@@ -24,6 +24,9 @@ import pika.spec
 
 from ..errors import TransportError
 from .base import backoff_s
+
+if TYPE_CHECKING:
+    from .rabbitmq import RabbitMQTransport
 
 log = logging.getLogger(__name__)
 #: unconfirmed bytes kept in flight (always at least one message)
@@ -36,9 +39,8 @@ _MESSAGE_SIZE = re.compile(r"message size (\d+)")
 class Publisher:
     """Publishes queued frames on its own thread; `send` blocks only while max_pending_bytes are unconfirmed."""
 
-    def __init__(self, transport: Any) -> None:
-        # the transport's connection parameters, options, queue name, error mapping (`as_error`)
-        self.t = transport
+    def __init__(self, transport: RabbitMQTransport) -> None:
+        self.t = transport  # its connection parameters, options, queue name and error mapping (`as_error`)
         self._outbox: collections.deque[tuple[bytes, str | None]] = collections.deque()
         self._in_flight: dict[int, tuple[bytes, str | None]] = {}  # delivery tag -> frame, in publish order
         self._in_flight_bytes = 0
