@@ -116,6 +116,8 @@ def test_queue_declared_otherwise_is_a_clear_error_at_send(url: str) -> None:
         started = time.monotonic()
         with tb.Producer(url) as producer, pytest.raises(tb.TransportError, match="inequivalent arg 'x-max-length'"):
             producer.send("k", np.arange(3.0))
+        with pytest.raises(tb.TransportError, match="inequivalent arg 'x-max-length'"):
+            tb.Consumer(url)
         assert time.monotonic() - started < 15
     finally:
         connection.close()
