@@ -175,9 +175,9 @@ def test_configuration_errors_are_clear(url: str) -> None:
 
 def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes() -> None:
     def fetch_bytes(**options: Any) -> int:
-        transport = tb.Producer("kafka://127.0.0.1:9092/t", **options).transport  # nothing connects yet
-        assert isinstance(transport, KafkaTransport)
-        return transport._fetch_bytes
+        with tb.Producer("kafka://127.0.0.1:9092/t", **options) as producer:  # nothing connects before a send
+            assert isinstance(producer.transport, KafkaTransport)
+            return producer.transport._fetch_bytes
 
     assert fetch_bytes() == 16 << 20  # 16 one-MB chunks per round trip, not kafka-python's one
     assert fetch_bytes(fetch_max_bytes=4 << 20) == 4 << 20

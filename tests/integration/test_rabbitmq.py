@@ -108,7 +108,7 @@ def test_publishing_does_not_wait_for_each_confirm(url: str) -> None:
         assert [int(consumer.recv("small", timeout=30)[0]) for _ in range(200)] == list(range(200))
 
 
-def test_queue_declared_otherwise_is_a_clear_error_at_send(url: str) -> None:
+def test_a_queue_declared_with_other_arguments_is_a_clear_error(url: str) -> None:
     queue = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
     connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
     try:
