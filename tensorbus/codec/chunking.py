@@ -54,9 +54,16 @@ def frame_size(buffers: list[Buffer]) -> int:
     return sum(memoryview(b).nbytes for b in buffers)
 
 
+def chunk_header(
+    key: str | None, message_id: MessageId, index: int, count: int, total: int, stride: int
+) -> dict[str, Any]:
+    """The header of chunk `index` of `count` ("kind" first: `frame.split_checksum` recognises chunks by it)."""
+    return {"kind": "chunk", "key": key, "id": list(message_id), "chunk": [index, count, total, stride]}
+
+
 def chunk_overhead(key: str | None, message_id: MessageId, total: int, signed: bool) -> int:
     """Bytes a chunk frame adds around its slice, at most (header sized with the largest numbers)."""
-    header = {"kind": "chunk", "key": key, "id": list(message_id), "chunk": [total, total, total, total]}
+    header = chunk_header(key, message_id, total, total, total, total)
     return align(PREFIX.size + len(msgpack.packb(header))) + (SIGNATURE_BYTES if signed else 0)
 
 
@@ -97,7 +104,7 @@ def split(
     count = len(runs)
     return [
         encode_raw(
-            {"kind": "chunk", "key": key, "id": list(message_id), "chunk": [index, count, total, stride]},
+            chunk_header(key, message_id, index, count, total, stride),
             run,
             sum(len(part) for part in run),
             checksum=checksum,
@@ -155,11 +162,7 @@ def encode_chunks(
     for index, (run, (crc, length)) in enumerate(zip(runs, tails, strict=True)):
         if index == 0:  # its slice is the head (CRC now filled in), then the first bytes of the payload
             crc, length = combine(crc32c.crc32c(head), crc, length), length + len(head)
-        chunk_head = frame_head(
-            {"kind": "chunk", "key": key, "id": list(message_id), "chunk": [index, len(runs), total, stride]},
-            length,
-            flags,
-        )
+        chunk_head = frame_head(chunk_header(key, message_id, index, len(runs), total, stride), length, flags)
         seal_with_crc(chunk_head, crc, length)
         chunks.append([bytes(chunk_head), *run])
     return chunks
