@@ -138,7 +138,7 @@ class RabbitMQTransport(Transport):
                 with map_errors(self.shown):
                     connection = pika.BlockingConnection(self.params)
                     channel = connection.channel()
-                    channel.queue_declare(self.queue, durable=self.options["durable"])
+                    self.declare(channel)
                     return connection, channel
             except _Fatal:
                 raise
@@ -169,6 +169,10 @@ class RabbitMQTransport(Transport):
         """Wait until the broker has confirmed every queued frame; raise the first failure."""
         if self._publisher is not None:
             self._publisher.flush(timeout)
+
+    def declare(self, channel: Any, **callback: Any) -> None:
+        """Declare the endpoint's queue on a blocking channel, or on an async one with `callback=`."""
+        channel.queue_declare(self.queue, durable=self.options["durable"], **callback)
 
     def as_error(self, exc: BaseException) -> TransportError:
         """The tensorbus error for a pika exception, as `map_errors` translates it."""

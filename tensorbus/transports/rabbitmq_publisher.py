@@ -165,9 +165,8 @@ class Publisher:
     def _on_channel(self, channel: Any) -> None:
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_return_callback(self._on_return)
-        channel.queue_declare(
-            self.t.queue,
-            durable=self.t.options["durable"],
+        self.t.declare(
+            channel,
             callback=lambda _: channel.confirm_delivery(self._on_confirm, callback=lambda _: self._on_ready(channel)),
         )
 
@@ -228,7 +227,7 @@ class Publisher:
             f"RabbitMQ at {self.t.shown} could not route a message to queue {self.t.queue!r}: {method.reply_text}"
         )
         if channel.is_open:
-            channel.queue_declare(self.t.queue, durable=self.t.options["durable"])
+            self.t.declare(channel)
 
     def _on_channel_closed(self, channel: Any, reason: BaseException) -> None:
         """The broker closed the channel over one message (e.g. over max_message_size): fail it, resend the rest."""

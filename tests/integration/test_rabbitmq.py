@@ -23,6 +23,10 @@ def url() -> str:
     return endpoint_url("amqp")
 
 
+def queue_of(url: str) -> str:
+    return urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
+
+
 def test_300_mb_tensor_is_chunked_under_the_default_limit(url: str) -> None:
     big = np.random.default_rng(0).standard_normal(300 * 2**20 // 8)
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
@@ -109,7 +113,7 @@ def test_publishing_does_not_wait_for_each_confirm(url: str) -> None:
 
 
 def test_a_queue_declared_with_other_arguments_is_a_clear_error(url: str) -> None:
-    queue = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
+    queue = queue_of(url)
     connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
     try:
         connection.channel().queue_declare(queue, durable=True, arguments={"x-max-length": 2})
@@ -124,7 +128,7 @@ def test_a_queue_declared_with_other_arguments_is_a_clear_error(url: str) -> Non
 
 
 def test_a_queue_deleted_mid_stream_is_declared_again(url: str) -> None:
-    queue = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
+    queue = queue_of(url)
     with tb.Producer(url) as producer:
         producer.send("a", np.arange(3.0))
         producer.flush(30)
@@ -161,7 +165,7 @@ def test_a_lost_connection_is_replaced_and_a_stale_wake_up_stalls_nothing(url: s
 
 
 def test_a_plain_pika_consumer_can_read_tensorbus_messages(url: str) -> None:
-    queue = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0]
+    queue = queue_of(url)
     with tb.Producer(url) as producer:
         producer.send("weights", np.arange(12.0).reshape(3, 4), metadata={"step": 3})
         producer.flush(30)
