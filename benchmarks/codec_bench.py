@@ -53,30 +53,17 @@ import numpy as np
 
 import tensorbus as tb
 
-if __package__:
-    from .common import (
-        Stats,
-        format_size,
-        machine_info,
-        package_versions,
-        paired_ratio,
-        parse_sizes,
-        print_table,
-        run_interleaved,
-        write_json,
-    )
-else:  # run as a script: python benchmarks/codec_bench.py
-    from common import (  # type: ignore[no-redef]
-        Stats,
-        format_size,
-        machine_info,
-        package_versions,
-        paired_ratio,
-        parse_sizes,
-        print_table,
-        run_interleaved,
-        write_json,
-    )
+from .common import (
+    Stats,
+    format_size,
+    machine_info,
+    package_versions,
+    paired_ratio,
+    parse_sizes,
+    print_table,
+    run_interleaved,
+    write_json,
+)
 
 DEFAULT_SIZES = "4K,64K,1M,16M,256M"
 DEFAULT_ROUNDS = 9

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,31 @@ class _Assembler:
         return self.buffer[:end] if chunk == count - 1 else None
 
 
-class PikaLink(Link):
+class _ChunkedLink(Link):
+    """A raw broker client's link: tensors go out in `chunk_bytes` pieces and are joined on receipt."""
+
+    def __init__(self, spec: dict[str, Any], role: str) -> None:
+        super().__init__(spec, role)
+        self.chunk_bytes: int = spec["chunk_bytes"]
+        self.assembler = _Assembler()
+
+    def prepare(self, nbytes: int) -> None:
+        if nbytes > self.chunk_bytes:
+            self.assembler.prepare(nbytes)
+
+    def release(self) -> None:
+        self.assembler.buffer = None
+
+    def chunks(self, array: np.ndarray) -> Iterator[tuple[int, int, bytes]]:
+        """(chunk index, chunk count, bytes) for each piece of `array`."""
+        view = memoryview(array).cast("B")
+        step = self.chunk_bytes
+        count = max(1, -(-len(view) // step))
+        for chunk in range(count):
+            yield chunk, count, bytes(view[chunk * step : (chunk + 1) * step])
+
+
+class PikaLink(_ChunkedLink):
     """Raw pika: a confirming publisher connection and a consuming connection with manual acks."""
 
     def __init__(self, spec: dict[str, Any], role: str) -> None:
@@ -57,12 +82,10 @@ class PikaLink(Link):
         import pika
 
         self.pika = pika
-        self.chunk_bytes: int = spec["chunk_bytes"]
         self.params = brokers.amqp_parameters(spec["url"], min(self.timeout_s, 30.0))
         self.rx: Any = None
         self.tx: Any = None
         self.inbox: collections.deque[tuple[int, dict[str, Any], bytes]] = collections.deque()
-        self.assembler = _Assembler()
         self.queues: list[str] = []
 
     def open(self) -> str:
@@ -84,22 +107,12 @@ class PikaLink(Link):
         self.tx_channel.queue_declare(address, durable=True)
         self.tx_queue = address
 
-    def prepare(self, nbytes: int) -> None:
-        if nbytes > self.chunk_bytes:
-            self.assembler.prepare(nbytes)
-
-    def release(self) -> None:
-        self.assembler.buffer = None
-
     def send(self, array: np.ndarray, index: int) -> None:
-        view = memoryview(array).cast("B")
-        step = self.chunk_bytes
-        count = max(1, -(-len(view) // step))
-        for chunk in range(count):
+        for chunk, count, body in self.chunks(array):
             self.tx_channel.basic_publish(
                 "",
                 self.tx_queue,
-                bytes(view[chunk * step : (chunk + 1) * step]),
+                body,
                 properties=self.pika.BasicProperties(delivery_mode=2, headers={"i": index, "c": chunk, "n": count}),
                 mandatory=True,
             )
@@ -133,17 +146,15 @@ class PikaLink(Link):
                 brokers.delete_queue(self.spec["url"], queue)
 
 
-class KafkaLink(Link):
+class KafkaLink(_ChunkedLink):
     """Raw kafka-python: a topic per direction, one partition, chunked records, acks=all."""
 
     def __init__(self, spec: dict[str, Any], role: str) -> None:
         super().__init__(spec, role)
-        self.chunk_bytes: int = spec["chunk_bytes"]
         self.bootstrap = brokers.kafka_bootstrap(spec["url"])
         self.consumer: Any = None
         self.producer: Any = None
         self.records: collections.deque[Any] = collections.deque()
-        self.assembler = _Assembler()
 
     def open(self) -> str:
         from kafka import KafkaConsumer
@@ -175,22 +186,11 @@ class KafkaLink(Link):
         )
         self.topic = address
 
-    def prepare(self, nbytes: int) -> None:
-        if nbytes > self.chunk_bytes:
-            self.assembler.prepare(nbytes)
-
-    def release(self) -> None:
-        self.assembler.buffer = None
-
     def send(self, array: np.ndarray, index: int) -> None:
-        view = memoryview(array).cast("B")
-        step = self.chunk_bytes
-        count = max(1, -(-len(view) // step))
-        for chunk in range(count):
+        for chunk, count, body in self.chunks(array):
             headers = [("i", index.to_bytes(8, "little")), ("c", chunk.to_bytes(4, "little"))]
             headers.append(("n", count.to_bytes(4, "little")))
-            value = bytes(view[chunk * step : (chunk + 1) * step])
-            self.producer.send(self.topic, value=value, key=b"t", headers=headers)
+            self.producer.send(self.topic, value=body, key=b"t", headers=headers)
 
     def recv(self, timeout: float) -> tuple[int, Any]:
         deadline = time.monotonic() + timeout
