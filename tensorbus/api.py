@@ -191,6 +191,10 @@ class Consumer:
                 self.stats["rejected"] += 1
                 log.error("%s: dropped a bad frame: %s", self.url, exc)
                 return Delivered(None, True)
+            except Exception:  # a decoder bug must cost this one frame, not the connection or a recv
+                self.stats["rejected"] += 1
+                log.exception("%s: dropped a frame the decoder failed on", self.url)
+                return Delivered(None, True)
             if message is None:
                 self.stats["chunks"] += 1
                 message_id = self.reassembler.last_message_id

@@ -8,6 +8,7 @@ everything pending and everything later.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -92,8 +93,8 @@ class Rendezvous:
         """Hand a tensor to whoever receives `key`, now or later; never blocks."""
         self.put(Message(key, tensor, dict(metadata or {})))
 
-    def put(self, message: Message) -> None:
-        """Deliver a decoded message (what transports call); never blocks."""
+    def put(self, message: Message, *, first: bool = False) -> None:
+        """Deliver a decoded message (what transports call); never blocks. `first`: ahead of those buffered."""
         waiter = None
         with self._cond:
             self._raise_if_aborted()
@@ -108,7 +109,12 @@ class Rendezvous:
             if waiter is None:
                 self._counter += 1
                 self._arrivals[self._counter] = message
-                self._by_key.setdefault(message.key, collections.deque()).append(self._counter)
+                numbers = self._by_key.setdefault(message.key, collections.deque())
+                if first:
+                    self._arrivals.move_to_end(self._counter, last=False)
+                    numbers.appendleft(self._counter)
+                else:
+                    numbers.append(self._counter)
                 self.buffered_bytes += tensor_nbytes(message.tensor)
                 self.stats["buffered"] += 1
                 return
@@ -184,11 +190,16 @@ class Rendezvous:
             waiter = _Waiter(key, None)
             self._waiters.setdefault(key, collections.deque()).append(waiter)
         assert waiter.done is not None
-        if self.pump is not None:
-            deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
-            served = self.pump(waiter.done, deadline)
-        else:
-            served = waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+        try:
+            if self.pump is not None:
+                deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
+                served = self.pump(waiter.done, deadline)
+            else:
+                served = waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+        except BaseException as exc:  # e.g. Ctrl-C: a waiter left queued would swallow the next tensor
+            if not self._fail_waiter(waiter, exc):
+                self._requeue(waiter)
+            raise
         if not served:
             what = "no message" if key is ANY else f"no tensor for key {key!r}"
             if not self._fail_waiter(waiter, Timeout(f"{what} within {timeout}s")):
@@ -197,6 +208,14 @@ class Rendezvous:
             raise waiter.result
         assert waiter.result is not None
         return waiter.result
+
+    def _requeue(self, waiter: _Waiter) -> None:
+        """A receive interrupted just as it was served: its message goes back, first in line."""
+        assert waiter.done is not None
+        waiter.done.acquire()  # `_complete` releases it as soon as the result is set
+        if isinstance(waiter.result, Message):
+            with contextlib.suppress(Aborted):
+                self.put(waiter.result, first=True)
 
     def _fail_waiter(self, waiter: _Waiter, error: BaseException) -> bool:
         with self._cond:

@@ -118,7 +118,8 @@ def flatten(obj: Any) -> tuple[str, dict[str, Any], list[dict[str, Any]], list[n
     return kind, extra, entries, arrays
 
 
-def _array(entry: Any, payload: memoryview, max_ndim: int) -> np.ndarray:
+def _array(entry: Any, payload: memoryview, max_ndim: int, at: int) -> np.ndarray:
+    """The array one table entry describes, a view of `payload`; it must start at `at` (see `rebuild`)."""
     if not isinstance(entry, dict):
         raise MalformedHeader(f"tensor entry must be a map, got {type(entry).__name__}")
     try:
@@ -130,15 +131,36 @@ def _array(entry: Any, payload: memoryview, max_ndim: int) -> np.ndarray:
         raise MalformedHeader(f"shape must be a list of non-negative ints, got {shape!r}")
     if len(shape) > max_ndim:
         raise LimitExceeded(f"tensor has {len(shape)} dimensions; the limit is max_ndim={max_ndim}")
-    if type(offset) is not int or type(nbytes) is not int or offset < 0 or offset % ALIGN:
-        raise MalformedHeader(f"offset must be a non-negative multiple of {ALIGN}, got {offset!r}")
+    if type(offset) is not int or type(nbytes) is not int:
+        raise MalformedHeader(f"offset and nbytes must be ints, got {offset!r} and {nbytes!r}")
+    if offset != at:
+        raise MalformedHeader(f"tensor at offset {offset}: tensors follow one another (64-byte aligned) from {at}")
     expected = math.prod(shape) * dtype.itemsize
     if nbytes != expected:
         raise MalformedHeader(f"shape {shape} of {dtype.name} needs {expected} bytes, header says {nbytes}")
     if offset + nbytes > len(payload):
         raise MalformedHeader(f"tensor at offset {offset} needs {nbytes} bytes; the payload holds only {len(payload)}")
-    flat = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=offset)
-    return flat.reshape(shape, order="F" if fortran is True else "C")
+    try:
+        flat = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=offset)
+        return flat.reshape(shape, order="F" if fortran is True else "C")
+    except ValueError as exc:  # e.g. [0, 2**63]: no bytes, but dimensions numpy cannot represent
+        raise MalformedHeader(f"shape {shape} of {dtype.name} is not one numpy can build: {exc}") from None
+
+
+def _check_sparse(indices: np.ndarray, values: np.ndarray, dense_shape: Any, max_ndim: int) -> None:
+    """Indices must be int64 (nnz, ndim) inside `dense_shape`: `to_dense` then cannot fail or misplace values."""
+    if not isinstance(dense_shape, list) or not all(type(d) is int and 0 <= d < 1 << 63 for d in dense_shape):
+        raise MalformedHeader(f"sparse dense_shape must be a list of non-negative int64s, got {dense_shape!r}")
+    if len(dense_shape) > max_ndim:
+        raise LimitExceeded(f"sparse tensor has {len(dense_shape)} dimensions; the limit is max_ndim={max_ndim}")
+    if math.prod(dense_shape) * values.itemsize >= 1 << 63:
+        raise MalformedHeader(f"sparse dense_shape {dense_shape} is larger than any array can be")
+    if indices.dtype != np.int64 or indices.ndim != 2 or indices.shape[1] != len(dense_shape):
+        raise MalformedHeader(f"sparse indices must be int64 of shape (nnz, {len(dense_shape)}), got {indices.dtype}")
+    if values.ndim != 1 or values.shape[0] != indices.shape[0]:
+        raise MalformedHeader(f"sparse values must have shape ({indices.shape[0]},), got {values.shape}")
+    if indices.size and ((indices < 0).any() or (indices >= np.asarray(dense_shape, np.int64)).any()):
+        raise MalformedHeader(f"sparse indices fall outside dense_shape {dense_shape}")
 
 
 def rebuild(header: dict[str, Any], payload: memoryview, *, copy: bool, max_ndim: int) -> Any:
@@ -146,7 +168,13 @@ def rebuild(header: dict[str, Any], payload: memoryview, *, copy: bool, max_ndim
     kind, entries = header.get("kind"), header.get("tensors")
     if not isinstance(entries, list):
         raise MalformedHeader("header has no 'tensors' list")
-    arrays = [_array(entry, payload, max_ndim) for entry in entries]
+    arrays: list[np.ndarray] = []
+    end = 0
+    for entry in entries:  # back to back, as `flatten` lays them out: no overlap, no unreferenced bytes
+        arrays.append(_array(entry, payload, max_ndim, at=align(end)))
+        end = entry["offset"] + arrays[-1].nbytes
+    if end != len(payload):
+        raise MalformedHeader(f"the tensors cover {end} bytes of a {len(payload)}-byte payload")
     if copy:
         arrays = [np.array(a, order="K") for a in arrays]
     if kind == "ndarray" and len(arrays) == 1:
@@ -158,10 +186,6 @@ def rebuild(header: dict[str, Any], payload: memoryview, *, copy: bool, max_ndim
         return dict(zip(names, arrays, strict=False))
     if kind == "sparse" and len(arrays) == 2:
         dense_shape = header.get("dense_shape")
-        if not isinstance(dense_shape, list) or not all(type(d) is int and d >= 0 for d in dense_shape):
-            raise MalformedHeader(f"sparse dense_shape must be a list of non-negative ints, got {dense_shape!r}")
-        try:
-            return SparseTensor(arrays[0], arrays[1], tuple(dense_shape))
-        except ValueError as exc:
-            raise MalformedHeader(f"inconsistent sparse tensor: {exc}") from None
+        _check_sparse(arrays[0], arrays[1], dense_shape, max_ndim)
+        return SparseTensor(arrays[0], arrays[1], tuple(dense_shape))
     raise MalformedHeader(f"payload kind {kind!r} with {len(arrays)} tensors is not one this build knows")

@@ -290,7 +290,7 @@ class Reactor:
             if peer.crc is not None and peer.got < peer.crc_end:
                 peer.crc = crc32c.crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
             peer.got += n
-        crc, peer.frame = peer.crc, None
+        crc, peer.frame, peer.prefix_got = peer.crc, None, 0  # the next frame starts afresh, whatever deliver does
         self._finish(peer, self.deliver(frame, crc))
 
     def _start_frame(self, peer: _Peer) -> bool:

@@ -112,3 +112,24 @@ def test_stale_incarnation_from_a_transport_is_refused_and_counted() -> None:
         producer.send("after", np.ones(1))
         consumer.recv("after", timeout=5)
         assert consumer.stats["refused"] == 1 and consumer.stats["received"] == 2
+
+
+def test_a_frame_the_decoder_fails_on_costs_that_frame_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with tb.Consumer("memory://decoder-bug") as consumer, tb.Producer("memory://decoder-bug") as producer:
+        feed = consumer.reassembler.feed
+        calls = iter([RuntimeError("a decoder bug")])
+
+        def failing_once(*args: object, **kwargs: object) -> object:
+            error = next(calls, None)
+            if error is not None:
+                raise error
+            return feed(*args, **kwargs)
+
+        monkeypatch.setattr(consumer.reassembler, "feed", failing_once)
+        producer.send("k", np.array([1]))
+        producer.send("k", np.array([2]))
+        assert consumer.recv("k", timeout=5)[0] == 2
+        assert consumer.stats["rejected"] == 1
+        assert "decoder failed on" in caplog.text

@@ -88,11 +88,64 @@ def test_header_and_payload_length_limits() -> None:
         ({"dtype": ["<f4"]}, tb.UnsupportedDtype, "does not know"),
         ({"order": "?"}, tb.UnsupportedDtype, "byte order"),
         ({"dtype": "bfloat16", "order": ">", "nbytes": 8}, tb.UnsupportedDtype, "cannot hold"),
+        ({"shape": [0, 2**63], "nbytes": 0}, tb.MalformedHeader, "numpy can build"),
+        ({"shape": [0, 2**40, 2**40], "nbytes": 0}, tb.MalformedHeader, "numpy can build"),
+        ({"offset": 64}, tb.MalformedHeader, "from 0"),
+        ({"shape": [1], "nbytes": 4}, tb.MalformedHeader, "cover 4 bytes of a 16-byte payload"),
     ],
 )
 def test_lying_headers(changes: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         tb.decode(craft(tensor_header(**changes), bytes(16)))
+
+
+def test_tensors_of_a_bundle_cannot_overlap_or_leave_gaps() -> None:
+    entry = {"dtype": "float32", "order": "<", "shape": [4], "fortran": False, "nbytes": 16}
+    bundle = {**tensor_header(), "kind": "bundle"}
+    bundle["tensors"] = [{**entry, "name": "a", "offset": 0}, {**entry, "name": "b", "offset": 0}]
+    with pytest.raises(tb.MalformedHeader, match="from 64"):  # b would alias a
+        tb.decode(craft(bundle, bytes(80)))
+    bundle["tensors"][1]["offset"] = 128
+    with pytest.raises(tb.MalformedHeader, match="from 64"):  # 48 unreferenced bytes between them
+        tb.decode(craft(bundle, bytes(144)))
+    bundle["tensors"][1]["offset"] = 64
+    assert set(tb.loads(craft(bundle, bytes(80)))) == {"a", "b"}
+
+
+def sparse_frame(indices: np.ndarray, dense_shape: list[int], values: np.ndarray | None = None) -> bytes:
+    """A sparse frame as a peer might write it, with whatever indices it likes."""
+    values = np.ones(len(indices), np.float32) if values is None else values
+    header = tb.codec.parse(tb.dumps(tb.SparseTensor(np.zeros((len(indices), 1), np.int64), values, (1,)))).header
+    index_entry, value_entry = header["tensors"]
+    index_entry.update(dtype=indices.dtype.name, shape=list(indices.shape), nbytes=indices.nbytes)
+    value_entry["offset"] = -(-indices.nbytes // 64) * 64
+    payload = indices.tobytes() + bytes(value_entry["offset"] - indices.nbytes) + values.tobytes()
+    return craft({**header, "dense_shape": dense_shape}, payload)
+
+
+@pytest.mark.parametrize(
+    ("indices", "dense_shape", "match"),
+    [
+        (np.array([[5, 1]]), [5, 3], "outside dense_shape"),
+        (np.array([[-1, -1]]), [5, 3], "outside dense_shape"),
+        (np.array([[0.5, 1.0]]), [5, 3], "must be int64"),
+        (np.array([[1, 1]], np.int8), [5, 3], "must be int64"),
+        (np.array([[1, 1]]), [5, 3, 2], r"shape \(nnz, 3\)"),
+        (np.array([[1, 1]]), [2**62, 2**62], "larger than any array"),
+        (np.array([[1, 1]]), [5, -3], "non-negative"),
+    ],
+)
+def test_sparse_tensors_are_checked_before_anyone_scatters_them(
+    indices: np.ndarray, dense_shape: list[int], match: str
+) -> None:
+    assert tb.loads(sparse_frame(np.array([[4, 2]]), [5, 3])).to_dense()[4, 2] == 1  # the helper's frames decode
+    with pytest.raises(tb.MalformedHeader, match=match):
+        tb.decode(sparse_frame(indices, dense_shape))
+
+
+def test_sparse_dense_shape_obeys_max_ndim() -> None:
+    with pytest.raises(tb.LimitExceeded, match="max_ndim"):
+        tb.decode(sparse_frame(np.zeros((1, 40), np.int64), [1] * 40))
 
 
 def test_missing_fields_and_wrong_kinds() -> None:

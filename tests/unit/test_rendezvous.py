@@ -105,3 +105,34 @@ def test_arrival_order_and_keyed_receives_share_one_queue() -> None:
     assert [int(table.next_message(timeout=1).tensor[0]) for _ in range(3)] == [1, 2, 3]
     with pytest.raises(tb.Timeout, match="no message"):
         table.next_message(timeout=0.01)
+
+
+def test_an_interrupted_recv_leaves_no_waiter_behind() -> None:
+    table = tb.Rendezvous()
+
+    def interrupted(done: threading.Lock, deadline: float | None) -> bool:
+        raise KeyboardInterrupt
+
+    table.pump = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        table.recv("k")
+    table.pump = None
+    table.send("k", np.arange(3))
+    assert table.recv("k", timeout=1).tolist() == [0, 1, 2]  # not swallowed by a stale waiter
+
+
+def test_a_recv_interrupted_just_as_it_was_served_puts_its_tensor_back_first() -> None:
+    table = tb.Rendezvous()
+
+    def served_then_interrupted(done: threading.Lock, deadline: float | None) -> bool:
+        table.send("k", np.array([1]))  # hands the tensor to this very waiter
+        raise KeyboardInterrupt
+
+    table.send("other", np.array([0]))
+    table.pump = served_then_interrupted
+    with pytest.raises(KeyboardInterrupt):
+        table.recv("k")
+    table.pump = None
+    table.send("k", np.array([2]))
+    assert [table.recv("k", timeout=1)[0] for _ in range(2)] == [1, 2]  # per-key order kept
+    assert table.next_message(timeout=1).key == "other" and len(table) == 0
