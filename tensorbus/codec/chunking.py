@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import struct
 import time
 from collections.abc import Callable
@@ -47,6 +46,9 @@ log = logging.getLogger(__name__)
 #: received frames at least this large get their payload's CRC on the side of the frame check (one
 #: pass for both); smaller chunks are read a second time, which costs less than the extra bookkeeping
 SPLIT_CRC_FROM = 64 * 1024
+#: the smallest chunk payload `split` makes (and a receiver accepts): it bounds the memory a pending
+#: message holds per byte the reassembly budget counts
+MIN_STRIDE = 1024
 
 
 def frame_size(buffers: list[Buffer]) -> int:
@@ -98,7 +100,7 @@ def split(
     if total <= max_chunk_bytes:
         return [frame]
     stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
-    if stride < 1024:
+    if stride < MIN_STRIDE:
         raise ConfigError(f"max_chunk_bytes={max_chunk_bytes} leaves no room for a chunk's payload")
     runs = _slices(frame, stride)
     count = len(runs)
@@ -137,7 +139,7 @@ def encode_chunks(
     total = len(head) + end
     stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
     one_pass_anyway = total <= max_chunk_bytes or not checksum or signing_key is not None
-    if one_pass_anyway or stride < 1024 or len(head) > stride:  # split() refuses a stride under 1024
+    if one_pass_anyway or stride < MIN_STRIDE or len(head) > stride:  # split() refuses such a stride
         frame = seal(head, body, checksum, signing_key)
         return split(
             frame,
@@ -227,6 +229,9 @@ class Reassembler:
         if message_id in self._done:
             self.stats["duplicates"] += 1
             return None
+        expected = min(stride, total - index * stride)
+        if len(frame.payload) != expected:  # checked before any memory is set aside for the message
+            raise MalformedHeader(f"chunk {index} should carry {expected} bytes, carries {len(frame.payload)}")
         partial = self._partials.get(message_id) or self._start(message_id, count, total, stride, frame.header)
         if (partial.count, partial.stride, len(partial.buffer), partial.key) != (
             count,
@@ -235,9 +240,6 @@ class Reassembler:
             frame.header.get("key"),
         ):
             raise MalformedHeader(f"chunk {index} of message {message_id} disagrees with the earlier chunks")
-        expected = min(stride, total - index * stride)
-        if len(frame.payload) != expected:
-            raise MalformedHeader(f"chunk {index} should carry {expected} bytes, carries {len(frame.payload)}")
         if index in partial.received:
             self.stats["duplicates"] += 1
             return None
@@ -273,8 +275,10 @@ class Reassembler:
         if not (isinstance(fields, list) and len(fields) == 4 and all(type(v) is int for v in fields)):
             raise MalformedHeader(f"chunk info must be [index, count, total, stride], got {fields!r}")
         index, count, total, stride = fields
-        if stride <= 0 or total <= 0 or count != math.ceil(total / stride) or not 0 <= index < count:
+        if stride <= 0 or total <= 0 or count != -(-total // stride) or not 0 <= index < count:
             raise MalformedHeader(f"inconsistent chunk info index={index} count={count} total={total} stride={stride}")
+        if stride < MIN_STRIDE and count > 1:
+            raise MalformedHeader(f"chunks of {stride} bytes are below the {MIN_STRIDE}-byte minimum")
         limit = self.limits.max_payload_bytes + self.limits.max_header_bytes
         if total > limit:
             raise LimitExceeded(f"chunked message claims {total} bytes; the frame limit is {limit}")
@@ -301,8 +305,11 @@ class Reassembler:
 
     def expire(self) -> int:
         """Drop messages incomplete for longer than `timeout_s`; return how many were dropped."""
-        now = self.clock()
-        stale = [mid for mid, p in self._partials.items() if now - p.started > self.timeout_s]
+        now, stale = self.clock(), []
+        for mid, p in self._partials.items():  # oldest first (started in insertion order): stop at a fresh one
+            if now - p.started <= self.timeout_s:
+                break
+            stale.append(mid)
         for mid in stale:
             partial = self._partials.pop(mid)
             self.held_bytes -= len(partial.buffer)

@@ -116,6 +116,37 @@ def test_flood_of_chunks_claiming_huge_totals_allocates_nothing_beyond_the_limit
     assert refused == 1000 and reassembler.held_bytes == 0
 
 
+def test_a_chunk_lying_about_its_own_length_sets_no_memory_aside() -> None:
+    from tensorbus.codec.frame import encode_raw
+
+    reassembler = tb.Reassembler(max_bytes=2 << 20)
+    header = {"kind": "chunk", "key": None, "id": ["evil", 1], "chunk": [0, 2, 2 << 20, 1 << 20]}
+    with pytest.raises(tb.MalformedHeader, match="should carry 1048576 bytes, carries 64"):
+        reassembler.feed(b"".join(encode_raw(header, [b"x" * 64], 64)))
+    assert reassembler.held_bytes == 0 and reassembler.pending == 0
+    out = [reassembler.feed(c) for c in chunks_of(np.zeros(200_000), 300_000)]  # the whole budget is still free
+    assert out[-1] is not None and out[-1].tensor.shape == (200_000,)
+
+
+def test_chunks_below_the_minimum_stride_are_refused() -> None:
+    from tensorbus.codec.frame import encode_raw
+
+    header = {"kind": "chunk", "key": None, "id": ["tiny", 1], "chunk": [0, 2, 2, 1]}
+    with pytest.raises(tb.MalformedHeader, match="below the 1024-byte minimum"):
+        tb.Reassembler().feed(b"".join(encode_raw(header, [b"x"], 1)))
+
+
+def test_expiry_drops_exactly_the_messages_past_their_time() -> None:
+    clock = FakeClock()
+    reassembler = tb.Reassembler(timeout_s=5, clock=clock)
+    for seq in range(6):  # started at t = 0, 1, ... 5
+        clock.now = seq
+        assert reassembler.feed(chunks_of(np.zeros(2_000), 4_000, seq=seq)[0]) is None
+    clock.now = 8.5  # older than 5 s: those started at 0, 1, 2, 3
+    assert reassembler.expire() == 4 and reassembler.pending == 2
+    assert reassembler.is_pending(("p", 4)) and reassembler.is_pending(("p", 5))
+
+
 def test_chunk_that_disagrees_or_lies_about_its_size() -> None:
     chunks = chunks_of(np.zeros(50_000), 30_000)
     other = chunks_of(np.zeros(60_000), 30_000)  # same message id, different total
