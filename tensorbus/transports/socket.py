@@ -34,6 +34,17 @@ from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, sendmsg_all
 log = logging.getLogger(__name__)
 #: a producer reads the acks that arrived every this many sends; four times as many unacked asks for one
 READ_ACKS_EVERY = 64
+#: the accept thread looks up this often (e.g. for close) while the handshake limit is reached
+POLL_S = 0.1
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of a file, or None if there is none: tells this consumer's socket file from a successor's."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class SocketTransport(Transport):
@@ -83,6 +94,7 @@ class SocketTransport(Transport):
         self._ack_buf = bytearray()
         self._ack_requested = False
         self._server: socket.socket | None = None
+        self._socket_file: tuple[int, int] | None = None  # (device, inode) of the unix socket file this bound
         self.reactor: Reactor | None = None
         self._closed = threading.Event()
         self._pool = BufferPool(options["pooled_buffers"])
@@ -110,14 +122,18 @@ class SocketTransport(Transport):
 
     # -- producer side ------------------------------------------------------------------------------
 
-    def _connect(self) -> socket.socket:
-        """Connect, handshake, and send again every frame the last connection left unacknowledged."""
-        deadline = time.monotonic() + self.options["reconnect_timeout_s"]
+    def _connect(self, deadline: float | None = None) -> socket.socket:
+        """Connect, handshake, and send again every frame the last connection left unacknowledged.
+
+        Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner.
+        """
+        retry_until = time.monotonic() + self.options["reconnect_timeout_s"]
+        deadline = retry_until if deadline is None else min(deadline, retry_until)
         context = self._ssl_context(server_side=False)
         for delay in backoff_s():
             sock = socket.socket(self.family, socket.SOCK_STREAM)
             try:
-                sock.settimeout(self.options["connect_timeout_s"])
+                sock.settimeout(max(0.05, min(self.options["connect_timeout_s"], deadline - time.monotonic())))
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
@@ -223,7 +239,7 @@ class SocketTransport(Transport):
                     )
                 try:
                     if self._sock is None:
-                        self._sock = self._connect()
+                        self._sock = self._connect(deadline)
                     if not self._ack_requested:
                         self._sock.sendall(ACK_REQUEST)
                         self._ack_requested = True
@@ -244,12 +260,16 @@ class SocketTransport(Transport):
         server = socket.socket(self.family, socket.SOCK_STREAM)
         try:
             if self.family == socket.AF_UNIX:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.target)  # type: ignore[arg-type]
+                self._remove_stale_socket_file()
             else:
                 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.bind(self.target)
             server.listen(self.options["backlog"])
+            if self.family == socket.AF_UNIX:
+                self._socket_file = _identity(self.target)  # type: ignore[arg-type]
+        except TransportError:
+            server.close()
+            raise
         except OSError as exc:
             server.close()
             raise TransportError(f"cannot listen on {self.address}: {exc}") from None
@@ -262,24 +282,69 @@ class SocketTransport(Transport):
             target=self._accept, args=(context,), daemon=True, name=f"tensorbus-accept-{self.address}"
         ).start()
 
+    def _remove_stale_socket_file(self) -> None:
+        """Remove a socket file a dead consumer left behind; a live consumer's is an error, not replaced."""
+        path = self.target
+        assert isinstance(path, str)
+        if not os.path.exists(path):
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # nobody listens there any more
+            return
+        except OSError:
+            pass  # e.g. not a socket: bind reports it
+        else:
+            raise TransportError(f"cannot listen on {self.address}: another consumer is listening there")
+        finally:
+            probe.close()
+
     def pump(self, done: threading.Lock, deadline: float | None, room: Callable[[], bool]) -> bool:
         """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.pump`)."""
         assert self.reactor is not None
         return self.reactor.pump(done, deadline, room)
 
     def _accept(self, context: ssl.SSLContext | None) -> None:
-        assert self._server is not None
+        """Accept producers until closed; at most `backlog` handshakes at once (more wait in the kernel's queue)."""
+        server = self._server
+        assert server is not None
+        handshakes = threading.BoundedSemaphore(self.options["backlog"])
+        failures = backoff_s(0.01, 1.0)
         while not self._closed.is_set():
+            if not handshakes.acquire(timeout=POLL_S):
+                continue
             try:
-                conn, peer = self._server.accept()
-            except OSError:
-                return  # closed
+                conn, peer = server.accept()
+            except OSError as exc:
+                handshakes.release()
+                if self._closed.is_set() or server.fileno() < 0:
+                    return
+                delay = next(failures)  # e.g. EMFILE: out of file descriptors for now; keep the listener alive
+                log.error("accepting a producer on %s failed (%s); retrying in %.2fs", self.address, exc, delay)
+                time.sleep(delay)
+                continue
+            failures = backoff_s(0.01, 1.0)
             threading.Thread(
-                target=self._handshake, args=(conn, peer, context), daemon=True, name=f"tensorbus-hello-{peer}"
+                target=self._handshake,
+                args=(conn, peer, context, handshakes),
+                daemon=True,
+                name=f"tensorbus-hello-{peer}",
             ).start()
 
-    def _handshake(self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None) -> None:
+    def _handshake(
+        self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None, handshakes: threading.BoundedSemaphore
+    ) -> None:
         """TLS and the shared-secret check (blocking, with a timeout), then hand the connection to the reactor."""
+        try:
+            self._greet(conn, peer, ctx)
+        finally:
+            handshakes.release()
+
+    def _greet(self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None) -> None:
         try:
             conn.settimeout(self.options["connect_timeout_s"])
             if ctx is not None:
@@ -315,7 +380,7 @@ class SocketTransport(Transport):
             self._server.close()
             if self.reactor is not None:
                 self.reactor.close(self.options["close_timeout_s"])
-            if self.family == socket.AF_UNIX:
+            if self.family == socket.AF_UNIX and _identity(self.target) == self._socket_file:  # type: ignore[arg-type]
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.target)  # type: ignore[arg-type]
+                    os.unlink(self.target)  # type: ignore[arg-type]  # (a successor's file is left alone)
             self._server = None

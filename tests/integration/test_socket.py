@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -150,6 +151,19 @@ def test_producer_to_nobody_fails_within_its_timeout() -> None:
     assert time.monotonic() - started < 5
 
 
+def test_flush_keeps_its_timeout_while_reconnecting_to_a_gone_consumer() -> None:
+    consumer = tb.Consumer("tcp://127.0.0.1:0")
+    producer = tb.Producer(consumer.address, reconnect_timeout_s=30, close_timeout_s=0.5)
+    producer.send("k", np.arange(10))
+    wait_for(lambda: len(consumer.table) == 1, 10, "the tensor in the table")
+    consumer.close()  # drops it unreceived, so never acknowledges it
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError):
+        producer.flush(timeout=0.5)
+    assert time.monotonic() - started < 5  # not reconnect_timeout_s
+    producer.close()
+
+
 def test_tensors_a_closing_consumer_drops_unreceived_are_resent_to_its_successor() -> None:
     consumer = tb.Consumer("tcp://127.0.0.1:0")
     address = consumer.address
@@ -289,3 +303,67 @@ def test_many_threads_waiting_on_one_consumer_each_get_their_key() -> None:
         for t in threads:
             t.join(15)
         assert {i: int(v[0]) for i, v in results.items()} == {i: i for i in range(8)}
+
+
+OUT_OF_FDS_CONSUMER = """
+import logging, os, resource, sys
+import tensorbus as tb
+logging.basicConfig(level=logging.ERROR)
+consumer = tb.Consumer("tcp://127.0.0.1:0")
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+print(consumer.address, flush=True)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))
+sys.stdin.readline()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print("restored", flush=True)
+print(consumer.recv("k", timeout=20).tolist(), flush=True)
+consumer.close()
+"""
+
+
+def test_a_consumer_out_of_file_descriptors_accepts_again_once_it_has_some() -> None:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", OUT_OF_FDS_CONSUMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        address = child.stdout.readline().strip()
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        crowd = [socket.create_connection((host, int(port)), timeout=5) for _ in range(10)]
+        time.sleep(0.5)  # the consumer runs out of descriptors accepting them
+        for sock in crowd:
+            sock.close()
+        child.stdin.write("restore\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "restored"
+        with tb.Producer(address, reconnect_timeout_s=10) as producer:
+            producer.send("k", np.arange(3))
+            producer.flush(timeout=15)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert out.strip() == "[0, 1, 2]", err
+    assert "accepting a producer on" in err and "retrying" in err  # it did run out, and kept listening
+
+
+def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_a_successor(tmp_path: Any) -> None:
+    path = str(tmp_path / "tb.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # a consumer killed without cleaning up leaves its file behind
+    with tb.Consumer(f"unix://{path}") as first:
+        with pytest.raises(tb.TransportError, match="another consumer is listening"):
+            tb.Consumer(f"unix://{path}")
+        os.unlink(path)  # e.g. an operator cleaned up, and a successor started on the same path
+        with tb.Consumer(f"unix://{path}") as successor:
+            first.close()  # the old consumer shuts down last: it must leave the successor's file alone
+            assert os.path.exists(path)
+            with tb.Producer(f"unix://{path}", reconnect_timeout_s=2) as producer:
+                producer.send("k", np.arange(3))
+                producer.flush(timeout=5)
+            assert successor.recv("k", timeout=5).tolist() == [0, 1, 2]
+    assert not os.path.exists(path)  # the successor removed its own file
