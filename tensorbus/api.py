@@ -97,6 +97,7 @@ class Producer:
             "message_id": message_id,
             "signing_key": self.signing_key,
         }
+        self.transport.wait_for_room()
         limit = self.transport.max_frame_bytes
         parts = (
             [encode(tensor, **options)] if limit is None else encode_chunks(tensor, max_chunk_bytes=limit, **options)

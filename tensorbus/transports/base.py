@@ -79,6 +79,9 @@ class Transport:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every sent frame is confirmed by the endpoint (a no-op where nothing is pending)."""
 
+    def wait_for_room(self) -> None:
+        """Block before a new message while the transport holds as much unconfirmed data as it may."""
+
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Start receiving the endpoint's frames on background threads, calling `deliver` for each."""
         raise NotImplementedError

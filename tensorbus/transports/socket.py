@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import select
 import socket
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 READ_ACKS_EVERY = 64
 #: the accept thread looks up this often (e.g. for close) while the handshake limit is reached
 POLL_S = 0.1
+#: a producer waiting for acks asks again this often when the consumer answers without progress
+ACK_POLL_S = 0.02
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -229,28 +232,57 @@ class SocketTransport(Transport):
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._unacked:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TransportError(
-                        f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s"
-                    )
-                try:
-                    if self._sock is None:
-                        self._sock = self._connect(deadline)
-                    if not self._ack_requested:
-                        self._sock.sendall(ACK_REQUEST)
-                        self._ack_requested = True
-                    self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
-                except OSError as exc:
-                    if self._sock is not None:
-                        with contextlib.suppress(OSError):
-                            self._read_acks(0)  # a consumer that closed may have acked everything first
-                    self._drop_connection()
-                    if self._unacked:
-                        log.warning("connection to %s broke while flushing (%s); reconnecting", self.address, exc)
+            self._await_acks(
+                lambda: not self._unacked,
+                timeout,
+                lambda: f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s",
+            )
+
+    def wait_for_room(self) -> None:
+        """Before a new message: wait while `max_unacked_bytes` are unacknowledged (up to `send_timeout_s`).
+
+        Called between messages, never between the chunks of one, so a message larger than the
+        limit still goes out whole.
+        """
+        limit = self.options["max_unacked_bytes"]
+        if self._unacked_bytes < limit:
+            return
+        timeout = self.options["send_timeout_s"]
+        with self._lock:
+            self._await_acks(
+                lambda: self._unacked_bytes < limit,
+                None if timeout is None or math.isinf(timeout) else timeout,
+                lambda: (
+                    f"{self.address} left {self._unacked_bytes} bytes unacknowledged for {timeout}s "
+                    f"(max_unacked_bytes={limit}): is the consumer aborted, or not receiving?"
+                ),
+            )
+
+    def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
+        """Read acks (asking for them, reconnecting and resending as needed) until `done()`; caller holds the lock."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransportError(failure())
+            acked = self._acked
+            try:
+                if self._sock is None:
+                    self._sock = self._connect(deadline)
+                if not self._ack_requested:
+                    self._sock.sendall(ACK_REQUEST)
+                    self._ack_requested = True
+                self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
+                if self._acked == acked and not self._ack_requested:  # answered, but nothing new: don't spin
+                    time.sleep(min(ACK_POLL_S, remaining) if remaining is not None else ACK_POLL_S)
+            except OSError as exc:
+                if self._sock is not None:
+                    with contextlib.suppress(OSError):
+                        self._read_acks(0)  # a consumer that closed may have acked everything first
+                self._drop_connection()
+                if not done():
+                    log.warning("connection to %s broke while awaiting acks (%s); reconnecting", self.address, exc)
 
     # -- consumer side ------------------------------------------------------------------------------
 

@@ -191,6 +191,30 @@ def test_frames_an_aborted_consumer_turns_away_are_never_acknowledged() -> None:
         producer.close()
 
 
+def test_a_producer_holds_at_most_max_unacked_bytes_for_a_consumer_that_acks_nothing() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        consumer.abort("step failed")  # still reads, never acknowledges
+        producer = tb.Producer(consumer.address, max_unacked_bytes=1 << 20, send_timeout_s=1, close_timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(tb.TransportError, match=r"max_unacked_bytes=1048576.*aborted"):
+            for i in range(100):
+                producer.send(f"k{i}", np.zeros(100_000, np.uint8))
+        assert time.monotonic() - started < 10
+        assert producer.transport._unacked_bytes < (1 << 20) + 200_000  # type: ignore[attr-defined]
+        producer.close()
+
+
+def test_a_message_larger_than_max_unacked_bytes_still_goes_out_whole_in_chunks() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        options = {"max_frame_bytes": 64 << 10, "max_unacked_bytes": 128 << 10, "send_timeout_s": 5}
+        with tb.Producer(consumer.address, **options) as producer:
+            for i in range(3):  # each far past the limit, and not acknowledged until all its chunks are in
+                producer.send(f"big{i}", np.full(250_000, i, np.float32))
+            producer.flush(timeout=10)
+        for i in range(3):
+            assert (consumer.recv(f"big{i}", timeout=10) == i).all()
+
+
 def test_no_send_timeout_means_sends_wait() -> None:
     for never in (None, float("inf")):
         with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address, send_timeout_s=never) as p:
