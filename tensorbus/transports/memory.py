@@ -7,8 +7,8 @@ All state lives in one `MemoryHub`; `HUB.reset()` clears it between tests.
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import urllib.parse
 from typing import Any, ClassVar
@@ -19,7 +19,33 @@ from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport
 
 log = logging.getLogger(__name__)
-_STOP = object()
+
+
+class Frames:
+    """One endpoint's queue of frames; a frame the closing consumer turned away goes back to the front."""
+
+    def __init__(self) -> None:
+        self._frames: collections.deque[Buffer] = collections.deque()
+        self._ready = threading.Condition()
+
+    def put(self, frame: Buffer, *, front: bool = False) -> None:
+        with self._ready:
+            if front:
+                self._frames.appendleft(frame)
+            else:
+                self._frames.append(frame)
+            self._ready.notify()
+
+    def get(self, stop: threading.Event) -> Buffer | None:
+        """The oldest frame, waiting for one; None once `stop` is set (the frames stay queued)."""
+        with self._ready:
+            while not self._frames and not stop.is_set():
+                self._ready.wait()
+            return None if stop.is_set() else self._frames.popleft()
+
+    def wake(self) -> None:
+        with self._ready:
+            self._ready.notify_all()
 
 
 class MemoryHub:
@@ -27,21 +53,21 @@ class MemoryHub:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queues: dict[str, queue.SimpleQueue[Any]] = {}
+        self._queues: dict[str, Frames] = {}
         self._listening: set[str] = set()
 
-    def endpoint(self, name: str) -> queue.SimpleQueue[Any]:
+    def endpoint(self, name: str) -> Frames:
         """The queue for `name`, created on first use."""
         with self._lock:
-            return self._queues.setdefault(name, queue.SimpleQueue())
+            return self._queues.setdefault(name, Frames())
 
-    def claim(self, name: str) -> queue.SimpleQueue[Any]:
+    def claim(self, name: str) -> Frames:
         """Register the one consumer of `name`; a second is refused, as a socket address would be."""
         with self._lock:
             if name in self._listening:
                 raise TransportError(f"memory://{name} already has a consumer")
             self._listening.add(name)
-            return self._queues.setdefault(name, queue.SimpleQueue())
+            return self._queues.setdefault(name, Frames())
 
     def release(self, name: str) -> None:
         """Let another consumer take `name` (frames still queued stay for it)."""
@@ -70,7 +96,8 @@ class MemoryTransport(Transport):
         if not self.name:
             raise ConfigError(f"memory URL needs a name, e.g. memory://weights; got {self.address!r}")
         self._thread: threading.Thread | None = None
-        self._queue: queue.SimpleQueue[Any] | None = None
+        self._queue: Frames | None = None
+        self._stop = threading.Event()
         self._pool = BufferPool(max_buffers=4)
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
@@ -91,17 +118,25 @@ class MemoryTransport(Transport):
         )
         self._thread.start()
 
-    def _run(self, frames: queue.SimpleQueue[Any], deliver: Deliver) -> None:
-        while (frame := frames.get()) is not _STOP:
+    def _run(self, frames: Frames, deliver: Deliver) -> None:
+        while (frame := frames.get(self._stop)) is not None:
             try:
-                deliver(frame)
+                result = deliver(frame)
             except Exception:
                 log.exception("memory://%s: delivering a frame failed", self.name)
+                continue
+            if not result.done and not deliver.is_pending(result.message_id):
+                frames.put(frame, front=True)  # turned away (closing or aborted): it waits for the next consumer
+                return
 
     def close(self) -> None:
-        """Stop delivering; frames sent later wait for the next consumer of the name."""
+        """Stop delivering; frames not yet delivered, and those sent later, wait for the next consumer."""
         if self._thread is not None and self._queue is not None:
-            self._queue.put(_STOP)
+            self._stop.set()
+            self._queue.wake()
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                log.error("memory://%s: the delivering thread did not stop; the name stays taken", self.name)
+                return
             HUB.release(self.name)
             self._thread = None

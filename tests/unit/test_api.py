@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -133,3 +134,16 @@ def test_a_frame_the_decoder_fails_on_costs_that_frame_only(
         assert consumer.recv("k", timeout=5)[0] == 2
         assert consumer.stats["rejected"] == 1
         assert "decoder failed on" in caplog.text
+
+
+def test_frames_a_closing_memory_consumer_never_delivered_wait_for_the_next_one() -> None:
+    first = tb.Consumer("memory://handover", max_buffered_bytes=1000)
+    with tb.Producer("memory://handover") as producer:
+        for i in range(10):
+            producer.send(f"k{i}", np.full(1000, i, np.uint8))  # the first fills the table: delivery then waits
+    deadline = time.monotonic() + 5
+    while len(first.table) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.close()  # k0 sat in its table unreceived and goes with it; k1..k9 were never delivered
+    with tb.Consumer("memory://handover") as second:
+        assert [second.recv(f"k{i}", timeout=5)[0] for i in range(1, 10)] == list(range(1, 10))
