@@ -66,6 +66,8 @@ def describe(dtype: np.dtype) -> tuple[str, str]:
     order = dtype.byteorder
     if order == "=":
         order = NATIVE_ORDER
+    if dtype.kind == "V" and dtype.itemsize > 1 and order != NATIVE_ORDER:  # what `resolve` could not rebuild
+        raise UnsupportedDtype(f"a byte-swapped {name} array cannot be sent: ml_dtypes have native order only")
     return name, order
 
 

@@ -22,15 +22,28 @@ def torch_to_numpy(tensor: Any) -> np.ndarray:
     return tensor.numpy()
 
 
+#: ml_dtypes floats whose bits torch reads the same way, under the same name (sub-byte ints differ: torch packs them)
+_TORCH_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
 def numpy_to_torch(array: np.ndarray) -> Any:
-    """Wrap an ndarray as a torch tensor sharing its memory (read-only arrays are copied)."""
+    """Wrap an ndarray as a torch tensor sharing its memory (read-only and big-endian arrays are copied).
+
+    Raises `UnsupportedDtype` for dtypes torch has no exact counterpart of (decode with like="numpy").
+    """
     import torch
 
-    if not array.flags.writeable:
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    elif not array.flags.writeable:
         array = array.copy()
-    if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+    name = array.dtype.name
+    if name in _TORCH_FLOATS and hasattr(torch, name):
+        return torch.from_numpy(array.view(f"i{array.dtype.itemsize}")).view(getattr(torch, name))
+    try:
+        return torch.from_numpy(array)
+    except TypeError:
+        raise UnsupportedDtype(f"torch has no dtype for {name}; decode with like='numpy'") from None
 
 
 def to_like(obj: Any, like: str) -> Any:

@@ -191,3 +191,9 @@ def test_dumps_into_a_reused_buffer() -> None:
     np.testing.assert_array_equal(tb.loads(first), np.arange(1000.0))
     with pytest.raises(tb.LimitExceeded, match="needs"):
         tb.dumps(np.zeros(1 << 20), out=out)
+
+
+def test_a_byte_swapped_ml_dtype_array_is_refused_when_sent_not_when_received() -> None:
+    array = np.arange(3).astype(DTYPES["bfloat16"])
+    with pytest.raises(tb.UnsupportedDtype, match="native order only"):
+        tb.dumps(array.astype(array.dtype.newbyteorder(">")))

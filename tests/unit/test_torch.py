@@ -38,3 +38,18 @@ def test_a_state_dict_through_a_producer_and_consumer() -> None:
         received = consumer.recv("state", timeout=5)
     back = {name: torch.from_numpy(np.array(array)) for name, array in received.items()}
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("name", sorted(tb.codec.dtypes.DTYPES))
+def test_every_dtype_the_codec_carries_decodes_as_torch_or_says_why_not(name: str) -> None:
+    array = np.arange(6).astype(tb.codec.dtypes.DTYPES[name])
+    swapped = array.dtype.kind != "V" and array.dtype.itemsize > 1  # ml_dtypes have native order only
+    for sent in (array, array.astype(array.dtype.newbyteorder(">")) if swapped else array):
+        try:
+            back = tb.loads(tb.dumps(sent), like="torch")
+        except tb.UnsupportedDtype as exc:
+            assert name in str(exc) and "like='numpy'" in str(exc)
+            assert name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float32", "int64", "uint16")
+            continue
+        assert isinstance(back, torch.Tensor) and tuple(back.shape) == array.shape
+        assert back.view(torch.uint8).numpy().tobytes() == array.tobytes()  # the same bits, native order
