@@ -35,6 +35,7 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "reassembly_timeout_s": 60.0,
     "max_header_bytes": Limits.max_header_bytes,
     "max_payload_bytes": Limits.max_payload_bytes,
+    "max_decompressed_bytes": Limits.max_decompressed_bytes,
     "max_ndim": Limits.max_ndim,
     "dedup_window": 100_000,
     "dedup_file": None,
@@ -149,6 +150,7 @@ class Consumer:
         limits = Limits(
             max_header_bytes=opts["max_header_bytes"],
             max_payload_bytes=opts["max_payload_bytes"],
+            max_decompressed_bytes=opts["max_decompressed_bytes"],
             max_ndim=opts["max_ndim"],
         )
         self.table = Rendezvous(max_buffered_bytes=opts["max_buffered_bytes"])

@@ -48,6 +48,8 @@ class Limits:
     max_ndim: int = 32
     max_tensors: int = 65536
     max_payload_bytes: int = 1 << 36
+    #: what a compressed payload may expand to: a few KB of zstd can claim gigabytes, so far less than the above
+    max_decompressed_bytes: int = 1 << 30
 
 
 DEFAULT_LIMITS = Limits()
@@ -349,7 +351,8 @@ def message_from_frame(
         raw = header.get("raw")
         if type(raw) is not int or raw < 0:
             raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {raw!r}")
-        payload = memoryview(decompress(header["comp"], payload, raw, limits.max_payload_bytes))
+        most = min(limits.max_payload_bytes, limits.max_decompressed_bytes)
+        payload = memoryview(decompress(header["comp"], payload, raw, most))
     tensor = rebuild(header, payload, copy=copy, max_ndim=limits.max_ndim)
     return Message(key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"])
 

@@ -180,6 +180,19 @@ def test_too_many_tensors_in_a_bundle() -> None:
         tb.decode(data, limits=tb.Limits(max_tensors=10))
 
 
+def test_a_small_compressed_frame_cannot_claim_more_than_max_decompressed_bytes() -> None:
+    bomb = tb.dumps(np.zeros(16 << 20, np.uint8), compression="zstd")  # 16 MiB of zeros in a few KB
+    assert len(bomb) < 64 << 10
+    with pytest.raises(tb.LimitExceeded, match="claims 16777216 bytes; the limit is 1048576"):
+        tb.decode(bomb, limits=tb.Limits(max_decompressed_bytes=1 << 20))
+    assert tb.loads(bomb).nbytes == 16 << 20  # within the default 1 GiB
+    with tb.Consumer("memory://bombs", max_decompressed_bytes=1 << 20) as consumer:
+        with tb.Producer("memory://bombs", compression="zstd") as producer:
+            producer.send("k", np.zeros(16 << 20, np.uint8))
+            producer.send("k", np.zeros(1 << 10, np.uint8))
+        assert consumer.recv("k", timeout=5).nbytes == 1 << 10 and consumer.stats["rejected"] == 1
+
+
 def test_compression_bombs_and_lies() -> None:
     header = {**tensor_header(), "comp": "zstd", "raw": 1 << 40}
     with pytest.raises(tb.LimitExceeded, match="claims"):
