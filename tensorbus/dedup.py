@@ -10,6 +10,7 @@ kill is ignored, and the file is compacted to the window once it holds twice as 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -55,12 +56,13 @@ class SeenIds:
                     self._compact()
             except OSError as exc:  # e.g. a full disk: delivery goes on, dedup across restarts is lost
                 log.error("cannot keep delivered ids in %s any more (%s); dedup is in memory only now", self._path, exc)
-                self._fd = None
+                self.close()
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):  # already failed (e.g. EBADF): nothing more to release
+                os.close(fd)
 
     def _remember(self, message_id: MessageId) -> None:
         self._ids[message_id] = None

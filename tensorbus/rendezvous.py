@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 Callback = Callable[[Message | None, BaseException | None], None]
 ANY = object()  # the waiter key of arrival-order receivers
 
+#: sources whose newest incarnation the table remembers for fencing (the least recently seen are forgotten)
+MAX_SOURCES = 65536
+
 
 def tensor_nbytes(tensor: Any) -> int:
     """Bytes of array memory a received object holds (what the buffer limit counts)."""
@@ -77,7 +80,7 @@ class Rendezvous:
         self._arrivals: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._by_key: dict[str | None, collections.deque[int]] = {}
         self._waiters: dict[object, collections.deque[_Waiter]] = {}
-        self._incarnations: dict[str, int] = {}
+        self._incarnations: collections.OrderedDict[str, int] = collections.OrderedDict()  # newest use last
         self._counter = 0
         self._aborted: Aborted | None = None
         #: messages `abort` dropped unreceived (a transport must not acknowledge them on the way out)
@@ -136,6 +139,9 @@ class Rendezvous:
                 f"but incarnation {newest:x} has already been seen"
             )
         self._incarnations[parsed.src] = parsed.src_incarnation
+        self._incarnations.move_to_end(parsed.src)
+        if len(self._incarnations) > MAX_SOURCES:  # sources are chosen by peers: forget the longest quiet
+            self._incarnations.popitem(last=False)
 
     # -- consuming -------------------------------------------------------------------------------
 

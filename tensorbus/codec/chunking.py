@@ -253,7 +253,9 @@ class Reassembler:
         self._finish(message_id)
         crc = self._combined_crc(partial)
         return message_from_frame(
-            parse(partial.buffer, limits=self.limits, signing_key=self.signing_key, crc=crc), limits=self.limits
+            parse(partial.buffer, limits=self.limits, signing_key=self.signing_key, crc=crc),
+            copy=copy,
+            limits=self.limits,
         )
 
     @staticmethod

@@ -53,6 +53,8 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+#: the longest producer id a frame may carry (tensorbus producers use 16 hex digits)
+MAX_PRODUCER_ID = 128
 
 
 @dataclass
@@ -80,8 +82,10 @@ def _message_id(value: object) -> MessageId | None:
     if value is None:
         return None
     if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) and type(value[1]) is int:
+        if len(value[0]) > MAX_PRODUCER_ID:  # consumers remember many ids: each must stay small
+            raise MalformedHeader(f"producer id of {len(value[0])} characters; the limit is {MAX_PRODUCER_ID}")
         return value[0], value[1]
-    raise MalformedHeader(f"message id must be [producer id, sequence], got {value!r}")
+    raise MalformedHeader(f"message id must be [producer id, sequence], got {value!r:.200}")
 
 
 def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearray:

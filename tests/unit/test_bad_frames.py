@@ -148,6 +148,12 @@ def test_sparse_dense_shape_obeys_max_ndim() -> None:
         tb.decode(sparse_frame(np.zeros((1, 40), np.int64), [1] * 40))
 
 
+def test_a_huge_producer_id_is_refused() -> None:
+    with pytest.raises(tb.MalformedHeader, match="producer id of 1000 characters; the limit is 128"):
+        tb.decode(craft({**tensor_header(), "id": ["p" * 1000, 1]}, bytes(16)))
+    assert tb.decode(craft({**tensor_header(), "id": ["p" * 128, 1]}, bytes(16))).message_id == ("p" * 128, 1)
+
+
 def test_missing_fields_and_wrong_kinds() -> None:
     header = tensor_header()
     del header["tensors"][0]["dtype"]

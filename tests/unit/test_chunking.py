@@ -183,3 +183,10 @@ def test_a_large_buffer_is_reused_once_no_tensor_views_it() -> None:
     (third,) = [m for m in (reassembler.feed(c) for c in chunks_of(first + 2, 1 << 20, seq=3)) if m is not None]
     np.testing.assert_array_equal(third.tensor, first + 2)
     assert reassembler._pool.reused == 1
+
+
+def test_copy_true_gives_a_reassembled_tensor_its_own_memory() -> None:
+    reassembler = tb.Reassembler()
+    out = [reassembler.feed(c, copy=True) for c in chunks_of(np.arange(50_000.0), 30_000)]
+    tensor = out[-1].tensor
+    assert tensor.flags.owndata and tensor.flags.writeable and tensor[49_999] == 49_999.0

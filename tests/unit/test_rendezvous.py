@@ -136,3 +136,17 @@ def test_a_recv_interrupted_just_as_it_was_served_puts_its_tensor_back_first() -
     table.send("k", np.array([2]))
     assert [table.recv("k", timeout=1)[0] for _ in range(2)] == [1, 2]  # per-key order kept
     assert table.next_message(timeout=1).key == "other" and len(table) == 0
+
+
+def test_fencing_remembers_a_bounded_number_of_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tensorbus.rendezvous
+
+    monkeypatch.setattr(tensorbus.rendezvous, "MAX_SOURCES", 3)
+    table = tb.Rendezvous()
+    table.send(tb.make_key("kept", 5, "ps", "g"), np.ones(1))
+    for i in range(10):  # peers naming ever new sources
+        table.send(tb.make_key(f"src{i}", 1, "ps", "g"), np.ones(1))
+        table.send(tb.make_key("kept", 5, "ps", "g"), np.ones(1))  # seen again: stays remembered
+    assert len(table._incarnations) == 3
+    with pytest.raises(tb.StaleIncarnation):
+        table.send(tb.make_key("kept", 4, "ps", "g"), np.ones(1))
