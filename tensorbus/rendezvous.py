@@ -41,6 +41,11 @@ def tensor_nbytes(tensor: Any) -> int:
     return int(getattr(tensor, "nbytes", 0))
 
 
+def message_nbytes(message: Message) -> int:
+    """What a buffered message counts against the limit: its arrays, plus its frame's header (metadata)."""
+    return tensor_nbytes(message.tensor) + message.header_bytes
+
+
 class _Waiter:
     __slots__ = ("callback", "done", "key", "result")
 
@@ -118,7 +123,7 @@ class Rendezvous:
                     numbers.appendleft(self._counter)
                 else:
                     numbers.append(self._counter)
-                self.buffered_bytes += tensor_nbytes(message.tensor)
+                self.buffered_bytes += message_nbytes(message)
                 self.stats["buffered"] += 1
                 return
         self._complete(waiter, message)
@@ -183,7 +188,7 @@ class Rendezvous:
             message = self._arrivals.pop(numbers.popleft())
         if not numbers:
             del self._by_key[message.key]
-        self.buffered_bytes -= tensor_nbytes(message.tensor)
+        self.buffered_bytes -= message_nbytes(message)
         self._cond.notify_all()  # room may have opened for a transport in wait_for_room
         return message
 

@@ -66,6 +66,9 @@ class Message:
     metadata: dict[str, Any] = field(default_factory=dict)
     message_id: MessageId | None = None
     kind: str = "ndarray"
+    #: bytes of the frame outside the payload (mostly the header: key, metadata), which the
+    #: consumer's buffer limit counts along with the tensor's own
+    header_bytes: int = 0
 
 
 @dataclass
@@ -358,7 +361,8 @@ def message_from_frame(
         most = min(limits.max_payload_bytes, limits.max_decompressed_bytes)
         payload = memoryview(decompress(header["comp"], payload, raw, most))
     tensor = rebuild(header, payload, copy=copy, max_ndim=limits.max_ndim)
-    return Message(key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"])
+    overhead = frame.nbytes - len(frame.payload)
+    return Message(key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"], overhead)
 
 
 def loads(data: Buffer, *, copy: bool = False, like: str = "numpy", **options: Any) -> Any:

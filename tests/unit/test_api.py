@@ -147,3 +147,16 @@ def test_frames_a_closing_memory_consumer_never_delivered_wait_for_the_next_one(
     first.close()  # k0 sat in its table unreceived and goes with it; k1..k9 were never delivered
     with tb.Consumer("memory://handover") as second:
         assert [second.recv(f"k{i}", timeout=5)[0] for i in range(1, 10)] == list(range(1, 10))
+
+
+def test_the_buffer_limit_counts_metadata_too() -> None:
+    with tb.Consumer("memory://metadata", max_buffered_bytes=1 << 20) as consumer:
+        with tb.Producer("memory://metadata") as producer:
+            for i in range(40):  # empty tensors, 100 KB of metadata each
+                producer.send(f"k{i}", np.zeros(0), metadata={"blob": "x" * 100_000})
+            deadline = time.monotonic() + 5
+            while consumer.table.buffered_bytes < 1 << 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # delivery has stopped at the limit
+            assert consumer.table.buffered_bytes >= 1 << 20 and len(consumer.table) < 40
+            assert [consumer.recv(f"k{i}", timeout=5).size for i in range(40)] == [0] * 40
