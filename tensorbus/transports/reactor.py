@@ -108,9 +108,15 @@ class Reactor:
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
         peer = _Peer(conn, name)
+        try:
+            if self._closed:
+                raise ValueError("closed")
+            # (no TLS bytes can be pending yet: a producer sends nothing until it has read the verdict)
+            self._selector.register(conn, selectors.EVENT_READ, peer)
+        except (ValueError, KeyError, OSError, RuntimeError):  # the consumer closed during the handshake
+            conn.close()
+            return
         self._peers[conn.fileno()] = peer
-        # (no TLS bytes can be pending yet: a producer sends nothing until it has read the verdict)
-        self._selector.register(conn, selectors.EVENT_READ, peer)
 
     def _drop(self, peer: _Peer, reason: str, level: int) -> None:
         log.log(level, "producer %s: %s", peer.name, reason)

@@ -391,3 +391,13 @@ def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_
                 producer.flush(timeout=5)
             assert successor.recv("k", timeout=5).tolist() == [0, 1, 2]
     assert not os.path.exists(path)  # the successor removed its own file
+
+
+def test_a_handshake_finishing_after_the_consumer_closed_just_closes_its_connection() -> None:
+    consumer = tb.Consumer("tcp://127.0.0.1:0")
+    reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+    consumer.close()
+    ours, theirs = socket.socketpair()
+    reactor.add(ours, "late producer")  # what a handshake thread does once its producer proved itself
+    assert ours.fileno() == -1 and theirs.recv(1) == b""  # closed, and the producer sees it
+    theirs.close()
