@@ -223,7 +223,7 @@ class Rendezvous:
     def _requeue(self, waiter: _Waiter) -> None:
         """A receive interrupted just as it was served: its message goes back, first in line."""
         assert waiter.done is not None
-        waiter.done.acquire()  # `_complete` releases it as soon as the result is set
+        waiter.done.acquire(timeout=1.0)  # `_complete` sets the result, then releases it (unless we hold it)
         if isinstance(waiter.result, Message):
             with contextlib.suppress(Aborted):
                 self.put(waiter.result, first=True)

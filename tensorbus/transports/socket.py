@@ -19,6 +19,7 @@ import os
 import select
 import socket
 import ssl
+import stat
 import threading
 import time
 import urllib.parse
@@ -318,7 +319,10 @@ class SocketTransport(Transport):
         """Remove a socket file a dead consumer left behind; a live consumer's is an error, not replaced."""
         path = self.target
         assert isinstance(path, str)
-        if not os.path.exists(path):
+        try:
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                return  # not a socket: never removed, and bind reports that the path is taken
+        except FileNotFoundError:
             return
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

@@ -391,6 +391,11 @@ def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_
                 producer.flush(timeout=5)
             assert successor.recv("k", timeout=5).tolist() == [0, 1, 2]
     assert not os.path.exists(path)  # the successor removed its own file
+    with open(path, "w") as mistaken:  # a path that is not a socket at all is never removed
+        mistaken.write("data")
+    with pytest.raises(tb.TransportError, match="cannot listen"):
+        tb.Consumer(f"unix://{path}")
+    assert open(path).read() == "data"
 
 
 def test_a_handshake_finishing_after_the_consumer_closed_just_closes_its_connection() -> None:
