@@ -395,7 +395,8 @@ def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_
         mistaken.write("data")
     with pytest.raises(tb.TransportError, match="cannot listen"):
         tb.Consumer(f"unix://{path}")
-    assert open(path).read() == "data"
+    with open(path) as kept:
+        assert kept.read() == "data"
 
 
 def test_a_handshake_finishing_after_the_consumer_closed_just_closes_its_connection() -> None:
