@@ -194,6 +194,8 @@ class Consumer:
                 self.stats["rejected"] += 1
                 log.error("%s: dropped a bad frame: %s", self.url, exc)
                 return Delivered(None, True)
+            except MemoryError:
+                raise  # not the frame's fault: the transport drops the connection and the frame comes again
             except Exception:  # a decoder bug must cost this one frame, not the connection or a recv
                 self.stats["rejected"] += 1
                 log.exception("%s: dropped a frame the decoder failed on", self.url)

@@ -225,7 +225,7 @@ class Rendezvous:
         assert waiter.done is not None
         waiter.done.acquire(timeout=1.0)  # `_complete` sets the result, then releases it (unless we hold it)
         if isinstance(waiter.result, Message):
-            with contextlib.suppress(Aborted):
+            with contextlib.suppress(Aborted, StaleIncarnation):  # the interruption is what the caller hears of
                 self.put(waiter.result, first=True)
 
     def _fail_waiter(self, waiter: _Waiter, error: BaseException) -> bool:

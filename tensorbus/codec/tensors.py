@@ -153,9 +153,8 @@ def _check_sparse(indices: np.ndarray, values: np.ndarray, dense_shape: Any, max
         raise MalformedHeader(f"sparse dense_shape must be a list of non-negative int64s, got {dense_shape!r}")
     if len(dense_shape) > max_ndim:
         raise LimitExceeded(f"sparse tensor has {len(dense_shape)} dimensions; the limit is max_ndim={max_ndim}")
-    if math.prod(dense_shape) * values.itemsize >= 1 << 63:
-        raise MalformedHeader(f"sparse dense_shape {dense_shape} is larger than any array can be")
-    if indices.dtype != np.int64 or indices.ndim != 2 or indices.shape[1] != len(dense_shape):
+    int64 = indices.dtype.kind == "i" and indices.dtype.itemsize == 8  # either byte order: the sender's
+    if not int64 or indices.ndim != 2 or indices.shape[1] != len(dense_shape):
         raise MalformedHeader(f"sparse indices must be int64 of shape (nnz, {len(dense_shape)}), got {indices.dtype}")
     if values.ndim != 1 or values.shape[0] != indices.shape[0]:
         raise MalformedHeader(f"sparse values must have shape ({indices.shape[0]},), got {values.shape}")

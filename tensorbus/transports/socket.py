@@ -132,12 +132,17 @@ class SocketTransport(Transport):
         Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner.
         """
         retry_until = time.monotonic() + self.options["reconnect_timeout_s"]
-        deadline = retry_until if deadline is None else min(deadline, retry_until)
+        if deadline is not None:
+            retry_until = min(retry_until, deadline)
         context = self._ssl_context(server_side=False)
         for delay in backoff_s():
             sock = socket.socket(self.family, socket.SOCK_STREAM)
             try:
-                sock.settimeout(max(0.05, min(self.options["connect_timeout_s"], deadline - time.monotonic())))
+                attempt_s = self.options["connect_timeout_s"]
+                if deadline is not None:  # a flush's: no attempt outlasts it
+                    left = max(0.05, deadline - time.monotonic())
+                    attempt_s = left if attempt_s is None else min(attempt_s, left)
+                sock.settimeout(attempt_s)
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
@@ -157,7 +162,7 @@ class SocketTransport(Transport):
                 raise TransportError(f"{self.address}: {exc}") if isinstance(exc, ssl.SSLError) else exc from None
             except (OSError, TransportError) as exc:
                 sock.close()
-                if self._closed.is_set() or time.monotonic() + delay > deadline:
+                if self._closed.is_set() or time.monotonic() + delay > retry_until:
                     raise TransportError(f"cannot connect to {self.address}: {exc}") from None
                 log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
                 time.sleep(delay)
@@ -348,7 +353,7 @@ class SocketTransport(Transport):
         """Accept producers until closed; at most `backlog` handshakes at once (more wait in the kernel's queue)."""
         server = self._server
         assert server is not None
-        handshakes = threading.BoundedSemaphore(self.options["backlog"])
+        handshakes = threading.BoundedSemaphore(max(1, self.options["backlog"]))
         failures = backoff_s(0.01, 1.0)
         while not self._closed.is_set():
             if not handshakes.acquire(timeout=POLL_S):
@@ -390,8 +395,9 @@ class SocketTransport(Transport):
                 conn.close()
                 return
         except (OSError, ssl.SSLError) as exc:
-            if not self._closed.is_set():
-                log.error("handshake with %s failed: %s", peer, exc)
+            if not self._closed.is_set():  # one that left without a word was probably probing (see listen)
+                left = isinstance(exc, (BrokenPipeError, ConnectionResetError, EOFError))
+                log.log(logging.INFO if left else logging.ERROR, "handshake with %s failed: %s", peer, exc)
             conn.close()
             return
         assert self.reactor is not None

@@ -94,7 +94,10 @@ def greet(sock: socket.socket, secret: bytes | None) -> bool:
     nonce = os.urandom(32)
     sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, FLAG_AUTH if secret else 0, nonce))
     answer = bytearray(PROOF_BYTES)
-    if recv_exact(sock, memoryview(answer)) < PROOF_BYTES:
+    got = recv_exact(sock, memoryview(answer))
+    if got == 0:
+        raise ConnectionResetError("it closed the connection without answering")
+    if got < PROOF_BYTES:
         return False
     accepted = secret is None or hmac.compare_digest(bytes(answer), proof(secret, nonce))
     sock.sendall(b"\x01" if accepted else b"\x00")

@@ -374,7 +374,10 @@ def test_a_consumer_out_of_file_descriptors_accepts_again_once_it_has_some() -> 
     assert "accepting a producer on" in err and "retrying" in err  # it did run out, and kept listening
 
 
-def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_a_successor(tmp_path: Any) -> None:
+def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_a_successor(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
     path = str(tmp_path / "tb.sock")
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
@@ -382,6 +385,8 @@ def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_
     with tb.Consumer(f"unix://{path}") as first:
         with pytest.raises(tb.TransportError, match="another consumer is listening"):
             tb.Consumer(f"unix://{path}")
+        wait_for(lambda: "handshake with" in caplog.text, 5, "the probe noticed by the live consumer")
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a probe is not an error
         os.unlink(path)  # e.g. an operator cleaned up, and a successor started on the same path
         with tb.Consumer(f"unix://{path}") as successor:
             first.close()  # the old consumer shuts down last: it must leave the successor's file alone
@@ -407,3 +412,33 @@ def test_a_handshake_finishing_after_the_consumer_closed_just_closes_its_connect
     reactor.add(ours, "late producer")  # what a handshake thread does once its producer proved itself
     assert ours.fileno() == -1 and theirs.recv(1) == b""  # closed, and the producer sees it
     theirs.close()
+
+
+def test_unusual_but_valid_connection_settings_work() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", backlog=0) as consumer:
+        settings = {"connect_timeout_s": None, "reconnect_timeout_s": 0}  # wait as long as it takes; never retry
+        with tb.Producer(consumer.address, **settings) as producer:
+            producer.send("k", np.arange(3))
+            producer.flush(timeout=5)
+        assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
+
+
+def test_running_out_of_memory_for_a_frame_drops_the_connection_and_the_frame_comes_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        feed = consumer.reassembler.feed
+        failures = iter([MemoryError()])
+
+        def short_of_memory_once(*args: Any, **kwargs: Any) -> Any:
+            error = next(failures, None)
+            if error is not None:
+                raise error
+            return feed(*args, **kwargs)
+
+        monkeypatch.setattr(consumer.reassembler, "feed", short_of_memory_once)
+        with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
+            producer.send("k", np.arange(3))
+            producer.flush(timeout=10)  # resent on a new connection, then acknowledged
+        assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
+        assert consumer.stats["rejected"] == 0
