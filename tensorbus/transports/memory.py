@@ -14,7 +14,7 @@ import urllib.parse
 from typing import Any, ClassVar
 
 from ..buffers import POOLED_FROM, BufferPool
-from ..codec.frame import Buffer, Limits, join_into
+from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport
 
@@ -119,15 +119,30 @@ class MemoryTransport(Transport):
         self._thread.start()
 
     def _run(self, frames: Frames, deliver: Deliver) -> None:
-        while (frame := frames.get(self._stop)) is not None:
-            try:
-                result = deliver(frame)
-            except Exception:
-                log.exception("memory://%s: delivering a frame failed", self.name)
-                continue
-            if not result.done and not deliver.is_pending(result.message_id):
-                frames.put(frame, front=True)  # turned away (closing or aborted): it waits for the next consumer
-                return
+        """Deliver frames until closed or turned away; what this consumer did not finish goes back, in order."""
+        held: dict[MessageId | None, list[Buffer]] = {}  # the frames of messages not complete yet
+        turned_away: MessageId | None = None
+        try:
+            while (frame := frames.get(self._stop)) is not None:
+                try:
+                    result = deliver(frame)
+                except Exception:
+                    log.exception("memory://%s: delivering a frame failed", self.name)
+                    continue
+                if result.done:
+                    held.pop(result.message_id, None)
+                    continue
+                if result.message_id not in held:  # a new incomplete message: forget those given up on
+                    for message_id in [m for m in held if not deliver.is_pending(m)]:
+                        del held[message_id]
+                held.setdefault(result.message_id, []).append(frame)
+                if not deliver.is_pending(result.message_id):  # turned away (closing or aborted)
+                    turned_away = result.message_id
+                    return
+        finally:
+            back = [f for m, fs in held.items() if m == turned_away or deliver.is_pending(m) for f in fs]
+            for frame in reversed(back):  # first in line for the next consumer of the name
+                frames.put(frame, front=True)
 
     def close(self) -> None:
         """Stop delivering; frames not yet delivered, and those sent later, wait for the next consumer."""

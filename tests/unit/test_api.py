@@ -160,3 +160,19 @@ def test_the_buffer_limit_counts_metadata_too() -> None:
             time.sleep(0.2)  # delivery has stopped at the limit
             assert consumer.table.buffered_bytes >= 1 << 20 and len(consumer.table) < 40
             assert [consumer.recv(f"k{i}", timeout=5).size for i in range(40)] == [0] * 40
+
+
+def test_a_closing_memory_consumer_hands_a_half_received_chunked_tensor_over_whole() -> None:
+    first = tb.Consumer("memory://chunked-handover", max_buffered_bytes=1000)
+    with tb.Producer("memory://chunked-handover", max_frame_bytes=4096) as producer:
+        producer.send("k0", np.zeros(1000, np.uint8))  # fills the table: delivery then waits for room
+        producer.send("k1", np.arange(5000, dtype=np.float32))  # 20 KB: several chunks
+        producer.send("k2", np.ones(10, np.uint8))
+    deadline = time.monotonic() + 5
+    while len(first.table) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.close()  # its delivery thread was feeding k1's chunks to an aborted table
+    with tb.Consumer("memory://chunked-handover") as second:
+        assert (second.recv("k1", timeout=5) == np.arange(5000, dtype=np.float32)).all()
+        assert second.recv("k2", timeout=5).tolist() == [1] * 10
+        assert second.reassembler.pending == 0
