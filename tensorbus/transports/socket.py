@@ -6,7 +6,8 @@ A frame goes out as one scatter-gather `sendmsg` of header and array memory, and
 The consumer acknowledges frames once they reached the rendezvous table; a producer keeps
 unacknowledged frames (by reference: do not modify a sent array before `flush`) and sends them
 again after reconnecting to a restarted consumer. Duplicates are dropped above, by message id.
-See `stream.py` for the handshake and acks, `reactor.py` for how the consumer reads.
+See `stream.py` for the handshake and acks, `listener.py` for how the consumer accepts producers,
+`reactor.py` for how it reads them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ import collections
 import contextlib
 import logging
 import math
-import os
 import select
 import socket
 import ssl
-import stat
 import threading
 import time
 import urllib.parse
@@ -30,29 +29,19 @@ from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, backoff_s
+from .listener import Listener
 from .reactor import Reactor
-from .stream import ACK, ACK_REQUEST, AuthRefused, greet, introduce, sendmsg_all, set_send_timeout
+from .stream import ACK, ACK_REQUEST, AuthRefused, introduce, sendmsg_all, set_send_timeout
 
 log = logging.getLogger(__name__)
 #: a producer reads the acks that arrived every this many sends; four times as many unacked asks for one
 READ_ACKS_EVERY = 64
-#: the accept thread looks up this often (e.g. for close) while the handshake limit is reached
-POLL_S = 0.1
 #: a producer waiting for acks asks again this often when the consumer answers without progress
 ACK_POLL_S = 0.02
 
 
-def _identity(path: str) -> tuple[int, int] | None:
-    """(device, inode) of a file, or None if there is none: tells this consumer's socket file from a successor's."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 class SocketTransport(Transport):
-    """One stream socket per producer; a listener with a reader thread per connected producer."""
+    """One stream socket per producer; the consumer's `Listener` accepts them and its `Reactor` reads them."""
 
     schemes = ("tcp", "tcps", "unix")
     acknowledges = True
@@ -97,8 +86,7 @@ class SocketTransport(Transport):
         self._sent = self._acked = 0
         self._ack_buf = bytearray()
         self._ack_requested = False
-        self._server: socket.socket | None = None
-        self._socket_file: tuple[int, int] | None = None  # (device, inode) of the unix socket file this bound
+        self._listener: Listener | None = None
         self.reactor: Reactor | None = None
         self._closed = threading.Event()
         self._pool = BufferPool(options["pooled_buffers"])
@@ -295,116 +283,18 @@ class SocketTransport(Transport):
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Bind, then accept producers on a background thread; their frames are read by a `Reactor`."""
         context = self._ssl_context(server_side=True)
-        server = socket.socket(self.family, socket.SOCK_STREAM)
-        try:
-            if self.family == socket.AF_UNIX:
-                self._remove_stale_socket_file()
-            else:
-                server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind(self.target)
-            server.listen(self.options["backlog"])
-            if self.family == socket.AF_UNIX:
-                self._socket_file = _identity(self.target)  # type: ignore[arg-type]
-        except TransportError:
-            server.close()
-            raise
-        except OSError as exc:
-            server.close()
-            raise TransportError(f"cannot listen on {self.address}: {exc}") from None
+        self._listener = Listener(self.family, self.target, self.options, self.secret, lambda: self.address)
+        bound = self._listener.bind()
         if self.family != socket.AF_UNIX:
-            host, port = server.getsockname()[:2]
+            host, port = bound[:2]
             self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        self._server = server
         self.reactor = Reactor(deliver, limits, self.options, self._pool)
-        threading.Thread(
-            target=self._accept, args=(context,), daemon=True, name=f"tensorbus-accept-{self.address}"
-        ).start()
-
-    def _remove_stale_socket_file(self) -> None:
-        """Remove a socket file a dead consumer left behind; a live consumer's is an error, not replaced."""
-        path = self.target
-        assert isinstance(path, str)
-        try:
-            if not stat.S_ISSOCK(os.stat(path).st_mode):
-                return  # not a socket: never removed, and bind reports that the path is taken
-        except FileNotFoundError:
-            return
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)  # nobody listens there any more
-            return
-        except OSError:
-            pass  # e.g. not a socket: bind reports it
-        else:
-            raise TransportError(f"cannot listen on {self.address}: another consumer is listening there")
-        finally:
-            probe.close()
+        self._listener.start(self.reactor, context)
 
     def pump(self, done: threading.Lock, deadline: float | None, room: Callable[[], bool]) -> bool:
         """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.pump`)."""
         assert self.reactor is not None
         return self.reactor.pump(done, deadline, room)
-
-    def _accept(self, context: ssl.SSLContext | None) -> None:
-        """Accept producers until closed; at most `backlog` handshakes at once (more wait in the kernel's queue)."""
-        server = self._server
-        assert server is not None
-        handshakes = threading.BoundedSemaphore(max(1, self.options["backlog"]))
-        failures = backoff_s(0.01, 1.0)
-        while not self._closed.is_set():
-            if not handshakes.acquire(timeout=POLL_S):
-                continue
-            try:
-                conn, peer = server.accept()
-            except OSError as exc:
-                handshakes.release()
-                if self._closed.is_set() or server.fileno() < 0:
-                    return
-                delay = next(failures)  # e.g. EMFILE: out of file descriptors for now; keep the listener alive
-                log.error("accepting a producer on %s failed (%s); retrying in %.2fs", self.address, exc, delay)
-                time.sleep(delay)
-                continue
-            failures = backoff_s(0.01, 1.0)
-            threading.Thread(
-                target=self._handshake,
-                args=(conn, peer, context, handshakes),
-                daemon=True,
-                name=f"tensorbus-hello-{peer}",
-            ).start()
-
-    def _handshake(
-        self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None, handshakes: threading.BoundedSemaphore
-    ) -> None:
-        """TLS and the shared-secret check (blocking, with a timeout), then hand the connection to the reactor."""
-        try:
-            self._greet(conn, peer, ctx)
-        finally:
-            handshakes.release()
-
-    def _greet(self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None) -> None:
-        try:
-            conn.settimeout(self.options["connect_timeout_s"])
-            if ctx is not None:
-                conn = ctx.wrap_socket(conn, server_side=True)
-            if not greet(conn, self.secret):
-                log.error("refused producer %s: no valid proof of the shared secret", peer)
-                conn.close()
-                return
-        except (OSError, ssl.SSLError) as exc:
-            if not self._closed.is_set():  # one that left without a word was probably probing (see listen)
-                left = isinstance(exc, (BrokenPipeError, ConnectionResetError, EOFError))
-                log.log(logging.INFO if left else logging.ERROR, "handshake with %s failed: %s", peer, exc)
-            conn.close()
-            return
-        assert self.reactor is not None
-        if self._closed.is_set():
-            conn.close()
-            return
-        self.reactor.add(conn, peer)
 
     def close(self) -> None:
         """Flush (up to close_timeout_s) and close the producer connection, or stop listening and drop every peer."""
@@ -416,13 +306,5 @@ class SocketTransport(Transport):
         self._closed.set()
         with self._lock:
             self._drop_connection()
-        if self._server is not None:
-            with contextlib.suppress(OSError):
-                self._server.shutdown(socket.SHUT_RDWR)
-            self._server.close()
-            if self.reactor is not None:
-                self.reactor.close(self.options["close_timeout_s"])
-            if self.family == socket.AF_UNIX and _identity(self.target) == self._socket_file:  # type: ignore[arg-type]
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.target)  # type: ignore[arg-type]  # (a successor's file is left alone)
-            self._server = None
+        if self._listener is not None:
+            self._listener.close()

@@ -335,8 +335,8 @@ import tensorbus as tb
 logging.basicConfig(level=logging.ERROR)
 consumer = tb.Consumer("tcp://127.0.0.1:0")
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))  # before anyone connects
 print(consumer.address, flush=True)
-resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))
 sys.stdin.readline()
 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 print("restored", flush=True)
