@@ -101,3 +101,17 @@ def start(target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
     process = CONTEXT.Process(target=target, args=args, daemon=True)
     process.start()
     return process
+
+
+def fail_feed_once(monkeypatch: Any, consumer: tb.Consumer, error: BaseException) -> None:
+    """Make the consumer's next `Reassembler.feed` raise `error` (a decoder bug, memory running out)."""
+    feed = consumer.reassembler.feed
+    failures = iter([error])
+
+    def failing_once(*args: Any, **kwargs: Any) -> Any:
+        pending = next(failures, None)
+        if pending is not None:
+            raise pending
+        return feed(*args, **kwargs)
+
+    monkeypatch.setattr(consumer.reassembler, "feed", failing_once)

@@ -15,7 +15,7 @@ import trustme
 
 import tensorbus as tb
 from tensorbus.transports.stream import HELLO, greet, proof
-from tests.faults import wait_for
+from tests.faults import fail_feed_once, wait_for
 from tests.peers import Peer, make_tensor, same
 
 
@@ -427,16 +427,7 @@ def test_running_out_of_memory_for_a_frame_drops_the_connection_and_the_frame_co
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
-        feed = consumer.reassembler.feed
-        failures = iter([MemoryError()])
-
-        def short_of_memory_once(*args: Any, **kwargs: Any) -> Any:
-            error = next(failures, None)
-            if error is not None:
-                raise error
-            return feed(*args, **kwargs)
-
-        monkeypatch.setattr(consumer.reassembler, "feed", short_of_memory_once)
+        fail_feed_once(monkeypatch, consumer, MemoryError())
         with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
             producer.send("k", np.arange(3))
             producer.flush(timeout=10)  # resent on a new connection, then acknowledged

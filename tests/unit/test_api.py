@@ -11,6 +11,7 @@ import pytest
 import tensorbus as tb
 import tensorbus.options
 import tensorbus.transports
+from tests.faults import fail_feed_once
 
 
 def test_unknown_scheme_names_the_known_ones_and_suggests() -> None:
@@ -119,16 +120,7 @@ def test_a_frame_the_decoder_fails_on_costs_that_frame_only(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with tb.Consumer("memory://decoder-bug") as consumer, tb.Producer("memory://decoder-bug") as producer:
-        feed = consumer.reassembler.feed
-        calls = iter([RuntimeError("a decoder bug")])
-
-        def failing_once(*args: object, **kwargs: object) -> object:
-            error = next(calls, None)
-            if error is not None:
-                raise error
-            return feed(*args, **kwargs)
-
-        monkeypatch.setattr(consumer.reassembler, "feed", failing_once)
+        fail_feed_once(monkeypatch, consumer, RuntimeError("a decoder bug"))
         producer.send("k", np.array([1]))
         producer.send("k", np.array([2]))
         assert consumer.recv("k", timeout=5)[0] == 2
