@@ -40,6 +40,20 @@ READ_ACKS_EVERY = 64
 ACK_POLL_S = 0.02
 
 
+def _recv_now(sock: socket.socket) -> bytes | None:
+    """What the socket has now; None when that is only part of a TLS record (a blocking read would wait)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.recv(4096)
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        return sock.recv(4096)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        return None
+    finally:
+        sock.settimeout(timeout)
+
+
 class SocketTransport(Transport):
     """One stream socket per producer; the consumer's `Listener` accepts them and its `Reactor` reads them."""
 
@@ -211,7 +225,9 @@ class SocketTransport(Transport):
         pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
         if not pending and not select.select([sock], [], [], wait_s)[0]:
             return
-        data = sock.recv(4096)
+        data = _recv_now(sock)
+        if data is None:
+            return  # part of a TLS record: the rest comes with a later read
         if not data:
             raise ConnectionResetError("consumer closed the connection")
         self._ack_buf += data

@@ -433,3 +433,49 @@ def test_running_out_of_memory_for_a_frame_drops_the_connection_and_the_frame_co
             producer.flush(timeout=10)  # resent on a new connection, then acknowledged
         assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
         assert consumer.stats["rejected"] == 0
+
+
+def test_half_a_tls_ack_record_does_not_block_a_flush_past_its_timeout(tls: dict[str, str]) -> None:
+    """A tcps:// consumer driven by hand (TLS through memory BIOs), so an ack can arrive split mid-record."""
+    import ssl
+
+    from tensorbus.transports.stream import ACK
+
+    server = socket.create_server(("127.0.0.1", 0))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls["cert"])
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls_object = context.wrap_bio(incoming, outgoing, server_side=True)
+    conn: list[socket.socket] = []
+
+    def consumer_side() -> None:  # TLS handshake, then the tensorbus hello; frames are never read
+        raw, _ = server.accept()
+        conn.append(raw)
+        while True:
+            try:
+                tls_object.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                raw.sendall(outgoing.read())
+                incoming.write(raw.recv(65536))
+        raw.sendall(outgoing.read())
+        tls_object.write(HELLO.pack(b"TBSK", 1, 0, bytes(32)) + b"\x01")  # no secret: any proof, then "accepted"
+        raw.sendall(outgoing.read())
+
+    thread = threading.Thread(target=consumer_side, daemon=True)
+    thread.start()
+    producer = tb.Producer(f"tcps://127.0.0.1:{server.getsockname()[1]}", ssl_cafile=tls["ca"], close_timeout_s=0.5)
+    producer.send("k", np.arange(3))  # connects, and the frame waits unacknowledged
+    thread.join(timeout=10)
+    tls_object.write(ACK.pack(1))
+    record = outgoing.read()
+    conn[0].sendall(record[:10])  # the record's header and a little more: not enough to decrypt
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError, match="unacknowledged"):
+        producer.flush(timeout=1)
+    assert time.monotonic() - started < 5  # not send_timeout_s (30 s), which a blocking TLS read would take
+    conn[0].sendall(record[10:])
+    producer.flush(timeout=5)  # the whole record: acknowledged
+    producer.close()
+    conn[0].close()
+    server.close()
