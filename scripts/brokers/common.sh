@@ -16,7 +16,12 @@ group_alive() {
   done
   return 1
 }
-pid_alive() { [[ -s $1 ]] && group_alive "$(cat "$1")"; }
+leader_alive() {  # the process itself, zombies aside: right after `setsid CMD &` it may not lead its group yet
+  local line
+  read -r line 2>/dev/null <"/proc/$1/stat" || return 1
+  [[ ${line##*) } != Z* ]]
+}
+pid_alive() { [[ -s $1 ]] && { leader_alive "$(cat "$1")" || group_alive "$(cat "$1")"; }; }
 
 fail_with_log() {  # $1 = message, $2.. = log files to show the tail of
   local msg=$1; shift
