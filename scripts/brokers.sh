@@ -112,7 +112,7 @@ EOF
   echo $! >"$RMQ/rabbitmq.pid"
   local logs=("$RMQ/log/stdout.log" "$RMQ/log/$RABBITMQ_NODENAME.log")
   until port_open "$AMQP_PORT"; do
-    pid_alive "$RMQ/rabbitmq.pid" || { rmq_stop; fail_with_log "RabbitMQ exited during startup" "${logs[@]}"; }
+    launched_alive "$RMQ/rabbitmq.pid" || { rmq_stop; fail_with_log "RabbitMQ exited during startup" "${logs[@]}"; }
     ((SECONDS - t0 < 120)) || { rmq_stop; fail_with_log "RabbitMQ did not open port $AMQP_PORT in 120s" "${logs[@]}"; }
     sleep 0.5
   done
@@ -169,7 +169,7 @@ kafka_start() {
   setsid "${KAFKA_JAVA[@]}" kafka.Kafka "$KAFKA/server.properties" >"$KAFKA/kafka.log" 2>&1 </dev/null &
   echo $! >"$KAFKA/kafka.pid"
   until port_open "$KAFKA_PORT" && grep -q 'Kafka Server started' "$KAFKA/kafka.log"; do
-    pid_alive "$KAFKA/kafka.pid" || { kafka_stop; fail_with_log "Kafka exited during startup" "$KAFKA/kafka.log"; }
+    launched_alive "$KAFKA/kafka.pid" || { kafka_stop; fail_with_log "Kafka exited during startup" "$KAFKA/kafka.log"; }
     ((SECONDS - t0 < 120)) || { kafka_stop; fail_with_log "Kafka not started after 120s" "$KAFKA/kafka.log"; }
     sleep 0.5
   done

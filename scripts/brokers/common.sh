@@ -16,12 +16,16 @@ group_alive() {
   done
   return 1
 }
-leader_alive() {  # the process itself, zombies aside: right after `setsid CMD &` it may not lead its group yet
+pid_alive() { [[ -s $1 ]] && group_alive "$(cat "$1")"; }
+# Right after `setsid CMD &` the child may not lead its group yet: while waiting for a broker this
+# script has just started, the recorded process itself also counts (zombies aside). Only then: a
+# pid file left from another boot may name an unrelated process.
+launched_alive() {
   local line
-  read -r line 2>/dev/null <"/proc/$1/stat" || return 1
+  pid_alive "$1" && return 0
+  read -r line 2>/dev/null <"/proc/$(cat "$1")/stat" || return 1
   [[ ${line##*) } != Z* ]]
 }
-pid_alive() { [[ -s $1 ]] && { leader_alive "$(cat "$1")" || group_alive "$(cat "$1")"; }; }
 
 fail_with_log() {  # $1 = message, $2.. = log files to show the tail of
   local msg=$1; shift

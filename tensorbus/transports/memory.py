@@ -47,6 +47,10 @@ class Frames:
         with self._ready:
             self._ready.notify_all()
 
+    def __len__(self) -> int:
+        """Frames waiting to be delivered."""
+        return len(self._frames)
+
 
 class MemoryHub:
     """The named endpoints of the memory transport: name -> queue of frames."""

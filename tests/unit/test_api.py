@@ -155,15 +155,20 @@ def test_the_buffer_limit_counts_metadata_too() -> None:
 
 
 def test_a_closing_memory_consumer_hands_a_half_received_chunked_tensor_over_whole() -> None:
-    first = tb.Consumer("memory://chunked-handover", max_buffered_bytes=1000)
-    with tb.Producer("memory://chunked-handover", max_frame_bytes=4096) as producer:
+    from tensorbus.transports.memory import HUB
+
+    with tb.Producer("memory://chunked-handover", max_frame_bytes=4096) as producer:  # queued before anyone reads
         producer.send("k0", np.zeros(1000, np.uint8))  # fills the table: delivery then waits for room
         producer.send("k1", np.arange(5000, dtype=np.float32))  # 20 KB: several chunks
         producer.send("k2", np.ones(10, np.uint8))
+    queue = HUB.endpoint("chunked-handover")
+    sent = len(queue)
+    first = tb.Consumer("memory://chunked-handover", max_buffered_bytes=1000)
     deadline = time.monotonic() + 5
-    while len(first.table) < 1 and time.monotonic() < deadline:
+    while (len(first.table) < 1 or len(queue) > sent - 2) and time.monotonic() < deadline:
         time.sleep(0.01)
-    first.close()  # its delivery thread was feeding k1's chunks to an aborted table
+    assert len(first.table) == 1 and len(queue) == sent - 2  # k0 delivered; k1's first chunk waits for room
+    first.close()  # its delivery thread then feeds k1's chunks to an aborted table
     with tb.Consumer("memory://chunked-handover") as second:
         assert (second.recv("k1", timeout=5) == np.arange(5000, dtype=np.float32)).all()
         assert second.recv("k2", timeout=5).tolist() == [1] * 10
