@@ -147,19 +147,21 @@ def _array(entry: Any, payload: memoryview, max_ndim: int, at: int) -> np.ndarra
         raise MalformedHeader(f"shape {shape} of {dtype.name} is not one numpy can build: {exc}") from None
 
 
-def _check_sparse(indices: np.ndarray, values: np.ndarray, dense_shape: Any, max_ndim: int) -> None:
-    """Indices must be int64 (nnz, ndim) inside `dense_shape`: `to_dense` then cannot fail or misplace values."""
+def _sparse(indices: np.ndarray, values: np.ndarray, dense_shape: Any, max_ndim: int) -> SparseTensor:
+    """The received COO tensor, indices int64 and inside `dense_shape`: `to_dense` cannot fail or misplace values."""
     if not isinstance(dense_shape, list) or not all(type(d) is int and 0 <= d < 1 << 63 for d in dense_shape):
         raise MalformedHeader(f"sparse dense_shape must be a list of non-negative int64s, got {dense_shape!r}")
     if len(dense_shape) > max_ndim:
         raise LimitExceeded(f"sparse tensor has {len(dense_shape)} dimensions; the limit is max_ndim={max_ndim}")
-    int64 = indices.dtype.kind == "i" and indices.dtype.itemsize == 8  # either byte order: the sender's
-    if not int64 or indices.ndim != 2 or indices.shape[1] != len(dense_shape):
-        raise MalformedHeader(f"sparse indices must be int64 of shape (nnz, {len(dense_shape)}), got {indices.dtype}")
-    if values.ndim != 1 or values.shape[0] != indices.shape[0]:
-        raise MalformedHeader(f"sparse values must have shape ({indices.shape[0]},), got {values.shape}")
-    if indices.size and ((indices < 0).any() or (indices >= np.asarray(dense_shape, np.int64)).any()):
+    if not (indices.dtype.kind == "i" and indices.dtype.itemsize == 8):  # either byte order: the sender's
+        raise MalformedHeader(f"sparse indices must be int64, got {indices.dtype}")
+    try:
+        tensor = SparseTensor(indices, values, tuple(dense_shape))  # checks the shapes agree
+    except ValueError as exc:
+        raise MalformedHeader(f"inconsistent sparse tensor: {exc}") from None
+    if tensor.indices.size and ((tensor.indices < 0).any() or (tensor.indices >= tensor.dense_shape).any()):
         raise MalformedHeader(f"sparse indices fall outside dense_shape {dense_shape}")
+    return tensor
 
 
 def rebuild(header: dict[str, Any], payload: memoryview, *, copy: bool, max_ndim: int) -> Any:
@@ -184,7 +186,5 @@ def rebuild(header: dict[str, Any], payload: memoryview, *, copy: bool, max_ndim
             raise MalformedHeader("bundle entry names must be distinct strings")
         return dict(zip(names, arrays, strict=False))
     if kind == "sparse" and len(arrays) == 2:
-        dense_shape = header.get("dense_shape")
-        _check_sparse(arrays[0], arrays[1], dense_shape, max_ndim)
-        return SparseTensor(arrays[0], arrays[1], tuple(dense_shape))
+        return _sparse(arrays[0], arrays[1], header.get("dense_shape"), max_ndim)
     raise MalformedHeader(f"payload kind {kind!r} with {len(arrays)} tensors is not one this build knows")
