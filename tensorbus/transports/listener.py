@@ -134,12 +134,6 @@ class Listener:
     ) -> None:
         """TLS and the shared-secret check (blocking, with a timeout), then hand the connection to the reactor."""
         try:
-            self._greet(conn, peer, ctx)
-        finally:
-            handshakes.release()
-
-    def _greet(self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None) -> None:
-        try:
             conn.settimeout(self.options["connect_timeout_s"])
             if ctx is not None:
                 conn = ctx.wrap_socket(conn, server_side=True)
@@ -153,6 +147,8 @@ class Listener:
                 log.log(logging.INFO if left else logging.ERROR, "handshake with %s failed: %s", peer, exc)
             conn.close()
             return
+        finally:
+            handshakes.release()
         assert self._reactor is not None
         if self._closed.is_set():
             conn.close()
