@@ -217,7 +217,7 @@ class Consumer:
                 with self._lock:
                     self._seen.persist(message_id)  # after the put: a kill in between repeats, never loses
         except Aborted:
-            return Delivered(message_id, False)  # not acknowledged: a broker hands it to the next consumer
+            return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:
             self.stats["refused"] += 1
             log.error("%s: refused message %s: %s", self.url, message_id, exc)

@@ -18,10 +18,13 @@ class Delivered(NamedTuple):
 
     `done` is True once the frame's message was handed to the rendezvous table (or rejected for
     good), so the transport may acknowledge every frame of `message_id`; False while chunks are missing.
+    `turned_away` is True when the consumer could not take the message (aborted or closing): no
+    frame of it may be acknowledged, so the next consumer gets it.
     """
 
     message_id: MessageId | None
     done: bool
+    turned_away: bool = False
 
 
 class Deliver(Protocol):

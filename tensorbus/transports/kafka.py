@@ -111,9 +111,9 @@ class _Offsets(AsyncConsumerRebalanceListener):
             waiting = self._waiting.setdefault(tp, {})
             if result.done:
                 waiting.pop(result.message_id, None)
-            elif self.deliver.is_pending(result.message_id):
+            elif not result.turned_away:
                 waiting.setdefault(result.message_id, offset)
-            else:  # turned away (aborted): never committed, so the group's next consumer reads it again
+            else:  # never committed, so the group's next consumer reads it again
                 first = waiting.pop(result.message_id, offset)
                 self._refused[tp] = min(self._refused.get(tp, first), first)
 

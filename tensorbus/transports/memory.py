@@ -140,7 +140,7 @@ class MemoryTransport(Transport):
                     for message_id in [m for m in held if not deliver.is_pending(m)]:
                         del held[message_id]
                 held.setdefault(result.message_id, []).append(frame)
-                if not deliver.is_pending(result.message_id):  # turned away (closing or aborted)
+                if result.turned_away:
                     turned_away = result.message_id
                     return
         finally:

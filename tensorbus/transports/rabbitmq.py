@@ -247,9 +247,9 @@ class RabbitMQTransport(Transport):
                 return
             generation, tag, body = item
             result = deliver(body)
-            if not result.done and not deliver.is_pending(result.message_id):
-                waiting.pop(result.message_id, None)  # turned away (aborted): left unacknowledged, with its
-                continue  # earlier chunks, so the broker hands them to the next consumer
+            if result.turned_away:
+                waiting.pop(result.message_id, None)  # left unacknowledged, with its earlier chunks,
+                continue  # so the broker hands them to the next consumer
             if not result.done:
                 waiting.setdefault(result.message_id, []).append((generation, tag))
                 self._call(self._grow_window, 1)

@@ -323,10 +323,10 @@ class Reactor:
         peer.prefix_got = 0
         if result.done:
             peer.incomplete.pop(result.message_id, None)
-        elif self.deliver.is_pending(result.message_id):
+        elif not result.turned_away:
             peer.incomplete.setdefault(result.message_id, peer.frames)
         elif peer.turned_away is None:
-            peer.turned_away = peer.frames  # aborted: never acknowledged, so the producer sends it again
+            peer.turned_away = peer.frames  # never acknowledged, so the producer sends it again
         peer.frames += 1
         peer.unacked_bytes += peer.total
         o = self.options
