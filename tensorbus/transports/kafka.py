@@ -402,9 +402,9 @@ class KafkaTransport(Transport):
                     session_timeout_ms=int(o["session_timeout_s"] * 1000),
                     heartbeat_interval_ms=int(o["session_timeout_s"] * 100),  # a tenth: rebalances start quickly
                 )
-                self._await_metadata(consumer, o["connect_timeout_s"])
                 offsets = self._offsets = _Offsets(consumer, deliver, self._shown)
                 consumer.subscribe([self.topic], listener=offsets)
+                self._await_metadata(consumer, o["connect_timeout_s"])
         except TensorBusError as exc:
             self._error = exc
             return
@@ -432,13 +432,16 @@ class KafkaTransport(Transport):
             consumer.close(autocommit=False, timeout_ms=int(o["close_timeout_s"] * 1000))
 
     def _await_metadata(self, consumer: KafkaConsumer, timeout: float) -> None:
-        """Wait until this client's metadata lists the topic's partitions.
+        """After subscribing, before the first poll: fetch metadata until it lists the topic's partitions.
 
-        A group joined before that is assigned nothing, and kafka-python only refreshes metadata every
-        few minutes: a freshly created topic would sit unread until then.
+        The group's first assignment must see them. A join done with empty metadata is assigned
+        nothing and rejoins when the metadata arrives, and kafka-python 3.0 can lose a rejoin that
+        only changed metadata asked for: when its join outlives a `poll` timeout, the partitions stay
+        revoked and the consumer reads nothing, for good. A fetch issued after `subscribe` also
+        updates the group's view of the topic (`topics()` always asks the cluster).
         """
         deadline = time.monotonic() + timeout
-        while not consumer.partitions_for_topic(self.topic):
+        while self.topic not in consumer.topics() or not consumer.partitions_for_topic(self.topic):
             if time.monotonic() > deadline:
                 raise TransportError(f"{self._shown}: partitions of the topic unknown to the client after {timeout}s")
             time.sleep(0.1)

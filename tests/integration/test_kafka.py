@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
@@ -62,6 +63,22 @@ def test_64_mb_tensor_is_chunked_under_the_default_limit(url: str) -> None:
         producer.flush(timeout=60)
         assert same(consumer.recv("big", timeout=60), big)
         assert consumer.stats["chunks"] >= 64
+
+
+def test_a_new_consumer_joins_its_group_once(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Its first assignment already sees the topic's partitions, so no rebalance follows it.
+
+    Such a rebalance, asked for only by metadata arriving late, can be lost by kafka-python 3.0
+    (its join outliving a poll timeout): the partitions then stayed revoked and nothing was read.
+    """
+    caplog.set_level(logging.INFO, logger="kafka.coordinator")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("first", np.arange(10))
+        assert same(consumer.recv("first", timeout=30), np.arange(10))
+        time.sleep(1.0)  # a metadata-triggered rejoin came within ~0.2 s of the first join
+        joins = [r.getMessage() for r in caplog.records if "Successfully joined group" in r.getMessage()]
+        assert len(joins) == 1, joins
+        assert owned(consumer) == {0}
 
 
 def test_two_consumers_in_one_group_share_partitions_without_duplicates(url: str) -> None:
