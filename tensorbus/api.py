@@ -200,11 +200,14 @@ class Consumer:
                 self.stats["rejected"] += 1
                 log.exception("%s: dropped a frame the decoder failed on", self.url)
                 return Delivered(None, True)
+            message_id = self.reassembler.last_message_id if message is None else message.message_id
+            if self.table.aborted is not None:
+                # every frame, before dedup: a broker may hand a turned-away tensor to this consumer
+                # again (kafka:// after a rebalance), and it must not then pass for one already taken
+                return Delivered(message_id, False, turned_away=True)
             if message is None:
                 self.stats["chunks"] += 1
-                message_id = self.reassembler.last_message_id
                 return Delivered(message_id, not self.reassembler.is_pending(message_id))
-            message_id = message.message_id
             if message_id is not None:
                 if message_id in self._seen:
                     self.stats["duplicates"] += 1

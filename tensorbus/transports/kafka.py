@@ -102,6 +102,7 @@ class _Offsets(AsyncConsumerRebalanceListener):
         self._lock = threading.Lock()
         self._next: dict[TopicPartition, int] = {}  # the offset after the last delivered record
         self._waiting: dict[TopicPartition, dict[MessageId | None, int]] = {}  # message -> its first offset
+        self._refused: dict[TopicPartition, int] = {}  # the first offset of a message the consumer turned away
         self._committed: dict[TopicPartition, int] = {}
 
     def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
@@ -110,8 +111,11 @@ class _Offsets(AsyncConsumerRebalanceListener):
             waiting = self._waiting.setdefault(tp, {})
             if result.done:
                 waiting.pop(result.message_id, None)
-            else:
+            elif not result.turned_away:
                 waiting.setdefault(result.message_id, offset)
+            else:  # never committed, so the group's next consumer reads it again
+                first = waiting.pop(result.message_id, offset)
+                self._refused[tp] = min(self._refused.get(tp, first), first)
 
     def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
         """Offsets safe to commit that differ from the last commit."""
@@ -122,6 +126,7 @@ class _Offsets(AsyncConsumerRebalanceListener):
                 for message_id in [m for m in waiting if not self.deliver.is_pending(m)]:
                     del waiting[message_id]  # expired (given up on) since: nothing more to wait for
                 safe = min(waiting.values(), default=after)
+                safe = min(safe, self._refused.get(tp, safe))
                 if self._committed.get(tp) != safe:
                     offsets[tp] = OffsetAndMetadata(safe, "", -1)
         return offsets
@@ -158,7 +163,7 @@ class _Offsets(AsyncConsumerRebalanceListener):
     async def on_partitions_lost(self, lost: set[TopicPartition]) -> None:
         with self._lock:
             for tp in lost:
-                for table in (self._next, self._waiting, self._committed):
+                for table in (self._next, self._waiting, self._refused, self._committed):
                     table.pop(tp, None)
         self.assigned -= {tp.partition for tp in lost}
 

@@ -11,6 +11,8 @@ import pytest
 import tensorbus as tb
 import tensorbus.options
 import tensorbus.transports
+from tensorbus.codec.chunking import encode_chunks
+from tensorbus.transports.base import Delivered
 from tests.faults import fail_feed_once
 
 
@@ -173,3 +175,26 @@ def test_a_closing_memory_consumer_hands_a_half_received_chunked_tensor_over_who
         assert (second.recv("k1", timeout=5) == np.arange(5000, dtype=np.float32)).all()
         assert second.recv("k2", timeout=5).tolist() == [1] * 10
         assert second.reassembler.pending == 0
+
+
+def test_a_tensor_an_aborted_consumer_turned_away_is_turned_away_again_when_read_again() -> None:
+    """A broker may hand a turned-away tensor to the same consumer again (kafka:// after a rebalance).
+
+    It was never taken, so it must not count as a duplicate, which the transport would acknowledge:
+    every frame of it, whole or chunked, is turned away each time.
+    """
+
+    def flat(frame: list) -> bytes:
+        return b"".join(memoryview(b).cast("B").tobytes() for b in frame)
+
+    whole = flat(tb.encode(np.ones(3), key="k", message_id=("p", 1)))
+    chunks = [flat(c) for c in encode_chunks(np.arange(2000.0), max_chunk_bytes=4096, message_id=("p", 2), key="c")]
+    assert len(chunks) > 2
+    with tb.Consumer("memory://turned-away") as consumer:
+        consumer.abort("step failed")
+        for _ in range(2):
+            assert consumer._deliver(whole) == Delivered(("p", 1), False, turned_away=True)
+            assert [consumer._deliver(c) for c in chunks] == [Delivered(("p", 2), False, turned_away=True)] * len(
+                chunks
+            )
+        assert consumer.stats["duplicates"] == 0
