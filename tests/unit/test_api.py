@@ -11,7 +11,6 @@ import pytest
 import tensorbus as tb
 import tensorbus.options
 import tensorbus.transports
-from tensorbus.codec.chunking import encode_chunks
 from tensorbus.transports.base import Delivered
 from tests.faults import fail_feed_once
 
@@ -183,12 +182,9 @@ def test_a_tensor_an_aborted_consumer_turned_away_is_turned_away_again_when_read
     It was never taken, so it must not count as a duplicate, which the transport would acknowledge:
     every frame of it, whole or chunked, is turned away each time.
     """
-
-    def flat(frame: list) -> bytes:
-        return b"".join(memoryview(b).cast("B").tobytes() for b in frame)
-
-    whole = flat(tb.encode(np.ones(3), key="k", message_id=("p", 1)))
-    chunks = [flat(c) for c in encode_chunks(np.arange(2000.0), max_chunk_bytes=4096, message_id=("p", 2), key="c")]
+    whole = b"".join(tb.encode(np.ones(3), key="k", message_id=("p", 1)))
+    chunked = tb.codec.encode_chunks(np.arange(2000.0), max_chunk_bytes=4096, message_id=("p", 2), key="c")
+    chunks = [b"".join(c) for c in chunked]
     assert len(chunks) > 2
     with tb.Consumer("memory://turned-away") as consumer:
         consumer.abort("step failed")
