@@ -16,7 +16,7 @@ from .codec.frame import Buffer
 from .dedup import SeenIds
 from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
 from .options import load_config, merge
-from .rendezvous import Callback, RecvHandle, Rendezvous
+from .rendezvous import Callback, RecvHandle, Rendezvous, finite_timeout
 from .transports import Delivered, Transport, resolve_transport
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class Producer:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the transport confirms everything sent so far (where it confirms at all)."""
-        self.transport.flush(timeout)
+        self.transport.flush(finite_timeout(timeout))
 
     def close(self) -> None:
         """Flush what can be flushed and release the connection."""

@@ -22,8 +22,10 @@ def make_key(src: str, src_incarnation: int, dst: str, name: str, frame_iter: tu
     for label, part in (("src", src), ("dst", dst), ("name", name)):
         if not part or ";" in part:
             raise ConfigError(f"{label} must be a non-empty string without ';', got {part!r}")
-    if src_incarnation < 0:
-        raise ConfigError(f"src_incarnation must be non-negative, got {src_incarnation}")
+    if type(src_incarnation) is not int or src_incarnation < 0:
+        raise ConfigError(f"src_incarnation must be a non-negative int, got {src_incarnation!r}")
+    if not isinstance(frame_iter, (tuple, list)) or len(frame_iter) != 2 or not all(type(n) is int for n in frame_iter):
+        raise ConfigError(f"frame_iter must be a pair of ints, got {frame_iter!r}")
     return f"{src};{src_incarnation:x};{dst};{name};{frame_iter[0]}:{frame_iter[1]}"
 
 

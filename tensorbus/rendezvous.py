@@ -46,6 +46,11 @@ def message_nbytes(message: Message) -> int:
     return tensor_nbytes(message.tensor) + message.header_bytes
 
 
+def finite_timeout(timeout: float | None) -> float | None:
+    """`timeout`, or None (wait forever) for one too long for the platform's waits (e.g. `math.inf`)."""
+    return None if timeout is not None and timeout >= threading.TIMEOUT_MAX else timeout
+
+
 class _Waiter:
     __slots__ = ("callback", "done", "key", "result")
 
@@ -82,7 +87,9 @@ class Rendezvous:
         self.max_buffered_bytes = max_buffered_bytes
         self.buffered_bytes = 0
         self._cond = threading.Condition()
-        self._arrivals: collections.OrderedDict[int, Message] = collections.OrderedDict()
+        #: buffered messages by arrival number, each with the bytes it counts (as counted when it came:
+        #: a dict sent in-process may change later, and the count must come back down to zero)
+        self._arrivals: collections.OrderedDict[int, tuple[Message, int]] = collections.OrderedDict()
         self._by_key: dict[str | None, collections.deque[int]] = {}
         self._waiters: dict[object, collections.deque[_Waiter]] = {}
         self._incarnations: collections.OrderedDict[str, int] = collections.OrderedDict()  # newest use last
@@ -116,14 +123,15 @@ class Rendezvous:
                     break
             if waiter is None:
                 self._counter += 1
-                self._arrivals[self._counter] = message
+                nbytes = message_nbytes(message)
+                self._arrivals[self._counter] = (message, nbytes)
                 numbers = self._by_key.setdefault(message.key, collections.deque())
                 if first:
                     self._arrivals.move_to_end(self._counter, last=False)
                     numbers.appendleft(self._counter)
                 else:
                     numbers.append(self._counter)
-                self.buffered_bytes += message_nbytes(message)
+                self.buffered_bytes += nbytes
                 self.stats["buffered"] += 1
                 return
         self._complete(waiter, message)
@@ -170,7 +178,7 @@ class Rendezvous:
             if message is None and self._aborted is None:
                 self._waiters.setdefault(key, collections.deque()).append(waiter)
                 return RecvHandle(self, waiter)
-        self._complete(waiter, message if message is not None else self._aborted)
+        self._complete(waiter, message if message is not None else self._abort_error())
         return RecvHandle(self, waiter)
 
     def _take(self, key: object) -> Message | None:
@@ -178,21 +186,22 @@ class Rendezvous:
         if key is ANY:
             if not self._arrivals:
                 return None
-            _, message = self._arrivals.popitem(last=False)
+            _, (message, nbytes) = self._arrivals.popitem(last=False)
             numbers = self._by_key[message.key]
             numbers.popleft()
         else:
             numbers = self._by_key.get(key)  # type: ignore[arg-type]
             if not numbers:
                 return None
-            message = self._arrivals.pop(numbers.popleft())
+            message, nbytes = self._arrivals.pop(numbers.popleft())
         if not numbers:
             del self._by_key[message.key]
-        self.buffered_bytes -= message_nbytes(message)
+        self.buffered_bytes -= nbytes
         self._cond.notify_all()  # room may have opened for a transport in wait_for_room
         return message
 
     def _wait(self, key: object, timeout: float | None) -> Message:
+        timeout = finite_timeout(timeout)
         with self._cond:
             self._raise_if_aborted()
             message = self._take(key)
@@ -258,6 +267,7 @@ class Rendezvous:
 
     def wait_for_room(self, timeout: float | None = None) -> bool:
         """Block while the buffered bytes are at the limit; True once there is room (or aborted)."""
+        timeout = finite_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self.buffered_bytes >= self.max_buffered_bytes and self._aborted is None:
@@ -280,16 +290,22 @@ class Rendezvous:
             self.buffered_bytes = 0
             self._cond.notify_all()
         for waiter in waiters:
-            self._complete(waiter, self._aborted)
+            self._complete(waiter, self._abort_error())
 
     @property
     def aborted(self) -> Aborted | None:
         """The `Aborted` error once `abort` was called, else None."""
         return self._aborted
 
+    def _abort_error(self) -> Aborted:
+        """A fresh `Aborted` with the reason: each thread raises its own (one shared object would
+        collect every thread's traceback, and keep their frames alive)."""
+        assert self._aborted is not None
+        return Aborted(*self._aborted.args)
+
     def _raise_if_aborted(self) -> None:
         if self._aborted is not None:
-            raise Aborted(*self._aborted.args)
+            raise self._abort_error()
 
     def __len__(self) -> int:
         with self._cond:

@@ -28,6 +28,67 @@ def test_make_key_rejects_separators_in_parts() -> None:
         tb.make_key("a;b", 1, "c", "d")
 
 
+@pytest.mark.parametrize(
+    ("incarnation", "frame_iter"), [(1.5, (0, 0)), (True, (0, 0)), (-1, (0, 0)), (1, ("0", "1:2")), (1, (0,)), (1, 5)]
+)
+def test_make_key_refuses_what_parse_key_would_refuse(incarnation: object, frame_iter: object) -> None:
+    # such a key would not parse, so it would also slip past incarnation fencing
+    with pytest.raises(tb.ConfigError):
+        tb.make_key("w", incarnation, "ps", "g", frame_iter)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), 1e10])
+def test_a_timeout_too_long_for_the_platform_waits_forever(timeout: float) -> None:
+    table = tb.Rendezvous(max_buffered_bytes=8)
+    threading.Timer(0.2, table.send, ("k", np.ones(4, np.uint8))).start()
+    assert table.recv("k", timeout=timeout)[0] == 1  # not OverflowError from the lock's wait
+    table.send("full", np.ones(8, np.uint8))
+    threading.Timer(0.2, table.recv, ("full",)).start()
+    assert table.wait_for_room(timeout=timeout) is True
+    with tb.Consumer("memory://inf") as consumer, tb.Producer("memory://inf") as producer:
+        producer.send("k", np.ones(1))
+        producer.flush(timeout)
+        assert consumer.recv("k", timeout=timeout)[0] == 1
+
+
+def test_the_byte_count_comes_back_to_zero_when_a_sent_bundle_changes_afterwards() -> None:
+    table = tb.Rendezvous(max_buffered_bytes=1000)
+    grown, shrunk = {"a": np.zeros(100, np.uint8)}, {"a": np.zeros(100, np.uint8), "b": np.zeros(500, np.uint8)}
+    table.send("g", grown)
+    table.send("s", shrunk)
+    assert table.buffered_bytes == 700
+    grown["b"] = np.zeros(5000, np.uint8)  # in-process sends hand over the caller's dict itself
+    del shrunk["b"]
+    table.recv("g")
+    table.recv("s")
+    assert table.buffered_bytes == 0 and table.wait_for_room(timeout=0.1)
+
+
+def test_every_waiting_thread_gets_its_own_aborted_error_with_the_reason() -> None:
+    table = tb.Rendezvous()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            table.recv("never")
+        except tb.Aborted as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    while len(table._waiters.get("never", ())) < 4:
+        time.sleep(0.01)
+    table.abort("bye")
+    for thread in threads:
+        thread.join(5)
+    later: list[BaseException] = []
+    table.recv_async("k", lambda _message, error: later.append(error))
+    errors += later
+    assert len(errors) == 5 and all(str(e) == "bye" for e in errors)
+    assert len({id(e) for e in errors}) == 5  # one shared object would collect every thread's traceback
+
+
 def test_older_incarnation_is_fenced_off() -> None:
     table = tb.Rendezvous()
     table.send(tb.make_key("w", 2, "ps", "x"), np.ones(1))
