@@ -95,12 +95,30 @@ def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearra
     """Prefix (CRC still zero) plus the packed header, padded to the 64-byte payload alignment."""
     try:
         packed = msgpack.packb(header, use_bin_type=True)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
+    if header.get("meta"):
+        _require_string_keys(header["meta"])
     head = bytearray(align(PREFIX.size + len(packed)))
     PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
     head[PREFIX.size : PREFIX.size + len(packed)] = packed
     return head
+
+
+def _require_string_keys(value: Any) -> None:
+    """Refuse map keys other than str and bytes here, at the sender: receivers unpack headers with
+    strict map keys (a hostile header cannot make them hash arbitrary objects), so such a frame
+    would be sent fine and then dropped by every consumer."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for name, inner in item.items():
+                if not isinstance(name, (str, bytes)):
+                    raise MalformedHeader(f"metadata map keys must be str or bytes, got {name!r:.100}")
+                stack.append(inner)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def seal_with_crc(head: bytearray, body_crc: int, body_len: int) -> None:

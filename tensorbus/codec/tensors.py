@@ -44,7 +44,9 @@ class SparseTensor:
     def to_dense(self) -> np.ndarray:
         """Scatter the values into a new dense array (duplicate indices are summed)."""
         dense = np.zeros(self.dense_shape, dtype=self.values.dtype)
-        if self.indices.shape[0]:
+        if not self.dense_shape:  # a scalar: every entry (indices of zero columns) names the one element
+            dense[()] = self.values.sum(dtype=dense.dtype)
+        elif self.indices.shape[0]:
             np.add.at(dense, tuple(self.indices.T), self.values)
         return dense
 

@@ -135,6 +135,13 @@ def test_sparse_round_trip_and_to_dense() -> None:
     assert dense.shape == (3, 4) and dense[0, 1] == 1.5 and dense[2, 3] == 3.0 and dense.sum() == 4.5
 
 
+def test_a_sparse_scalar_sums_its_entries_into_its_one_element() -> None:
+    scalar = tb.SparseTensor(np.zeros((2, 0), np.int64), np.array([1.5, 2.0]), ())
+    dense = tb.loads(tb.dumps(scalar)).to_dense()
+    assert dense.shape == () and dense == 3.5
+    assert tb.SparseTensor(np.zeros((0, 0), np.int64), np.zeros(0), ()).to_dense() == 0
+
+
 def test_sparse_rejects_inconsistent_parts() -> None:
     with pytest.raises(ValueError, match="indices must have shape"):
         tb.SparseTensor(np.zeros((2, 3), np.int64), np.zeros(2), (4, 4))
@@ -166,6 +173,21 @@ def test_checksum_can_be_turned_off_and_is_then_not_checked() -> None:
 def test_metadata_must_be_msgpackable() -> None:
     with pytest.raises(tb.CodecError, match="msgpack"):
         tb.dumps(np.zeros(1), metadata={"f": object()})
+    with pytest.raises(tb.MalformedHeader, match="msgpack"):
+        tb.dumps(np.zeros(1), metadata={"n": 2**64})  # msgpack's OverflowError, in tensorbus's words
+
+
+@pytest.mark.parametrize("metadata", [{"labels": {0: "cat"}}, {"a": [1, {(1, 2): 3}]}, {"deep": [[{1.5: 0}]]}])
+def test_metadata_map_keys_other_than_strings_are_refused_by_the_sender(metadata: dict) -> None:
+    # a receiver unpacks headers with strict map keys: such a frame would be sent, then dropped by every consumer
+    with pytest.raises(tb.MalformedHeader, match="map keys must be str or bytes"):
+        tb.dumps(np.zeros(1), metadata=metadata)
+    with tb.Consumer("memory://int-keys") as consumer, tb.Producer("memory://int-keys") as producer:
+        with pytest.raises(tb.MalformedHeader):
+            producer.send("k", np.zeros(1), metadata=metadata)
+        producer.send("k", np.ones(1), metadata={"labels": {"0": "cat", b"1": "dog"}})
+        message = consumer.recv_message("k", timeout=5)
+    assert message.metadata == {"labels": {"0": "cat", b"1": "dog"}} and message.tensor[0] == 1
 
 
 def test_signed_frames_verify_and_reject_tampering() -> None:
