@@ -9,21 +9,30 @@ import numpy as np
 
 from ..errors import UnsupportedDtype
 
+#: ml_dtypes floats whose bits torch reads the same way, under the same name (sub-byte ints differ: torch packs them)
+_TORCH_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+
 
 def torch_to_numpy(tensor: Any) -> np.ndarray:
-    """View a CPU torch tensor as an ndarray without copying; bfloat16 goes through an int16 view."""
+    """View a CPU torch tensor as an ndarray without copying; bfloat16 and float8 go through an int view.
+
+    Conjugate and negative views are materialised first (numpy has no lazy conjugation).
+    """
     import torch
 
     if tensor.device.type != "cpu":
         raise UnsupportedDtype(f"only CPU torch tensors travel; got one on {tensor.device}")
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-#: ml_dtypes floats whose bits torch reads the same way, under the same name (sub-byte ints differ: torch packs them)
-_TORCH_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if tensor.layout != torch.strided:
+        raise UnsupportedDtype(f"only dense torch tensors travel (send a tensorbus.SparseTensor); got {tensor.layout}")
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name in _TORCH_FLOATS and hasattr(ml_dtypes, name):
+        as_int = torch.int8 if tensor.element_size() == 1 else torch.int16
+        return tensor.view(as_int).numpy().view(getattr(ml_dtypes, name))
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise UnsupportedDtype(f"cannot send a torch tensor of {tensor.dtype}: {exc}") from None
 
 
 def numpy_to_torch(array: np.ndarray) -> Any:

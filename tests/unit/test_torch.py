@@ -40,6 +40,26 @@ def test_a_state_dict_through_a_producer_and_consumer() -> None:
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
 
 
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"])
+def test_float8_torch_tensors_travel_both_ways(name: str) -> None:
+    t = torch.arange(6.0).to(getattr(torch, name))
+    back = tb.loads(tb.dumps(t), like="torch")
+    assert back.dtype == t.dtype and torch.equal(back.view(torch.int8), t.view(torch.int8))
+    assert tb.loads(tb.dumps(t)).dtype.name == name  # as numpy: the ml_dtypes type of the same name
+
+
+def test_conjugate_and_negative_views_are_sent_as_their_values() -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert torch.equal(tb.loads(tb.dumps(z.conj()), like="torch"), z.conj().resolve_conj())
+    x = torch.tensor([1.0, -2.0])
+    assert torch.equal(tb.loads(tb.dumps(torch._neg_view(x)), like="torch"), -x)
+
+
+def test_a_torch_sparse_tensor_is_refused_with_the_way_to_send_it() -> None:
+    with pytest.raises(tb.UnsupportedDtype, match="SparseTensor"):
+        tb.dumps(torch.eye(3).to_sparse())
+
+
 @pytest.mark.parametrize("name", sorted(tb.codec.dtypes.DTYPES))
 def test_every_dtype_the_codec_carries_decodes_as_torch_or_says_why_not(name: str) -> None:
     array = np.arange(6).astype(tb.codec.dtypes.DTYPES[name])
