@@ -103,8 +103,15 @@ class Producer:
         parts = (
             [encode(tensor, **options)] if limit is None else encode_chunks(tensor, max_chunk_bytes=limit, **options)
         )
-        for part in parts:
-            self.transport.send(part, key=key)
+        sent = 0
+        try:
+            for part in parts:
+                self.transport.send(part, key=key)
+                sent += 1
+        except TensorBusError:
+            if sent:  # the chunks that went out can never make a whole tensor: don't resend them
+                self.transport.forget_last(sent)
+            raise
         return message_id
 
     def flush(self, timeout: float | None = None) -> None:

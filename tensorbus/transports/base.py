@@ -79,6 +79,9 @@ class Transport:
         """Send one frame (scatter-gather buffers) to the endpoint."""
         raise NotImplementedError
 
+    def forget_last(self, count: int) -> None:
+        """Drop the last `count` frames sent from anything kept for resending (a message failed part way)."""
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every sent frame is confirmed by the endpoint (a no-op where nothing is pending)."""
 

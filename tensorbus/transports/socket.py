@@ -22,12 +22,12 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits
-from ..errors import ConfigError, TransportError
+from ..errors import Closed, ConfigError, TransportError
 from .base import Deliver, Transport, backoff_s
 from .listener import Listener
 from .reactor import Reactor
@@ -38,6 +38,13 @@ log = logging.getLogger(__name__)
 READ_ACKS_EVERY = 64
 #: a producer waiting for acks asks again this often when the consumer answers without progress
 ACK_POLL_S = 0.02
+
+
+def _readable(sock: socket.socket, wait_s: float) -> bool:
+    """Whether `sock` has bytes (or an error) to read within `wait_s`; poll, as select() fails on fds >= 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(wait_s * 1000))))
 
 
 def _recv_now(sock: socket.socket) -> bytes | None:
@@ -174,9 +181,11 @@ class SocketTransport(Transport):
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
         nbytes = sum(memoryview(b).nbytes for b in frame)
         with self._lock:
+            self._raise_if_closed()
             for attempt in (1, 2):
                 try:
                     if self._sock is None:
+                        self._raise_if_closed()
                         self._sock = self._connect()
                     sendmsg_all(self._sock, frame)
                     break
@@ -194,6 +203,25 @@ class SocketTransport(Transport):
             self._sent += 1
             if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
                 self._trim_acked()
+
+    def _raise_if_closed(self) -> None:
+        """Refuse to (re)connect once `close` began: the connection would outlive the producer."""
+        if self._closed.is_set():
+            raise Closed(f"the producer for {self.address} is closed")
+
+    def forget_last(self, count: int) -> None:
+        """Drop the last `count` frames sent (the chunks of a message that failed part way) from those
+        resent on reconnect: a message that can never complete would hold up the consumer's acks.
+
+        Only while disconnected (every failed send drops the connection): the frames of a live
+        connection are counted by its acks.
+        """
+        with self._lock:
+            if self._sock is not None:
+                return
+            for _ in range(min(count, len(self._unacked))):
+                _, n = self._unacked.pop()
+                self._unacked_bytes -= n
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
@@ -223,7 +251,7 @@ class SocketTransport(Transport):
         sock = self._sock
         assert sock is not None
         pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
-        if not pending and not select.select([sock], [], [], wait_s)[0]:
+        if not pending and not _readable(sock, wait_s):
             return
         data = _recv_now(sock)
         if data is None:
@@ -242,7 +270,7 @@ class SocketTransport(Transport):
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects)."""
-        with self._lock:
+        with self._locked(timeout, "flush"):
             self._await_acks(
                 lambda: not self._unacked,
                 timeout,
@@ -259,7 +287,7 @@ class SocketTransport(Transport):
         if self._unacked_bytes < limit:
             return
         timeout = self.options["send_timeout_s"]
-        with self._lock:
+        with self._locked(timeout, "wait for room"):
             self._await_acks(
                 lambda: self._unacked_bytes < limit,
                 None if timeout is None or math.isinf(timeout) else timeout,
@@ -268,6 +296,16 @@ class SocketTransport(Transport):
                     f"(max_unacked_bytes={limit}): is the consumer aborted, or not receiving?"
                 ),
             )
+
+    @contextlib.contextmanager
+    def _locked(self, timeout: float | None, what: str) -> Iterator[None]:
+        """Hold the send lock, waiting at most `timeout` for a send that holds it (None: as long as it takes)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None or math.isinf(timeout) else max(timeout, 0)):
+            raise TransportError(f"{what} on {self.address}: a send has held the connection for over {timeout}s")
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
         """Read acks (asking for them, reconnecting and resending as needed) until `done()`; caller holds the lock."""
@@ -279,6 +317,7 @@ class SocketTransport(Transport):
             acked = self._acked
             try:
                 if self._sock is None:
+                    self._raise_if_closed()
                     self._sock = self._connect(deadline)
                 if not self._ack_requested:
                     self._sock.sendall(ACK_REQUEST)
@@ -320,7 +359,14 @@ class SocketTransport(Transport):
             except TransportError as exc:
                 log.warning("closing with frames not acknowledged: %s", exc)
         self._closed.set()
-        with self._lock:
-            self._drop_connection()
+        wait_s = self.options["close_timeout_s"]
+        if self._lock.acquire(timeout=-1 if wait_s is None or math.isinf(wait_s) else wait_s):
+            try:
+                self._drop_connection()
+            finally:
+                self._lock.release()
+        elif (sock := self._sock) is not None:  # a send stuck on a consumer that stopped reading holds the lock:
+            with contextlib.suppress(OSError):  # wake it (it fails, drops the connection, and does not reconnect)
+                sock.shutdown(socket.SHUT_RDWR)
         if self._listener is not None:
             self._listener.close()

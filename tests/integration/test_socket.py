@@ -479,3 +479,109 @@ def test_half_a_tls_ack_record_does_not_block_a_flush_past_its_timeout(tls: dict
     producer.close()
     conn[0].close()
     server.close()
+
+
+def test_a_producer_whose_socket_has_a_descriptor_past_1023_reads_its_acks() -> None:
+    # select() cannot watch such descriptors; an application with many files open gets them
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.fail(f"this test needs 1200 file descriptors; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+            for i in range(70):  # acks are read every 64 sends
+                producer.send(f"k{i}", np.full(4, i))
+            assert producer.transport._sock.fileno() >= 1024
+            producer.flush(10)
+            assert [int(consumer.recv(f"k{i}", timeout=10)[0]) for i in range(70)] == list(range(70))
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_flush_and_close_keep_their_timeouts_while_another_thread_is_stuck_sending() -> None:
+    consumer = tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=1 << 20)  # nobody receives: it stops reading
+    producer = tb.Producer(consumer.address, send_timeout_s=None, close_timeout_s=1.0)
+    failures: list[BaseException] = []
+
+    def send_forever() -> None:
+        try:
+            for _ in range(100):
+                producer.send("k", np.zeros(1 << 18, np.float32))
+        except tb.TensorBusError as exc:
+            failures.append(exc)
+
+    stuck = threading.Thread(target=send_forever)
+    stuck.start()
+    wait_for(lambda: producer.transport._unacked_bytes >= 4 << 20, 10, "the producer to fill the socket buffers")
+    time.sleep(0.5)  # the sender is now blocked in sendmsg, holding the connection
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError, match="a send has held the connection"):
+        producer.flush(timeout=1.0)
+    assert time.monotonic() - started < 3
+    started = time.monotonic()
+    producer.close()  # flush, then wake the stuck sender rather than wait for it forever
+    assert time.monotonic() - started < 5
+    stuck.join(10)
+    assert not stuck.is_alive() and producer.transport._sock is None
+    assert len(failures) == 1 and isinstance(failures[0], tb.Closed)  # woken, and told why, not reconnected
+    consumer.close()
+
+
+def test_a_send_racing_close_does_not_reconnect_after_it() -> None:
+    metadata = {str(i): "x" * 50 for i in range(15000)}  # ~0.9 MB of metadata: encoding takes a while
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        leaked = 0
+        for _ in range(20):
+            producer = tb.Producer(consumer.address)
+            producer.send("k", np.arange(3))
+            producer.flush(5)
+            errors: list[BaseException] = []
+
+            def late_send(p: tb.Producer = producer, out: list[BaseException] = errors) -> None:
+                try:
+                    p.send("late", np.arange(3), metadata=metadata)
+                except tb.TensorBusError as exc:
+                    out.append(exc)
+
+            sender = threading.Thread(target=late_send)
+            sender.start()
+            producer.close()
+            sender.join(10)
+            leaked += producer.transport._sock is not None
+            assert all(isinstance(e, tb.Closed) for e in errors)
+        assert leaked == 0
+
+
+def test_the_chunks_of_a_message_that_failed_part_way_are_not_resent_to_hold_up_acks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # resent, they would make a message that can never complete, and the consumer acks nothing past it
+    # until its reassembly expires (60 s here): every flush and wait_for_room would fail meanwhile
+    with (
+        tb.Consumer("tcp://127.0.0.1:0", reassembly_timeout_s=60) as consumer,
+        tb.Producer(consumer.address, max_frame_bytes=256 << 10) as producer,
+    ):
+        transport, real_send = producer.transport, producer.transport.send
+        calls = 0
+
+        def send_then_break(frame: Any, *, key: str | None) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 3:  # two chunks out, then the connection breaks for good, as `send` leaves it then
+                transport._drop_connection()
+                raise tb.TransportError("injected: cannot connect")
+            real_send(frame, key=key)
+
+        monkeypatch.setattr(transport, "send", send_then_break)
+        with pytest.raises(tb.TransportError, match="injected"):
+            producer.send("a", np.ones(1 << 18, np.float32))  # 1 MiB: 5 chunks
+        monkeypatch.undo()
+        producer.send("b", np.arange(3))
+        producer.flush(10)
+        assert list(consumer.recv("b", timeout=5)) == [0, 1, 2]
+        assert not transport._unacked
