@@ -262,6 +262,8 @@ class SocketTransport(Transport):
         while len(self._ack_buf) >= ACK.size:
             (count,) = ACK.unpack_from(self._ack_buf)
             del self._ack_buf[: ACK.size]
+            if not self._acked <= count <= self._acked + len(self._unacked):
+                raise ConnectionResetError(f"the consumer acked {count} frames; {self._sent} were sent")
             self._ack_requested = False
             for _ in range(count - self._acked):
                 _, n = self._unacked.popleft()

@@ -14,7 +14,7 @@ import pytest
 import trustme
 
 import tensorbus as tb
-from tensorbus.transports.stream import HELLO, greet, proof
+from tensorbus.transports.stream import ACK, HELLO, greet, proof
 from tests.faults import fail_feed_once, wait_for
 from tests.peers import Peer, make_tensor, same
 
@@ -585,3 +585,28 @@ def test_the_chunks_of_a_message_that_failed_part_way_are_not_resent_to_hold_up_
         producer.flush(10)
         assert list(consumer.recv("b", timeout=5)) == [0, 1, 2]
         assert not transport._unacked
+
+
+def test_an_ack_for_frames_never_sent_breaks_the_connection_not_the_producer() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    conns: list[socket.socket] = []
+
+    def accept_and_overack() -> None:  # a broken (or hostile) consumer
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            greet(conn, None)
+            conn.sendall(ACK.pack(1000))
+            conns.append(conn)
+
+    threading.Thread(target=accept_and_overack, daemon=True).start()
+    with tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", close_timeout_s=0.5) as producer:
+        producer.send("k", np.arange(3))
+        with pytest.raises(tb.TransportError, match="unacknowledged"):  # not IndexError from the ack bookkeeping
+            producer.flush(1.0)
+        assert len(producer.transport._unacked) == 1  # kept, to be sent again
+    server.close()
+    for conn in conns:
+        conn.close()
