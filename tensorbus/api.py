@@ -15,8 +15,8 @@ from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunk
 from .codec.frame import Buffer
 from .dedup import SeenIds
 from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
-from .options import load_config, merge
-from .rendezvous import Callback, RecvHandle, Rendezvous, finite_timeout
+from .options import finite_timeout, load_config, merge
+from .rendezvous import Callback, RecvHandle, Rendezvous
 from .transports import Delivered, Transport, resolve_transport
 
 log = logging.getLogger(__name__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,11 @@ import tomllib
 from .errors import ConfigError
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def finite_timeout(timeout: float | None) -> float | None:
+    """`timeout`, or None (wait forever) for one too long for the platform's waits (e.g. `math.inf`)."""
+    return None if timeout is not None and timeout >= threading.TIMEOUT_MAX else timeout
 
 
 def _coerce(name: str, text: str, default: Any) -> Any:

@@ -20,6 +20,7 @@ import numpy as np
 from .codec import Message, SparseTensor
 from .errors import Aborted, Cancelled, ConfigError, StaleIncarnation, Timeout
 from .keys import parse_key
+from .options import finite_timeout
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +45,6 @@ def tensor_nbytes(tensor: Any) -> int:
 def message_nbytes(message: Message) -> int:
     """What a buffered message counts against the limit: its arrays, plus its frame's header (metadata)."""
     return tensor_nbytes(message.tensor) + message.header_bytes
-
-
-def finite_timeout(timeout: float | None) -> float | None:
-    """`timeout`, or None (wait forever) for one too long for the platform's waits (e.g. `math.inf`)."""
-    return None if timeout is not None and timeout >= threading.TIMEOUT_MAX else timeout
 
 
 class _Waiter:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits
 from ..errors import Closed, ConfigError, TransportError
+from ..options import finite_timeout
 from .base import Deliver, Transport, backoff_s
 from .listener import Listener
 from .reactor import Reactor
@@ -140,6 +141,7 @@ class SocketTransport(Transport):
 
         Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner.
         """
+        self._raise_if_closed()
         retry_until = time.monotonic() + self.options["reconnect_timeout_s"]
         if deadline is not None:
             retry_until = min(retry_until, deadline)
@@ -181,11 +183,10 @@ class SocketTransport(Transport):
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
         nbytes = sum(memoryview(b).nbytes for b in frame)
         with self._lock:
-            self._raise_if_closed()
+            self._raise_if_closed()  # even while close waits for this lock with the connection still open
             for attempt in (1, 2):
                 try:
                     if self._sock is None:
-                        self._raise_if_closed()
                         self._sock = self._connect()
                     sendmsg_all(self._sock, frame)
                     break
@@ -205,7 +206,7 @@ class SocketTransport(Transport):
                 self._trim_acked()
 
     def _raise_if_closed(self) -> None:
-        """Refuse to (re)connect once `close` began: the connection would outlive the producer."""
+        """Refuse to send or (re)connect once `close` began: the connection would outlive the producer."""
         if self._closed.is_set():
             raise Closed(f"the producer for {self.address} is closed")
 
@@ -292,7 +293,7 @@ class SocketTransport(Transport):
         with self._locked(timeout, "wait for room"):
             self._await_acks(
                 lambda: self._unacked_bytes < limit,
-                None if timeout is None or math.isinf(timeout) else timeout,
+                finite_timeout(timeout),
                 lambda: (
                     f"{self.address} left {self._unacked_bytes} bytes unacknowledged for {timeout}s "
                     f"(max_unacked_bytes={limit}): is the consumer aborted, or not receiving?"
@@ -302,12 +303,17 @@ class SocketTransport(Transport):
     @contextlib.contextmanager
     def _locked(self, timeout: float | None, what: str) -> Iterator[None]:
         """Hold the send lock, waiting at most `timeout` for a send that holds it (None: as long as it takes)."""
-        if not self._lock.acquire(timeout=-1 if timeout is None or math.isinf(timeout) else max(timeout, 0)):
+        if not self._acquire(timeout):
             raise TransportError(f"{what} on {self.address}: a send has held the connection for over {timeout}s")
         try:
             yield
         finally:
             self._lock.release()
+
+    def _acquire(self, timeout: float | None) -> bool:
+        """Take the send lock within `timeout` seconds (None, or too long for the platform: as long as it takes)."""
+        timeout = finite_timeout(timeout)
+        return self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0))
 
     def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
         """Read acks (asking for them, reconnecting and resending as needed) until `done()`; caller holds the lock."""
@@ -319,7 +325,6 @@ class SocketTransport(Transport):
             acked = self._acked
             try:
                 if self._sock is None:
-                    self._raise_if_closed()
                     self._sock = self._connect(deadline)
                 if not self._ack_requested:
                     self._sock.sendall(ACK_REQUEST)
@@ -361,8 +366,7 @@ class SocketTransport(Transport):
             except TransportError as exc:
                 log.warning("closing with frames not acknowledged: %s", exc)
         self._closed.set()
-        wait_s = self.options["close_timeout_s"]
-        if self._lock.acquire(timeout=-1 if wait_s is None or math.isinf(wait_s) else wait_s):
+        if self._acquire(self.options["close_timeout_s"]):
             try:
                 self._drop_connection()
             finally:
