@@ -336,9 +336,13 @@ class Reactor:
 
     def _ack(self, peer: _Peer) -> None:
         """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full)."""
-        for message_id in [m for m in peer.incomplete if not self.deliver.is_pending(m)]:
-            del peer.incomplete[message_id]  # expired (given up on) since: nothing more to wait for
-        safe = next(iter(peer.incomplete.values()), peer.frames)
+        incomplete = peer.incomplete
+        while incomplete:  # oldest first: only the oldest bounds the ack, so only it is looked at (not all)
+            oldest = next(iter(incomplete))
+            if self.deliver.is_pending(oldest):
+                break
+            del incomplete[oldest]  # expired (given up on) since: nothing more to wait for
+        safe = next(iter(incomplete.values()), peer.frames)
         if peer.turned_away is not None:
             safe = min(safe, peer.turned_away)
         try:
