@@ -34,6 +34,8 @@ from .rabbitmq_publisher import Publisher
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/vnd.tensorbus.frame"
 _STOP = object()
+#: AMQP carries prefetch_count in 16 bits
+MAX_PREFETCH = 65535
 
 
 class _Fatal(TransportError):
@@ -91,6 +93,10 @@ class RabbitMQTransport(Transport):
             raise ConfigError(
                 f"AMQP URL needs a queue, e.g. amqp://guest:guest@127.0.0.1:5672/%2F?queue=tensors; "
                 f"got {urllib.parse.urlunsplit(url)!r}"
+            )
+        if not 1 <= options["prefetch_count"] <= MAX_PREFETCH:
+            raise ConfigError(
+                f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {options['prefetch_count']}"
             )
         self.queue: str = options["queue"]
         self.shown = f"{url.scheme}://{url.hostname}:{url.port or 5672}{url.path or '/'}?queue={self.queue}"
@@ -153,7 +159,10 @@ class RabbitMQTransport(Transport):
         """Run `target` on the I/O thread and wait until it is connected (or failed to connect)."""
         self._thread = threading.Thread(target=target, args=args, daemon=True, name=f"tensorbus-amqp-{self.queue}")
         self._thread.start()
-        self._ready.wait()
+        o = self.options
+        if not self._ready.wait(o["reconnect_timeout_s"] + 3 * o["connect_timeout_s"]):
+            self._stop.set()
+            raise TransportError(f"RabbitMQ at {self.shown} did not answer in time")
         if self._error is not None:
             raise self._error
 
@@ -197,9 +206,10 @@ class RabbitMQTransport(Transport):
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Consume the queue on an I/O thread; a worker thread delivers and posts acks back."""
         inbox: queue.Queue[Any] = queue.Queue()
-        threading.Thread(
+        self._worker = threading.Thread(
             target=self._work, args=(inbox, deliver), daemon=True, name=f"tensorbus-amqp-deliver-{self.queue}"
-        ).start()
+        )
+        self._worker.start()
         self._inbox = inbox
         self._start(self._consume_loop, inbox)
 
@@ -207,26 +217,37 @@ class RabbitMQTransport(Transport):
         generation = 0
         while not self._stop.is_set():
             try:
-                connection, channel = self._connect()
-                generation += 1
-                self._connection, self._channel, self._generation = connection, channel, generation
-                self._pending_chunks = 0
-                self._window = self.options["prefetch_count"]
-                channel.basic_qos(prefetch_count=self._window, global_qos=True)
-                channel.basic_consume(
-                    self.queue, lambda ch, method, props, body, g=generation: inbox.put((g, method.delivery_tag, body))
-                )
-                self._ready.set()
                 with map_errors(self.shown):
+                    connection, channel = self._connect()
+                    generation += 1
+                    self._connection, self._channel, self._generation = connection, channel, generation
+                    self._pending_chunks = 0
+                    self._window = self.options["prefetch_count"]
+                    self._cancelled = False
+                    channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
+                    channel.basic_qos(prefetch_count=self._window, global_qos=True)
+                    channel.basic_consume(
+                        self.queue,
+                        lambda ch, method, props, body, g=generation: inbox.put((g, method.delivery_tag, body)),
+                    )
+                    self._ready.set()
                     while not self._stop.is_set():
                         connection.process_data_events(time_limit=0.2)
-            except TransportError as exc:
+                        if self._cancelled:  # the queue was deleted: declare it again on a new connection
+                            raise TransportError(f"RabbitMQ cancelled the consumer of {self.shown}")
+                    connection.process_data_events(time_limit=0)  # the acks `close` waited for go out
+            except Exception as exc:  # whatever failed, reconnect: a dead I/O thread would stop all delivery
+                error = exc if isinstance(exc, TransportError) else TransportError(f"{self.shown}: {exc!r}")
+                if not isinstance(exc, TransportError):
+                    log.exception("the RabbitMQ consumer thread of %s failed", self.shown)
                 if not self._ready.is_set():
-                    self._error = exc
+                    self._error = error
                     self._ready.set()
                     return
                 if not self._stop.is_set():
-                    log.warning("%s; reconnecting (unacked messages will be redelivered)", exc)
+                    log.warning("%s; reconnecting (unacked messages will be redelivered)", error)
+                    with contextlib.suppress(Exception):
+                        self._connection.close()
         with contextlib.suppress(Exception):
             self._connection.close()
 
@@ -252,7 +273,7 @@ class RabbitMQTransport(Transport):
                 continue  # so the broker hands them to the next consumer
             if not result.done:
                 waiting.setdefault(result.message_id, []).append((generation, tag))
-                self._call(self._grow_window, 1)
+                self._call(self._grow_window, 1, generation)
                 continue
             held = waiting.pop(result.message_id, [])
             self._call(self._ack, [*held, (generation, tag)], len(held))
@@ -261,36 +282,42 @@ class RabbitMQTransport(Transport):
         with contextlib.suppress(Exception):  # connection gone: unacked messages come back anyway
             self._connection.add_callback_threadsafe(lambda: fn(*args))
 
-    def _grow_window(self, delta: int) -> None:
+    def _grow_window(self, delta: int, generation: int) -> None:
         """Keep the prefetch window above the chunks held for incomplete tensors, so they cannot starve it.
 
-        `basic_qos` is a synchronous round trip to the broker (measured: over half the consumer's
-        time when it ran once per held chunk of a 256 MB tensor), so the window moves in steps of
-        half `prefetch_count` and shrinks only once it is two steps too large.
+        Only chunks of the current channel count (`generation`): after a reconnect the broker
+        redelivers the older ones, which are counted again as they come. `basic_qos` is a synchronous
+        round trip to the broker (measured: over half the consumer's time when it ran once per held
+        chunk of a 256 MB tensor), so the window moves in steps of half `prefetch_count` and shrinks
+        only once it is two steps too large; AMQP caps it at 65535.
         """
-        self._pending_chunks += delta
+        if generation != self._generation:
+            return
+        self._pending_chunks = max(0, self._pending_chunks + delta)
         needed = self.options["prefetch_count"] + self._pending_chunks
         step = max(1, self.options["prefetch_count"] // 2)
         if needed > self._window or needed + 2 * step <= self._window:
-            self._window = -(-needed // step) * step
+            self._window = min(-(-needed // step) * step, MAX_PREFETCH)
             self._channel.basic_qos(prefetch_count=self._window, global_qos=True)
 
     def _ack(self, tags: list[tuple[int, int]], released: int) -> None:
-        """Ack the tags of the current channel (older ones were requeued), and shrink the window by `released`."""
+        """Ack the tags of the current channel (older ones were requeued); the first `released` were held chunks."""
         for generation, tag in tags:
             if generation == self._generation:
                 self._channel.basic_ack(tag)
-        if released:
-            self._grow_window(-released)
+        held_here = sum(generation == self._generation for generation, _ in tags[:released])
+        if held_here:
+            self._grow_window(-held_here, self._generation)
 
     def close(self) -> None:
-        """Stop the I/O thread(s); the publisher first publishes what is queued."""
+        """Stop the I/O thread(s); the publisher first publishes what is queued, the consumer acks what it delivered."""
         if self._publisher is not None:
             self._publisher.close(timeout=30)
         if self._thread is None:
             return
         if self._ready.is_set():
             self._inbox.put(_STOP)
+            self._worker.join(timeout=10)  # its last acks are posted before the I/O thread stops
         self._stop.set()
         self._thread.join(timeout=30)
         self._thread = None

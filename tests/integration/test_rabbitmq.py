@@ -15,6 +15,7 @@ import pytest
 
 import tensorbus as tb
 from tests.conftest import AMQP_URL, endpoint_url
+from tests.faults import wait_for
 from tests.peers import same
 
 
@@ -197,3 +198,61 @@ def test_wrong_password_fails_fast_with_a_tensorbus_error() -> None:
     with pytest.raises(tb.TransportError, match="refused the credentials"):
         tb.Consumer(urllib.parse.urlunsplit(wrong))
     assert time.monotonic() - started < 30
+
+
+def test_a_connection_lost_mid_tensor_leaves_the_prefetch_window_as_configured(url: str) -> None:
+    # the chunks held before the drop were released again after it: the window went negative, and
+    # basic_qos(-N) killed the consumer's I/O thread, so nothing more was ever received
+    arr = np.arange(40 * 1500, dtype=np.float32)
+    chunks = tb.codec.encode_chunks(arr, max_chunk_bytes=2048, message_id=("manual", 1), key="big")
+    first = len(chunks) - 10
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        transport = consumer.transport
+        for chunk in chunks[:first]:
+            producer.transport.send(chunk, key="big")
+        producer.flush(30)
+        wait_for(lambda: consumer.stats["chunks"] >= first, 20, "the first chunks")
+        transport._connection._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+        wait_for(lambda: transport._generation >= 2 and consumer.stats["chunks"] >= 2 * first, 30, "redelivery")
+        for chunk in chunks[first:]:
+            producer.transport.send(chunk, key="big")
+        producer.flush(30)
+        assert same(consumer.recv("big", timeout=30), arr)
+        wait_for(lambda: transport._pending_chunks == 0, 10, "the held chunks released")
+        assert transport._window == transport.options["prefetch_count"] and transport._thread.is_alive()
+        for i in range(3):
+            producer.send(f"after{i}", np.full(3, i))
+        for i in range(3):
+            assert same(consumer.recv(f"after{i}", timeout=30), np.full(3, i))
+
+
+def test_close_acks_everything_delivered_so_the_next_consumer_gets_no_duplicates(url: str) -> None:
+    with tb.Producer(url) as producer:
+        for i in range(200):
+            producer.send(f"k{i}", np.full(2, i))
+        producer.flush(30)
+    with tb.Consumer(url) as consumer:
+        for i in range(200):
+            consumer.recv(f"k{i}", timeout=30)
+    with tb.Consumer(url) as successor:
+        with pytest.raises(tb.Timeout):
+            message = successor.next_message(timeout=2)
+            pytest.fail(f"the successor got {message.key} again")
+
+
+def test_a_consumer_whose_queue_is_deleted_declares_it_again_and_goes_on(url: str) -> None:
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("a", np.arange(3.0))
+        assert same(consumer.recv("a", timeout=30), np.arange(3.0))
+        connection = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+        connection.channel().queue_delete(queue_of(url))
+        connection.close()
+        wait_for(lambda: consumer.transport._generation >= 2, 20, "the consumer to reconnect")
+        producer.send("c", np.arange(4.0))
+        assert same(consumer.recv("c", timeout=30), np.arange(4.0))
+
+
+def test_a_prefetch_count_amqp_cannot_carry_is_a_config_error(url: str) -> None:
+    for count in (0, 70000):
+        with pytest.raises(tb.ConfigError, match="prefetch_count must be 1 to 65535"):
+            tb.Consumer(url, prefetch_count=count)
