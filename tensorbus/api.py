@@ -173,6 +173,7 @@ class Consumer:
         self._closed = False
         self._stopping = threading.Event()
         self._local = threading.local()  # .pumping: this thread reads frames while it waits in recv
+        self._held_up = 0  # deliveries waiting for room in the table
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):
             self.table.pump = self._pump
@@ -192,8 +193,6 @@ class Consumer:
 
     def _deliver(self, data: Buffer, crc: int | None = None) -> Delivered:
         """Called by the transport for each received frame; never raises."""
-        if self.table.buffered_bytes >= self.table.max_buffered_bytes and not getattr(self._local, "pumping", False):
-            self.table.wait_for_room()  # backpressure; a thread reading for its own recv stops reading instead
         with self._lock:
             try:
                 message = self.reassembler.feed(data, crc=crc)
@@ -220,6 +219,8 @@ class Consumer:
                     self.stats["duplicates"] += 1
                     return Delivered(message_id, True)
                 self._seen.add(message_id)
+        if self.table.buffered_bytes >= self.table.max_buffered_bytes and not getattr(self._local, "pumping", False):
+            self._wait_for_room(message.key)
         try:
             self.table.put(message)
             self.stats["received"] += 1
@@ -232,6 +233,23 @@ class Consumer:
             self.stats["refused"] += 1
             log.error("%s: refused message %s: %s", self.url, message_id, exc)
         return Delivered(message_id, True)
+
+    def _wait_for_room(self, key: str | None) -> None:
+        """Backpressure: hold this delivery (so the transport reads no more) until the table has room
+        or someone waits for `key`. A thread reading for its own recv stops reading instead.
+
+        Partly received tensors do not age meanwhile: their chunks are not late, this consumer
+        just is not reading them, and expiring them would drop tensors the broker delivered whole.
+        """
+        with self._lock:
+            self._held_up += 1
+        started = self.reassembler.clock()
+        try:
+            self.table.wait_for_room(key=key)
+        finally:
+            with self._lock:
+                self._held_up -= 1
+                self.reassembler.postpone(self.reassembler.clock() - started)
 
     def _pump(self, done: threading.Lock, deadline: float | None) -> bool:
         """Let a thread waiting in `recv` read frames itself: its tensor then needs no thread hand-off."""
@@ -249,7 +267,8 @@ class Consumer:
         interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0))
         while not self._stopping.wait(interval):
             with self._lock:
-                self.reassembler.expire()
+                if not self._held_up:
+                    self.reassembler.expire()
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""

@@ -172,10 +172,16 @@ class Rendezvous:
         with self._cond:
             message = self._take(key) if self._aborted is None else None
             if message is None and self._aborted is None:
-                self._waiters.setdefault(key, collections.deque()).append(waiter)
+                self._add_waiter(waiter)
                 return RecvHandle(self, waiter)
         self._complete(waiter, message if message is not None else self._abort_error())
         return RecvHandle(self, waiter)
+
+    def _add_waiter(self, waiter: _Waiter) -> None:
+        """Queue a receiver (caller holds the lock); wakes a transport waiting for room for this key."""
+        self._waiters.setdefault(waiter.key, collections.deque()).append(waiter)
+        if self.buffered_bytes >= self.max_buffered_bytes:
+            self._cond.notify_all()
 
     def _take(self, key: object) -> Message | None:
         """Pop the oldest buffered message for `key` (ANY: of any key). Caller holds the lock."""
@@ -204,7 +210,7 @@ class Rendezvous:
             if message is not None:
                 return message
             waiter = _Waiter(key, None)
-            self._waiters.setdefault(key, collections.deque()).append(waiter)
+            self._add_waiter(waiter)
         assert waiter.done is not None
         try:
             if self.pump is not None:
@@ -261,12 +267,18 @@ class Rendezvous:
 
     # -- flow control and shutdown ----------------------------------------------------------------
 
-    def wait_for_room(self, timeout: float | None = None) -> bool:
-        """Block while the buffered bytes are at the limit; True once there is room (or aborted)."""
+    def wait_for_room(self, timeout: float | None = None, *, key: object = None) -> bool:
+        """Block while the buffered bytes are at the limit; True once there is room (or aborted).
+
+        With `key` (a message's key), also True as soon as a receiver waits for it: that message
+        is handed over, not buffered, so it needs no room.
+        """
         timeout = finite_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self.buffered_bytes >= self.max_buffered_bytes and self._aborted is None:
+                if key is not None and (self._waiters.get(key) or self._waiters.get(ANY)):
+                    return True
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False

@@ -326,6 +326,12 @@ class Reassembler:
         self.stats["expired"] += len(stale)
         return len(stale)
 
+    def postpone(self, seconds: float) -> None:
+        """Give every incomplete message `seconds` more before it expires (its chunks were not read meanwhile)."""
+        if seconds > 0:
+            for partial in self._partials.values():
+                partial.started += seconds
+
     def is_pending(self, message_id: MessageId | None) -> bool:
         """True while some but not all chunks of `message_id` have arrived."""
         return message_id in self._partials

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -166,10 +167,10 @@ def test_a_closing_memory_consumer_hands_a_half_received_chunked_tensor_over_who
     sent = len(queue)
     first = tb.Consumer("memory://chunked-handover", max_buffered_bytes=1000)
     deadline = time.monotonic() + 5
-    while (len(first.table) < 1 or len(queue) > sent - 2) and time.monotonic() < deadline:
+    while (len(first.table) < 1 or len(queue) > 1) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(first.table) == 1 and len(queue) == sent - 2  # k0 delivered; k1's first chunk waits for room
-    first.close()  # its delivery thread then feeds k1's chunks to an aborted table
+    assert sent > 3 and len(first.table) == 1 and len(queue) == 1  # k0 delivered; k1 read whole, waits for room
+    first.close()  # its delivery thread then hands k1 to an aborted table: every chunk of it goes back
     with tb.Consumer("memory://chunked-handover") as second:
         assert (second.recv("k1", timeout=5) == np.arange(5000, dtype=np.float32)).all()
         assert second.recv("k2", timeout=5).tolist() == [1] * 10
@@ -194,3 +195,44 @@ def test_a_tensor_an_aborted_consumer_turned_away_is_turned_away_again_when_read
                 chunks
             )
         assert consumer.stats["duplicates"] == 0
+
+
+def _joined(parts: list) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+def test_a_delivery_held_up_by_a_full_table_goes_to_a_receiver_that_waits_for_its_key() -> None:
+    with tb.Consumer("memory://held-up-waiter", max_buffered_bytes=1000) as consumer:
+        consumer._deliver(tb.dumps(np.zeros(1000, np.uint8), key="a", message_id=("p", 1)))  # the table is full
+        delivering = threading.Thread(
+            target=consumer._deliver, args=(tb.dumps(np.arange(4.0), key="b", message_id=("p", 2)),)
+        )
+        delivering.start()
+        time.sleep(0.2)
+        assert delivering.is_alive(), "a full table must hold up a delivery nobody waits for"
+        assert consumer.recv("b", timeout=5).tolist() == [0, 1, 2, 3]  # it needs no room: it is handed over
+        delivering.join(5)
+        assert not delivering.is_alive() and consumer.table.buffered_bytes >= 1000
+
+
+def test_partly_received_tensors_do_not_expire_while_a_full_table_holds_up_delivery() -> None:
+    # a broker delivered every chunk; the consumer just stopped reading them: expiring the tensor
+    # meanwhile lost it (and its chunks were acknowledged as given up on)
+    options = {"max_buffered_bytes": 1000, "reassembly_timeout_s": 0.3}
+    with tb.Consumer("memory://held-up-chunks", **options) as consumer:
+        big = np.arange(3000, dtype=np.float64)
+        chunks = tb.codec.encode_chunks(big, max_chunk_bytes=8192, message_id=("p", 1), key="big")
+        assert len(chunks) > 2
+        consumer._deliver(_joined(chunks[0]))
+        consumer._deliver(tb.dumps(np.zeros(1000, np.uint8), key="a", message_id=("p", 2)))  # full now
+        delivering = threading.Thread(
+            target=consumer._deliver, args=(tb.dumps(np.zeros(8, np.uint8), key="c", message_id=("p", 3)),)
+        )
+        delivering.start()
+        time.sleep(1.0)  # three reassembly timeouts with delivery held up
+        consumer.recv("a", timeout=5)
+        delivering.join(5)
+        for chunk in chunks[1:]:
+            consumer._deliver(_joined(chunk))
+        assert np.array_equal(consumer.recv("big", timeout=5), big)
+        assert consumer.reassembler.stats["expired"] == 0
