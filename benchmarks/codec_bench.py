@@ -323,7 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit with status 1 when a target is missed")
     args = parser.parse_args(argv)
 
-    sizes = parse_sizes(args.sizes)
+    try:
+        sizes = parse_sizes(args.sizes)
+    except ValueError as exc:
+        parser.error(str(exc))
     if any(s % 4 or s <= 0 for s in sizes):
         parser.error("sizes must be positive multiples of 4 bytes (float32)")
     wanted = [k.strip() for k in args.methods.split(",") if k.strip()]

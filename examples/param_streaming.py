@@ -48,6 +48,8 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--out", type=Path, default=None, help="directory for the saved versions (default: a temp dir)")
     args = parser.parse_args()
+    if not 1 <= args.every <= args.steps:
+        parser.error("need 1 <= --every <= --steps (at least one version to save)")
     out = args.out or Path(tempfile.mkdtemp(prefix="tensorbus-params-"))
     out.mkdir(parents=True, exist_ok=True)
     versions = args.steps // args.every
@@ -72,6 +74,8 @@ def main() -> int:
     )
     assert saver.stdout is not None
     ready = saver.stdout.readline()  # "waiting for 'params' on tcp://127.0.0.1:PORT"
+    if " on " not in ready:  # the saver failed to start (e.g. a bad URL): it said why on stderr
+        return saver.wait(timeout=60) or 1
     address = ready.rsplit(" on ", 1)[1].strip()
     final = train(address, args.steps, args.every)
     for line in saver.stdout:
@@ -79,7 +83,7 @@ def main() -> int:
     if saver.wait(timeout=60) != 0:
         print("saver failed", file=sys.stderr)
         return 1
-    newest = out / f"params-{versions:06d}.npz"
+    newest = max(out.glob("params-*.npz"))  # numbered on from earlier runs into the same --out
     saved = read_tensor(newest)
     match = saved.keys() == final.keys() and all(np.array_equal(saved[k], final[k]) for k in final)
     print(f"{versions} versions saved in {out}; newest equals the trainer's last parameters: {match}")

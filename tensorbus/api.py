@@ -15,7 +15,7 @@ from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunk
 from .codec.frame import Buffer
 from .dedup import SeenIds
 from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
-from .options import finite_timeout, load_config, merge
+from .options import finite_timeout, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle, Rendezvous
 from .transports import Delivered, Transport, resolve_transport
 
@@ -53,6 +53,10 @@ def _key_bytes(value: Any) -> bytes | None:
 def _open(url: str, own: dict[str, Any], kwargs: dict[str, Any], role: str) -> tuple[Transport, dict[str, Any]]:
     """Resolve the transport and split the options into the endpoint's own and the transport's."""
     cls, parsed = resolve_transport(url)
+    try:
+        parsed.port  # noqa: B018 -- parsing it raises for a port that is not a number in range
+    except ValueError as exc:
+        raise ConfigError(f"bad port in {redact(url)}: {exc}") from None
     options = merge({**own, **cls.OPTIONS}, url=parsed, kwargs=kwargs, where=f"{role} {parsed.scheme}://")
     transport = cls(parsed._replace(query=""), {k: options[k] for k in cls.OPTIONS})
     return transport, {k: options[k] for k in own}
@@ -152,6 +156,7 @@ class Consumer:
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
+        self._shown = redact(url)  # for logs: no password, no secrets from the query
         self.transport, opts = _open(url, CONSUMER_OPTIONS, options, "Consumer")
         self.signing_key = _key_bytes(opts["signing_key"])
         limits = Limits(
@@ -198,13 +203,13 @@ class Consumer:
                 message = self.reassembler.feed(data, crc=crc)
             except CodecError as exc:
                 self.stats["rejected"] += 1
-                log.error("%s: dropped a bad frame: %s", self.url, exc)
+                log.error("%s: dropped a bad frame: %s", self._shown, exc)
                 return Delivered(None, True)
             except MemoryError:
                 raise  # not the frame's fault: the transport drops the connection and the frame comes again
             except Exception:  # a decoder bug must cost this one frame, not the connection or a recv
                 self.stats["rejected"] += 1
-                log.exception("%s: dropped a frame the decoder failed on", self.url)
+                log.exception("%s: dropped a frame the decoder failed on", self._shown)
                 return Delivered(None, True)
             message_id = self.reassembler.last_message_id if message is None else message.message_id
             if self.table.aborted is not None:
@@ -231,7 +236,7 @@ class Consumer:
             return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:
             self.stats["refused"] += 1
-            log.error("%s: refused message %s: %s", self.url, message_id, exc)
+            log.error("%s: refused message %s: %s", self._shown, message_id, exc)
         return Delivered(message_id, True)
 
     def _wait_for_room(self, key: str | None) -> None:

@@ -29,16 +29,16 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     recv.add_argument("url", help="the endpoint to listen on")
     recv.add_argument("key")
     recv.add_argument("-o", "--output", required=True)
-    recv.add_argument("--timeout", type=float, default=None, help="seconds to wait (default: forever)")
+    recv.add_argument("--timeout", type=_seconds, default=None, help="seconds to wait (default: forever)")
     recv.set_defaults(run=c.recv)
 
     save = sub.add_parser("save", help="wait for a bundle (e.g. model parameters) and save it atomically")
     save.add_argument("url", help="the endpoint to listen on")
     save.add_argument("key")
     save.add_argument("-o", "--output", required=True, help="params.safetensors or params.npz")
-    save.add_argument("--timeout", type=float, default=None, help="seconds to wait for each version")
+    save.add_argument("--timeout", type=_seconds, default=None, help="seconds to wait for each version")
     save.add_argument("--follow", action="store_true", help="keep saving each new version as NAME-000001.EXT, ...")
-    save.add_argument("--max-versions", type=int, default=None, help="with --follow: stop after this many")
+    save.add_argument("--max-versions", type=_positive, default=None, help="with --follow: stop after this many")
     save.set_defaults(run=c.save)
 
     bench = sub.add_parser("bench", help="compare transports and baselines: throughput and latency, table and plot")
@@ -52,11 +52,30 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
     inspect.set_defaults(run=c.inspect)
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count >= 1")
+    return value
+
+
+def _public_name(exc: BaseException) -> str:
+    """The name of the first public class of `exc` (a transport's private subclass reads as its parent)."""
+    return next(c.__name__ for c in type(exc).__mro__ if not c.__name__.startswith("_"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `tensorbus` command."""
     parser = argparse.ArgumentParser(prog="tensorbus", description="Move tensors between processes and machines.")
     parser.add_argument("--version", action="version", version=f"tensorbus {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log transport events to stderr")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log transport events (errors always show)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_commands(sub)
     return parser
@@ -66,10 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; errors are one line on stderr and a non-zero exit status."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL, format="%(levelname)s %(message)s")
+    if not args.verbose:  # tensorbus's own errors (e.g. a frame dropped as bad) show; pika's retry chatter does not
+        logging.getLogger("tensorbus").setLevel(logging.ERROR)
     try:
         return int(args.run(args) or 0)
     except TensorBusError as exc:
-        print(f"tensorbus {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"tensorbus {args.command}: {_public_name(exc)}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"tensorbus {args.command}: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)

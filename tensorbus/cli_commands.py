@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import multiprocessing
+import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,11 +16,12 @@ import crc32c
 import numpy as np
 
 from .api import Consumer, Producer
-from .codec import SparseTensor
-from .codec.frame import PREFIX, _unpack_header, frame_length, parse
-from .errors import CodecError, TruncatedFrame
-from .files import read_tensor, write_tensor
+from .codec import SparseTensor, dumps
+from .codec.frame import PREFIX, Message, _unpack_header, frame_length, parse
+from .errors import CodecError, ConfigError, TruncatedFrame
+from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
+from .options import redact
 
 
 def _describe(tensor: Any) -> str:
@@ -59,6 +63,10 @@ def _demo_producer(address: str) -> None:
 
 def demo(args: argparse.Namespace) -> int:
     """Start a consumer, send tensors to it from a second process, and print what arrived."""
+    if args.url.startswith("memory:"):
+        raise ConfigError(
+            "the demo's producer runs in another process, which memory:// cannot reach: use tcp:// or unix://"
+        )
     with Consumer(args.url) as consumer:
         print(f"consumer listening on {consumer.address}; starting a producer process")
         process = multiprocessing.get_context("spawn").Process(target=_demo_producer, args=(consumer.address,))
@@ -87,30 +95,53 @@ def send(args: argparse.Namespace) -> int:
 
 def recv(args: argparse.Namespace) -> int:
     """Listen at the URL, wait for one tensor under the key, and write it to a file."""
+    check_writable(args.output)  # before the tensor is taken from the endpoint, not after
     with Consumer(args.url) as consumer:
-        print(f"waiting for {args.key!r} on {consumer.address}", flush=True)
-        tensor = consumer.recv(args.key, timeout=args.timeout)
-        write_tensor(args.output, tensor)
-    print(f"received {args.key}: {_describe(tensor)} -> {args.output}")
+        print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
+        message = consumer.recv_message(args.key, timeout=args.timeout)
+        target = _write(args.output, message)
+    print(f"received {args.key}: {_describe(message.tensor)} -> {target}")
     return 0
+
+
+def _write(output: str | Path, message: Message) -> Path:
+    """Write a received tensor; one the chosen format cannot hold goes to OUTPUT.tbf rather than being lost."""
+    frame = dumps(message.tensor, key=message.key, metadata=message.metadata)
+    try:
+        write_tensor(output, message.tensor, frame=frame)
+        return Path(output)
+    except ConfigError as exc:
+        fallback = Path(output).with_suffix(".tbf")
+        write_tensor(fallback, message.tensor, frame=frame)
+        print(f"{exc}; wrote it as a tensorbus frame instead: {fallback}", file=sys.stderr)
+        return fallback
 
 
 def _versioned(path: Path, version: int) -> Path:
     return path.with_name(f"{path.stem}-{version:06d}{path.suffix}")
 
 
+def _last_version(path: Path) -> int:
+    """The highest NAME-NNNNNN.EXT already saved, so a restarted `save --follow` never overwrites one."""
+    pattern = re.compile(rf"{re.escape(path.stem)}-(\d{{6}}){re.escape(path.suffix)}")
+    found = (pattern.fullmatch(p.name) for p in path.parent.glob(f"{glob.escape(path.stem)}-*"))
+    return max((int(m.group(1)) for m in found if m), default=0)
+
+
 def save(args: argparse.Namespace) -> int:
     """Wait for bundles under the key and write each atomically (numbered with --follow)."""
     output = Path(args.output)
+    check_writable(output, bundle=True)
+    first = _last_version(output) + 1 if args.follow else 1
     with Consumer(args.url) as consumer:
-        print(f"waiting for {args.key!r} on {consumer.address}", flush=True)
-        for version in itertools.count(1):
+        print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
+        for version in itertools.count(first):
             message = consumer.recv_message(args.key, timeout=args.timeout)
             target = _versioned(output, version) if args.follow else output
             started = time.perf_counter()
-            write_tensor(target, message.tensor)
+            target = _write(target, message)
             print(f"saved {_describe(message.tensor)} -> {target} ({time.perf_counter() - started:.2f}s)", flush=True)
-            if not args.follow or (args.max_versions and version >= args.max_versions):
+            if not args.follow or (args.max_versions and version - first + 1 >= args.max_versions):
                 return 0
     return 0
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .codec import dumps
-from .errors import ConfigError
+from .errors import ConfigError, TensorBusError
 
 FORMATS = (".npy", ".npz", ".safetensors", ".tbf")
 
@@ -25,18 +25,40 @@ def _suffix(path: str | Path) -> str:
 def read_tensor(path: str | Path) -> Any:
     """Load a file: .npy gives an array, .npz and .safetensors a dict bundle; never unpickles."""
     suffix = _suffix(path)
-    if suffix == ".npy":
-        return np.load(path, allow_pickle=False)
-    if suffix == ".npz":
-        with np.load(path, allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files}
+    try:
+        if suffix == ".npy":
+            return np.load(path, allow_pickle=False)
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as npz:
+                return {name: npz[name] for name in npz.files}
+        if suffix == ".safetensors":
+            from safetensors.numpy import load_file
+
+            return load_file(str(path))
+        from .codec import loads
+
+        return loads(Path(path).read_bytes(), copy=True)
+    except (OSError, TensorBusError):
+        raise
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"{suffix} files need the {exc.name} package: pip install 'tensorbus[cli]'") from None
+    except Exception as exc:  # numpy's and safetensors' errors for a corrupt file or an object array
+        raise ConfigError(f"cannot read {path} as {suffix}: {exc}") from None
+
+
+def check_writable(path: str | Path, *, bundle: bool = False) -> None:
+    """Fail before anything is received if `path` could not be written (format, directory, package)."""
+    suffix = _suffix(path)
+    if bundle and suffix == ".npy":
+        raise ConfigError(f"{path}: .npy holds one array, not a bundle; use .safetensors, .npz or .tbf")
+    directory = Path(path).parent
+    if not directory.is_dir() or not os.access(directory, os.W_OK):
+        raise ConfigError(f"cannot write {path}: {directory} is not a writable directory")
     if suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
-        return load_file(str(path))
-    from .codec import loads
-
-    return loads(Path(path).read_bytes(), copy=True)
+        try:
+            import safetensors.numpy  # noqa: F401
+        except ModuleNotFoundError:
+            raise ConfigError(".safetensors files need the safetensors package: pip install 'tensorbus[cli]'") from None
 
 
 def write_tensor(path: str | Path, tensor: Any, *, frame: bytes | None = None) -> None:
@@ -45,6 +67,7 @@ def write_tensor(path: str | Path, tensor: Any, *, frame: bytes | None = None) -
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=suffix)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it: mkstemp makes it private (0600)
         with os.fdopen(fd, "wb") as f:
             if suffix == ".npy":
                 np.save(f, _single(tensor, path), allow_pickle=False)
@@ -62,6 +85,12 @@ def write_tensor(path: str | Path, tensor: Any, *, frame: bytes | None = None) -
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _single(tensor: Any, path: str | Path) -> np.ndarray:

@@ -12,6 +12,7 @@ import tomllib
 from .errors import ConfigError
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+_SECRET_WORDS = ("secret", "key", "password", "token")
 
 
 def finite_timeout(timeout: float | None) -> float | None:
@@ -40,6 +41,37 @@ def _coerce(name: str, text: str, default: Any) -> Any:
         raise ConfigError(f"option {name}={text!r} is not a valid {type(default).__name__}") from None
 
 
+def _check_type(name: str, value: Any, default: Any) -> Any:
+    """Refuse a keyword or TOML value of the wrong type for a numeric or boolean option (None always passes)."""
+    if value is None:
+        return value
+    if isinstance(default, bool) or (default is None and name.startswith(("use_", "enable_"))):
+        wanted: tuple[type, ...] = (bool,)
+    elif isinstance(default, int) or (default is None and name.endswith("_bytes")):
+        wanted = (int,)
+    elif isinstance(default, float) or (default is None and name.endswith("_s")):
+        wanted = (int, float)
+    else:
+        return value
+    if not isinstance(value, wanted) or (bool not in wanted and isinstance(value, bool)):
+        names = " or ".join(t.__name__ for t in wanted)
+        raise ConfigError(f"option {name} must be {names}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def redact(url: str) -> str:
+    """`url` with its password and secret query values (auth_secret, signing_key, ...) masked, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = [
+        (name, "***" if any(word in name for word in _SECRET_WORDS) else value)
+        for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    ]
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(query, safe="*/")))
+
+
 def merge(
     known: dict[str, Any], *, url: urllib.parse.SplitResult, kwargs: dict[str, Any], where: str
 ) -> dict[str, Any]:
@@ -53,7 +85,10 @@ def merge(
                 f"unknown option(s) {', '.join(unknown)} in {source} for {where}; known: {', '.join(sorted(known))}"
             )
         for name, value in values.items():
-            options[name] = _coerce(name, value, known[name]) if source == "URL query" else value
+            if source == "URL query":
+                options[name] = _coerce(name, value, known[name])
+            else:
+                options[name] = _check_type(name, value, known[name])
     return options
 
 

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config.load(args.config, {name: getattr(args, name, None) for name in _OVERRIDES})
     if args.plot:
         _check_plot_path(args.plot)
+    _check_writable(args.json, args.csv, args.plot)  # before minutes of measuring, not after
     with _Progress(enabled=not args.no_progress) as progress:
         results = Runner(cfg, progress, verbose=getattr(args, "verbose", False)).run()
     report.print_report(results)
@@ -74,7 +75,22 @@ def run(args: argparse.Namespace) -> int:
     written = [f for f in (args.json, args.csv, args.plot) if f]
     if written:
         print(f"wrote {', '.join(written)}")
+    if not any(c.ok for c in results.cells):
+        print("nothing was measured (every method was skipped or failed)", file=sys.stderr)
+        return 1
     return 1 if any(c.failures or c.error for c in results.cells) else 0
+
+
+def _check_writable(*paths: str | None) -> None:
+    import os
+    from pathlib import Path
+
+    from ..errors import ConfigError
+
+    for path in filter(None, paths):
+        directory = Path(path).parent
+        if not directory.is_dir() or not os.access(directory, os.W_OK):
+            raise ConfigError(f"cannot write {path}: {directory} is not a writable directory")
 
 
 def _check_plot_path(path: str) -> None:

@@ -9,6 +9,14 @@ CODECS = ("lz4", "zstd")
 
 def compress(name: str, data: bytes | memoryview) -> bytes:
     """Compress a payload with the named codec (the libraries are imported only when used)."""
+    try:
+        return _compress(name, data)
+    except ModuleNotFoundError as exc:
+        hint = "pip install 'tensorbus[compression]'"
+        raise ConfigError(f"{name} compression needs the {exc.name} package: {hint}") from None
+
+
+def _compress(name: str, data: bytes | memoryview) -> bytes:
     if name == "lz4":
         import lz4.block
 

@@ -92,11 +92,11 @@ class SocketTransport(Transport):
         self.target: str | tuple[str, int]
         if url.scheme == "unix":
             if not url.path:
-                raise ConfigError(f"unix URL needs a path, e.g. unix:///tmp/tensorbus.sock; got {self.address!r}")
+                raise ConfigError(f"unix URL needs a path, e.g. unix:///tmp/tensorbus.sock; got {url.geturl()!r}")
             self.family, self.target = socket.AF_UNIX, url.path
         else:
             if url.port is None:
-                raise ConfigError(f"{url.scheme} URL needs a port, e.g. tcp://127.0.0.1:5555; got {self.address!r}")
+                raise ConfigError(f"{url.scheme} URL needs a port, e.g. tcp://127.0.0.1:5555; got {url.geturl()!r}")
             host = url.hostname or "127.0.0.1"
             self.family, self.target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, url.port)
         secret = options["auth_secret"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from safetensors.numpy import save_file
 
 import tensorbus as tb
 from tensorbus.files import read_tensor
+from tests.conftest import endpoint_url
 
 ROOT = Path(__file__).parents[2]
 
@@ -153,6 +155,63 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
     one_line_error(tensorbus("inspect", str(tmp_path / "bad.tbf")), "BadMagic")
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "bad.tbf")), "BadMagic")
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "x.csv")), "cannot tell the format")
+    x = str(tmp_path / "x.npy")
+    one_line_error(tensorbus("send", "tcp://127.0.0.1", "k", x), "needs a port")
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:99999", "k", x), "bad port")
+    one_line_error(tensorbus("send", "amqp://guest:guest@127.0.0.1:abc/%2F?queue=q", "k", x), "bad port")
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "objects.npy")), "cannot read")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "bad.safetensors")), "cannot read")
+    for bad in ("nan", "-1"):
+        result = tensorbus("recv", "tcp://127.0.0.1:0", "k", "-o", x, "--timeout", bad)
+        assert result.returncode == 2 and "seconds" in result.stderr and "Traceback" not in result.stderr
+    one_line_error(tensorbus("demo", "--url", "memory://demo"), "memory://")
+    wrong = "amqp://guest:wrong@127.0.0.1:5672/%2F?queue=q&reconnect_timeout_s=1"
+    one_line_error(tensorbus("send", wrong, "k", x), "TransportError", "refused the credentials")
+
+
+def test_recv_checks_its_output_before_taking_the_tensor_off_a_broker(tmp_path: Path) -> None:
+    url = endpoint_url("amqp")
+    with tb.Producer(url) as producer:
+        producer.send("k", np.arange(5.0))
+        producer.flush(30)
+    one_line_error(tensorbus("recv", url, "k", "-o", str(tmp_path / "out.txt"), "--timeout", "5"), "format")
+    one_line_error(tensorbus("recv", url, "k", "-o", str(tmp_path / "none" / "y.npy"), "--timeout", "5"), "writable")
+    one_line_error(tensorbus("save", url, "k", "-o", str(tmp_path / "p.npy"), "--timeout", "5"), "bundle")
+    result = tensorbus("recv", url, "k", "-o", str(tmp_path / "ok.npy"), "--timeout", "30")
+    assert result.returncode == 0, result.stderr
+    assert np.array_equal(np.load(tmp_path / "ok.npy"), np.arange(5.0))
+    assert (tmp_path / "ok.npy").stat().st_mode & 0o777 == 0o666 & ~_umask()  # not mkstemp's private 0600
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_a_tensor_the_output_format_cannot_hold_is_written_as_a_frame_not_lost(tmp_path: Path) -> None:
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "one.npy"), "--timeout", "30")
+    with tb.Producer(address) as producer:
+        producer.send("k", {"w": np.ones(3), "b": np.zeros(2)}, metadata={"step": 4})  # a bundle: not for .npy
+    assert "one.tbf" in finish(receiver)
+    message = tb.decode((tmp_path / "one.tbf").read_bytes())
+    assert message.key == "k" and message.metadata == {"step": 4} and set(message.tensor) == {"w", "b"}
+
+
+def test_a_restarted_save_follow_numbers_on_instead_of_overwriting(tmp_path: Path) -> None:
+    for run in range(2):
+        saver, address = listen(
+            "save", "tcp://127.0.0.1:0", "params", "-o", str(tmp_path / "p.npz"), "--follow", "--max-versions", "2",
+            "--timeout", "30",
+        )  # fmt: skip
+        with tb.Producer(address) as producer:
+            for step in range(2):
+                producer.send("params", {"w": np.full(3, 10 * run + step)})
+        finish(saver)
+    for version, value in zip(range(1, 5), (0, 1, 10, 11), strict=True):
+        assert read_tensor(tmp_path / f"p-{version:06d}.npz")["w"].tolist() == [value] * 3
 
 
 @pytest.mark.parametrize("example", ["param_streaming.py", "mapreduce.py"])

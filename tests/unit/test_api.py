@@ -236,3 +236,23 @@ def test_partly_received_tensors_do_not_expire_while_a_full_table_holds_up_deliv
             consumer._deliver(_joined(chunk))
         assert np.array_equal(consumer.recv("big", timeout=5), big)
         assert consumer.reassembler.stats["expired"] == 0
+
+
+def test_keyword_and_file_options_of_the_wrong_type_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(tb.ConfigError, match=r"send_timeout_s must be int or float, got '30'"):
+        tb.Producer("tcp://127.0.0.1:9", send_timeout_s="30")
+    with pytest.raises(tb.ConfigError, match="checksum must be bool"):
+        tb.Producer("memory://typed", checksum="false")  # a non-empty string would have meant True
+    with pytest.raises(tb.ConfigError, match="max_buffered_bytes must be int"):
+        tb.Consumer("memory://typed", max_buffered_bytes=1e9)
+    config = tmp_path / "c.toml"
+    config.write_text('[producer]\nurl = "tcp://127.0.0.1:9"\nsend_timeout_s = "30"\n')
+    with pytest.raises(tb.ConfigError, match="send_timeout_s"):
+        tb.Producer.from_config(config)
+    tb.Producer("tcp://127.0.0.1:9", send_timeout_s=None, connect_timeout_s=2).close()  # None and ints pass
+
+
+def test_logged_urls_hide_passwords_and_secrets() -> None:
+    shown = tensorbus.options.redact("amqp://u:pw@h:5672/%2F?queue=q&signing_key=abc&auth_secret=s&prefetch_count=3")
+    assert shown == "amqp://u:***@h:5672/%2F?queue=q&signing_key=***&auth_secret=***&prefetch_count=3"
+    assert tensorbus.options.redact("tcp://127.0.0.1:5") == "tcp://127.0.0.1:5"

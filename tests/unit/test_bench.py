@@ -76,12 +76,24 @@ def test_unreachable_broker_is_skipped(tmp_path: Path, capsys: pytest.CaptureFix
         ["bench", "--transports", "amqp", "--baselines", "auto", "--sizes", "4KB", "--no-progress",
          "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2F", "--json", str(out)]
     )  # fmt: skip
-    assert code == 0
+    assert code == 1  # a run that measured nothing is not a success
     methods = {m["name"]: m for m in json.loads(out.read_text())["methods"]}
     assert set(methods) == {"amqp", "pika"}
     for method in methods.values():
         assert method["status"] == "skipped" and "127.0.0.1:1" in method["reason"]
-    assert "skipped" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "skipped" in captured.out and "nothing was measured" in captured.err
+
+
+def test_output_paths_are_checked_before_anything_is_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorbus.bench.runner import Runner
+
+    monkeypatch.setattr(Runner, "run", lambda self: pytest.fail("measured before checking the output path"))
+    out = str(tmp_path / "no" / "b.json")
+    code = main(["bench", "--transports", "tcp", "--sizes", "4KB", "--no-progress", "--json", out])
+    assert code == 2 and "not a writable directory" in capsys.readouterr().err
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
