@@ -132,11 +132,19 @@ class Listener:
     def _handshake(
         self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None, handshakes: threading.BoundedSemaphore
     ) -> None:
-        """TLS and the shared-secret check (blocking, with a timeout), then hand the connection to the reactor."""
+        """TLS and the shared-secret check (blocking, with a timeout), then hand the connection to the reactor.
+
+        The whole handshake gets `connect_timeout_s`, not each read: a peer trickling a byte now and
+        then would otherwise hold its handshake slot (of `backlog`) for as long as it likes.
+        """
+        current = [conn]
+        deadline = threading.Timer(self.options["connect_timeout_s"], _cut, args=(current,))
+        deadline.daemon = True
+        deadline.start()
         try:
             conn.settimeout(self.options["connect_timeout_s"])
             if ctx is not None:
-                conn = ctx.wrap_socket(conn, server_side=True)
+                conn = current[0] = ctx.wrap_socket(conn, server_side=True)
             if not greet(conn, self.secret):
                 log.error("refused producer %s: no valid proof of the shared secret", peer)
                 conn.close()
@@ -148,6 +156,7 @@ class Listener:
             conn.close()
             return
         finally:
+            deadline.cancel()
             handshakes.release()
         assert self._reactor is not None
         if self._closed.is_set():
@@ -169,3 +178,9 @@ class Listener:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.target)  # type: ignore[arg-type]  # (a successor's file is left alone)
         self._server = None
+
+
+def _cut(current: list[socket.socket]) -> None:
+    """End a handshake that ran out of time: its blocked read returns at once."""
+    with contextlib.suppress(OSError):
+        current[0].shutdown(socket.SHUT_RDWR)

@@ -95,6 +95,7 @@ class Reactor:
         self._state = threading.Condition()
         self._wanted = 0  # application threads waiting to lead
         self._app_leads = False  # an application thread (not the background one) holds `_leader`
+        self._leading: int | None = None  # the ident of the thread holding `_leader`
         self._idle_until = 0.0  # the background thread leaves leadership to the application until then
         self._closed = False
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
@@ -145,11 +146,11 @@ class Reactor:
                 if done.acquire(timeout=slice_s):
                     return True
                 continue
-            self._app_leads = True
+            self._app_leads, self._leading = True, threading.get_ident()
             try:
                 self._lead(lambda: not done.locked() or not room(), time.monotonic() + slice_s, self.spin_s)
             finally:
-                self._app_leads = False
+                self._app_leads, self._leading = False, None
                 self._idle_until = time.monotonic() + self.linger_s
                 self._leader.release()
 
@@ -181,11 +182,13 @@ class Reactor:
                 continue
             if not self._leader.acquire(timeout=POLL_S):
                 continue
+            self._leading = threading.get_ident()
             try:
                 self._lead(lambda: self._wanted > 0, time.monotonic() + 1.0)
             except Exception:  # a bug here must not silently stop all reading
                 log.exception("the background reader failed; restarting it")
             finally:
+                self._leading = None
                 self._leader.release()
 
     def _lead(self, stop: Callable[[], bool], deadline: float, spin_s: float = 0.0) -> bool:
@@ -360,7 +363,14 @@ class Reactor:
     # -- shutdown -------------------------------------------------------------------------------
 
     def close(self, timeout: float) -> None:
-        """Answer what already arrived (ack requests above all), ack every delivered frame, drop every connection."""
+        """Answer what already arrived (ack requests above all), ack every delivered frame, drop every connection.
+
+        Called on the reading thread itself (from a `recv_async` callback), it finishes on a thread of
+        its own once that thread stops leading: it cannot wait for a lock its own caller holds.
+        """
+        if threading.get_ident() == self._leading:
+            threading.Thread(target=self.close, args=(timeout,), daemon=True, name="tensorbus-close").start()
+            return
         with self._state:
             self._wanted += 1  # a background leader steps aside
         self._wake()

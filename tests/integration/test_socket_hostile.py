@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import time
+
 import numpy as np
+import pytest
 
 import tensorbus as tb
 from tensorbus.codec.chunking import chunk_header, encode_raw
-from tensorbus.transports.stream import ACK_REQUEST
+from tensorbus.transports.stream import ACK_REQUEST, HELLO
 from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
 
@@ -36,3 +41,55 @@ def test_an_ack_looks_only_at_the_oldest_incomplete_message_not_at_all_of_them(m
             assert consumer.recv("k", timeout=10).sum() == 4
         assert 0 < len(calls) <= 50 * 2, f"{len(calls)} is_pending calls for 50 acks"
         peer.close()
+
+
+def test_a_handshake_gets_connect_timeout_s_in_all_not_per_byte() -> None:
+    # a peer trickling its proof a byte at a time held its handshake slot forever (the timeout was
+    # per read): `backlog` such peers locked every producer out
+    with tb.Consumer("tcp://127.0.0.1:0", connect_timeout_s=1.0) as consumer:
+        host, port = consumer.address.removeprefix("tcp://").rsplit(":", 1)
+        slow = socket.create_connection((host, int(port)), timeout=5)
+        slow.recv(HELLO.size, socket.MSG_WAITALL)
+        slow.setblocking(False)  # a socket timeout would make recv wait despite MSG_DONTWAIT
+        started, closed_after = time.monotonic(), None
+        for _ in range(30):  # up to 9 s of one byte every 0.3 s (each well inside the 1 s per read)
+            try:
+                slow.sendall(b"\0")
+                if slow.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed_after = time.monotonic() - started
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed_after = time.monotonic() - started
+                break
+            time.sleep(0.3)
+        slow.close()
+        assert closed_after is not None and closed_after < 4, f"handshake still open after {closed_after}"
+
+
+def test_close_called_from_a_recv_async_callback_closes_the_consumer(tmp_path) -> None:
+    # the callback runs on the reading thread: close waited for the lock that thread held, then
+    # raised RuntimeError from joining itself, leaving connections and the socket file behind
+    path = str(tmp_path / "c.sock")
+    consumer = tb.Consumer(f"unix://{path}", close_timeout_s=3)
+    outcome: dict[str, object] = {}
+
+    def on_message(message, error) -> None:
+        started = time.monotonic()
+        try:
+            consumer.close()
+            outcome["ok"] = True
+        except BaseException as exc:
+            outcome["error"] = exc
+        outcome["took"] = time.monotonic() - started
+
+    consumer.recv_async("stop", on_message)
+    with tb.Producer(f"unix://{path}") as producer:
+        producer.send("stop", np.zeros(1))
+        wait_for(lambda: "took" in outcome, 10, "the callback")
+    assert outcome.get("ok") and outcome["took"] < 1, outcome
+    wait_for(lambda: not consumer.transport.reactor._peers, 10, "the connections to close")
+    assert not os.path.exists(path)
+    with pytest.raises(tb.Aborted):
+        consumer.recv("other", timeout=1)
