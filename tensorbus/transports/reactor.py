@@ -42,6 +42,8 @@ NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
 CRC_SLICE = 1 << 20
 #: bytes read at once while waiting for a prefix (so a small frame costs one system call)
 READ_AHEAD = 256 << 10
+#: drained read-ahead buffers kept for the next connection that needs one
+SPARE_INBOXES = 4
 #: frames read from one connection before the others get a turn
 FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
@@ -68,7 +70,7 @@ class _Peer:
         self.got = self.total = self.crc_end = 0
         self.crc: int | None = None
         self.skip_left = 0
-        self.inbox = memoryview(bytearray(READ_AHEAD))  # small frames arrive with their prefix in one read
+        self.inbox: memoryview | None = None  # read-ahead buffer, lent by the reactor only while it holds bytes
         self.in_lo = self.in_hi = 0
         self.frames = self.acked = self.unacked_bytes = 0
         self.ack_owed = False
@@ -91,6 +93,7 @@ class Reactor:
         self._peers: dict[int, _Peer] = {}
         self._pending: set[_Peer] = set()  # peers with bytes read ahead (or decrypted) that the selector cannot see
         self._scratch = memoryview(bytearray(1 << 20))
+        self._inboxes: list[memoryview] = []  # spare read-ahead buffers (only the leading thread touches them)
         self._leader = threading.Lock()
         self._state = threading.Condition()
         self._wanted = 0  # application threads waiting to lead
@@ -254,6 +257,15 @@ class Reactor:
             self._drop(peer, "dropped: no memory for its next frame", logging.ERROR)
         except (OSError, ssl.SSLError) as exc:
             self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
+        finally:
+            self._return_inbox(peer)
+
+    def _return_inbox(self, peer: _Peer) -> None:
+        """Take back a drained read-ahead buffer: an idle connection holds none (it was 256 KiB each)."""
+        if peer.inbox is not None and peer.in_lo == peer.in_hi:
+            if len(self._inboxes) < SPARE_INBOXES:
+                self._inboxes.append(peer.inbox)
+            peer.inbox = None
 
     def _recv(self, peer: _Peer, view: memoryview) -> int:
         n = peer.conn.recv_into(view)
@@ -265,9 +277,12 @@ class Reactor:
     def _take(self, peer: _Peer, view: memoryview) -> int:
         """Fill `view` from bytes read ahead, reading ahead again (one system call) only for a prefix."""
         if peer.in_lo == peer.in_hi:
-            if len(view) >= len(peer.inbox) or peer.frame is not None:
+            if len(view) >= READ_AHEAD or peer.frame is not None:
                 return self._recv(peer, view)  # large: straight into its place
+            if peer.inbox is None:
+                peer.inbox = self._inboxes.pop() if self._inboxes else memoryview(bytearray(READ_AHEAD))
             peer.in_lo, peer.in_hi = 0, self._recv(peer, peer.inbox)
+        assert peer.inbox is not None
         n = min(len(view), peer.in_hi - peer.in_lo)
         view[:n] = peer.inbox[peer.in_lo : peer.in_lo + n]
         peer.in_lo += n

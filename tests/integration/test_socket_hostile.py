@@ -93,3 +93,24 @@ def test_close_called_from_a_recv_async_callback_closes_the_consumer(tmp_path) -
     assert not os.path.exists(path)
     with pytest.raises(tb.Aborted):
         consumer.recv("other", timeout=1)
+
+
+def test_idle_connections_hold_no_read_ahead_buffer() -> None:
+    # each connection kept a 256 KiB read-ahead buffer for life: 2000 idle peers cost 512 MB
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        reactor = consumer.transport.reactor
+        with tb.Producer(consumer.address) as producer:
+            for i in range(20):
+                producer.send(f"k{i}", np.full(100, i))
+            producer.flush(10)
+        idle = [raw_peer(consumer.address) for _ in range(50)]
+        wait_for(lambda: len(reactor._peers) >= 50, 10, "50 idle peers")
+        with tb.Producer(consumer.address) as producer:
+            producer.send("last", np.ones(3))
+            assert consumer.recv("last", timeout=10).tolist() == [1, 1, 1]
+        wait_for(lambda: all(p.inbox is None for p in list(reactor._peers.values())), 10, "every buffer returned")
+        assert len(reactor._inboxes) <= 4
+        for i in range(20):
+            assert consumer.recv(f"k{i}", timeout=10).tolist() == [i] * 100
+        for sock in idle:
+            sock.close()
