@@ -314,7 +314,10 @@ class Consumer:
         if not self._closed:
             self._closed = True
             self._stopping.set()
+            unreceived = len(self.table)
             self.table.abort("consumer closed")  # first: a delivery waiting for room must not hold up close
+            if unreceived:  # acknowledged when they reached the table (most of them): not sent again
+                log.warning("%s: closed with %d received tensors nobody took: dropped", self._shown, unreceived)
             self.transport.close()
             with self._lock:
                 self._seen.close()

@@ -100,6 +100,7 @@ def recv(args: argparse.Namespace) -> int:
         print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
         message = consumer.recv_message(args.key, timeout=args.timeout)
         target = _write(args.output, message)
+        _note_dropped(consumer)
     print(f"received {args.key}: {_describe(message.tensor)} -> {target}")
     return 0
 
@@ -115,6 +116,13 @@ def _write(output: str | Path, message: Message) -> Path:
         write_tensor(fallback, message.tensor, frame=frame)
         print(f"{exc}; wrote it as a tensorbus frame instead: {fallback}", file=sys.stderr)
         return fallback
+
+
+def _note_dropped(consumer: Consumer) -> None:
+    """Say so when tensors under other keys arrived: closing drops them (a broker has them acked)."""
+    others = len(consumer.table)
+    if others:
+        print(f"note: {others} tensor(s) under other keys arrived here too and are dropped on exit", file=sys.stderr)
 
 
 def _versioned(path: Path, version: int) -> Path:
@@ -142,6 +150,7 @@ def save(args: argparse.Namespace) -> int:
             target = _write(target, message)
             print(f"saved {_describe(message.tensor)} -> {target} ({time.perf_counter() - started:.2f}s)", flush=True)
             if not args.follow or (args.max_versions and version - first + 1 >= args.max_versions):
+                _note_dropped(consumer)
                 return 0
     return 0
 

@@ -227,3 +227,14 @@ def test_examples_run_as_is(example: str, transport: str, tmp_path: Path) -> Non
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert ": True" in result.stdout
+
+
+def test_recv_says_when_tensors_under_other_keys_are_dropped_with_it(tmp_path: Path) -> None:
+    url = endpoint_url("amqp")
+    with tb.Producer(url) as producer:
+        producer.send("other", np.ones(2))
+        producer.send("k", np.arange(3.0))
+        producer.flush(30)
+    result = tensorbus("recv", url, "k", "-o", str(tmp_path / "k.npy"), "--timeout", "30")
+    assert result.returncode == 0, result.stderr
+    assert "1 tensor(s) under other keys" in result.stderr
