@@ -54,7 +54,8 @@ def _open(url: str, own: dict[str, Any], kwargs: dict[str, Any], role: str) -> t
     """Resolve the transport and split the options into the endpoint's own and the transport's."""
     cls, parsed = resolve_transport(url)
     try:
-        parsed.port  # noqa: B018 -- parsing it raises for a port that is not a number in range
+        if "," not in parsed.netloc:  # (kafka:// may list several brokers: its transport parses them)
+            parsed.port  # noqa: B018 -- parsing it raises for a port that is not a number in range
     except ValueError as exc:
         raise ConfigError(f"bad port in {redact(url)}: {exc}") from None
     options = merge({**own, **cls.OPTIONS}, url=parsed, kwargs=kwargs, where=f"{role} {parsed.scheme}://")

@@ -416,7 +416,8 @@ class KafkaTransport(Transport):
         finally:
             self._ready.set()
         last_commit = time.monotonic()
-        while not self._stop.is_set():
+        turned_away = False
+        while not self._stop.is_set() and not turned_away:
             try:
                 with map_errors(self._shown):
                     batches = consumer.poll(timeout_ms=200)
@@ -426,9 +427,11 @@ class KafkaTransport(Transport):
                 continue
             for tp, records in batches.items():
                 for record in records:
-                    if self._stop.is_set():
+                    if self._stop.is_set() or turned_away:
                         break  # not delivered, so not committed: the group's next consumer reads it
-                    offsets.record(tp, record.offset, deliver(record.value))
+                    result = deliver(record.value)
+                    offsets.record(tp, record.offset, result)
+                    turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
             if time.monotonic() - last_commit >= o["commit_interval_s"]:
                 offsets.commit(o["connect_timeout_s"])
                 last_commit = time.monotonic()

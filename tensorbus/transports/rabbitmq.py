@@ -268,9 +268,9 @@ class RabbitMQTransport(Transport):
                 return
             generation, tag, body = item
             result = deliver(body)
-            if result.turned_away:
-                waiting.pop(result.message_id, None)  # left unacknowledged, with its earlier chunks,
-                continue  # so the broker hands them to the next consumer
+            if result.turned_away:  # aborted: take nothing more; what is unacked goes back to the queue
+                self._stop.set()  # the I/O thread closes the connection (after the acks posted before this)
+                return
             if not result.done:
                 waiting.setdefault(result.message_id, []).append((generation, tag))
                 self._call(self._grow_window, 1, generation)

@@ -235,3 +235,19 @@ def test_tls_and_sasl_options_reach_kafka_python() -> None:
     )._client_config()
     assert config["security_protocol"] == "SASL_SSL" and config["sasl_mechanism"] == "PLAIN"
     assert (config["sasl_plain_username"], config["sasl_plain_password"]) == ("u", "1234")
+
+
+def test_an_aborted_consumer_leaves_its_group_so_the_next_gets_everything(url: str) -> None:
+    # it kept its partitions after abort, so the group's other member got nothing until it closed
+    aborted = tb.Consumer(url)
+    try:
+        aborted.abort("step failed")
+        with tb.Consumer(url) as successor, tb.Producer(url) as producer:
+            for i in range(20):
+                producer.send("k", np.full(2, i))
+            producer.flush(30)
+            got = [int(successor.recv("k", timeout=60)[0]) for _ in range(20)]
+            assert got == list(range(20))
+            assert not owned(aborted)
+    finally:
+        aborted.close()

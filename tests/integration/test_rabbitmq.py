@@ -256,3 +256,18 @@ def test_a_prefetch_count_amqp_cannot_carry_is_a_config_error(url: str) -> None:
     for count in (0, 70000):
         with pytest.raises(tb.ConfigError, match="prefetch_count must be 1 to 65535"):
             tb.Consumer(url, prefetch_count=count)
+
+
+def test_an_aborted_consumer_hands_everything_to_the_next_while_still_open(url: str) -> None:
+    # it kept consuming after abort and held its share unacknowledged until it was closed
+    aborted = tb.Consumer(url)
+    try:
+        aborted.abort("step failed")
+        with tb.Consumer(url) as successor, tb.Producer(url) as producer:
+            for i in range(20):
+                producer.send("k", np.full(2, i))
+            producer.flush(30)
+            got = sorted(int(successor.recv("k", timeout=30)[0]) for _ in range(20))
+            assert got == list(range(20))
+    finally:
+        aborted.close()
