@@ -17,6 +17,7 @@ import tensorbus as tb
 # kafka-python's own classes, imported by the transport with its import-time DeprecationWarnings silenced
 from tensorbus.transports.kafka import KafkaAdminClient, KafkaConsumer, KafkaTransport, TopicPartition, _Offsets
 from tests.conftest import KAFKA_URL, endpoint_url
+from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
 
 BOOTSTRAP = urllib.parse.urlsplit(KAFKA_URL).netloc
@@ -239,15 +240,7 @@ def test_tls_and_sasl_options_reach_kafka_python() -> None:
 
 def test_an_aborted_consumer_leaves_its_group_so_the_next_gets_everything(url: str) -> None:
     # it kept its partitions after abort, so the group's other member got nothing until it closed
-    aborted = tb.Consumer(url)
-    try:
-        aborted.abort("step failed")
-        with tb.Consumer(url) as successor, tb.Producer(url) as producer:
-            for i in range(20):
-                producer.send("k", np.full(2, i))
-            producer.flush(30)
-            got = [int(successor.recv("k", timeout=60)[0]) for _ in range(20)]
-            assert got == list(range(20))
-            assert not owned(aborted)
-    finally:
-        aborted.close()
+    got, aborted = received_by_a_successor_of_an_aborted_consumer(url)
+    left = not owned(aborted)
+    aborted.close()
+    assert got == list(range(20)) and left

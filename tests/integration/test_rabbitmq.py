@@ -15,7 +15,7 @@ import pytest
 
 import tensorbus as tb
 from tests.conftest import AMQP_URL, endpoint_url
-from tests.faults import wait_for
+from tests.faults import received_by_a_successor_of_an_aborted_consumer, wait_for
 from tests.peers import same
 
 
@@ -260,14 +260,6 @@ def test_a_prefetch_count_amqp_cannot_carry_is_a_config_error(url: str) -> None:
 
 def test_an_aborted_consumer_hands_everything_to_the_next_while_still_open(url: str) -> None:
     # it kept consuming after abort and held its share unacknowledged until it was closed
-    aborted = tb.Consumer(url)
-    try:
-        aborted.abort("step failed")
-        with tb.Consumer(url) as successor, tb.Producer(url) as producer:
-            for i in range(20):
-                producer.send("k", np.full(2, i))
-            producer.flush(30)
-            got = sorted(int(successor.recv("k", timeout=30)[0]) for _ in range(20))
-            assert got == list(range(20))
-    finally:
-        aborted.close()
+    got, aborted = received_by_a_successor_of_an_aborted_consumer(url)
+    aborted.close()
+    assert sorted(got) == list(range(20))
