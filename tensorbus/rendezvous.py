@@ -47,6 +47,10 @@ def message_nbytes(message: Message) -> int:
     return tensor_nbytes(message.tensor) + message.header_bytes
 
 
+#: `wait_for_room` without a message's key: only room will do
+_ANY_ROOM = object()
+
+
 class _Waiter:
     __slots__ = ("callback", "done", "key", "result")
 
@@ -267,7 +271,7 @@ class Rendezvous:
 
     # -- flow control and shutdown ----------------------------------------------------------------
 
-    def wait_for_room(self, timeout: float | None = None, *, key: object = None) -> bool:
+    def wait_for_room(self, timeout: float | None = None, *, key: object = _ANY_ROOM) -> bool:
         """Block while the buffered bytes are at the limit; True once there is room (or aborted).
 
         With `key` (a message's key), also True as soon as a receiver waits for it: that message
@@ -277,7 +281,7 @@ class Rendezvous:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self.buffered_bytes >= self.max_buffered_bytes and self._aborted is None:
-                if key is not None and (self._waiters.get(key) or self._waiters.get(ANY)):
+                if key is not _ANY_ROOM and (self._waiters.get(key) or self._waiters.get(ANY)):
                     return True
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
