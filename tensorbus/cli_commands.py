@@ -16,7 +16,7 @@ import crc32c
 import numpy as np
 
 from .api import Consumer, Producer
-from .codec import SparseTensor, dumps
+from .codec import SparseTensor
 from .codec.frame import PREFIX, Message, _unpack_header, frame_length, parse
 from .errors import CodecError, ConfigError, TruncatedFrame
 from .files import check_writable, read_tensor, write_tensor
@@ -107,13 +107,12 @@ def recv(args: argparse.Namespace) -> int:
 
 def _write(output: str | Path, message: Message) -> Path:
     """Write a received tensor; one the chosen format cannot hold goes to OUTPUT.tbf rather than being lost."""
-    frame = dumps(message.tensor, key=message.key, metadata=message.metadata)
     try:
-        write_tensor(output, message.tensor, frame=frame)
+        write_tensor(output, message.tensor, key=message.key, metadata=message.metadata)
         return Path(output)
     except ConfigError as exc:
         fallback = Path(output).with_suffix(".tbf")
-        write_tensor(fallback, message.tensor, frame=frame)
+        write_tensor(fallback, message.tensor, key=message.key, metadata=message.metadata)
         print(f"{exc}; wrote it as a tensorbus frame instead: {fallback}", file=sys.stderr)
         return fallback
 

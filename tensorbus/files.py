@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .codec import dumps
+from .codec import encode
 from .errors import ConfigError, TensorBusError
 
 FORMATS = (".npy", ".npz", ".safetensors", ".tbf")
@@ -41,7 +41,7 @@ def read_tensor(path: str | Path) -> Any:
     except (OSError, TensorBusError):
         raise
     except ModuleNotFoundError as exc:
-        raise ConfigError(f"{suffix} files need the {exc.name} package: pip install 'tensorbus[cli]'") from None
+        raise _needs_package(suffix, exc.name) from None
     except Exception as exc:  # numpy's and safetensors' errors for a corrupt file or an object array
         raise ConfigError(f"cannot read {path} as {suffix}: {exc}") from None
 
@@ -51,18 +51,29 @@ def check_writable(path: str | Path, *, bundle: bool = False) -> None:
     suffix = _suffix(path)
     if bundle and suffix == ".npy":
         raise ConfigError(f"{path}: .npy holds one array, not a bundle; use .safetensors, .npz or .tbf")
-    directory = Path(path).parent
-    if not directory.is_dir() or not os.access(directory, os.W_OK):
-        raise ConfigError(f"cannot write {path}: {directory} is not a writable directory")
+    check_directory(path)
     if suffix == ".safetensors":
         try:
             import safetensors.numpy  # noqa: F401
         except ModuleNotFoundError:
-            raise ConfigError(".safetensors files need the safetensors package: pip install 'tensorbus[cli]'") from None
+            raise _needs_package(suffix, "safetensors") from None
 
 
-def write_tensor(path: str | Path, tensor: Any, *, frame: bytes | None = None) -> None:
-    """Write atomically (temp file in the same directory, then rename); .tbf keeps the raw frame."""
+def check_directory(path: str | Path) -> None:
+    """Fail if the directory `path` would be written into does not exist or is not writable."""
+    directory = Path(path).parent
+    if not directory.is_dir() or not os.access(directory, os.W_OK):
+        raise ConfigError(f"cannot write {path}: {directory} is not a writable directory")
+
+
+def _needs_package(suffix: str, package: str | None) -> ConfigError:
+    return ConfigError(f"{suffix} files need the {package} package: pip install 'tensorbus[cli]'")
+
+
+def write_tensor(
+    path: str | Path, tensor: Any, *, key: str | None = None, metadata: dict[str, Any] | None = None
+) -> None:
+    """Write atomically (temp file in the same directory, then rename); a .tbf frame also keeps key and metadata."""
     suffix = _suffix(path)
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=suffix)
@@ -78,7 +89,7 @@ def write_tensor(path: str | Path, tensor: Any, *, frame: bytes | None = None) -
 
                 f.write(save({k: np.ascontiguousarray(v) for k, v in _bundle(tensor).items()}))
             else:
-                f.write(frame if frame is not None else dumps(tensor))
+                f.writelines(encode(tensor, key=key, metadata=metadata))  # header, then the arrays' own memory
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)

@@ -54,13 +54,15 @@ _OVERRIDES = (
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and write the outputs; 1 if a tensor failed verification or a cell failed, else 0."""
+    from ..files import check_directory
     from . import config, report
     from .runner import Runner
 
     cfg = config.load(args.config, {name: getattr(args, name, None) for name in _OVERRIDES})
     if args.plot:
         _check_plot_path(args.plot)
-    _check_writable(args.json, args.csv, args.plot)  # before minutes of measuring, not after
+    for path in filter(None, (args.json, args.csv, args.plot)):
+        check_directory(path)  # before minutes of measuring, not after
     with _Progress(enabled=not args.no_progress) as progress:
         results = Runner(cfg, progress, verbose=getattr(args, "verbose", False)).run()
     report.print_report(results)
@@ -79,18 +81,6 @@ def run(args: argparse.Namespace) -> int:
         print("nothing was measured (every method was skipped or failed)", file=sys.stderr)
         return 1
     return 1 if any(c.failures or c.error for c in results.cells) else 0
-
-
-def _check_writable(*paths: str | None) -> None:
-    import os
-    from pathlib import Path
-
-    from ..errors import ConfigError
-
-    for path in filter(None, paths):
-        directory = Path(path).parent
-        if not directory.is_dir() or not os.access(directory, os.W_OK):
-            raise ConfigError(f"cannot write {path}: {directory} is not a writable directory")
 
 
 def _check_plot_path(path: str) -> None:

@@ -237,9 +237,9 @@ class RabbitMQTransport(Transport):
                             raise TransportError(f"RabbitMQ cancelled the consumer of {self.shown}")
                     connection.process_data_events(time_limit=0)  # the acks `close` waited for go out
             except Exception as exc:  # whatever failed, reconnect: a dead I/O thread would stop all delivery
-                error = exc if isinstance(exc, TransportError) else TransportError(f"{self.shown}: {exc!r}")
                 if not isinstance(exc, TransportError):
                     log.exception("the RabbitMQ consumer thread of %s failed", self.shown)
+                error = self.as_error(exc)
                 if not self._ready.is_set():
                     self._error = error
                     self._ready.set()
