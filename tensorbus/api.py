@@ -142,8 +142,11 @@ class _Sink:
     def __init__(self, consumer: Consumer) -> None:
         self._consumer = consumer
 
-    def __call__(self, frame: Buffer, crc: int | None = None) -> Delivered:
-        return self._consumer._deliver(frame, crc)
+    def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+        return self._consumer._deliver(frame, crc, may_hold=may_hold)
+
+    def release(self, message: Message) -> Delivered | None:
+        return self._consumer._release(message)
 
     def is_pending(self, message_id: MessageId | None) -> bool:
         return self._consumer.reassembler.is_pending(message_id)
@@ -178,11 +181,12 @@ class Consumer:
         self.stats = collections.Counter[str]()
         self._closed = False
         self._stopping = threading.Event()
-        self._local = threading.local()  # .pumping: this thread reads frames while it waits in recv
-        self._held_up = 0  # deliveries waiting for room in the table
+        self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
+        self._held_since = 0.0  # when the first of them began to wait
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):
             self.table.pump = self._pump
+            self.table.room_opened = self.transport.room_opened  # type: ignore[attr-defined]
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
         self._expiry.start()
 
@@ -197,8 +201,8 @@ class Consumer:
         """The URL producers should use (for tcp://host:0, with the port actually bound)."""
         return self.transport.address
 
-    def _deliver(self, data: Buffer, crc: int | None = None) -> Delivered:
-        """Called by the transport for each received frame; never raises."""
+    def _deliver(self, data: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+        """Called by the transport for each received frame; never raises. See `Deliver` for `may_hold`."""
         with self._lock:
             try:
                 message = self.reassembler.feed(data, crc=crc)
@@ -220,13 +224,38 @@ class Consumer:
             if message is None:
                 self.stats["chunks"] += 1
                 return Delivered(message_id, not self.reassembler.is_pending(message_id))
+            if message_id is not None and message_id in self._seen:
+                self.stats["duplicates"] += 1
+                return Delivered(message_id, True)
+            if may_hold and self._full() and not self.table.has_room_for(message.key):
+                self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
+                return Delivered(message_id, False, held=message)
             if message_id is not None:
-                if message_id in self._seen:
-                    self.stats["duplicates"] += 1
-                    return Delivered(message_id, True)
                 self._seen.add(message_id)
-        if self.table.buffered_bytes >= self.table.max_buffered_bytes and not getattr(self._local, "pumping", False):
+        if not may_hold and self._full() and not self.table.has_room_for(message.key):
             self._wait_for_room(message.key)
+        return self._admit(message)
+
+    def _full(self) -> bool:
+        """The table is at its limit (read without its lock: a quick look before asking properly)."""
+        return self.table.buffered_bytes >= self.table.max_buffered_bytes
+
+    def _release(self, message: Message) -> Delivered | None:
+        """A held message offered again: taken (or turned away, or a duplicate) once it fits; else None."""
+        if not self.table.has_room_for(message.key):
+            return None
+        with self._lock:
+            self._unhold()
+            if message.message_id is not None:
+                if message.message_id in self._seen:
+                    self.stats["duplicates"] += 1
+                    return Delivered(message.message_id, True)
+                self._seen.add(message.message_id)
+        return self._admit(message)
+
+    def _admit(self, message: Message) -> Delivered:
+        """Put a decoded message (already marked as seen) in the table."""
+        message_id = message.message_id
         try:
             self.table.put(message)
             self.stats["received"] += 1
@@ -242,31 +271,32 @@ class Consumer:
 
     def _wait_for_room(self, key: str | None) -> None:
         """Backpressure: hold this delivery (so the transport reads no more) until the table has room
-        or someone waits for `key`. A thread reading for its own recv stops reading instead.
-
-        Partly received tensors do not age meanwhile: their chunks are not late, this consumer
-        just is not reading them, and expiring them would drop tensors the broker delivered whole.
-        """
+        or someone waits for `key`."""
         with self._lock:
-            self._held_up += 1
-        started = self.reassembler.clock()
+            self._hold()
         try:
             self.table.wait_for_room(key=key)
         finally:
             with self._lock:
-                self._held_up -= 1
-                self.reassembler.postpone(self.reassembler.clock() - started)
+                self._unhold()
+
+    def _hold(self) -> None:
+        """A delivery is held up (caller holds `_lock`). Partly received tensors do not age meanwhile:
+        their chunks are not late, this consumer just is not reading them, and expiring them would
+        drop tensors the broker delivered whole."""
+        if not self._held_up:
+            self._held_since = self.reassembler.clock()
+        self._held_up += 1
+
+    def _unhold(self) -> None:
+        """A held-up delivery went through (caller holds `_lock`)."""
+        self._held_up -= 1
+        if not self._held_up:
+            self.reassembler.postpone(self.reassembler.clock() - self._held_since)
 
     def _pump(self, done: threading.Lock, deadline: float | None) -> bool:
         """Let a thread waiting in `recv` read frames itself: its tensor then needs no thread hand-off."""
-        self._local.pumping = True
-        try:
-            return self.transport.pump(done, deadline, self._has_room)  # type: ignore[attr-defined]
-        finally:
-            self._local.pumping = False
-
-    def _has_room(self) -> bool:
-        return self.table.buffered_bytes < self.table.max_buffered_bytes
+        return self.transport.pump(done, deadline)  # type: ignore[attr-defined]
 
     def _expire_loop(self) -> None:
         """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""

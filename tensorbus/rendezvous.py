@@ -101,6 +101,9 @@ class Rendezvous:
         #: set by a consumer whose transport can read on the waiting thread: `pump(done, deadline)`
         #: waits for the waiter's lock `done` (True) or the deadline (False), reading frames meanwhile
         self.pump: Callable[[threading.Lock, float | None], bool] | None = None
+        #: set by a consumer whose transport holds messages that did not fit: called (under the
+        #: table's lock, so it must not block) when room opens or a receiver starts waiting
+        self.room_opened: Callable[[], None] | None = None
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -185,7 +188,7 @@ class Rendezvous:
         """Queue a receiver (caller holds the lock); wakes a transport waiting for room for this key."""
         self._waiters.setdefault(waiter.key, collections.deque()).append(waiter)
         if self.buffered_bytes >= self.max_buffered_bytes:
-            self._cond.notify_all()
+            self._room_opened()
 
     def _take(self, key: object) -> Message | None:
         """Pop the oldest buffered message for `key` (ANY: of any key). Caller holds the lock."""
@@ -203,8 +206,15 @@ class Rendezvous:
         if not numbers:
             del self._by_key[message.key]
         self.buffered_bytes -= nbytes
-        self._cond.notify_all()  # room may have opened for a transport in wait_for_room
+        if self.buffered_bytes + nbytes >= self.max_buffered_bytes > self.buffered_bytes:
+            self._room_opened()
         return message
+
+    def _room_opened(self) -> None:
+        """Wake whatever waits for room (a transport in `wait_for_room`, or one holding messages back)."""
+        self._cond.notify_all()
+        if self.room_opened is not None:
+            self.room_opened()
 
     def _wait(self, key: object, timeout: float | None) -> Message:
         timeout = finite_timeout(timeout)
@@ -280,14 +290,22 @@ class Rendezvous:
         timeout = finite_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self.buffered_bytes >= self.max_buffered_bytes and self._aborted is None:
-                if key is not _ANY_ROOM and (self._waiters.get(key) or self._waiters.get(ANY)):
-                    return True
+            while not self._has_room_for(key):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
                 self._cond.wait(remaining)
             return True
+
+    def has_room_for(self, key: str | None) -> bool:
+        """Whether a message of `key` can be put now without going over the limit (or is awaited)."""
+        with self._cond:
+            return self._has_room_for(key)
+
+    def _has_room_for(self, key: object) -> bool:
+        if self.buffered_bytes < self.max_buffered_bytes or self._aborted is not None:
+            return True
+        return key is not _ANY_ROOM and bool(self._waiters.get(key) or self._waiters.get(ANY))  # type: ignore[arg-type]
 
     def abort(self, reason: str) -> None:
         """Fail every pending receive, drop what is buffered, and make every later call raise `Aborted`."""
@@ -300,7 +318,7 @@ class Rendezvous:
             self._arrivals.clear()
             self._by_key.clear()
             self.buffered_bytes = 0
-            self._cond.notify_all()
+            self._room_opened()  # what waits for room is turned away now
         for waiter in waiters:
             self._complete(waiter, self._abort_error())
 

@@ -10,7 +10,7 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple, Protocol
 
-from ..codec.frame import Buffer, Limits, MessageId
+from ..codec.frame import Buffer, Limits, Message, MessageId
 
 
 class Delivered(NamedTuple):
@@ -19,19 +19,31 @@ class Delivered(NamedTuple):
     `done` is True once the frame's message was handed to the rendezvous table (or rejected for
     good), so the transport may acknowledge every frame of `message_id`; False while chunks are missing.
     `turned_away` is True when the consumer could not take the message (aborted or closing): no
-    frame of it may be acknowledged, so the next consumer gets it.
+    frame of it may be acknowledged, so the next consumer gets it. `held` is the decoded message
+    when the table had no room for it and the caller offered to hold it (`may_hold`): the caller
+    stops reading that source and offers it again with `release` until it is taken.
     """
 
     message_id: MessageId | None
     done: bool
     turned_away: bool = False
+    held: Message | None = None
 
 
 class Deliver(Protocol):
     """What a listening transport reports to: called with each received frame."""
 
-    def __call__(self, frame: Buffer, crc: int | None = None) -> Delivered:
-        """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises."""
+    def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+        """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
+
+        While the consumer's table is full this waits for room, unless `may_hold`: then a complete
+        message that does not fit comes back as `Delivered.held`, for a caller that can stop
+        reading just the source it came from (backpressure per producer, not per transport).
+        """
+        ...
+
+    def release(self, message: Message) -> Delivered | None:
+        """Offer a held message again: what became of it, or None while there is still no room."""
         ...
 
     def is_pending(self, message_id: MessageId | None) -> bool:

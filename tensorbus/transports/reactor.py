@@ -29,9 +29,19 @@ from typing import Any
 import crc32c
 
 from ..buffers import BufferPool
-from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Limits, MessageId, frame_length
+from ..codec.frame import (
+    CRC_AT,
+    FLAG_CHECKSUM,
+    FLAG_SIGNED,
+    PREFIX,
+    SIGNATURE_BYTES,
+    Limits,
+    Message,
+    MessageId,
+    frame_length,
+)
 from ..errors import CodecError, LimitExceeded
-from .base import Deliver
+from .base import Deliver, Delivered
 from .stream import ACK, ACK_REQUEST
 
 log = logging.getLogger(__name__)
@@ -76,6 +86,7 @@ class _Peer:
         self.ack_owed = False
         self.incomplete: dict[MessageId | None, int] = {}  # message id -> index of its first frame here
         self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
+        self.held: Message | None = None  # a message the full table could not take: this peer is not read meanwhile
 
 
 class Reactor:
@@ -92,6 +103,7 @@ class Reactor:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}
         self._pending: set[_Peer] = set()  # peers with bytes read ahead (or decrypted) that the selector cannot see
+        self._held: list[_Peer] = []  # peers not read until the table takes the message they hold
         self._scratch = memoryview(bytearray(1 << 20))
         self._inboxes: list[memoryview] = []  # spare read-ahead buffers (only the leading thread touches them)
         self._leader = threading.Lock()
@@ -132,11 +144,11 @@ class Reactor:
 
     # -- leadership -----------------------------------------------------------------------------
 
-    def pump(self, done: threading.Lock, deadline: float | None, room: Callable[[], bool]) -> bool:
+    def pump(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for `done` (a waiter's lock) until `deadline`, reading frames on this thread meanwhile.
 
         True once `done` was acquired, False when the deadline passed. When another application
-        thread leads, or the consumer's table is full, this just waits for `done`.
+        thread leads, this just waits for `done`.
         """
         while True:
             if done.acquire(blocking=False):
@@ -145,13 +157,13 @@ class Reactor:
             if remaining is not None and remaining <= 0:
                 return False
             slice_s = POLL_S if remaining is None else min(remaining, POLL_S)
-            if self._closed or not room() or not self._take_lead(slice_s):
+            if self._closed or not self._take_lead(slice_s):
                 if done.acquire(timeout=slice_s):
                     return True
                 continue
             self._app_leads, self._leading = True, threading.get_ident()
             try:
-                self._lead(lambda: not done.locked() or not room(), time.monotonic() + slice_s, self.spin_s)
+                self._lead(lambda: not done.locked(), time.monotonic() + slice_s, self.spin_s)
             finally:
                 self._app_leads, self._leading = False, None
                 self._idle_until = time.monotonic() + self.linger_s
@@ -202,6 +214,8 @@ class Reactor:
         """
         polls = 0
         while not self._closed:
+            if self._held:
+                self._release_held()
             if stop():
                 return True
             polls += 1
@@ -227,6 +241,11 @@ class Reactor:
                 return stop()
         return False
 
+    def room_opened(self) -> None:
+        """Called under the table's lock when room opens: wake the leader if it holds messages back."""
+        if self._held:
+            self._wake()
+
     def _wake(self) -> None:
         if self._wake_w >= 0:
             with contextlib.suppress(BlockingIOError, OSError):
@@ -242,10 +261,10 @@ class Reactor:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
         try:
             for _ in range(FAIR_SHARE):
-                if stop() and peer.in_lo == peer.in_hi:
-                    break  # done, and nothing read ahead says more is on its way
+                if peer.held is not None or (stop() and peer.in_lo == peer.in_hi):
+                    break  # held back, or done and nothing read ahead says more is on its way
                 self._step(peer)  # read on while bytes keep coming: the next `recv` then finds its tensor waiting
-            if peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending()):
+            if peer.held is None and self._has_bytes_ahead(peer):
                 self._pending.add(peer)
         except _WOULD_BLOCK:
             return
@@ -259,6 +278,11 @@ class Reactor:
             self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
         finally:
             self._return_inbox(peer)
+
+    @staticmethod
+    def _has_bytes_ahead(peer: _Peer) -> bool:
+        """Bytes already read (or decrypted) that the selector cannot see."""
+        return peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending() > 0)
 
     def _return_inbox(self, peer: _Peer) -> None:
         """Take back a drained read-ahead buffer: an idle connection holds none (it was 256 KiB each)."""
@@ -315,7 +339,7 @@ class Reactor:
                 peer.crc = crc32c.crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
             peer.got += n
         crc, peer.frame, peer.prefix_got = peer.crc, None, 0  # the next frame starts afresh, whatever deliver does
-        self._finish(peer, self.deliver(frame, crc))
+        self._finish(peer, self.deliver(frame, crc, may_hold=True))
 
     def _start_frame(self, peer: _Peer) -> bool:
         """Size the frame from its prefix and get its buffer; False when its bytes are to be skipped."""
@@ -336,9 +360,11 @@ class Reactor:
             peer.crc = crc32c.crc32c(prefix[:CRC_AT])
         return True
 
-    def _finish(self, peer: _Peer, result: Any) -> None:
+    def _finish(self, peer: _Peer, result: Delivered) -> None:
         """Book a delivered frame; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
         peer.prefix_got = 0
+        if result.held is not None:
+            self._hold(peer, result.held)
         if result.done:
             peer.incomplete.pop(result.message_id, None)
         elif not result.turned_away:
@@ -352,12 +378,41 @@ class Reactor:
         if due or peer.ack_owed:
             self._ack(peer)
 
+    def _hold(self, peer: _Peer, message: Message) -> None:
+        """Stop reading a peer whose message the full table cannot take: other peers go on."""
+        peer.held = message
+        self._held.append(peer)
+        self._pending.discard(peer)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(peer.conn)
+
+    def _release_held(self) -> None:
+        """Offer held messages to the table again; read their peers again once they are taken."""
+        for peer in list(self._held):
+            assert peer.held is not None
+            result = self.deliver.release(peer.held)
+            if result is None:
+                continue
+            self._held.remove(peer)
+            peer.held = None
+            if result.done:
+                peer.incomplete.pop(result.message_id, None)
+            elif result.turned_away and peer.turned_away is None:
+                peer.turned_away = peer.incomplete.get(result.message_id, peer.frames - 1)
+            try:
+                self._selector.register(peer.conn, selectors.EVENT_READ, peer)
+            except (KeyError, ValueError, OSError) as exc:
+                self._drop(peer, f"connection failed: {exc}", logging.ERROR)
+                continue
+            if self._has_bytes_ahead(peer):
+                self._pending.add(peer)
+
     def _ack(self, peer: _Peer) -> None:
         """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full)."""
         incomplete = peer.incomplete
         while incomplete:  # oldest first: only the oldest bounds the ack, so only it is looked at (not all)
             oldest = next(iter(incomplete))
-            if self.deliver.is_pending(oldest):
+            if self.deliver.is_pending(oldest) or (peer.held is not None and oldest == peer.held.message_id):
                 break
             del incomplete[oldest]  # expired (given up on) since: nothing more to wait for
         safe = next(iter(incomplete.values()), peer.frames)

@@ -353,10 +353,15 @@ class SocketTransport(Transport):
         self.reactor = Reactor(deliver, limits, self.options, self._pool)
         self._listener.start(self.reactor, context)
 
-    def pump(self, done: threading.Lock, deadline: float | None, room: Callable[[], bool]) -> bool:
+    def pump(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.pump`)."""
         assert self.reactor is not None
-        return self.reactor.pump(done, deadline, room)
+        return self.reactor.pump(done, deadline)
+
+    def room_opened(self) -> None:
+        """The consumer's table has room again (or a receiver waits): offer it what is held back."""
+        if self.reactor is not None:
+            self.reactor.room_opened()
 
     def close(self) -> None:
         """Flush (up to close_timeout_s) and close the producer connection, or stop listening and drop every peer."""

@@ -300,9 +300,9 @@ def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:
     with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
         deliver = consumer._deliver
 
-        def spy(frame: Any, crc: Any = None) -> Any:
+        def spy(frame: Any, crc: Any = None, **options: Any) -> Any:
             readers.append(threading.current_thread().name)
-            return deliver(frame, crc)
+            return deliver(frame, crc, **options)
 
         consumer._deliver = spy  # type: ignore[method-assign]
         for i in range(50):
@@ -385,7 +385,7 @@ def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_
     with tb.Consumer(f"unix://{path}") as first:
         with pytest.raises(tb.TransportError, match="another consumer is listening"):
             tb.Consumer(f"unix://{path}")
-        wait_for(lambda: "handshake with" in caplog.text, 5, "the probe noticed by the live consumer")
+        wait_for(lambda: "handshake with" in caplog.text, 15, "the probe noticed by the live consumer")
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a probe is not an error
         os.unlink(path)  # e.g. an operator cleaned up, and a successor started on the same path
         with tb.Consumer(f"unix://{path}") as successor:
@@ -610,3 +610,35 @@ def test_an_ack_for_frames_never_sent_breaks_the_connection_not_the_producer() -
     server.close()
     for conn in conns:
         conn.close()
+
+
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:0", "unix"])
+def test_a_full_table_holds_up_only_the_producer_that_filled_it(url: str, tmp_path: Any) -> None:
+    if url == "unix":
+        url = f"unix://{tmp_path}/held.sock"
+    with tb.Consumer(url, max_buffered_bytes=1 << 20) as consumer:
+        flood = Peer(consumer.address, [(f"a{i}", {"seed": i, "n": 1 << 16}) for i in range(40)])  # 10 MB of "a"
+        wait_for(lambda: consumer.table.buffered_bytes >= 1 << 20, 30, "the first producer to fill the table")
+        other = Peer(consumer.address, [("b", {"seed": 99, "n": 10})])
+        assert same(consumer.recv("b", timeout=20), make_tensor({"seed": 99, "n": 10}))  # not stuck behind "a"
+        other.join()
+        for i in range(40):  # the held producer then goes on where it stopped: nothing lost, in order
+            assert same(consumer.recv(f"a{i}", timeout=20), make_tensor({"seed": i, "n": 1 << 16}))
+        flood.join()
+        assert consumer.stats["received"] == 41 and consumer.stats["duplicates"] == 0
+
+
+def test_a_held_back_tensor_is_not_acknowledged_so_a_successor_gets_it() -> None:
+    first = tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=1 << 20)
+    address = first.address
+    producer = tb.Producer(address, reconnect_timeout_s=20)
+    for i in range(6):  # 256 KB each: four fill the table, the fifth is held back
+        producer.send(f"a{i}", np.full(1 << 16, i, np.float32))
+    reactor = first.transport.reactor  # type: ignore[attr-defined]
+    wait_for(lambda: reactor._held, 10, "a tensor to be held back")
+    held_key = reactor._held[0].held.key
+    first.close()  # the four in its table were acknowledged (and are lost); the held one was not
+    with tb.Consumer(address) as successor:
+        producer.flush(timeout=20)  # resends what was never acknowledged, to the successor
+        assert successor.recv(held_key, timeout=10)[0] == int(held_key[1:])
+    producer.close()
