@@ -205,7 +205,7 @@ class Consumer:
         """Called by the transport for each received frame; never raises. See `Deliver` for `may_hold`."""
         with self._lock:
             try:
-                message = self.reassembler.feed(data, crc=crc)
+                message = self.reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
             except CodecError as exc:
                 self.stats["rejected"] += 1
                 log.error("%s: dropped a bad frame: %s", self._shown, exc)

@@ -18,7 +18,7 @@ import numpy as np
 from .api import Consumer, Producer
 from .codec import SparseTensor
 from .codec.frame import PREFIX, Message, _unpack_header, frame_length, parse
-from .errors import CodecError, ConfigError, TruncatedFrame
+from .errors import CodecError, ConfigError, TruncatedFrame, brief
 from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
 from .options import redact
@@ -185,7 +185,11 @@ def inspect(args: argparse.Namespace) -> int:
                 f"{entry.get('nbytes'):,} bytes at payload offset {entry.get('offset')}"
             )
         if header.get("meta"):
-            print(f"  metadata: {header['meta']}")
+            try:
+                shown = repr(header["meta"])
+            except RecursionError:  # nested deeper than any sender would: a hostile or broken frame
+                shown = brief(header["meta"])
+            print(f"  metadata: {shown}")
         offset += total
         count += 1
     return 0

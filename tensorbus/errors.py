@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import reprlib
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 80, 80
+
+
+def brief(value: object) -> str:
+    """A short repr of a received value for an error message: bounded in length and depth (a value
+    nested a thousand levels deep must not overflow the stack while it is being refused)."""
+    return _BRIEF.repr(value)
+
 
 class TensorBusError(Exception):
     """Root of every error tensorbus raises on purpose."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .errors import ConfigError
+from .errors import ConfigError, brief
 
 
 class ParsedKey(NamedTuple):
@@ -22,8 +22,8 @@ def make_key(src: str, src_incarnation: int, dst: str, name: str, frame_iter: tu
     for label, part in (("src", src), ("dst", dst), ("name", name)):
         if not part or ";" in part:
             raise ConfigError(f"{label} must be a non-empty string without ';', got {part!r}")
-    if type(src_incarnation) is not int or src_incarnation < 0:
-        raise ConfigError(f"src_incarnation must be a non-negative int, got {src_incarnation!r}")
+    if type(src_incarnation) is not int or not 0 <= src_incarnation < 1 << 64:
+        raise ConfigError(f"src_incarnation must be an int in [0, 2**64), got {src_incarnation!r}")
     if not isinstance(frame_iter, (tuple, list)) or len(frame_iter) != 2 or not all(type(n) is int for n in frame_iter):
         raise ConfigError(f"frame_iter must be a pair of ints, got {frame_iter!r}")
     return f"{src};{src_incarnation:x};{dst};{name};{frame_iter[0]}:{frame_iter[1]}"
@@ -33,13 +33,13 @@ def parse_key(key: str) -> ParsedKey:
     """Split a key made by `make_key`; anything that is not exactly five well-formed parts is refused."""
     parts = key.split(";")
     if len(parts) != 5:
-        raise ConfigError(f"rendezvous key must have 5 ';'-separated parts, got {len(parts)}: {key!r}")
+        raise ConfigError(f"rendezvous key must have 5 ';'-separated parts, got {len(parts)}: {brief(key)}")
     src, incarnation, dst, name, frame_iter = parts
     frame, sep, iteration = frame_iter.partition(":")
     try:
         parsed = ParsedKey(src, int(incarnation, 16), dst, name, (int(frame), int(iteration)))
     except ValueError:
-        raise ConfigError(f"rendezvous key has a bad incarnation or frame:iter part: {key!r}") from None
-    if not (src and dst and name and sep) or parsed.src_incarnation < 0:
-        raise ConfigError(f"rendezvous key has an empty or malformed part: {key!r}")
+        raise ConfigError(f"rendezvous key has a bad incarnation or frame:iter part: {brief(key)}") from None
+    if not (src and dst and name and sep) or not 0 <= parsed.src_incarnation < 1 << 64:
+        raise ConfigError(f"rendezvous key has an empty or malformed part: {brief(key)}")
     return parsed

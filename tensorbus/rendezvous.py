@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .codec import Message, SparseTensor
-from .errors import Aborted, Cancelled, ConfigError, StaleIncarnation, Timeout
+from .errors import Aborted, Cancelled, ConfigError, StaleIncarnation, Timeout, brief
 from .keys import parse_key
 from .options import finite_timeout
 
@@ -92,7 +92,9 @@ class Rendezvous:
         self._arrivals: collections.OrderedDict[int, tuple[Message, int]] = collections.OrderedDict()
         self._by_key: dict[str | None, collections.deque[int]] = {}
         self._waiters: dict[object, collections.deque[_Waiter]] = {}
-        self._incarnations: collections.OrderedDict[str, int] = collections.OrderedDict()  # newest use last
+        #: hash of a source name -> its newest incarnation, newest use last (names come from peers and
+        #: may be long: only their hashes are kept, at a fixed cost per source)
+        self._incarnations: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._counter = 0
         self._aborted: Aborted | None = None
         #: messages `abort` dropped unreceived (a transport must not acknowledge them on the way out)
@@ -147,15 +149,16 @@ class Rendezvous:
             parsed = parse_key(key)
         except ConfigError:
             return
-        newest = self._incarnations.get(parsed.src, -1)
+        source = hash(parsed.src)
+        newest = self._incarnations.get(source, -1)
         if parsed.src_incarnation < newest:
             self.stats["stale"] += 1
             raise StaleIncarnation(
-                f"key {key!r} names incarnation {parsed.src_incarnation:x} of {parsed.src!r}, "
+                f"key {brief(key)} names incarnation {parsed.src_incarnation:x} of {brief(parsed.src)}, "
                 f"but incarnation {newest:x} has already been seen"
             )
-        self._incarnations[parsed.src] = parsed.src_incarnation
-        self._incarnations.move_to_end(parsed.src)
+        self._incarnations[source] = parsed.src_incarnation
+        self._incarnations.move_to_end(source)
         if len(self._incarnations) > MAX_SOURCES:  # sources are chosen by peers: forget the longest quiet
             self._incarnations.popitem(last=False)
 

@@ -14,7 +14,7 @@ import crc32c
 import msgpack
 
 from ..buffers import BufferPool
-from ..errors import ConfigError, LimitExceeded, MalformedHeader
+from ..errors import ConfigError, LimitExceeded, MalformedHeader, brief
 from .crc import combine
 from .frame import (
     CRC_AT,
@@ -46,9 +46,11 @@ log = logging.getLogger(__name__)
 #: received frames at least this large get their payload's CRC on the side of the frame check (one
 #: pass for both); smaller chunks are read a second time, which costs less than the extra bookkeeping
 SPLIT_CRC_FROM = 64 * 1024
-#: the smallest chunk payload `split` makes (and a receiver accepts): it bounds the memory a pending
-#: message holds per byte the reassembly budget counts
+#: the smallest chunk payload `split` makes (and a receiver accepts)
 MIN_STRIDE = 1024
+#: what a pending message costs the reassembly budget beyond its bytes (its bookkeeping): bounds
+#: how many a flood of tiny chunks with distinct ids can open
+PARTIAL_OVERHEAD = 16 << 10
 
 
 def frame_size(buffers: list[Buffer]) -> int:
@@ -172,21 +174,30 @@ def encode_chunks(
 
 @dataclass
 class _Partial:
-    buffer: memoryview
+    total: int
     count: int
     stride: int
     key: str | None
     started: float
+    #: the whole message, allocated once half of its bytes are here: until then a claimed size costs
+    #: nothing, and the chunks are kept as they came (`pieces`), so a sender pays for what it claims
+    buffer: memoryview | None = None
+    pieces: dict[int, memoryview] = field(default_factory=dict)
+    got: int = 0  # payload bytes received
+    charged: int = 0  # what this message counts against the budget now
     received: set[int] = field(default_factory=set)
     #: per chunk: CRC32C of its slice (the first: without the frame's CRC field), to combine at the end
     crcs: dict[int, int | None] = field(default_factory=dict)
 
 
 class Reassembler:
-    """Collects chunks (any order, duplicates allowed) into one preallocated buffer per message.
+    """Collects chunks (any order, duplicates allowed) into one buffer per message.
 
-    Memory is bounded: a message whose size would push the bytes held past `max_bytes` is refused
-    with `LimitExceeded`, and messages still incomplete after `timeout_s` are dropped and counted.
+    Memory is bounded by what actually arrived: a message counts the bytes of its chunks against
+    `max_bytes` until half of it is here, and only then gets (and counts) its whole buffer, so a
+    tiny chunk claiming gigabytes reserves nothing. A chunk that would push the bytes held past
+    `max_bytes` is refused with `LimitExceeded` and its message given up on (freed at once, its
+    later chunks dropped); messages still incomplete after `timeout_s` are dropped and counted.
     """
 
     def __init__(
@@ -202,16 +213,18 @@ class Reassembler:
         self.signing_key, self.clock = signing_key, clock
         self._partials: dict[MessageId, _Partial] = {}
         self._done: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        self._given_up: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self.held_bytes = 0
         #: the message id of the last chunk fed (None for whole frames), for transports that ack per message
         self.last_message_id: MessageId | None = None
         self.stats = collections.Counter[str]()
         self._pool = BufferPool(max_buffers=4)  # a consumer holds ~3 in flight: assembling, queued, in use
 
-    def feed(self, data: Buffer, *, copy: bool = False, crc: int | None = None) -> Message | None:
+    def feed(self, data: Buffer, *, copy: bool = False, crc: int | None = None, owned: bool = False) -> Message | None:
         """Take one received frame; return the decoded message once it is complete, else None.
 
-        `crc` is the frame's CRC32C if the receiver already computed it (see `parse`).
+        `crc` is the frame's CRC32C if the receiver already computed it (see `parse`). `owned`:
+        the caller never writes to `data` again, so a chunk may be kept without a copy (as may `bytes`).
         """
         if self._partials:
             self.expire()
@@ -229,11 +242,14 @@ class Reassembler:
         if message_id in self._done:
             self.stats["duplicates"] += 1
             return None
+        if message_id in self._given_up:
+            self.stats["given_up_chunks"] += 1
+            return None
         expected = min(stride, total - index * stride)
         if len(frame.payload) != expected:  # checked before any memory is set aside for the message
             raise MalformedHeader(f"chunk {index} should carry {expected} bytes, carries {len(frame.payload)}")
         partial = self._partials.get(message_id) or self._start(message_id, count, total, stride, frame.header)
-        if (partial.count, partial.stride, len(partial.buffer), partial.key) != (
+        if (partial.count, partial.stride, partial.total, partial.key) != (
             count,
             stride,
             total,
@@ -243,14 +259,17 @@ class Reassembler:
         if index in partial.received:
             self.stats["duplicates"] += 1
             return None
-        partial.buffer[index * stride : index * stride + expected] = frame.payload
+        self._place(message_id, partial, index, frame.payload, owned or isinstance(data, bytes))
         partial.received.add(index)
         if frame.flags & (FLAG_CHECKSUM | FLAG_SIGNED) == FLAG_CHECKSUM:
             whole, skipped = crcs[1:] if crcs is not None else payload_crcs(frame.payload)
             partial.crcs[index] = skipped if index == 0 else whole
         if len(partial.received) < count:
             return None
+        if partial.buffer is None:
+            self._allocate(partial)
         self._finish(message_id)
+        assert partial.buffer is not None
         crc = self._combined_crc(partial)
         return message_from_frame(
             parse(partial.buffer, limits=self.limits, signing_key=self.signing_key, crc=crc),
@@ -258,10 +277,59 @@ class Reassembler:
             limits=self.limits,
         )
 
+    def _place(self, message_id: MessageId, partial: _Partial, index: int, payload: memoryview, owned: bool) -> None:
+        """Put a chunk's bytes in place, or keep them until the message gets its buffer (see the class)."""
+        if partial.buffer is not None:
+            partial.buffer[index * partial.stride : index * partial.stride + len(payload)] = payload
+        else:
+            if self.held_bytes + len(payload) > self.max_bytes:
+                self._give_up(message_id)
+                raise LimitExceeded(
+                    f"chunk {index} of message {message_id} would hold {self.held_bytes + len(payload)} bytes "
+                    f"for reassembly; the limit is {self.max_bytes}: message given up"
+                )
+            partial.pieces[index] = payload if owned else memoryview(bytes(payload))
+            self._charge(partial, len(payload))
+        partial.got += len(payload)
+        grown = partial.total - partial.charged + PARTIAL_OVERHEAD
+        if partial.buffer is None and 2 * partial.got >= partial.total and self.held_bytes + grown <= self.max_bytes:
+            self._allocate(partial)
+
+    def _allocate(self, partial: _Partial) -> None:
+        """Give a message its whole buffer and move the chunks kept so far into it."""
+        buffer = self._pool.take(partial.total)  # a reused one when no tensor still views it: fresh pages are slow
+        for index, piece in partial.pieces.items():
+            buffer[index * partial.stride : index * partial.stride + len(piece)] = piece
+        partial.buffer, partial.pieces = buffer, {}
+        self._charge(partial, partial.total + PARTIAL_OVERHEAD - partial.charged)
+
+    def _charge(self, partial: _Partial, nbytes: int) -> None:
+        partial.charged += nbytes
+        self.held_bytes += nbytes
+
+    def _give_up(self, message_id: MessageId) -> None:
+        """Drop a message that cannot be completed within the budget; its later chunks are dropped too."""
+        partial = self._partials.pop(message_id)
+        self.held_bytes -= partial.charged
+        self.stats["refused"] += 1
+        self._given_up[message_id] = None
+        if len(self._given_up) > 4096:
+            self._given_up.popitem(last=False)
+        log.error(
+            "gave up on message %s (key %r): %d of %d bytes received, %d bytes held for reassembly (limit %d)",
+            message_id,
+            partial.key,
+            partial.got,
+            partial.total,
+            self.held_bytes,
+            self.max_bytes,
+        )
+
     @staticmethod
     def _combined_crc(partial: _Partial) -> int | None:
         """The reassembled frame's CRC32C from its chunks' (None: a frame `parse` must read through)."""
         buffer = partial.buffer
+        assert buffer is not None
         if len(partial.crcs) != partial.count or len(buffer) < PREFIX.size or buffer[5] & FLAG_SIGNED:
             return None  # a signed frame's checksum stops before its signature: not the chunks' sum
         crc = partial.crcs[0]
@@ -275,7 +343,7 @@ class Reassembler:
     def _chunk_fields(self, header: dict[str, Any]) -> tuple[int, int, int, int]:
         fields = header.get("chunk")
         if not (isinstance(fields, list) and len(fields) == 4 and all(type(v) is int for v in fields)):
-            raise MalformedHeader(f"chunk info must be [index, count, total, stride], got {fields!r}")
+            raise MalformedHeader(f"chunk info must be [index, count, total, stride], got {brief(fields)}")
         index, count, total, stride = fields
         if stride <= 0 or total <= 0 or count != -(-total // stride) or not 0 <= index < count:
             raise MalformedHeader(f"inconsistent chunk info index={index} count={count} total={total} stride={stride}")
@@ -287,20 +355,23 @@ class Reassembler:
         return index, count, total, stride
 
     def _start(self, message_id: MessageId, count: int, total: int, stride: int, header: dict[str, Any]) -> _Partial:
-        if self.held_bytes + total > self.max_bytes:
+        if total + PARTIAL_OVERHEAD > self.max_bytes:  # could never be held whole
+            self.stats["refused"] += 1
+            raise LimitExceeded(f"a chunked message of {total} bytes; the reassembly limit is {self.max_bytes}")
+        if self.held_bytes + PARTIAL_OVERHEAD > self.max_bytes:
             self.stats["refused"] += 1
             raise LimitExceeded(
-                f"reassembling {total} more bytes would hold {self.held_bytes + total}; the limit is {self.max_bytes}"
+                f"{len(self._partials)} messages hold {self.held_bytes} bytes for reassembly; "
+                f"the limit is {self.max_bytes}"
             )
-        buffer = self._pool.take(total)  # a reused one when no tensor still views it: fresh pages are slow
-        partial = _Partial(buffer, count, stride, header.get("key"), self.clock())
+        partial = _Partial(total, count, stride, header.get("key"), self.clock())
         self._partials[message_id] = partial
-        self.held_bytes += total
+        self._charge(partial, PARTIAL_OVERHEAD)
         return partial
 
     def _finish(self, message_id: MessageId) -> None:
         partial = self._partials.pop(message_id)
-        self.held_bytes -= len(partial.buffer)
+        self.held_bytes -= partial.charged
         self._done[message_id] = None
         if len(self._done) > 4096:
             self._done.popitem(last=False)
@@ -314,7 +385,7 @@ class Reassembler:
             stale.append(mid)
         for mid in stale:
             partial = self._partials.pop(mid)
-            self.held_bytes -= len(partial.buffer)
+            self.held_bytes -= partial.charged
             log.error(
                 "dropped incomplete message %s (key %r): %d of %d chunks after %.1fs",
                 mid,

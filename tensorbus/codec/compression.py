@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ConfigError, LimitExceeded, MalformedHeader
+from ..errors import ConfigError, LimitExceeded, MalformedHeader, brief
 
 CODECS = ("lz4", "zstd")
 
@@ -43,7 +43,7 @@ def decompress(name: object, data: memoryview, raw_len: int, max_bytes: int) -> 
             with zstandard.ZstdDecompressor().stream_reader(data) as reader:
                 out = reader.read(raw_len + 1)  # one byte more reveals a lying header
         else:
-            raise MalformedHeader(f"unknown compression {name!r}; known: {', '.join(CODECS)}")
+            raise MalformedHeader(f"unknown compression {brief(name)}; known: {', '.join(CODECS)}")
     except MalformedHeader:
         raise
     except Exception as exc:  # the libraries raise their own error types on corrupt input

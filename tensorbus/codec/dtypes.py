@@ -8,7 +8,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from ..errors import UnsupportedDtype
+from ..errors import UnsupportedDtype, brief
 
 NUMPY_DTYPE_NAMES = [
     "bool",
@@ -75,9 +75,9 @@ def resolve(name: object, order: object) -> np.dtype:
     """Build the dtype a header names, refusing anything outside the whitelist."""
     dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise UnsupportedDtype(f"frame names dtype {name!r}, which this build does not know")
+        raise UnsupportedDtype(f"frame names dtype {brief(name)}, which this build does not know")
     if order not in ("<", ">", "|"):
-        raise UnsupportedDtype(f"frame names byte order {order!r}; expected '<', '>' or '|'")
+        raise UnsupportedDtype(f"frame names byte order {brief(order)}; expected '<', '>' or '|'")
     if dtype.itemsize > 1 and order != NATIVE_ORDER:
         if dtype.kind == "V":  # ml_dtypes have no byte-swapped variant
             raise UnsupportedDtype(f"dtype {name} arrives in byte order {order!r}, which numpy cannot hold")

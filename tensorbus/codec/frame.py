@@ -20,6 +20,7 @@ from ..errors import (
     SignatureError,
     TruncatedFrame,
     UnsupportedVersion,
+    brief,
 )
 from .compression import compress, decompress
 from .crc import combine, uncombine
@@ -55,6 +56,11 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 #: the longest producer id a frame may carry (tensorbus producers use 16 hex digits)
 MAX_PRODUCER_ID = 128
+#: how deeply metadata may nest (maps and lists in maps and lists)
+MAX_METADATA_DEPTH = 32
+#: what each decoded metadata object (map, list, key, value) counts against a consumer's buffer
+#: limit: about what Python spends on one, where msgpack may spend a single byte (an empty map)
+OBJECT_BYTES = 64
 
 
 @dataclass
@@ -66,8 +72,8 @@ class Message:
     metadata: dict[str, Any] = field(default_factory=dict)
     message_id: MessageId | None = None
     kind: str = "ndarray"
-    #: bytes of the frame outside the payload (mostly the header: key, metadata), which the
-    #: consumer's buffer limit counts along with the tensor's own
+    #: bytes of the frame outside the payload (mostly the header: key, metadata), plus OBJECT_BYTES
+    #: per metadata object, which the consumer's buffer limit counts along with the tensor's own
     header_bytes: int = 0
 
 
@@ -88,7 +94,7 @@ def _message_id(value: object) -> MessageId | None:
         if len(value[0]) > MAX_PRODUCER_ID:  # consumers remember many ids: each must stay small
             raise MalformedHeader(f"producer id of {len(value[0])} characters; the limit is {MAX_PRODUCER_ID}")
         return value[0], value[1]
-    raise MalformedHeader(f"message id must be [producer id, sequence], got {value!r:.200}")
+    raise MalformedHeader(f"message id must be [producer id, sequence], got {brief(value)}")
 
 
 def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearray:
@@ -106,19 +112,31 @@ def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearra
 
 
 def _require_string_keys(value: Any) -> None:
-    """Refuse map keys other than str and bytes here, at the sender: receivers unpack headers with
-    strict map keys (a hostile header cannot make them hash arbitrary objects), so such a frame
-    would be sent fine and then dropped by every consumer."""
-    stack = [value]
+    """Refuse map keys other than str and bytes, and nesting past MAX_METADATA_DEPTH, here at the
+    sender: receivers refuse both (strict map keys: a hostile header cannot make them hash arbitrary
+    objects), so such a frame would be sent fine and then dropped by every consumer."""
+    metadata_objects(value, containers=(dict, list, tuple))
+
+
+def metadata_objects(value: Any, containers: tuple[type, ...] = (dict, list)) -> int:
+    """Count the objects of decoded metadata (iteratively: it may come from anyone), checking its
+    map keys and its depth; what a buffered message's metadata costs is charged by this count."""
+    count, stack = 0, [(value, 1)]
     while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for name, inner in item.items():
-                if not isinstance(name, (str, bytes)):
-                    raise MalformedHeader(f"metadata map keys must be str or bytes, got {name!r:.100}")
-                stack.append(inner)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+        item, depth = stack.pop()
+        count += 1
+        if isinstance(item, containers):
+            if depth > MAX_METADATA_DEPTH:
+                raise MalformedHeader(f"metadata nests deeper than {MAX_METADATA_DEPTH} levels")
+            if isinstance(item, dict):
+                for name, inner in item.items():
+                    if not isinstance(name, (str, bytes)):
+                        raise MalformedHeader(f"metadata map keys must be str or bytes, got {brief(name)}")
+                    stack.append((inner, depth + 1))
+                count += len(item)
+            else:
+                stack.extend((inner, depth + 1) for inner in item)
+    return count
 
 
 def seal_with_crc(head: bytearray, body_crc: int, body_len: int) -> None:
@@ -375,11 +393,11 @@ def message_from_frame(
     if header.get("comp") is not None:
         raw = header.get("raw")
         if type(raw) is not int or raw < 0:
-            raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {raw!r}")
+            raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {brief(raw)}")
         most = min(limits.max_payload_bytes, limits.max_decompressed_bytes)
         payload = memoryview(decompress(header["comp"], payload, raw, most))
     tensor = rebuild(header, payload, copy=copy, max_ndim=limits.max_ndim)
-    overhead = frame.nbytes - len(frame.payload)
+    overhead = frame.nbytes - len(frame.payload) + OBJECT_BYTES * metadata_objects(metadata)
     return Message(key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"], overhead)
 
 

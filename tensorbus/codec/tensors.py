@@ -8,7 +8,7 @@ from typing import Any, Union
 
 import numpy as np
 
-from ..errors import LimitExceeded, MalformedHeader, UnsupportedDtype
+from ..errors import LimitExceeded, MalformedHeader, UnsupportedDtype, brief
 from .dtypes import describe, resolve
 
 ALIGN = 64
@@ -45,7 +45,7 @@ class SparseTensor:
         """Scatter the values into a new dense array (duplicate indices are summed)."""
         dense = np.zeros(self.dense_shape, dtype=self.values.dtype)
         if not self.dense_shape:  # a scalar: every entry (indices of zero columns) names the one element
-            dense[()] = self.values.sum(dtype=dense.dtype)
+            dense[()] = self.values.sum(dtype=dense.dtype.newbyteorder("="))  # ufuncs take native order only
         elif self.indices.shape[0]:
             np.add.at(dense, tuple(self.indices.T), self.values)
         return dense
@@ -130,11 +130,11 @@ def _array(entry: Any, payload: memoryview, max_ndim: int, at: int) -> np.ndarra
     except KeyError as missing:
         raise MalformedHeader(f"tensor entry lacks field {missing}") from None
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedHeader(f"shape must be a list of non-negative ints, got {shape!r}")
+        raise MalformedHeader(f"shape must be a list of non-negative ints, got {brief(shape)}")
     if len(shape) > max_ndim:
         raise LimitExceeded(f"tensor has {len(shape)} dimensions; the limit is max_ndim={max_ndim}")
     if type(offset) is not int or type(nbytes) is not int:
-        raise MalformedHeader(f"offset and nbytes must be ints, got {offset!r} and {nbytes!r}")
+        raise MalformedHeader(f"offset and nbytes must be ints, got {brief(offset)} and {brief(nbytes)}")
     if offset != at:
         raise MalformedHeader(f"tensor at offset {offset}: tensors follow one another (64-byte aligned) from {at}")
     expected = math.prod(shape) * dtype.itemsize
@@ -152,7 +152,7 @@ def _array(entry: Any, payload: memoryview, max_ndim: int, at: int) -> np.ndarra
 def _sparse(indices: np.ndarray, values: np.ndarray, dense_shape: Any, max_ndim: int) -> SparseTensor:
     """The received COO tensor, indices int64 and inside `dense_shape`: `to_dense` cannot fail or misplace values."""
     if not isinstance(dense_shape, list) or not all(type(d) is int and 0 <= d < 1 << 63 for d in dense_shape):
-        raise MalformedHeader(f"sparse dense_shape must be a list of non-negative int64s, got {dense_shape!r}")
+        raise MalformedHeader(f"sparse dense_shape must be a list of non-negative int64s, got {brief(dense_shape)}")
     if len(dense_shape) > max_ndim:
         raise LimitExceeded(f"sparse tensor has {len(dense_shape)} dimensions; the limit is max_ndim={max_ndim}")
     if not (indices.dtype.kind == "i" and indices.dtype.itemsize == 8):  # either byte order: the sender's
@@ -189,4 +189,4 @@ def rebuild(header: dict[str, Any], payload: memoryview, *, copy: bool, max_ndim
         return dict(zip(names, arrays, strict=False))
     if kind == "sparse" and len(arrays) == 2:
         return _sparse(arrays[0], arrays[1], header.get("dense_shape"), max_ndim)
-    raise MalformedHeader(f"payload kind {kind!r} with {len(arrays)} tensors is not one this build knows")
+    raise MalformedHeader(f"payload kind {brief(kind)} with {len(arrays)} tensors is not one this build knows")

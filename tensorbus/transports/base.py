@@ -36,6 +36,8 @@ class Deliver(Protocol):
     def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
 
+        The frame's buffer is handed over: the transport must not write to it again.
+
         While the consumer's table is full this waits for room, unless `may_hold`: then a complete
         message that does not fit comes back as `Delivered.held`, for a caller that can stop
         reading just the source it came from (backpressure per producer, not per transport).

@@ -12,6 +12,7 @@ import pytest
 import tensorbus as tb
 from tensorbus.codec.frame import encode_raw
 from tests.conftest import endpoint_url
+from tests.faults import wait_for
 from tests.integration.test_behaviour import TRANSPORTS
 
 
@@ -50,6 +51,24 @@ def test_chunk_flood_claiming_huge_totals_stays_within_the_reassembly_limit() ->
         assert np.array_equal(consumer.recv("real", timeout=30), np.arange(1000))
         assert consumer.reassembler.held_bytes == 0
         assert consumer.stats["rejected"] == 2000
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_tiny_chunk_claiming_gigabytes_does_not_crowd_out_an_honest_chunked_tensor(transport: str) -> None:
+    with tb.Consumer(endpoint_url(transport)) as consumer:  # the default budget: 2 GiB
+        total, stride = (1 << 31) - (64 << 10), 1024  # leaves less free than the honest tensor needs
+        count = total // stride
+        header = {"kind": "chunk", "key": "junk", "id": ["evil", 1], "chunk": [count - 1, count, total, stride]}
+        # (a socket consumer never acks a frame of an incomplete message: the attacker cannot flush)
+        quick = {"close_timeout_s": 0.5} if transport in ("tcp", "unix") else {}
+        with tb.Producer(consumer.address, **quick) as attacker:
+            attacker.transport.send(encode_raw(header, [bytes(stride)], stride), key="junk")  # ~1.1 KB sent
+            wait_for(lambda: consumer.reassembler.pending == 1, 30, "the claim to reach the consumer")
+            with tb.Producer(consumer.address, max_frame_bytes=64 << 10) as honest:
+                honest.send("w", np.arange(100_000.0))
+                honest.flush(30)
+            assert np.array_equal(consumer.recv("w", timeout=30), np.arange(100_000.0))
+            assert consumer.reassembler.pending == 1 and consumer.reassembler.held_bytes < 1 << 20  # not 2 GB
 
 
 def test_frames_over_the_consumer_limits_are_refused_before_allocation() -> None:

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from tensorbus.codec.frame import PREFIX, encode_raw
+from tensorbus.codec.frame import CRC_AT, FLAG_CHECKSUM, MAGIC, PREFIX, VERSION, checksum_of, encode_raw
+from tensorbus.codec.tensors import align
 
 
 def craft(header: dict, payload: bytes = b"", checksum: bool = True) -> bytes:
@@ -252,3 +253,47 @@ def test_bounded_fuzz_of_mutated_frames() -> None:
         except tb.CodecError:
             outcomes["rejected"] += 1
     assert outcomes["rejected"] > 3000 and sum(outcomes.values()) == 6000
+
+
+DEEP = [1]
+for _ in range(1000):  # within msgpack's own nesting limit: each level is one byte on the wire
+    DEEP = [DEEP]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {**tensor_header(), "id": DEEP},
+        {**tensor_header(), "kind": DEEP},
+        tensor_header(shape=DEEP),
+        tensor_header(dtype=DEEP),
+        {"kind": "chunk", "key": None, "id": ["p", 1], "chunk": DEEP},
+        {**tensor_header(), "meta": {"a": DEEP}},
+    ],
+    ids=["id", "kind", "shape", "dtype", "chunk", "metadata"],
+)
+def test_a_value_nested_a_thousand_levels_deep_is_a_codec_error(header: dict) -> None:
+    packed = msgpack.packb(header)  # by hand: a tensorbus sender refuses to write such metadata
+    head = bytearray(align(PREFIX.size + len(packed)))
+    PREFIX.pack_into(head, 0, MAGIC, VERSION, FLAG_CHECKSUM, 0, len(packed), 16, 0)
+    head[PREFIX.size : PREFIX.size + len(packed)] = packed
+    frame = bytearray(head + bytes(16))
+    struct.pack_into("<I", frame, CRC_AT, checksum_of(frame))
+    for decode in (tb.decode, tb.Reassembler().feed):
+        with pytest.raises(tb.CodecError):  # not a RecursionError from printing it in the message
+            decode(frame)
+
+
+def test_metadata_nested_past_the_limit_is_refused_by_the_sender_too() -> None:
+    nested: dict = {"leaf": 1}
+    for _ in range(40):
+        nested = {"n": nested}
+    with pytest.raises(tb.MalformedHeader, match="deeper than 32"):
+        tb.encode(np.zeros(1), metadata=nested)
+
+
+def test_the_buffer_limit_counts_metadata_objects_not_only_their_bytes() -> None:
+    metadata = {"x": [{} for _ in range(10_000)]}  # 1 byte per empty map on the wire, ~64 as Python objects
+    frame = tb.dumps(np.zeros(1), metadata=metadata)
+    message = tb.decode(frame)
+    assert len(frame) < 11_000 and message.header_bytes > 10_000 * 64

@@ -91,15 +91,35 @@ def test_incomplete_messages_expire_and_free_memory() -> None:
     assert later is not None and later.key == "later"
 
 
-def test_memory_limit_refuses_new_messages_but_keeps_going() -> None:
+def test_the_memory_limit_gives_up_the_message_whose_chunk_would_pass_it_and_keeps_going() -> None:
     reassembler = tb.Reassembler(max_bytes=1_000_000)
-    big = chunks_of(np.zeros(100_000), 100_000, seq=1)  # ~800 KB held once started
-    assert reassembler.feed(big[0]) is None
-    other = chunks_of(np.zeros(100_000), 100_000, seq=2)
-    with pytest.raises(tb.LimitExceeded, match="limit is 1000000"):
-        reassembler.feed(other[0])
-    messages = [reassembler.feed(c) for c in big[1:]]
-    assert messages[-1] is not None and messages[-1].tensor.shape == (100_000,)
+    big = chunks_of(np.zeros(100_000), 100_000, seq=1)  # 800 KB in 9 chunks of ~100 KB
+    other = chunks_of(np.ones(100_000), 100_000, seq=2)
+    assert reassembler.feed(big[0]) is None and reassembler.feed(other[0]) is None  # both start
+    assert all(reassembler.feed(c) is None for c in big[1:5])  # over half here: `big` now holds its whole 800 KB
+    assert reassembler.held_bytes > 900_000
+    with pytest.raises(tb.LimitExceeded, match="limit is 1000000: message given up"):
+        reassembler.feed(other[1])
+    assert reassembler.pending == 1 and reassembler.stats["refused"] == 1
+    assert all(reassembler.feed(c) is None for c in other[2:])  # its later chunks are dropped, not started again
+    assert reassembler.pending == 1 and reassembler.stats["given_up_chunks"] == len(other) - 2
+    messages = [reassembler.feed(c) for c in big[5:]]
+    assert messages[-1] is not None and np.array_equal(messages[-1].tensor, np.zeros(100_000))
+    assert reassembler.held_bytes == 0
+
+
+def test_a_tiny_chunk_claiming_the_whole_budget_reserves_nothing() -> None:
+    from tensorbus.codec.frame import encode_raw
+
+    reassembler = tb.Reassembler(max_bytes=2 << 20)
+    total, stride = (2 << 20) - (32 << 10), 1024
+    count = -(-total // stride)
+    last = total - (count - 1) * stride  # the last chunk may be smaller than the minimum stride
+    header = {"kind": "chunk", "key": None, "id": ["evil", 1], "chunk": [count - 1, count, total, stride]}
+    assert reassembler.feed(b"".join(encode_raw(header, [bytes(last)], last))) is None
+    assert reassembler.held_bytes < 20 << 10  # what it sent and its bookkeeping, not the 2 MB it claims
+    out = [reassembler.feed(c) for c in chunks_of(np.arange(150_000.0), 100_000, seq=7)]  # 1.2 MB: fits beside it
+    assert out[-1] is not None and np.array_equal(out[-1].tensor, np.arange(150_000.0))
 
 
 def test_flood_of_chunks_claiming_huge_totals_allocates_nothing_beyond_the_limit() -> None:

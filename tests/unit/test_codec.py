@@ -140,6 +140,8 @@ def test_a_sparse_scalar_sums_its_entries_into_its_one_element() -> None:
     dense = tb.loads(tb.dumps(scalar)).to_dense()
     assert dense.shape == () and dense == 3.5
     assert tb.SparseTensor(np.zeros((0, 0), np.int64), np.zeros(0), ()).to_dense() == 0
+    big_endian = tb.SparseTensor(np.zeros((2, 0), np.int64), np.array([1.5, 2.0], ">f8"), ())
+    assert tb.loads(tb.dumps(big_endian)).to_dense() == 3.5
 
 
 def test_sparse_rejects_inconsistent_parts() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -29,7 +30,8 @@ def test_make_key_rejects_separators_in_parts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("incarnation", "frame_iter"), [(1.5, (0, 0)), (True, (0, 0)), (-1, (0, 0)), (1, ("0", "1:2")), (1, (0,)), (1, 5)]
+    ("incarnation", "frame_iter"),
+    [(1.5, (0, 0)), (True, (0, 0)), (-1, (0, 0)), (1 << 64, (0, 0)), (1, ("0", "1:2")), (1, (0,)), (1, 5)],
 )
 def test_make_key_refuses_what_parse_key_would_refuse(incarnation: object, frame_iter: object) -> None:
     # such a key would not parse, so it would also slip past incarnation fencing
@@ -211,3 +213,22 @@ def test_fencing_remembers_a_bounded_number_of_sources(monkeypatch: pytest.Monke
     assert len(table._incarnations) == 3
     with pytest.raises(tb.StaleIncarnation):
         table.send(tb.make_key("kept", 4, "ps", "g"), np.ones(1))
+
+
+def test_an_incarnation_is_at_most_64_bits_and_a_long_source_name_is_not_kept() -> None:
+    with pytest.raises(tb.ConfigError, match="malformed"):
+        tb.parse_key("w;" + "f" * 17 + ";ps;g;0:0")  # one hex digit too many
+    assert tb.parse_key("w;" + "f" * 16 + ";ps;g;0:0").src_incarnation == (1 << 64) - 1
+    table = tb.Rendezvous()
+    tracemalloc.start()
+    try:
+        for i in range(100):  # peers naming sources of 100 KB each: fencing remembers each at a fixed cost
+            key = tb.make_key(f"{i}" + "s" * 100_000, 1, "ps", "g")
+            table.send(key, np.ones(1))
+            table.recv(key, timeout=1)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, held  # not the 10 MB of names
+    with pytest.raises(tb.StaleIncarnation):
+        table.send(tb.make_key("7" + "s" * 100_000, 0, "ps", "g"), np.ones(1))  # still fenced
