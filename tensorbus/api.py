@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -77,12 +78,25 @@ class Producer:
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
+        self._options = options
         self.transport, opts = _open(url, PRODUCER_OPTIONS, options, "Producer")
         self.compression, self.checksum = opts["compression"], opts["checksum"]
         self.signing_key = _key_bytes(opts["signing_key"])
+        self._start_identity()
+        self._closed = False
+
+    def _start_identity(self) -> None:
+        """A fresh producer id (message ids are this id and a sequence number), for this process."""
         self.producer_id = uuid.uuid4().hex[:16]
         self._sequence = itertools.count(1)
-        self._closed = False
+        self._pid = os.getpid()
+
+    def _after_fork(self) -> None:
+        """In a forked child: become a producer of its own. With the parent's id its tensors would be
+        dropped as duplicates of the parent's (or its siblings'), and the parent's connection is the parent's."""
+        self.transport.abandon()
+        self.transport, _ = _open(self.url, PRODUCER_OPTIONS, self._options, "Producer")
+        self._start_identity()
 
     @classmethod
     def from_config(cls, path: str | Path, url: str | None = None, **overrides: Any) -> Producer:
@@ -94,6 +108,8 @@ class Producer:
         """Encode and send one tensor (ndarray, SparseTensor, dict bundle, torch tensor) under `key`."""
         if self._closed:
             raise Closed("send on a closed Producer")
+        if os.getpid() != self._pid:
+            self._after_fork()
         message_id = (self.producer_id, next(self._sequence))
         options = {
             "key": key,
@@ -178,6 +194,8 @@ class Consumer:
         )
         self._lock = threading.Lock()
         self._seen = SeenIds(opts["dedup_window"], opts["dedup_file"])
+        if opts["dedup_file"] is not None:  # recorded when the application takes a tensor, not on arrival
+            self.table.handed_out = self._handed_out
         self.stats = collections.Counter[str]()
         self._closed = False
         self._stopping = threading.Event()
@@ -232,9 +250,13 @@ class Consumer:
                 return Delivered(message_id, False, held=message)
             if message_id is not None:
                 self._seen.add(message_id)
-        if not may_hold and self._full() and not self.table.has_room_for(message.key):
-            self._wait_for_room(message.key)
-        return self._admit(message)
+        try:
+            if not may_hold and self._full() and not self.table.has_room_for(message.key):
+                self._wait_for_room(message.key)
+            return self._admit(message)
+        except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport gets the frame again
+            self._forget(message_id)
+            raise
 
     def _full(self) -> bool:
         """The table is at its limit (read without its lock: a quick look before asking properly)."""
@@ -244,14 +266,34 @@ class Consumer:
         """A held message offered again: taken (or turned away, or a duplicate) once it fits; else None."""
         if not self.table.has_room_for(message.key):
             return None
+        message_id = message.message_id
+        with self._lock:
+            if message_id is not None and message_id in self._seen:
+                self.stats["duplicates"] += 1
+                self._unhold()
+                return Delivered(message_id, True)
+            if message_id is not None:
+                self._seen.add(message_id)
+        try:
+            result = self._admit(message)
+        except BaseException:  # still held: offered again later
+            self._forget(message_id)
+            raise
         with self._lock:
             self._unhold()
-            if message.message_id is not None:
-                if message.message_id in self._seen:
-                    self.stats["duplicates"] += 1
-                    return Delivered(message.message_id, True)
-                self._seen.add(message.message_id)
-        return self._admit(message)
+        return result
+
+    def _forget(self, message_id: MessageId | None) -> None:
+        """A message marked as seen did not reach the table after all: a copy sent again is not a duplicate."""
+        if message_id is not None:
+            with self._lock:
+                self._seen.discard(message_id)
+
+    def _handed_out(self, message: Message) -> None:
+        """Record a message the application now has in the dedup file: a successor drops its resends."""
+        if message.message_id is not None:
+            with self._lock:
+                self._seen.persist(message.message_id)
 
     def _admit(self, message: Message) -> Delivered:
         """Put a decoded message (already marked as seen) in the table."""
@@ -259,9 +301,6 @@ class Consumer:
         try:
             self.table.put(message)
             self.stats["received"] += 1
-            if message_id is not None:
-                with self._lock:
-                    self._seen.persist(message_id)  # after the put: a kill in between repeats, never loses
         except Aborted:
             return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:

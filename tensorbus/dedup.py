@@ -1,9 +1,10 @@
-"""The ids of messages already handed to the application, so that a resent message is dropped.
+"""The ids of messages already received, so that a resent message is dropped.
 
-In memory the window is the last `window` ids. With a `path`, every id is also appended to that
-file (one small write, no fsync: it survives a killed process, not a power cut), and a consumer
-restarted on the same file drops what its predecessor had already delivered — which is what a
-producer resends after reconnecting to it. The file is a msgpack stream; a record cut short by a
+In memory the window is the last `window` ids that reached the consumer. With a `path`, the id of
+every message handed to the application is also appended to that file (one small write, no fsync:
+it survives a killed process, not a power cut), and a consumer restarted on the same file drops
+what its predecessor had already handed out — which is what a producer resends after reconnecting
+to it — but takes what it had only received. The file is a msgpack stream; a record cut short by a
 kill is ignored, and the file is compacted to the window once it holds twice as many records.
 """
 
@@ -28,12 +29,15 @@ class SeenIds:
     def __init__(self, window: int, path: str | Path | None = None) -> None:
         self.window = window
         self._ids: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        #: the last `window` ids persisted (what a compacted file keeps: not ids that only arrived)
+        self._persisted: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._path = Path(path) if path is not None else None
         self._fd: int | None = None
         self._records = 0
         if self._path is not None:
             for message_id in self._load(self._path):
                 self._remember(message_id)
+                self._remember(message_id, self._persisted)
             self._compact()
 
     def __contains__(self, message_id: MessageId) -> bool:
@@ -46,11 +50,16 @@ class SeenIds:
         """Remember an id, in memory: a second copy arriving meanwhile is a duplicate."""
         self._remember(message_id)
 
+    def discard(self, message_id: MessageId) -> None:
+        """Forget an id added in memory (its message never got through after all)."""
+        self._ids.pop(message_id, None)
+
     def persist(self, message_id: MessageId) -> None:
         """Append an id the application now has to the file (if any); compact it at twice the window."""
         if self._fd is not None:
             try:
                 os.write(self._fd, msgpack.packb(list(message_id)))
+                self._remember(message_id, self._persisted)
                 self._records += 1
                 if self._records >= 2 * self.window:
                     self._compact()
@@ -64,11 +73,12 @@ class SeenIds:
             with contextlib.suppress(OSError):  # already failed (e.g. EBADF): nothing more to release
                 os.close(fd)
 
-    def _remember(self, message_id: MessageId) -> None:
-        self._ids[message_id] = None
-        self._ids.move_to_end(message_id)
-        if len(self._ids) > self.window:
-            self._ids.popitem(last=False)
+    def _remember(self, message_id: MessageId, ids: collections.OrderedDict[MessageId, None] | None = None) -> None:
+        ids = self._ids if ids is None else ids
+        ids[message_id] = None
+        ids.move_to_end(message_id)
+        if len(ids) > self.window:
+            ids.popitem(last=False)
 
     @staticmethod
     def _load(path: Path) -> list[MessageId]:
@@ -95,7 +105,7 @@ class SeenIds:
         assert self._path is not None
         self.close()
         tmp = self._path.with_name(self._path.name + ".tmp")
-        tmp.write_bytes(b"".join(msgpack.packb(list(message_id)) for message_id in self._ids))
+        tmp.write_bytes(b"".join(msgpack.packb(list(message_id)) for message_id in self._persisted))
         os.replace(tmp, self._path)
         self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND)
-        self._records = len(self._ids)
+        self._records = len(self._persisted)

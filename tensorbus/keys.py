@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 from .errors import ConfigError, brief
@@ -29,17 +30,22 @@ def make_key(src: str, src_incarnation: int, dst: str, name: str, frame_iter: tu
     return f"{src};{src_incarnation:x};{dst};{name};{frame_iter[0]}:{frame_iter[1]}"
 
 
+#: what `make_key` writes for the incarnation (lowercase hex, 64 bits) and for frame:iter (decimal ints)
+_INCARNATION = re.compile(r"[0-9a-f]{1,16}", re.ASCII)
+_FRAME_ITER = re.compile(r"(-?[0-9]+):(-?[0-9]+)", re.ASCII)
+
+
 def parse_key(key: str) -> ParsedKey:
-    """Split a key made by `make_key`; anything that is not exactly five well-formed parts is refused."""
+    """Split a key made by `make_key`; anything that is not exactly five well-formed parts is refused.
+
+    Only the forms `make_key` writes are accepted ("0x1f", " 1f" or "1_f" are not "1f"): the
+    incarnation fences a source, so two spellings of one number must not pass for different keys.
+    """
     parts = key.split(";")
     if len(parts) != 5:
         raise ConfigError(f"rendezvous key must have 5 ';'-separated parts, got {len(parts)}: {brief(key)}")
     src, incarnation, dst, name, frame_iter = parts
-    frame, sep, iteration = frame_iter.partition(":")
-    try:
-        parsed = ParsedKey(src, int(incarnation, 16), dst, name, (int(frame), int(iteration)))
-    except ValueError:
-        raise ConfigError(f"rendezvous key has a bad incarnation or frame:iter part: {brief(key)}") from None
-    if not (src and dst and name and sep) or not 0 <= parsed.src_incarnation < 1 << 64:
+    numbers = _FRAME_ITER.fullmatch(frame_iter)
+    if not (src and dst and name and numbers and _INCARNATION.fullmatch(incarnation)):
         raise ConfigError(f"rendezvous key has an empty or malformed part: {brief(key)}")
-    return parsed
+    return ParsedKey(src, int(incarnation, 16), dst, name, (int(numbers[1]), int(numbers[2])))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import urllib.parse
 from pathlib import Path
@@ -16,7 +17,12 @@ _SECRET_WORDS = ("secret", "key", "password", "token")
 
 
 def finite_timeout(timeout: float | None) -> float | None:
-    """`timeout`, or None (wait forever) for one too long for the platform's waits (e.g. `math.inf`)."""
+    """`timeout`, or None (wait forever) for one too long for the platform's waits (e.g. `math.inf`).
+
+    NaN is refused: compared with anything it is neither less nor more, so a wait on it would never end.
+    """
+    if timeout is not None and math.isnan(timeout):
+        raise ConfigError("a timeout cannot be NaN")
     return None if timeout is not None and timeout >= threading.TIMEOUT_MAX else timeout
 
 
@@ -89,7 +95,18 @@ def merge(
                 options[name] = _coerce(name, value, known[name])
             else:
                 options[name] = _check_type(name, value, known[name])
+            _check_value(name, options[name])
     return options
+
+
+def _check_value(name: str, value: Any) -> None:
+    """Refuse durations that are negative or NaN and sizes or counts that are not positive, by the unit in the name."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if name.endswith("_s") and not value >= 0:  # (NaN fails every comparison)
+        raise ConfigError(f"option {name} must be a duration of 0 seconds or more, got {value!r}")
+    if name.endswith(("_bytes", "_frames")) and not value > 0:
+        raise ConfigError(f"option {name} must be positive, got {value!r}")
 
 
 def load_config(path: str | Path, role: str) -> tuple[str | None, dict[str, Any]]:

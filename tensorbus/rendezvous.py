@@ -106,6 +106,9 @@ class Rendezvous:
         #: set by a consumer whose transport holds messages that did not fit: called (under the
         #: table's lock, so it must not block) when room opens or a receiver starts waiting
         self.room_opened: Callable[[], None] | None = None
+        #: called with each message as it is handed to the application (a recv returning it, a
+        #: callback about to get it), on the receiving thread: a consumer records it as delivered
+        self.handed_out: Callable[[Message], None] | None = None
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -224,10 +227,11 @@ class Rendezvous:
         with self._cond:
             self._raise_if_aborted()
             message = self._take(key)
-            if message is not None:
-                return message
-            waiter = _Waiter(key, None)
-            self._add_waiter(waiter)
+            if message is None:
+                waiter = _Waiter(key, None)
+                self._add_waiter(waiter)
+        if message is not None:
+            return self._hand_out(message)
         assert waiter.done is not None
         try:
             if self.pump is not None:
@@ -246,7 +250,12 @@ class Rendezvous:
         if isinstance(waiter.result, BaseException):
             raise waiter.result
         assert waiter.result is not None
-        return waiter.result
+        return self._hand_out(waiter.result)
+
+    def _hand_out(self, message: Message) -> Message:
+        if self.handed_out is not None:
+            self.handed_out(message)
+        return message
 
     def _requeue(self, waiter: _Waiter) -> None:
         """A receive interrupted just as it was served: its message goes back, first in line."""
@@ -267,8 +276,7 @@ class Rendezvous:
         self._complete(waiter, error)
         return True
 
-    @staticmethod
-    def _complete(waiter: _Waiter, result: Message | BaseException | None) -> None:
+    def _complete(self, waiter: _Waiter, result: Message | BaseException | None) -> None:
         waiter.result = result
         if waiter.done is not None:
             waiter.done.release()
@@ -278,9 +286,11 @@ class Rendezvous:
             if isinstance(result, BaseException):
                 waiter.callback(None, result)
             else:
-                waiter.callback(result, None)
-        except Exception:
-            log.exception("recv_async callback for %r raised", waiter.key)
+                waiter.callback(self._hand_out(result), None)  # type: ignore[arg-type]
+        except BaseException as exc:  # even SystemExit: the thread delivering is a transport's, not the callback's
+            log.exception("recv_async callback for %s raised", brief(waiter.key))
+            if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # Ctrl-C while the application's own thread was delivering: it is the application's
 
     # -- flow control and shutdown ----------------------------------------------------------------
 

@@ -109,3 +109,7 @@ class Transport:
     def close(self) -> None:
         """Release connections and threads; safe to call twice."""
         raise NotImplementedError
+
+    def abandon(self) -> None:
+        """In a forked child: let go of this process's copy of the connection without touching it
+        (it is the parent's too: no flush, no goodbye). By default the objects are just dropped."""

@@ -130,7 +130,7 @@ class MemoryTransport(Transport):
             while (frame := frames.get(self._stop)) is not None:
                 try:
                     result = deliver(frame)
-                except Exception:
+                except Exception:  # (a callback's own errors, even SystemExit, are caught where it is called)
                     log.exception("memory://%s: delivering a frame failed", self.name)
                     continue
                 if result.done:
@@ -147,15 +147,21 @@ class MemoryTransport(Transport):
             back = [f for m, fs in held.items() if m == turned_away or deliver.is_pending(m) for f in fs]
             for frame in reversed(back):  # first in line for the next consumer of the name
                 frames.put(frame, front=True)
+            HUB.release(self.name)  # here, not in close: close may run on this very thread (in a callback)
 
     def close(self) -> None:
-        """Stop delivering; frames not yet delivered, and those sent later, wait for the next consumer."""
+        """Stop delivering; frames not yet delivered, and those sent later, wait for the next consumer.
+
+        Called from a `recv_async` callback (on the delivering thread), it returns at once: the
+        thread stops, and frees the name, once the callback returns.
+        """
         if self._thread is not None and self._queue is not None:
             self._stop.set()
             self._queue.wake()
-            self._thread.join(timeout=5)
-            if self._thread.is_alive():
-                log.error("memory://%s: the delivering thread did not stop; the name stays taken", self.name)
-                return
-            HUB.release(self.name)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=5)
+                if self._thread.is_alive():
+                    log.error(
+                        "memory://%s: the delivering thread has not stopped; the name is taken until it does", self.name
+                    )
             self._thread = None

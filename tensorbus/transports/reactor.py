@@ -87,6 +87,7 @@ class _Peer:
         self.incomplete: dict[MessageId | None, int] = {}  # message id -> index of its first frame here
         self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
         self.held: Message | None = None  # a message the full table could not take: this peer is not read meanwhile
+        self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
 
 
 class Reactor:
@@ -161,8 +162,8 @@ class Reactor:
                 if done.acquire(timeout=slice_s):
                     return True
                 continue
-            self._app_leads, self._leading = True, threading.get_ident()
-            try:
+            try:  # (straight after taking the lead: a Ctrl-C in between would leave it taken)
+                self._app_leads, self._leading = True, threading.get_ident()
                 self._lead(lambda: not done.locked(), time.monotonic() + slice_s, self.spin_s)
             finally:
                 self._app_leads, self._leading = False, None
@@ -276,6 +277,13 @@ class Reactor:
             self._drop(peer, "dropped: no memory for its next frame", logging.ERROR)
         except (OSError, ssl.SSLError) as exc:
             self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
+        except BaseException as exc:  # e.g. Ctrl-C in a recv reading for itself
+            if peer.replay is not None:
+                self._pending.add(peer)  # interrupted while delivering: that frame comes first next time
+            else:  # somewhere in the middle of the stream: the producer reconnects and resends instead
+                message = f"reading was interrupted ({type(exc).__name__}); its unacknowledged frames come again"
+                self._drop(peer, message, logging.WARNING)
+            raise
         finally:
             self._return_inbox(peer)
 
@@ -314,12 +322,17 @@ class Reactor:
 
     def _step(self, peer: _Peer) -> None:
         """Advance the connection by one frame (or ack request); raises a _WOULD_BLOCK error when out of bytes."""
+        if peer.replay is not None:
+            frame, crc = peer.replay
+            peer.replay = None
+            self._deliver(peer, frame, crc)
+            return
         while peer.skip_left:
             n = self._take(peer, self._scratch[: min(peer.skip_left, len(self._scratch))])
             peer.skip_left -= n
             if not peer.skip_left:
                 peer.total = PREFIX.size
-                self._finish(peer, self.deliver(peer.prefix))  # the consumer counts it as refused
+                self._deliver(peer, peer.prefix)  # the consumer counts it as refused
                 return
         while peer.frame is None:
             peer.prefix_got += self._take(peer, peer.prefix[peer.prefix_got :])
@@ -339,7 +352,18 @@ class Reactor:
                 peer.crc = crc32c.crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
             peer.got += n
         crc, peer.frame, peer.prefix_got = peer.crc, None, 0  # the next frame starts afresh, whatever deliver does
-        self._finish(peer, self.deliver(frame, crc, may_hold=True))
+        self._deliver(peer, frame, crc)
+
+    def _deliver(self, peer: _Peer, frame: memoryview, crc: int | None = None) -> None:
+        """Hand a whole frame to the consumer and book it. Should that be interrupted (Ctrl-C in a
+        `recv` reading for itself), the frame is kept and delivered again before anything else of
+        its producer: it was read off the socket, and the acks count every frame."""
+        try:
+            result = self.deliver(frame, crc, may_hold=True)
+        except BaseException:
+            peer.replay = (frame, crc)
+            raise
+        self._finish(peer, result)
 
     def _start_frame(self, peer: _Peer) -> bool:
         """Size the frame from its prefix and get its buffer; False when its bytes are to be skipped."""

@@ -224,6 +224,14 @@ class SocketTransport(Transport):
                 _, n = self._unacked.pop()
                 self._unacked_bytes -= n
 
+    def abandon(self) -> None:
+        """Close this process's descriptor of the connection: the parent's stays open (no shutdown, no FIN)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._unacked.clear()  # the parent's to resend
+        self._unacked_bytes = 0
+
     def _drop_connection(self) -> None:
         if self._sock is not None:
             self._sock.close()

@@ -5,11 +5,13 @@ Each test prints its report (sent, received, lost, duplicated to the application
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -131,3 +133,30 @@ def test_tensors_an_aborted_consumer_turns_away_reach_its_successor(transport: s
     with tb.Consumer(url) as successor:
         assert [successor.recv(f"k{i}", timeout=30)[0] for i in range(3)] == [0, 1, 2]
         assert np.array_equal(successor.recv("big", timeout=30), big)
+
+
+def _take_one_then_hold(url: str, dedup_file: str, ready: Any) -> None:
+    consumer = tb.Consumer(url, dedup_file=dedup_file)
+    consumer.recv("k0", timeout=20)  # handed to the application: recorded in the file
+    faults.wait_for(lambda: len(consumer.table) == 4, 20, "the other four to arrive")  # received, not taken
+    ready.set()
+    time.sleep(60)  # killed here
+
+
+def test_a_dedup_file_records_what_was_handed_out_not_what_merely_arrived(tmp_path: Path) -> None:
+    url = f"tcp://127.0.0.1:{faults.free_port()}"
+    dedup_file = str(tmp_path / "delivered.ids")
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    first = context.Process(target=_take_one_then_hold, args=(url, dedup_file, ready))
+    first.start()
+    with tb.Producer(url, reconnect_timeout_s=30) as producer:
+        for i in range(5):  # fewer than an ack's worth: none of them is acknowledged before the kill
+            producer.send(f"k{i}", np.full(2, i))
+        assert ready.wait(30)
+        os.kill(first.pid, signal.SIGKILL)
+        first.join(10)
+        with tb.Consumer(url, dedup_file=dedup_file) as successor:
+            producer.flush(30)  # all five come again
+            assert [int(successor.recv(f"k{i}", timeout=10)[0]) for i in range(1, 5)] == [1, 2, 3, 4]
+            assert successor.stats["duplicates"] == 1  # k0, which the application had

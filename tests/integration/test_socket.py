@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import socket
 import threading
@@ -642,3 +643,71 @@ def test_a_held_back_tensor_is_not_acknowledged_so_a_successor_gets_it() -> None
         producer.flush(timeout=20)  # resends what was never acknowledged, to the successor
         assert successor.recv(held_key, timeout=10)[0] == int(held_key[1:])
     producer.close()
+
+
+def test_a_ctrl_c_while_recv_reads_for_itself_loses_no_tensor_and_no_ack() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+        feed, interrupted = consumer.reassembler.feed, []
+
+        def interrupt_once(*args: Any, **options: Any) -> Any:  # the signal lands while the frame is decoded
+            if threading.current_thread() is threading.main_thread() and not interrupted:
+                interrupted.append(True)
+                raise KeyboardInterrupt
+            return feed(*args, **options)
+
+        consumer.reassembler.feed = interrupt_once  # type: ignore[method-assign]
+        threading.Timer(0.2, lambda: producer.send("a", np.arange(3))).start()
+        with pytest.raises(KeyboardInterrupt):
+            consumer.recv("a", timeout=10)
+        assert interrupted and consumer.recv("a", timeout=10).tolist() == [0, 1, 2]  # read again, not lost
+        producer.send("b", np.arange(4))
+        assert consumer.recv("b", timeout=10).tolist() == [0, 1, 2, 3]
+        producer.flush(10)  # the acks still count every frame
+        assert consumer.stats["received"] == 2 and consumer.stats["duplicates"] == 0
+
+
+def test_a_callback_raising_system_exit_does_not_stop_the_reader() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+
+        def leave(message: object, error: object) -> None:
+            raise SystemExit("from a callback")
+
+        consumer.recv_async("a", leave)
+        producer.send("a", np.arange(3))
+        wait_for(lambda: consumer.stats["received"] == 1, 10, "the callback to run")
+        producer.send("b", np.arange(4))
+        producer.flush(10)  # acked while nobody waits in recv: the background reader is alive
+        assert consumer.recv("b", timeout=10).tolist() == [0, 1, 2, 3]
+
+
+_FORKED: tb.Producer | None = None
+
+
+def _send_from_a_forked_worker(worker: int) -> None:
+    assert _FORKED is not None
+    for i in range(10):
+        _FORKED.send(f"w{worker}", np.full(3, i))
+    _FORKED.flush(20)
+
+
+def test_a_producer_created_before_a_fork_is_a_producer_of_its_own_in_each_child() -> None:
+    global _FORKED
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        _FORKED = tb.Producer(consumer.address)
+        _FORKED.send("parent", np.arange(2))  # connected: the children must not write on this connection
+        workers = [
+            multiprocessing.get_context("fork").Process(target=_send_from_a_forked_worker, args=(w,)) for w in range(3)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(60)
+        assert [worker.exitcode for worker in workers] == [0, 0, 0]
+        _FORKED.send("parent", np.arange(2))
+        _FORKED.flush(20)
+        for w in range(3):
+            assert [int(consumer.recv(f"w{w}", timeout=10)[0]) for _ in range(10)] == list(range(10))
+        assert consumer.recv("parent", timeout=10).tolist() == consumer.recv("parent", timeout=10).tolist() == [0, 1]
+        assert consumer.stats["received"] == 32 and consumer.stats["duplicates"] == 0
+        _FORKED.close()
+        _FORKED = None

@@ -256,3 +256,57 @@ def test_logged_urls_hide_passwords_and_secrets() -> None:
     shown = tensorbus.options.redact("amqp://u:pw@h:5672/%2F?queue=q&signing_key=abc&auth_secret=s&prefetch_count=3")
     assert shown == "amqp://u:***@h:5672/%2F?queue=q&signing_key=***&auth_secret=***&prefetch_count=3"
     assert tensorbus.options.redact("tcp://127.0.0.1:5") == "tcp://127.0.0.1:5"
+
+
+def test_a_callback_raising_system_exit_costs_nothing_but_its_own_call(caplog: pytest.LogCaptureFixture) -> None:
+    with tb.Consumer("memory://exit-callback") as consumer, tb.Producer("memory://exit-callback") as producer:
+
+        def leave(message: object, error: object) -> None:
+            raise SystemExit("from a callback")
+
+        consumer.recv_async("a", leave)
+        producer.send("a", np.arange(3))
+        producer.send("b", np.arange(4))
+        assert consumer.recv("b", timeout=5).tolist() == [0, 1, 2, 3]  # the delivering thread lives on
+    assert "recv_async callback for 'a' raised" in caplog.text
+
+
+def test_closing_a_memory_consumer_from_its_own_callback_frees_the_name() -> None:
+    consumer = tb.Consumer("memory://close-in-callback")
+    closed = threading.Event()
+
+    def close(message: object, error: object) -> None:
+        consumer.close()
+        closed.set()
+
+    consumer.recv_async("a", close)
+    with tb.Producer("memory://close-in-callback") as producer:
+        producer.send("a", np.arange(3))
+        assert closed.wait(5)
+        for _ in range(100):  # the delivering thread frees the name once the callback returned
+            try:
+                successor = tb.Consumer("memory://close-in-callback")
+                break
+            except tb.TransportError:
+                time.sleep(0.05)
+        producer.send("b", np.arange(2))
+        assert successor.recv("b", timeout=5).tolist() == [0, 1]
+        successor.close()
+
+
+@pytest.mark.parametrize("url", ["memory://nan", "tcp://127.0.0.1:0"])
+def test_a_nan_timeout_is_a_config_error_not_a_wait_forever(url: str) -> None:
+    with tb.Consumer(url) as consumer:
+        with pytest.raises(tb.ConfigError, match="NaN"):
+            consumer.recv("k", timeout=float("nan"))
+
+
+@pytest.mark.parametrize(
+    "option", [{"connect_timeout_s": -5}, {"send_timeout_s": float("nan")}, {"max_unacked_bytes": -1}]
+)
+def test_durations_below_zero_and_sizes_below_one_are_config_errors(option: dict) -> None:
+    with pytest.raises(tb.ConfigError, match=next(iter(option))):
+        tb.Producer("tcp://127.0.0.1:5555", **option)
+    name, value = next(iter(option.items()))
+    with pytest.raises(tb.ConfigError, match=name):
+        tb.Producer(f"tcp://127.0.0.1:5555?{name}={value}")

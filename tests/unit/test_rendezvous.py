@@ -18,7 +18,14 @@ def test_make_key_and_parse_key_round_trip() -> None:
     assert tb.parse_key(key) == ("/job:worker/task:0", 31, "/job:ps/task:1", "grad/w", (2, 7))
 
 
-@pytest.mark.parametrize("bad", ["a;1;b;c", "a;1;b;c;0:0;x", "a;zz;b;c;0:0", "a;1;b;c;0", ";1;b;c;0:0", "a;1;b;c;x:0"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        *("a;1;b;c", "a;1;b;c;0:0;x", "a;zz;b;c;0:0", "a;1;b;c;0", ";1;b;c;0:0", "a;1;b;c;x:0"),
+        *("a;0x1f;b;c;0:0", "a; 1f;b;c;0:0", "a;+1f;b;c;0:0", "a;1_f;b;c;0:0", "a;1F;b;c;0:0", "a;1;b;c; 1:+2"),
+        "a;1;b;c;\u0661:0",  # an Arabic-Indic one: int() would take it
+    ],
+)
 def test_parse_key_rejects_anything_but_five_good_parts(bad: str) -> None:
     with pytest.raises(tb.ConfigError):
         tb.parse_key(bad)
