@@ -200,7 +200,6 @@ class Consumer:
         self._closed = False
         self._stopping = threading.Event()
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
-        self._held_since = 0.0  # when the first of them began to wait
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):
             self.table.pump = self._pump
@@ -324,14 +323,14 @@ class Consumer:
         their chunks are not late, this consumer just is not reading them, and expiring them would
         drop tensors the broker delivered whole."""
         if not self._held_up:
-            self._held_since = self.reassembler.clock()
+            self.reassembler.pause()
         self._held_up += 1
 
     def _unhold(self) -> None:
         """A held-up delivery went through (caller holds `_lock`)."""
         self._held_up -= 1
         if not self._held_up:
-            self.reassembler.postpone(self.reassembler.clock() - self._held_since)
+            self.reassembler.resume()
 
     def _pump(self, done: threading.Lock, deadline: float | None) -> bool:
         """Let a thread waiting in `recv` read frames itself: its tensor then needs no thread hand-off."""
@@ -342,8 +341,7 @@ class Consumer:
         interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0))
         while not self._stopping.wait(interval):
             with self._lock:
-                if not self._held_up:
-                    self.reassembler.expire()
+                self.reassembler.expire()  # (nothing while a delivery is held up: see `_hold`)
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""

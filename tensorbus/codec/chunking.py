@@ -214,6 +214,7 @@ class Reassembler:
         self._partials: dict[MessageId, _Partial] = {}
         self._done: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._given_up: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        self._paused_since: float | None = None
         self.held_bytes = 0
         #: the message id of the last chunk fed (None for whole frames), for transports that ack per message
         self.last_message_id: MessageId | None = None
@@ -312,9 +313,7 @@ class Reassembler:
         partial = self._partials.pop(message_id)
         self.held_bytes -= partial.charged
         self.stats["refused"] += 1
-        self._given_up[message_id] = None
-        if len(self._given_up) > 4096:
-            self._given_up.popitem(last=False)
+        self._remember_given_up(message_id)
         log.error(
             "gave up on message %s (key %r): %d of %d bytes received, %d bytes held for reassembly (limit %d)",
             message_id,
@@ -357,17 +356,24 @@ class Reassembler:
     def _start(self, message_id: MessageId, count: int, total: int, stride: int, header: dict[str, Any]) -> _Partial:
         if total + PARTIAL_OVERHEAD > self.max_bytes:  # could never be held whole
             self.stats["refused"] += 1
+            self._remember_given_up(message_id)
             raise LimitExceeded(f"a chunked message of {total} bytes; the reassembly limit is {self.max_bytes}")
         if self.held_bytes + PARTIAL_OVERHEAD > self.max_bytes:
             self.stats["refused"] += 1
+            self._remember_given_up(message_id)  # its later chunks are dropped: it cannot be whole any more
             raise LimitExceeded(
                 f"{len(self._partials)} messages hold {self.held_bytes} bytes for reassembly; "
-                f"the limit is {self.max_bytes}"
+                f"the limit is {self.max_bytes}: message given up"
             )
         partial = _Partial(total, count, stride, header.get("key"), self.clock())
         self._partials[message_id] = partial
         self._charge(partial, PARTIAL_OVERHEAD)
         return partial
+
+    def _remember_given_up(self, message_id: MessageId) -> None:
+        self._given_up[message_id] = None
+        if len(self._given_up) > 4096:
+            self._given_up.popitem(last=False)
 
     def _finish(self, message_id: MessageId) -> None:
         partial = self._partials.pop(message_id)
@@ -377,7 +383,9 @@ class Reassembler:
             self._done.popitem(last=False)
 
     def expire(self) -> int:
-        """Drop messages incomplete for longer than `timeout_s`; return how many were dropped."""
+        """Drop messages incomplete for longer than `timeout_s`; return how many were dropped (none while paused)."""
+        if self._paused_since is not None:
+            return 0
         now, stale = self.clock(), []
         for mid, p in self._partials.items():  # oldest first (started in insertion order): stop at a fresh one
             if now - p.started <= self.timeout_s:
@@ -397,11 +405,18 @@ class Reassembler:
         self.stats["expired"] += len(stale)
         return len(stale)
 
-    def postpone(self, seconds: float) -> None:
-        """Give every incomplete message `seconds` more before it expires (its chunks were not read meanwhile)."""
-        if seconds > 0:
+    def pause(self) -> None:
+        """Stop the clocks of incomplete messages: their chunks are not late, their reader is held up."""
+        if self._paused_since is None:
+            self._paused_since = self.clock()
+
+    def resume(self) -> None:
+        """Start the clocks again, giving every incomplete message the time they stood still."""
+        if self._paused_since is not None:
+            stood = self.clock() - self._paused_since
+            self._paused_since = None
             for partial in self._partials.values():
-                partial.started += seconds
+                partial.started += stood
 
     def is_pending(self, message_id: MessageId | None) -> bool:
         """True while some but not all chunks of `message_id` have arrived."""

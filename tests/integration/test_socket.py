@@ -711,3 +711,30 @@ def test_a_producer_created_before_a_fork_is_a_producer_of_its_own_in_each_child
         assert consumer.stats["received"] == 32 and consumer.stats["duplicates"] == 0
         _FORKED.close()
         _FORKED = None
+
+
+def test_a_half_received_tensor_of_a_held_back_producer_does_not_expire_while_others_flow() -> None:
+    from tensorbus.codec import encode_chunks
+
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=1 << 20, reassembly_timeout_s=1.0) as consumer:
+        held, other = tb.Producer(consumer.address), tb.Producer(consumer.address)
+        for i in range(4):
+            held.send("fill", np.full(1 << 16, i, np.float32))  # 4 x 256 KiB: the table is full
+        x = np.arange(1 << 19, dtype=np.float32)
+        chunks = encode_chunks(x, max_chunk_bytes=1 << 16, message_id=(held.producer_id, 1000), key="x")
+        for part in chunks[:10]:  # as if two threads shared the producer: half of x, then a whole tensor
+            held.transport.send(part, key="x")
+        held.transport.send(tb.encode(np.zeros(4), key="m", message_id=(held.producer_id, 1001)), key="m")
+        for part in chunks[10:]:
+            held.transport.send(part, key="x")
+        wait_for(lambda: consumer.transport.reactor._held, 10, "the whole tensor to be held back")  # type: ignore[attr-defined]
+        for _ in range(25):  # 2.5 s of another producer's traffic, read by recv: x's clock stands still
+            other.send("q", np.arange(3))
+            consumer.recv("q", timeout=5)
+            time.sleep(0.1)
+        assert [int(consumer.recv("fill", timeout=5)[0]) for _ in range(4)] == [0, 1, 2, 3]
+        assert consumer.recv("m", timeout=5).tolist() == [0, 0, 0, 0]
+        assert np.array_equal(consumer.recv("x", timeout=5), x)
+        assert consumer.reassembler.stats["expired"] == 0 and consumer.reassembler.held_bytes == 0
+        held.close()
+        other.close()

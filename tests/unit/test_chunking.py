@@ -210,3 +210,15 @@ def test_copy_true_gives_a_reassembled_tensor_its_own_memory() -> None:
     out = [reassembler.feed(c, copy=True) for c in chunks_of(np.arange(50_000.0), 30_000)]
     tensor = out[-1].tensor
     assert tensor.flags.owndata and tensor.flags.writeable and tensor[49_999] == 49_999.0
+
+
+def test_a_message_refused_at_its_first_chunk_is_given_up_so_its_later_chunks_hold_nothing() -> None:
+    reassembler = tb.Reassembler(max_bytes=300_000)
+    first = chunks_of(np.ones(70_000, np.float32), 65_536, seq=1)  # ~280 KB
+    second = chunks_of(np.ones(40_000, np.float32), 65_536, seq=2)
+    assert all(reassembler.feed(c) is None for c in first[:-1])  # past half: its whole buffer is charged
+    with pytest.raises(tb.LimitExceeded, match="message given up"):
+        reassembler.feed(second[0])
+    assert reassembler.feed(first[-1]) is not None
+    assert all(reassembler.feed(c) is None for c in second[1:])
+    assert reassembler.pending == 0 and reassembler.held_bytes == 0  # not a partial that can never be whole
