@@ -378,7 +378,7 @@ def test_a_consumer_out_of_file_descriptors_accepts_again_once_it_has_some() -> 
 def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_a_successor(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="tensorbus")  # (an in-process CLI test may have raised its level)
     path = str(tmp_path / "tb.sock")
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
