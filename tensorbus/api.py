@@ -91,9 +91,11 @@ class Producer:
         self._sequence = itertools.count(1)
         self._pid = os.getpid()
 
-    def _after_fork(self) -> None:
+    def _check_fork(self) -> None:
         """In a forked child: become a producer of its own. With the parent's id its tensors would be
         dropped as duplicates of the parent's (or its siblings'), and the parent's connection is the parent's."""
+        if os.getpid() == self._pid:
+            return
         self.transport.abandon()
         self.transport, _ = _open(self.url, PRODUCER_OPTIONS, self._options, "Producer")
         self._start_identity()
@@ -108,8 +110,7 @@ class Producer:
         """Encode and send one tensor (ndarray, SparseTensor, dict bundle, torch tensor) under `key`."""
         if self._closed:
             raise Closed("send on a closed Producer")
-        if os.getpid() != self._pid:
-            self._after_fork()
+        self._check_fork()
         message_id = (self.producer_id, next(self._sequence))
         options = {
             "key": key,
@@ -137,10 +138,12 @@ class Producer:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the transport confirms everything sent so far (where it confirms at all)."""
+        self._check_fork()
         self.transport.flush(finite_timeout(timeout))
 
     def close(self) -> None:
         """Flush what can be flushed and release the connection."""
+        self._check_fork()  # (the parent's connection is not this process's to flush or close)
         if not self._closed:
             self._closed = True
             self.transport.close()

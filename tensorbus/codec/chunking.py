@@ -14,7 +14,7 @@ import crc32c
 import msgpack
 
 from ..buffers import BufferPool
-from ..errors import ConfigError, LimitExceeded, MalformedHeader, brief
+from ..errors import CodecError, ConfigError, LimitExceeded, MalformedHeader, brief
 from .crc import combine
 from .frame import (
     CRC_AT,
@@ -259,24 +259,33 @@ class Reassembler:
             raise MalformedHeader(f"chunk {index} of message {message_id} disagrees with the earlier chunks")
         if index in partial.received:
             self.stats["duplicates"] += 1
-            return None
-        self._place(message_id, partial, index, frame.payload, owned or isinstance(data, bytes))
-        partial.received.add(index)
-        if frame.flags & (FLAG_CHECKSUM | FLAG_SIGNED) == FLAG_CHECKSUM:
-            whole, skipped = crcs[1:] if crcs is not None else payload_crcs(frame.payload)
-            partial.crcs[index] = skipped if index == 0 else whole
-        if len(partial.received) < count:
-            return None
+            if len(partial.received) < count:
+                return None
+            # whole already: the decode of it was interrupted (Ctrl-C) and its last chunk is fed again
+        else:
+            self._place(message_id, partial, index, frame.payload, owned or isinstance(data, bytes))
+            partial.received.add(index)
+            if frame.flags & (FLAG_CHECKSUM | FLAG_SIGNED) == FLAG_CHECKSUM:
+                whole, skipped = crcs[1:] if crcs is not None else payload_crcs(frame.payload)
+                partial.crcs[index] = skipped if index == 0 else whole
+            if len(partial.received) < count:
+                return None
         if partial.buffer is None:
             self._allocate(partial)
-        self._finish(message_id)
         assert partial.buffer is not None
-        crc = self._combined_crc(partial)
-        return message_from_frame(
-            parse(partial.buffer, limits=self.limits, signing_key=self.signing_key, crc=crc),
-            copy=copy,
-            limits=self.limits,
-        )
+        try:
+            message = message_from_frame(
+                parse(
+                    partial.buffer, limits=self.limits, signing_key=self.signing_key, crc=self._combined_crc(partial)
+                ),
+                copy=copy,
+                limits=self.limits,
+            )
+        except CodecError:
+            self._finish(message_id)  # a bad frame: done with it (anything else leaves it to be fed again)
+            raise
+        self._finish(message_id)
+        return message
 
     def _place(self, message_id: MessageId, partial: _Partial, index: int, payload: memoryview, owned: bool) -> None:
         """Put a chunk's bytes in place, or keep them until the message gets its buffer (see the class)."""

@@ -738,3 +738,50 @@ def test_a_half_received_tensor_of_a_held_back_producer_does_not_expire_while_ot
         assert consumer.reassembler.stats["expired"] == 0 and consumer.reassembler.held_bytes == 0
         held.close()
         other.close()
+
+
+def test_a_ctrl_c_while_recv_decodes_a_reassembled_tensor_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tensorbus.codec.chunking as chunking
+
+    decode, interrupted = chunking.message_from_frame, []
+
+    def interrupt_once(*args: Any, **options: Any) -> Any:  # the signal lands while the whole tensor is decoded
+        if threading.current_thread() is threading.main_thread() and not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return decode(*args, **options)
+
+    monkeypatch.setattr(chunking, "message_from_frame", interrupt_once)
+    with (
+        tb.Consumer("tcp://127.0.0.1:0") as consumer,
+        tb.Producer(consumer.address, max_frame_bytes=1 << 16) as producer,
+    ):
+        x = np.arange(100_000, dtype=np.float32)  # 7 chunks
+        threading.Timer(0.2, lambda: producer.send("x", x)).start()
+        with pytest.raises(KeyboardInterrupt):
+            consumer.recv("x", timeout=10)
+        assert interrupted and np.array_equal(consumer.recv("x", timeout=10), x)  # its last chunk completes it again
+        producer.flush(10)
+
+
+def _flush_then_leave(parent_id: str) -> None:
+    assert _FORKED is not None
+    _FORKED.flush(5)  # before any send here: must not touch the parent's connection
+    assert _FORKED.producer_id != parent_id  # a producer of its own already
+    _FORKED.close()
+
+
+def test_a_forked_child_that_only_flushes_and_closes_leaves_the_parents_connection_alone() -> None:
+    global _FORKED
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        _FORKED = tb.Producer(consumer.address)
+        for i in range(5):
+            _FORKED.send(f"k{i}", np.arange(3))
+        child = multiprocessing.get_context("fork").Process(target=_flush_then_leave, args=(_FORKED.producer_id,))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        _FORKED.flush(10)  # the parent's acks were not read away by the child
+        assert all(consumer.recv(f"k{i}", timeout=10).tolist() == [0, 1, 2] for i in range(5))
+        _FORKED.close()
+        _FORKED = None
