@@ -203,6 +203,7 @@ class Consumer:
         self._closed = False
         self._stopping = threading.Event()
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
+        self._interrupted: tuple[Buffer, Message] | None = None  # a frame whose delivery was interrupted, decoded
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):
             self.table.pump = self._pump
@@ -225,7 +226,11 @@ class Consumer:
         """Called by the transport for each received frame; never raises. See `Deliver` for `may_hold`."""
         with self._lock:
             try:
-                message = self.reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
+                interrupted, self._interrupted = self._interrupted, None
+                if interrupted is not None and interrupted[0] is data:  # the same frame again: decoded already
+                    message = interrupted[1]
+                else:
+                    message = self.reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
             except CodecError as exc:
                 self.stats["rejected"] += 1
                 log.error("%s: dropped a bad frame: %s", self._shown, exc)
@@ -256,8 +261,9 @@ class Consumer:
             if not may_hold and self._full() and not self.table.has_room_for(message.key):
                 self._wait_for_room(message.key)
             return self._admit(message)
-        except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport gets the frame again
+        except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport offers the frame again
             self._forget(message_id)
+            self._interrupted = (data, message)  # (the reassembler is done with a chunked one: keep what it made)
             raise
 
     def _full(self) -> bool:

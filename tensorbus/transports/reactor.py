@@ -432,7 +432,13 @@ class Reactor:
                 self._pending.add(peer)
 
     def _ack(self, peer: _Peer) -> None:
-        """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full)."""
+        """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full).
+
+        None once an abort or close dropped tensors nobody took: the producer sends those again.
+        """
+        if not self.deliver.handed_over_all():
+            peer.ack_owed = False
+            return
         incomplete = peer.incomplete
         while incomplete:  # oldest first: only the oldest bounds the ack, so only it is looked at (not all)
             oldest = next(iter(incomplete))

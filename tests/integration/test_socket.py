@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -785,3 +786,48 @@ def test_a_forked_child_that_only_flushes_and_closes_leaves_the_parents_connecti
         assert all(consumer.recv(f"k{i}", timeout=10).tolist() == [0, 1, 2] for i in range(5))
         _FORKED.close()
         _FORKED = None
+
+
+def test_a_ctrl_c_while_a_reassembled_tensor_enters_the_table_loses_nothing() -> None:
+    with (
+        tb.Consumer("tcp://127.0.0.1:0") as consumer,
+        tb.Producer(consumer.address, max_frame_bytes=1 << 16) as producer,
+    ):
+        put, interrupted = consumer.table.put, []
+
+        def interrupt_once(message: Any, **options: Any) -> None:  # the reassembler is done with it by now
+            if threading.current_thread() is threading.main_thread() and not interrupted:
+                interrupted.append(True)
+                raise KeyboardInterrupt
+            put(message, **options)
+
+        consumer.table.put = interrupt_once  # type: ignore[method-assign]
+        x = np.arange(100_000, dtype=np.float32)
+        threading.Timer(0.2, lambda: producer.send("x", x)).start()
+        with pytest.raises(KeyboardInterrupt):
+            consumer.recv("x", timeout=10)
+        assert interrupted and np.array_equal(consumer.recv("x", timeout=10), x)
+        producer.flush(10)
+
+
+def test_closing_with_tensors_nobody_took_acknowledges_none_of_them(tmp_path: Any) -> None:
+    address = f"unix://{tmp_path}/close.sock"
+    first = tb.Consumer(address, max_buffered_bytes=1 << 20)
+    producer = tb.Producer(address, reconnect_timeout_s=20)
+    for i in range(5):  # four fill the table, the fifth is held back behind them
+        producer.send(f"a{i}", np.full(1 << 16, i, np.float32))
+    wait_for(lambda: first.transport.reactor._held, 10, "a tensor to be held back")  # type: ignore[attr-defined]
+
+    def flush() -> None:
+        with contextlib.suppress(tb.TransportError):  # fails: the consumer closes
+            producer.flush(2)
+
+    flushing = threading.Thread(target=flush)
+    flushing.start()  # its ack request waits behind the held tensor, which close's last pass reads
+    time.sleep(0.3)
+    first.close()
+    flushing.join(10)
+    with tb.Consumer(address) as successor:
+        producer.flush(20)
+        assert [int(successor.recv(f"a{i}", timeout=10)[0]) for i in range(5)] == [0, 1, 2, 3, 4]
+    producer.close()
