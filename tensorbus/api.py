@@ -226,9 +226,9 @@ class Consumer:
         """Called by the transport for each received frame; never raises. See `Deliver` for `may_hold`."""
         with self._lock:
             try:
-                interrupted, self._interrupted = self._interrupted, None
+                interrupted = self._interrupted
                 if interrupted is not None and interrupted[0] is data:  # the same frame again: decoded already
-                    message = interrupted[1]
+                    message, self._interrupted = interrupted[1], None  # (kept until then: others may come first)
                 else:
                     message = self.reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
             except CodecError as exc:
