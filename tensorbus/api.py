@@ -206,7 +206,7 @@ class Consumer:
         self._interrupted: tuple[Buffer, Message] | None = None  # a frame whose delivery was interrupted, decoded
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):
-            self.table.pump = self._pump
+            self.table.pump = self.transport.pump  # type: ignore[attr-defined]  # a waiting recv reads for itself
             self.table.room_opened = self.transport.room_opened  # type: ignore[attr-defined]
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
         self._expiry.start()
@@ -249,8 +249,7 @@ class Consumer:
             if message is None:
                 self.stats["chunks"] += 1
                 return Delivered(message_id, not self.reassembler.is_pending(message_id))
-            if message_id is not None and message_id in self._seen:
-                self.stats["duplicates"] += 1
+            if self._is_duplicate(message_id):
                 return Delivered(message_id, True)
             if may_hold and self._full() and not self.table.has_room_for(message.key):
                 self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
@@ -276,8 +275,7 @@ class Consumer:
             return None
         message_id = message.message_id
         with self._lock:
-            if message_id is not None and message_id in self._seen:
-                self.stats["duplicates"] += 1
+            if self._is_duplicate(message_id):
                 self._unhold()
                 return Delivered(message_id, True)
             if message_id is not None:
@@ -290,6 +288,13 @@ class Consumer:
         with self._lock:
             self._unhold()
         return result
+
+    def _is_duplicate(self, message_id: MessageId | None) -> bool:
+        """Whether this message was seen already (then counted); caller holds `_lock`."""
+        if message_id is not None and message_id in self._seen:
+            self.stats["duplicates"] += 1
+            return True
+        return False
 
     def _forget(self, message_id: MessageId | None) -> None:
         """A message marked as seen did not reach the table after all: a copy sent again is not a duplicate."""
@@ -340,10 +345,6 @@ class Consumer:
         self._held_up -= 1
         if not self._held_up:
             self.reassembler.resume()
-
-    def _pump(self, done: threading.Lock, deadline: float | None) -> bool:
-        """Let a thread waiting in `recv` read frames itself: its tensor then needs no thread hand-off."""
-        return self.transport.pump(done, deadline)  # type: ignore[attr-defined]
 
     def _expire_loop(self) -> None:
         """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""

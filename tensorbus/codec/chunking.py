@@ -172,6 +172,17 @@ def encode_chunks(
     return chunks
 
 
+#: message ids remembered as done or given up (later chunks of them are dropped)
+REMEMBERED_IDS = 4096
+
+
+def _remember(ids: collections.OrderedDict[MessageId, None], message_id: MessageId) -> None:
+    """Add an id to a bounded record, forgetting the oldest past REMEMBERED_IDS."""
+    ids[message_id] = None
+    if len(ids) > REMEMBERED_IDS:
+        ids.popitem(last=False)
+
+
 @dataclass
 class _Partial:
     total: int
@@ -322,7 +333,7 @@ class Reassembler:
         partial = self._partials.pop(message_id)
         self.held_bytes -= partial.charged
         self.stats["refused"] += 1
-        self._remember_given_up(message_id)
+        _remember(self._given_up, message_id)
         log.error(
             "gave up on message %s (key %r): %d of %d bytes received, %d bytes held for reassembly (limit %d)",
             message_id,
@@ -365,11 +376,11 @@ class Reassembler:
     def _start(self, message_id: MessageId, count: int, total: int, stride: int, header: dict[str, Any]) -> _Partial:
         if total + PARTIAL_OVERHEAD > self.max_bytes:  # could never be held whole
             self.stats["refused"] += 1
-            self._remember_given_up(message_id)
+            _remember(self._given_up, message_id)
             raise LimitExceeded(f"a chunked message of {total} bytes; the reassembly limit is {self.max_bytes}")
         if self.held_bytes + PARTIAL_OVERHEAD > self.max_bytes:
             self.stats["refused"] += 1
-            self._remember_given_up(message_id)  # its later chunks are dropped: it cannot be whole any more
+            _remember(self._given_up, message_id)  # its later chunks are dropped: it cannot be whole any more
             raise LimitExceeded(
                 f"{len(self._partials)} messages hold {self.held_bytes} bytes for reassembly; "
                 f"the limit is {self.max_bytes}: message given up"
@@ -379,17 +390,10 @@ class Reassembler:
         self._charge(partial, PARTIAL_OVERHEAD)
         return partial
 
-    def _remember_given_up(self, message_id: MessageId) -> None:
-        self._given_up[message_id] = None
-        if len(self._given_up) > 4096:
-            self._given_up.popitem(last=False)
-
     def _finish(self, message_id: MessageId) -> None:
         partial = self._partials.pop(message_id)
         self.held_bytes -= partial.charged
-        self._done[message_id] = None
-        if len(self._done) > 4096:
-            self._done.popitem(last=False)
+        _remember(self._done, message_id)
 
     def expire(self) -> int:
         """Drop messages incomplete for longer than `timeout_s`; return how many were dropped (none while paused)."""

@@ -103,24 +103,22 @@ def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearra
         packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
-    if header.get("meta"):
-        _require_string_keys(header["meta"])
+    if header.get("meta"):  # refused here what every receiver would refuse (map keys, depth): see below
+        metadata_objects(header["meta"], containers=(dict, list, tuple))
     head = bytearray(align(PREFIX.size + len(packed)))
     PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
     head[PREFIX.size : PREFIX.size + len(packed)] = packed
     return head
 
 
-def _require_string_keys(value: Any) -> None:
-    """Refuse map keys other than str and bytes, and nesting past MAX_METADATA_DEPTH, here at the
-    sender: receivers refuse both (strict map keys: a hostile header cannot make them hash arbitrary
-    objects), so such a frame would be sent fine and then dropped by every consumer."""
-    metadata_objects(value, containers=(dict, list, tuple))
-
-
 def metadata_objects(value: Any, containers: tuple[type, ...] = (dict, list)) -> int:
     """Count the objects of decoded metadata (iteratively: it may come from anyone), checking its
-    map keys and its depth; what a buffered message's metadata costs is charged by this count."""
+    map keys and its depth; what a buffered message's metadata costs is charged by this count.
+
+    Receivers unpack headers with strict map keys (a hostile header cannot make them hash arbitrary
+    objects) and refuse nesting past MAX_METADATA_DEPTH; a sender checks the same (with tuples,
+    which msgpack writes as lists), or such a frame would be sent fine and dropped by every consumer.
+    """
     if type(value) is dict:  # the common case, quickly: a flat map of named values
         for name, inner in value.items():
             if type(name) is not str or isinstance(inner, containers):

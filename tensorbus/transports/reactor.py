@@ -485,7 +485,7 @@ class Reactor:
             self._background.join(timeout)
             for peer in list(self._peers.values()):
                 with contextlib.suppress(OSError, PeerGone, *_WOULD_BLOCK):
-                    if got and peer.frames > peer.acked and self.deliver.handed_over_all():
+                    if got and peer.frames > peer.acked:
                         self._ack(peer)  # a producer flushing right now need not resend what was received
                 with contextlib.suppress(OSError):
                     peer.conn.shutdown(socket.SHUT_RDWR)

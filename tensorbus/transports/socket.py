@@ -226,9 +226,7 @@ class SocketTransport(Transport):
 
     def abandon(self) -> None:
         """Close this process's descriptor of the connection: the parent's stays open (no shutdown, no FIN)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self._drop_connection()  # (close, not shutdown)
         self._unacked.clear()  # the parent's to resend
         self._unacked_bytes = 0
 
