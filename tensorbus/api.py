@@ -122,9 +122,10 @@ class Producer:
         }
         self.transport.wait_for_room()
         limit = self.transport.max_frame_bytes
-        parts = (
-            [encode(tensor, **options)] if limit is None else encode_chunks(tensor, max_chunk_bytes=limit, **options)
-        )
+        if limit is None:
+            parts = [encode(tensor, **options, deferred_checksum=self.transport.seals_frames)]
+        else:
+            parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
         sent = 0
         try:
             for part in parts:

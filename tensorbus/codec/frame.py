@@ -148,8 +148,16 @@ def seal_with_crc(head: bytearray, body_crc: int, body_len: int) -> None:
     struct.pack_into("<I", head, CRC_AT, combine(checksum_of(head), body_crc, body_len))
 
 
-def seal(head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None) -> list[Buffer]:
-    """Fill in the CRC over prefix, header and payload, and append the HMAC if signing."""
+def seal(
+    head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None, *, deferred: bool = False
+) -> list[Buffer]:
+    """Fill in the CRC over prefix, header and payload, and append the HMAC if signing.
+
+    `deferred` (unsigned frames only) leaves the CRC field zero and the head a bytearray, for a
+    transport that checksums while it sends (`transports.stream.send_frame`).
+    """
+    if checksum and deferred and signing_key is None:
+        return [head, *body]
     if checksum:
         crc = checksum_of(head)
         for part in body:
@@ -170,10 +178,11 @@ def encode_raw(
     *,
     checksum: bool = True,
     signing_key: bytes | None = None,
+    deferred_checksum: bool = False,
 ) -> list[Buffer]:
     """Frame an already-laid-out payload under `header`; used for tensors and for chunks."""
     flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
-    return seal(frame_head(header, payload_len, flags), body, checksum, signing_key)
+    return seal(frame_head(header, payload_len, flags), body, checksum, signing_key, deferred=deferred_checksum)
 
 
 def layout(
@@ -221,10 +230,16 @@ def encode(
     checksum: bool = True,
     message_id: MessageId | None = None,
     signing_key: bytes | None = None,
+    deferred_checksum: bool = False,
 ) -> list[Buffer]:
-    """Encode a tensor as scatter-gather buffers; the payload buffers are the arrays' own memory."""
+    """Encode a tensor as scatter-gather buffers; the payload buffers are the arrays' own memory.
+
+    `deferred_checksum`: leave the CRC to a transport that computes it while sending (see `seal`).
+    """
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
-    return encode_raw(header, body, end, checksum=checksum, signing_key=signing_key)
+    return encode_raw(
+        header, body, end, checksum=checksum, signing_key=signing_key, deferred_checksum=deferred_checksum
+    )
 
 
 def dumps(obj: Any, *, out: bytearray | memoryview | None = None, **options: Any) -> bytes | memoryview:

@@ -75,6 +75,8 @@ class Transport:
     schemes: ClassVar[tuple[str, ...]] = ()
     acknowledges: ClassVar[bool] = False
     persists: ClassVar[bool] = False
+    #: `send` takes frames encoded with `deferred_checksum` and computes their CRC while sending
+    seals_frames: ClassVar[bool] = False
     #: option name -> default; every transport also accepts `max_frame_bytes`
     OPTIONS: ClassVar[dict[str, Any]] = {}
 

@@ -42,7 +42,7 @@ from ..codec.frame import (
 )
 from ..errors import CodecError, LimitExceeded
 from .base import Deliver, Delivered
-from .stream import ACK, ACK_REQUEST
+from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER
 
 log = logging.getLogger(__name__)
 #: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
@@ -79,6 +79,7 @@ class _Peer:
         self.frame: memoryview | None = None
         self.got = self.total = self.crc_end = 0
         self.crc: int | None = None
+        self.crc_after = False  # the frame's CRC follows it (stream.CRC_AFTER)
         self.skip_left = 0
         self.inbox: memoryview | None = None  # read-ahead buffer, lent by the reactor only while it holds bytes
         self.in_lo = self.in_hi = 0
@@ -351,6 +352,10 @@ class Reactor:
             if peer.crc is not None and peer.got < peer.crc_end:
                 peer.crc = crc32c.crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
             peer.got += n
+        if peer.crc_after:  # its CRC came after it: put it where `encode` puts it
+            end = peer.total - CRC_TRAILER.size
+            frame[CRC_AT : PREFIX.size] = frame[end:]
+            frame = frame[:end]
         crc, peer.frame, peer.prefix_got = peer.crc, None, 0  # the next frame starts afresh, whatever deliver does
         self._deliver(peer, frame, crc)
 
@@ -368,17 +373,20 @@ class Reactor:
     def _start_frame(self, peer: _Peer) -> bool:
         """Size the frame from its prefix and get its buffer; False when its bytes are to be skipped."""
         prefix = peer.prefix
+        peer.crc_after = bool(prefix[5] & CRC_AFTER)
+        prefix[5] &= ~CRC_AFTER  # the frame as it was sealed (and checksummed)
+        trailer = CRC_TRAILER.size if peer.crc_after else 0
         try:
             total = frame_length(prefix, self.limits)
         except LimitExceeded:
             # a well-formed frame over this consumer's limits: skip its bytes, let the consumer count it
-            peer.skip_left = frame_length(prefix, NO_LIMITS) - PREFIX.size
+            peer.skip_left = frame_length(prefix, NO_LIMITS) + trailer - PREFIX.size
             return False
         except CodecError as exc:
             raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}") from None
-        frame = self.pool.take(total)
+        frame = self.pool.take(total + trailer)
         frame[: PREFIX.size] = prefix
-        peer.frame, peer.got, peer.total, peer.crc = frame, PREFIX.size, total, None
+        peer.frame, peer.got, peer.total, peer.crc = frame, PREFIX.size, total + trailer, None
         if total >= CHECKSUM_WHILE_RECEIVING and prefix[5] & FLAG_CHECKSUM:
             peer.crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
             peer.crc = crc32c.crc32c(prefix[:CRC_AT])

@@ -32,7 +32,7 @@ from ..options import finite_timeout
 from .base import Deliver, Transport, backoff_s
 from .listener import Listener
 from .reactor import Reactor
-from .stream import ACK, ACK_REQUEST, AuthRefused, introduce, sendmsg_all, set_send_timeout
+from .stream import ACK, ACK_REQUEST, AuthRefused, introduce, send_frame, set_send_timeout
 
 log = logging.getLogger(__name__)
 #: a producer reads the acks that arrived every this many sends; four times as many unacked asks for one
@@ -66,6 +66,7 @@ class SocketTransport(Transport):
     """One stream socket per producer; the consumer's `Listener` accepts them and its `Reactor` reads them."""
 
     schemes = ("tcp", "tcps", "unix")
+    seals_frames = True
     acknowledges = True
     OPTIONS: ClassVar[dict[str, Any]] = {
         "max_frame_bytes": None,
@@ -102,6 +103,7 @@ class SocketTransport(Transport):
         secret = options["auth_secret"]
         self.secret: bytes | None = secret.encode() if isinstance(secret, str) else secret
         self._sock: socket.socket | None = None
+        self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
         self._lock = threading.Lock()
         self._unacked: collections.deque[tuple[list[Buffer], int]] = collections.deque()
         self._unacked_bytes = 0
@@ -157,7 +159,7 @@ class SocketTransport(Transport):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                introduce(sock, self.secret, self.address)
+                self._crc_after = introduce(sock, self.secret, self.address)
                 set_send_timeout(sock, self.options["send_timeout_s"])
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -165,7 +167,7 @@ class SocketTransport(Transport):
                 self._ack_buf.clear()
                 self._ack_requested = False
                 for frame, _ in self._unacked:
-                    sendmsg_all(sock, frame)
+                    send_frame(sock, frame, self._crc_after)
                     self._sent += 1
                 return sock
             except (AuthRefused, ssl.SSLCertVerificationError) as exc:
@@ -188,7 +190,7 @@ class SocketTransport(Transport):
                 try:
                     if self._sock is None:
                         self._sock = self._connect()
-                    sendmsg_all(self._sock, frame)
+                    send_frame(self._sock, frame, self._crc_after)
                     break
                 except OSError as exc:
                     self._drop_connection()  # a partly sent frame is dropped by the consumer

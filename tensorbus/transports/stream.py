@@ -1,11 +1,19 @@
 """The stream-socket protocol around frames: handshake (with optional shared-secret auth) and acks.
 
-consumer -> producer  HELLO  "TBSK", version u8, flags u8 (bit 0: auth required), 32-byte nonce
+consumer -> producer  HELLO  "TBSK", version u8, flags u8 (bit 0: auth required; bit 1: CRCs may
+                      follow their frames), 32-byte nonce
 producer -> consumer  PROOF  HMAC-SHA256(secret, "tensorbus-socket-auth-v1" + nonce), or 32 zero bytes
 consumer -> producer  VERDICT u8: 1 accepted; 0 refused, and the connection closes
 producer -> consumer  frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, a frame-sized marker)
 consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
                       on every ACK REQUEST and every `ack_every_frames` frames / `ack_every_bytes` bytes
+
+A large checksummed frame may go out before its CRC32C is known, so the producer checksums each
+slice just before sending it (in cache, while the consumer already reads) instead of reading the
+whole tensor once more first. Such a frame has bit 7 (`CRC_AFTER`) set in its flags byte and a zero
+CRC field, and its CRC follows it as 4 more bytes (u32). The consumer clears the bit and writes the
+CRC into the field: the frame it decodes is the frame as `encode` would have sealed it. Only sent to
+consumers whose HELLO sets bit 1, so older consumers get sealed frames.
 """
 
 from __future__ import annotations
@@ -18,13 +26,23 @@ import socket
 import ssl
 import struct
 
-from ..codec.frame import Buffer
+import crc32c
+
+from ..codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Buffer, checksum_of
 from ..errors import TransportError
 
 HELLO = struct.Struct("<4sBB32s")
 HELLO_MAGIC = b"TBSK"
 PROTOCOL_VERSION = 1
 FLAG_AUTH = 0x01
+FLAG_CRC_AFTER = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
+CRC_AFTER = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
+CRC_TRAILER = struct.Struct("<I")
+#: payloads at least this large are checksummed while they are sent; smaller ones up front, as the
+#: socket buffers (4 MiB here) let the producer run ahead of the consumer anyway
+SEAL_WHILE_SENDING = 4 << 20
+#: ... slice by slice, each still in cache when the kernel copies it (256 KiB to 4 MiB measured alike)
+SEAL_SLICE = 1 << 20
 PROOF_BYTES = 32
 ACK = struct.Struct("<Q")
 ACK_REQUEST = b"TBAK" + bytes(20)
@@ -62,6 +80,46 @@ def sendmsg_all(sock: socket.socket, buffers: list[Buffer]) -> None:
             views[first] = views[first][sent:]
 
 
+def unsealed(head: Buffer) -> bool:
+    """A frame head encoded with `deferred_checksum`: checksummed, unsigned, its CRC field still zero.
+
+    (A sealed frame whose CRC happens to be zero passes too; sealing it again writes the same zero.)
+    """
+    return len(head) >= PREFIX.size and head[5] == FLAG_CHECKSUM and head[CRC_AT : PREFIX.size] == bytes(4)
+
+
+def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> None:
+    """Send one frame, sealing it first if its checksum was deferred (see the module docstring).
+
+    With `crc_after` and a large payload the CRC is computed slice by slice as the slices go out and
+    sent after the frame. Either way the head is left sealed, so a resend goes out whole.
+    """
+    head = frame[0]
+    if not isinstance(head, bytearray) or not unsealed(head):
+        sendmsg_all(sock, frame)
+        return
+    body = [memoryview(b).cast("B") for b in frame[1:]]
+    crc = checksum_of(head)
+    if not crc_after or sum(len(b) for b in body) < SEAL_WHILE_SENDING:
+        for part in body:
+            crc = crc32c.crc32c(part, crc)
+        struct.pack_into("<I", head, CRC_AT, crc)
+        sendmsg_all(sock, frame)
+        return
+    wire_head = bytearray(head)
+    wire_head[5] |= CRC_AFTER
+    batch: list[Buffer] = [wire_head]
+    for part in body:
+        for at in range(0, len(part), SEAL_SLICE):
+            piece = part[at : at + SEAL_SLICE]
+            crc = crc32c.crc32c(piece, crc)
+            batch.append(piece)
+            sendmsg_all(sock, batch)
+            batch = []
+    sendmsg_all(sock, [*batch, CRC_TRAILER.pack(crc)])
+    struct.pack_into("<I", head, CRC_AT, crc)
+
+
 def set_send_timeout(sock: socket.socket, seconds: float | None) -> None:
     """Make sends give up after `seconds` without progress (then `BlockingIOError`), enforced by the kernel.
 
@@ -92,7 +150,8 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
 def greet(sock: socket.socket, secret: bytes | None) -> bool:
     """Consumer side of the handshake: send a nonce, check the proof, send the verdict."""
     nonce = os.urandom(32)
-    sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, FLAG_AUTH if secret else 0, nonce))
+    flags = FLAG_CRC_AFTER | (FLAG_AUTH if secret else 0)
+    sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
     answer = bytearray(PROOF_BYTES)
     got = recv_exact(sock, memoryview(answer))
     if got == 0:
@@ -104,8 +163,11 @@ def greet(sock: socket.socket, secret: bytes | None) -> bool:
     return accepted
 
 
-def introduce(sock: socket.socket, secret: bytes | None, address: str) -> None:
-    """Producer side of the handshake; raises `AuthRefused` or `TransportError` with the reason."""
+def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
+    """Producer side of the handshake: True if the consumer takes CRCs after frames.
+
+    Raises `AuthRefused` or `TransportError` with the reason.
+    """
     hello = bytearray(HELLO.size)
     try:
         got = recv_exact(sock, memoryview(hello))
@@ -122,3 +184,4 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> None:
     verdict = sock.recv(1)
     if verdict != b"\x01":
         raise AuthRefused(f"{address} refused this producer's auth_secret")
+    return bool(flags & FLAG_CRC_AFTER)

@@ -10,8 +10,9 @@ from hypothesis.extra import numpy as hnp
 
 import tensorbus as tb
 from tensorbus.codec.dtypes import DTYPES, ML_DTYPE_NAMES, NUMPY_DTYPE_NAMES
-from tensorbus.codec.frame import PREFIX
+from tensorbus.codec.frame import CRC_AT, PREFIX, encode
 from tensorbus.codec.tensors import ALIGN
+from tensorbus.transports.stream import unsealed
 
 ML = [n for n in ML_DTYPE_NAMES if n in DTYPES]
 #: numpy's own dtypes, but not long double (its width and padding differ by platform)
@@ -221,3 +222,15 @@ def test_a_byte_swapped_ml_dtype_array_is_refused_when_sent_not_when_received() 
     array = np.arange(3).astype(DTYPES["bfloat16"])
     with pytest.raises(tb.UnsupportedDtype, match="native order only"):
         tb.dumps(array.astype(array.dtype.newbyteorder(">")))
+
+
+def test_a_deferred_checksum_leaves_the_crc_to_the_sender_unless_the_frame_is_signed() -> None:
+    sealed = b"".join(encode(np.arange(10), key="k"))
+    deferred = encode(np.arange(10), key="k", deferred_checksum=True)
+    assert isinstance(deferred[0], bytearray) and unsealed(deferred[0])
+    assert b"".join(deferred) == sealed[:CRC_AT] + bytes(4) + sealed[PREFIX.size :]
+    with pytest.raises(tb.ChecksumMismatch):
+        tb.loads(b"".join(deferred))
+    signed = encode(np.arange(10), key="k", deferred_checksum=True, signing_key=b"s")
+    assert not unsealed(signed[0])
+    np.testing.assert_array_equal(tb.loads(b"".join(signed), signing_key=b"s"), np.arange(10))

@@ -1,0 +1,132 @@
+"""Large frames checksummed while they are sent: the CRC follows the frame (stream.CRC_AFTER)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec.frame import CRC_AT, PREFIX, checksum_of, frame_length
+from tensorbus.transports.stream import (
+    CRC_AFTER,
+    CRC_TRAILER,
+    HELLO,
+    HELLO_MAGIC,
+    PROTOCOL_VERSION,
+    SEAL_WHILE_SENDING,
+    greet,
+    recv_exact,
+)
+from tests.integration.test_socket import raw_peer
+
+BIG = np.arange(SEAL_WHILE_SENDING // 4 + 1000, dtype=np.float32)  # just over the threshold
+
+
+def _read_frame(conn: socket.socket) -> tuple[bytes, bytes]:
+    """One frame off a stream as it travelled: (frame, the 4 bytes after it if its CRC follows it)."""
+    prefix = bytearray(PREFIX.size)
+    assert recv_exact(conn, memoryview(prefix)) == PREFIX.size
+    after = prefix[5] & CRC_AFTER
+    prefix[5] &= ~CRC_AFTER
+    rest = bytearray(frame_length(prefix) - PREFIX.size + (CRC_TRAILER.size if after else 0))
+    assert recv_exact(conn, memoryview(rest)) == len(rest)
+    if after:
+        return bytes(prefix) + bytes(rest[: -CRC_TRAILER.size]), bytes(rest[-CRC_TRAILER.size :])
+    return bytes(prefix) + bytes(rest), b""
+
+
+def _fake_consumer(hello_flags: int | None) -> tuple[socket.socket, list[Any]]:
+    """A listener whose one connection gets `greet`'s hello (None) or an older one with `hello_flags`."""
+    server = socket.create_server(("127.0.0.1", 0))
+    got: list[Any] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            if hello_flags is None:
+                greet(conn, None)
+            else:
+                conn.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, hello_flags, bytes(32)))
+                conn.recv(32, socket.MSG_WAITALL)
+                conn.sendall(b"\x01")
+            got.append(_read_frame(conn))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, got
+
+
+@pytest.mark.parametrize("hello_flags", [None, 0], ids=["current-consumer", "older-consumer"])
+def test_a_large_frame_carries_its_crc_after_it_only_to_a_consumer_that_takes_that(hello_flags: int | None) -> None:
+    server, got = _fake_consumer(hello_flags)
+    producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", send_timeout_s=10)
+    producer.send("big", BIG)
+    for _ in range(200):
+        if got:
+            break
+        threading.Event().wait(0.05)
+    frame, trailer = got[0]
+    (sent, _), *_ = producer.transport._unacked  # kept for a resend
+    producer.transport.abandon()
+    server.close()
+    (stored,) = struct.unpack_from("<I", frame, CRC_AT)
+    if hello_flags is None:  # checksummed while sent: a zero CRC field, the CRC right after the frame
+        assert stored == 0 and trailer == CRC_TRAILER.pack(checksum_of(frame))
+        frame = frame[:CRC_AT] + trailer + frame[PREFIX.size :]
+    else:  # a consumer from before CRC_AFTER gets frames sealed up front
+        assert trailer == b"" and stored == checksum_of(frame)
+    np.testing.assert_array_equal(tb.loads(frame), BIG)  # sealed now, either way:
+    assert struct.unpack_from("<I", sent[0], CRC_AT)[0] == checksum_of(frame)
+
+
+def _wire(tensor: np.ndarray, key: str, *, flip: int | None = None) -> bytes:
+    """`tensor`'s frame as a stream carries it with its CRC after it, optionally with byte `flip` inverted."""
+    data = bytearray(tb.dumps(tensor, key=key))
+    crc = data[CRC_AT : PREFIX.size]
+    data[CRC_AT : PREFIX.size] = bytes(4)
+    data[5] |= CRC_AFTER
+    data += crc
+    if flip is not None:
+        data[flip] ^= 0xFF
+    return bytes(data)
+
+
+@pytest.mark.parametrize("n", [1000, BIG.size], ids=["checked-after", "checked-while-received"])
+def test_a_frame_whose_crc_follows_it_is_checked_and_a_bad_one_costs_only_itself(n: int) -> None:
+    tensor = np.arange(n, dtype=np.float32)
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        peer = raw_peer(consumer.address)
+        peer.sendall(_wire(tensor, "good"))
+        peer.sendall(_wire(tensor, "bad-payload", flip=-CRC_TRAILER.size - 1))
+        peer.sendall(_wire(tensor, "bad-trailer", flip=-1))
+        peer.sendall(tb.dumps(np.ones(3), key="after"))  # a sealed frame on the same connection
+        np.testing.assert_array_equal(consumer.recv("good", timeout=20), tensor)
+        np.testing.assert_array_equal(consumer.recv("after", timeout=20), np.ones(3))
+        for key in ("bad-payload", "bad-trailer"):
+            with pytest.raises(tb.Timeout):
+                consumer.recv(key, timeout=0.2)
+        assert consumer.stats["rejected"] == 2
+        peer.close()
+
+
+def test_a_large_tensor_sent_again_after_a_consumer_restart_arrives_intact() -> None:
+    consumer = tb.Consumer("tcp://127.0.0.1:0")
+    address = consumer.address
+    producer = tb.Producer(address, reconnect_timeout_s=20)
+    producer.send("warm", np.ones(3))
+    producer.flush(10)
+    consumer.close()  # what is sent next is not acknowledged: it goes out again, sealed, to the successor
+    replacement: list[tb.Consumer] = []
+    threading.Timer(1.0, lambda: replacement.append(tb.Consumer(address))).start()
+    for i in range(3):
+        producer.send(f"big{i}", BIG + i)
+    producer.flush(30)
+    for i in range(3):
+        np.testing.assert_array_equal(replacement[0].recv(f"big{i}", timeout=20), BIG + i)
+    assert replacement[0].stats["rejected"] == 0
+    producer.close()
+    replacement[0].close()
