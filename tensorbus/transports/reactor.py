@@ -383,7 +383,8 @@ class Reactor:
             peer.skip_left = frame_length(prefix, NO_LIMITS) + trailer - PREFIX.size
             return False
         except CodecError as exc:
-            raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}") from None
+            also = " (and bit 7, its CRC after it)" if trailer else ""
+            raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}{also}") from None
         frame = self.pool.take(total + trailer)
         frame[: PREFIX.size] = prefix
         peer.frame, peer.got, peer.total, peer.crc = frame, PREFIX.size, total + trailer, None

@@ -192,8 +192,10 @@ class SocketTransport(Transport):
                         self._sock = self._connect()
                     send_frame(self._sock, frame, self._crc_after)
                     break
-                except OSError as exc:
-                    self._drop_connection()  # a partly sent frame is dropped by the consumer
+                except BaseException as exc:
+                    self._drop_connection()  # a frame cut off part way: the consumer drops what came of it
+                    if not isinstance(exc, OSError):  # e.g. Ctrl-C, which would leave the rest unsent
+                        raise
                     if isinstance(exc, (TimeoutError, BlockingIOError)):  # the consumer stopped reading
                         raise TransportError(
                             f"sending to {self.address} made no progress for {self.options['send_timeout_s']}s"

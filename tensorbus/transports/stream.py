@@ -109,13 +109,16 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> Non
     wire_head = bytearray(head)
     wire_head[5] |= CRC_AFTER
     batch: list[Buffer] = [wire_head]
-    for part in body:
+    batched = 0
+    for part in body:  # many small arrays (a bundle) go out together, as sealed frames do
         for at in range(0, len(part), SEAL_SLICE):
             piece = part[at : at + SEAL_SLICE]
             crc = crc32c.crc32c(piece, crc)
             batch.append(piece)
-            sendmsg_all(sock, batch)
-            batch = []
+            batched += len(piece)
+            if batched >= SEAL_SLICE or len(batch) >= IOV_MAX:
+                sendmsg_all(sock, batch)
+                batch, batched = [], 0
     sendmsg_all(sock, [*batch, CRC_TRAILER.pack(crc)])
     struct.pack_into("<I", head, CRC_AT, crc)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import types
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec.frame import CRC_AT, PREFIX, checksum_of, frame_length
+from tensorbus.transports import stream
 from tensorbus.transports.stream import (
     CRC_AFTER,
     CRC_TRAILER,
@@ -130,3 +132,40 @@ def test_a_large_tensor_sent_again_after_a_consumer_restart_arrives_intact() -> 
     assert replacement[0].stats["rejected"] == 0
     producer.close()
     replacement[0].close()
+
+
+def test_many_small_arrays_go_out_in_few_system_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    bundle = {f"p{i}": np.full(1000, i, np.float32) for i in range(2000)}  # 8 MB in 4000 buffers
+    calls: list[int] = []
+    real = stream.sendmsg_all
+    monkeypatch.setattr(stream, "sendmsg_all", lambda sock, buffers: calls.append(len(buffers)) or real(sock, buffers))
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+        producer.send("bundle", bundle)
+        got = consumer.recv("bundle", timeout=20)
+        assert got.keys() == bundle.keys() and all(np.array_equal(got[k], bundle[k]) for k in bundle)
+    assert sum(calls) > 4000 and len(calls) <= 16  # one per ~1 MiB or 512 buffers, not one per buffer
+
+
+def test_a_ctrl_c_part_way_through_a_large_send_costs_only_that_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address, send_timeout_s=20) as producer:
+        producer.send("warm", np.ones(3))
+        producer.flush(10)
+        slices = iter(range(100))
+        real = stream.crc32c.crc32c
+
+        def interrupted(data: Any, crc: int = 0) -> int:
+            if len(data) == stream.SEAL_SLICE and next(slices) == 2:  # two slices already on their way
+                raise KeyboardInterrupt
+            return real(data, crc)
+
+        monkeypatch.setattr(stream, "crc32c", types.SimpleNamespace(crc32c=interrupted))  # the sender's only
+        with pytest.raises(KeyboardInterrupt):
+            producer.send("big", BIG)
+        monkeypatch.undo()
+        producer.send("after", np.arange(1000.0))  # far fewer bytes than the cut-off frame still owed
+        producer.flush(10)
+        np.testing.assert_array_equal(consumer.recv("after", timeout=10), np.arange(1000.0))
+        producer.send("big-again", BIG)
+        np.testing.assert_array_equal(consumer.recv("big-again", timeout=10), BIG)
+        with pytest.raises(tb.Timeout):
+            consumer.recv("big", timeout=0.2)
