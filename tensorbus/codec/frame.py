@@ -148,6 +148,14 @@ def seal_with_crc(head: bytearray, body_crc: int, body_len: int) -> None:
     struct.pack_into("<I", head, CRC_AT, combine(checksum_of(head), body_crc, body_len))
 
 
+def write_crc(head: bytearray, body: Sequence[Buffer]) -> None:
+    """Write the CRC32C over prefix, header and payload into the CRC field of `head`."""
+    crc = checksum_of(head)
+    for part in body:
+        crc = crc32c.crc32c(part, crc)
+    struct.pack_into("<I", head, CRC_AT, crc)
+
+
 def seal(
     head: bytearray, body: Sequence[Buffer], checksum: bool, signing_key: bytes | None, *, deferred: bool = False
 ) -> list[Buffer]:
@@ -159,10 +167,7 @@ def seal(
     if checksum and deferred and signing_key is None:
         return [head, *body]
     if checksum:
-        crc = checksum_of(head)
-        for part in body:
-            crc = crc32c.crc32c(part, crc)
-        struct.pack_into("<I", head, CRC_AT, crc)
+        write_crc(head, body)
     if signing_key is None:
         return [bytes(head), *body]
     mac = hmac.new(signing_key, head, hashlib.sha256)

@@ -28,7 +28,7 @@ import struct
 
 import crc32c
 
-from ..codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Buffer, checksum_of
+from ..codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Buffer, checksum_of, write_crc
 from ..errors import TransportError
 
 HELLO = struct.Struct("<4sBB32s")
@@ -99,13 +99,11 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> Non
         sendmsg_all(sock, frame)
         return
     body = [memoryview(b).cast("B") for b in frame[1:]]
-    crc = checksum_of(head)
     if not crc_after or sum(len(b) for b in body) < SEAL_WHILE_SENDING:
-        for part in body:
-            crc = crc32c.crc32c(part, crc)
-        struct.pack_into("<I", head, CRC_AT, crc)
+        write_crc(head, body)
         sendmsg_all(sock, frame)
         return
+    crc = checksum_of(head)
     wire_head = bytearray(head)
     wire_head[5] |= CRC_AFTER
     batch: list[Buffer] = [wire_head]
