@@ -131,7 +131,7 @@ class Producer:
             for part in parts:
                 self.transport.send(part, key=key)
                 sent += 1
-        except TensorBusError:
+        except BaseException:  # (a Ctrl-C between or inside chunks too)
             if sent:  # the chunks that went out can never make a whole tensor: don't resend them
                 self.transport.forget_last(sent)
             raise

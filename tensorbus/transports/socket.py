@@ -179,6 +179,9 @@ class SocketTransport(Transport):
                     raise TransportError(f"cannot connect to {self.address}: {exc}") from None
                 log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
                 time.sleep(delay)
+            except BaseException:  # e.g. Ctrl-C while resending: half a frame must not stay on a live socket
+                sock.close()
+                raise
         raise AssertionError("unreachable")
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
@@ -218,12 +221,11 @@ class SocketTransport(Transport):
         """Drop the last `count` frames sent (the chunks of a message that failed part way) from those
         resent on reconnect: a message that can never complete would hold up the consumer's acks.
 
-        Only while disconnected (every failed send drops the connection): the frames of a live
-        connection are counted by its acks.
+        A failed send has dropped the connection already; after an interrupt between two chunks it
+        is dropped here, as its acks would wait for the rest of the message too.
         """
         with self._lock:
-            if self._sock is not None:
-                return
+            self._drop_connection()
             for _ in range(min(count, len(self._unacked))):
                 _, n = self._unacked.pop()
                 self._unacked_bytes -= n

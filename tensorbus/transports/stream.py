@@ -8,7 +8,7 @@ producer -> consumer  frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero b
 consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
                       on every ACK REQUEST and every `ack_every_frames` frames / `ack_every_bytes` bytes
 
-A large checksummed frame may go out before its CRC32C is known, so the producer checksums each
+A large checksummed, unsigned, unchunked frame may go out before its CRC32C is known, so the producer checksums each
 slice just before sending it (in cache, while the consumer already reads) instead of reading the
 whole tensor once more first. Such a frame has bit 7 (`CRC_AFTER`) set in its flags byte and a zero
 CRC field, and its CRC follows it as 4 more bytes (u32). The consumer clears the bit and writes the
@@ -108,13 +108,13 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> Non
     wire_head[5] |= CRC_AFTER
     batch: list[Buffer] = [wire_head]
     batched = 0
-    for part in body:  # many small arrays (a bundle) go out together, as sealed frames do
+    for part in body:  # many small arrays (a bundle) go out together, ~1 MiB per call
         for at in range(0, len(part), SEAL_SLICE):
             piece = part[at : at + SEAL_SLICE]
             crc = crc32c.crc32c(piece, crc)
             batch.append(piece)
             batched += len(piece)
-            if batched >= SEAL_SLICE or len(batch) >= IOV_MAX:
+            if batched >= SEAL_SLICE:
                 sendmsg_all(sock, batch)
                 batch, batched = [], 0
     sendmsg_all(sock, [*batch, CRC_TRAILER.pack(crc)])
