@@ -8,12 +8,13 @@ producer -> consumer  frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero b
 consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
                       on every ACK REQUEST and every `ack_every_frames` frames / `ack_every_bytes` bytes
 
-A large checksummed, unsigned, unchunked frame may go out before its CRC32C is known, so the producer checksums each
-slice just before sending it (in cache, while the consumer already reads) instead of reading the
-whole tensor once more first. Such a frame has bit 7 (`CRC_AFTER`) set in its flags byte and a zero
-CRC field, and its CRC follows it as 4 more bytes (u32). The consumer clears the bit and writes the
-CRC into the field: the frame it decodes is the frame as `encode` would have sealed it. Only sent to
-consumers whose HELLO sets bit 1, so older consumers get sealed frames.
+A large checksummed, unsigned, unchunked frame may go out before its CRC32C is known, so the
+producer checksums each slice just before sending it (in cache, while the consumer already reads)
+instead of reading the whole tensor once more first. Such a frame has bit 7 (`CRC_AFTER`) set in
+its flags byte and a zero CRC field, and its CRC follows it as 4 more bytes (u32). The consumer
+clears the bit and writes the CRC into the field: the frame it decodes is the frame as `encode`
+would have sealed it. Only sent to consumers whose HELLO sets bit 1, so older consumers get sealed
+frames.
 """
 
 from __future__ import annotations
