@@ -1,0 +1,10 @@
+"""The stand-alone benchmarks still speak the current protocol (a smoke run, not a measurement)."""
+
+from __future__ import annotations
+
+from benchmarks import consumer_floor
+
+
+def test_the_consumer_floor_benchmark_reads_a_real_producers_stream() -> None:
+    for reader in (consumer_floor.tensorbus_reader, consumer_floor.minimal_reader):
+        assert reader(64 << 10, 50) > 0  # each reader takes all 250 tensors, CRC checked, and gets the flush through
