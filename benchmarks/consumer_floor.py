@@ -36,7 +36,7 @@ from tensorbus.transports.stream import ACK, ACK_REQUEST, CRC_AFTER, greet
 from .common import parse_sizes
 
 WARMUP = 200
-READ_BYTES = 4 << 20
+READ_BYTES = 8 << 20  # more than any frame it takes (payloads under 4 MiB)
 
 
 def produce(address: str, size: int, count: int) -> None:
@@ -65,6 +65,7 @@ def tensorbus_reader(size: int, count: int) -> float:
 def minimal_reader(size: int, count: int) -> float:
     """CPU seconds per tensor of the least a Python reader of the same stream does (see the docstring)."""
     listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(60)
     peer = _start_producer(f"tcp://127.0.0.1:{listener.getsockname()[1]}", size, count)
     conn, _ = listener.accept()
     listener.close()
