@@ -81,12 +81,15 @@ def sendmsg_all(sock: socket.socket, buffers: list[Buffer]) -> None:
             views[first] = views[first][sent:]
 
 
+_NO_CRC = bytes(4)
+
+
 def unsealed(head: Buffer) -> bool:
     """A frame head encoded with `deferred_checksum`: checksummed, unsigned, its CRC field still zero.
 
     (A sealed frame whose CRC happens to be zero passes too; sealing it again writes the same zero.)
     """
-    return len(head) >= PREFIX.size and head[5] == FLAG_CHECKSUM and head[CRC_AT : PREFIX.size] == bytes(4)
+    return len(head) >= PREFIX.size and head[5] == FLAG_CHECKSUM and head[CRC_AT : PREFIX.size] == _NO_CRC
 
 
 def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> None:
@@ -99,9 +102,8 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> Non
     if not isinstance(head, bytearray) or not unsealed(head):
         sendmsg_all(sock, frame)
         return
-    body = [memoryview(b).cast("B") for b in frame[1:]]
-    if not crc_after or sum(len(b) for b in body) < SEAL_WHILE_SENDING:
-        write_crc(head, body)
+    if not crc_after or PREFIX.unpack_from(head)[5] < SEAL_WHILE_SENDING:  # (field 5: the payload's length)
+        write_crc(head, frame[1:])
         sendmsg_all(sock, frame)
         return
     crc = checksum_of(head)
@@ -109,7 +111,8 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> Non
     wire_head[5] |= CRC_AFTER
     batch: list[Buffer] = [wire_head]
     batched = 0
-    for part in body:  # many small arrays (a bundle) go out together, ~1 MiB per call
+    for buffer in frame[1:]:  # many small arrays (a bundle) go out together, ~1 MiB per call
+        part = memoryview(buffer).cast("B")
         for at in range(0, len(part), SEAL_SLICE):
             piece = part[at : at + SEAL_SLICE]
             crc = crc32c.crc32c(piece, crc)
