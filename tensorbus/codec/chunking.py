@@ -304,10 +304,10 @@ class Reassembler:
             partial.buffer[index * partial.stride : index * partial.stride + len(payload)] = payload
         else:
             if self.held_bytes + len(payload) > self.max_bytes:
-                self._give_up(message_id)
-                raise LimitExceeded(
+                raise self._give_up(
+                    message_id,
                     f"chunk {index} of message {message_id} would hold {self.held_bytes + len(payload)} bytes "
-                    f"for reassembly; the limit is {self.max_bytes}: message given up"
+                    f"for reassembly; the limit is {self.max_bytes}: message given up",
                 )
             partial.pieces[index] = payload if owned else memoryview(bytes(payload))
             self._charge(partial, len(payload))
@@ -328,12 +328,15 @@ class Reassembler:
         partial.charged += nbytes
         self.held_bytes += nbytes
 
-    def _give_up(self, message_id: MessageId) -> None:
-        """Drop a message that cannot be completed within the budget; its later chunks are dropped too."""
-        partial = self._partials.pop(message_id)
-        self.held_bytes -= partial.charged
+    def _give_up(self, message_id: MessageId, why: str) -> LimitExceeded:
+        """Drop a message that cannot be completed within the budget (its later chunks are dropped
+        too, and what it held is freed); returns the error to raise."""
         self.stats["refused"] += 1
         _remember(self._given_up, message_id)
+        partial = self._partials.pop(message_id, None)
+        if partial is None:  # refused at its first chunk
+            return LimitExceeded(why)
+        self.held_bytes -= partial.charged
         log.error(
             "gave up on message %s (key %r): %d of %d bytes received, %d bytes held for reassembly (limit %d)",
             message_id,
@@ -343,6 +346,7 @@ class Reassembler:
             self.held_bytes,
             self.max_bytes,
         )
+        return LimitExceeded(why)
 
     @staticmethod
     def _combined_crc(partial: _Partial) -> int | None:
@@ -375,15 +379,14 @@ class Reassembler:
 
     def _start(self, message_id: MessageId, count: int, total: int, stride: int, header: dict[str, Any]) -> _Partial:
         if total + PARTIAL_OVERHEAD > self.max_bytes:  # could never be held whole
-            self.stats["refused"] += 1
-            _remember(self._given_up, message_id)
-            raise LimitExceeded(f"a chunked message of {total} bytes; the reassembly limit is {self.max_bytes}")
-        if self.held_bytes + PARTIAL_OVERHEAD > self.max_bytes:
-            self.stats["refused"] += 1
-            _remember(self._given_up, message_id)  # its later chunks are dropped: it cannot be whole any more
-            raise LimitExceeded(
+            raise self._give_up(
+                message_id, f"a chunked message of {total} bytes; the reassembly limit is {self.max_bytes}"
+            )
+        if self.held_bytes + PARTIAL_OVERHEAD > self.max_bytes:  # (it cannot be whole any more)
+            raise self._give_up(
+                message_id,
                 f"{len(self._partials)} messages hold {self.held_bytes} bytes for reassembly; "
-                f"the limit is {self.max_bytes}: message given up"
+                f"the limit is {self.max_bytes}: message given up",
             )
         partial = _Partial(total, count, stride, header.get("key"), self.clock())
         self._partials[message_id] = partial
