@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite from nothing: a venv with every extra, the brokers (Docker Compose if an
-# engine answers, native otherwise), ruff, pytest; the brokers are stopped again on the way out.
+# engine answers, native otherwise), ruff (lint and format), mypy on the package, pytest; the brokers
+# are stopped again on the way out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,4 +20,6 @@ if [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && [ -f scripts/brokers.sh ]; 
 fi
 
 .venv/bin/ruff check .
+.venv/bin/ruff format --check tensorbus tests benchmarks examples
+.venv/bin/python -m mypy tensorbus
 .venv/bin/python -m pytest "$@"

@@ -225,6 +225,7 @@ class Consumer:
 
     def _deliver(self, data: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
         """Called by the transport for each received frame; never raises. See `Deliver` for `may_hold`."""
+        message: Message | None
         with self._lock:
             try:
                 interrupted = self._interrupted

@@ -28,13 +28,13 @@ class BufferPool:
     def take(self, n: int) -> memoryview:
         """A buffer of exactly `n` bytes (a view of a pooled one when a free one fits)."""
         if n < POOLED_FROM:
-            return memoryview(np.empty(n, np.uint8))  # not zero-filled: every byte is about to be received
+            return np.empty(n, np.uint8).data  # not zero-filled: every byte is about to be received
         with self._lock:
             for base in self._buffers:
                 # references: the list, `base`, and getrefcount's own argument; any more is a live view
                 if n <= len(base) <= 2 * n and sys.getrefcount(base) <= 3:
                     self.reused += 1
-                    return memoryview(base)[:n]
+                    return base.data[:n]
             base = np.empty(n, np.uint8)
             if len(self._buffers) >= self.max_buffers:  # evict the first free buffer, if any
                 free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]
@@ -42,4 +42,4 @@ class BufferPool:
                     del self._buffers[free[0]]
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(base)
-            return memoryview(base)[:n]
+            return base.data[:n]

@@ -83,7 +83,7 @@ def write_tensor(
             if suffix == ".npy":
                 np.save(f, _single(tensor, path), allow_pickle=False)
             elif suffix == ".npz":
-                np.savez(f, **_bundle(tensor))
+                np.savez(f, **_bundle(tensor))  # type: ignore[arg-type]  # (the stubs fear a key named allow_pickle)
             elif suffix == ".safetensors":
                 from safetensors.numpy import save
 

@@ -205,7 +205,7 @@ class Rendezvous:
             numbers = self._by_key[message.key]
             numbers.popleft()
         else:
-            numbers = self._by_key.get(key)  # type: ignore[arg-type]
+            numbers = self._by_key.get(key)  # type: ignore[call-overload]  # (key is a str here: not ANY)
             if not numbers:
                 return None
             message, nbytes = self._arrivals.pop(numbers.popleft())

@@ -97,14 +97,14 @@ class SocketLink(_TcpLink):
     def prepare(self, nbytes: int) -> None:
         array = np.empty(nbytes, np.uint8)
         array.fill(1)  # touch every page now, not while timing
-        self.buffer = memoryview(array)
+        self.buffer = array.data
 
     def release(self) -> None:
         self.buffer = None
 
     def send(self, array: np.ndarray, index: int) -> None:
         assert self.tx is not None
-        payload = memoryview(array).cast("B")
+        payload = array.data.cast("B")
         self.tx.sendall(HEADER.pack(index, len(payload)))
         self.tx.sendall(payload)
 

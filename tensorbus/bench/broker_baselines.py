@@ -33,7 +33,7 @@ class _Assembler:
     def prepare(self, nbytes: int) -> None:
         array = np.empty(nbytes, np.uint8)
         array.fill(1)
-        self.buffer = memoryview(array)
+        self.buffer = array.data
 
     def add(self, chunk: int, count: int, body: bytes, chunk_bytes: int) -> memoryview | bytes | None:
         """Take chunk `chunk` of `count`; return the whole tensor after the last one."""
@@ -67,7 +67,7 @@ class _ChunkedLink(Link):
 
     def chunks(self, array: np.ndarray) -> Iterator[tuple[int, int, bytes]]:
         """(chunk index, chunk count, bytes) for each piece of `array`."""
-        view = memoryview(array).cast("B")
+        view = array.data.cast("B")
         step = self.chunk_bytes
         count = max(1, -(-len(view) // step))
         for chunk in range(count):

@@ -27,6 +27,7 @@ class Pair:
         a_here, a_there = ctx.Pipe()
         b_here, b_there = ctx.Pipe()
         self.conns: dict[str, Connection] = {"A": a_here, "B": b_here}
+        targets: list[tuple[Any, ...]]
         if method.in_process:
             targets = [(a_there, "A", spec, b_there)]
         else:

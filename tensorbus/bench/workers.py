@@ -106,7 +106,7 @@ class Worker:
         self.nbytes = nbytes
         if crcs is None:
             self.slots = make_slots(nbytes, self.dtype)
-            self.crcs = [crc32c.crc32c(slot) for slot in self.slots]
+            self.crcs = [crc32c.crc32c(slot.data) for slot in self.slots]
         else:
             self.crcs = crcs
         self.link.prepare(nbytes)

@@ -162,7 +162,7 @@ def encode_chunks(
     for crc, length in tails:
         frame_crc = combine(frame_crc, crc, length)
     struct.pack_into("<I", head, CRC_AT, frame_crc)
-    chunks = []
+    chunks: list[list[Buffer]] = []
     for index, (run, (crc, length)) in enumerate(zip(runs, tails, strict=True)):
         if index == 0:  # its slice is the head (CRC now filled in), then the first bytes of the payload
             crc, length = combine(crc32c.crc32c(head), crc, length), length + len(head)

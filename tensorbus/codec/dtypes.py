@@ -63,7 +63,7 @@ def describe(dtype: np.dtype) -> tuple[str, str]:
             f"dtype {dtype!s} cannot be sent: only numeric, bool and ml_dtypes dtypes travel "
             "(object, structured and void dtypes would need pickling)"
         )
-    order = dtype.byteorder
+    order: str = dtype.byteorder
     if order == "=":
         order = NATIVE_ORDER
     if dtype.kind == "V" and dtype.itemsize > 1 and order != NATIVE_ORDER:  # what `resolve` could not rebuild

@@ -7,7 +7,7 @@ import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import crc32c
 import msgpack
@@ -139,7 +139,7 @@ def metadata_objects(value: Any, containers: tuple[type, ...] = (dict, list)) ->
                     stack.append((inner, depth + 1))
                 count += len(item)
             else:
-                stack.extend((inner, depth + 1) for inner in item)
+                stack.extend((inner, depth + 1) for inner in cast(list, item))
     return count
 
 
@@ -206,7 +206,7 @@ def layout(
         if entry["offset"] > end:
             body.append(bytes(entry["offset"] - end))
         if array.nbytes:
-            body.append(memoryview(array.reshape(-1, order="A").view("u1")))
+            body.append(array.reshape(-1, order="A").view("u1").data)
         end = entry["offset"] + array.nbytes
     header: dict[str, Any] = {
         "kind": kind,
