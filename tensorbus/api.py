@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunks
+from .codec.compression import check_codec
 from .codec.frame import Buffer
 from .dedup import SeenIds
 from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
@@ -81,6 +82,8 @@ class Producer:
         self._options = options
         self.transport, opts = _open(url, PRODUCER_OPTIONS, options, "Producer")
         self.compression, self.checksum = opts["compression"], opts["checksum"]
+        if self.compression is not None:
+            check_codec(self.compression)
         self.signing_key = _key_bytes(opts["signing_key"])
         self._start_identity()
         self._closed = False

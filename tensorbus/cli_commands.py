@@ -18,7 +18,7 @@ import numpy as np
 from .api import Consumer, Producer
 from .codec import SparseTensor
 from .codec.frame import PREFIX, Message, _unpack_header, frame_length, parse
-from .errors import CodecError, ConfigError, TruncatedFrame, brief
+from .errors import BadMagic, CodecError, ConfigError, Timeout, TruncatedFrame, brief
 from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
 from .options import redact
@@ -98,9 +98,11 @@ def recv(args: argparse.Namespace) -> int:
     check_writable(args.output)  # before the tensor is taken from the endpoint, not after
     with Consumer(args.url) as consumer:
         print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
-        message = consumer.recv_message(args.key, timeout=args.timeout)
+        try:
+            message = consumer.recv_message(args.key, timeout=args.timeout)
+        finally:  # a typo in the key shows up here: say what did arrive
+            _note_dropped(consumer)
         target = _write(args.output, message)
-        _note_dropped(consumer)
     print(f"received {args.key}: {_describe(message.tensor)} -> {target}")
     return 0
 
@@ -118,10 +120,17 @@ def _write(output: str | Path, message: Message) -> Path:
 
 
 def _note_dropped(consumer: Consumer) -> None:
-    """Say so when tensors under other keys arrived: closing drops them (a broker has them acked)."""
-    others = len(consumer.table)
-    if others:
-        print(f"note: {others} tensor(s) under other keys arrived here too and are dropped on exit", file=sys.stderr)
+    """Say so when tensors under other keys arrived, and which keys: closing drops them (a broker has them acked)."""
+    keys = consumer.table.buffered_keys()
+    if keys:
+        first = itertools.islice(keys.items(), 5)
+        shown = ", ".join(f"{brief(key)} ({n})" if n > 1 else brief(key) for key, n in first)
+        more = f" and {len(keys) - 5} more keys" if len(keys) > 5 else ""
+        print(
+            f"note: {sum(keys.values())} tensor(s) under other keys arrived here too and are dropped on exit: "
+            f"{shown}{more}",
+            file=sys.stderr,
+        )
 
 
 def _versioned(path: Path, version: int) -> Path:
@@ -143,7 +152,14 @@ def save(args: argparse.Namespace) -> int:
     with Consumer(args.url) as consumer:
         print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
         for version in itertools.count(first):
-            message = consumer.recv_message(args.key, timeout=args.timeout)
+            try:
+                message = consumer.recv_message(args.key, timeout=args.timeout)
+            except Timeout:
+                _note_dropped(consumer)
+                if version == first:
+                    raise
+                print(f"no new version within {args.timeout}s: stopping after {version - first} saved")
+                return 0
             target = _versioned(output, version) if args.follow else output
             started = time.perf_counter()
             target = _write(target, message)
@@ -157,9 +173,15 @@ def save(args: argparse.Namespace) -> int:
 def inspect(args: argparse.Namespace) -> int:
     """Print each frame's header in a file of frames, checking checksums but not building arrays."""
     data = memoryview(Path(args.file).read_bytes())
-    offset, count = 0, 0
+    if not data:
+        raise TruncatedFrame(f"{args.file} is empty: no frames")
+    offset, count, bad = 0, 0, 0
     while offset < len(data):
-        total = frame_length(data[offset : offset + PREFIX.size])
+        try:
+            total = frame_length(data[offset : offset + PREFIX.size])
+        except BadMagic as exc:
+            where = "is not a file of tensorbus frames" if offset == 0 else f"holds no frame at byte {offset}"
+            raise BadMagic(f"{args.file} {where}: {exc}") from None
         if offset + total > len(data):
             raise TruncatedFrame(
                 f"frame {count} at byte {offset} needs {total} bytes, the file has {len(data) - offset}"
@@ -171,7 +193,7 @@ def inspect(args: argparse.Namespace) -> int:
             parse(frame_bytes)
             status = "ok" if frame_bytes[5] & 1 else "absent"
         except CodecError as exc:
-            status = f"BAD ({exc})"
+            status, bad = f"BAD ({exc})", bad + 1
         print(
             f"frame {count} at byte {offset}: {total:,} bytes, kind={header.get('kind')}, key={header.get('key')!r}, "
             f"id={header.get('id')}, compression={header.get('comp')}, checksum {status}"
@@ -192,4 +214,6 @@ def inspect(args: argparse.Namespace) -> int:
             print(f"  metadata: {shown}")
         offset += total
         count += 1
-    return 0
+    if bad:
+        print(f"{bad} of {count} frames failed their checks", file=sys.stderr)
+    return 1 if bad else 0

@@ -43,6 +43,8 @@ def read_tensor(path: str | Path) -> Any:
     except ModuleNotFoundError as exc:
         raise _needs_package(suffix, exc.name) from None
     except Exception as exc:  # numpy's and safetensors' errors for a corrupt file or an object array
+        if "allow_pickle" in str(exc):  # numpy's advice to load it unsafely: tensorbus never does
+            exc = ValueError("it holds pickled objects, or is not in numpy's format at all (never unpickled)")
         raise ConfigError(f"cannot read {path} as {suffix}: {exc}") from None
 
 
@@ -51,6 +53,8 @@ def check_writable(path: str | Path, *, bundle: bool = False) -> None:
     suffix = _suffix(path)
     if bundle and suffix == ".npy":
         raise ConfigError(f"{path}: .npy holds one array, not a bundle; use .safetensors, .npz or .tbf")
+    if Path(path).is_dir():
+        raise ConfigError(f"cannot write {path}: it is a directory")
     check_directory(path)
     if suffix == ".safetensors":
         try:

@@ -75,6 +75,8 @@ def redact(url: str) -> str:
         (name, "***" if any(word in name for word in _SECRET_WORDS) else value)
         for name, value in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
     ]
+    if netloc == parts.netloc and all(value != "***" for _, value in query):
+        return url  # nothing to hide: as written (unsplitting would turn unix:///path into unix:/path)
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(query, safe="*/")))
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from .codec import Message, SparseTensor
 from .errors import Aborted, Cancelled, ConfigError, StaleIncarnation, Timeout, brief
-from .keys import parse_key
+from .keys import check_key, parse_key
 from .options import finite_timeout
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class Rendezvous:
 
     def send(self, key: str, tensor: Any, *, metadata: dict[str, Any] | None = None) -> None:
         """Hand a tensor to whoever receives `key`, now or later; never blocks."""
+        check_key(key)
         self.put(Message(key, tensor, dict(metadata or {})))
 
     def put(self, message: Message, *, first: bool = False) -> None:
@@ -173,6 +174,7 @@ class Rendezvous:
 
     def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, but return the whole `Message` (key, tensor, metadata, message id)."""
+        check_key(key, optional=False)
         return self._wait(key, timeout)
 
     def next_message(self, timeout: float | None = None) -> Message:
@@ -181,6 +183,7 @@ class Rendezvous:
 
     def recv_async(self, key: str, callback: Callback) -> RecvHandle:
         """Call `callback(message, None)` once `key` arrives, or `callback(None, error)`; never blocks."""
+        check_key(key, optional=False)
         waiter = _Waiter(key, callback)
         with self._cond:
             message = self._take(key) if self._aborted is None else None
@@ -353,3 +356,8 @@ class Rendezvous:
     def __len__(self) -> int:
         with self._cond:
             return len(self._arrivals)
+
+    def buffered_keys(self) -> dict[str | None, int]:
+        """How many buffered (arrived, not yet received) messages each key has."""
+        with self._cond:
+            return {key: len(numbers) for key, numbers in self._by_key.items()}

@@ -22,6 +22,7 @@ from ..errors import (
     UnsupportedVersion,
     brief,
 )
+from ..keys import check_key
 from .compression import compress, decompress
 from .crc import combine, uncombine
 from .tensors import align, flatten, rebuild
@@ -199,6 +200,7 @@ def layout(
     message_id: MessageId | None = None,
 ) -> tuple[dict[str, Any], list[Buffer], int]:
     """The header, the payload buffers (the arrays' own memory) and the payload length of a tensor."""
+    check_key(key)
     kind, extra, entries, arrays = flatten(obj)
     body: list[Buffer] = []
     end = 0

@@ -7,6 +7,7 @@ import importlib
 import urllib.parse
 
 from ..errors import ConfigError
+from ..options import redact
 from .base import Deliver, Delivered, Transport
 
 TRANSPORTS: dict[str, str] = {
@@ -26,11 +27,13 @@ def resolve_transport(url: str) -> tuple[type[Transport], urllib.parse.SplitResu
     parsed = urllib.parse.urlsplit(url)
     target = TRANSPORTS.get(parsed.scheme)
     if target is None:
+        known = ", ".join(f"{scheme}://" for scheme in sorted(TRANSPORTS))
+        if "://" not in url:
+            example = "tcp://127.0.0.1:5555"
+            raise ConfigError(f"{redact(url)!r} names no transport: write it as a URL, e.g. {example} ({known})")
         near = difflib.get_close_matches(parsed.scheme, TRANSPORTS, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ConfigError(
-            f"unknown transport scheme {parsed.scheme!r} in {url!r}{hint} Known: {', '.join(sorted(TRANSPORTS))}"
-        )
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"unknown transport scheme {parsed.scheme!r} in {redact(url)!r}{hint}. Known: {known}")
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)

@@ -62,12 +62,12 @@ class Listener:
             server.listen(self.options["backlog"])
             if self.family == socket.AF_UNIX:
                 self._socket_file = _identity(self.target)  # type: ignore[arg-type]
-        except TransportError:
-            server.close()
-            raise
         except OSError as exc:
             server.close()
             raise TransportError(f"cannot listen on {self._address()}: {exc}") from None
+        except BaseException:
+            server.close()
+            raise
         self._server = server
         return server.getsockname()
 
@@ -83,8 +83,8 @@ class Listener:
         path = self.target
         assert isinstance(path, str)
         try:
-            if not stat.S_ISSOCK(os.stat(path).st_mode):
-                return  # not a socket: never removed, and bind reports that the path is taken
+            if not stat.S_ISSOCK(os.stat(path).st_mode):  # never removed: it is not a consumer's
+                raise TransportError(f"cannot listen on {self._address()}: {path} exists and is not a socket")
         except FileNotFoundError:
             return
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

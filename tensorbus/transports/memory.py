@@ -98,7 +98,7 @@ class MemoryTransport(Transport):
         super().__init__(url, options)
         self.name = url.netloc + url.path
         if not self.name:
-            raise ConfigError(f"memory URL needs a name, e.g. memory://weights; got {self.address!r}")
+            raise ConfigError("memory URL needs a name after memory://, e.g. memory://weights")
         self._thread: threading.Thread | None = None
         self._queue: Frames | None = None
         self._stop = threading.Event()

@@ -98,6 +98,8 @@ class SocketTransport(Transport):
         else:
             if url.port is None:
                 raise ConfigError(f"{url.scheme} URL needs a port, e.g. tcp://127.0.0.1:5555; got {url.geturl()!r}")
+            if url.path not in ("", "/"):
+                raise ConfigError(f"{url.scheme} URL takes no path (a port is the whole address); got {url.geturl()!r}")
             host = url.hostname or "127.0.0.1"
             self.family, self.target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, url.port)
         secret = options["auth_secret"]

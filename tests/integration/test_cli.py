@@ -122,7 +122,48 @@ def test_inspect_prints_headers_and_checksum_status(tmp_path: Path) -> None:
     corrupt = bytearray(frames.read_bytes())
     corrupt[-1] ^= 1
     frames.write_bytes(bytes(corrupt))
-    assert "checksum BAD" in tensorbus("inspect", str(frames)).stdout
+    result = tensorbus("inspect", str(frames))
+    assert "checksum BAD" in result.stdout and result.stdout.count("checksum ok") == 1
+    assert result.returncode == 1 and "1 of 2 frames failed their checks" in result.stderr  # scripts can tell
+
+
+def test_inspect_refuses_an_empty_file_and_names_a_file_that_holds_no_frames(tmp_path: Path) -> None:
+    (tmp_path / "empty.tbf").write_bytes(b"")
+    one_line_error(tensorbus("inspect", str(tmp_path / "empty.tbf")), "empty", "no frames")
+    np.save(tmp_path / "w.npy", np.ones(2))
+    one_line_error(tensorbus("inspect", str(tmp_path / "w.npy")), "is not a file of tensorbus frames")
+
+
+def test_output_cut_off_by_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
+    frames = tmp_path / "many.tbf"
+    frames.write_bytes(tb.dumps(np.zeros(1), key="k") * 5000)  # far more output than a pipe buffers
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tensorbus", "inspect", str(frames)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    assert process.stdout.readline().startswith("frame 0")
+    process.stdout.close()  # as `| head -1` does
+    assert process.wait(timeout=60) == 141  # 128 + SIGPIPE, as a shell reports it for any tool
+    with process.stderr:
+        assert process.stderr.read() == ""
+
+
+def test_arguments_are_checked_by_the_command_they_belong_to(tmp_path: Path) -> None:
+    out = str(tmp_path / "x.npy")
+    result = tensorbus("recv", "tcp://127.0.0.1:0", "k", "-o", out, "--timout", "1")
+    assert result.returncode == 2 and "usage: tensorbus recv" in result.stderr and "--timout" in result.stderr
+    result = tensorbus("recv", "tcp://127.0.0.1:0", "k", "-o", out, "--timeout", "abc")
+    assert result.returncode == 2 and "invalid seconds value: 'abc'" in result.stderr
+    result = tensorbus("save", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "p.npz"), "--max-versions", "2")
+    assert result.returncode == 2 and "--max-versions goes with --follow" in result.stderr
+    np.save(out, np.ones(2))
+    result = tensorbus("send", "-v", "tcp://127.0.0.1:1?reconnect_timeout_s=0.5", "k", out)  # -v after the command
+    assert result.returncode == 2 and "INFO connect to tcp://127.0.0.1:1 failed" in result.stderr
+    (tmp_path / "d.npy").mkdir()
+    one_line_error(tensorbus("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "d.npy")), "is a directory")
+    (tmp_path / "text.npy").write_text("not numpy")
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "text.npy")), "never unpickled")
 
 
 def one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -229,6 +270,27 @@ def test_examples_run_as_is(example: str, transport: str, tmp_path: Path) -> Non
     assert ": True" in result.stdout
 
 
+def test_a_recv_that_times_out_names_the_keys_that_did_arrive(tmp_path: Path) -> None:
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "weights", "-o", str(tmp_path / "w.npy"), "--timeout", "3")
+    with tb.Producer(address) as producer:
+        producer.send("weight", np.ones(3))  # a typo in the key
+        producer.flush(30)  # acknowledged: it is in the receiver's table
+    _, err = receiver.communicate(timeout=60)
+    assert receiver.returncode == 2 and "no tensor for key 'weights'" in err
+    assert "1 tensor(s) under other keys arrived here too and are dropped on exit: 'weight'" in err
+
+
+def test_save_follow_ended_by_its_timeout_after_saving_succeeds(tmp_path: Path) -> None:
+    saver, address = listen(
+        "save", "tcp://127.0.0.1:0", "params", "-o", str(tmp_path / "p.npz"), "--follow", "--timeout", "2"
+    )
+    with tb.Producer(address) as producer:
+        producer.send("params", {"w": np.ones(2)})
+        producer.flush(30)
+    out = finish(saver)  # exit status 0
+    assert "no new version within 2.0s: stopping after 1 saved" in out and (tmp_path / "p-000001.npz").exists()
+
+
 def test_recv_says_when_tensors_under_other_keys_are_dropped_with_it(tmp_path: Path) -> None:
     url = endpoint_url("amqp")
     with tb.Producer(url) as producer:
@@ -237,4 +299,12 @@ def test_recv_says_when_tensors_under_other_keys_are_dropped_with_it(tmp_path: P
         producer.flush(30)
     result = tensorbus("recv", url, "k", "-o", str(tmp_path / "k.npy"), "--timeout", "30")
     assert result.returncode == 0, result.stderr
-    assert "1 tensor(s) under other keys" in result.stderr
+    assert "1 tensor(s) under other keys arrived here too and are dropped on exit: 'other'" in result.stderr
+
+
+def test_errors_are_named_by_the_class_tensorbus_exports() -> None:
+    from tensorbus.cli import _public_name
+    from tensorbus.transports.stream import AuthRefused
+
+    assert _public_name(AuthRefused("refused")) == "TransportError"  # what a user can catch, not an internal name
+    assert _public_name(tb.Timeout("late")) == "Timeout"

@@ -17,8 +17,50 @@ from tests.faults import fail_feed_once
 
 
 def test_unknown_scheme_names_the_known_ones_and_suggests() -> None:
-    with pytest.raises(tb.ConfigError, match=r"'tpc'.*did you mean 'tcp'.*Known: amqp, amqps, kafka"):
+    with pytest.raises(tb.ConfigError, match=r"'tpc'.*did you mean 'tcp'.*Known: amqp://, amqps://, kafka://"):
         tb.Producer("tpc://127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("127.0.0.1:5603", "names no transport.*e.g. tcp://"),
+        ("memory://", "needs a name after memory://"),
+        ("tcp://127.0.0.1:5697/path", "takes no path"),
+    ],
+)
+def test_urls_a_user_might_mistype_are_explained(url: str, needle: str) -> None:
+    with pytest.raises(tb.ConfigError, match=needle):
+        tb.Consumer(url)
+
+
+def test_a_unix_path_that_is_not_a_socket_is_named_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("keep me")
+    with pytest.raises(tb.TransportError, match="exists and is not a socket"):
+        tb.Consumer(f"unix://{path}")
+    assert path.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("key", [123, b"k", ("a", "b")])
+def test_a_key_that_is_not_a_str_is_refused_at_the_sender_not_dropped_by_the_consumer(key: object) -> None:
+    with pytest.raises(tb.ConfigError, match="key must be a str"):
+        tb.dumps(np.ones(1), key=key)  # type: ignore[arg-type]
+    with tb.Consumer("memory://keys") as consumer, tb.Producer("memory://keys") as producer:
+        with pytest.raises(tb.ConfigError, match="key must be a str"):
+            producer.send(key, np.ones(1))  # type: ignore[arg-type]
+        with pytest.raises(tb.ConfigError, match="key must be a str"):
+            consumer.recv(key, timeout=1)  # type: ignore[arg-type]  # (it would wait for ever)
+        with pytest.raises(tb.ConfigError, match="key must be a str"):
+            consumer.recv_async(key, lambda message, error: None)  # type: ignore[arg-type]
+        producer.send(None, np.ones(1))  # no key at all is fine: iteration receives it
+        assert next(iter(consumer)).key is None
+
+
+def test_an_unknown_compression_is_refused_when_the_producer_is_made() -> None:
+    for options in ({"compression": "gzip"}, {}):
+        with pytest.raises(tb.ConfigError, match="unknown compression 'gzip'"):
+            tb.Producer("memory://comp" + ("" if options else "?compression=gzip"), **options)
 
 
 def test_unknown_options_are_errors_from_kwargs_and_query() -> None:
@@ -256,6 +298,7 @@ def test_logged_urls_hide_passwords_and_secrets() -> None:
     shown = tensorbus.options.redact("amqp://u:pw@h:5672/%2F?queue=q&signing_key=abc&auth_secret=s&prefetch_count=3")
     assert shown == "amqp://u:***@h:5672/%2F?queue=q&signing_key=***&auth_secret=***&prefetch_count=3"
     assert tensorbus.options.redact("tcp://127.0.0.1:5") == "tcp://127.0.0.1:5"
+    assert tensorbus.options.redact("unix:///tmp/a.sock") == "unix:///tmp/a.sock"  # as written, not unix:/tmp
 
 
 def test_a_callback_raising_system_exit_costs_nothing_but_its_own_call(caplog: pytest.LogCaptureFixture) -> None:
