@@ -51,6 +51,10 @@ MIN_STRIDE = 1024
 #: what a pending message costs the reassembly budget beyond its bytes (its bookkeeping): bounds
 #: how many a flood of tiny chunks with distinct ids can open
 PARTIAL_OVERHEAD = 16 << 10
+#: a chunk kept by reference may pin this much more than twice its payload (the rest of the buffer
+#: it arrived in: its header, a larger pooled buffer); beyond that its payload is copied, as the
+#: budget counts payloads and a hostile header can be a megabyte of padding around 1 KB
+PINNED_SLACK = 16 << 10
 
 
 def frame_size(buffers: list[Buffer]) -> int:
@@ -309,7 +313,8 @@ class Reassembler:
                     f"chunk {index} of message {message_id} would hold {self.held_bytes + len(payload)} bytes "
                     f"for reassembly; the limit is {self.max_bytes}: message given up",
                 )
-            partial.pieces[index] = payload if owned else memoryview(bytes(payload))
+            keep = owned and memoryview(payload.obj).nbytes <= 2 * len(payload) + PINNED_SLACK
+            partial.pieces[index] = payload if keep else memoryview(bytes(payload))
             self._charge(partial, len(payload))
         partial.got += len(payload)
         grown = partial.total - partial.charged + PARTIAL_OVERHEAD

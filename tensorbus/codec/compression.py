@@ -47,8 +47,10 @@ def decompress(name: object, data: memoryview, raw_len: int, max_bytes: int) -> 
         elif name == "zstd":
             import zstandard
 
-            with zstandard.ZstdDecompressor().stream_reader(data) as reader:
-                out = reader.read(raw_len + 1)  # one byte more reveals a lying header
+            # one byte more reveals a lying header; reading on across frames, bytes after the first (a
+            # second frame, or junk) are refused too, as unused payload bytes are everywhere else
+            with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True) as reader:
+                out = reader.read(raw_len + 1)
         else:
             raise MalformedHeader(f"unknown compression {brief(name)}; known: {', '.join(CODECS)}")
     except MalformedHeader:

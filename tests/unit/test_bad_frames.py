@@ -218,6 +218,10 @@ def test_compression_bombs_and_lies() -> None:
         tb.decode(lying)
     with pytest.raises(tb.MalformedHeader, match="does not decompress"):
         tb.decode(craft({**tensor_header(), "comp": "lz4", "raw": 16}, b"\xff" * 64))
+    for extra in (b"junk" * 450, bytes(frame.payload)):  # unused bytes after the zstd frame: junk, or a second one
+        with pytest.raises(tb.MalformedHeader, match=r"does not decompress|decompressed to"):
+            tb.decode(craft(frame.header, bytes(frame.payload) + extra))
+    assert tb.decode(craft(frame.header, bytes(frame.payload))).tensor.nbytes == 1 << 18  # (as crafted, it is fine)
     with pytest.raises(tb.MalformedHeader, match="unknown compression"):
         tb.decode(craft({**tensor_header(), "comp": "rot13", "raw": 16}, bytes(16)))
 

@@ -122,6 +122,31 @@ def test_a_tiny_chunk_claiming_the_whole_budget_reserves_nothing() -> None:
     assert out[-1] is not None and np.array_equal(out[-1].tensor, np.arange(150_000.0))
 
 
+@pytest.mark.parametrize("as_bytes", [True, False])  # bytes are immutable: kept by reference like an owned buffer
+def test_a_kept_chunk_holds_its_payload_not_the_padded_frame_it_came_in(as_bytes: bool) -> None:
+    """The budget counts payloads: a chunk whose header is mostly padding must not pin that padding."""
+    import tracemalloc
+
+    from tensorbus.codec.frame import encode_raw
+
+    reassembler = tb.Reassembler(max_bytes=256 << 20)
+    total, stride = 64 << 20, 1024
+    count = total // stride
+    tracemalloc.start()
+    try:
+        for index in range(100):  # far less than half the message: no buffer yet, every chunk is kept as it came
+            header = {"kind": "chunk", "key": None, "id": ["p", 1], "chunk": [index, count, total, stride]}
+            header["pad"] = bytes(256 << 10)  # ignored by the reader, but it is part of the frame
+            frame = b"".join(encode_raw(header, [bytes(stride)], stride))
+            assert reassembler.feed(frame if as_bytes else bytearray(frame), owned=not as_bytes) is None
+        del frame
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert reassembler.held_bytes < 200 << 10
+    assert held < 4 << 20  # 25 MB of frames pinned before the fix
+
+
 def test_flood_of_chunks_claiming_huge_totals_allocates_nothing_beyond_the_limit() -> None:
     from tensorbus.codec.frame import encode_raw
 
