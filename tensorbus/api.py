@@ -41,6 +41,7 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "max_ndim": Limits.max_ndim,
     "dedup_window": 100_000,
     "dedup_file": None,
+    "like": "numpy",
 }
 
 
@@ -50,6 +51,18 @@ def _key_bytes(value: Any) -> bytes | None:
     if isinstance(value, str):
         return value.encode()
     raise ConfigError(f"signing_key must be bytes or str, got {type(value).__name__}")
+
+
+def _check_like(like: object) -> str:
+    """What a consumer's arrays come back as: "numpy", or "torch" (which must then be installed)."""
+    if like not in ("numpy", "torch"):
+        raise ConfigError(f"like must be 'numpy' or 'torch', got {like!r}")
+    if like == "torch":
+        try:
+            import torch  # noqa: F401
+        except ModuleNotFoundError:
+            raise ConfigError("like='torch' needs torch: pip install 'tensorbus[torch]'") from None
+    return str(like)
 
 
 def _open(url: str, own: dict[str, Any], kwargs: dict[str, Any], role: str) -> tuple[Transport, dict[str, Any]]:
@@ -198,6 +211,7 @@ class Consumer:
             timeout_s=opts["reassembly_timeout_s"],
             limits=limits,
             signing_key=self.signing_key,
+            like=_check_like(opts["like"]),
         )
         self._lock = threading.Lock()
         self._seen = SeenIds(opts["dedup_window"], opts["dedup_file"])

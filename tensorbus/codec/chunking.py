@@ -223,9 +223,11 @@ class Reassembler:
         limits: Limits = DEFAULT_LIMITS,
         signing_key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
+        like: str = "numpy",
     ) -> None:
         self.max_bytes, self.timeout_s, self.limits = max_bytes, timeout_s, limits
         self.signing_key, self.clock = signing_key, clock
+        self.like = like  # what arrays come back as: "numpy", or "torch" (see `decode`)
         self._partials: dict[MessageId, _Partial] = {}
         self._done: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._given_up: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
@@ -249,7 +251,7 @@ class Reassembler:
         crcs = split_checksum(view, crc) if len(view) >= SPLIT_CRC_FROM else None
         frame = parse(view, limits=self.limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0])
         if frame.header.get("kind") != "chunk":
-            return message_from_frame(frame, copy=copy, limits=self.limits)
+            return message_from_frame(frame, copy=copy, limits=self.limits, like=self.like)
         message_id = _message_id(frame.header.get("id"))
         if message_id is None:
             raise MalformedHeader("chunk has no message id")
@@ -295,6 +297,7 @@ class Reassembler:
                 ),
                 copy=copy,
                 limits=self.limits,
+                like=self.like,
             )
         except CodecError:
             self._finish(message_id)  # a bad frame: done with it (anything else leaves it to be fed again)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -73,3 +74,24 @@ def test_every_dtype_the_codec_carries_decodes_as_torch_or_says_why_not(name: st
             continue
         assert isinstance(back, torch.Tensor) and tuple(back.shape) == array.shape
         assert back.view(torch.uint8).numpy().tobytes() == array.tobytes()  # the same bits, native order
+
+
+def test_a_consumer_with_like_torch_hands_out_torch_tensors_and_counts_what_torch_cannot_hold() -> None:
+    with tb.Consumer("memory://torch-like", like="torch") as consumer:
+        with tb.Producer("memory://torch-like") as producer:
+            producer.send("t", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
+            producer.send("np", np.arange(4, dtype=np.int32))  # sent as numpy: received as torch all the same
+            producer.send("bundle", {"w": torch.ones(2, 2), "b": np.zeros(2)})
+            producer.send("k", np.zeros(3, dtype=np.complex64).astype(">c8"))  # big-endian: converted, not refused
+            producer.send("int4", np.zeros(4, dtype=ml_dtypes.int4))  # torch has no int4 of numpy's layout
+            producer.send("after", np.ones(2))
+        t = consumer.recv("t", timeout=5)
+        assert isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.tolist() == [[0, 1, 2], [3, 4, 5]]
+        assert torch.equal(consumer.recv("np", timeout=5), torch.arange(4, dtype=torch.int32))
+        bundle = consumer.recv("bundle", timeout=5)
+        assert all(isinstance(v, torch.Tensor) for v in bundle.values()) and torch.equal(bundle["w"], torch.ones(2, 2))
+        assert isinstance(consumer.recv("k", timeout=5), torch.Tensor)
+        assert torch.equal(consumer.recv("after", timeout=5), torch.ones(2, dtype=torch.float64))
+        assert consumer.stats["rejected"] == 1  # the int4 tensor: dropped, logged and counted, as documented
+    with pytest.raises(tb.ConfigError, match="like must be"):
+        tb.Consumer("memory://torch-like-bad", like="jax")
