@@ -224,7 +224,7 @@ class Consumer:
         self._interrupted: tuple[Buffer, Message] | None = None  # a frame whose delivery was interrupted, decoded
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):
-            self.table.pump = self.transport.pump  # type: ignore[attr-defined]  # a waiting recv reads for itself
+            self.table.pump = self.transport.pump  # a waiting recv reads for itself
             self.table.room_opened = self.transport.room_opened  # type: ignore[attr-defined]
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
         self._expiry.start()

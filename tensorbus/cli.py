@@ -119,9 +119,12 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction[a
 
 def _stdout_gone() -> bool:
     """Whether stdout is a pipe whose reader left (`tensorbus inspect f.tbf | head -1`)."""
-    poller = select.poll()
-    poller.register(sys.stdout.fileno(), select.POLLOUT)
-    return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, ValueError, OSError):  # no real stdout (captured, closed), or no poll()
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

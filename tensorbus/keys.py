@@ -18,12 +18,11 @@ class ParsedKey(NamedTuple):
     frame_iter: tuple[int, int]
 
 
-def check_key(key: object, *, optional: bool = True) -> None:
-    """Refuse a key that is not a str (None, "no key", where `optional`): a frame carries only strings,
-    so any other type would be sent, then dropped by every consumer as a malformed frame."""
-    if not isinstance(key, str) and not (optional and key is None):
-        wanted = "a str (or None)" if optional else "a str"
-        raise ConfigError(f"key must be {wanted}, got {type(key).__name__}: {brief(key)}")
+def check_key(key: object) -> None:
+    """Refuse a key that is neither a str nor None ("no key"): a frame carries only strings, so any
+    other type would be sent, then dropped by every consumer as a malformed frame."""
+    if key is not None and not isinstance(key, str):
+        raise ConfigError(f"key must be a str (or None), got {type(key).__name__}: {brief(key)}")
 
 
 def make_key(src: str, src_incarnation: int, dst: str, name: str, frame_iter: tuple[int, int] = (0, 0)) -> str:

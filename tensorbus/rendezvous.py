@@ -174,7 +174,7 @@ class Rendezvous:
 
     def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, but return the whole `Message` (key, tensor, metadata, message id)."""
-        check_key(key, optional=False)
+        check_key(key)  # (None: the messages sent with no key)
         return self._wait(key, timeout)
 
     def next_message(self, timeout: float | None = None) -> Message:
@@ -183,7 +183,7 @@ class Rendezvous:
 
     def recv_async(self, key: str, callback: Callback) -> RecvHandle:
         """Call `callback(message, None)` once `key` arrives, or `callback(None, error)`; never blocks."""
-        check_key(key, optional=False)
+        check_key(key)  # (None: the messages sent with no key)
         waiter = _Waiter(key, callback)
         with self._cond:
             message = self._take(key) if self._aborted is None else None
@@ -321,7 +321,7 @@ class Rendezvous:
     def _has_room_for(self, key: object) -> bool:
         if self.buffered_bytes < self.max_buffered_bytes or self._aborted is not None:
             return True
-        return key is not _ANY_ROOM and bool(self._waiters.get(key) or self._waiters.get(ANY))  # type: ignore[arg-type]
+        return key is not _ANY_ROOM and bool(self._waiters.get(key) or self._waiters.get(ANY))
 
     def abort(self, reason: str) -> None:
         """Fail every pending receive, drop what is buffered, and make every later call raise `Aborted`."""

@@ -205,6 +205,14 @@ class _Partial:
     crcs: dict[int, int | None] = field(default_factory=dict)
 
 
+def _buffer_bytes(view: memoryview) -> float:
+    """Bytes of the buffer `view` is a slice of (infinite when that cannot be told: then it is copied)."""
+    try:
+        return memoryview(view.obj).nbytes  # (.obj is None for views made in C: TypeError)
+    except (TypeError, BufferError):
+        return float("inf")
+
+
 class Reassembler:
     """Collects chunks (any order, duplicates allowed) into one buffer per message.
 
@@ -316,7 +324,7 @@ class Reassembler:
                     f"chunk {index} of message {message_id} would hold {self.held_bytes + len(payload)} bytes "
                     f"for reassembly; the limit is {self.max_bytes}: message given up",
                 )
-            keep = owned and memoryview(payload.obj).nbytes <= 2 * len(payload) + PINNED_SLACK
+            keep = owned and _buffer_bytes(payload) <= 2 * len(payload) + PINNED_SLACK
             partial.pieces[index] = payload if keep else memoryview(bytes(payload))
             self._charge(partial, len(payload))
         partial.got += len(payload)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import ConfigError, LimitExceeded, MalformedHeader, brief
 
 CODECS = ("lz4", "zstd")
@@ -35,6 +37,21 @@ def _compress(name: str, data: bytes | memoryview) -> bytes:
     raise ConfigError(f"unknown compression {name!r}; known: {', '.join(CODECS)}")
 
 
+def _zstd(zstandard: Any, data: memoryview, raw_len: int) -> bytes:
+    """One zstd frame that declares `raw_len` as its size (libzstd then never writes more) and is
+    the whole payload: unused bytes after it (junk, a second or skippable frame) are refused, as
+    they are in uncompressed payloads."""
+    declared = zstandard.get_frame_parameters(data).content_size
+    if declared != raw_len:
+        raise MalformedHeader(f"zstd frame declares {declared} bytes, header says {raw_len}")
+    stream = zstandard.ZstdDecompressor().decompressobj()
+    out: bytes = stream.decompress(data)
+    if not stream.eof or stream.unused_data:
+        what = f"{len(stream.unused_data)} bytes after it" if stream.eof else "it is cut short"
+        raise MalformedHeader(f"zstd payload is not exactly one frame: {what}")
+    return out
+
+
 def decompress(name: object, data: memoryview, raw_len: int, max_bytes: int) -> bytes:
     """Decompress into exactly `raw_len` bytes, refusing to allocate beyond `max_bytes`."""
     if raw_len > max_bytes:
@@ -47,10 +64,7 @@ def decompress(name: object, data: memoryview, raw_len: int, max_bytes: int) -> 
         elif name == "zstd":
             import zstandard
 
-            # one byte more reveals a lying header; reading on across frames, bytes after the first (a
-            # second frame, or junk) are refused too, as unused payload bytes are everywhere else
-            with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=True) as reader:
-                out = reader.read(raw_len + 1)
+            out = _zstd(zstandard, data, raw_len)
         else:
             raise MalformedHeader(f"unknown compression {brief(name)}; known: {', '.join(CODECS)}")
     except MalformedHeader:

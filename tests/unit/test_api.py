@@ -53,8 +53,10 @@ def test_a_key_that_is_not_a_str_is_refused_at_the_sender_not_dropped_by_the_con
             consumer.recv(key, timeout=1)  # type: ignore[arg-type]  # (it would wait for ever)
         with pytest.raises(tb.ConfigError, match="key must be a str"):
             consumer.recv_async(key, lambda message, error: None)  # type: ignore[arg-type]
-        producer.send(None, np.ones(1))  # no key at all is fine: iteration receives it
+        producer.send(None, np.ones(1))  # no key at all is fine: iteration receives it, and so does recv(None)
+        producer.send(None, np.zeros(1))
         assert next(iter(consumer)).key is None
+        assert consumer.recv(None, timeout=1).tolist() == [0.0]
 
 
 def test_an_unknown_compression_is_refused_when_the_producer_is_made() -> None:

@@ -214,13 +214,33 @@ def test_compression_bombs_and_lies() -> None:
     good = tb.dumps(np.zeros(1 << 16, np.float32), compression="zstd")
     frame = tb.codec.parse(good)
     lying = craft({**frame.header, "raw": 100}, bytes(frame.payload))
-    with pytest.raises(tb.MalformedHeader, match="decompressed to"):
+    with pytest.raises(tb.MalformedHeader, match="zstd frame declares 262144 bytes, header says 100"):
         tb.decode(lying)
     with pytest.raises(tb.MalformedHeader, match="does not decompress"):
         tb.decode(craft({**tensor_header(), "comp": "lz4", "raw": 16}, b"\xff" * 64))
-    for extra in (b"junk" * 450, bytes(frame.payload)):  # unused bytes after the zstd frame: junk, or a second one
-        with pytest.raises(tb.MalformedHeader, match=r"does not decompress|decompressed to"):
-            tb.decode(craft(frame.header, bytes(frame.payload) + extra))
+    payload = bytes(frame.payload)
+    skippable = struct.pack("<II", 0x184D2A50, 4) + b"abcd"
+    # unused bytes after the zstd frame: junk, a second frame, a skippable frame, a bare magic, half a frame
+    for extra in (b"junk" * 450, payload, skippable, payload[:4], payload[: len(payload) // 2]):
+        with pytest.raises(tb.MalformedHeader, match="not exactly one frame"):
+            tb.decode(craft(frame.header, payload + extra))
+    with pytest.raises(tb.MalformedHeader, match="not exactly one frame: it is cut short"):
+        tb.decode(craft(frame.header, payload[:-3]))
+    lying = bytearray(payload)  # its frame header claims 1000 bytes (single segment: the 4-byte field at 5)
+    lying[5:9] = (1000).to_bytes(4, "little")
+    with pytest.raises(tb.MalformedHeader, match="declares 1000 bytes"):
+        tb.decode(craft(frame.header, bytes(lying)))
+    with pytest.raises(tb.MalformedHeader, match="does not decompress"):  # (both lie: libzstd stops at 1000)
+        tb.decode(
+            craft(
+                {
+                    **frame.header,
+                    "raw": 1000,
+                    "tensors": [{**frame.header["tensors"][0], "shape": [250], "nbytes": 1000}],
+                },
+                bytes(lying),
+            )
+        )
     assert tb.decode(craft(frame.header, bytes(frame.payload))).tensor.nbytes == 1 << 18  # (as crafted, it is fine)
     with pytest.raises(tb.MalformedHeader, match="unknown compression"):
         tb.decode(craft({**tensor_header(), "comp": "rot13", "raw": 16}, bytes(16)))

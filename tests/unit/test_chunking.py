@@ -147,6 +147,23 @@ def test_a_kept_chunk_holds_its_payload_not_the_padded_frame_it_came_in(as_bytes
     assert held < 4 << 20  # 25 MB of frames pinned before the fix
 
 
+def test_a_chunk_in_a_view_made_in_c_is_kept_as_a_copy() -> None:
+    """A memoryview made by C code has no exporting object (`.obj` is None): its buffer's size is unknown."""
+    import ctypes
+
+    from_memory = ctypes.pythonapi.PyMemoryView_FromMemory
+    from_memory.restype, from_memory.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+    chunks = chunks_of(np.arange(600.0), 1200)
+    reassembler = tb.Reassembler()
+    kept = [ctypes.create_string_buffer(chunk, len(chunk)) for chunk in chunks]
+    views = [
+        from_memory(ctypes.addressof(buffer), len(chunk), 0x200) for buffer, chunk in zip(kept, chunks, strict=True)
+    ]
+    assert views[0].obj is None
+    *firsts, last = [reassembler.feed(view, owned=True) for view in views]
+    assert firsts == [None] * len(firsts) and last is not None and np.array_equal(last.tensor, np.arange(600.0))
+
+
 def test_flood_of_chunks_claiming_huge_totals_allocates_nothing_beyond_the_limit() -> None:
     from tensorbus.codec.frame import encode_raw
 
