@@ -15,6 +15,7 @@ from typing import Any
 from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunks
 from .codec.compression import check_codec
 from .codec.frame import Buffer
+from .codec.torch_bridge import check_like
 from .dedup import SeenIds
 from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
 from .options import finite_timeout, load_config, merge, redact
@@ -51,18 +52,6 @@ def _key_bytes(value: Any) -> bytes | None:
     if isinstance(value, str):
         return value.encode()
     raise ConfigError(f"signing_key must be bytes or str, got {type(value).__name__}")
-
-
-def _check_like(like: object) -> str:
-    """What a consumer's arrays come back as: "numpy", or "torch" (which must then be installed)."""
-    if like not in ("numpy", "torch"):
-        raise ConfigError(f"like must be 'numpy' or 'torch', got {like!r}")
-    if like == "torch":
-        try:
-            import torch  # noqa: F401
-        except ModuleNotFoundError:
-            raise ConfigError("like='torch' needs torch: pip install 'tensorbus[torch]'") from None
-    return str(like)
 
 
 def _open(url: str, own: dict[str, Any], kwargs: dict[str, Any], role: str) -> tuple[Transport, dict[str, Any]]:
@@ -211,7 +200,7 @@ class Consumer:
             timeout_s=opts["reassembly_timeout_s"],
             limits=limits,
             signing_key=self.signing_key,
-            like=_check_like(opts["like"]),
+            like=check_like(opts["like"]),
         )
         self._lock = threading.Lock()
         self._seen = SeenIds(opts["dedup_window"], opts["dedup_file"])

@@ -7,7 +7,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..errors import UnsupportedDtype
+from ..errors import ConfigError, UnsupportedDtype
 
 #: ml_dtypes floats whose bits torch reads the same way, under the same name (sub-byte ints differ: torch packs them)
 _TORCH_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -55,12 +55,28 @@ def numpy_to_torch(array: np.ndarray) -> Any:
         raise UnsupportedDtype(f"torch has no dtype for {name}; decode with like='numpy'") from None
 
 
+#: what decoded arrays may come back as
+LIKES = ("numpy", "torch")
+
+
+def check_like(like: object) -> str:
+    """Refuse a `like` other than LIKES, and "torch" where torch is not installed, before anything arrives."""
+    if like not in LIKES:
+        raise ConfigError(f"like must be 'numpy' or 'torch', got {like!r}")
+    if like == "torch":
+        try:
+            import torch  # noqa: F401
+        except ModuleNotFoundError:
+            raise ConfigError("like='torch' needs torch: pip install 'tensorbus[torch]'") from None
+    return str(like)
+
+
 def to_like(obj: Any, like: str) -> Any:
     """Convert a decoded object's arrays to the requested framework ("numpy" or "torch")."""
     if like == "numpy":
         return obj
     if like != "torch":
-        raise ValueError(f"like must be 'numpy' or 'torch', got {like!r}")
+        raise ValueError(f"like must be one of {LIKES}, got {like!r}")
     if isinstance(obj, dict):
         return {name: numpy_to_torch(a) for name, a in obj.items()}
     if isinstance(obj, np.ndarray):
