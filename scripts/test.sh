@@ -20,6 +20,6 @@ if [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && [ -f scripts/brokers.sh ]; 
 fi
 
 .venv/bin/ruff check .
-.venv/bin/ruff format --check tensorbus tests benchmarks examples
+.venv/bin/ruff format --check tensorbus tests benchmarks examples setup.py
 .venv/bin/python -m mypy tensorbus
 .venv/bin/python -m pytest "$@"

@@ -29,6 +29,7 @@ from .frame import (
     MessageId,
     _message_id,
     checksum_of,
+    decode_native,
     encode_raw,
     frame_head,
     layout,
@@ -256,6 +257,10 @@ class Reassembler:
             self.expire()
         self.last_message_id = None
         view = memoryview(data).cast("B")
+        if not copy and self.signing_key is None:
+            message = decode_native(view, crc, self.limits, self.like)
+            if message is not None:  # one plain ndarray, decoded in C
+                return message
         crcs = split_checksum(view, crc) if len(view) >= SPLIT_CRC_FROM else None
         frame = parse(view, limits=self.limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0])
         if frame.header.get("kind") != "chunk":

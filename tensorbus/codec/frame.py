@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import crc32c
 import msgpack
+import numpy as np
 
 from ..errors import (
     BadMagic,
@@ -25,6 +26,7 @@ from ..errors import (
 from ..keys import check_key
 from .compression import compress, decompress
 from .crc import combine, uncombine
+from .native import NATIVE
 from .tensors import align, flatten, rebuild
 from .torch_bridge import to_like
 
@@ -243,6 +245,12 @@ def encode(
 
     `deferred_checksum`: leave the CRC to a transport that computes it while sending (see `seal`).
     """
+    if NATIVE is not None and compression is None and type(obj) is np.ndarray:  # the common case, in C
+        flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
+        head = NATIVE.ndarray_head(obj, key, metadata, message_id, flags)
+        if head is not None:
+            body: list[Buffer] = [obj.reshape(-1, order="A").view("u1").data] if obj.nbytes else []
+            return seal(head, body, checksum, signing_key, deferred=deferred_checksum)
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
     return encode_raw(
         header, body, end, checksum=checksum, signing_key=signing_key, deferred_checksum=deferred_checksum
@@ -401,7 +409,25 @@ def decode(
     like: str = "numpy",
 ) -> Message:
     """Decode one frame into a `Message`; with copy=False the arrays are views of `data`."""
+    if not copy and signing_key is None:
+        message = decode_native(memoryview(data).cast("B"), None, limits, like)
+        if message is not None:
+            return message
     return message_from_frame(parse(data, limits=limits, signing_key=signing_key), copy=copy, limits=limits, like=like)
+
+
+def decode_native(view: memoryview, crc: int | None, limits: Limits, like: str) -> Message | None:
+    """A frame of one plain ndarray decoded by the C fast path (None: not built, or another kind of frame).
+
+    Only for receivers that take unsigned frames: the fast path does not check signatures.
+    """
+    if NATIVE is None or limits.max_tensors < 1:
+        return None
+    fast = NATIVE.decode(view, crc, limits.max_header_bytes, limits.max_payload_bytes, limits.max_ndim)
+    if fast is None:
+        return None
+    key, metadata, message_id, array, header_bytes = fast
+    return Message(key, to_like(array, like), metadata, message_id, "ndarray", header_bytes)
 
 
 def message_from_frame(

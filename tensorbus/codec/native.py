@@ -1,0 +1,55 @@
+"""The C fast path for one plain ndarray per frame (`_native.c`), when it is built; None otherwise.
+
+`frame.encode` and `frame.decode` (and the reassembler) try it first and fall back to Python for
+anything it does not take. Set TENSORBUS_NATIVE=0 to run the Python path only. A build made from
+another version of `_native.c` than the one beside it (a checkout edited since `pip install -e .`)
+is not used: it warns once and the Python path runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import crc32c
+
+from ..errors import UnsupportedDtype
+from .dtypes import DTYPES, describe, resolve
+
+
+def _resolved() -> dict[str, dict[str, object]]:
+    """Every (name, byte order) `resolve` accepts, with the dtype it builds."""
+    table: dict[str, dict[str, object]] = {}
+    for name in DTYPES:
+        for order in ("<", ">", "|"):
+            try:
+                table.setdefault(name, {})[order] = resolve(name, order)
+            except UnsupportedDtype:
+                pass
+    return table
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("TENSORBUS_NATIVE", "1") == "0":
+        return None
+    try:
+        from . import _native  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    source = Path(__file__).with_name("_native.c")
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != _native.SOURCE_HASH:
+        warnings.warn(
+            f"{_native.__file__} was built from another _native.c: not used (rebuild: pip install -e .)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    _native.configure(_resolved(), describe, crc32c.crc32c)
+    return _native
+
+
+#: the extension, configured; None when it is not built, is stale, or TENSORBUS_NATIVE=0
+NATIVE = _load()
