@@ -1,7 +1,7 @@
-"""Builds the optional C fast path of the frame codec; everything else is in pyproject.toml.
+"""Builds the optional C fast paths (the frame codec's, the socket reader's); the rest is in pyproject.toml.
 
-The extension is optional: without a C compiler tensorbus installs and runs on its Python path.
-Its source hash is compiled in, so a checkout whose _native.c changed after the build notices
+Both are optional: without a C compiler tensorbus installs and runs on its Python paths.
+Each has its source's hash compiled in, so a checkout whose C changed after the build notices
 (tensorbus/codec/native.py) instead of running a stale binary.
 """
 
@@ -11,18 +11,26 @@ from pathlib import Path
 import numpy
 from setuptools import Extension, setup
 
-SOURCE = "tensorbus/codec/_native.c"
-source_hash = hashlib.sha256(Path(SOURCE).read_bytes()).hexdigest()
+FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
+
+
+def extension(name: str, **options: object) -> Extension:
+    """An optional C extension of tensorbus, with the hash of its source compiled in."""
+    source = name.replace(".", "/") + ".c"
+    source_hash = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    return Extension(
+        name,
+        [source],
+        define_macros=[("TENSORBUS_SOURCE_HASH", f'"{source_hash}"')],
+        extra_compile_args=FLAGS,
+        optional=True,
+        **options,  # type: ignore[arg-type]
+    )
+
 
 setup(
     ext_modules=[
-        Extension(
-            "tensorbus.codec._native",
-            [SOURCE],
-            include_dirs=[numpy.get_include()],
-            define_macros=[("TENSORBUS_SOURCE_HASH", f'"{source_hash}"')],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
-            optional=True,
-        )
+        extension("tensorbus.codec._native", include_dirs=[numpy.get_include()]),
+        extension("tensorbus.transports._reader"),
     ]
 )

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the whole test suite from nothing: a venv with every extra, the brokers (Docker Compose if an
-# engine answers, native otherwise), ruff (lint and format), mypy on the package, pytest; the brokers
-# are stopped again on the way out.
+# engine answers, native otherwise), ruff (lint and format), mypy on the package, pytest, then the unit
+# and socket tests again on the Python paths alone (TENSORBUS_NATIVE=0); the brokers are stopped again
+# on the way out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,3 +24,8 @@ fi
 .venv/bin/ruff format --check tensorbus tests benchmarks examples setup.py
 .venv/bin/python -m mypy tensorbus
 .venv/bin/python -m pytest "$@"
+# the Python codec and socket reader alone, as where the C extensions cannot be built
+TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q tests/unit tests/integration/test_socket.py \
+  tests/integration/test_socket_hostile.py tests/integration/test_socket_checksum.py \
+  --ignore=tests/unit/test_native.py --deselect \
+  tests/integration/test_socket.py::test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python

@@ -613,26 +613,28 @@ decode_frame(PyObject *frame, PyObject *crc_given, Py_ssize_t max_header, unsign
     if (start + payload_len != (uint64_t)len) {
         return not_fast();
     }
-    if (p[5] & FLAG_CHECKSUM) {
-        unsigned long crc;
-        if (crc_given != Py_None) {
-            crc = PyLong_AsUnsignedLong(crc_given);
-            if (PyErr_Occurred()) {
-                return not_fast();
-            }
-        }
-        else if (!frame_crc(p, len, &crc)) {
-            return not_fast();
-        }
-        if (crc != le32(p + CRC_AT)) {
-            return not_fast();
-        }
-    }
+    /* the header first: a frame of another kind (a chunk, a bundle) goes to Python before its bytes are
+     * checksummed here, or they would be read twice */
     Header h = {NULL, NULL, NULL};
     Reader r = {p + PREFIX_SIZE, p + PREFIX_SIZE + header_len};
     if (!read_header(&r, &h, max_ndim) || h.entry.nbytes != payload_len) {
         header_clear(&h);
         return not_fast();
+    }
+    if (p[5] & FLAG_CHECKSUM) {
+        unsigned long crc = 0;
+        int known = 0;
+        if (crc_given != Py_None) {
+            crc = PyLong_AsUnsignedLong(crc_given);
+            known = !PyErr_Occurred();
+        }
+        else {
+            known = frame_crc(p, len, &crc);
+        }
+        if (!known || crc != le32(p + CRC_AT)) {
+            header_clear(&h);
+            return not_fast();
+        }
     }
     Entry *e = &h.entry;
     Py_INCREF(e->dtype); /* (PyArray_NewFromDescr steals it) */

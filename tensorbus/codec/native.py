@@ -32,20 +32,34 @@ def _resolved() -> dict[str, dict[str, object]]:
     return table
 
 
+def enabled() -> bool:
+    """False when TENSORBUS_NATIVE=0: run the Python paths only."""
+    return os.environ.get("TENSORBUS_NATIVE", "1") != "0"
+
+
+def checked(module: ModuleType) -> ModuleType | None:
+    """`module` (a C extension of tensorbus) if it was built from the source beside it, or no source is
+    there (an installed wheel); else None, with a warning: a checkout edited since its last build."""
+    built = Path(str(module.__file__))
+    source = built.with_name(built.name.split(".", 1)[0] + ".c")
+    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != module.SOURCE_HASH:
+        warnings.warn(
+            f"{built} was built from another {source.name}: not used (rebuild: pip install -e .)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return module
+
+
 def _load() -> ModuleType | None:
-    if os.environ.get("TENSORBUS_NATIVE", "1") == "0":
+    if not enabled():
         return None
     try:
         from . import _native  # type: ignore[attr-defined]
     except ImportError:
         return None
-    source = Path(__file__).with_name("_native.c")
-    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != _native.SOURCE_HASH:
-        warnings.warn(
-            f"{_native.__file__} was built from another _native.c: not used (rebuild: pip install -e .)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    if checked(_native) is None:
         return None
     _native.configure(_resolved(), describe, crc32c.crc32c)
     return _native

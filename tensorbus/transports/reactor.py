@@ -10,7 +10,9 @@ never stall while the application is busy elsewhere (leadership leaves it in mic
 a background leader is woken through a pipe when an application thread wants to lead).
 
 Each connection is a small state machine (prefix, then the frame into one buffer, or skipping a
-frame over the limits), so a producer that stalls mid-frame holds up nobody else.
+frame over the limits), so a producer that stalls mid-frame holds up nobody else. Plain (not TLS)
+connections run it in C when the extension is built (`_reader.c`, `_step_native`); the Python one
+below (`_step`) reads TLS connections, and every connection when the extension is not there.
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ from typing import Any
 
 import crc32c
 
-from ..buffers import BufferPool
+from ..buffers import POOLED_FROM, BufferPool
 from ..codec.frame import (
     CRC_AT,
     FLAG_CHECKSUM,
     FLAG_SIGNED,
     PREFIX,
     SIGNATURE_BYTES,
+    Buffer,
     Limits,
     Message,
     MessageId,
     frame_length,
 )
+from ..codec.native import checked, enabled
 from ..errors import CodecError, LimitExceeded
 from .base import Deliver, Delivered
 from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER
@@ -59,6 +63,20 @@ FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
 POLL_S = 0.05
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+def _load_reader() -> Any:
+    if not enabled():
+        return None
+    try:
+        from . import _reader  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return checked(_reader)
+
+
+#: the C frame reader (`_reader.c`); None when it is not built, is stale, or TENSORBUS_NATIVE=0
+READER = _load_reader()
 
 
 class PeerGone(Exception):
@@ -89,6 +107,7 @@ class _Peer:
         self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
         self.held: Message | None = None  # a message the full table could not take: this peer is not read meanwhile
         self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
+        self.reader: Any = None  # the C reader of this connection (`_step_native`), if it has one
 
 
 class Reactor:
@@ -126,6 +145,17 @@ class Reactor:
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
         peer = _Peer(conn, name)
+        if READER is not None and not isinstance(conn, ssl.SSLSocket):
+            peer.reader = READER.StreamReader(
+                conn.fileno(),
+                self.limits.max_header_bytes,
+                self.limits.max_payload_bytes,
+                self.pool.take,
+                crc32c.crc32c,
+                POOLED_FROM,
+                CHECKSUM_WHILE_RECEIVING,
+                CRC_SLICE,
+            )
         try:
             if self._closed:
                 raise ValueError("closed")
@@ -262,10 +292,12 @@ class Reactor:
     def _read(self, peer: _Peer, stop: Callable[[], bool]) -> None:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
         try:
+            step = self._step if peer.reader is None else self._step_native
             for _ in range(FAIR_SHARE):
-                if peer.held is not None or (stop() and peer.in_lo == peer.in_hi):
+                if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)):
                     break  # held back, or done and nothing read ahead says more is on its way
-                self._step(peer)  # read on while bytes keep coming: the next `recv` then finds its tensor waiting
+                if not step(peer):  # read on while bytes keep coming: the next `recv` then finds its tensor waiting
+                    break
             if peer.held is None and self._has_bytes_ahead(peer):
                 self._pending.add(peer)
         except _WOULD_BLOCK:
@@ -291,6 +323,8 @@ class Reactor:
     @staticmethod
     def _has_bytes_ahead(peer: _Peer) -> bool:
         """Bytes already read (or decrypted) that the selector cannot see."""
+        if peer.reader is not None:
+            return peer.reader.buffered > 0
         return peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending() > 0)
 
     def _return_inbox(self, peer: _Peer) -> None:
@@ -321,20 +355,48 @@ class Reactor:
         peer.in_lo += n
         return n
 
-    def _step(self, peer: _Peer) -> None:
+    def _replay(self, peer: _Peer) -> bool:
+        """Deliver again a frame whose delivery was interrupted; False if there is none."""
+        if peer.replay is None:
+            return False
+        frame, crc = peer.replay
+        peer.replay = None
+        self._deliver(peer, frame, crc)
+        return True
+
+    def _step_native(self, peer: _Peer) -> bool:
+        """`_step` by the connection's C reader; False when out of bytes."""
+        if self._replay(peer):
+            return True
+        reader = peer.reader
+        event = reader.read()
+        if event is None:
+            return False
+        if type(event) is tuple:
+            peer.total = reader.last_total
+            self._deliver(peer, *event)
+        elif event == READER.ACK_REQUEST:
+            self._ack(peer)
+        elif event == READER.SKIPPED:
+            peer.total = PREFIX.size
+            self._deliver(peer, memoryview(reader.prefix))  # the consumer counts it as refused
+        elif event == READER.CHECK_PREFIX:
+            reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
+        else:  # READER.END
+            raise PeerGone("disconnected mid-frame") if reader.mid_frame else PeerGone("went away", logging.INFO)
+        return True
+
+    def _step(self, peer: _Peer) -> bool:
         """Advance the connection by one frame (or ack request); raises a _WOULD_BLOCK error when out of bytes."""
-        if peer.replay is not None:
-            frame, crc = peer.replay
-            peer.replay = None
-            self._deliver(peer, frame, crc)
-            return
+        if self._replay(peer):
+            return True
         while peer.skip_left:
             n = self._take(peer, self._scratch[: min(peer.skip_left, len(self._scratch))])
             peer.skip_left -= n
             if not peer.skip_left:
                 peer.total = PREFIX.size
                 self._deliver(peer, peer.prefix)  # the consumer counts it as refused
-                return
+                return True
         while peer.frame is None:
             peer.prefix_got += self._take(peer, peer.prefix[peer.prefix_got :])
             if peer.prefix_got < PREFIX.size:
@@ -342,9 +404,9 @@ class Reactor:
             if peer.prefix == ACK_REQUEST:
                 peer.prefix_got = 0
                 self._ack(peer)
-                return
+                return True
             if not self._start_frame(peer):
-                return
+                return True
         frame = peer.frame
         while peer.got < peer.total:
             end = min(peer.got + CRC_SLICE, peer.total) if peer.crc is not None else peer.total
@@ -358,6 +420,7 @@ class Reactor:
             frame = frame[:end]
         crc, peer.frame, peer.prefix_got = peer.crc, None, 0  # the next frame starts afresh, whatever deliver does
         self._deliver(peer, frame, crc)
+        return True
 
     def _deliver(self, peer: _Peer, frame: memoryview, crc: int | None = None) -> None:
         """Hand a whole frame to the consumer and book it. Should that be interrupted (Ctrl-C in a
@@ -378,13 +441,9 @@ class Reactor:
         trailer = CRC_TRAILER.size if peer.crc_after else 0
         try:
             total = frame_length(prefix, self.limits)
-        except LimitExceeded:
-            # a well-formed frame over this consumer's limits: skip its bytes, let the consumer count it
-            peer.skip_left = frame_length(prefix, NO_LIMITS) + trailer - PREFIX.size
+        except CodecError:  # over the limits (skipped), or not a frame at all (PeerGone)
+            peer.skip_left = self._skip_length(prefix, trailer)
             return False
-        except CodecError as exc:
-            also = " (and bit 7, its CRC after it)" if trailer else ""
-            raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}{also}") from None
         frame = self.pool.take(total + trailer)
         frame[: PREFIX.size] = prefix
         peer.frame, peer.got, peer.total, peer.crc = frame, PREFIX.size, total + trailer, None
@@ -392,6 +451,18 @@ class Reactor:
             peer.crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
             peer.crc = crc32c.crc32c(prefix[:CRC_AT])
         return True
+
+    def _skip_length(self, prefix: Buffer, trailer: int) -> int:
+        """Bytes to skip after a frame's prefix over this consumer's limits, which the consumer then counts
+        as refused; raises PeerGone (drop the connection) for a prefix that is not a frame at all."""
+        try:
+            frame_length(prefix, self.limits)
+        except LimitExceeded:
+            return frame_length(prefix, NO_LIMITS) + trailer - PREFIX.size
+        except CodecError as exc:
+            also = " (and bit 7, its CRC after it)" if trailer else ""
+            raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}{also}") from None
+        raise PeerGone("dropped: the C reader refused a prefix frame_length takes (a bug: please report it)")
 
     def _finish(self, peer: _Peer, result: Delivered) -> None:
         """Book a delivered frame; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""

@@ -16,7 +16,10 @@ import pytest
 import trustme
 
 import tensorbus as tb
+from tensorbus.codec import native
+from tensorbus.transports import reactor
 from tensorbus.transports.stream import ACK, HELLO, greet, proof
+from tests.conftest import IN_CI
 from tests.faults import fail_feed_once, wait_for
 from tests.peers import Peer, make_tensor, same
 
@@ -92,6 +95,24 @@ def test_tls_round_trip(tls: dict[str, str]) -> None:
     with tb.Consumer("tcps://127.0.0.1:0", ssl_certfile=tls["cert"]) as consumer:
         Peer(consumer.address, [("secure", {"seed": 1, "n": 300_000})], ssl_cafile=tls["ca"]).join()
         assert same(consumer.recv("secure", timeout=30), make_tensor({"seed": 1, "n": 300_000}))
+
+
+def test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python(tls: dict[str, str]) -> None:
+    if reactor.READER is None:
+        message = "the C reader (tensorbus/transports/_reader.c) is not built"
+        if IN_CI and native.enabled():
+            pytest.fail(f"CI=true and {message}")
+        pytest.skip(message)
+    readers = {}
+    for url, options in (("tcp://127.0.0.1:0", {}), ("tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]})):
+        with tb.Consumer(url, **options) as consumer:
+            with tb.Producer(consumer.address, ssl_cafile=tls["ca"]) as producer:
+                producer.send("k", np.arange(5))
+                assert consumer.recv("k", timeout=30).tolist() == [0, 1, 2, 3, 4]
+                assert consumer.transport.reactor is not None
+                (peer,) = consumer.transport.reactor._peers.values()
+                readers[url.split(":")[0]] = peer.reader is not None
+    assert readers == {"tcp": True, "tcps": False}
 
 
 def test_tls_wrong_ca_and_plain_client_fail_clearly(tls: dict[str, str]) -> None:

@@ -27,6 +27,8 @@ from tensorbus.codec.tensors import align
 from ..conftest import IN_CI
 
 NATIVE = native.NATIVE
+if not native.enabled():
+    pytest.skip("TENSORBUS_NATIVE=0: the Python path alone is under test", allow_module_level=True)
 if NATIVE is None:
     if IN_CI:
         pytest.fail("CI=true and the C fast path is not built (pip install -e . builds it)", pytrace=False)
@@ -353,3 +355,23 @@ def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_python_path_alone_still_round_trips(python_only: None) -> None:
     message = decode(bytearray(b"".join(encode(np.arange(4.0), key="k", metadata={"i": 1}))))
     assert message.tensor.tolist() == [0.0, 1.0, 2.0, 3.0] and message.metadata == {"i": 1}
+
+
+def test_frames_of_other_kinds_are_not_checksummed_twice() -> None:
+    """The header is read before the CRC: a chunk or a bundle goes to Python, which checksums it, unread."""
+    calls = []
+
+    def counting_crc32c(data: Any, value: int = 0) -> int:
+        calls.append(len(data))
+        return crc32c.crc32c(data, value)
+
+    chunk = b"".join(bytes(b) for b in frame.encode_raw({"kind": "chunk", "key": "k"}, [bytes(4096)], 4096))
+    plain = python_encode(np.zeros(1024, np.float32), key="k")
+    try:
+        NATIVE.configure(native._resolved(), native.describe, counting_crc32c)
+        assert fast_decode(chunk) is None and fast_decode(python_encode({"a": np.zeros(3)})) is None
+        assert calls == []
+        assert fast_decode(plain) is not None
+        assert sum(calls) == len(plain) - 4  # every byte but the CRC field's, once
+    finally:
+        NATIVE.configure(native._resolved(), native.describe, crc32c.crc32c)

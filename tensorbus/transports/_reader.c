@@ -1,0 +1,470 @@
+/* The consumer's per-connection frame reader in C: bytes off a non-blocking stream socket into
+ * whole frames, the state machine of reactor.py's Python reader (`Reactor._step`), minus its
+ * per-frame interpreter work.
+ *
+ * It reads ahead (one system call for several small frames), sizes each frame from its prefix,
+ * receives it into one buffer (large frames straight into place, checksummed slice by slice while
+ * in cache), and moves a CRC sent after the frame (stream.py, CRC_AFTER) into place. Whatever is
+ * not the common case goes back to Python as an event: an ack request, a prefix that is over the
+ * limits or not a frame at all (Python decides, with frame.frame_length's own errors), the end of
+ * the stream. TLS connections are read in Python.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#ifndef TENSORBUS_SOURCE_HASH
+#define TENSORBUS_SOURCE_HASH "unknown"
+#endif
+
+#define PREFIX_SIZE 24
+#define CRC_AT 20
+#define FORMAT_VERSION 1
+#define FLAG_CHECKSUM 0x01
+#define FLAG_SIGNED 0x02
+#define KNOWN_FLAGS (FLAG_CHECKSUM | FLAG_SIGNED)
+#define CRC_AFTER 0x80
+#define CRC_TRAILER 4
+#define SIGNATURE_BYTES 32
+#define ALIGN 64
+#define READ_AHEAD (256 << 10)
+#define SPARE_INBOXES 4
+
+/* what read() returns besides a frame (a tuple) and None (no more bytes for now) */
+enum { ACK_REQUEST = 1, SKIPPED = 2, CHECK_PREFIX = 3, END = 4 };
+
+static const uint8_t ack_request[PREFIX_SIZE] = {'T', 'B', 'A', 'K'};
+
+/* drained read-ahead buffers kept for the next connection that needs one: their pages are touched
+ * already (fresh pages are slow on VMs); only touched with the GIL held */
+static uint8_t *spare_inboxes[SPARE_INBOXES];
+static int spare_count = 0;
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    uint64_t max_header, max_payload;
+    Py_ssize_t pooled_from, checksum_from, crc_slice;
+    PyObject *take_buffer; /* n -> writable memoryview, for frames of pooled_from bytes and more */
+    PyObject *crc32c;
+    uint8_t *inbox;
+    Py_ssize_t in_lo, in_hi;
+    uint8_t prefix[PREFIX_SIZE];
+    Py_ssize_t prefix_got;
+    PyObject *frame; /* the frame being received (a memoryview), and its buffer while it is */
+    Py_buffer buffer;
+    Py_ssize_t got, total, crc_end;
+    int crc_after, crc_on;
+    unsigned long crc;
+    uint64_t skip_left;
+    Py_ssize_t last_total;
+} Reader;
+
+static inline uint32_t
+le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t
+le64(const uint8_t *p)
+{
+    return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32;
+}
+
+static void
+give_back_inbox(Reader *self)
+{
+    if (self->inbox == NULL || self->in_lo != self->in_hi) {
+        return;
+    }
+    if (spare_count < SPARE_INBOXES) {
+        spare_inboxes[spare_count++] = self->inbox;
+    }
+    else {
+        PyMem_RawFree(self->inbox);
+    }
+    self->inbox = NULL;
+    self->in_lo = self->in_hi = 0;
+}
+
+static void
+drop_frame(Reader *self)
+{
+    if (self->frame != NULL) {
+        PyBuffer_Release(&self->buffer);
+        Py_CLEAR(self->frame);
+    }
+}
+
+/* recv() into `into`: bytes received, 0 at the end of the stream, -2 when none are there yet, -1 on
+ * an error (a Python exception is set; signals are handled as socket.recv_into handles them). */
+static Py_ssize_t
+receive(Reader *self, uint8_t *into, Py_ssize_t want)
+{
+    for (;;) {
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = recv(self->fd, into, (size_t)want, 0);
+        Py_END_ALLOW_THREADS
+        if (n >= 0) {
+            return n;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            return -2;
+        }
+        if (errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0) {
+            return -1;
+        }
+    }
+}
+
+/* Fill up to `want` bytes of `into` from what was read ahead; read ahead again (one system call)
+ * when that is empty, unless this is a frame's body or a large read, which go straight into place. */
+static Py_ssize_t
+take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
+{
+    if (self->in_lo == self->in_hi) {
+        if (into != NULL && (straight || want >= READ_AHEAD)) {
+            return receive(self, into, want);
+        }
+        if (self->inbox == NULL) {
+            self->inbox = spare_count ? spare_inboxes[--spare_count] : PyMem_RawMalloc(READ_AHEAD);
+            if (self->inbox == NULL) {
+                PyErr_NoMemory();
+                return -1;
+            }
+        }
+        Py_ssize_t n = receive(self, self->inbox, READ_AHEAD);
+        if (n <= 0) {
+            return n;
+        }
+        self->in_lo = 0, self->in_hi = n;
+    }
+    Py_ssize_t n = self->in_hi - self->in_lo < want ? self->in_hi - self->in_lo : want;
+    if (into != NULL) {
+        memcpy(into, self->inbox + self->in_lo, (size_t)n);
+    }
+    self->in_lo += n;
+    return n;
+}
+
+/* Running CRC32C over [from, to) of the frame being received, by crc32c.crc32c. */
+static int
+update_crc(Reader *self, Py_ssize_t from, Py_ssize_t to)
+{
+    PyObject *view = PyMemoryView_FromMemory((char *)self->buffer.buf + from, to - from, PyBUF_READ);
+    PyObject *crc = view == NULL ? NULL : PyObject_CallFunction(self->crc32c, "Ok", view, self->crc);
+    Py_XDECREF(view);
+    if (crc == NULL) {
+        return 0;
+    }
+    self->crc = PyLong_AsUnsignedLong(crc);
+    Py_DECREF(crc);
+    return !PyErr_Occurred();
+}
+
+/* A checked prefix: get the frame's buffer and start receiving into it. 0 with an exception set on
+ * failure (MemoryError from the pool, typically: the reactor drops the connection). */
+static int
+start_frame(Reader *self)
+{
+    const uint8_t *p = self->prefix;
+    uint64_t header_len = le32(p + 8), payload_len = le64(p + 12);
+    uint64_t signature = p[5] & FLAG_SIGNED ? SIGNATURE_BYTES : 0;
+    uint64_t start = (PREFIX_SIZE + header_len + ALIGN - 1) / ALIGN * ALIGN;
+    uint64_t total = start + payload_len + signature; /* (no overflow: both within limits under 2^63) */
+    uint64_t whole = total + (self->crc_after ? CRC_TRAILER : 0);
+    if (whole > (uint64_t)PY_SSIZE_T_MAX) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    PyObject *frame;
+    if ((Py_ssize_t)whole < self->pooled_from) {
+        PyObject *bytes = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)whole);
+        frame = bytes == NULL ? NULL : PyMemoryView_FromObject(bytes);
+        Py_XDECREF(bytes);
+    }
+    else {
+        frame = PyObject_CallFunction(self->take_buffer, "n", (Py_ssize_t)whole);
+    }
+    if (frame == NULL) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(frame, &self->buffer, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(frame);
+        return 0;
+    }
+    if (self->buffer.len != (Py_ssize_t)whole) {
+        PyBuffer_Release(&self->buffer);
+        Py_DECREF(frame);
+        PyErr_SetString(PyExc_ValueError, "take_buffer returned a buffer of another size");
+        return 0;
+    }
+    self->frame = frame;
+    memcpy(self->buffer.buf, p, PREFIX_SIZE);
+    self->got = PREFIX_SIZE;
+    self->total = (Py_ssize_t)whole;
+    self->crc_on = (Py_ssize_t)total >= self->checksum_from && (p[5] & FLAG_CHECKSUM);
+    if (self->crc_on) {
+        self->crc_end = (Py_ssize_t)(total - signature);
+        self->crc = 0;
+        if (!update_crc(self, 0, CRC_AT)) {
+            drop_frame(self);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Whether frame.frame_length would take this prefix under the reader's limits. */
+static int
+prefix_ok(const Reader *self)
+{
+    const uint8_t *p = self->prefix;
+    return memcmp(p, "TBUS", 4) == 0 && p[4] == FORMAT_VERSION && !(p[5] & ~KNOWN_FLAGS) &&
+           le32(p + 8) <= self->max_header && le64(p + 12) <= self->max_payload;
+}
+
+/* The end of the stream (n == 0), no bytes yet (n == -2: None) or an error (NULL) as read() returns it. */
+static PyObject *
+stopped(Reader *self, Py_ssize_t n)
+{
+    if (n == -2) {
+        give_back_inbox(self);
+        Py_RETURN_NONE;
+    }
+    if (n == 0) {
+        return PyLong_FromLong(END);
+    }
+    return NULL;
+}
+
+PyDoc_STRVAR(read_doc,
+"read()\n--\n\n"
+"The next event of the stream: (frame, crc) for a whole frame (a memoryview handed over to the caller;\n"
+"crc is its CRC32C when computed while receiving, else None); ACK_REQUEST; CHECK_PREFIX (`prefix` is\n"
+"over the limits or not a frame: skip(n) it, or drop the connection); SKIPPED (a skipped frame's bytes\n"
+"are all gone; `prefix` is its prefix); END (`mid_frame` says where); None when no more bytes are there.");
+
+static PyObject *
+read_event(Reader *self, PyObject *unused)
+{
+    Py_ssize_t n;
+    while (self->skip_left) {
+        Py_ssize_t want = self->skip_left < READ_AHEAD ? (Py_ssize_t)self->skip_left : READ_AHEAD;
+        if ((n = take(self, NULL, want, 0)) <= 0) {
+            return stopped(self, n);
+        }
+        self->skip_left -= (uint64_t)n;
+        if (!self->skip_left) {
+            self->prefix_got = 0;
+            self->last_total = PREFIX_SIZE;
+            return PyLong_FromLong(SKIPPED);
+        }
+    }
+    while (self->frame == NULL) {
+        if ((n = take(self, self->prefix + self->prefix_got, PREFIX_SIZE - self->prefix_got, 0)) <= 0) {
+            return stopped(self, n);
+        }
+        self->prefix_got += n;
+        if (self->prefix_got < PREFIX_SIZE) {
+            continue;
+        }
+        if (memcmp(self->prefix, ack_request, PREFIX_SIZE) == 0) {
+            self->prefix_got = 0;
+            return PyLong_FromLong(ACK_REQUEST);
+        }
+        self->crc_after = (self->prefix[5] & CRC_AFTER) != 0;
+        self->prefix[5] &= (uint8_t)~CRC_AFTER; /* the frame as it was sealed (and checksummed) */
+        if (!prefix_ok(self)) {
+            return PyLong_FromLong(CHECK_PREFIX);
+        }
+        if (!start_frame(self)) {
+            return NULL;
+        }
+    }
+    uint8_t *frame = self->buffer.buf;
+    while (self->got < self->total) {
+        Py_ssize_t end = self->crc_on && self->got + self->crc_slice < self->total ? self->got + self->crc_slice
+                                                                                   : self->total;
+        if ((n = take(self, frame + self->got, end - self->got, 1)) <= 0) {
+            return stopped(self, n);
+        }
+        if (self->crc_on && self->got < self->crc_end) {
+            Py_ssize_t to = self->got + n < self->crc_end ? self->got + n : self->crc_end;
+            if (!update_crc(self, self->got < PREFIX_SIZE ? PREFIX_SIZE : self->got, to)) {
+                return NULL;
+            }
+        }
+        self->got += n;
+    }
+    PyObject *view = self->frame;
+    if (self->crc_after) { /* its CRC came after it: put it where `encode` puts it */
+        Py_ssize_t end = self->total - CRC_TRAILER;
+        memcpy(frame + CRC_AT, frame + end, CRC_TRAILER);
+        view = PySequence_GetSlice(self->frame, 0, end);
+        if (view == NULL) {
+            return NULL;
+        }
+    }
+    else {
+        Py_INCREF(view);
+    }
+    PyObject *crc = self->crc_on ? PyLong_FromUnsignedLong(self->crc) : Py_NewRef(Py_None);
+    self->last_total = self->total;
+    drop_frame(self); /* the next frame starts afresh, whatever the caller does with this one */
+    self->prefix_got = 0;
+    if (crc == NULL) {
+        Py_DECREF(view);
+        return NULL;
+    }
+    PyObject *result = PyTuple_Pack(2, view, crc);
+    Py_DECREF(view);
+    Py_DECREF(crc);
+    return result;
+}
+
+PyDoc_STRVAR(skip_doc, "skip(n)\n--\n\nDiscard the next n bytes (the rest of a frame over the limits), then report SKIPPED.");
+
+static PyObject *
+skip(Reader *self, PyObject *arg)
+{
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    self->skip_left = n;
+    if (!n) {
+        self->prefix_got = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+reader_init(Reader *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"fd", "max_header_bytes", "max_payload_bytes", "take_buffer", "crc32c",
+                            "pooled_from", "checksum_from", "crc_slice", NULL};
+    int fd;
+    unsigned long long max_header, max_payload;
+    PyObject *take_buffer, *crc;
+    Py_ssize_t pooled_from, checksum_from, crc_slice;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKOOnnn:StreamReader", names, &fd, &max_header, &max_payload,
+                                     &take_buffer, &crc, &pooled_from, &checksum_from, &crc_slice)) {
+        return -1;
+    }
+    if (crc_slice < 1) {
+        PyErr_SetString(PyExc_ValueError, "crc_slice must be positive");
+        return -1;
+    }
+    self->fd = fd;
+    self->max_header = max_header, self->max_payload = max_payload;
+    self->pooled_from = pooled_from, self->checksum_from = checksum_from, self->crc_slice = crc_slice;
+    Py_XSETREF(self->take_buffer, Py_NewRef(take_buffer));
+    Py_XSETREF(self->crc32c, Py_NewRef(crc));
+    return 0;
+}
+
+static void
+reader_dealloc(Reader *self)
+{
+    drop_frame(self);
+    self->in_lo = self->in_hi; /* (unread bytes go with the connection) */
+    give_back_inbox(self);
+    Py_XDECREF(self->take_buffer);
+    Py_XDECREF(self->crc32c);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+get_prefix(Reader *self, void *closure)
+{
+    return PyBytes_FromStringAndSize((const char *)self->prefix, PREFIX_SIZE);
+}
+
+static PyObject *
+get_buffered(Reader *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->in_hi - self->in_lo);
+}
+
+static PyObject *
+get_mid_frame(Reader *self, void *closure)
+{
+    return PyBool_FromLong(self->frame != NULL || self->skip_left || self->prefix_got > 0);
+}
+
+static PyObject *
+get_crc_after(Reader *self, void *closure)
+{
+    return PyBool_FromLong(self->crc_after);
+}
+
+static PyObject *
+get_last_total(Reader *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->last_total);
+}
+
+static PyGetSetDef reader_getset[] = {
+    {"prefix", (getter)get_prefix, NULL, "the last prefix read (its CRC_AFTER bit cleared)", NULL},
+    {"buffered", (getter)get_buffered, NULL, "bytes read ahead and not yet taken", NULL},
+    {"mid_frame", (getter)get_mid_frame, NULL, "whether part of a frame has been read", NULL},
+    {"crc_after", (getter)get_crc_after, NULL, "whether the last prefix said its CRC follows the frame", NULL},
+    {"last_total", (getter)get_last_total, NULL, "bytes the last frame (or skipped frame's prefix) took", NULL},
+    {NULL},
+};
+
+static PyMethodDef reader_methods[] = {
+    {"read", (PyCFunction)read_event, METH_NOARGS, read_doc},
+    {"skip", (PyCFunction)skip, METH_O, skip_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ReaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._reader.StreamReader",
+    .tp_basicsize = sizeof(Reader),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("StreamReader(fd, max_header_bytes, max_payload_bytes, take_buffer, crc32c, pooled_from, "
+                        "checksum_from, crc_slice)\n--\n\nFrames off one non-blocking stream socket (see _reader.c)."),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)reader_init,
+    .tp_dealloc = (destructor)reader_dealloc,
+    .tp_methods = reader_methods,
+    .tp_getset = reader_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_reader", "The consumer's per-connection frame reader (see _reader.c).", -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__reader(void)
+{
+    if (PyType_Ready(&ReaderType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "StreamReader", (PyObject *)&ReaderType) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
+        PyModule_AddIntConstant(m, "ACK_REQUEST", ACK_REQUEST) < 0 ||
+        PyModule_AddIntConstant(m, "SKIPPED", SKIPPED) < 0 ||
+        PyModule_AddIntConstant(m, "CHECK_PREFIX", CHECK_PREFIX) < 0 || PyModule_AddIntConstant(m, "END", END) < 0 ||
+        PyModule_AddIntConstant(m, "READ_AHEAD", READ_AHEAD) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
