@@ -1,0 +1,202 @@
+"""The socket consumer's C frame reader (`_reader.c`) against the Python one, through the real Reactor.
+
+The same byte streams (frames of every kind, ack requests, CRCs after their frames, frames over the
+limits, garbage, a cut-off end) go through a socket pair in random pieces, once read in C and once
+in Python: what reaches the consumer and why the connection ends must be the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import crc32c
+import numpy as np
+import pytest
+
+from tensorbus.buffers import BufferPool
+from tensorbus.codec import frame, native
+from tensorbus.codec.frame import CRC_AT, PREFIX, Limits, Message, MessageId, encode
+from tensorbus.transports import reactor
+from tensorbus.transports.base import Delivered
+from tensorbus.transports.socket import SocketTransport
+from tensorbus.transports.stream import ACK_REQUEST, CRC_AFTER
+
+from ..conftest import IN_CI
+
+if reactor.READER is None:
+    message = "the C reader (tensorbus/transports/_reader.c) is not built"
+    if IN_CI and native.enabled():
+        pytest.fail(f"CI=true and {message}", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+LIMITS = Limits(max_payload_bytes=6 << 20)
+
+
+class Recorder:
+    """A consumer that keeps what it is handed."""
+
+    def __init__(self) -> None:
+        self.frames: list[tuple[bytes, int | None]] = []
+
+    def __call__(self, data: Any, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+        self.frames.append((bytes(data), crc))
+        return Delivered(None, True)
+
+    def release(self, message: Message) -> Delivered | None:
+        return Delivered(None, True)
+
+    def is_pending(self, message_id: MessageId | None) -> bool:
+        return False
+
+    def handed_over_all(self) -> bool:
+        return True
+
+
+class Reasons(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reasons.append(record.getMessage().split(": ", 1)[1])
+
+
+def crc_after(whole: bytes) -> bytes:
+    """A checksummed, unsigned frame as `stream.send_frame` sends a large one: its CRC after it."""
+    wire = bytearray(whole)
+    crc = wire[CRC_AT : PREFIX.size]
+    wire[CRC_AT : PREFIX.size] = bytes(4)
+    wire[5] |= CRC_AFTER
+    return bytes(wire) + bytes(crc)
+
+
+def stream(seed: int) -> bytes:
+    """Frames, ack requests and frames to skip, then an ending: clean, cut off, or garbage."""
+    rng = random.Random(seed)
+    parts = []
+    for i in range(rng.randrange(5, 40)):
+        choice = rng.random()
+        size = rng.choice((0, 4, 1000, 70_000, 300_000))
+        array = np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8)
+        whole = b"".join(bytes(b) for b in encode(array, key=f"k{i}", checksum=rng.random() < 0.8))
+        if choice < 0.1:
+            parts.append(ACK_REQUEST)
+        elif choice < 0.2:
+            parts.append(crc_after(b"".join(bytes(b) for b in encode(array, key="after"))))
+        elif choice < 0.25:
+            parts.append(b"".join(bytes(b) for b in encode(array, signing_key=b"secret")))
+        elif choice < 0.3:
+            parts.append(b"".join(bytes(b) for b in encode(np.zeros(7 << 20, np.uint8))))  # over the limit
+        else:
+            parts.append(whole)
+    if rng.random() < 0.3:  # one large checksummed frame: its CRC is computed while it is received
+        big = b"".join(bytes(b) for b in encode(np.ones(5 << 20, np.uint8), key="big"))
+        parts.append(crc_after(big) if rng.random() < 0.5 else big)
+    ending = rng.choice(("clean", "cut", "cut prefix", "garbage"))
+    if ending == "cut":
+        parts.append(parts[0][: rng.randrange(PREFIX.size, max(PREFIX.size + 1, len(parts[0])))])
+    elif ending == "cut prefix":
+        parts.append(parts[0][: rng.randrange(1, PREFIX.size)])
+    elif ending == "garbage":
+        parts.append(b"GET / HTTP/1.1\r\n\r\n" + bytes(100))
+    return b"".join(parts)
+
+
+def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    monkeypatch.setattr(reactor, "READER", reactor.READER if use_c else None)
+    recorder, reasons = Recorder(), Reasons()
+    logger = logging.getLogger(reactor.__name__)
+    logger.addHandler(reasons)
+    monkeypatch.setattr(logger, "level", logging.INFO)  # ("went away" is INFO)
+    options = {**SocketTransport.OPTIONS, "linger_s": 0.0}
+    reader = reactor.Reactor(recorder, LIMITS, options, BufferPool())  # type: ignore[arg-type]
+    ours, theirs = socket.socketpair()
+    try:
+        reader.add(ours, "peer")
+        assert (reader._peers[ours.fileno()].reader is not None) == use_c
+
+        def write() -> None:
+            rng = random.Random(seed)
+            at = 0
+            while at < len(data):
+                piece = rng.choice((1, 7, 23, 24, 25, 1000, 65536, 262144, 300_000))
+                theirs.sendall(data[at : at + piece])
+                at += piece
+                if rng.random() < 0.05:
+                    time.sleep(0.001)  # let the reader run dry mid-frame
+            theirs.shutdown(socket.SHUT_WR)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        deadline = time.monotonic() + 60
+        while reader._peers and time.monotonic() < deadline:
+            time.sleep(0.005)
+        writer.join(10)
+        assert not reader._peers, "the connection did not end"
+    finally:
+        reader.close(5)
+        theirs.close()
+        logger.removeHandler(reasons)
+    return recorder.frames, reasons.reasons
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_c_reader_hands_over_what_the_python_reader_does(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = stream(seed)
+    in_c = read_through_reactor(data, seed, True, monkeypatch)
+    in_python = read_through_reactor(data, seed, False, monkeypatch)
+    assert in_c == in_python
+    frames, reasons = in_c
+    assert len(reasons) == 1  # why the connection ended
+    for whole, crc in frames:  # and what was handed over is whole frames, CRCs where sent after them
+        if len(whole) > PREFIX.size:
+            assert not whole[5] & CRC_AFTER
+            assert len(whole) == frame.frame_length(whole, frame.Limits())
+        if crc is not None:
+            view = memoryview(whole)
+            assert crc == crc32c.crc32c(view[PREFIX.size :], crc32c.crc32c(view[:CRC_AT])) or whole[5] & 2
+
+
+def test_a_frame_over_the_limits_is_skipped_and_the_next_one_read() -> None:
+    over = b"".join(bytes(b) for b in encode(np.zeros(7 << 20, np.uint8)))
+    good = b"".join(bytes(b) for b in encode(np.arange(3), key="k"))
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        reader = reactor.READER.StreamReader(
+            ours.fileno(),
+            1 << 20,
+            LIMITS.max_payload_bytes,
+            BufferPool().take,
+            crc32c.crc32c,
+            1 << 20,
+            4 << 20,
+            1 << 20,
+        )
+        theirs.sendall(over[:100])
+        assert reader.read() == reactor.READER.CHECK_PREFIX
+        assert reader.prefix == over[: PREFIX.size]
+        reader.skip(len(over) - PREFIX.size)
+        assert reader.read() is None and reader.mid_frame  # the rest is not there yet
+        sender = threading.Thread(target=theirs.sendall, args=(over[100:] + good + struct.pack("<4s20x", b"TBAK"),))
+        sender.start()
+        events = []
+        while len(events) < 3:
+            event = reader.read()
+            if event is not None:
+                events.append((event, reader.last_total))
+        sender.join()
+        assert events[0] == (reactor.READER.SKIPPED, PREFIX.size)
+        (frame_view, crc), total = events[1]
+        assert bytes(frame_view) == good and crc is None and total == len(good)
+        assert events[2][0] == reactor.READER.ACK_REQUEST
+        theirs.close()
+        while (event := reader.read()) is None:
+            pass
+        assert event == reactor.READER.END and not reader.mid_frame
