@@ -1,4 +1,4 @@
-"""Builds the optional C fast paths (the frame codec's, the socket reader's); the rest is in pyproject.toml.
+"""Builds the optional C fast paths (the frame codec's, the stream sockets'); the rest is in pyproject.toml.
 
 Both are optional: without a C compiler tensorbus installs and runs on its Python paths.
 Each has its source's hash compiled in, so a checkout whose C changed after the build notices
@@ -31,6 +31,6 @@ def extension(name: str, **options: object) -> Extension:
 setup(
     ext_modules=[
         extension("tensorbus.codec._native", include_dirs=[numpy.get_include()]),
-        extension("tensorbus.transports._reader"),
+        extension("tensorbus.transports._stream"),
     ]
 )

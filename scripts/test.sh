@@ -27,5 +27,5 @@ fi
 # the Python codec and socket reader alone, as where the C extensions cannot be built
 TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q tests/unit tests/integration/test_socket.py \
   tests/integration/test_socket_hostile.py tests/integration/test_socket_checksum.py \
-  --ignore=tests/unit/test_native.py --ignore=tests/unit/test_reader.py --deselect \
+  --ignore=tests/unit/test_native.py --ignore=tests/unit/test_native_stream.py --deselect \
   tests/integration/test_socket.py::test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python

@@ -11,7 +11,7 @@ a background leader is woken through a pipe when an application thread wants to 
 
 Each connection is a small state machine (prefix, then the frame into one buffer, or skipping a
 frame over the limits), so a producer that stalls mid-frame holds up nobody else. Plain (not TLS)
-connections run it in C when the extension is built (`_reader.c`, `_step_native`); the Python one
+connections run it in C when the extension is built (`_stream.c`, `_step_native`); the Python one
 below (`_step`) reads TLS connections, and every connection when the extension is not there.
 """
 
@@ -43,10 +43,9 @@ from ..codec.frame import (
     MessageId,
     frame_length,
 )
-from ..codec.native import checked, enabled
 from ..errors import CodecError, LimitExceeded
 from .base import Deliver, Delivered
-from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER
+from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER, NATIVE_STREAM
 
 log = logging.getLogger(__name__)
 #: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
@@ -65,18 +64,8 @@ POLL_S = 0.05
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
-def _load_reader() -> Any:
-    if not enabled():
-        return None
-    try:
-        from . import _reader  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return checked(_reader)
-
-
-#: the C frame reader (`_reader.c`); None when it is not built, is stale, or TENSORBUS_NATIVE=0
-READER = _load_reader()
+#: the C frame reader's module (`_stream.c`); None when it is not built, is stale, or TENSORBUS_NATIVE=0
+READER: Any = NATIVE_STREAM
 
 
 class PeerGone(Exception):

@@ -188,14 +188,13 @@ class SocketTransport(Transport):
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
-        nbytes = sum(memoryview(b).nbytes for b in frame)
         with self._lock:
             self._raise_if_closed()  # even while close waits for this lock with the connection still open
             for attempt in (1, 2):
                 try:
                     if self._sock is None:
                         self._sock = self._connect()
-                    send_frame(self._sock, frame, self._crc_after)
+                    nbytes = send_frame(self._sock, frame, self._crc_after)
                     break
                 except BaseException as exc:
                     self._drop_connection()  # a frame cut off part way: the consumer drops what came of it

@@ -26,11 +26,27 @@ import os
 import socket
 import ssl
 import struct
+from types import ModuleType
 
 import crc32c
 
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Buffer, checksum_of, write_crc
+from ..codec.native import checked, enabled
 from ..errors import TransportError
+
+
+def _load() -> ModuleType | None:
+    if not enabled():
+        return None
+    try:
+        from . import _stream  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return checked(_stream)
+
+
+#: the C reader and sender (`_stream.c`); None when not built, stale, or TENSORBUS_NATIVE=0
+NATIVE_STREAM = _load()
 
 HELLO = struct.Struct("<4sBB32s")
 HELLO_MAGIC = b"TBSK"
@@ -92,20 +108,27 @@ def unsealed(head: Buffer) -> bool:
     return len(head) >= PREFIX.size and head[5] == FLAG_CHECKSUM and head[CRC_AT : PREFIX.size] == _NO_CRC
 
 
-def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> None:
-    """Send one frame, sealing it first if its checksum was deferred (see the module docstring).
+def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int:
+    """Send one frame, sealing it first if its checksum was deferred (see the module docstring); the bytes sent.
 
     With `crc_after` and a large payload the CRC is computed slice by slice as the slices go out and
-    sent after the frame. Either way the head is left sealed, so a resend goes out whole.
+    sent after the frame. Either way the head is left sealed, so a resend goes out whole. Plain
+    sockets send in C (`_stream.c`) but for that slice by slice case.
     """
+    if NATIVE_STREAM is not None and not isinstance(sock, ssl.SSLSocket):
+        large = SEAL_WHILE_SENDING if crc_after else (1 << 64) - 1  # (no such frame: all sent in C)
+        sent: int | None = NATIVE_STREAM.send_frame(sock.fileno(), frame, large, crc32c.crc32c)
+        if sent is not None:
+            return sent
+    nbytes = sum(memoryview(b).nbytes for b in frame)
     head = frame[0]
     if not isinstance(head, bytearray) or not unsealed(head):
         sendmsg_all(sock, frame)
-        return
+        return nbytes
     if not crc_after or PREFIX.unpack_from(head)[5] < SEAL_WHILE_SENDING:  # (field 5: the payload's length)
         write_crc(head, frame[1:])
         sendmsg_all(sock, frame)
-        return
+        return nbytes
     crc = checksum_of(head)
     wire_head = bytearray(head)
     wire_head[5] |= CRC_AFTER
@@ -123,6 +146,7 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> Non
                 batch, batched = [], 0
     sendmsg_all(sock, [*batch, CRC_TRAILER.pack(crc)])
     struct.pack_into("<I", head, CRC_AT, crc)
+    return nbytes
 
 
 def set_send_timeout(sock: socket.socket, seconds: float | None) -> None:

@@ -99,7 +99,7 @@ def test_tls_round_trip(tls: dict[str, str]) -> None:
 
 def test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python(tls: dict[str, str]) -> None:
     if reactor.READER is None:
-        message = "the C reader (tensorbus/transports/_reader.c) is not built"
+        message = "the C reader (tensorbus/transports/_stream.c) is not built"
         if IN_CI and native.enabled():
             pytest.fail(f"CI=true and {message}")
         pytest.skip(message)

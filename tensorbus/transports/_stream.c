@@ -1,6 +1,8 @@
-/* The consumer's per-connection frame reader in C: bytes off a non-blocking stream socket into
- * whole frames, the state machine of reactor.py's Python reader (`Reactor._step`), minus its
- * per-frame interpreter work.
+/* The stream sockets' per-frame work in C: the consumer's per-connection frame reader (StreamReader)
+ * and the producer's send of one frame (send_frame).
+ *
+ * The reader turns bytes off a non-blocking stream socket into whole frames: the state machine of
+ * reactor.py's Python reader (`Reactor._step`), minus its per-frame interpreter work.
  *
  * It reads ahead (one system call for several small frames), sizes each frame from its prefix,
  * receives it into one buffer (large frames straight into place, checksummed slice by slice while
@@ -16,6 +18,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #ifndef TENSORBUS_SOURCE_HASH
 #define TENSORBUS_SOURCE_HASH "unknown"
@@ -431,11 +434,11 @@ static PyMethodDef reader_methods[] = {
 };
 
 static PyTypeObject ReaderType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._reader.StreamReader",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._stream.StreamReader",
     .tp_basicsize = sizeof(Reader),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = PyDoc_STR("StreamReader(fd, max_header_bytes, max_payload_bytes, take_buffer, crc32c, pooled_from, "
-                        "checksum_from, crc_slice)\n--\n\nFrames off one non-blocking stream socket (see _reader.c)."),
+                        "checksum_from, crc_slice)\n--\n\nFrames off one non-blocking stream socket (see _stream.c)."),
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)reader_init,
     .tp_dealloc = (destructor)reader_dealloc,
@@ -443,12 +446,155 @@ static PyTypeObject ReaderType = {
     .tp_getset = reader_getset,
 };
 
+
+/* ---- sending --------------------------------------------------------------------------------------- */
+
+#define IOV_BATCH 512
+
+static int
+is_unsealed(const uint8_t *head, Py_ssize_t len)
+{
+    return len >= PREFIX_SIZE && head[5] == FLAG_CHECKSUM && le32(head + CRC_AT) == 0;
+}
+
+/* CRC32C over a frame's head (all but its CRC field) and body, by crc32c.crc32c, into the CRC field. */
+static int
+seal_head(PyObject *crc32c, Py_buffer *views, Py_ssize_t count)
+{
+    uint8_t *head = views[0].buf;
+    PyObject *crc = PyLong_FromLong(0);
+    for (Py_ssize_t i = 0; crc != NULL && i < count; i++) {
+        Py_ssize_t spans[2][2] = {{0, views[i].len}, {0, 0}};
+        if (i == 0) {
+            spans[0][1] = CRC_AT, spans[1][0] = PREFIX_SIZE, spans[1][1] = views[0].len;
+        }
+        for (int s = 0; crc != NULL && s < 2; s++) {
+            if (spans[s][1] <= spans[s][0]) {
+                continue;
+            }
+            PyObject *part = PyMemoryView_FromMemory((char *)views[i].buf + spans[s][0], spans[s][1] - spans[s][0],
+                                                     PyBUF_READ);
+            PyObject *next = part == NULL ? NULL : PyObject_CallFunctionObjArgs(crc32c, part, crc, NULL);
+            Py_XDECREF(part);
+            Py_SETREF(crc, next);
+        }
+    }
+    if (crc == NULL) {
+        return 0;
+    }
+    unsigned long value = PyLong_AsUnsignedLong(crc);
+    Py_DECREF(crc);
+    if (PyErr_Occurred()) {
+        return 0;
+    }
+    for (int i = 0; i < 4; i++) {
+        head[CRC_AT + i] = (uint8_t)(value >> (8 * i));
+    }
+    return 1;
+}
+
+/* sendmsg() every byte of `views` (a blocking socket, whose SO_SNDTIMEO makes it give up). */
+static int
+send_views(int fd, Py_buffer *views, Py_ssize_t count)
+{
+    struct iovec iov[IOV_BATCH];
+    Py_ssize_t first = 0, offset = 0; /* the first buffer not wholly sent, and how much of it is */
+    while (first < count) {
+        int n = 0;
+        for (Py_ssize_t i = first; i < count && n < IOV_BATCH; i++) {
+            Py_ssize_t skip = i == first ? offset : 0;
+            if (views[i].len > skip) {
+                iov[n].iov_base = (char *)views[i].buf + skip;
+                iov[n].iov_len = (size_t)(views[i].len - skip);
+                n++;
+            }
+        }
+        if (n == 0) {
+            break;
+        }
+        struct msghdr message = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t sent;
+        Py_BEGIN_ALLOW_THREADS
+        sent = sendmsg(fd, &message, MSG_NOSIGNAL);
+        Py_END_ALLOW_THREADS
+        if (sent < 0) {
+            if (errno == EINTR) {
+                if (PyErr_CheckSignals() < 0) {
+                    return 0;
+                }
+                continue;
+            }
+            PyErr_SetFromErrno(PyExc_OSError);
+            return 0;
+        }
+        while (first < count && sent >= views[first].len - offset) {
+            sent -= views[first].len - offset;
+            first++, offset = 0;
+        }
+        offset += sent;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(send_frame_doc,
+"send_frame(fd, frame, large_from, crc32c)\n--\n\n"
+"Send a frame (a list of buffers, its head first) on a blocking socket with one scatter-gather sendmsg\n"
+"where it can, first writing its CRC32C if its head is a bytearray encoded with deferred_checksum;\n"
+"the bytes sent. None, sending nothing, when such an unsealed frame's payload is large_from bytes or\n"
+"more (stream.send_frame checksums those slice by slice as it sends them). Errors are socket.sendmsg's.");
+
+static PyObject *
+send_frame(PyObject *module, PyObject *args)
+{
+    int fd;
+    PyObject *frame, *crc32c;
+    unsigned long long large_from;
+    if (!PyArg_ParseTuple(args, "iO!KO:send_frame", &fd, &PyList_Type, &frame, &large_from, &crc32c)) {
+        return NULL;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(frame), got = 0, total = 0;
+    Py_buffer *views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
+    if (views == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *result = NULL;
+    for (; got < count; got++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(frame, got), &views[got], PyBUF_SIMPLE) < 0) {
+            goto done;
+        }
+        total += views[got].len;
+    }
+    if (count && PyByteArray_Check(PyList_GET_ITEM(frame, 0)) && is_unsealed(views[0].buf, views[0].len)) {
+        if (le64((const uint8_t *)views[0].buf + 12) >= large_from) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        if (!seal_head(crc32c, views, count)) {
+            goto done;
+        }
+    }
+    if (send_views(fd, views, count)) {
+        result = PyLong_FromSsize_t(total);
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+    PyMem_Free(views);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"send_frame", send_frame, METH_VARARGS, send_frame_doc},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_reader", "The consumer's per-connection frame reader (see _reader.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_stream", "The stream sockets' per-frame work (see _stream.c).", -1, module_methods,
 };
 
 PyMODINIT_FUNC
-PyInit__reader(void)
+PyInit__stream(void)
 {
     if (PyType_Ready(&ReaderType) < 0) {
         return NULL;

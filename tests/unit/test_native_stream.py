@@ -1,8 +1,9 @@
-"""The socket consumer's C frame reader (`_reader.c`) against the Python one, through the real Reactor.
+"""The stream sockets' C reader and sender (`_stream.c`) against the Python ones.
 
-The same byte streams (frames of every kind, ack requests, CRCs after their frames, frames over the
-limits, garbage, a cut-off end) go through a socket pair in random pieces, once read in C and once
-in Python: what reaches the consumer and why the connection ends must be the same.
+The reader, through the real Reactor: the same byte streams (frames of every kind, ack requests,
+CRCs after their frames, frames over the limits, garbage, a cut-off end) go through a socket pair
+in random pieces, once read in C and once in Python, and what reaches the consumer and why the
+connection ends must be the same. The sender: the same bytes on the wire.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tensorbus.buffers import BufferPool
 from tensorbus.codec import frame, native
 from tensorbus.codec.frame import CRC_AT, PREFIX, Limits, Message, MessageId, encode
 from tensorbus.transports import reactor
+from tensorbus.transports import stream as stream_module
 from tensorbus.transports.base import Delivered
 from tensorbus.transports.socket import SocketTransport
 from tensorbus.transports.stream import ACK_REQUEST, CRC_AFTER
@@ -30,7 +32,7 @@ from tensorbus.transports.stream import ACK_REQUEST, CRC_AFTER
 from ..conftest import IN_CI
 
 if reactor.READER is None:
-    message = "the C reader (tensorbus/transports/_reader.c) is not built"
+    message = "the C reader (tensorbus/transports/_stream.c) is not built"
     if IN_CI and native.enabled():
         pytest.fail(f"CI=true and {message}", pytrace=False)
     pytest.skip(message, allow_module_level=True)
@@ -200,3 +202,57 @@ def test_a_frame_over_the_limits_is_skipped_and_the_next_one_read() -> None:
         while (event := reader.read()) is None:
             pass
         assert event == reactor.READER.END and not reader.mid_frame
+
+
+def received(sender: Any, frames: list[list[Any]]) -> bytes:
+    """What a peer reads when `sender` sends `frames` (from another thread: a socket buffer is small)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # many partial sends
+        chunks: list[bytes] = []
+        reading = threading.Thread(target=lambda: chunks.extend(iter(lambda: theirs.recv(1 << 16), b"")))
+        reading.start()
+        for buffers in frames:
+            sender(ours, buffers)
+        ours.shutdown(socket.SHUT_WR)
+        reading.join(30)
+    return b"".join(chunks)
+
+
+def test_the_c_sender_puts_on_the_wire_what_the_python_sender_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    def frames() -> list[list[Any]]:
+        rng = np.random.default_rng(3)
+        out = [
+            encode(rng.integers(0, 255, n, dtype=np.uint8), key="k", deferred_checksum=True)
+            for n in (0, 1, 4096, 300_000)
+        ]
+        out.append(encode({f"p{i}": np.full(10, i) for i in range(700)}, deferred_checksum=True))  # > 512 buffers
+        out.append(encode(np.arange(5), checksum=False))
+        out.append(encode(np.arange(5), signing_key=b"secret"))
+        return out
+
+    sent_in_c = received(lambda sock, buffers: stream_module.send_frame(sock, buffers, True), frames())
+    monkeypatch.setattr(stream_module, "NATIVE_STREAM", None)
+    sent_in_python = received(lambda sock, buffers: stream_module.send_frame(sock, buffers, True), frames())
+    assert sent_in_c == sent_in_python
+    sealed = [
+        b"".join(bytes(b) for b in frame.seal(f[0], f[1:], True, None))
+        if isinstance(f[0], bytearray)
+        else b"".join(bytes(b) for b in f)
+        for f in frames()
+    ]
+    assert sent_in_c == b"".join(sealed)  # each sealed (its CRC written) on the way out
+
+
+def test_the_c_sender_leaves_a_large_unsealed_frame_to_python_and_counts_what_it_sends() -> None:
+    large = encode(np.zeros(5 << 20, np.uint8), deferred_checksum=True)
+    small = encode(np.zeros(10, np.uint8), deferred_checksum=True)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        assert reactor.READER.send_frame(ours.fileno(), large, 4 << 20, crc32c.crc32c) is None
+        assert large[0][CRC_AT : PREFIX.size] == bytes(4)  # untouched: Python checksums it as it sends it
+        assert reactor.READER.send_frame(ours.fileno(), small, 4 << 20, crc32c.crc32c) == sum(len(b) for b in small)
+        assert frame.decode(theirs.recv(1 << 16)).tensor.tolist() == [0] * 10
+        theirs.close()
+        with pytest.raises(BrokenPipeError):
+            reactor.READER.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
