@@ -35,13 +35,13 @@ static PyObject *g_resolved = NULL;
 static PyObject *g_describe = NULL;
 static PyObject *g_crc32c = NULL;
 
-/* "Not the fast case": a Python error other than MemoryError is dropped (the Python path will
- * raise its own, precise one), and the caller gets None. */
+/* "Not the fast case": a Python error about the input is dropped (the Python path will raise its
+ * own, precise one), and the caller gets None; MemoryError, KeyboardInterrupt and the like go on. */
 static PyObject *
 not_fast(void)
 {
     if (PyErr_Occurred()) {
-        if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
+        if (PyErr_ExceptionMatches(PyExc_MemoryError) || !PyErr_ExceptionMatches(PyExc_Exception)) {
             return NULL;
         }
         PyErr_Clear();
@@ -375,7 +375,7 @@ read_id(Reader *r)
 
 /* What the one tensor entry says; filled by read_entry. */
 typedef struct {
-    PyArray_Descr *dtype; /* borrowed from g_resolved */
+    PyArray_Descr *dtype; /* owned (g_resolved may be replaced while the CRC is computed) */
     int ndim;
     npy_intp dims[NPY_MAXDIMS];
     int fortran;
@@ -463,7 +463,8 @@ read_entry(Reader *r, Entry *e, Py_ssize_t max_ndim)
         seen |= field;
     }
     /* the dtype, as frame.resolve would build it */
-    if (offset != 0 || nbytes < 0 || dtype_len > MAX_DTYPE_NAME || order_len != 1) {
+    if (offset != 0 || nbytes < 0 || dtype_len > MAX_DTYPE_NAME || order_len != 1 ||
+        memchr(dtype_name, '\0', (size_t)dtype_len) != NULL) { /* "float32\0..." is not "float32" */
         return 0;
     }
     char name[MAX_DTYPE_NAME + 1];
@@ -475,7 +476,7 @@ read_entry(Reader *r, Entry *e, Py_ssize_t max_ndim)
     if (dtype == NULL || !PyArray_DescrCheck(dtype)) {
         return 0;
     }
-    e->dtype = (PyArray_Descr *)dtype;
+    Py_XSETREF(e->dtype, (PyArray_Descr *)Py_NewRef(dtype)); /* (a second "tensors" entry is refused after this) */
     /* nbytes must be the shape's, without overflow */
     uint64_t count = 1;
     for (int d = 0; d < e->ndim; d++) {
@@ -500,13 +501,14 @@ frame_crc(const uint8_t *p, Py_ssize_t len, unsigned long *crc)
 {
     PyObject *first = PyMemoryView_FromMemory((char *)p, CRC_AT, PyBUF_READ);
     PyObject *rest = PyMemoryView_FromMemory((char *)p + PREFIX_SIZE, len - PREFIX_SIZE, PyBUF_READ);
-    PyObject *head = NULL, *whole = NULL;
+    PyObject *head = NULL, *whole = NULL, *fn = Py_NewRef(g_crc32c);
     if (first != NULL && rest != NULL) {
-        head = PyObject_CallOneArg(g_crc32c, first);
+        head = PyObject_CallOneArg(fn, first);
         if (head != NULL) {
-            whole = PyObject_CallFunctionObjArgs(g_crc32c, rest, head, NULL);
+            whole = PyObject_CallFunctionObjArgs(fn, rest, head, NULL);
         }
     }
+    Py_DECREF(fn);
     if (whole != NULL) {
         *crc = PyLong_AsUnsignedLong(whole);
     }
@@ -528,6 +530,7 @@ header_clear(Header *h)
     Py_CLEAR(h->key);
     Py_CLEAR(h->meta);
     Py_CLEAR(h->id);
+    Py_CLEAR(h->entry.dtype);
 }
 
 /* The top-level header map, exactly as frame.encode writes it for one ndarray. */
@@ -596,10 +599,9 @@ read_header(Reader *r, Header *h, Py_ssize_t max_ndim)
 }
 
 static PyObject *
-decode_frame(PyObject *frame, PyObject *crc_given, Py_ssize_t max_header, unsigned long long max_payload,
-             Py_ssize_t max_ndim)
+decode_frame(PyObject *frame, const Py_buffer *view, PyObject *crc_given, Py_ssize_t max_header,
+             unsigned long long max_payload, Py_ssize_t max_ndim)
 {
-    const Py_buffer *view = PyMemoryView_GET_BUFFER(frame);
     const uint8_t *p = view->buf;
     Py_ssize_t len = view->len;
     if (len < PREFIX_SIZE || memcmp(p, "TBUS", 4) != 0 || p[4] != FORMAT_VERSION || (p[5] & ~FLAG_CHECKSUM)) {
@@ -645,8 +647,9 @@ decode_frame(PyObject *frame, PyObject *crc_given, Py_ssize_t max_header, unsign
         header_clear(&h);
         return not_fast();
     }
-    Py_INCREF(frame);
-    if (PyArray_SetBaseObject((PyArrayObject *)array, frame) < 0) { /* (steals the reference) */
+    /* a view of its own on frame's buffer: frame.release() by the caller must not free the array's memory */
+    PyObject *base = PyMemoryView_FromObject(frame);
+    if (base == NULL || PyArray_SetBaseObject((PyArrayObject *)array, base) < 0) { /* (steals the reference) */
         Py_DECREF(array);
         header_clear(&h);
         return NULL;
@@ -673,10 +676,21 @@ decode(PyObject *self, PyObject *args)
                           &max_ndim)) {
         return NULL;
     }
-    if (g_resolved == NULL || !PyBuffer_IsContiguous(PyMemoryView_GET_BUFFER(frame), 'C')) {
+    if (g_resolved == NULL) {
         Py_RETURN_NONE;
     }
-    return decode_frame(frame, crc, max_header, max_payload, max_ndim);
+    /* an export of our own for the whole call: refuses a released view, and keeps the memory from being
+     * released by another thread while crc32c runs without the GIL */
+    Py_buffer view;
+    if (PyObject_GetBuffer(frame, &view, PyBUF_ND | PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        if (PyObject_GetBuffer(frame, &view, PyBUF_ND) < 0) {
+            return not_fast(); /* released, or not C-contiguous */
+        }
+    }
+    PyObject *result = decode_frame(frame, &view, crc, max_header, max_payload, max_ndim);
+    PyBuffer_Release(&view);
+    return result;
 }
 
 /* ---- encode: msgpack written as msgpack-python writes it (smallest form; str8, bin, float64) ------- */
@@ -936,7 +950,9 @@ ndarray_head(PyObject *self, PyObject *args)
     if (!(c_order || fortran)) {
         Py_RETURN_NONE; /* strided: frame.layout copies it */
     }
-    PyObject *described = PyObject_CallOneArg(g_describe, (PyObject *)PyArray_DESCR(array));
+    PyObject *describe = Py_NewRef(g_describe);
+    PyObject *described = PyObject_CallOneArg(describe, (PyObject *)PyArray_DESCR(array));
+    Py_DECREF(describe);
     if (described == NULL || !PyTuple_CheckExact(described) || PyTuple_GET_SIZE(described) != 2 ||
         !PyUnicode_CheckExact(PyTuple_GET_ITEM(described, 0)) || !PyUnicode_CheckExact(PyTuple_GET_ITEM(described, 1))) {
         Py_XDECREF(described);
@@ -1004,7 +1020,15 @@ PyInit__native(void)
 {
     import_array();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0) {
+    /* the format constants this file repeats from frame.py: frame.py checks they agree */
+    if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
+                      PyModule_AddIntConstant(m, "PREFIX_SIZE", PREFIX_SIZE) < 0 ||
+                      PyModule_AddIntConstant(m, "CRC_AT", CRC_AT) < 0 ||
+                      PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0 ||
+                      PyModule_AddIntConstant(m, "FLAG_CHECKSUM", FLAG_CHECKSUM) < 0 ||
+                      PyModule_AddIntConstant(m, "ALIGN", ALIGN) < 0 ||
+                      PyModule_AddIntConstant(m, "OBJECT_BYTES", OBJECT_BYTES) < 0 ||
+                      PyModule_AddIntConstant(m, "MAX_PRODUCER_ID", MAX_PRODUCER_ID) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -27,7 +28,7 @@ from ..keys import check_key
 from .compression import compress, decompress
 from .crc import combine, uncombine
 from .native import NATIVE
-from .tensors import align, flatten, rebuild
+from .tensors import ALIGN, align, flatten, rebuild
 from .torch_bridge import to_like
 
 MAGIC = b"TBUS"
@@ -416,12 +417,22 @@ def decode(
     return message_from_frame(parse(data, limits=limits, signing_key=signing_key), copy=copy, limits=limits, like=like)
 
 
+def native_limits(limits: Limits) -> bool:
+    """Whether the C fast paths can apply `limits` as given (else the Python paths apply them)."""
+    return (
+        0 <= limits.max_header_bytes < 1 << 32
+        and 0 <= limits.max_payload_bytes < 1 << 63
+        and 0 <= limits.max_ndim < 1 << 31
+        and limits.max_tensors >= 1
+    )
+
+
 def decode_native(view: memoryview, crc: int | None, limits: Limits, like: str) -> Message | None:
     """A frame of one plain ndarray decoded by the C fast path (None: not built, or another kind of frame).
 
     Only for receivers that take unsigned frames: the fast path does not check signatures.
     """
-    if NATIVE is None or limits.max_tensors < 1:
+    if NATIVE is None or not native_limits(limits):
         return None
     fast = NATIVE.decode(view, crc, limits.max_header_bytes, limits.max_payload_bytes, limits.max_ndim)
     if fast is None:
@@ -456,3 +467,16 @@ def message_from_frame(
 def loads(data: Buffer, *, copy: bool = False, like: str = "numpy", **options: Any) -> Any:
     """Decode one frame and return just the tensor (ndarray, SparseTensor or dict)."""
     return decode(data, copy=copy, like=like, **options).tensor
+
+
+def _agrees(native: Any) -> Any:
+    """`native` if it was built with this module's format constants; else None, with a warning."""
+    ours = (PREFIX.size, CRC_AT, VERSION, FLAG_CHECKSUM, ALIGN, OBJECT_BYTES, MAX_PRODUCER_ID)
+    built = ("PREFIX_SIZE", "CRC_AT", "FORMAT_VERSION", "FLAG_CHECKSUM", "ALIGN", "OBJECT_BYTES", "MAX_PRODUCER_ID")
+    if native is not None and tuple(getattr(native, name, None) for name in built) != ours:
+        warnings.warn(f"{native.__file__} disagrees with frame.py's constants: not used", RuntimeWarning, stacklevel=2)
+        return None
+    return native
+
+
+NATIVE = _agrees(NATIVE)

@@ -271,6 +271,8 @@ HOSTILE = [
     good_header(entry={"fortran": True}),
     good_header(entry={"dtype": "object"}),
     good_header(entry={"dtype": "float32" * 10}),
+    good_header(entry={"dtype": "float32\0"}),
+    good_header(entry={"dtype": "float32\0\xff"}),
     good_header(entry={"dtype": "bfloat16", "order": ">", "nbytes": 12}),
     good_header(entry={"order": "="}),
     good_header(entry={"order": ""}),
@@ -332,6 +334,7 @@ def test_a_crc_computed_while_receiving_is_compared_not_trusted() -> None:
 def test_limits_below_the_frame_leave_it_to_python_which_refuses() -> None:
     data = bytearray(python_encode(np.ones((2, 2, 2), np.float32), key="k"))
     for limits in (
+        Limits(max_header_bytes=-1),
         Limits(max_ndim=2),
         Limits(max_payload_bytes=31),
         Limits(max_header_bytes=10),
@@ -340,6 +343,16 @@ def test_limits_below_the_frame_leave_it_to_python_which_refuses() -> None:
         assert frame.decode_native(memoryview(data), None, limits, "numpy") is None
         with pytest.raises(CodecError):
             python_decode(data, limits=limits)
+    unbounded = Limits(max_payload_bytes=float("inf"))  # type: ignore[arg-type]
+    assert frame.decode_native(memoryview(data), None, unbounded, "numpy") is None  # (Python takes it)
+    assert decode(data, limits=unbounded).tensor.shape == (2, 2, 2)
+
+
+def test_a_build_with_other_format_constants_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert frame._agrees(NATIVE) is NATIVE
+    monkeypatch.setattr(NATIVE, "ALIGN", 32)
+    with pytest.warns(RuntimeWarning, match="constants"):
+        assert frame._agrees(NATIVE) is None
 
 
 def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
