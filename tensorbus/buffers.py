@@ -27,6 +27,12 @@ class BufferPool:
 
     def take(self, n: int) -> memoryview:
         """A buffer of exactly `n` bytes (a view of a pooled one when a free one fits)."""
+        try:
+            return self._take(n)
+        except ValueError:  # numpy's "array is too big": a size no memory could hold
+            raise MemoryError(f"no buffer of {n} bytes") from None
+
+    def _take(self, n: int) -> memoryview:
         if n < POOLED_FROM:
             return np.empty(n, np.uint8).data  # not zero-filled: every byte is about to be received
         with self._lock:

@@ -421,7 +421,7 @@ def native_limits(limits: Limits) -> bool:
     """Whether the C fast paths can apply `limits` as given (else the Python paths apply them)."""
     return (
         0 <= limits.max_header_bytes < 1 << 32
-        and 0 <= limits.max_payload_bytes < 1 << 63
+        and 0 <= limits.max_payload_bytes <= 1 << 62
         and 0 <= limits.max_ndim < 1 << 31
         and limits.max_tensors >= 1
     )

@@ -14,6 +14,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -49,7 +50,8 @@ static int spare_count = 0;
 
 typedef struct {
     PyObject_HEAD
-    int fd;
+    PyObject *sock; /* the socket: its fileno() at each read (-1 once closed, never another file's) */
+    int fd, busy, broken;
     uint64_t max_header, max_payload;
     Py_ssize_t pooled_from, checksum_from, crc_slice;
     PyObject *take_buffer; /* n -> writable memoryview, for frames of pooled_from bytes and more */
@@ -184,7 +186,7 @@ start_frame(Reader *self)
     uint64_t header_len = le32(p + 8), payload_len = le64(p + 12);
     uint64_t signature = p[5] & FLAG_SIGNED ? SIGNATURE_BYTES : 0;
     uint64_t start = (PREFIX_SIZE + header_len + ALIGN - 1) / ALIGN * ALIGN;
-    uint64_t total = start + payload_len + signature; /* (no overflow: both within limits under 2^63) */
+    uint64_t total = start + payload_len + signature; /* (no overflow: the limits are under 2^62, see init) */
     uint64_t whole = total + (self->crc_after ? CRC_TRAILER : 0);
     if (whole > (uint64_t)PY_SSIZE_T_MAX) {
         PyErr_NoMemory();
@@ -242,7 +244,6 @@ static PyObject *
 stopped(Reader *self, Py_ssize_t n)
 {
     if (n == -2) {
-        give_back_inbox(self);
         Py_RETURN_NONE;
     }
     if (n == 0) {
@@ -258,8 +259,39 @@ PyDoc_STRVAR(read_doc,
 "over the limits or not a frame: skip(n) it, or drop the connection); SKIPPED (a skipped frame's bytes\n"
 "are all gone; `prefix` is its prefix); END (`mid_frame` says where); None when no more bytes are there.");
 
+static PyObject *read_next(Reader *self);
+
 static PyObject *
 read_event(Reader *self, PyObject *unused)
+{
+    if (self->sock == NULL || self->busy || self->broken) {
+        PyErr_SetString(PyExc_RuntimeError, self->sock == NULL ? "StreamReader was not initialised"
+                                            : self->busy       ? "StreamReader.read is already running (another thread)"
+                                                               : "StreamReader failed earlier: drop its connection");
+        return NULL;
+    }
+    PyObject *fd = PyObject_CallMethod(self->sock, "fileno", NULL);
+    if (fd == NULL) {
+        return NULL;
+    }
+    long number = PyLong_AsLong(fd);
+    Py_DECREF(fd);
+    if (number == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    self->fd = number < INT_MIN || number > INT_MAX ? -1 : (int)number; /* (-1: closed, recv says EBADF) */
+    self->busy = 1;
+    PyObject *event = read_next(self);
+    self->busy = 0;
+    if (event == NULL && self->frame == NULL && self->prefix_got == PREFIX_SIZE) {
+        self->broken = 1; /* no buffer for the frame this prefix began: the stream cannot go on */
+    }
+    give_back_inbox(self); /* drained: an idle connection holds no read-ahead buffer */
+    return event;
+}
+
+static PyObject *
+read_next(Reader *self)
 {
     Py_ssize_t n;
     while (self->skip_left) {
@@ -343,7 +375,20 @@ skip(Reader *self, PyObject *arg)
 {
     unsigned long long n = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred()) {
-        return NULL;
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        PyObject *zero = PyLong_FromLong(0);
+        int negative = zero == NULL ? -1 : PyObject_RichCompareBool(arg, zero, Py_LT);
+        Py_XDECREF(zero);
+        if (negative != 0) {
+            if (negative > 0) {
+                PyErr_SetString(PyExc_ValueError, "skip: a negative count");
+            }
+            return NULL;
+        }
+        n = UINT64_MAX; /* a frame past 2^64 bytes: skipping it never ends, as in Python */
     }
     self->skip_left = n;
     if (!n) {
@@ -355,21 +400,36 @@ skip(Reader *self, PyObject *arg)
 static int
 reader_init(Reader *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"fd", "max_header_bytes", "max_payload_bytes", "take_buffer", "crc32c",
+    static char *names[] = {"sock", "max_header_bytes", "max_payload_bytes", "take_buffer", "crc32c",
                             "pooled_from", "checksum_from", "crc_slice", NULL};
-    int fd;
-    unsigned long long max_header, max_payload;
-    PyObject *take_buffer, *crc;
+    PyObject *sock, *header_limit, *payload_limit, *take_buffer, *crc;
     Py_ssize_t pooled_from, checksum_from, crc_slice;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKOOnnn:StreamReader", names, &fd, &max_header, &max_payload,
-                                     &take_buffer, &crc, &pooled_from, &checksum_from, &crc_slice)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOnnn:StreamReader", names, &sock, &PyLong_Type, &header_limit,
+                                     &PyLong_Type, &payload_limit, &take_buffer, &crc, &pooled_from, &checksum_from,
+                                     &crc_slice)) {
         return -1;
     }
-    if (crc_slice < 1) {
-        PyErr_SetString(PyExc_ValueError, "crc_slice must be positive");
+    if (self->sock != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "StreamReader is initialised already");
         return -1;
     }
-    self->fd = fd;
+    unsigned long long max_header = PyLong_AsUnsignedLongLong(header_limit);
+    if (PyErr_Occurred()) { /* negative, or past 64 bits: refused below */
+        PyErr_Clear();
+        max_header = UINT64_MAX;
+    }
+    unsigned long long max_payload = PyLong_AsUnsignedLongLong(payload_limit);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        max_payload = UINT64_MAX;
+    }
+    if (crc_slice < 1 || crc_slice > (1 << 30) || pooled_from < 0 || checksum_from < 0 || max_header > UINT32_MAX ||
+        max_payload > (1ULL << 62)) {
+        PyErr_SetString(PyExc_ValueError, "StreamReader: a limit or size out of range (frame.native_limits)");
+        return -1;
+    }
+    self->sock = Py_NewRef(sock);
+    self->fd = -1;
     self->max_header = max_header, self->max_payload = max_payload;
     self->pooled_from = pooled_from, self->checksum_from = checksum_from, self->crc_slice = crc_slice;
     Py_XSETREF(self->take_buffer, Py_NewRef(take_buffer));
@@ -383,6 +443,7 @@ reader_dealloc(Reader *self)
     drop_frame(self);
     self->in_lo = self->in_hi; /* (unread bytes go with the connection) */
     give_back_inbox(self);
+    Py_XDECREF(self->sock);
     Py_XDECREF(self->take_buffer);
     Py_XDECREF(self->crc32c);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -437,7 +498,7 @@ static PyTypeObject ReaderType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._stream.StreamReader",
     .tp_basicsize = sizeof(Reader),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = PyDoc_STR("StreamReader(fd, max_header_bytes, max_payload_bytes, take_buffer, crc32c, pooled_from, "
+    .tp_doc = PyDoc_STR("StreamReader(sock, max_header_bytes, max_payload_bytes, take_buffer, crc32c, pooled_from, "
                         "checksum_from, crc_slice)\n--\n\nFrames off one non-blocking stream socket (see _stream.c)."),
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)reader_init,

@@ -137,7 +137,7 @@ class Reactor:
         peer = _Peer(conn, name)
         if READER is not None and not isinstance(conn, ssl.SSLSocket) and native_limits(self.limits):
             peer.reader = READER.StreamReader(
-                conn.fileno(),
+                conn,
                 self.limits.max_header_bytes,
                 self.limits.max_payload_bytes,
                 self.pool.take,

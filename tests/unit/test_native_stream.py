@@ -172,7 +172,7 @@ def test_a_frame_over_the_limits_is_skipped_and_the_next_one_read() -> None:
     with ours, theirs:
         ours.setblocking(False)
         reader = reactor.READER.StreamReader(
-            ours.fileno(),
+            ours,
             1 << 20,
             LIMITS.max_payload_bytes,
             BufferPool().take,
@@ -256,3 +256,43 @@ def test_the_c_sender_leaves_a_large_unsealed_frame_to_python_and_counts_what_it
         theirs.close()
         with pytest.raises(BrokenPipeError):
             reactor.READER.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
+
+
+def test_a_frame_claiming_2_to_the_64_bytes_is_skipped_not_raised_into_recv() -> None:
+    """Past what the C reader can count: it skips "forever", as the Python reader would, and others go on."""
+    import tensorbus as tb
+
+    with tb.Consumer("tcp://127.0.0.1:0", max_payload_bytes=1 << 20) as consumer:
+        host, port = consumer.address.removeprefix("tcp://").rsplit(":", 1)
+        hostile = socket.create_connection((host, int(port)), timeout=5)
+        with hostile:
+            hello = hostile.recv(stream_module.HELLO.size, socket.MSG_WAITALL)
+            hostile.sendall(stream_module.proof(None, stream_module.HELLO.unpack(hello)[3]))
+            assert hostile.recv(1) == b"\x01"
+            hostile.sendall(PREFIX.pack(frame.MAGIC, frame.VERSION, 0, 0, 0, (1 << 64) - 1, 0) + bytes(1000))
+            with tb.Producer(consumer.address) as producer:
+                producer.send("k", np.arange(3))
+                assert consumer.recv("k", timeout=20).tolist() == [0, 1, 2]
+
+
+def test_the_reader_refuses_misuse_rather_than_reading_the_wrong_file() -> None:
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    make = reactor.READER.StreamReader
+    args = (BufferPool().take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20)
+    for header_limit, payload_limit in ((-1, 1 << 20), (1 << 20, 1 << 64), (1 << 20, (1 << 62) + 1)):
+        with pytest.raises(ValueError, match="out of range"):
+            make(ours, header_limit, payload_limit, *args)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        make.__new__(make).read()
+    reader = make(ours, 1 << 20, 1 << 20, *args)
+    with pytest.raises(RuntimeError, match="initialised already"):
+        reader.__init__(ours, 1 << 20, 1 << 20, *args)
+    theirs.sendall(bytes(10))
+    assert reader.read() is None and reader.mid_frame  # 10 bytes of a prefix
+    ours.close()
+    other, spare = socket.socketpair()  # (may get the closed socket's descriptor number)
+    with other, spare, theirs:
+        spare.sendall(b"not for that reader")
+        with pytest.raises(OSError):
+            reader.read()
