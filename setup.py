@@ -17,7 +17,7 @@ FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field
 def extension(name: str, **options: object) -> Extension:
     """An optional C extension of tensorbus, with the hash of its source compiled in."""
     source = name.replace(".", "/") + ".c"
-    source_hash = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    source_hash = hashlib.sha256((Path(__file__).parent / source).read_bytes()).hexdigest()
     return Extension(
         name,
         [source],

@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -97,7 +98,10 @@ def one_run(native: bool, size: int, tensors: int, pings: int) -> dict[str, floa
     """Both measurements in a fresh interpreter, with or without the C paths."""
     env = {**os.environ, "TENSORBUS_NATIVE": "1" if native else "0"}
     code = f"import benchmarks.native_speedup as b; b.child({size}, {tensors}, {pings})"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=600)
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, check=True, timeout=600
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if result.pop("native") != native:
         raise SystemExit("the C paths are not built: pip install -e . (with a C compiler)")

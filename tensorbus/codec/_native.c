@@ -16,6 +16,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#if NPY_ABI_VERSION < 0x02000000 /* numpy 1.x headers */
+#define PyDataType_ELSIZE(descr) ((descr)->elsize)
+#endif
+
 #ifndef TENSORBUS_SOURCE_HASH
 #define TENSORBUS_SOURCE_HASH "unknown"
 #endif

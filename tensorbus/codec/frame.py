@@ -419,7 +419,8 @@ def decode(
 
 def native_limits(limits: Limits) -> bool:
     """Whether the C fast paths can apply `limits` as given (else the Python paths apply them)."""
-    return (
+    values = (limits.max_header_bytes, limits.max_payload_bytes, limits.max_ndim, limits.max_tensors)
+    return all(type(value) is int for value in values) and (
         0 <= limits.max_header_bytes < 1 << 32
         and 0 <= limits.max_payload_bytes <= 1 << 62
         and 0 <= limits.max_ndim < 1 << 31

@@ -9,6 +9,7 @@ is not used: it warns once and the Python path runs.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import warnings
 from pathlib import Path
@@ -38,8 +39,8 @@ def enabled() -> bool:
 
 
 def checked(module: ModuleType) -> ModuleType | None:
-    """`module` (a C extension of tensorbus) if it was built from the source beside it, or no source is
-    there (an installed wheel); else None, with a warning: a checkout edited since its last build."""
+    """`module` (a C extension of tensorbus) if it was built from the source beside it (or none is there);
+    else None, with a warning: a checkout whose C was edited since its last build."""
     built = Path(str(module.__file__))
     source = built.with_name(built.name.split(".", 1)[0] + ".c")
     if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != module.SOURCE_HASH:
@@ -52,17 +53,22 @@ def checked(module: ModuleType) -> ModuleType | None:
     return module
 
 
-def _load() -> ModuleType | None:
+def load(name: str) -> ModuleType | None:
+    """The C extension `name` (e.g. "tensorbus.transports._stream") when enabled, built, and not stale."""
     if not enabled():
         return None
     try:
-        from . import _native  # type: ignore[attr-defined]
+        module = importlib.import_module(name)
     except ImportError:
         return None
-    if checked(_native) is None:
-        return None
-    _native.configure(_resolved(), describe, crc32c.crc32c)
-    return _native
+    return checked(module)
+
+
+def _load() -> ModuleType | None:
+    native = load(f"{__package__}._native")
+    if native is not None:
+        native.configure(_resolved(), describe, crc32c.crc32c)
+    return native
 
 
 #: the extension, configured; None when it is not built, is stale, or TENSORBUS_NATIVE=0

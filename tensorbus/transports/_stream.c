@@ -474,6 +474,12 @@ get_crc_after(Reader *self, void *closure)
 }
 
 static PyObject *
+get_inbox_held(Reader *self, void *closure)
+{
+    return PyBool_FromLong(self->inbox != NULL);
+}
+
+static PyObject *
 get_last_total(Reader *self, void *closure)
 {
     return PyLong_FromSsize_t(self->last_total);
@@ -484,6 +490,7 @@ static PyGetSetDef reader_getset[] = {
     {"buffered", (getter)get_buffered, NULL, "bytes read ahead and not yet taken", NULL},
     {"mid_frame", (getter)get_mid_frame, NULL, "whether part of a frame has been read", NULL},
     {"crc_after", (getter)get_crc_after, NULL, "whether the last prefix said its CRC follows the frame", NULL},
+    {"inbox_held", (getter)get_inbox_held, NULL, "whether it holds a read-ahead buffer now", NULL},
     {"last_total", (getter)get_last_total, NULL, "bytes the last frame (or skipped frame's prefix) took", NULL},
     {NULL},
 };
@@ -608,24 +615,29 @@ static PyObject *
 send_frame(PyObject *module, PyObject *args)
 {
     int fd;
-    PyObject *frame, *crc32c;
+    PyObject *buffers, *crc32c;
     unsigned long long large_from;
-    if (!PyArg_ParseTuple(args, "iO!KO:send_frame", &fd, &PyList_Type, &frame, &large_from, &crc32c)) {
+    if (!PyArg_ParseTuple(args, "iOKO:send_frame", &fd, &buffers, &large_from, &crc32c)) {
         return NULL;
     }
-    Py_ssize_t count = PyList_GET_SIZE(frame), got = 0, total = 0;
+    PyObject *frame = PySequence_Fast(buffers, "send_frame: a frame is a sequence of buffers");
+    if (frame == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(frame), got = 0, total = 0;
     Py_buffer *views = PyMem_Calloc(count ? (size_t)count : 1, sizeof(Py_buffer));
     if (views == NULL) {
+        Py_DECREF(frame);
         return PyErr_NoMemory();
     }
     PyObject *result = NULL;
     for (; got < count; got++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(frame, got), &views[got], PyBUF_SIMPLE) < 0) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(frame, got), &views[got], PyBUF_SIMPLE) < 0) {
             goto done;
         }
         total += views[got].len;
     }
-    if (count && PyByteArray_Check(PyList_GET_ITEM(frame, 0)) && is_unsealed(views[0].buf, views[0].len)) {
+    if (count && PyByteArray_Check(PySequence_Fast_GET_ITEM(frame, 0)) && is_unsealed(views[0].buf, views[0].len)) {
         if (le64((const uint8_t *)views[0].buf + 12) >= large_from) {
             result = Py_NewRef(Py_None);
             goto done;
@@ -642,6 +654,7 @@ done:
         PyBuffer_Release(&views[i]);
     }
     PyMem_Free(views);
+    Py_DECREF(frame);
     return result;
 }
 
@@ -669,7 +682,15 @@ PyInit__stream(void)
         PyModule_AddIntConstant(m, "ACK_REQUEST", ACK_REQUEST) < 0 ||
         PyModule_AddIntConstant(m, "SKIPPED", SKIPPED) < 0 ||
         PyModule_AddIntConstant(m, "CHECK_PREFIX", CHECK_PREFIX) < 0 || PyModule_AddIntConstant(m, "END", END) < 0 ||
-        PyModule_AddIntConstant(m, "READ_AHEAD", READ_AHEAD) < 0) {
+        PyModule_AddIntConstant(m, "READ_AHEAD", READ_AHEAD) < 0 ||
+        /* the format and protocol constants this file repeats: stream.py checks they agree */
+        PyModule_AddIntConstant(m, "PREFIX_SIZE", PREFIX_SIZE) < 0 || PyModule_AddIntConstant(m, "CRC_AT", CRC_AT) < 0 ||
+        PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0 ||
+        PyModule_AddIntConstant(m, "KNOWN_FLAGS", KNOWN_FLAGS) < 0 ||
+        PyModule_AddIntConstant(m, "CRC_AFTER", CRC_AFTER) < 0 ||
+        PyModule_AddIntConstant(m, "CRC_TRAILER", CRC_TRAILER) < 0 ||
+        PyModule_AddIntConstant(m, "SIGNATURE_BYTES", SIGNATURE_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "ALIGN", ALIGN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -26,27 +26,28 @@ import os
 import socket
 import ssl
 import struct
+import warnings
 from types import ModuleType
 
 import crc32c
 
-from ..codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Buffer, checksum_of, write_crc
-from ..codec.native import checked, enabled
+from ..codec.frame import (
+    CRC_AT,
+    FLAG_CHECKSUM,
+    KNOWN_FLAGS,
+    PREFIX,
+    SIGNATURE_BYTES,
+    VERSION,
+    Buffer,
+    checksum_of,
+    write_crc,
+)
+from ..codec.native import load
+from ..codec.tensors import ALIGN
 from ..errors import TransportError
 
-
-def _load() -> ModuleType | None:
-    if not enabled():
-        return None
-    try:
-        from . import _stream  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return checked(_stream)
-
-
 #: the C reader and sender (`_stream.c`); None when not built, stale, or TENSORBUS_NATIVE=0
-NATIVE_STREAM = _load()
+NATIVE_STREAM: ModuleType | None = load(f"{__package__}._stream")
 
 HELLO = struct.Struct("<4sBB32s")
 HELLO_MAGIC = b"TBSK"
@@ -214,3 +215,18 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
     if verdict != b"\x01":
         raise AuthRefused(f"{address} refused this producer's auth_secret")
     return bool(flags & FLAG_CRC_AFTER)
+
+
+def _agrees(native: ModuleType | None) -> ModuleType | None:
+    """`native` if it was built with the constants of the format and of this protocol; else None, with a warning."""
+    ours = (PREFIX.size, CRC_AT, VERSION, KNOWN_FLAGS, CRC_AFTER, CRC_TRAILER.size, SIGNATURE_BYTES, ALIGN)
+    names = ("PREFIX_SIZE", "CRC_AT", "FORMAT_VERSION", "KNOWN_FLAGS", "CRC_AFTER", "CRC_TRAILER", "SIGNATURE_BYTES")
+    if native is not None and tuple(getattr(native, name, None) for name in (*names, "ALIGN")) != ours:
+        warnings.warn(
+            f"{native.__file__} disagrees with the format's constants: not used", RuntimeWarning, stacklevel=2
+        )
+        return None
+    return native
+
+
+NATIVE_STREAM = _agrees(NATIVE_STREAM)

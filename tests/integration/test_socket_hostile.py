@@ -108,7 +108,12 @@ def test_idle_connections_hold_no_read_ahead_buffer() -> None:
         with tb.Producer(consumer.address) as producer:
             producer.send("last", np.ones(3))
             assert consumer.recv("last", timeout=10).tolist() == [1, 1, 1]
-        wait_for(lambda: all(p.inbox is None for p in list(reactor._peers.values())), 10, "every buffer returned")
+
+        def none_held() -> bool:
+            peers = list(reactor._peers.values())
+            return all(p.inbox is None and (p.reader is None or not p.reader.inbox_held) for p in peers)
+
+        wait_for(none_held, 10, "every buffer returned")
         assert len(reactor._inboxes) <= 4
         for i in range(20):
             assert consumer.recv(f"k{i}", timeout=10).tolist() == [i] * 100

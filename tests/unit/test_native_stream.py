@@ -112,7 +112,7 @@ def stream(seed: int) -> bytes:
 
 def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
     monkeypatch.setattr(reactor, "READER", reactor.READER if use_c else None)
-    recorder, reasons = Recorder(), Reasons()
+    recorder, reasons, acks = Recorder(), Reasons(), bytearray()
     logger = logging.getLogger(reactor.__name__)
     logger.addHandler(reasons)
     monkeypatch.setattr(logger, "level", logging.INFO)  # ("went away" is INFO)
@@ -141,11 +141,13 @@ def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytes
             time.sleep(0.005)
         writer.join(10)
         assert not reader._peers, "the connection did not end"
+        theirs.settimeout(10)
+        acks.extend(b"".join(iter(lambda: theirs.recv(4096), b"")))  # what the consumer acknowledged, and when
     finally:
         reader.close(5)
         theirs.close()
         logger.removeHandler(reasons)
-    return recorder.frames, reasons.reasons
+    return recorder.frames, reasons.reasons, list(struct.iter_unpack("<Q", acks))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -154,8 +156,9 @@ def test_the_c_reader_hands_over_what_the_python_reader_does(seed: int, monkeypa
     in_c = read_through_reactor(data, seed, True, monkeypatch)
     in_python = read_through_reactor(data, seed, False, monkeypatch)
     assert in_c == in_python
-    frames, reasons = in_c
+    frames, reasons, acks = in_c
     assert len(reasons) == 1  # why the connection ended
+    assert acks == sorted(acks) and (not acks or acks[-1][0] <= len(frames))
     for whole, crc in frames:  # and what was handed over is whole frames, CRCs where sent after them
         if len(whole) > PREFIX.size:
             assert not whole[5] & CRC_AFTER
@@ -296,3 +299,25 @@ def test_the_reader_refuses_misuse_rather_than_reading_the_wrong_file() -> None:
         spare.sendall(b"not for that reader")
         with pytest.raises(OSError):
             reader.read()
+
+
+def test_a_stale_or_disagreeing_build_of_the_stream_paths_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = reactor.READER
+    assert stream_module._agrees(built) is built
+    monkeypatch.setattr(built, "CRC_TRAILER", 8)
+    with pytest.warns(RuntimeWarning, match="constants"):
+        assert stream_module._agrees(built) is None
+    monkeypatch.setattr(built, "SOURCE_HASH", "built from another _stream.c")
+    with pytest.warns(RuntimeWarning, match="rebuild"):
+        assert native.load(built.__name__) is None
+
+
+def test_a_consumer_with_limits_the_c_reader_cannot_take_reads_in_python() -> None:
+    import tensorbus as tb
+
+    with tb.Consumer("tcp://127.0.0.1:0", max_payload_bytes=1 << 63) as consumer:
+        with tb.Producer(consumer.address) as producer:
+            producer.send("k", np.arange(3))
+            assert consumer.recv("k", timeout=20).tolist() == [0, 1, 2]
+        assert consumer.transport.reactor is not None
+        assert all(peer.reader is None for peer in consumer.transport.reactor._peers.values())
