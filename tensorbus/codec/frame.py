@@ -419,12 +419,17 @@ def decode(
 
 def native_limits(limits: Limits) -> bool:
     """Whether the C fast paths can apply `limits` as given (else the Python paths apply them)."""
-    values = (limits.max_header_bytes, limits.max_payload_bytes, limits.max_ndim, limits.max_tensors)
-    return all(type(value) is int for value in values) and (
-        0 <= limits.max_header_bytes < 1 << 32
-        and 0 <= limits.max_payload_bytes <= 1 << 62
-        and 0 <= limits.max_ndim < 1 << 31
-        and limits.max_tensors >= 1
+    header, payload = limits.max_header_bytes, limits.max_payload_bytes
+    ndim, tensors = limits.max_ndim, limits.max_tensors
+    return (
+        type(header) is int
+        and type(payload) is int
+        and type(ndim) is int
+        and type(tensors) is int
+        and 0 <= header < 1 << 32
+        and 0 <= payload <= 1 << 62
+        and 0 <= ndim < 1 << 31
+        and tensors >= 1
     )
 
 

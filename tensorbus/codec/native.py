@@ -1,8 +1,9 @@
-"""The C fast path for one plain ndarray per frame (`_native.c`), when it is built; None otherwise.
+"""The C extensions, when built: the codec's fast path for one plain ndarray per frame (`NATIVE`,
+from `_native.c`) and, through `load`, the stream sockets' (`transports/_stream.c`); None otherwise.
 
-`frame.encode` and `frame.decode` (and the reassembler) try it first and fall back to Python for
-anything it does not take. Set TENSORBUS_NATIVE=0 to run the Python path only. A build made from
-another version of `_native.c` than the one beside it (a checkout edited since `pip install -e .`)
+`frame.encode` and `frame.decode` (and the reassembler) try `NATIVE` first and fall back to Python
+for anything it does not take. Set TENSORBUS_NATIVE=0 to run the Python paths only. A build made
+from another version of its `.c` than the one beside it (a checkout edited since `pip install -e .`)
 is not used: it warns once and the Python path runs.
 """
 

@@ -363,12 +363,12 @@ class Reactor:
         if event is None:
             return False
         if type(event) is tuple:
-            peer.total = reader.last_total
+            peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
             self._deliver(peer, *event)
         elif event == READER.ACK_REQUEST:
             self._ack(peer)
         elif event == READER.SKIPPED:
-            peer.total = PREFIX.size
+            peer.total = reader.last_total  # (its prefix)
             self._deliver(peer, memoryview(reader.prefix))  # the consumer counts it as refused
         elif event == READER.CHECK_PREFIX:
             reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
