@@ -283,7 +283,7 @@ read_event(Reader *self, PyObject *unused)
     self->busy = 1;
     PyObject *event = read_next(self);
     self->busy = 0;
-    if (event == NULL && self->frame == NULL && self->prefix_got == PREFIX_SIZE) {
+    if (event == NULL && self->frame == NULL && !self->skip_left && self->prefix_got == PREFIX_SIZE) {
         self->broken = 1; /* no buffer for the frame this prefix began: the stream cannot go on */
     }
     give_back_inbox(self); /* drained: an idle connection holds no read-ahead buffer */

@@ -321,3 +321,23 @@ def test_a_consumer_with_limits_the_c_reader_cannot_take_reads_in_python() -> No
             assert consumer.recv("k", timeout=20).tolist() == [0, 1, 2]
         assert consumer.transport.reactor is not None
         assert all(peer.reader is None for peer in consumer.transport.reactor._peers.values())
+
+
+def test_a_frame_without_memory_leaves_the_reader_refusing_to_go_on() -> None:
+    """No buffer for a frame: MemoryError (the reactor drops the connection), and no half-read stream after it."""
+
+    def no_memory(n: int) -> memoryview:
+        raise MemoryError(f"no buffer of {n} bytes")
+
+    big = b"".join(bytes(b) for b in encode(np.zeros(2 << 20, np.uint8)))
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        reader = reactor.READER.StreamReader(
+            ours, 1 << 20, 1 << 30, no_memory, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20
+        )
+        theirs.sendall(big[:4096])
+        with pytest.raises(MemoryError):
+            reader.read()
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            reader.read()
