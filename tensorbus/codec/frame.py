@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -27,7 +26,7 @@ from ..errors import (
 from ..keys import check_key
 from .compression import compress, decompress
 from .crc import combine, uncombine
-from .native import NATIVE
+from .native import NATIVE, agrees
 from .tensors import ALIGN, align, flatten, rebuild
 from .torch_bridge import to_like
 
@@ -475,14 +474,14 @@ def loads(data: Buffer, *, copy: bool = False, like: str = "numpy", **options: A
     return decode(data, copy=copy, like=like, **options).tensor
 
 
-def _agrees(native: Any) -> Any:
-    """`native` if it was built with this module's format constants; else None, with a warning."""
-    ours = (PREFIX.size, CRC_AT, VERSION, FLAG_CHECKSUM, ALIGN, OBJECT_BYTES, MAX_PRODUCER_ID)
-    built = ("PREFIX_SIZE", "CRC_AT", "FORMAT_VERSION", "FLAG_CHECKSUM", "ALIGN", "OBJECT_BYTES", "MAX_PRODUCER_ID")
-    if native is not None and tuple(getattr(native, name, None) for name in built) != ours:
-        warnings.warn(f"{native.__file__} disagrees with frame.py's constants: not used", RuntimeWarning, stacklevel=2)
-        return None
-    return native
-
-
-NATIVE = _agrees(NATIVE)
+#: the constants `_native.c` repeats, by the names it exports them under
+NATIVE_CONSTANTS = {
+    "PREFIX_SIZE": PREFIX.size,
+    "CRC_AT": CRC_AT,
+    "FORMAT_VERSION": VERSION,
+    "FLAG_CHECKSUM": FLAG_CHECKSUM,
+    "ALIGN": ALIGN,
+    "OBJECT_BYTES": OBJECT_BYTES,
+    "MAX_PRODUCER_ID": MAX_PRODUCER_ID,
+}
+NATIVE = agrees(NATIVE, NATIVE_CONSTANTS)

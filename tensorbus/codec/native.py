@@ -54,6 +54,17 @@ def checked(module: ModuleType) -> ModuleType | None:
     return module
 
 
+def agrees(module: ModuleType | None, constants: dict[str, int]) -> ModuleType | None:
+    """`module` if it was built with these values of the constants its C repeats from Python (by name);
+    else None, with a warning: its C and the Python beside it no longer describe the same format."""
+    if module is not None and any(getattr(module, name, None) != value for name, value in constants.items()):
+        warnings.warn(
+            f"{module.__file__} disagrees with the Python's constants: not used", RuntimeWarning, stacklevel=2
+        )
+        return None
+    return module
+
+
 def load(name: str) -> ModuleType | None:
     """The C extension `name` (e.g. "tensorbus.transports._stream") when enabled, built, and not stale."""
     if not enabled():

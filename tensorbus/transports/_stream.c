@@ -682,7 +682,6 @@ PyInit__stream(void)
         PyModule_AddIntConstant(m, "ACK_REQUEST", ACK_REQUEST) < 0 ||
         PyModule_AddIntConstant(m, "SKIPPED", SKIPPED) < 0 ||
         PyModule_AddIntConstant(m, "CHECK_PREFIX", CHECK_PREFIX) < 0 || PyModule_AddIntConstant(m, "END", END) < 0 ||
-        PyModule_AddIntConstant(m, "READ_AHEAD", READ_AHEAD) < 0 ||
         /* the format and protocol constants this file repeats: stream.py checks they agree */
         PyModule_AddIntConstant(m, "PREFIX_SIZE", PREFIX_SIZE) < 0 || PyModule_AddIntConstant(m, "CRC_AT", CRC_AT) < 0 ||
         PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0 ||

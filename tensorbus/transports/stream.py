@@ -26,7 +26,6 @@ import os
 import socket
 import ssl
 import struct
-import warnings
 from types import ModuleType
 
 import crc32c
@@ -42,7 +41,7 @@ from ..codec.frame import (
     checksum_of,
     write_crc,
 )
-from ..codec.native import load
+from ..codec.native import agrees, load
 from ..codec.tensors import ALIGN
 from ..errors import TransportError
 
@@ -217,16 +216,15 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
     return bool(flags & FLAG_CRC_AFTER)
 
 
-def _agrees(native: ModuleType | None) -> ModuleType | None:
-    """`native` if it was built with the constants of the format and of this protocol; else None, with a warning."""
-    ours = (PREFIX.size, CRC_AT, VERSION, KNOWN_FLAGS, CRC_AFTER, CRC_TRAILER.size, SIGNATURE_BYTES, ALIGN)
-    names = ("PREFIX_SIZE", "CRC_AT", "FORMAT_VERSION", "KNOWN_FLAGS", "CRC_AFTER", "CRC_TRAILER", "SIGNATURE_BYTES")
-    if native is not None and tuple(getattr(native, name, None) for name in (*names, "ALIGN")) != ours:
-        warnings.warn(
-            f"{native.__file__} disagrees with the format's constants: not used", RuntimeWarning, stacklevel=2
-        )
-        return None
-    return native
-
-
-NATIVE_STREAM = _agrees(NATIVE_STREAM)
+#: the constants `_stream.c` repeats, by the names it exports them under
+NATIVE_CONSTANTS = {
+    "PREFIX_SIZE": PREFIX.size,
+    "CRC_AT": CRC_AT,
+    "FORMAT_VERSION": VERSION,
+    "KNOWN_FLAGS": KNOWN_FLAGS,
+    "CRC_AFTER": CRC_AFTER,
+    "CRC_TRAILER": CRC_TRAILER.size,
+    "SIGNATURE_BYTES": SIGNATURE_BYTES,
+    "ALIGN": ALIGN,
+}
+NATIVE_STREAM = agrees(NATIVE_STREAM, NATIVE_CONSTANTS)

@@ -355,10 +355,10 @@ def test_limits_below_the_frame_leave_it_to_python_which_refuses() -> None:
 
 
 def test_a_build_with_other_format_constants_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert frame._agrees(NATIVE) is NATIVE
+    assert native.agrees(NATIVE, frame.NATIVE_CONSTANTS) is NATIVE
     monkeypatch.setattr(NATIVE, "ALIGN", 32)
     with pytest.warns(RuntimeWarning, match="constants"):
-        assert frame._agrees(NATIVE) is None
+        assert native.agrees(NATIVE, frame.NATIVE_CONSTANTS) is None
 
 
 def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:

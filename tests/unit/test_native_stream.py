@@ -303,10 +303,10 @@ def test_the_reader_refuses_misuse_rather_than_reading_the_wrong_file() -> None:
 
 def test_a_stale_or_disagreeing_build_of_the_stream_paths_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     built = reactor.READER
-    assert stream_module._agrees(built) is built
+    assert native.agrees(built, stream_module.NATIVE_CONSTANTS) is built
     monkeypatch.setattr(built, "CRC_TRAILER", 8)
     with pytest.warns(RuntimeWarning, match="constants"):
-        assert stream_module._agrees(built) is None
+        assert native.agrees(built, stream_module.NATIVE_CONSTANTS) is None
     monkeypatch.setattr(built, "SOURCE_HASH", "built from another _stream.c")
     with pytest.warns(RuntimeWarning, match="rebuild"):
         assert native.load(built.__name__) is None
