@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import struct
@@ -54,6 +55,20 @@ class Limits:
     max_payload_bytes: int = 1 << 36
     #: what a compressed payload may expand to: a few KB of zstd can claim gigabytes, so far less than the above
     max_decompressed_bytes: int = 1 << 30
+
+    @functools.cached_property
+    def native(self) -> bool:
+        """Whether the C fast paths can apply these limits as given (else the Python paths apply them).
+
+        Asked for every received frame: worked out once (the limits cannot change)."""
+        header, payload, ndim, tensors = self.max_header_bytes, self.max_payload_bytes, self.max_ndim, self.max_tensors
+        return (
+            all(type(value) is int for value in (header, payload, ndim, tensors))
+            and 0 <= header < 1 << 32
+            and 0 <= payload <= 1 << 62
+            and 0 <= ndim < 1 << 31
+            and tensors >= 1
+        )
 
 
 DEFAULT_LIMITS = Limits()
@@ -416,28 +431,12 @@ def decode(
     return message_from_frame(parse(data, limits=limits, signing_key=signing_key), copy=copy, limits=limits, like=like)
 
 
-def native_limits(limits: Limits) -> bool:
-    """Whether the C fast paths can apply `limits` as given (else the Python paths apply them)."""
-    header, payload = limits.max_header_bytes, limits.max_payload_bytes
-    ndim, tensors = limits.max_ndim, limits.max_tensors
-    return (
-        type(header) is int
-        and type(payload) is int
-        and type(ndim) is int
-        and type(tensors) is int
-        and 0 <= header < 1 << 32
-        and 0 <= payload <= 1 << 62
-        and 0 <= ndim < 1 << 31
-        and tensors >= 1
-    )
-
-
 def decode_native(view: memoryview, crc: int | None, limits: Limits, like: str) -> Message | None:
     """A frame of one plain ndarray decoded by the C fast path (None: not built, or another kind of frame).
 
     Only for receivers that take unsigned frames: the fast path does not check signatures.
     """
-    if NATIVE is None or not native_limits(limits):
+    if NATIVE is None or not limits.native:
         return None
     fast = NATIVE.decode(view, crc, limits.max_header_bytes, limits.max_payload_bytes, limits.max_ndim)
     if fast is None:

@@ -425,7 +425,7 @@ reader_init(Reader *self, PyObject *args, PyObject *kwargs)
     }
     if (crc_slice < 1 || crc_slice > (1 << 30) || pooled_from < 0 || checksum_from < 0 || max_header > UINT32_MAX ||
         max_payload > (1ULL << 62)) {
-        PyErr_SetString(PyExc_ValueError, "StreamReader: a limit or size out of range (frame.native_limits)");
+        PyErr_SetString(PyExc_ValueError, "StreamReader: a limit or size out of range (frame.Limits.native)");
         return -1;
     }
     self->sock = Py_NewRef(sock);

@@ -42,7 +42,6 @@ from ..codec.frame import (
     Message,
     MessageId,
     frame_length,
-    native_limits,
 )
 from ..errors import CodecError, LimitExceeded
 from .base import Deliver, Delivered
@@ -135,7 +134,7 @@ class Reactor:
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
         peer = _Peer(conn, name)
-        if READER is not None and not isinstance(conn, ssl.SSLSocket) and native_limits(self.limits):
+        if READER is not None and not isinstance(conn, ssl.SSLSocket) and self.limits.native:
             peer.reader = READER.StreamReader(
                 conn,
                 self.limits.max_header_bytes,
