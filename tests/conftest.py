@@ -29,6 +29,21 @@ def reachable(url: str) -> bool:
         return False
 
 
+def require_native(built: bool, what: str) -> None:
+    """Fail in CI, skip (saying why) elsewhere, when the C extension `what` is not built; skip when
+    TENSORBUS_NATIVE=0 turned the C paths off on purpose (CI's second pass, of the Python paths)."""
+    from tensorbus.codec import native
+
+    if not native.enabled():
+        pytest.skip(f"TENSORBUS_NATIVE=0: {what} is off", allow_module_level=True)
+    if built:
+        return
+    message = f"{what} is not built (pip install -e . builds it, given a C compiler)"
+    if IN_CI:
+        pytest.fail(f"CI=true and {message}", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
+
+
 def require_broker(url: str) -> None:
     """Fail in CI, skip (saying why) elsewhere, when the broker at `url` does not answer."""
     if reachable(url):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks import consumer_floor, native_speedup
 from tensorbus.codec import native
 from tensorbus.transports import stream
-from tests.conftest import IN_CI
+from tests.conftest import require_native
 
 
 def test_the_consumer_floor_benchmark_reads_a_real_producers_stream() -> None:
@@ -16,11 +14,7 @@ def test_the_consumer_floor_benchmark_reads_a_real_producers_stream() -> None:
 
 
 def test_the_native_speedup_benchmark_runs_both_ways() -> None:
-    if stream.NATIVE_STREAM is None or native.NATIVE is None:
-        message = "the C paths are not built (or TENSORBUS_NATIVE=0)"
-        if IN_CI and native.enabled():
-            pytest.fail(f"CI=true and {message}")
-        pytest.skip(message)
+    require_native(stream.NATIVE_STREAM is not None and native.NATIVE is not None, "the C paths")
     for native_paths in (True, False):
         result = native_speedup.one_run(native_paths, 64 << 10, 50, 20)  # in a fresh interpreter each
         assert result.keys() == {"gbps", "consumer_us", "producer_us", "rtt_us"}

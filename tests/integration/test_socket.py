@@ -16,10 +16,9 @@ import pytest
 import trustme
 
 import tensorbus as tb
-from tensorbus.codec import native
 from tensorbus.transports import reactor
 from tensorbus.transports.stream import ACK, HELLO, greet, proof
-from tests.conftest import IN_CI
+from tests.conftest import require_native
 from tests.faults import fail_feed_once, wait_for
 from tests.peers import Peer, make_tensor, same
 
@@ -98,11 +97,7 @@ def test_tls_round_trip(tls: dict[str, str]) -> None:
 
 
 def test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python(tls: dict[str, str]) -> None:
-    if reactor.READER is None:
-        message = "the C reader (tensorbus/transports/_stream.c) is not built"
-        if IN_CI and native.enabled():
-            pytest.fail(f"CI=true and {message}")
-        pytest.skip(message)
+    require_native(reactor.READER is not None, "the C reader (tensorbus/transports/_stream.c)")
     readers = {}
     for url, options in (("tcp://127.0.0.1:0", {}), ("tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]})):
         with tb.Consumer(url, **options) as consumer:

@@ -24,15 +24,10 @@ from tensorbus.codec.dtypes import DTYPES
 from tensorbus.codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Limits, decode, encode
 from tensorbus.codec.tensors import align
 
-from ..conftest import IN_CI
+from ..conftest import require_native
 
 NATIVE = native.NATIVE
-if not native.enabled():
-    pytest.skip("TENSORBUS_NATIVE=0: the Python path alone is under test", allow_module_level=True)
-if NATIVE is None:
-    if IN_CI:
-        pytest.fail("CI=true and the C fast path is not built (pip install -e . builds it)", pytrace=False)
-    pytest.skip("the C fast path is not built here (pip install -e . with a C compiler)", allow_module_level=True)
+require_native(NATIVE is not None, "the codec's C fast path (tensorbus/codec/_native.c)")
 
 LIMITS = Limits()
 

@@ -29,13 +29,9 @@ from tensorbus.transports.base import Delivered
 from tensorbus.transports.socket import SocketTransport
 from tensorbus.transports.stream import ACK_REQUEST, CRC_AFTER
 
-from ..conftest import IN_CI
+from ..conftest import require_native
 
-if reactor.READER is None:
-    message = "the C reader (tensorbus/transports/_stream.c) is not built"
-    if IN_CI and native.enabled():
-        pytest.fail(f"CI=true and {message}", pytrace=False)
-    pytest.skip(message, allow_module_level=True)
+require_native(reactor.READER is not None, "the C reader and sender (tensorbus/transports/_stream.c)")
 
 LIMITS = Limits(max_payload_bytes=6 << 20)
 
