@@ -259,13 +259,14 @@ class Consumer:
                 return Delivered(message_id, not self.reassembler.is_pending(message_id))
             if self._is_duplicate(message_id):
                 return Delivered(message_id, True)
-            if may_hold and self._full() and not self.table.has_room_for(message.key):
+            full = self._full()
+            if may_hold and full and not self.table.has_room_for(message.key):
                 self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
                 return Delivered(message_id, False, held=message)
             if message_id is not None:
                 self._seen.add(message_id)
         try:
-            if not may_hold and self._full() and not self.table.has_room_for(message.key):
+            if full and not may_hold and not self.table.has_room_for(message.key):
                 self._wait_for_room(message.key)
             return self._admit(message)
         except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport offers the frame again

@@ -86,7 +86,10 @@ class Rendezvous:
             raise ConfigError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
         self.max_buffered_bytes = max_buffered_bytes
         self.buffered_bytes = 0
-        self._cond = threading.Condition()
+        #: guards everything below; `with self._lock` rather than `with self._cond`: a Condition's
+        #: `__enter__` is a Python-level call, and this lock is taken twice per tensor
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         #: buffered messages by arrival number, each with the bytes it counts (as counted when it came:
         #: a dict sent in-process may change later, and the count must come back down to zero)
         self._arrivals: collections.OrderedDict[int, tuple[Message, int]] = collections.OrderedDict()
@@ -120,10 +123,13 @@ class Rendezvous:
     def put(self, message: Message, *, first: bool = False) -> None:
         """Deliver a decoded message (what transports call); never blocks. `first`: ahead of those buffered."""
         waiter = None
-        with self._cond:
-            self._raise_if_aborted()
-            self._fence(message.key)
-            for wanted in (message.key, ANY):
+        key = message.key
+        with self._lock:
+            if self._aborted is not None:
+                raise self._abort_error()
+            if key is not None and key.count(";") == 4:  # (only such a key can name an incarnation)
+                self._fence(key)
+            for wanted in (key, ANY):
                 queue = self._waiters.get(wanted)
                 if queue:
                     waiter = queue.popleft()
@@ -134,7 +140,7 @@ class Rendezvous:
                 self._counter += 1
                 nbytes = message_nbytes(message)
                 self._arrivals[self._counter] = (message, nbytes)
-                numbers = self._by_key.setdefault(message.key, collections.deque())
+                numbers = self._by_key.setdefault(key, collections.deque())
                 if first:
                     self._arrivals.move_to_end(self._counter, last=False)
                     numbers.appendleft(self._counter)
@@ -145,10 +151,8 @@ class Rendezvous:
                 return
         self._complete(waiter, message)
 
-    def _fence(self, key: str | None) -> None:
+    def _fence(self, key: str) -> None:
         """Reject keys that name an older incarnation of a source than one already seen."""
-        if key is None or key.count(";") != 4:
-            return
         try:
             parsed = parse_key(key)
         except ConfigError:
@@ -185,7 +189,7 @@ class Rendezvous:
         """Call `callback(message, None)` once `key` arrives, or `callback(None, error)`; never blocks."""
         check_key(key)  # (None: the messages sent with no key)
         waiter = _Waiter(key, callback)
-        with self._cond:
+        with self._lock:
             message = self._take(key) if self._aborted is None else None
             if message is None and self._aborted is None:
                 self._add_waiter(waiter)
@@ -227,14 +231,15 @@ class Rendezvous:
 
     def _wait(self, key: object, timeout: float | None) -> Message:
         timeout = finite_timeout(timeout)
-        with self._cond:
-            self._raise_if_aborted()
+        with self._lock:
+            if self._aborted is not None:
+                raise self._abort_error()
             message = self._take(key)
             if message is None:
                 waiter = _Waiter(key, None)
                 self._add_waiter(waiter)
         if message is not None:
-            return self._hand_out(message)
+            return message if self.handed_out is None else self._hand_out(message)
         assert waiter.done is not None
         try:
             if self.pump is not None:
@@ -269,7 +274,7 @@ class Rendezvous:
                 self.put(waiter.result, first=True)
 
     def _fail_waiter(self, waiter: _Waiter, error: BaseException) -> bool:
-        with self._cond:
+        with self._lock:
             queue = self._waiters.get(waiter.key)
             if queue is None or waiter not in queue:
                 return False
@@ -305,7 +310,7 @@ class Rendezvous:
         """
         timeout = finite_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while not self._has_room_for(key):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -315,7 +320,7 @@ class Rendezvous:
 
     def has_room_for(self, key: str | None) -> bool:
         """Whether a message of `key` can be put now without going over the limit (or is awaited)."""
-        with self._cond:
+        with self._lock:
             return self._has_room_for(key)
 
     def _has_room_for(self, key: object) -> bool:
@@ -325,7 +330,7 @@ class Rendezvous:
 
     def abort(self, reason: str) -> None:
         """Fail every pending receive, drop what is buffered, and make every later call raise `Aborted`."""
-        with self._cond:
+        with self._lock:
             if self._aborted is None:
                 self._aborted = Aborted(reason)
             waiters = [w for queue in self._waiters.values() for w in queue]
@@ -349,15 +354,11 @@ class Rendezvous:
         assert self._aborted is not None
         return Aborted(*self._aborted.args)
 
-    def _raise_if_aborted(self) -> None:
-        if self._aborted is not None:
-            raise self._abort_error()
-
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._arrivals)
 
     def buffered_keys(self) -> dict[str | None, int]:
         """How many buffered (arrived, not yet received) messages each key has."""
-        with self._cond:
+        with self._lock:
             return {key: len(numbers) for key, numbers in self._by_key.items()}

@@ -1,5 +1,5 @@
-/* The stream sockets' per-frame work in C: the consumer's per-connection frame reader (StreamReader)
- * and the producer's send of one frame (send_frame).
+/* The stream sockets' per-frame work in C: the consumer's per-connection frame reader (StreamReader),
+ * the producer's send of one frame (send_frame), and the consumer's background reader's timer (IdleTimer).
  *
  * The reader turns bytes off a non-blocking stream socket into whole frames: the state machine of
  * reactor.py's Python reader (`Reactor._step`), minus its per-frame interpreter work.
@@ -15,11 +15,13 @@
 #include <Python.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #ifndef TENSORBUS_SOURCE_HASH
 #define TENSORBUS_SOURCE_HASH "unknown"
@@ -658,6 +660,120 @@ done:
     return result;
 }
 
+/* ---- the background reader's timer ------------------------------------------------------------------ */
+
+/* reactor.py's background thread reads only once no application thread has led for `linger_s`.
+ * Waiting for that in Python wakes the thread (and takes the GIL from the application) every
+ * linger_s while the application receives: ~20 % longer round trips measured. This waits without
+ * the GIL, so an application that keeps receiving never meets it. */
+
+#define IDLE_NAP_NS 50000000LL /* the longest nap between looks at `woken` (close) */
+
+typedef struct {
+    PyObject_HEAD
+    _Atomic int64_t idle_at; /* CLOCK_MONOTONIC ns from which the application counts as idle */
+    _Atomic int woken;
+} IdleTimer;
+
+static int64_t
+monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+/* seconds -> ns, clamped to [0, 2^62): the callers' values are options (a linger of 1e300 means "never") */
+static int
+seconds_ns(PyObject *arg, int64_t *out)
+{
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (seconds != seconds) {
+        PyErr_SetString(PyExc_ValueError, "NaN seconds");
+        return -1;
+    }
+    *out = seconds <= 0 ? 0 : seconds >= 4.6e9 ? (1LL << 62) : (int64_t)(seconds * 1e9);
+    return 0;
+}
+
+PyDoc_STRVAR(touch_doc, "touch(linger_s)\n--\n\nThe application stopped leading: idle once linger_s pass without another touch.");
+
+static PyObject *
+idle_touch(IdleTimer *self, PyObject *arg)
+{
+    int64_t linger;
+    if (seconds_ns(arg, &linger) < 0) {
+        return NULL;
+    }
+    int64_t now = monotonic_ns();
+    atomic_store(&self->idle_at, linger > INT64_MAX - now ? INT64_MAX : now + linger);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(idle_wait_doc, "wait(timeout_s) -> bool\n--\n\n"
+                            "Sleep, without the GIL, until the application is idle (True), or until timeout_s pass "
+                            "or wake() is called (False).");
+
+static PyObject *
+idle_wait(IdleTimer *self, PyObject *arg)
+{
+    int64_t timeout;
+    if (seconds_ns(arg, &timeout) < 0) {
+        return NULL;
+    }
+    int idle = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t now = monotonic_ns();
+    int64_t deadline = timeout > INT64_MAX - now ? INT64_MAX : now + timeout;
+    for (;;) {
+        int64_t idle_at = atomic_load(&self->idle_at);
+        if (now >= idle_at) {
+            idle = 1;
+            break;
+        }
+        if (atomic_load(&self->woken) || now >= deadline) {
+            break;
+        }
+        int64_t nap = (idle_at < deadline ? idle_at : deadline) - now;
+        if (nap > IDLE_NAP_NS) {
+            nap = IDLE_NAP_NS;
+        }
+        struct timespec ts = {(time_t)(nap / 1000000000LL), (long)(nap % 1000000000LL)};
+        nanosleep(&ts, NULL); /* (a signal cuts it short: the loop looks again) */
+        now = monotonic_ns();
+    }
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(idle);
+}
+
+PyDoc_STRVAR(wake_doc, "wake()\n--\n\nEnd every wait, now and later, with False (the consumer is closing).");
+
+static PyObject *
+idle_wake(IdleTimer *self, PyObject *Py_UNUSED(ignored))
+{
+    atomic_store(&self->woken, 1);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef idle_methods[] = {
+    {"touch", (PyCFunction)idle_touch, METH_O, touch_doc},
+    {"wait", (PyCFunction)idle_wait, METH_O, idle_wait_doc},
+    {"wake", (PyCFunction)idle_wake, METH_NOARGS, wake_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject IdleTimerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._stream.IdleTimer",
+    .tp_basicsize = sizeof(IdleTimer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("IdleTimer()\n--\n\nWhen the application last led, for the background reader (see _stream.c)."),
+    .tp_new = PyType_GenericNew, /* (zeroed: idle from the start, not woken) */
+    .tp_methods = idle_methods,
+};
+
 static PyMethodDef module_methods[] = {
     {"send_frame", send_frame, METH_VARARGS, send_frame_doc},
     {NULL, NULL, 0, NULL},
@@ -670,7 +786,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__stream(void)
 {
-    if (PyType_Ready(&ReaderType) < 0) {
+    if (PyType_Ready(&ReaderType) < 0 || PyType_Ready(&IdleTimerType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
@@ -678,6 +794,7 @@ PyInit__stream(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "StreamReader", (PyObject *)&ReaderType) < 0 ||
+        PyModule_AddObjectRef(m, "IdleTimer", (PyObject *)&IdleTimerType) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
         PyModule_AddIntConstant(m, "ACK_REQUEST", ACK_REQUEST) < 0 ||
         PyModule_AddIntConstant(m, "SKIPPED", SKIPPED) < 0 ||

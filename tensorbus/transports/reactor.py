@@ -68,6 +68,41 @@ _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 READER: Any = NATIVE_STREAM
 
 
+class IdleClock:
+    """When the application last led: the background reader waits until it has been idle for a while.
+
+    The Python stand-in for `_stream.IdleTimer`, which waits without the GIL (this one wakes with
+    it every `linger_s` while the application keeps receiving).
+    """
+
+    def __init__(self) -> None:
+        self._idle_at = 0.0
+        self._woken = False
+        self._cond = threading.Condition()
+
+    def touch(self, linger_s: float) -> None:
+        """The application stopped leading: idle once `linger_s` pass without another touch."""
+        self._idle_at = time.monotonic() + linger_s
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until the application is idle (True), or until `timeout_s` pass or `wake` is called (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                if now >= self._idle_at:
+                    return True
+                if self._woken or now >= deadline:
+                    return False
+                self._cond.wait(min(self._idle_at, deadline) - now)
+
+    def wake(self) -> None:
+        """End every wait, now and later, with False (the consumer is closing)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+
 class PeerGone(Exception):
     """The connection ended; the message says why, `level` how loudly to log it (INFO: it just left)."""
 
@@ -104,6 +139,7 @@ class Reactor:
 
     def __init__(self, deliver: Deliver, limits: Limits, options: dict[str, Any], pool: BufferPool) -> None:
         self.deliver, self.limits, self.options, self.pool = deliver, limits, options, pool
+        self._ack_every = (options["ack_every_frames"], options["ack_every_bytes"])  # (read for every frame)
         self.linger_s: float = options["linger_s"]
         self.spin_s: float = options["spin_s"]
         self._selector = selectors.DefaultSelector()
@@ -121,7 +157,8 @@ class Reactor:
         self._wanted = 0  # application threads waiting to lead
         self._app_leads = False  # an application thread (not the background one) holds `_leader`
         self._leading: int | None = None  # the ident of the thread holding `_leader`
-        self._idle_until = 0.0  # the background thread leaves leadership to the application until then
+        #: the background thread leaves leadership to the application until it has been idle for `linger_s`
+        self._idle = READER.IdleTimer() if READER is not None else IdleClock()
         self._closed = False
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
         self._background.start()
@@ -187,7 +224,7 @@ class Reactor:
                 self._lead(lambda: not done.locked(), time.monotonic() + slice_s, self.spin_s)
             finally:
                 self._app_leads, self._leading = False, None
-                self._idle_until = time.monotonic() + self.linger_s
+                self._idle.touch(self.linger_s)
                 self._leader.release()
 
     def _take_lead(self, wait_s: float) -> bool:
@@ -211,12 +248,14 @@ class Reactor:
     def _lead_in_background(self) -> None:
         """Lead while no application thread has led recently; step aside as soon as one wants to."""
         while not self._closed:
-            pause = self._idle_until - time.monotonic()
-            if pause > 0 or self._wanted:
+            if self._wanted:  # (an application thread is taking over from this one)
                 with self._state:
-                    self._state.wait(max(pause, 0.001))
+                    self._state.wait(0.001)
                 continue
-            if not self._leader.acquire(timeout=POLL_S):
+            if not self._idle.wait(POLL_S) or not self._leader.acquire(timeout=POLL_S):
+                continue
+            if not self._idle.wait(0):  # an application thread led meanwhile (and just let go)
+                self._leader.release()
                 continue
             self._leading = threading.get_ident()
             try:
@@ -355,8 +394,8 @@ class Reactor:
 
     def _step_native(self, peer: _Peer) -> bool:
         """`_step` by the connection's C reader; False when out of bytes."""
-        if self._replay(peer):
-            return True
+        if peer.replay is not None:
+            return self._replay(peer)
         reader = peer.reader
         event = reader.read()
         if event is None:
@@ -466,9 +505,8 @@ class Reactor:
             peer.turned_away = peer.frames  # never acknowledged, so the producer sends it again
         peer.frames += 1
         peer.unacked_bytes += peer.total
-        o = self.options
-        due = peer.frames - peer.acked >= o["ack_every_frames"] or peer.unacked_bytes >= o["ack_every_bytes"]
-        if due or peer.ack_owed:
+        every_frames, every_bytes = self._ack_every
+        if peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed:
             self._ack(peer)
 
     def _hold(self, peer: _Peer, message: Message) -> None:
@@ -549,6 +587,7 @@ class Reactor:
                 self._lead(lambda: False, time.monotonic())  # one pass over what is readable now
             self._closed = True
             self._wake()
+            self._idle.wake()
             with self._state:
                 self._state.notify_all()
             self._background.join(timeout)

@@ -337,3 +337,26 @@ def test_a_frame_without_memory_leaves_the_reader_refusing_to_go_on() -> None:
             reader.read()
         with pytest.raises(RuntimeError, match="failed earlier"):
             reader.read()
+
+
+def test_idle_timer_behaves_like_the_python_one() -> None:
+    from .test_idle import check_timer
+
+    check_timer(reactor.READER.IdleTimer)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "1", None])
+def test_idle_timer_refuses_what_is_not_a_number_of_seconds(bad: Any) -> None:
+    timer = reactor.READER.IdleTimer()
+    with pytest.raises((ValueError, TypeError)):
+        timer.touch(bad)
+    with pytest.raises((ValueError, TypeError)):
+        timer.wait(bad)
+
+
+def test_idle_timer_takes_huge_and_negative_seconds() -> None:
+    timer = reactor.READER.IdleTimer()
+    timer.touch(1e300)  # a linger of "forever"
+    assert timer.wait(-1) is False  # a timeout already past: one look, not idle
+    timer.touch(-5)
+    assert timer.wait(0) is True
