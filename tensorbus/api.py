@@ -117,28 +117,40 @@ class Producer:
             raise Closed("send on a closed Producer")
         self._check_fork()
         message_id = (self.producer_id, next(self._sequence))
-        options = {
-            "key": key,
-            "metadata": metadata,
-            "compression": self.compression,
-            "checksum": self.checksum,
-            "message_id": message_id,
-            "signing_key": self.signing_key,
-        }
-        self.transport.wait_for_room()
-        limit = self.transport.max_frame_bytes
-        if limit is None:
-            parts = [encode(tensor, **options, deferred_checksum=self.transport.seals_frames)]
-        else:
-            parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
+        transport = self.transport
+        transport.wait_for_room()
+        limit = transport.max_frame_bytes
+        if limit is None:  # one frame: if it fails, nothing of the tensor went out
+            frame = encode(
+                tensor,
+                key=key,
+                metadata=metadata,
+                compression=self.compression,
+                checksum=self.checksum,
+                message_id=message_id,
+                signing_key=self.signing_key,
+                deferred_checksum=transport.seals_frames,
+            )
+            transport.send(frame, key=key)
+            return message_id
+        parts = encode_chunks(
+            tensor,
+            max_chunk_bytes=limit,
+            key=key,
+            metadata=metadata,
+            compression=self.compression,
+            checksum=self.checksum,
+            message_id=message_id,
+            signing_key=self.signing_key,
+        )
         sent = 0
         try:
             for part in parts:
-                self.transport.send(part, key=key)
+                transport.send(part, key=key)
                 sent += 1
         except BaseException:  # (a Ctrl-C between or inside chunks too)
             if sent:  # the chunks that went out can never make a whole tensor: don't resend them
-                self.transport.forget_last(sent)
+                transport.forget_last(sent)
             raise
         return message_id
 

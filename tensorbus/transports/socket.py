@@ -114,7 +114,7 @@ class SocketTransport(Transport):
         self._ack_requested = False
         self._listener: Listener | None = None
         self.reactor: Reactor | None = None
-        self._closed = threading.Event()
+        self._closed = False  # close began: no more sends or reconnects
         self._pool = BufferPool(options["pooled_buffers"])
 
     @property
@@ -177,7 +177,7 @@ class SocketTransport(Transport):
                 raise TransportError(f"{self.address}: {exc}") if isinstance(exc, ssl.SSLError) else exc from None
             except (OSError, TransportError) as exc:
                 sock.close()
-                if self._closed.is_set() or time.monotonic() + delay > retry_until:
+                if self._closed or time.monotonic() + delay > retry_until:
                     raise TransportError(f"cannot connect to {self.address}: {exc}") from None
                 log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
                 time.sleep(delay)
@@ -215,7 +215,7 @@ class SocketTransport(Transport):
 
     def _raise_if_closed(self) -> None:
         """Refuse to send or (re)connect once `close` began: the connection would outlive the producer."""
-        if self._closed.is_set():
+        if self._closed:
             raise Closed(f"the producer for {self.address} is closed")
 
     def forget_last(self, count: int) -> None:
@@ -378,12 +378,12 @@ class SocketTransport(Transport):
 
     def close(self) -> None:
         """Flush (up to close_timeout_s) and close the producer connection, or stop listening and drop every peer."""
-        if self._unacked and not self._closed.is_set():
+        if self._unacked and not self._closed:
             try:
                 self.flush(self.options["close_timeout_s"])
             except TransportError as exc:
                 log.warning("closing with frames not acknowledged: %s", exc)
-        self._closed.set()
+        self._closed = True
         if self._acquire(self.options["close_timeout_s"]):
             try:
                 self._drop_connection()
