@@ -44,7 +44,8 @@ def tensor_nbytes(tensor: Any) -> int:
 
 def message_nbytes(message: Message) -> int:
     """What a buffered message counts against the limit: its arrays, plus its frame's header (metadata)."""
-    return tensor_nbytes(message.tensor) + message.header_bytes
+    tensor = message.tensor
+    return (tensor.nbytes if type(tensor) is np.ndarray else tensor_nbytes(tensor)) + message.header_bytes
 
 
 #: `wait_for_room` without a message's key: only room will do
@@ -129,18 +130,21 @@ class Rendezvous:
                 raise self._abort_error()
             if key is not None and key.count(";") == 4:  # (only such a key can name an incarnation)
                 self._fence(key)
-            for wanted in (key, ANY):
-                queue = self._waiters.get(wanted)
+            waiters = self._waiters
+            for wanted in (key, ANY) if waiters else ():
+                queue = waiters.get(wanted)
                 if queue:
                     waiter = queue.popleft()
                     if not queue:
-                        del self._waiters[wanted]
+                        del waiters[wanted]
                     break
             if waiter is None:
                 self._counter += 1
                 nbytes = message_nbytes(message)
                 self._arrivals[self._counter] = (message, nbytes)
-                numbers = self._by_key.setdefault(key, collections.deque())
+                numbers = self._by_key.get(key)
+                if numbers is None:
+                    numbers = self._by_key[key] = collections.deque()
                 if first:
                     self._arrivals.move_to_end(self._counter, last=False)
                     numbers.appendleft(self._counter)
