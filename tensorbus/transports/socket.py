@@ -35,7 +35,7 @@ from .reactor import Reactor
 from .stream import ACK, ACK_REQUEST, AuthRefused, introduce, send_frame, set_send_timeout
 
 log = logging.getLogger(__name__)
-#: a producer reads the acks that arrived every this many sends; four times as many unacked asks for one
+#: a producer reads the acks that arrived every this many sends (four times `ack_every_frames` unacked asks for one)
 READ_ACKS_EVERY = 64
 #: a producer waiting for acks asks again this often when the consumer answers without progress
 ACK_POLL_S = 0.02
@@ -74,7 +74,7 @@ class SocketTransport(Transport):
         "send_timeout_s": 30.0,
         "reconnect_timeout_s": 10.0,
         "max_unacked_bytes": 256 * 1024 * 1024,
-        "ack_every_frames": 32,
+        "ack_every_frames": 256,  # (each ack costs the consumer a system call: 32 measured ~10 % slower)
         "ack_every_bytes": 8 * 1024 * 1024,
         "close_timeout_s": 10.0,
         "backlog": 128,
@@ -250,7 +250,10 @@ class SocketTransport(Transport):
         that also wakes this side): an ack is asked for only when that plainly is not happening.
         """
         assert self._sock is not None
-        overdue = len(self._unacked) >= 4 * READ_ACKS_EVERY or self._unacked_bytes >= self.options["max_unacked_bytes"]
+        overdue = (
+            len(self._unacked) >= 4 * self.options["ack_every_frames"]
+            or self._unacked_bytes >= self.options["max_unacked_bytes"]
+        )
         try:
             if overdue and not self._ack_requested:
                 self._sock.sendall(ACK_REQUEST)
