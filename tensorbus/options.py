@@ -67,6 +67,8 @@ def _check_type(name: str, value: Any, default: Any) -> Any:
 
 def redact(url: str) -> str:
     """`url` with its password and secret query values (auth_secret, signing_key, ...) masked, for logs."""
+    if "://" not in url and "@" in url:  # not a URL (e.g. "user:pw@host:5672"): whatever precedes "@" may be secret
+        return "***@" + url.rpartition("@")[2]
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:

@@ -301,6 +301,13 @@ def test_logged_urls_hide_passwords_and_secrets() -> None:
     assert shown == "amqp://u:***@h:5672/%2F?queue=q&signing_key=***&auth_secret=***&prefetch_count=3"
     assert tensorbus.options.redact("tcp://127.0.0.1:5") == "tcp://127.0.0.1:5"
     assert tensorbus.options.redact("unix:///tmp/a.sock") == "unix:///tmp/a.sock"  # as written, not unix:/tmp
+    assert tensorbus.options.redact("guest:pw@h:5672") == "***@h:5672"  # no scheme: urlsplit finds no password
+
+
+def test_a_url_without_a_scheme_is_refused_without_showing_its_password() -> None:
+    with pytest.raises(tb.ConfigError, match="names no transport") as caught:
+        tb.Producer("guest:s3cret@127.0.0.1:5672")
+    assert "s3cret" not in str(caught.value) and "guest" not in str(caught.value)
 
 
 def test_a_callback_raising_system_exit_costs_nothing_but_its_own_call(caplog: pytest.LogCaptureFixture) -> None:
