@@ -7,7 +7,9 @@ waiting in `Consumer.recv` leads itself, so its tensor needs no hand-off, and bu
 `spin_s` before it sleeps, so a reply that comes quickly needs no wake-up; a background thread
 leads when no application thread has waited recently (`linger_s`), so acks flow and producers
 never stall while the application is busy elsewhere (leadership leaves it in microseconds, and
-a background leader is woken through a pipe when an application thread wants to lead).
+a background leader is woken through a pipe when an application thread wants to lead). It waits
+for that idleness without the GIL (`_stream.IdleTimer`), so it never interrupts an application
+that keeps receiving.
 
 Each connection is a small state machine (prefix, then the frame into one buffer, or skipping a
 frame over the limits), so a producer that stalls mid-frame holds up nobody else. Plain (not TLS)
