@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus.transports.socket import READ_ACKS_EVERY, SocketTransport
 from tests import faults
 from tests.conftest import endpoint_url
 
@@ -64,8 +65,8 @@ def test_tcp_consumer_killed_and_restarted_mid_stream(tmp_path: Path) -> None:
     assert result["lost"] == 0 and result["corrupted"] == 0 and result["consumer_processes"] == 2
     # the killed process handed some tensors to its application whose acks the producer had not read
     # yet; those are sent again, and the new process has no memory of them. The producer reads acks
-    # at least every 64 frames and the consumer sends them every 32, which bounds the repeats:
-    assert result["duplicated"] <= 64 + 32
+    # every READ_ACKS_EVERY frames and the consumer sends them every ack_every_frames, which bounds the repeats:
+    assert result["duplicated"] <= READ_ACKS_EVERY + SocketTransport.OPTIONS["ack_every_frames"]
 
 
 def test_tcp_consumer_restarted_on_its_dedup_file_drops_what_its_predecessor_delivered(tmp_path: Path) -> None:
