@@ -5,6 +5,7 @@ from .codec import Limits, Message, Reassembler, SparseTensor, decode, dumps, en
 from .errors import (
     Aborted,
     BadMagic,
+    CallbackInterrupted,
     Cancelled,
     ChecksumMismatch,
     Closed,
@@ -27,9 +28,9 @@ from .rendezvous import RecvHandle, Rendezvous
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aborted", "BadMagic", "Cancelled", "ChecksumMismatch", "Closed", "CodecError", "ConfigError", "Consumer",
-    "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey", "Producer", "Reassembler", "RecvHandle",
-    "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation", "TensorBusError", "Timeout",
-    "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion", "__version__",
-    "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",
+    "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
+    "ConfigError", "Consumer", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey", "Producer",
+    "Reassembler", "RecvHandle", "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation",
+    "TensorBusError", "Timeout", "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion",
+    "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",
 ]  # fmt: skip

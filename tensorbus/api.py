@@ -17,7 +17,7 @@ from .codec.compression import check_codec
 from .codec.frame import Buffer
 from .codec.torch_bridge import check_like
 from .dedup import SeenIds
-from .errors import Aborted, Closed, CodecError, ConfigError, TensorBusError
+from .errors import Aborted, CallbackInterrupted, Closed, CodecError, ConfigError, TensorBusError
 from .options import finite_timeout, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle, Rendezvous
 from .transports import Delivered, Transport, resolve_transport
@@ -270,6 +270,9 @@ class Consumer:
             if full and not may_hold and not self.table.has_room_for(message.key):
                 self._wait_for_room(message.key)
             return self._admit(message)
+        except CallbackInterrupted:  # in a recv_async callback, which had the message: it was delivered
+            self.stats["received"] += 1
+            raise
         except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport offers the frame again
             self._forget(message_id)
             self._interrupted = (data, message)  # (the reassembler is done with a chunked one: keep what it made)
@@ -292,6 +295,11 @@ class Consumer:
                 self._seen.add(message_id)
         try:
             result = self._admit(message)
+        except CallbackInterrupted:  # in a recv_async callback, which had the message: taken
+            self.stats["received"] += 1
+            with self._lock:
+                self._unhold()
+            raise
         except BaseException:  # still held: offered again later
             self._forget(message_id)
             raise

@@ -95,3 +95,9 @@ class StaleIncarnation(TensorBusError):
 
 class Closed(TensorBusError):
     """The producer or consumer was used after `close()`."""
+
+
+class CallbackInterrupted(KeyboardInterrupt):
+    """A Ctrl-C landed in a `recv_async` callback that ran on the application's main thread (one
+    reading for its own `recv`). It is the application's, so it propagates; the tensor counts as
+    delivered (the callback had it), so it is acknowledged and never delivered again."""

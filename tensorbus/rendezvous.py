@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .codec import Message, SparseTensor
-from .errors import Aborted, Cancelled, ConfigError, StaleIncarnation, Timeout, brief
+from .errors import Aborted, CallbackInterrupted, Cancelled, ConfigError, StaleIncarnation, Timeout, brief
 from .keys import check_key, parse_key
 from .options import finite_timeout
 
@@ -302,7 +302,9 @@ class Rendezvous:
         except BaseException as exc:  # even SystemExit: the thread delivering is a transport's, not the callback's
             log.exception("recv_async callback for %s raised", brief(waiter.key))
             if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
-                raise  # Ctrl-C while the application's own thread was delivering: it is the application's
+                # Ctrl-C while the application's own thread was delivering: it is the application's,
+                # and the callback had the message (whoever delivered it must not offer it again)
+                raise CallbackInterrupted(*exc.args) from exc
 
     # -- flow control and shutdown ----------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from ..codec.frame import (
     MessageId,
     frame_length,
 )
-from ..errors import CodecError, LimitExceeded
+from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
 from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER, NATIVE_STREAM
 
@@ -341,8 +341,8 @@ class Reactor:
         except (OSError, ssl.SSLError) as exc:
             self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
         except BaseException as exc:  # e.g. Ctrl-C in a recv reading for itself
-            if peer.replay is not None:
-                self._pending.add(peer)  # interrupted while delivering: that frame comes first next time
+            if peer.replay is not None or isinstance(exc, CallbackInterrupted):
+                self._pending.add(peer)  # interrupted while delivering: that frame (if any) comes first next time
             else:  # somewhere in the middle of the stream: the producer reconnects and resends instead
                 message = f"reading was interrupted ({type(exc).__name__}); its unacknowledged frames come again"
                 self._drop(peer, message, logging.WARNING)
@@ -458,6 +458,9 @@ class Reactor:
         its producer: it was read off the socket, and the acks count every frame."""
         try:
             result = self.deliver(frame, crc, may_hold=True)
+        except CallbackInterrupted:  # in a recv_async callback, which had its message: delivered
+            self._finish(peer, Delivered(None, True))  # (a chunked message's id leaves `incomplete` at the next ack)
+            raise
         except BaseException:
             peer.replay = (frame, crc)
             raise
@@ -523,22 +526,29 @@ class Reactor:
         """Offer held messages to the table again; read their peers again once they are taken."""
         for peer in list(self._held):
             assert peer.held is not None
-            result = self.deliver.release(peer.held)
-            if result is None:
-                continue
-            self._held.remove(peer)
-            peer.held = None
-            if result.done:
-                peer.incomplete.pop(result.message_id, None)
-            elif result.turned_away and peer.turned_away is None:
-                peer.turned_away = peer.incomplete.get(result.message_id, peer.frames - 1)
             try:
-                self._selector.register(peer.conn, selectors.EVENT_READ, peer)
-            except (KeyError, ValueError, OSError) as exc:
-                self._drop(peer, f"connection failed: {exc}", logging.ERROR)
-                continue
-            if self._has_bytes_ahead(peer):
-                self._pending.add(peer)
+                result = self.deliver.release(peer.held)
+            except CallbackInterrupted:  # a recv_async callback had it: taken
+                self._read_again(peer, Delivered(peer.held.message_id, True))
+                raise
+            if result is not None:
+                self._read_again(peer, result)
+
+    def _read_again(self, peer: _Peer, result: Delivered) -> None:
+        """A held message was taken (or turned away): book it, and read its peer again."""
+        self._held.remove(peer)
+        peer.held = None
+        if result.done:
+            peer.incomplete.pop(result.message_id, None)
+        elif result.turned_away and peer.turned_away is None:
+            peer.turned_away = peer.incomplete.get(result.message_id, peer.frames - 1)
+        try:
+            self._selector.register(peer.conn, selectors.EVENT_READ, peer)
+        except (KeyError, ValueError, OSError) as exc:
+            self._drop(peer, f"connection failed: {exc}", logging.ERROR)
+            return
+        if self._has_bytes_ahead(peer):
+            self._pending.add(peer)
 
     def _ack(self, peer: _Peer) -> None:
         """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full).

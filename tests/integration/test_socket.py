@@ -683,6 +683,58 @@ def test_a_ctrl_c_while_recv_reads_for_itself_loses_no_tensor_and_no_ack() -> No
         assert consumer.stats["received"] == 2 and consumer.stats["duplicates"] == 0
 
 
+def test_a_ctrl_c_in_a_callback_on_the_reading_thread_delivers_its_tensor_once() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+        got: list[list[int]] = []
+
+        def interrupted(message: Any, error: object) -> None:
+            got.append(message.tensor.tolist())
+            raise KeyboardInterrupt  # as a Ctrl-C landing in the callback would
+
+        consumer.recv_async("a", interrupted)
+        threading.Timer(0.2, lambda: producer.send("a", np.arange(3))).start()  # read by this thread, in recv
+        with pytest.raises(tb.CallbackInterrupted) as caught:  # the application's Ctrl-C, still a KeyboardInterrupt
+            consumer.recv("b", timeout=10)
+        assert isinstance(caught.value, KeyboardInterrupt) and got == [[0, 1, 2]]
+        producer.send("b", np.arange(4))
+        assert consumer.recv("b", timeout=10).tolist() == [0, 1, 2, 3]  # the connection reads on
+        producer.flush(10)  # every frame acknowledged: nothing is sent again
+        with pytest.raises(tb.Timeout):
+            consumer.recv("a", timeout=0.3)  # the callback had it: not delivered a second time
+        assert got == [[0, 1, 2]] and consumer.stats["received"] == 2 and consumer.stats["duplicates"] == 0
+
+
+def test_a_ctrl_c_in_a_callback_taking_a_held_back_tensor_delivers_it_once() -> None:
+    with (
+        tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=1000) as consumer,
+        tb.Producer(consumer.address) as producer,
+    ):
+        producer.send("x", np.zeros(500))  # 4000 bytes: the table is full with it alone
+        wait_for(lambda: len(consumer.table) == 1, 10, "x in the table")
+        producer.send("a", np.arange(3))
+        reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+        wait_for(lambda: reactor._held, 10, "a to be held back (no room)")
+        got: list[list[int]] = []
+
+        def interrupted(message: Any, error: object) -> None:
+            got.append(message.tensor.tolist())
+            raise KeyboardInterrupt  # as a Ctrl-C landing in the callback would
+
+        # a receiver for "a" makes room for it: this thread, leading in its recv, hands it over
+        threading.Timer(0.2, lambda: consumer.recv_async("a", interrupted)).start()
+        with pytest.raises(tb.CallbackInterrupted):
+            consumer.recv("y", timeout=10)
+        assert got == [[0, 1, 2]] and not reactor._held
+        assert consumer._held_up == 0  # nothing held up any more: partly received tensors age again
+        assert consumer.recv("x", timeout=10).shape == (500,)
+        producer.send("b", np.arange(4))
+        assert consumer.recv("b", timeout=10).tolist() == [0, 1, 2, 3]  # its producer is read again
+        producer.flush(10)
+        with pytest.raises(tb.Timeout):
+            consumer.recv("a", timeout=0.3)  # the callback had it: not delivered a second time
+        assert got == [[0, 1, 2]] and consumer.stats["duplicates"] == 0
+
+
 def test_a_callback_raising_system_exit_does_not_stop_the_reader() -> None:
     with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
 

@@ -208,6 +208,20 @@ def test_a_recv_interrupted_just_as_it_was_served_puts_its_tensor_back_first() -
     assert table.next_message(timeout=1).key == "other" and len(table) == 0
 
 
+def test_a_ctrl_c_in_a_callback_on_the_main_thread_is_raised_as_callback_interrupted() -> None:
+    table, got = tb.Rendezvous(), []
+
+    def interrupted(message: tb.Message | None, error: BaseException | None) -> None:
+        got.append(message)
+        raise KeyboardInterrupt("in the callback")
+
+    table.recv_async("k", interrupted)
+    with pytest.raises(tb.CallbackInterrupted, match="in the callback") as caught:
+        table.send("k", np.arange(3))  # delivered on this (the main) thread: the Ctrl-C is the application's
+    assert isinstance(caught.value, KeyboardInterrupt) and isinstance(caught.value.__cause__, KeyboardInterrupt)
+    assert len(got) == 1 and len(table) == 0  # handed to the callback, not kept for another receiver
+
+
 def test_fencing_remembers_a_bounded_number_of_sources(monkeypatch: pytest.MonkeyPatch) -> None:
     import tensorbus.rendezvous
 
