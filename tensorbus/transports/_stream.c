@@ -664,8 +664,8 @@ done:
 
 /* reactor.py's background thread reads only once no application thread has led for `linger_s`.
  * Waiting for that in Python wakes the thread (and takes the GIL from the application) every
- * linger_s while the application receives: ~20 % longer round trips measured. This waits without
- * the GIL, so an application that keeps receiving never meets it. */
+ * linger_s while the application receives: round trips measured 2-5 % longer at the median and
+ * 15-30 % at p90. This waits without the GIL, so an application that keeps receiving never meets it. */
 
 #define IDLE_NAP_NS 50000000LL /* the longest nap between looks at `woken` (close) */
 
@@ -749,7 +749,8 @@ idle_wait(IdleTimer *self, PyObject *arg)
     return PyBool_FromLong(idle);
 }
 
-PyDoc_STRVAR(wake_doc, "wake()\n--\n\nEnd every wait, now and later, with False (the consumer is closing).");
+PyDoc_STRVAR(wake_doc, "wake()\n--\n\nMake every wait, now and later, return at once (False unless the application is "
+                      "idle): the consumer is closing.");
 
 static PyObject *
 idle_wake(IdleTimer *self, PyObject *Py_UNUSED(ignored))

@@ -99,7 +99,7 @@ class IdleClock:
                 self._cond.wait(min(self._idle_at, deadline) - now)
 
     def wake(self) -> None:
-        """End every wait, now and later, with False (the consumer is closing)."""
+        """Make every wait, now and later, return at once (False unless the application is idle): closing."""
         with self._cond:
             self._woken = True
             self._cond.notify_all()
