@@ -271,7 +271,6 @@ class Consumer:
                 self._wait_for_room(message.key)
             return self._admit(message)
         except CallbackInterrupted:  # in a recv_async callback, which had the message: it was delivered
-            self.stats["received"] += 1
             raise
         except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport offers the frame again
             self._forget(message_id)
@@ -296,7 +295,6 @@ class Consumer:
         try:
             result = self._admit(message)
         except CallbackInterrupted:  # in a recv_async callback, which had the message: taken
-            self.stats["received"] += 1
             with self._lock:
                 self._unhold()
             raise
@@ -331,12 +329,16 @@ class Consumer:
         message_id = message.message_id
         try:
             self.table.put(message)
+        except CallbackInterrupted:  # in a recv_async callback, which had it: received all the same
             self.stats["received"] += 1
+            raise
         except Aborted:
             return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:
             self.stats["refused"] += 1
             log.error("%s: refused message %s: %s", self._shown, message_id, exc)
+        else:
+            self.stats["received"] += 1
         return Delivered(message_id, True)
 
     def _wait_for_room(self, key: str | None) -> None:

@@ -48,11 +48,7 @@ class SeenIds:
 
     def add(self, message_id: MessageId) -> None:
         """Remember an id, in memory: a second copy arriving meanwhile is a duplicate."""
-        ids = self._ids  # (`_remember`, inline: this runs for every message)
-        ids[message_id] = None
-        ids.move_to_end(message_id)
-        if len(ids) > self.window:
-            ids.popitem(last=False)
+        self._remember(message_id)
 
     def discard(self, message_id: MessageId) -> None:
         """Forget an id added in memory (its message never got through after all)."""

@@ -44,8 +44,7 @@ def tensor_nbytes(tensor: Any) -> int:
 
 def message_nbytes(message: Message) -> int:
     """What a buffered message counts against the limit: its arrays, plus its frame's header (metadata)."""
-    tensor = message.tensor
-    return (tensor.nbytes if type(tensor) is np.ndarray else tensor_nbytes(tensor)) + message.header_bytes
+    return tensor_nbytes(message.tensor) + message.header_bytes
 
 
 #: `wait_for_room` without a message's key: only room will do
@@ -243,7 +242,7 @@ class Rendezvous:
                 waiter = _Waiter(key, None)
                 self._add_waiter(waiter)
         if message is not None:
-            return message if self.handed_out is None else self._hand_out(message)
+            return self._hand_out(message)
         assert waiter.done is not None
         try:
             if self.pump is not None:

@@ -450,9 +450,7 @@ def decode_native(view: memoryview, crc: int | None, limits: Limits, like: str) 
     if fast is None:
         return None
     key, metadata, message_id, array, header_bytes = fast
-    if like != "numpy":
-        array = to_like(array, like)
-    return Message(key, array, metadata, message_id, "ndarray", header_bytes)
+    return Message(key, to_like(array, like), metadata, message_id, "ndarray", header_bytes)
 
 
 def message_from_frame(

@@ -386,9 +386,8 @@ class Reactor:
         return n
 
     def _replay(self, peer: _Peer) -> bool:
-        """Deliver again a frame whose delivery was interrupted; False if there is none."""
-        if peer.replay is None:
-            return False
+        """Deliver again the frame whose delivery was interrupted (`peer.replay`, set); True, as a step."""
+        assert peer.replay is not None
         frame, crc = peer.replay
         peer.replay = None
         self._deliver(peer, frame, crc)
@@ -418,8 +417,8 @@ class Reactor:
 
     def _step(self, peer: _Peer) -> bool:
         """Advance the connection by one frame (or ack request); raises a _WOULD_BLOCK error when out of bytes."""
-        if self._replay(peer):
-            return True
+        if peer.replay is not None:
+            return self._replay(peer)
         while peer.skip_left:
             n = self._take(peer, self._scratch[: min(peer.skip_left, len(self._scratch))])
             peer.skip_left -= n
