@@ -164,19 +164,27 @@ take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
     return n;
 }
 
-/* Running CRC32C over [from, to) of the frame being received, by crc32c.crc32c. */
+/* *crc, carried on over the n bytes at p by crc32c.crc32c (the reader's and the sender's one way to
+ * checksum); 0 with an exception set on failure. */
+static int
+crc_update(PyObject *crc32c, const void *p, Py_ssize_t n, unsigned long *crc)
+{
+    PyObject *view = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
+    PyObject *value = view == NULL ? NULL : PyObject_CallFunction(crc32c, "Ok", view, *crc);
+    Py_XDECREF(view);
+    if (value == NULL) {
+        return 0;
+    }
+    *crc = PyLong_AsUnsignedLong(value);
+    Py_DECREF(value);
+    return !PyErr_Occurred();
+}
+
+/* Running CRC32C over [from, to) of the frame being received. */
 static int
 update_crc(Reader *self, Py_ssize_t from, Py_ssize_t to)
 {
-    PyObject *view = PyMemoryView_FromMemory((char *)self->buffer.buf + from, to - from, PyBUF_READ);
-    PyObject *crc = view == NULL ? NULL : PyObject_CallFunction(self->crc32c, "Ok", view, self->crc);
-    Py_XDECREF(view);
-    if (crc == NULL) {
-        return 0;
-    }
-    self->crc = PyLong_AsUnsignedLong(crc);
-    Py_DECREF(crc);
-    return !PyErr_Occurred();
+    return crc_update(self->crc32c, (const uint8_t *)self->buffer.buf + from, to - from, &self->crc);
 }
 
 /* A checked prefix: get the frame's buffer and start receiving into it. 0 with an exception set on
@@ -531,34 +539,18 @@ is_unsealed(const uint8_t *head, Py_ssize_t len)
 static int
 seal_head(PyObject *crc32c, Py_buffer *views, Py_ssize_t count)
 {
-    uint8_t *head = views[0].buf;
-    PyObject *crc = PyLong_FromLong(0);
-    for (Py_ssize_t i = 0; crc != NULL && i < count; i++) {
-        Py_ssize_t spans[2][2] = {{0, views[i].len}, {0, 0}};
-        if (i == 0) {
-            spans[0][1] = CRC_AT, spans[1][0] = PREFIX_SIZE, spans[1][1] = views[0].len;
-        }
-        for (int s = 0; crc != NULL && s < 2; s++) {
-            if (spans[s][1] <= spans[s][0]) {
-                continue;
-            }
-            PyObject *part = PyMemoryView_FromMemory((char *)views[i].buf + spans[s][0], spans[s][1] - spans[s][0],
-                                                     PyBUF_READ);
-            PyObject *next = part == NULL ? NULL : PyObject_CallFunctionObjArgs(crc32c, part, crc, NULL);
-            Py_XDECREF(part);
-            Py_SETREF(crc, next);
-        }
+    uint8_t *head = views[0].buf; /* (is_unsealed: at least PREFIX_SIZE bytes) */
+    unsigned long crc = 0;
+    int ok = crc_update(crc32c, head, CRC_AT, &crc) &&
+             crc_update(crc32c, head + PREFIX_SIZE, views[0].len - PREFIX_SIZE, &crc);
+    for (Py_ssize_t i = 1; ok && i < count; i++) {
+        ok = crc_update(crc32c, views[i].buf, views[i].len, &crc);
     }
-    if (crc == NULL) {
-        return 0;
-    }
-    unsigned long value = PyLong_AsUnsignedLong(crc);
-    Py_DECREF(crc);
-    if (PyErr_Occurred()) {
+    if (!ok) {
         return 0;
     }
     for (int i = 0; i < 4; i++) {
-        head[CRC_AT + i] = (uint8_t)(value >> (8 * i));
+        head[CRC_AT + i] = (uint8_t)(crc >> (8 * i));
     }
     return 1;
 }
