@@ -125,8 +125,7 @@ class Rendezvous:
         waiter = None
         key = message.key
         with self._lock:
-            if self._aborted is not None:
-                raise self._abort_error()
+            self._raise_if_aborted()
             if key is not None and key.count(";") == 4:  # (only such a key can name an incarnation)
                 self._fence(key)
             waiters = self._waiters
@@ -235,8 +234,7 @@ class Rendezvous:
     def _wait(self, key: object, timeout: float | None) -> Message:
         timeout = finite_timeout(timeout)
         with self._lock:
-            if self._aborted is not None:
-                raise self._abort_error()
+            self._raise_if_aborted()
             message = self._take(key)
             if message is None:
                 waiter = _Waiter(key, None)
@@ -358,6 +356,10 @@ class Rendezvous:
         collect every thread's traceback, and keep their frames alive)."""
         assert self._aborted is not None
         return Aborted(*self._aborted.args)
+
+    def _raise_if_aborted(self) -> None:
+        if self._aborted is not None:
+            raise self._abort_error()
 
     def __len__(self) -> int:
         with self._lock:
