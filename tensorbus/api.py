@@ -15,11 +15,12 @@ from typing import Any
 from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunks
 from .codec.compression import check_codec
 from .codec.frame import Buffer
+from .codec.native import NATIVE
 from .codec.torch_bridge import check_like
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, Closed, CodecError, ConfigError, TensorBusError
 from .options import finite_timeout, load_config, merge, redact
-from .rendezvous import Callback, RecvHandle, Rendezvous
+from .rendezvous import ANY, Callback, RecvHandle, Rendezvous
 from .transports import Delivered, Transport, resolve_transport
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,12 @@ class _Sink:
     def is_pending(self, message_id: MessageId | None) -> bool:
         return self._consumer.reassembler.is_pending(message_id)
 
+    @property
+    def take(self) -> Any:
+        """The consumer's C delivery (`Lane.take`) for transports that read in C, or None."""
+        lane = self._consumer.lane
+        return None if lane is None else lane.take
+
     def handed_over_all(self) -> bool:
         return self._consumer.table.dropped == 0
 
@@ -212,6 +219,7 @@ class Consumer:
         self._stopping = threading.Event()
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
         self._interrupted: tuple[Buffer, Message] | None = None  # a frame whose delivery was interrupted, decoded
+        self.lane = self._lane(limits, opts["like"])
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):
             self.table.pump = self.transport.pump  # a waiting recv reads for itself
@@ -224,6 +232,31 @@ class Consumer:
         """Build a consumer from a TOML file (`url` plus options); keyword arguments win."""
         chosen, options = _config_args(path, "consumer", url, overrides)
         return cls(chosen, **options)
+
+    def _lane(self, limits: Limits, like: str) -> Any:
+        """The C delivery of plain frames into this consumer's table (`_native.Lane`), where it applies; else None."""
+        if NATIVE is None or not limits.native or like != "numpy" or self.signing_key is not None:
+            return None
+        table = self.table
+        return NATIVE.Lane(
+            self,
+            self._lock,
+            table,
+            table._lock,
+            self._seen._ids,
+            self._seen.window,
+            table._waiters,
+            table._arrivals,
+            table._by_key,
+            ANY,
+            Message,
+            collections.deque,
+            self.stats,
+            table.stats,
+            limits.max_header_bytes,
+            limits.max_payload_bytes,
+            limits.max_ndim,
+        )
 
     @property
     def address(self) -> str:

@@ -28,6 +28,7 @@ class SeenIds:
 
     def __init__(self, window: int, path: str | Path | None = None) -> None:
         self.window = window
+        #: (a consumer's C delivery, `_native.Lane`, holds this dict and adds to it as `add` does: never rebind it)
         self._ids: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         #: the last `window` ids persisted (what a compacted file keeps: not ids that only arrived)
         self._persisted: collections.OrderedDict[MessageId, None] = collections.OrderedDict()

@@ -54,11 +54,25 @@ def consume(url: str, log: str, options: dict[str, Any]) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     put = consumer.table.put
 
-    def recording_put(message: tb.Message) -> None:
+    def record(message: tb.Message) -> None:
         os.write(fd, f"{message.key} {checksum(message.tensor)} {message.metadata['crc']} {os.getpid()}\n".encode())
+
+    def recording_put(message: tb.Message) -> None:
+        record(message)
         put(message)
 
     consumer.table.put = recording_put  # type: ignore[method-assign]
+    reactor = getattr(consumer.transport, "reactor", None)
+    if reactor is not None and reactor._lane is not None:  # plain frames go into the table in C (`Lane`)
+        take = reactor._lane
+
+        def recording_take(frame: Any, crc: int | None) -> tb.Message | None:
+            message = take(frame, crc)
+            if message is not None:  # (in the table now, not yet acknowledged)
+                record(message)
+            return message
+
+        reactor._lane = recording_take
     for message in consumer:  # the application drains the table
         del message
 

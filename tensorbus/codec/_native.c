@@ -1,4 +1,5 @@
-/* The per-message fast path of the frame codec: one plain ndarray frame, encoded or decoded in C.
+/* The per-message fast path of the frame codec: one plain ndarray frame, encoded or decoded in C, and
+ * (a Lane, at the end) delivered into a consumer's table.
  *
  * Python (frame.py) stays the codec: it defines the format, and it alone raises. These two functions
  * take only the common case, the frame a Producer writes for one ndarray: unsigned, uncompressed,
@@ -988,6 +989,381 @@ ndarray_head(PyObject *self, PyObject *args)
     return head != NULL ? head : not_fast();
 }
 
+/* ---- deliver: a received frame straight into a consumer's table ---------------------------------------
+ *
+ * A Lane does, for the common frame, what Consumer._deliver, Reassembler.feed and Rendezvous.put do
+ * in Python: decode, drop nothing, mark the id as seen, and hand the message to the oldest receiver
+ * waiting for its key (or buffer it). It takes only the case with nothing to decide: a plain ndarray
+ * frame, its id not seen before, both locks free at once, the table not aborted and not full, no
+ * recv_async callback first in line, a key that names no incarnation. On anything else it changes
+ * nothing and returns None, and the caller delivers the frame the Python way, which decides. It runs
+ * no Python code (a Ctrl-C cannot land inside it), so it either does all of that or none of it.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *consumer_lock, *table_lock; /* taken without waiting, or the frame goes the Python way */
+    PyObject *consumer, *table;           /* their scalar attributes are read on every call */
+    PyObject *seen;                       /* SeenIds._ids, an OrderedDict */
+    Py_ssize_t window;
+    PyObject *waiters, *arrivals, *by_key; /* Rendezvous._waiters, ._arrivals (an OrderedDict), ._by_key */
+    PyObject *any;                         /* rendezvous.ANY */
+    PyObject *message_type, *deque_type;
+    PyObject *consumer_stats, *table_stats;
+    Py_ssize_t max_header, max_ndim;
+    unsigned long long max_payload;
+    Py_ssize_t taken; /* frames delivered here (tests check the lane is used) */
+} Lane;
+
+static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_popitem, *s_callback, *s_done, *s_result,
+    *s_interrupted, *s_aborted, *s_buffered_bytes, *s_max_buffered_bytes, *s_counter, *s_received, *s_buffered,
+    *s_semicolon, *s_ndarray, *s_fields[6];
+
+static int
+try_lock(PyObject *lock)
+{
+    PyObject *got = PyObject_CallMethodOneArg(lock, s_acquire, Py_False);
+    int ok = got == Py_True;
+    Py_XDECREF(got);
+    return got == NULL ? -1 : ok;
+}
+
+static int
+unlock(PyObject *lock)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* counter[name] += 1 on a collections.Counter (a dict: its __missing__ is not called) */
+static int
+count(PyObject *counter, PyObject *name)
+{
+    PyObject *old = PyDict_GetItemWithError(counter, name);
+    if (old == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *new = one == NULL || old == NULL ? Py_XNewRef(one) : PyNumber_Add(old, one);
+    Py_XDECREF(one);
+    int r = new == NULL ? -1 : PyDict_SetItem(counter, name, new);
+    Py_XDECREF(new);
+    return r;
+}
+
+static int
+is_none_attr(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    int none = v == Py_None;
+    Py_XDECREF(v);
+    return v == NULL ? -1 : none;
+}
+
+/* The Message of a decoded frame, made as Message(...) makes it, without running its __init__. */
+static PyObject *
+make_message(Lane *self, PyObject *decoded)
+{
+    PyTypeObject *type = (PyTypeObject *)self->message_type;
+    PyObject *empty = PyTuple_New(0);
+    PyObject *msg = empty == NULL ? NULL : type->tp_new(type, empty, NULL);
+    Py_XDECREF(empty);
+    if (msg == NULL) {
+        return NULL;
+    }
+    PyObject *values[6] = {PyTuple_GET_ITEM(decoded, 0), PyTuple_GET_ITEM(decoded, 3), PyTuple_GET_ITEM(decoded, 1),
+                           PyTuple_GET_ITEM(decoded, 2), s_ndarray, PyTuple_GET_ITEM(decoded, 4)};
+    for (int i = 0; i < 6; i++) {
+        if (PyObject_SetAttr(msg, s_fields[i], values[i]) < 0) {
+            Py_DECREF(msg);
+            return NULL;
+        }
+    }
+    return msg;
+}
+
+/* The queue of the receiver that gets a message of `key` (its own, else an arrival-order one), or NULL
+ * (none waiting); borrowed. As Rendezvous.put looks. */
+static PyObject *
+waiting_queue(Lane *self, PyObject *key)
+{
+    if (PyDict_GET_SIZE(self->waiters) == 0) {
+        return NULL;
+    }
+    PyObject *wanted[2] = {key, self->any};
+    for (int i = 0; i < 2; i++) {
+        PyObject *queue = PyDict_GetItemWithError(self->waiters, wanted[i]);
+        if (queue == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (queue != NULL && PyObject_Length(queue) > 0) {
+            return queue;
+        }
+    }
+    return NULL;
+}
+
+/* 1: the frame is in the table (or with its receiver), *taken its message; 0: nothing changed, deliver it
+ * the Python way; -1: an error (also nothing changed, but for a MemoryError half way, which drops the
+ * connection: the frame was not acknowledged, so it comes again, and a copy already taken is a duplicate). */
+static int
+lane_take(Lane *self, PyObject *frame, PyObject *crc, PyObject **taken)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(frame, &view, PyBUF_ND | PyBUF_WRITABLE) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *decoded = decode_frame(frame, &view, crc, self->max_header, self->max_payload, self->max_ndim);
+    PyBuffer_Release(&view);
+    if (decoded == NULL || decoded == Py_None) {
+        Py_XDECREF(decoded);
+        return decoded == NULL ? -1 : 0;
+    }
+    PyObject *key = PyTuple_GET_ITEM(decoded, 0), *id = PyTuple_GET_ITEM(decoded, 2);
+    PyObject *array = PyTuple_GET_ITEM(decoded, 3);
+    Py_ssize_t fences = key == Py_None ? 0 : PyUnicode_Count(key, s_semicolon, 0, PY_SSIZE_T_MAX);
+    if (id == Py_None || fences == 4) { /* no id to dedup by; a key naming an incarnation (fencing) */
+        Py_DECREF(decoded);
+        return fences < 0 ? -1 : 0;
+    }
+    PyObject *msg = make_message(self, decoded);
+    if (msg == NULL) {
+        Py_DECREF(decoded);
+        return -1;
+    }
+    unsigned long long nbytes = (unsigned long long)PyArray_NBYTES((PyArrayObject *)array) +
+                                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(decoded, 4));
+    Py_DECREF(decoded);
+    int result = 0, consumer_locked = 0, table_locked = 0;
+    if ((consumer_locked = try_lock(self->consumer_lock)) <= 0 || (table_locked = try_lock(self->table_lock)) <= 0) {
+        result = consumer_locked < 0 || table_locked < 0 ? -1 : 0;
+        goto out;
+    }
+    int ok;
+    if ((ok = is_none_attr(self->consumer, s_interrupted)) <= 0 || (ok = is_none_attr(self->table, s_aborted)) <= 0 ||
+        (ok = PySequence_Contains(self->seen, id)) != 0) {
+        result = ok < 0 ? -1 : 0; /* (contains: 1 is a duplicate, which Python counts) */
+        goto out;
+    }
+    PyObject *queue = waiting_queue(self, key), *waiter = NULL;
+    if (queue == NULL && PyErr_Occurred()) {
+        result = -1;
+        goto out;
+    }
+    if (queue != NULL) { /* a receiver is waiting: it gets the message, which needs no room */
+        waiter = PySequence_GetItem(queue, 0);
+        if (waiter == NULL || (ok = is_none_attr(waiter, s_callback)) <= 0) { /* callbacks run Python */
+            Py_XDECREF(waiter);
+            result = ok < 0 || waiter == NULL ? -1 : 0;
+            goto out;
+        }
+    }
+    else {
+        PyObject *buffered = PyObject_GetAttr(self->table, s_buffered_bytes);
+        PyObject *limit = buffered == NULL ? NULL : PyObject_GetAttr(self->table, s_max_buffered_bytes);
+        ok = limit == NULL ? -1 : PyObject_RichCompareBool(buffered, limit, Py_LT);
+        Py_XDECREF(buffered);
+        Py_XDECREF(limit);
+        if (ok <= 0) { /* full: Python holds it back */
+            result = ok;
+            goto out;
+        }
+    }
+    /* from here on it is taken: first marked as seen (a copy sent again meanwhile is a duplicate) */
+    if (PyObject_SetItem(self->seen, id, Py_None) < 0) {
+        Py_XDECREF(waiter);
+        result = -1;
+        goto out;
+    }
+    ok = 1;
+    if (PyObject_Length(self->seen) > self->window) {
+        PyObject *oldest = PyObject_CallMethodOneArg(self->seen, s_popitem, Py_False);
+        ok = oldest != NULL;
+        Py_XDECREF(oldest);
+    }
+    if (waiter != NULL) {
+        PyObject *popped = ok ? PyObject_CallMethodNoArgs(queue, s_popleft) : NULL;
+        ok = popped != NULL;
+        Py_XDECREF(popped);
+        if (ok && PyObject_Length(queue) == 0) {
+            PyObject *wanted = PyDict_GetItemWithError(self->waiters, key) == queue ? key : self->any;
+            ok = PyDict_DelItem(self->waiters, wanted) == 0;
+        }
+        PyObject *done = ok ? PyObject_GetAttr(waiter, s_done) : NULL;
+        ok = done != NULL && PyObject_SetAttr(waiter, s_result, msg) == 0 && unlock(done) == 0;
+        Py_XDECREF(done);
+        Py_DECREF(waiter);
+    }
+    else {
+        PyObject *counter = PyObject_GetAttr(self->table, s_counter), *one = PyLong_FromLong(1);
+        PyObject *number = counter == NULL || one == NULL ? NULL : PyNumber_Add(counter, one);
+        Py_XDECREF(counter);
+        Py_XDECREF(one);
+        PyObject *size = PyLong_FromUnsignedLongLong(nbytes);
+        PyObject *entry = number == NULL || size == NULL ? NULL : PyTuple_Pack(2, msg, size);
+        PyObject *keyed = entry == NULL ? NULL : PyDict_GetItemWithError(self->by_key, key);
+        ok = ok && entry != NULL && !PyErr_Occurred() && PyObject_SetAttr(self->table, s_counter, number) == 0 &&
+             PyObject_SetItem(self->arrivals, number, entry) == 0;
+        if (ok && keyed == NULL) {
+            keyed = PyObject_CallNoArgs(self->deque_type);
+            ok = keyed != NULL && PyDict_SetItem(self->by_key, key, keyed) == 0;
+            Py_XDECREF(keyed); /* (the dict holds it) */
+        }
+        if (ok) {
+            PyObject *r = PyObject_CallMethodOneArg(keyed, s_append, number);
+            PyObject *buffered = r == NULL ? NULL : PyObject_GetAttr(self->table, s_buffered_bytes);
+            PyObject *more = buffered == NULL ? NULL : PyNumber_Add(buffered, size);
+            ok = more != NULL && PyObject_SetAttr(self->table, s_buffered_bytes, more) == 0 &&
+                 count(self->table_stats, s_buffered) == 0;
+            Py_XDECREF(r);
+            Py_XDECREF(buffered);
+            Py_XDECREF(more);
+        }
+        Py_XDECREF(number);
+        Py_XDECREF(size);
+        Py_XDECREF(entry);
+    }
+    result = ok && count(self->consumer_stats, s_received) == 0 ? 1 : -1;
+    if (result == 1) {
+        self->taken++;
+        *taken = Py_NewRef(msg);
+    }
+out:
+    Py_DECREF(msg);
+    if (table_locked > 0 && unlock(self->table_lock) < 0) {
+        result = -1;
+    }
+    if (consumer_locked > 0 && unlock(self->consumer_lock) < 0) {
+        result = -1;
+    }
+    return result;
+}
+
+PyDoc_STRVAR(lane_take_doc,
+"take(frame, crc)\n--\n\n"
+"Deliver a whole received frame (a memoryview handed over; crc as StreamReader.read gives it): its\n"
+"Message once it is in the table or with its receiver; None when it changed nothing (deliver it the\n"
+"Python way).");
+
+static PyObject *
+lane_take_method(Lane *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyMemoryView_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take(frame: memoryview, crc: int | None)");
+        return NULL;
+    }
+    PyObject *taken = NULL;
+    int r = lane_take(self, args[0], args[1], &taken);
+    if (r < 0) {
+        Py_XDECREF(taken);
+        return NULL;
+    }
+    return r ? taken : Py_NewRef(Py_None);
+}
+
+static int
+lane_init(Lane *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"consumer", "consumer_lock", "table", "table_lock", "seen", "window", "waiters",
+                            "arrivals", "by_key", "any", "message_type", "deque_type", "consumer_stats",
+                            "table_stats", "max_header_bytes", "max_payload_bytes", "max_ndim", NULL};
+    PyObject *o[14];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!nO!O!O!OO!O!O!O!nKn:Lane", names, &o[0], &o[1], &o[2], &o[3],
+                                     &PyDict_Type, &o[4], &self->window, &PyDict_Type, &o[5], &PyDict_Type, &o[6],
+                                     &PyDict_Type, &o[7], &o[8], &PyType_Type, &o[9], &PyType_Type, &o[10],
+                                     &PyDict_Type, &o[11], &PyDict_Type, &o[12], &self->max_header,
+                                     &self->max_payload, &self->max_ndim)) {
+        return -1;
+    }
+    PyObject **slots[14] = {&self->consumer, &self->consumer_lock, &self->table, &self->table_lock, &self->seen,
+                            &self->waiters, &self->arrivals, &self->by_key, &self->any, &self->message_type,
+                            &self->deque_type, &self->consumer_stats, &self->table_stats, NULL};
+    for (int i = 0; i < 13; i++) {
+        Py_XSETREF(*slots[i], Py_NewRef(o[i]));
+    }
+    return 0;
+}
+
+static int
+lane_traverse(Lane *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->consumer);
+    Py_VISIT(self->consumer_lock);
+    Py_VISIT(self->table);
+    Py_VISIT(self->table_lock);
+    Py_VISIT(self->seen);
+    Py_VISIT(self->waiters);
+    Py_VISIT(self->arrivals);
+    Py_VISIT(self->by_key);
+    Py_VISIT(self->any);
+    Py_VISIT(self->message_type);
+    Py_VISIT(self->deque_type);
+    Py_VISIT(self->consumer_stats);
+    Py_VISIT(self->table_stats);
+    return 0;
+}
+
+static int
+lane_clear(Lane *self)
+{
+    Py_CLEAR(self->consumer);
+    Py_CLEAR(self->consumer_lock);
+    Py_CLEAR(self->table);
+    Py_CLEAR(self->table_lock);
+    Py_CLEAR(self->seen);
+    Py_CLEAR(self->waiters);
+    Py_CLEAR(self->arrivals);
+    Py_CLEAR(self->by_key);
+    Py_CLEAR(self->any);
+    Py_CLEAR(self->message_type);
+    Py_CLEAR(self->deque_type);
+    Py_CLEAR(self->consumer_stats);
+    Py_CLEAR(self->table_stats);
+    return 0;
+}
+
+static void
+lane_dealloc(Lane *self)
+{
+    PyObject_GC_UnTrack(self);
+    lane_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+get_taken(Lane *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->taken);
+}
+
+static PyMethodDef lane_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))lane_take_method, METH_FASTCALL, lane_take_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef lane_getset[] = {
+    {"taken", (getter)get_taken, NULL, "frames this lane delivered", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.codec._native.Lane",
+    .tp_basicsize = sizeof(Lane),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = PyDoc_STR("Lane(consumer, consumer_lock, table, table_lock, seen, window, waiters, arrivals, by_key, "
+                        "any, message_type, deque_type, consumer_stats, table_stats, max_header_bytes, "
+                        "max_payload_bytes, max_ndim)\n--\n\nA consumer's table, for delivering frames in C."),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)lane_init,
+    .tp_dealloc = (destructor)lane_dealloc,
+    .tp_traverse = (traverseproc)lane_traverse,
+    .tp_clear = (inquiry)lane_clear,
+    .tp_methods = lane_methods,
+    .tp_getset = lane_getset,
+};
+
 /* ---- module ------------------------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(configure_doc,
@@ -1023,7 +1399,31 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     import_array();
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_popleft, "popleft"}, {&s_append, "append"},
+        {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"}, {&s_result, "result"},
+        {&s_interrupted, "_interrupted"}, {&s_aborted, "_aborted"}, {&s_buffered_bytes, "buffered_bytes"},
+        {&s_max_buffered_bytes, "max_buffered_bytes"}, {&s_counter, "_counter"}, {&s_received, "received"},
+        {&s_buffered, "buffered"}, {&s_semicolon, ";"}, {&s_ndarray, "ndarray"}, {&s_fields[0], "key"}, {&s_fields[1], "tensor"},
+        {&s_fields[2], "metadata"}, {&s_fields[3], "message_id"}, {&s_fields[4], "kind"},
+        {&s_fields[5], "header_bytes"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return NULL;
+        }
+    }
+    if (PyType_Ready(&LaneType) < 0) {
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddObjectRef(m, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     /* the format constants this file repeats from frame.py: frame.py checks they agree */
     if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
                       PyModule_AddIntConstant(m, "PREFIX_SIZE", PREFIX_SIZE) < 0 ||

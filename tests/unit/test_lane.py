@@ -1,0 +1,220 @@
+"""The C delivery of plain frames (`_native.Lane`) against the Python delivery it stands in for.
+
+A frame the lane takes must leave the consumer exactly as `Consumer._deliver` leaves it (the table,
+the ids seen, the counts, the receiver served); a frame it does not take must change nothing, so
+that the Python delivery then decides. Checked case by case, on twin consumers.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec import encode, encode_chunks
+from tensorbus.codec.native import NATIVE
+
+from ..conftest import require_native
+
+require_native(NATIVE is not None, "the codec's C fast path (tensorbus/codec/_native.c)")
+
+
+def frame_of(tensor: Any, key: str | None = "k", seq: int | None = 1, **options: Any) -> memoryview:
+    """One received frame (a buffer of its own, as a transport hands it over)."""
+    message_id = None if seq is None else ("p" * 16, seq)
+    parts = encode(tensor, key=key, message_id=message_id, **options)
+    return memoryview(bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts)))
+
+
+def state(consumer: tb.Consumer) -> tuple[Any, ...]:
+    """Everything a delivery may change, comparable."""
+    table = consumer.table
+    arrivals = [
+        (n, m.key, m.tensor.tolist(), m.tensor.dtype.str, m.metadata, m.message_id, m.kind, m.header_bytes, size)
+        for n, (m, size) in table._arrivals.items()
+    ]
+    by_key = {key: list(numbers) for key, numbers in table._by_key.items()}
+    waiting = {str(key): len(queue) for key, queue in table._waiters.items()}
+    return (
+        arrivals,
+        by_key,
+        waiting,
+        table.buffered_bytes,
+        table._counter,
+        dict(table.stats),
+        dict(consumer.stats),
+        list(consumer._seen._ids),
+    )
+
+
+@pytest.fixture
+def twins() -> Iterator[tuple[tb.Consumer, tb.Consumer]]:
+    """Two consumers alike: one delivers through its lane, the other the Python way."""
+    made = [tb.Consumer(f"memory://lane-{uuid.uuid4().hex}", dedup_window=3) for _ in range(2)]
+    yield made[0], made[1]
+    for consumer in made:
+        consumer.close()
+
+
+def test_plain_frames_are_buffered_as_the_python_delivery_buffers_them(twins: Any) -> None:
+    lane_side, python_side = twins
+    frames = [
+        (np.arange(12, dtype=np.float32).reshape(3, 4), "a", 1, {"step": 3, "name": "w"}),
+        (np.arange(5, dtype=np.int64), "b", 2, None),
+        (np.ones((2, 2), dtype=">f8"), "a", 3, {}),
+        (np.zeros(0, dtype=np.uint8), None, 4, None),
+    ]
+    for tensor, key, seq, metadata in frames:
+        taken = lane_side.lane.take(frame_of(tensor, key, seq, metadata=metadata), None)
+        python_side._deliver(frame_of(tensor, key, seq, metadata=metadata), None, may_hold=True)
+        assert isinstance(taken, tb.Message) and taken.key == key and taken.message_id == ("p" * 16, seq)
+        assert state(lane_side) == state(python_side)
+    assert lane_side.lane.taken == 4
+    assert len(lane_side._seen._ids) == 3  # the dedup window (3) keeps the newest ids
+    assert lane_side.recv_message("a").metadata == {"step": 3, "name": "w"}
+    assert np.array_equal(lane_side.recv("a"), np.ones((2, 2)))
+    assert lane_side.next_message().key == "b"
+
+
+def test_a_waiting_receiver_gets_the_frame_and_nothing_is_buffered(twins: Any) -> None:
+    got: dict[str, Any] = {}
+    for name, consumer in zip(("lane", "python"), twins, strict=True):
+        receiver = threading.Thread(target=lambda c=consumer, n=name: got.setdefault(n, c.recv("k", timeout=10)))
+        receiver.start()
+        while "k" not in consumer.table._waiters:
+            threading.Event().wait(0.001)
+        frame = frame_of(np.arange(7), "k", 1)
+        if name == "lane":
+            assert consumer.lane.take(frame, None) is not None
+        else:
+            consumer._deliver(frame, None, may_hold=True)
+        receiver.join(10)
+    assert got["lane"].tolist() == got["python"].tolist() == list(range(7))
+    assert state(twins[0]) == state(twins[1])
+    assert twins[0].table.buffered_bytes == 0 and twins[0].stats["received"] == 1
+
+
+def test_an_arrival_order_receiver_gets_a_frame_of_any_key(twins: Any) -> None:
+    lane_side = twins[0]
+    got: list[tb.Message] = []
+    receiver = threading.Thread(target=lambda: got.append(lane_side.next_message(timeout=10)))
+    receiver.start()
+    while not lane_side.table._waiters:
+        threading.Event().wait(0.001)
+    assert lane_side.lane.take(frame_of(np.arange(2), "z", 1), None) is not None
+    receiver.join(10)
+    assert got[0].key == "z" and not lane_side.table._waiters
+
+
+def _unchanged(consumer: tb.Consumer, frame: memoryview) -> None:
+    before = state(consumer)
+    assert consumer.lane.take(frame, None) is None
+    assert state(consumer) == before
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: frame_of(np.arange(3), "a;1;b;c;0:0"), id="a key naming an incarnation (fencing)"),
+        pytest.param(lambda: frame_of(np.arange(3), "k", None), id="no message id"),
+        pytest.param(lambda: frame_of({"w": np.arange(3)}), id="a bundle"),
+        pytest.param(lambda: frame_of(np.arange(3), metadata={"nested": {"x": 1}}), id="nested metadata"),
+        pytest.param(lambda: frame_of(np.zeros(1000), compression="lz4"), id="compressed"),
+        pytest.param(lambda: frame_of(np.arange(3), signing_key=b"s"), id="signed"),
+        pytest.param(
+            lambda: memoryview(
+                bytearray(
+                    b"".join(
+                        bytes(memoryview(p).cast("B"))
+                        for p in encode_chunks(np.zeros(4096), max_chunk_bytes=4096, message_id=("p" * 16, 9))[0]
+                    )
+                )
+            ),
+            id="a chunk",
+        ),
+    ],
+)
+def test_frames_of_other_kinds_are_left_to_python(twins: Any, make: Any) -> None:
+    _unchanged(twins[0], make())
+
+
+def test_a_damaged_frame_is_left_to_python_which_rejects_it(twins: Any) -> None:
+    consumer = twins[0]
+    frame = frame_of(np.arange(100, dtype=np.int32))
+    frame[-1] ^= 0xFF
+    _unchanged(consumer, frame)
+    consumer._deliver(frame, None, may_hold=True)
+    assert consumer.stats["rejected"] == 1
+
+
+def test_a_duplicate_is_left_to_python_which_counts_it(twins: Any) -> None:
+    consumer = twins[0]
+    assert consumer.lane.take(frame_of(np.arange(3), "k", 5), None) is not None
+    _unchanged(consumer, frame_of(np.arange(3), "k", 5))
+    consumer._deliver(frame_of(np.arange(3), "k", 5), None, may_hold=True)
+    assert consumer.stats["duplicates"] == 1 and len(consumer.table) == 1
+
+
+def test_an_aborted_table_or_an_interrupted_delivery_is_left_to_python(twins: Any) -> None:
+    consumer = twins[0]
+    consumer._interrupted = (memoryview(b""), None)  # type: ignore[assignment]
+    _unchanged(consumer, frame_of(np.arange(3)))
+    consumer._interrupted = None
+    consumer.table.abort("stop")
+    _unchanged(consumer, frame_of(np.arange(3)))
+
+
+def test_a_full_table_is_left_to_python_unless_a_receiver_waits_for_the_key() -> None:
+    with tb.Consumer(f"memory://lane-{uuid.uuid4().hex}", max_buffered_bytes=1000) as consumer:
+        assert consumer.lane.take(frame_of(np.zeros(200), "k", 1), None) is not None  # (1600 bytes: full now)
+        _unchanged(consumer, frame_of(np.zeros(2), "k", 2))
+        receiver = threading.Thread(target=lambda: consumer.recv("other", timeout=10))
+        receiver.start()
+        while "other" not in consumer.table._waiters:
+            threading.Event().wait(0.001)
+        assert consumer.lane.take(frame_of(np.zeros(2), "other", 3), None) is not None  # handed over: needs no room
+        receiver.join(10)
+        assert len(consumer.table) == 1
+
+
+def test_a_callback_first_in_line_is_left_to_python(twins: Any) -> None:
+    consumer = twins[0]
+    calls: list[Any] = []
+    consumer.recv_async("k", lambda message, error: calls.append(message))
+    _unchanged(consumer, frame_of(np.arange(3)))
+    assert not calls
+
+
+@pytest.mark.parametrize("which", ["consumer", "table"])
+def test_a_lock_held_by_another_thread_leaves_the_frame_to_python(twins: Any, which: str) -> None:
+    consumer = twins[0]
+    lock = consumer._lock if which == "consumer" else consumer.table._lock
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        _unchanged(consumer, frame_of(np.arange(3)))
+    finally:
+        release.set()
+        holder.join(10)
+    assert consumer.lane.take(frame_of(np.arange(3)), None) is not None  # and once it is free, it is taken
+
+
+def test_consumers_the_lane_cannot_serve_have_none() -> None:
+    for options in ({"signing_key": b"s"}, {"like": "torch"}):
+        if options.get("like") == "torch":
+            pytest.importorskip("torch")
+        with tb.Consumer(f"memory://lane-{uuid.uuid4().hex}", **options) as consumer:
+            assert consumer.lane is None
