@@ -118,21 +118,32 @@ class Producer:
             raise Closed("send on a closed Producer")
         self._check_fork()
         message_id = (self.producer_id, next(self._sequence))
-        options = {
-            "key": key,
-            "metadata": metadata,
-            "compression": self.compression,
-            "checksum": self.checksum,
-            "message_id": message_id,
-            "signing_key": self.signing_key,
-        }
         transport = self.transport
         transport.wait_for_room()
         limit = transport.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            transport.send(encode(tensor, **options, deferred_checksum=transport.seals_frames), key=key)
+            frame = encode(
+                tensor,
+                key=key,
+                metadata=metadata,
+                compression=self.compression,
+                checksum=self.checksum,
+                message_id=message_id,
+                signing_key=self.signing_key,
+                deferred_checksum=transport.seals_frames,
+            )
+            transport.send(frame, key=key)
             return message_id
-        parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
+        parts = encode_chunks(
+            tensor,
+            max_chunk_bytes=limit,
+            key=key,
+            metadata=metadata,
+            compression=self.compression,
+            checksum=self.checksum,
+            message_id=message_id,
+            signing_key=self.signing_key,
+        )
         sent = 0
         try:
             for part in parts:
