@@ -14,8 +14,7 @@ from typing import Any
 
 from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunks
 from .codec.compression import check_codec
-from .codec.frame import Buffer
-from .codec.native import NATIVE
+from .codec.frame import NATIVE, Buffer
 from .codec.torch_bridge import check_like
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, Closed, CodecError, ConfigError, TensorBusError
@@ -256,6 +255,7 @@ class Consumer:
             table._lock,
             self._seen._ids,
             self._seen.window,
+            self.reassembler._partials,
             table._waiters,
             table._arrivals,
             table._by_key,

@@ -1025,9 +1025,12 @@ ndarray_head(PyObject *self, PyObject *args)
  * in Python: decode, drop nothing, mark the id as seen, and hand the message to the oldest receiver
  * waiting for its key (or buffer it). It takes only the case with nothing to decide: a plain ndarray
  * frame, its id not seen before, both locks free at once, the table not aborted and not full, no
- * recv_async callback first in line, a key that names no incarnation. On anything else it changes
- * nothing and returns None, and the caller delivers the frame the Python way, which decides. It runs
- * no Python code (a Ctrl-C cannot land inside it), so it either does all of that or none of it.
+ * recv_async callback first in line, a key that names no incarnation, no chunked message part way
+ * (feeding the reassembler is what expires those). On anything else it changes nothing and returns
+ * None, and the caller delivers the frame the Python way, which decides. It runs no Python code, so
+ * a Ctrl-C lands before it or after it. What can fail (a MemoryError) fails before anything changed,
+ * but for the table's own writes, as in Rendezvous.put: the id is then forgotten again, and the
+ * reactor drops the connection, so the frame comes again.
  */
 
 typedef struct {
@@ -1035,6 +1038,7 @@ typedef struct {
     PyObject *consumer_lock, *table_lock; /* taken without waiting, or the frame goes the Python way */
     PyObject *consumer, *table;           /* their scalar attributes are read on every call */
     PyObject *seen;                       /* SeenIds._ids, an OrderedDict */
+    PyObject *partials;                   /* Reassembler._partials: while any, Python delivers (and expires them) */
     Py_ssize_t window;
     PyObject *waiters, *arrivals, *by_key; /* Rendezvous._waiters, ._arrivals (an OrderedDict), ._by_key */
     PyObject *any;                         /* rendezvous.ANY */
@@ -1045,9 +1049,9 @@ typedef struct {
     Py_ssize_t taken; /* frames delivered here (tests check the lane is used) */
 } Lane;
 
-static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_popitem, *s_callback, *s_done, *s_result,
+static PyObject *s_acquire, *s_release, *s_popleft, *s_pop, *s_append, *s_popitem, *s_callback, *s_done, *s_result,
     *s_interrupted, *s_aborted, *s_buffered_bytes, *s_max_buffered_bytes, *s_counter, *s_received, *s_buffered,
-    *s_semicolon, *s_ndarray, *s_fields[6];
+    *s_semicolon, *s_ndarray, *s_fields[6], *s_one;
 
 static int
 try_lock(PyObject *lock)
@@ -1074,12 +1078,19 @@ count(PyObject *counter, PyObject *name)
     if (old == NULL && PyErr_Occurred()) {
         return -1;
     }
-    PyObject *one = PyLong_FromLong(1);
-    PyObject *new = one == NULL || old == NULL ? Py_XNewRef(one) : PyNumber_Add(old, one);
-    Py_XDECREF(one);
+    PyObject *new = old == NULL ? Py_NewRef(s_one) : PyNumber_Add(old, s_one);
     int r = new == NULL ? -1 : PyDict_SetItem(counter, name, new);
     Py_XDECREF(new);
     return r;
+}
+
+/* count(), for a delivery already made: a count it cannot make (no memory) is not worth undoing it */
+static void
+counted(PyObject *counter, PyObject *name)
+{
+    if (count(counter, name) < 0) {
+        PyErr_Clear();
+    }
 }
 
 static int
@@ -1154,7 +1165,7 @@ lane_take(Lane *self, PyObject *frame, PyObject *crc, PyObject **taken)
     PyObject *key = PyTuple_GET_ITEM(decoded, 0), *id = PyTuple_GET_ITEM(decoded, 2);
     PyObject *array = PyTuple_GET_ITEM(decoded, 3);
     Py_ssize_t fences = key == Py_None ? 0 : PyUnicode_Count(key, s_semicolon, 0, PY_SSIZE_T_MAX);
-    if (id == Py_None || fences == 4) { /* no id to dedup by; a key naming an incarnation (fencing) */
+    if (fences < 0 || fences == 4 || id == Py_None) { /* a key naming an incarnation (fencing); no id to dedup by */
         Py_DECREF(decoded);
         return fences < 0 ? -1 : 0;
     }
@@ -1166,44 +1177,60 @@ lane_take(Lane *self, PyObject *frame, PyObject *crc, PyObject **taken)
     unsigned long long nbytes = (unsigned long long)PyArray_NBYTES((PyArrayObject *)array) +
                                 PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(decoded, 4));
     Py_DECREF(decoded);
-    int result = 0, consumer_locked = 0, table_locked = 0;
+    int result = 0, consumer_locked = 0, table_locked = 0, ok = 1;
+    PyObject *waiter = NULL, *done = NULL, *number = NULL, *entry = NULL, *fresh = NULL, *queue, *keyed = NULL;
+    PyObject *buffered = NULL, *more = NULL;
     if ((consumer_locked = try_lock(self->consumer_lock)) <= 0 || (table_locked = try_lock(self->table_lock)) <= 0) {
         result = consumer_locked < 0 || table_locked < 0 ? -1 : 0;
         goto out;
     }
-    int ok;
-    if ((ok = is_none_attr(self->consumer, s_interrupted)) <= 0 || (ok = is_none_attr(self->table, s_aborted)) <= 0 ||
-        (ok = PySequence_Contains(self->seen, id)) != 0) {
-        result = ok < 0 ? -1 : 0; /* (contains: 1 is a duplicate, which Python counts) */
+    if (PyDict_GET_SIZE(self->partials) || (ok = is_none_attr(self->consumer, s_interrupted)) <= 0 ||
+        (ok = is_none_attr(self->table, s_aborted)) <= 0 || (ok = PySequence_Contains(self->seen, id)) != 0) {
+        result = PyDict_GET_SIZE(self->partials) || ok >= 0 ? 0 : -1; /* (contains: 1 is a duplicate: Python counts it) */
         goto out;
     }
-    PyObject *queue = waiting_queue(self, key), *waiter = NULL;
-    if (queue == NULL && PyErr_Occurred()) {
+    if ((queue = waiting_queue(self, key)) == NULL && PyErr_Occurred()) {
         result = -1;
         goto out;
     }
+    /* first whatever can fail, while nothing has changed */
     if (queue != NULL) { /* a receiver is waiting: it gets the message, which needs no room */
-        waiter = PySequence_GetItem(queue, 0);
-        if (waiter == NULL || (ok = is_none_attr(waiter, s_callback)) <= 0) { /* callbacks run Python */
-            Py_XDECREF(waiter);
-            result = ok < 0 || waiter == NULL ? -1 : 0;
+        if ((waiter = PySequence_GetItem(queue, 0)) == NULL || (ok = is_none_attr(waiter, s_callback)) <= 0 ||
+            (done = PyObject_GetAttr(waiter, s_done)) == NULL) { /* (callbacks run Python: Python calls them) */
+            result = waiter == NULL || ok < 0 || (ok > 0 && done == NULL) ? -1 : 0;
             goto out;
         }
     }
     else {
-        PyObject *buffered = PyObject_GetAttr(self->table, s_buffered_bytes);
-        PyObject *limit = buffered == NULL ? NULL : PyObject_GetAttr(self->table, s_max_buffered_bytes);
-        ok = limit == NULL ? -1 : PyObject_RichCompareBool(buffered, limit, Py_LT);
-        Py_XDECREF(buffered);
+        PyObject *now = PyObject_GetAttr(self->table, s_buffered_bytes);
+        PyObject *limit = now == NULL ? NULL : PyObject_GetAttr(self->table, s_max_buffered_bytes);
+        ok = limit == NULL ? -1 : PyObject_RichCompareBool(now, limit, Py_LT);
+        Py_XDECREF(now);
         Py_XDECREF(limit);
         if (ok <= 0) { /* full: Python holds it back */
             result = ok;
             goto out;
         }
+        PyObject *counter = PyObject_GetAttr(self->table, s_counter), *size = PyLong_FromUnsignedLongLong(nbytes);
+        buffered = size == NULL ? NULL : PyObject_GetAttr(self->table, s_buffered_bytes);
+        more = buffered == NULL ? NULL : PyNumber_Add(buffered, size);
+        number = counter == NULL || more == NULL ? NULL : PyNumber_Add(counter, s_one);
+        entry = number == NULL ? NULL : PyTuple_Pack(2, msg, size);
+        Py_XDECREF(counter);
+        Py_XDECREF(size);
+        keyed = entry == NULL ? NULL : PyDict_GetItemWithError(self->by_key, key); /* (borrowed) */
+        if (keyed == NULL && entry != NULL && !PyErr_Occurred()) {
+            keyed = fresh = PyObject_CallNoArgs(self->deque_type);
+        }
+        if (keyed == NULL) {
+            result = -1;
+            goto out;
+        }
     }
-    /* from here on it is taken: first marked as seen (a copy sent again meanwhile is a duplicate) */
+    /* from here on it is taken: first marked as seen (a copy sent again meanwhile is a duplicate), and
+     * forgotten again should anything below fail (a MemoryError: the connection is dropped, the frame
+     * comes again, and must not then pass for a duplicate) */
     if (PyObject_SetItem(self->seen, id, Py_None) < 0) {
-        Py_XDECREF(waiter);
         result = -1;
         goto out;
     }
@@ -1213,60 +1240,72 @@ lane_take(Lane *self, PyObject *frame, PyObject *crc, PyObject **taken)
         ok = oldest != NULL;
         Py_XDECREF(oldest);
     }
-    if (waiter != NULL) {
-        PyObject *popped = ok ? PyObject_CallMethodNoArgs(queue, s_popleft) : NULL;
-        ok = popped != NULL;
+    if (ok && waiter != NULL) { /* (none of these fail: a slot, a deque that has it, a key that is there, a held lock) */
+        PyObject *popped = NULL;
+        ok = PyObject_SetAttr(waiter, s_result, msg) == 0 && (popped = PyObject_CallMethodNoArgs(queue, s_popleft));
         Py_XDECREF(popped);
         if (ok && PyObject_Length(queue) == 0) {
             PyObject *wanted = PyDict_GetItemWithError(self->waiters, key) == queue ? key : self->any;
             ok = PyDict_DelItem(self->waiters, wanted) == 0;
         }
-        PyObject *done = ok ? PyObject_GetAttr(waiter, s_done) : NULL;
-        ok = done != NULL && PyObject_SetAttr(waiter, s_result, msg) == 0 && unlock(done) == 0;
-        Py_XDECREF(done);
-        Py_DECREF(waiter);
+        ok = ok && unlock(done) == 0;
     }
-    else {
-        PyObject *counter = PyObject_GetAttr(self->table, s_counter), *one = PyLong_FromLong(1);
-        PyObject *number = counter == NULL || one == NULL ? NULL : PyNumber_Add(counter, one);
-        Py_XDECREF(counter);
-        Py_XDECREF(one);
-        PyObject *size = PyLong_FromUnsignedLongLong(nbytes);
-        PyObject *entry = number == NULL || size == NULL ? NULL : PyTuple_Pack(2, msg, size);
-        PyObject *keyed = entry == NULL ? NULL : PyDict_GetItemWithError(self->by_key, key);
-        ok = ok && entry != NULL && !PyErr_Occurred() && PyObject_SetAttr(self->table, s_counter, number) == 0 &&
-             PyObject_SetItem(self->arrivals, number, entry) == 0;
-        if (ok && keyed == NULL) {
-            keyed = PyObject_CallNoArgs(self->deque_type);
-            ok = keyed != NULL && PyDict_SetItem(self->by_key, key, keyed) == 0;
-            Py_XDECREF(keyed); /* (the dict holds it) */
+    else if (ok) { /* three writes that may allocate, each undone should a later one fail; then two that do not */
+        int placed = PyObject_SetItem(self->arrivals, number, entry) == 0;
+        int keyed_here = placed && (fresh == NULL || PyDict_SetItem(self->by_key, key, fresh) == 0);
+        PyObject *appended = keyed_here ? PyObject_CallMethodOneArg(keyed, s_append, number) : NULL;
+        ok = appended != NULL && PyObject_SetAttr(self->table, s_counter, number) == 0 &&
+             PyObject_SetAttr(self->table, s_buffered_bytes, more) == 0;
+        if (!ok) {
+            PyObject *type, *value, *traceback, *undone = NULL;
+            PyErr_Fetch(&type, &value, &traceback);
+            if ((appended != NULL && (undone = PyObject_CallMethodNoArgs(keyed, s_pop)) == NULL) ||
+                (keyed_here && fresh != NULL && PyDict_DelItem(self->by_key, key) < 0) ||
+                (placed && PyObject_DelItem(self->arrivals, number) < 0)) {
+                PyErr_Clear();
+            }
+            Py_XDECREF(undone);
+            PyErr_Restore(type, value, traceback);
         }
-        if (ok) {
-            PyObject *r = PyObject_CallMethodOneArg(keyed, s_append, number);
-            PyObject *buffered = r == NULL ? NULL : PyObject_GetAttr(self->table, s_buffered_bytes);
-            PyObject *more = buffered == NULL ? NULL : PyNumber_Add(buffered, size);
-            ok = more != NULL && PyObject_SetAttr(self->table, s_buffered_bytes, more) == 0 &&
-                 count(self->table_stats, s_buffered) == 0;
-            Py_XDECREF(r);
-            Py_XDECREF(buffered);
-            Py_XDECREF(more);
+        else {
+            counted(self->table_stats, s_buffered);
         }
-        Py_XDECREF(number);
-        Py_XDECREF(size);
-        Py_XDECREF(entry);
+        Py_XDECREF(appended);
     }
-    result = ok && count(self->consumer_stats, s_received) == 0 ? 1 : -1;
-    if (result == 1) {
+    if (ok) {
+        counted(self->consumer_stats, s_received);
+        result = 1;
         self->taken++;
         *taken = Py_NewRef(msg);
     }
+    else {
+        result = -1;
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (PyObject_DelItem(self->seen, id) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(type, value, traceback);
+    }
 out:
     Py_DECREF(msg);
+    Py_XDECREF(waiter);
+    Py_XDECREF(done);
+    Py_XDECREF(number);
+    Py_XDECREF(entry);
+    Py_XDECREF(fresh);
+    Py_XDECREF(buffered);
+    Py_XDECREF(more);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback); /* (release() with an error set would turn it into a SystemError) */
     if (table_locked > 0 && unlock(self->table_lock) < 0) {
         result = -1;
     }
     if (consumer_locked > 0 && unlock(self->consumer_lock) < 0) {
         result = -1;
+    }
+    if (type != NULL) {
+        PyErr_Restore(type, value, traceback); /* the first error is the one reported */
     }
     return result;
 }
@@ -1296,21 +1335,21 @@ lane_take_method(Lane *self, PyObject *const *args, Py_ssize_t nargs)
 static int
 lane_init(Lane *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"consumer", "consumer_lock", "table", "table_lock", "seen", "window", "waiters",
-                            "arrivals", "by_key", "any", "message_type", "deque_type", "consumer_stats",
+    static char *names[] = {"consumer", "consumer_lock", "table", "table_lock", "seen", "window", "partials",
+                            "waiters", "arrivals", "by_key", "any", "message_type", "deque_type", "consumer_stats",
                             "table_stats", "max_header_bytes", "max_payload_bytes", "max_ndim", NULL};
     PyObject *o[14];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!nO!O!O!OO!O!O!O!nKn:Lane", names, &o[0], &o[1], &o[2], &o[3],
-                                     &PyDict_Type, &o[4], &self->window, &PyDict_Type, &o[5], &PyDict_Type, &o[6],
-                                     &PyDict_Type, &o[7], &o[8], &PyType_Type, &o[9], &PyType_Type, &o[10],
-                                     &PyDict_Type, &o[11], &PyDict_Type, &o[12], &self->max_header,
-                                     &self->max_payload, &self->max_ndim)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!nO!O!O!O!OO!O!O!O!nKn:Lane", names, &o[0], &o[1], &o[2],
+                                     &o[3], &PyDict_Type, &o[4], &self->window, &PyDict_Type, &o[13], &PyDict_Type,
+                                     &o[5], &PyDict_Type, &o[6], &PyDict_Type, &o[7], &o[8], &PyType_Type, &o[9],
+                                     &PyType_Type, &o[10], &PyDict_Type, &o[11], &PyDict_Type, &o[12],
+                                     &self->max_header, &self->max_payload, &self->max_ndim)) {
         return -1;
     }
     PyObject **slots[14] = {&self->consumer, &self->consumer_lock, &self->table, &self->table_lock, &self->seen,
                             &self->waiters, &self->arrivals, &self->by_key, &self->any, &self->message_type,
-                            &self->deque_type, &self->consumer_stats, &self->table_stats, NULL};
-    for (int i = 0; i < 13; i++) {
+                            &self->deque_type, &self->consumer_stats, &self->table_stats, &self->partials};
+    for (int i = 0; i < 14; i++) {
         Py_XSETREF(*slots[i], Py_NewRef(o[i]));
     }
     return 0;
@@ -1324,6 +1363,7 @@ lane_traverse(Lane *self, visitproc visit, void *arg)
     Py_VISIT(self->table);
     Py_VISIT(self->table_lock);
     Py_VISIT(self->seen);
+    Py_VISIT(self->partials);
     Py_VISIT(self->waiters);
     Py_VISIT(self->arrivals);
     Py_VISIT(self->by_key);
@@ -1343,6 +1383,7 @@ lane_clear(Lane *self)
     Py_CLEAR(self->table);
     Py_CLEAR(self->table_lock);
     Py_CLEAR(self->seen);
+    Py_CLEAR(self->partials);
     Py_CLEAR(self->waiters);
     Py_CLEAR(self->arrivals);
     Py_CLEAR(self->by_key);
@@ -1382,7 +1423,7 @@ static PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.codec._native.Lane",
     .tp_basicsize = sizeof(Lane),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = PyDoc_STR("Lane(consumer, consumer_lock, table, table_lock, seen, window, waiters, arrivals, by_key, "
+    .tp_doc = PyDoc_STR("Lane(consumer, consumer_lock, table, table_lock, seen, window, partials, waiters, arrivals, by_key, "
                         "any, message_type, deque_type, consumer_stats, table_stats, max_header_bytes, "
                         "max_payload_bytes, max_ndim)\n--\n\nA consumer's table, for delivering frames in C."),
     .tp_new = PyType_GenericNew,
@@ -1437,7 +1478,7 @@ PyInit__native(void)
         PyObject **slot;
         const char *text;
     } names[] = {
-        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_popleft, "popleft"}, {&s_append, "append"},
+        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_popleft, "popleft"}, {&s_pop, "pop"}, {&s_append, "append"},
         {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"}, {&s_result, "result"},
         {&s_interrupted, "_interrupted"}, {&s_aborted, "_aborted"}, {&s_buffered_bytes, "buffered_bytes"},
         {&s_max_buffered_bytes, "max_buffered_bytes"}, {&s_counter, "_counter"}, {&s_received, "received"},
@@ -1450,7 +1491,7 @@ PyInit__native(void)
             return NULL;
         }
     }
-    if (PyType_Ready(&LaneType) < 0) {
+    if ((s_one = PyLong_FromLong(1)) == NULL || PyType_Ready(&LaneType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

@@ -454,12 +454,33 @@ def test_running_out_of_memory_for_a_frame_drops_the_connection_and_the_frame_co
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        consumer.transport.reactor._lane = None  # type: ignore[attr-defined]  # (the Python delivery: the C one below)
         fail_feed_once(monkeypatch, consumer, MemoryError())
         with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
             producer.send("k", np.arange(3))
             producer.flush(timeout=10)  # resent on a new connection, then acknowledged
         assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
         assert consumer.stats["rejected"] == 0
+
+
+def test_running_out_of_memory_in_the_c_delivery_drops_the_connection_and_the_frame_comes_again() -> None:
+    class FailingCounter(int):  # the table's arrival counter: `+ 1` fails once, inside the C delivery
+        failed = False
+
+        def __add__(self, other: object) -> int:
+            if not FailingCounter.failed:
+                FailingCounter.failed = True
+                raise MemoryError("injected")
+            return int(self) + int(other)  # type: ignore[call-overload]
+
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        consumer.table._counter = FailingCounter(0)
+        with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
+            producer.send("k", np.arange(3))
+            producer.flush(timeout=10)  # resent on a new connection, then acknowledged
+        assert FailingCounter.failed and consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
+        assert consumer.stats["rejected"] == 0 and consumer.stats["duplicates"] == 0
+        assert consumer.lane is None or consumer.lane.taken == 1
 
 
 def test_half_a_tls_ack_record_does_not_block_a_flush_past_its_timeout(tls: dict[str, str]) -> None:

@@ -7,6 +7,7 @@ that the Python delivery then decides. Checked case by case, on twin consumers.
 
 from __future__ import annotations
 
+import collections
 import threading
 import uuid
 from collections.abc import Iterator
@@ -218,3 +219,65 @@ def test_consumers_the_lane_cannot_serve_have_none() -> None:
             pytest.importorskip("torch")
         with tb.Consumer(f"memory://lane-{uuid.uuid4().hex}", **options) as consumer:
             assert consumer.lane is None
+
+
+class _FailingAdd(int):
+    """An int whose `+` raises MemoryError, once: an allocation failing inside the lane."""
+
+    failed = False
+
+    def __add__(self, other: object) -> int:
+        if not type(self).failed:
+            type(self).failed = True
+            raise MemoryError("injected")
+        return int(self) + int(other)  # type: ignore[call-overload]
+
+
+def _locks_free(consumer: tb.Consumer) -> bool:
+    free = [lock.acquire(blocking=False) for lock in (consumer._lock, consumer.table._lock)]
+    for lock, got in zip((consumer._lock, consumer.table._lock), free, strict=True):
+        if got:
+            lock.release()
+    return all(free)
+
+
+def test_a_memory_error_before_anything_changed_comes_out_as_such_and_changes_nothing(twins: Any) -> None:
+    consumer = twins[0]
+    consumer.table._counter = type("FailingCounter", (_FailingAdd,), {})(0)
+    before = state(consumer)
+    with pytest.raises(MemoryError, match="injected"):  # (not a SystemError from releasing the locks)
+        consumer.lane.take(frame_of(np.arange(3)), None)
+    assert state(consumer) == before and _locks_free(consumer)
+    assert consumer.lane.take(frame_of(np.arange(3)), None) is not None  # the frame sent again is taken
+
+
+class _FailingDeque(collections.deque):  # type: ignore[type-arg]
+    """A key's queue of arrival numbers whose `append` raises MemoryError, once: a write failing half way."""
+
+    failed = False
+
+    def append(self, number: Any) -> None:
+        if not _FailingDeque.failed:
+            _FailingDeque.failed = True
+            raise MemoryError("injected")
+        super().append(number)
+
+
+def test_a_memory_error_half_way_undoes_what_was_written_and_forgets_the_id(twins: Any) -> None:
+    consumer = twins[0]
+    assert consumer.lane.take(frame_of(np.arange(3), "k", 6), None) is not None
+    consumer.table._by_key["k"] = _FailingDeque(consumer.table._by_key["k"])
+    before = state(consumer)
+    with pytest.raises(MemoryError, match="injected"):  # after the id was marked and the arrival placed
+        consumer.lane.take(frame_of(np.arange(4), "k", 7), None)
+    assert state(consumer) == before and ("p" * 16, 7) not in consumer._seen and _locks_free(consumer)
+    assert consumer.lane.take(frame_of(np.arange(4), "k", 7), None) is not None  # sent again: not a duplicate
+    assert [consumer.recv("k").tolist() for _ in range(2)] == [[0, 1, 2], [0, 1, 2, 3]] and len(consumer.table) == 0
+
+
+def test_while_a_chunked_message_is_part_way_frames_are_left_to_python(twins: Any) -> None:
+    consumer = twins[0]
+    first = encode_chunks(np.zeros(4096), max_chunk_bytes=4096, message_id=("p" * 16, 9))[0]
+    consumer._deliver(memoryview(bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in first))), None)
+    assert consumer.reassembler.is_pending(("p" * 16, 9))
+    _unchanged(consumer, frame_of(np.arange(3), "k", 10))  # (Python's delivery expires stale chunked ones first)
