@@ -229,6 +229,7 @@ class Consumer:
         self._stopping = threading.Event()
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
         self._interrupted: tuple[Buffer, Message] | None = None  # a frame whose delivery was interrupted, decoded
+        #: the C delivery of plain frames into the table (`_native.Lane`; `lane.taken` counts them), or None
         self.lane = self._lane(limits, opts["like"])
         self.transport.listen(_Sink(self), limits)
         if hasattr(self.transport, "pump"):

@@ -95,8 +95,8 @@ class Rendezvous:
         self._arrivals: collections.OrderedDict[int, tuple[Message, int]] = collections.OrderedDict()
         self._by_key: dict[str | None, collections.deque[int]] = {}
         self._waiters: dict[object, collections.deque[_Waiter]] = {}
-        #: (a consumer's C delivery, `_native.Lane`, holds `_arrivals`, `_by_key`, `_waiters` and `stats`
-        #: and writes them under `_lock` as `put` does: clear them, never rebind them)
+        # (a consumer's C delivery, `_native.Lane`, holds `_arrivals`, `_by_key`, `_waiters` and `stats`
+        # and writes them under `_lock` as `put` does: clear them, never rebind them)
         #: hash of a source name -> its newest incarnation, newest use last (names come from peers and
         #: may be long: only their hashes are kept, at a fixed cost per source)
         self._incarnations: collections.OrderedDict[int, int] = collections.OrderedDict()
