@@ -671,16 +671,12 @@ PyDoc_STRVAR(decode_doc,
 "(key, metadata, message id, array, header bytes) of a frame holding one plain ndarray, the array a\n"
 "view of `frame` (a contiguous memoryview); None for any other frame, which frame.parse then takes.");
 
+/* decode() on a memoryview `frame`: the tuple, None, or NULL (an error the Python path would not
+ * raise, e.g. MemoryError). */
 static PyObject *
-decode(PyObject *self, PyObject *args)
+decode_memoryview(PyObject *frame, PyObject *crc, Py_ssize_t max_header, unsigned long long max_payload,
+                  Py_ssize_t max_ndim)
 {
-    PyObject *frame, *crc;
-    Py_ssize_t max_header, max_ndim;
-    unsigned long long max_payload;
-    if (!PyArg_ParseTuple(args, "O!OnKn:decode", &PyMemoryView_Type, &frame, &crc, &max_header, &max_payload,
-                          &max_ndim)) {
-        return NULL;
-    }
     if (g_resolved == NULL) {
         Py_RETURN_NONE;
     }
@@ -696,6 +692,19 @@ decode(PyObject *self, PyObject *args)
     PyObject *result = decode_frame(frame, &view, crc, max_header, max_payload, max_ndim);
     PyBuffer_Release(&view);
     return result;
+}
+
+static PyObject *
+decode(PyObject *self, PyObject *args)
+{
+    PyObject *frame, *crc;
+    Py_ssize_t max_header, max_ndim;
+    unsigned long long max_payload;
+    if (!PyArg_ParseTuple(args, "O!OnKn:decode", &PyMemoryView_Type, &frame, &crc, &max_header, &max_payload,
+                          &max_ndim)) {
+        return NULL;
+    }
+    return decode_memoryview(frame, crc, max_header, max_payload, max_ndim);
 }
 
 /* ---- encode: msgpack written as msgpack-python writes it (smallest form; str8, bin, float64) ------- */
@@ -1151,13 +1160,7 @@ waiting_queue(Lane *self, PyObject *key)
 static int
 lane_take(Lane *self, PyObject *frame, PyObject *crc, PyObject **taken)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(frame, &view, PyBUF_ND | PyBUF_WRITABLE) < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *decoded = decode_frame(frame, &view, crc, self->max_header, self->max_payload, self->max_ndim);
-    PyBuffer_Release(&view);
+    PyObject *decoded = decode_memoryview(frame, crc, self->max_header, self->max_payload, self->max_ndim);
     if (decoded == NULL || decoded == Py_None) {
         Py_XDECREF(decoded);
         return decoded == NULL ? -1 : 0;
@@ -1202,18 +1205,16 @@ lane_take(Lane *self, PyObject *frame, PyObject *crc, PyObject **taken)
         }
     }
     else {
-        PyObject *now = PyObject_GetAttr(self->table, s_buffered_bytes);
-        PyObject *limit = now == NULL ? NULL : PyObject_GetAttr(self->table, s_max_buffered_bytes);
-        ok = limit == NULL ? -1 : PyObject_RichCompareBool(now, limit, Py_LT);
-        Py_XDECREF(now);
+        buffered = PyObject_GetAttr(self->table, s_buffered_bytes);
+        PyObject *limit = buffered == NULL ? NULL : PyObject_GetAttr(self->table, s_max_buffered_bytes);
+        ok = limit == NULL ? -1 : PyObject_RichCompareBool(buffered, limit, Py_LT);
         Py_XDECREF(limit);
         if (ok <= 0) { /* full: Python holds it back */
             result = ok;
             goto out;
         }
         PyObject *counter = PyObject_GetAttr(self->table, s_counter), *size = PyLong_FromUnsignedLongLong(nbytes);
-        buffered = size == NULL ? NULL : PyObject_GetAttr(self->table, s_buffered_bytes);
-        more = buffered == NULL ? NULL : PyNumber_Add(buffered, size);
+        more = size == NULL ? NULL : PyNumber_Add(buffered, size);
         number = counter == NULL || more == NULL ? NULL : PyNumber_Add(counter, s_one);
         entry = number == NULL ? NULL : PyTuple_Pack(2, msg, size);
         Py_XDECREF(counter);

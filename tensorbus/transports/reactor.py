@@ -72,8 +72,10 @@ _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 READER: Any = NATIVE_STREAM
 
 
-#: what `_finish` books for a frame the consumer's C delivery took
-TAKEN = Delivered(None, True)
+#: what `_finish` books for a frame whose message was handed over without its id being needed: the C
+#: delivery took a plain frame (never in `incomplete`), or a recv_async callback had it (a chunked
+#: message's id leaves `incomplete` at the next ack)
+HANDED_OVER = Delivered(None, True)
 
 
 class IdleClock:
@@ -411,7 +413,7 @@ class Reactor:
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
             if self._lane is not None and self._lane(*event) is not None:
-                self._finish(peer, TAKEN)
+                self._finish(peer, HANDED_OVER)
             else:
                 self._deliver(peer, *event)
         elif event == READER.ACK_REQUEST:
@@ -468,7 +470,7 @@ class Reactor:
         try:
             result = self.deliver(frame, crc, may_hold=True)
         except CallbackInterrupted:  # in a recv_async callback, which had its message: delivered
-            self._finish(peer, Delivered(None, True))  # (a chunked message's id leaves `incomplete` at the next ack)
+            self._finish(peer, HANDED_OVER)
             raise
         except BaseException:
             peer.replay = (frame, crc)
