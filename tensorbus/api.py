@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunks
 from .codec.compression import check_codec
-from .codec.frame import NATIVE, Buffer
+from .codec.frame import FLAG_CHECKSUM, NATIVE, Buffer
 from .codec.torch_bridge import check_like
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, Closed, CodecError, ConfigError, TensorBusError
@@ -23,6 +25,19 @@ from .rendezvous import ANY, Callback, RecvHandle, Rendezvous
 from .transports import Delivered, Transport, resolve_transport
 
 log = logging.getLogger(__name__)
+
+#: forks of this process so far, as this process knows them (a producer compares it with the count
+#: it started at, instead of a getpid system call per send)
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+if hasattr(os, "register_at_fork"):  # (no fork, nothing to count: Windows)
+    os.register_at_fork(after_in_child=_count_fork)
 
 PRODUCER_OPTIONS: dict[str, Any] = {
     "compression": None,
@@ -94,12 +109,15 @@ class Producer:
         """A fresh producer id (message ids are this id and a sequence number), for this process."""
         self.producer_id = uuid.uuid4().hex[:16]
         self._sequence = itertools.count(1)
-        self._pid = os.getpid()
+        self._forks = _forks
+        #: flags of the frame `transport.send_ndarray` builds, or None when this producer's frames need more
+        plain = self.compression is None and self.signing_key is None and self.transport.max_frame_bytes is None
+        self._plain_flags = (FLAG_CHECKSUM if self.checksum else 0) if plain else None
 
     def _check_fork(self) -> None:
         """In a forked child: become a producer of its own. With the parent's id its tensors would be
         dropped as duplicates of the parent's (or its siblings'), and the parent's connection is the parent's."""
-        if os.getpid() == self._pid:
+        if self._forks == _forks:
             return
         self.transport.abandon()
         self.transport, _ = _open(self.url, PRODUCER_OPTIONS, self._options, "Producer")
@@ -115,9 +133,14 @@ class Producer:
         """Encode and send one tensor (ndarray, SparseTensor, dict bundle, torch tensor) under `key`."""
         if self._closed:
             raise Closed("send on a closed Producer")
-        self._check_fork()
+        if self._forks != _forks:
+            self._check_fork()
         message_id = (self.producer_id, next(self._sequence))
         transport = self.transport
+        flags = self._plain_flags  # most sends: one plain ndarray, built and sent in C where the transport can
+        if flags is not None and type(tensor) is np.ndarray:
+            if transport.send_ndarray(tensor, key, metadata, message_id, flags):
+                return message_id
         transport.wait_for_room()
         limit = transport.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out

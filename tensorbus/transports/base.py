@@ -95,6 +95,13 @@ class Transport:
         """Send one frame (scatter-gather buffers) to the endpoint."""
         raise NotImplementedError
 
+    def send_ndarray(
+        self, array: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
+    ) -> bool:
+        """Encode and send one ndarray in one frame, if this transport has a shortcut for it (one frame
+        from `flags` alone: no compression, no signature); False, with nothing sent, to take the general path."""
+        return False
+
     def forget_last(self, count: int) -> None:
         """Drop the last `count` frames sent from anything kept for resending (a message failed part way)."""
 

@@ -108,6 +108,12 @@ def unsealed(head: Buffer) -> bool:
     return len(head) >= PREFIX.size and head[5] == FLAG_CHECKSUM and head[CRC_AT : PREFIX.size] == _NO_CRC
 
 
+def c_sends_below(crc_after: bool) -> int:
+    """The payload size from which the C `send_frame` leaves a frame to `send_frame` here (returns None):
+    with `crc_after`, those are checksummed slice by slice as they go out."""
+    return SEAL_WHILE_SENDING if crc_after else (1 << 64) - 1  # (no such frame: all sent in C)
+
+
 def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int:
     """Send one frame, sealing it first if its checksum was deferred (see the module docstring); the bytes sent.
 
@@ -116,8 +122,7 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int
     sockets send in C (`_stream.c`) but for that slice by slice case.
     """
     if NATIVE_STREAM is not None and not isinstance(sock, ssl.SSLSocket):
-        large = SEAL_WHILE_SENDING if crc_after else (1 << 64) - 1  # (no such frame: all sent in C)
-        sent: int | None = NATIVE_STREAM.send_frame(sock.fileno(), frame, large, crc32c.crc32c)
+        sent: int | None = NATIVE_STREAM.send_frame(sock.fileno(), frame, c_sends_below(crc_after), crc32c.crc32c)
         if sent is not None:
             return sent
     nbytes = sum(memoryview(b).nbytes for b in frame)
