@@ -382,6 +382,55 @@ read_next(Reader *self)
     return result;
 }
 
+PyDoc_STRVAR(fill_doc,
+"fill() -> bool\n--\n\n"
+"Whether read() has anything to look at (bytes, the stream's end, an error), found out with one system\n"
+"call that, between frames, reads ahead what is there: the read() that follows then needs none. For a\n"
+"waiting reader's busy-poll, in place of a poll: a Ctrl-C that lands in it leaves no frame half taken.");
+
+static PyObject *
+fill(Reader *self, PyObject *unused)
+{
+    if (self->sock == NULL || self->busy || self->broken || self->in_lo < self->in_hi) {
+        Py_RETURN_TRUE; /* (read() says what is wrong, or takes what is read ahead) */
+    }
+    PyObject *fd = PyObject_CallMethod(self->sock, "fileno", NULL);
+    long number = fd == NULL ? -1 : PyLong_AsLong(fd);
+    Py_XDECREF(fd);
+    if (number == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    self->fd = number < INT_MIN || number > INT_MAX ? -1 : (int)number;
+    Py_ssize_t n;
+    if (self->frame != NULL || self->skip_left || self->prefix_got) { /* part way: read() reads into place */
+        uint8_t byte;
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            n = recv(self->fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+            Py_END_ALLOW_THREADS
+            if (n >= 0 || errno != EINTR) {
+                break;
+            }
+            if (PyErr_CheckSignals() < 0) {
+                return NULL;
+            }
+        }
+        return PyBool_FromLong(n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK));
+    }
+    self->busy = 1;
+    n = take(self, NULL, 0, 0); /* (want 0: reads ahead, takes nothing; 0 also when it read some) */
+    self->busy = 0;
+    if (n == -1 && PyErr_ExceptionMatches(PyExc_OSError)) {
+        PyErr_Clear(); /* read() meets the error (or the end it left) and reports it */
+        n = 0;
+    }
+    give_back_inbox(self); /* (only when nothing was read) */
+    if (n == -1) {
+        return NULL; /* a signal's exception (Ctrl-C), or no memory for the read-ahead buffer */
+    }
+    return PyBool_FromLong(n != -2);
+}
+
 PyDoc_STRVAR(skip_doc, "skip(n)\n--\n\nDiscard the next n bytes (the rest of a frame over the limits), then report SKIPPED.");
 
 static PyObject *
@@ -512,6 +561,7 @@ static PyGetSetDef reader_getset[] = {
 static PyMethodDef reader_methods[] = {
     {"read", (PyCFunction)read_event, METH_NOARGS, read_doc},
     {"skip", (PyCFunction)skip, METH_O, skip_doc},
+    {"fill", (PyCFunction)fill, METH_NOARGS, fill_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -146,8 +146,10 @@ class Poller:
             self._selector.register(fd, selectors.EVENT_READ, data)
         self._data[fd] = data
 
-    def unregister(self, fd: int) -> None:
-        """Stop watching `fd` (KeyError if it is not watched)."""
+    def unregister(self, fd: int, data: Any) -> None:
+        """Stop watching `fd` for `data` (KeyError if it is not watched for it: a reused number)."""
+        if fd not in self._data or self._data[fd] is not data:
+            raise KeyError(f"{fd} is not watched for {data!r}")
         del self._data[fd]
         if self._epoll is not None:
             self._epoll.unregister(fd)
@@ -213,7 +215,8 @@ class Reactor:
         self._held: list[_Peer] = []  # peers not read until the table takes the message they hold
         self._scratch = memoryview(bytearray(1 << 20))
         self._inboxes: list[memoryview] = []  # spare read-ahead buffers (only the leading thread touches them)
-        self._leader = threading.Lock()
+        #: held by the thread that leads; an RLock for `_is_owned` (a Ctrl-C may come just after it was taken)
+        self._leader = threading.RLock()
         self._state = threading.Condition()
         self._wanted = 0  # application threads waiting to lead
         self._app_leads = False  # an application thread (not the background one) holds `_leader`
@@ -243,22 +246,24 @@ class Reactor:
                 CHECKSUM_WHILE_RECEIVING,
                 CRC_SLICE,
             )
+        self._peers[peer.fd] = peer  # (first: a leader that reads it and drops it must find it here)
         try:
             if self._closed:
                 raise ValueError("closed")
             # (no TLS bytes can be pending yet: a producer sends nothing until it has read the verdict)
             self._poller.register(peer.fd, peer)
         except (ValueError, KeyError, OSError, RuntimeError):  # the consumer closed during the handshake
+            if self._peers.get(peer.fd) is peer:
+                del self._peers[peer.fd]
             conn.close()
-            return
-        self._peers[peer.fd] = peer
 
     def _drop(self, peer: _Peer, reason: str, level: int) -> None:
         log.log(level, "producer %s: %s", peer.name, reason)
         self._pending.discard(peer)
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self._poller.unregister(peer.fd)
-        self._peers.pop(peer.fd, None)
+        if self._peers.get(peer.fd) is peer:  # (not dropped before: its descriptor's number may be another's now)
+            del self._peers[peer.fd]
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self._poller.unregister(peer.fd, peer)
         peer.conn.close()
 
     # -- leadership -----------------------------------------------------------------------------
@@ -276,11 +281,17 @@ class Reactor:
             if remaining is not None and remaining <= 0:
                 return False
             slice_s = POLL_S if remaining is None else min(remaining, POLL_S)
-            if self._closed or not self._take_lead(slice_s):
+            try:
+                led = not self._closed and self._take_lead(slice_s)
+            except BaseException:  # a Ctrl-C comes out of the call that took the lock, too: give it back
+                if self._leader._is_owned():  # type: ignore[attr-defined]  # (an RLock's, as Condition uses it)
+                    self._leader.release()
+                raise
+            if not led:
                 if done.acquire(timeout=slice_s):
                     return True
                 continue
-            try:  # (straight after taking the lead: a Ctrl-C in between would leave it taken)
+            try:  # (straight after taking the lead: no call in between, so no Ctrl-C)
                 self._app_leads, self._leading = True, threading.get_ident()
                 self._lead(lambda: not done.locked(), time.monotonic() + slice_s, self.spin_s)
             finally:
@@ -293,6 +304,8 @@ class Reactor:
 
         False when another application thread leads: it delivers this thread's tensor too.
         """
+        if self._leading == threading.get_ident():  # (a recv_async callback's recv: the reading thread is busy)
+            return False
         if self._leader.acquire(blocking=False):
             return True
         if self._app_leads:
@@ -360,21 +373,24 @@ class Reactor:
         """The peers (None: the wake-up pipe) with bytes to read, waiting for some until `deadline`.
 
         With `spin_s`, it busy-polls that long before it sleeps: a sleeping thread wakes ~25 µs late.
-        While there is one connection, it busy-polls by reading it: the read that finds a frame is
-        the one that would follow the poll, so a reply costs a system call fewer (~3 µs here). Such a
-        read delivers what it finds, so this returns [] as soon as `stop()` holds or bytes wait.
+        While there is one connection (read in C), it busy-polls by reading ahead from it
+        (`StreamReader.fill`): the read that finds a frame is the one that would follow the poll, so
+        a reply costs a system call fewer (~3 µs here). What it finds is delivered here, so this
+        returns [] as soon as `stop()` holds or bytes wait.
         """
         poll = self._poller.poll
         if self._pending:  # bytes read ahead wait: only a look at the others, as the fair share's turn
             return poll(0.0)
         peers = self._peers
         spin_until = min(time.monotonic() + spin_s, deadline)
-        if spin_s > 0 and len(peers) == 1:
-            lone = next(iter(peers.values()))
+        only = tuple(peers.values()) if spin_s > 0 else ()  # (one step: the listener's thread adds peers)
+        if len(only) == 1 and only[0].reader is not None:
+            lone, fill = only[0], only[0].reader.fill
             while peers.get(lone.fd) is lone and lone.held is None and time.monotonic() < spin_until:
-                self._read(lone, stop)
-                if self._pending or stop():
-                    return []
+                if fill():  # (a Ctrl-C in here leaves no frame half taken: nothing to drop the connection for)
+                    self._read(lone, stop)
+                    if self._pending or stop():
+                        return []
         else:
             events = poll(0.0)
             while not events and time.monotonic() < spin_until:
@@ -603,7 +619,7 @@ class Reactor:
         self._held.append(peer)
         self._pending.discard(peer)
         with contextlib.suppress(KeyError, ValueError, OSError):
-            self._poller.unregister(peer.fd)
+            self._poller.unregister(peer.fd, peer)
 
     def _release_held(self) -> None:
         """Offer held messages to the table again; read their peers again once they are taken."""
@@ -625,6 +641,8 @@ class Reactor:
             peer.incomplete.pop(result.message_id, None)
         elif result.turned_away and peer.turned_away is None:
             peer.turned_away = peer.incomplete.get(result.message_id, peer.frames - 1)
+        if self._peers.get(peer.fd) is not peer:  # dropped while held (an ack failed): nothing left to read
+            return
         try:
             self._poller.register(peer.fd, peer)
         except (KeyError, ValueError, OSError) as exc:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -13,7 +16,9 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus.transports import reactor as reactor_module
 from tensorbus.transports.reactor import Poller
+from tests.conftest import require_native
 
 
 @pytest.mark.parametrize("epoll", [True, False], ids=["epoll", "selectors"])
@@ -36,10 +41,12 @@ def test_the_poller_reports_what_was_registered_with_each_readable_descriptor(
         b.sendall(b"x")
         os.write(w, b"!")
         assert sorted(poller.poll(1.0), key=str) == [None, "a"]
-        poller.unregister(a.fileno())
+        with pytest.raises(KeyError):
+            poller.unregister(a.fileno(), "another")  # a number now another's is left alone
+        poller.unregister(a.fileno(), "a")
         assert poller.poll(0.0) == [None]
         with pytest.raises(KeyError):
-            poller.unregister(a.fileno())
+            poller.unregister(a.fileno(), "a")
         started = time.monotonic()
         os.read(r, 1)
         assert poller.poll(0.05) == [] and time.monotonic() - started >= 0.04  # it waited, then saw nothing
@@ -52,13 +59,15 @@ def test_the_poller_reports_what_was_registered_with_each_readable_descriptor(
 
 
 def counting_polls(consumer: tb.Consumer) -> list[float]:
-    """Record the timeout of every poll the consumer's reader makes from now on."""
+    """Record the timeout of every poll made from now on by this thread (not the background reader's)."""
     reactor = consumer.transport.reactor
     real = reactor._poller.poll
     calls: list[float] = []
+    this_thread = threading.get_ident()
 
     def poll(timeout_s: float) -> list[Any]:
-        calls.append(timeout_s)
+        if threading.get_ident() == this_thread:
+            calls.append(timeout_s)
         return real(timeout_s)
 
     reactor._poller.poll = poll  # type: ignore[method-assign]
@@ -66,6 +75,7 @@ def counting_polls(consumer: tb.Consumer) -> list[float]:
 
 
 def test_with_one_producer_a_waiting_recv_busy_polls_by_reading_the_connection() -> None:
+    require_native(reactor_module.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
     with tb.Consumer("tcp://127.0.0.1:0?spin_s=2.0") as consumer, tb.Producer(consumer.address) as producer:
         producer.send("warm-up", np.zeros(1))
         assert consumer.recv("warm-up", timeout=10)[0] == 0
@@ -113,3 +123,75 @@ def test_a_producer_leaving_during_the_busy_poll_ends_it_and_others_are_served()
         with tb.Producer(consumer.address) as staying:
             staying.send("after", np.ones(1))
             assert consumer.recv("after", timeout=10)[0] == 1.0
+
+
+def test_a_ctrl_c_during_the_busy_poll_keeps_the_idle_connection() -> None:
+    """The spin spends its time reading the one connection; an interrupt there finds no frame half taken."""
+    with tb.Consumer("tcp://127.0.0.1:0?spin_s=0.05") as consumer, tb.Producer(consumer.address) as producer:
+        producer.send("warm-up", np.zeros(1))
+        consumer.recv("warm-up", timeout=10)
+        reader = consumer.transport.reactor
+        (peer,) = reader._peers.values()
+        for trial in range(5):
+            threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(KeyboardInterrupt):
+                consumer.recv("never", timeout=5)
+            assert list(reader._peers.values()) == [peer]  # not dropped: the producer needs no reconnect
+            producer.send(f"after-{trial}", np.full(1, float(trial)))
+            assert consumer.recv(f"after-{trial}", timeout=2)[0] == float(trial)
+
+
+HELD_THEN_GONE = r"""
+import socket, sys
+import numpy as np
+import tensorbus as tb
+from tensorbus.transports.stream import introduce
+path = sys.argv[1]
+def frame(key, value, producer, seq):
+    return bytes(tb.dumps(np.full(1000, value), key=key, message_id=(producer * 16, seq)))
+def connect():
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(path)
+    introduce(sock, None, path)
+    return sock
+a = connect()
+a.shutdown(socket.SHUT_RD)  # A reads nothing more: the consumer's ack after its 2nd frame fails
+a.sendall(frame("a1", 1.0, "a", 1) + frame("a2", 2.0, "a", 2))  # a1 fills the table, a2 is held
+print("A sent", flush=True); sys.stdin.readline()
+a.close()
+# (Linux gives a blocked accept its descriptor when it starts: X takes that one, B then gets A's old number)
+x = connect()
+b = connect()
+b.sendall(frame("b0", 0.0, "b", 1))
+print("B connected", flush=True); sys.stdin.readline()
+b.sendall(frame("b1", 7.0, "b", 2))
+print("B sent b1", flush=True); sys.stdin.readline()
+"""
+
+
+def test_a_producer_dropped_while_held_leaves_alone_the_one_that_got_its_descriptor_number(tmp_path: Any) -> None:
+    path = str(tmp_path / "c.sock")
+    with tb.Consumer(f"unix://{path}?ack_every_frames=2", max_buffered_bytes=4000) as consumer:
+        reactor = consumer.transport.reactor
+        with subprocess.Popen(
+            [sys.executable, "-c", HELD_THEN_GONE, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        ) as child:
+            assert child.stdin is not None and child.stdout is not None
+            assert child.stdout.readline() == "A sent\n"
+            deadline = time.monotonic() + 10
+            while not reactor._held and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (held,) = reactor._held
+            assert held not in reactor._peers.values()  # its ack failed: dropped while it holds a2
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "B connected\n"
+            assert consumer.recv("b0", timeout=5)[0] == 0
+            assert held.fd in reactor._peers  # the number is another producer's now (what this test is about)
+            assert consumer.recv("a1", timeout=5)[0] == 1  # room opens: a2 leaves the hold
+            assert consumer.recv("a2", timeout=5)[0] == 2
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == "B sent b1\n"
+            assert consumer.recv("b1", timeout=5)[0] == 7.0  # B is still read
+            child.stdin.write("\n")

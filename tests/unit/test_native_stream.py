@@ -360,3 +360,35 @@ def test_idle_timer_takes_huge_and_negative_seconds() -> None:
     assert timer.wait(-1) is False  # a timeout already past: one look, not idle
     timer.touch(-5)
     assert timer.wait(0) is True
+
+
+def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames() -> None:
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    limits = (1 << 20, 1 << 30)  # header, payload
+    reader = reactor.READER.StreamReader(ours, *limits, BufferPool(2).take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20)
+    try:
+        assert reader.fill() is False and not reader.inbox_held  # nothing there: no buffer kept either
+        small = bytes(frame.dumps(np.arange(3.0), key="k"))
+        theirs.sendall(small)
+        assert reader.fill() is True and reader.buffered == len(small)  # read ahead: read() needs no system call
+        event = reader.read()
+        assert type(event) is tuple and bytes(event[0]) == small
+        assert reader.fill() is False
+        large = bytes(frame.dumps(np.zeros(200_000), key="big"))
+        theirs.sendall(large[:50_000])
+        assert reader.fill() is True and reader.read() is None and reader.mid_frame
+        assert reader.fill() is False  # part way, nothing more yet: only looked (MSG_PEEK), nothing taken
+        rest = threading.Thread(target=theirs.sendall, args=(large[50_000:],))  # (more than the socket holds)
+        rest.start()
+        deadline = time.monotonic() + 10
+        while not reader.fill() and time.monotonic() < deadline:
+            pass
+        while (event := reader.read()) is None and time.monotonic() < deadline:
+            pass
+        rest.join()
+        assert event is not None and bytes(event[0]) == large
+        theirs.close()
+        assert reader.fill() is True and reader.read() == reactor.READER.END  # the end is something to look at
+    finally:
+        ours.close()
