@@ -116,7 +116,10 @@ class Producer:
 
     def _check_fork(self) -> None:
         """In a forked child: become a producer of its own. With the parent's id its tensors would be
-        dropped as duplicates of the parent's (or its siblings'), and the parent's connection is the parent's."""
+        dropped as duplicates of the parent's (or its siblings'), and the parent's connection is the parent's.
+
+        A fork is counted by Python's at-fork hooks (`os.fork`, multiprocessing): a child made by a raw
+        fork() in C code that skips them, and then runs Python, is not noticed."""
         if self._forks == _forks:
             return
         self.transport.abandon()
