@@ -112,15 +112,16 @@ drop_frame(Reader *self)
     }
 }
 
-/* recv() into `into`: bytes received, 0 at the end of the stream, -2 when none are there yet, -1 on
- * an error (a Python exception is set; signals are handled as socket.recv_into handles them). */
+/* recv() into `into` (with `flags`, e.g. MSG_PEEK): bytes received, 0 at the end of the stream, -2 when
+ * none are there yet, -1 on an error (a Python exception is set; signals are handled as socket.recv_into
+ * handles them). */
 static Py_ssize_t
-receive(Reader *self, uint8_t *into, Py_ssize_t want)
+receive(Reader *self, uint8_t *into, Py_ssize_t want, int flags)
 {
     for (;;) {
         ssize_t n;
         Py_BEGIN_ALLOW_THREADS
-        n = recv(self->fd, into, (size_t)want, 0);
+        n = recv(self->fd, into, (size_t)want, flags);
         Py_END_ALLOW_THREADS
         if (n >= 0) {
             return n;
@@ -145,7 +146,7 @@ take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
 {
     if (self->in_lo == self->in_hi) {
         if (into != NULL && (straight || want >= READ_AHEAD)) {
-            return receive(self, into, want);
+            return receive(self, into, want, 0);
         }
         if (self->inbox == NULL) {
             self->inbox = spare_count ? spare_inboxes[--spare_count] : PyMem_RawMalloc(READ_AHEAD);
@@ -154,7 +155,7 @@ take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
                 return -1;
             }
         }
-        Py_ssize_t n = receive(self, self->inbox, READ_AHEAD);
+        Py_ssize_t n = receive(self, self->inbox, READ_AHEAD, 0);
         if (n <= 0) {
             return n;
         }
@@ -275,6 +276,21 @@ PyDoc_STRVAR(read_doc,
 
 static PyObject *read_next(Reader *self);
 
+/* Take the socket's descriptor afresh (-1 once it is closed: recv then says EBADF); -1 with an exception set
+ * on failure. */
+static int
+refresh_fd(Reader *self)
+{
+    PyObject *fd = PyObject_CallMethod(self->sock, "fileno", NULL);
+    long number = fd == NULL ? -1 : PyLong_AsLong(fd);
+    Py_XDECREF(fd);
+    if (number == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    self->fd = number < INT_MIN || number > INT_MAX ? -1 : (int)number;
+    return 0;
+}
+
 static PyObject *
 read_event(Reader *self, PyObject *unused)
 {
@@ -284,16 +300,9 @@ read_event(Reader *self, PyObject *unused)
                                                                : "StreamReader failed earlier: drop its connection");
         return NULL;
     }
-    PyObject *fd = PyObject_CallMethod(self->sock, "fileno", NULL);
-    if (fd == NULL) {
+    if (refresh_fd(self) < 0) {
         return NULL;
     }
-    long number = PyLong_AsLong(fd);
-    Py_DECREF(fd);
-    if (number == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    self->fd = number < INT_MIN || number > INT_MAX ? -1 : (int)number; /* (-1: closed, recv says EBADF) */
     self->busy = 1;
     PyObject *event = read_next(self);
     self->busy = 0;
@@ -394,31 +403,18 @@ fill(Reader *self, PyObject *unused)
     if (self->sock == NULL || self->busy || self->broken || self->in_lo < self->in_hi) {
         Py_RETURN_TRUE; /* (read() says what is wrong, or takes what is read ahead) */
     }
-    PyObject *fd = PyObject_CallMethod(self->sock, "fileno", NULL);
-    long number = fd == NULL ? -1 : PyLong_AsLong(fd);
-    Py_XDECREF(fd);
-    if (number == -1 && PyErr_Occurred()) {
+    if (refresh_fd(self) < 0) {
         return NULL;
     }
-    self->fd = number < INT_MIN || number > INT_MAX ? -1 : (int)number;
     Py_ssize_t n;
+    self->busy = 1;
     if (self->frame != NULL || self->skip_left || self->prefix_got) { /* part way: read() reads into place */
         uint8_t byte;
-        for (;;) {
-            Py_BEGIN_ALLOW_THREADS
-            n = recv(self->fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-            Py_END_ALLOW_THREADS
-            if (n >= 0 || errno != EINTR) {
-                break;
-            }
-            if (PyErr_CheckSignals() < 0) {
-                return NULL;
-            }
-        }
-        return PyBool_FromLong(n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK));
+        n = receive(self, &byte, 1, MSG_PEEK); /* (only looks) */
     }
-    self->busy = 1;
-    n = take(self, NULL, 0, 0); /* (want 0: reads ahead, takes nothing; 0 also when it read some) */
+    else {
+        n = take(self, NULL, 0, 0); /* (want 0: reads ahead, takes nothing; 0 also when it read some) */
+    }
     self->busy = 0;
     if (n == -1 && PyErr_ExceptionMatches(PyExc_OSError)) {
         PyErr_Clear(); /* read() meets the error (or the end it left) and reports it */
