@@ -145,30 +145,19 @@ class Producer:
             if transport.send_ndarray(tensor, key, metadata, message_id, flags):
                 return message_id
         transport.wait_for_room()
+        options = {
+            "key": key,
+            "metadata": metadata,
+            "compression": self.compression,
+            "checksum": self.checksum,
+            "message_id": message_id,
+            "signing_key": self.signing_key,
+        }
         limit = transport.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            frame = encode(
-                tensor,
-                key=key,
-                metadata=metadata,
-                compression=self.compression,
-                checksum=self.checksum,
-                message_id=message_id,
-                signing_key=self.signing_key,
-                deferred_checksum=transport.seals_frames,
-            )
-            transport.send(frame, key=key)
+            transport.send(encode(tensor, **options, deferred_checksum=transport.seals_frames), key=key)
             return message_id
-        parts = encode_chunks(
-            tensor,
-            max_chunk_bytes=limit,
-            key=key,
-            metadata=metadata,
-            compression=self.compression,
-            checksum=self.checksum,
-            message_id=message_id,
-            signing_key=self.signing_key,
-        )
+        parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
         sent = 0
         try:
             for part in parts:
