@@ -31,6 +31,7 @@ def extension(name: str, **options: object) -> Extension:
 setup(
     ext_modules=[
         extension("tensorbus.codec._native", include_dirs=[numpy.get_include()]),
+        extension("tensorbus.codec._crc"),
         extension("tensorbus.transports._stream"),
     ]
 )

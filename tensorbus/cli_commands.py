@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 
 from .api import Consumer, Producer
 from .codec import SparseTensor
 from .codec.frame import PREFIX, Message, _unpack_header, frame_length, parse
+from .codec.native import crc32c
 from .errors import BadMagic, CodecError, ConfigError, Timeout, TruncatedFrame, brief
 from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
@@ -34,10 +34,10 @@ def _describe(tensor: Any) -> str:
 
 def _checksum(tensor: Any) -> int:
     if isinstance(tensor, dict):
-        return crc32c.crc32c(b"".join(np.ascontiguousarray(a).tobytes() for a in tensor.values()))
+        return crc32c(b"".join(np.ascontiguousarray(a).tobytes() for a in tensor.values()))
     if isinstance(tensor, SparseTensor):
-        return crc32c.crc32c(tensor.indices.tobytes() + tensor.values.tobytes())
-    return crc32c.crc32c(np.ascontiguousarray(tensor).tobytes())
+        return crc32c(tensor.indices.tobytes() + tensor.values.tobytes())
+    return crc32c(np.ascontiguousarray(tensor).tobytes())
 
 
 def _demo_tensors() -> dict[str, Any]:

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
 import msgpack
 
 from ..buffers import BufferPool
@@ -40,6 +39,7 @@ from .frame import (
     seal_with_crc,
     split_checksum,
 )
+from .native import crc32c
 from .tensors import align
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def encode_chunks(
     for index, run in enumerate(runs):
         crc, tail = 0, run[1:] if index == 0 else run
         for part in tail:
-            crc = crc32c.crc32c(part, crc)
+            crc = crc32c(part, crc)
         tails.append((crc, sum(len(part) for part in tail)))
     frame_crc = checksum_of(head)
     for crc, length in tails:
@@ -170,7 +170,7 @@ def encode_chunks(
     chunks: list[list[Buffer]] = []
     for index, (run, (crc, length)) in enumerate(zip(runs, tails, strict=True)):
         if index == 0:  # its slice is the head (CRC now filled in), then the first bytes of the payload
-            crc, length = combine(crc32c.crc32c(head), crc, length), length + len(head)
+            crc, length = combine(crc32c(head), crc, length), length + len(head)
         chunk_head = frame_head(chunk_header(key, message_id, index, len(runs), total, stride), length, flags)
         seal_with_crc(chunk_head, crc, length)
         chunks.append([bytes(chunk_head), *run])

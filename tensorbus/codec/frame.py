@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import crc32c
 import msgpack
 import numpy as np
 
@@ -27,7 +26,7 @@ from ..errors import (
 from ..keys import check_key
 from .compression import compress, decompress
 from .crc import combine, uncombine
-from .native import NATIVE, agrees
+from .native import NATIVE, agrees, crc32c
 from .tensors import ALIGN, align, flatten, rebuild
 from .torch_bridge import to_like
 
@@ -170,7 +169,7 @@ def write_crc(head: bytearray, body: Sequence[Buffer]) -> None:
     """Write the CRC32C over prefix, header and payload into the CRC field of `head`."""
     crc = checksum_of(head)
     for part in body:
-        crc = crc32c.crc32c(part, crc)
+        crc = crc32c(part, crc)
     struct.pack_into("<I", head, CRC_AT, crc)
 
 
@@ -319,7 +318,7 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
 def checksum_of(data: Buffer) -> int:
     """CRC32C of what a frame's checksum covers, over the frame (or its head) in `data`: all but bytes 20-23."""
     view = memoryview(data)
-    return crc32c.crc32c(view[PREFIX.size :], crc32c.crc32c(view[:CRC_AT]))
+    return crc32c(view[PREFIX.size :], crc32c(view[:CRC_AT]))
 
 
 def payload_crcs(payload: memoryview, whole: int | None = None) -> tuple[int, int | None]:
@@ -331,11 +330,11 @@ def payload_crcs(payload: memoryview, whole: int | None = None) -> tuple[int, in
     already), only the 24 bytes of that prefix are read.
     """
     if len(payload) < PREFIX.size:
-        return (crc32c.crc32c(payload) if whole is None else whole), None
-    before, field = crc32c.crc32c(payload[:CRC_AT]), crc32c.crc32c(payload[CRC_AT : PREFIX.size])
+        return (crc32c(payload) if whole is None else whole), None
+    before, field = crc32c(payload[:CRC_AT]), crc32c(payload[CRC_AT : PREFIX.size])
     head, rest = combine(before, field, 4), len(payload) - PREFIX.size
     if whole is None:
-        after = crc32c.crc32c(payload[PREFIX.size :])
+        after = crc32c(payload[PREFIX.size :])
         whole = combine(head, after, rest)
     else:
         after = uncombine(whole, head, rest)

@@ -33,8 +33,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import crc32c
-
 from ..buffers import POOLED_FROM, BufferPool
 from ..codec.frame import (
     CRC_AT,
@@ -48,6 +46,7 @@ from ..codec.frame import (
     MessageId,
     frame_length,
 )
+from ..codec.native import crc32c
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
 from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER, NATIVE_STREAM
@@ -241,7 +240,7 @@ class Reactor:
                 self.limits.max_header_bytes,
                 self.limits.max_payload_bytes,
                 self.pool.take,
-                crc32c.crc32c,
+                crc32c,
                 POOLED_FROM,
                 CHECKSUM_WHILE_RECEIVING,
                 CRC_SLICE,
@@ -541,7 +540,7 @@ class Reactor:
             end = min(peer.got + CRC_SLICE, peer.total) if peer.crc is not None else peer.total
             n = self._take(peer, frame[peer.got : end])
             if peer.crc is not None and peer.got < peer.crc_end:
-                peer.crc = crc32c.crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
+                peer.crc = crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
             peer.got += n
         if peer.crc_after:  # its CRC came after it: put it where `encode` puts it
             end = peer.total - CRC_TRAILER.size
@@ -581,7 +580,7 @@ class Reactor:
         peer.frame, peer.got, peer.total, peer.crc = frame, PREFIX.size, total + trailer, None
         if total >= CHECKSUM_WHILE_RECEIVING and prefix[5] & FLAG_CHECKSUM:
             peer.crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
-            peer.crc = crc32c.crc32c(prefix[:CRC_AT])
+            peer.crc = crc32c(prefix[:CRC_AT])
         return True
 
     def _skip_length(self, prefix: Buffer, trailer: int) -> int:

@@ -25,11 +25,11 @@ import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-import crc32c
 import numpy as np
 
 from ..buffers import BufferPool
 from ..codec.frame import NATIVE, Buffer, Limits, MessageId, flat_bytes
+from ..codec.native import crc32c
 from ..errors import Closed, ConfigError, TransportError
 from ..options import finite_timeout
 from .base import Deliver, Transport, backoff_s
@@ -233,7 +233,7 @@ class SocketTransport(Transport):
             sent: int | None = None
             if sock is not None:
                 try:
-                    sent = c_send(sock.fileno(), frame, self._c_sends_below, crc32c.crc32c)
+                    sent = c_send(sock.fileno(), frame, self._c_sends_below, crc32c)
                 except BaseException as exc:
                     sent = self._send_retrying(frame, exc)
             self._book(frame, self._send_retrying(frame) if sent is None else sent)

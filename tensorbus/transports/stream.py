@@ -28,8 +28,6 @@ import ssl
 import struct
 from types import ModuleType
 
-import crc32c
-
 from ..codec.frame import (
     CRC_AT,
     FLAG_CHECKSUM,
@@ -41,7 +39,7 @@ from ..codec.frame import (
     checksum_of,
     write_crc,
 )
-from ..codec.native import agrees, load
+from ..codec.native import agrees, crc32c, load
 from ..codec.tensors import ALIGN
 from ..errors import TransportError
 
@@ -122,7 +120,7 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int
     sockets send in C (`_stream.c`) but for that slice by slice case.
     """
     if NATIVE_STREAM is not None and not isinstance(sock, ssl.SSLSocket):
-        sent: int | None = NATIVE_STREAM.send_frame(sock.fileno(), frame, c_sends_below(crc_after), crc32c.crc32c)
+        sent: int | None = NATIVE_STREAM.send_frame(sock.fileno(), frame, c_sends_below(crc_after), crc32c)
         if sent is not None:
             return sent
     nbytes = sum(memoryview(b).nbytes for b in frame)
@@ -143,7 +141,7 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int
         part = memoryview(buffer).cast("B")
         for at in range(0, len(part), SEAL_SLICE):
             piece = part[at : at + SEAL_SLICE]
-            crc = crc32c.crc32c(piece, crc)
+            crc = crc32c(piece, crc)
             batch.append(piece)
             batched += len(piece)
             if batched >= SEAL_SLICE:

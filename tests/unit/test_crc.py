@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+from pathlib import Path
 
 import crc32c
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tensorbus as tb
-from tensorbus.codec import chunking, frame
+from tensorbus.codec import chunking, frame, native
 from tensorbus.codec.crc import _ONE, _multmodp, _shift_operator, combine
 from tensorbus.codec.frame import CRC_AT
 
@@ -69,11 +70,11 @@ def test_encode_chunks_with_compression_or_signing_or_no_checksum_matches_too() 
 
 
 class CountingCrc:
-    """Wraps crc32c.crc32c to count the bytes it reads."""
+    """Wraps tensorbus's crc32c to count the bytes it reads."""
 
     def __init__(self) -> None:
         self.bytes = 0
-        self._crc = crc32c.crc32c
+        self._crc = native.crc32c
 
     def __call__(self, data: object, value: int = 0) -> int:
         self.bytes += memoryview(data).nbytes
@@ -84,7 +85,7 @@ def test_a_chunked_tensor_is_checksummed_once_when_sent_and_once_when_received(m
     tensor = np.random.default_rng(0).random(1 << 20)  # 8 MiB in 1 MiB chunks
     counter = CountingCrc()
     for module in (frame, chunking):
-        monkeypatch.setattr(module.crc32c, "crc32c", counter)
+        monkeypatch.setattr(module, "crc32c", counter)
     chunks = tb.codec.encode_chunks(tensor, max_chunk_bytes=1 << 20, key="k", message_id=("p", 1))
     assert len(chunks) == 9 and counter.bytes < tensor.nbytes * 1.01
     counter.bytes = 0
@@ -111,7 +112,7 @@ def test_a_chunk_whose_crc_was_computed_while_receiving_is_not_read_again(monkey
     received = [frame.checksum_of(c) for c in chunks]  # what the socket reader computed, slice by slice
     counter = CountingCrc()
     for module in (frame, chunking):
-        monkeypatch.setattr(module.crc32c, "crc32c", counter)
+        monkeypatch.setattr(module, "crc32c", counter)
     reassembler = tb.Reassembler()
     results = [reassembler.feed(c, crc=crc) for c, crc in zip(chunks, received, strict=True)]
     assert counter.bytes < tensor.nbytes * 0.01
@@ -152,3 +153,13 @@ def test_small_chunks_and_signed_chunks_still_reassemble() -> None:
         reassembler = tb.Reassembler(signing_key=options.get("signing_key"))
         results = [reassembler.feed(b"".join(c)) for c in reversed(chunks)]
         np.testing.assert_array_equal(results[-1].tensor, tensor)
+
+
+def test_tensorbus_checksums_with_the_folding_crc_where_the_cpu_has_it() -> None:
+    folding = native.load("tensorbus.codec._crc")
+    folds = folding is not None and bool(folding.ACCELERATED)
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " vpclmulqdq" in cpu and " avx2" in cpu and native.enabled():
+        assert folds, "this CPU can fold but the extension is not built or not used"
+    assert native.crc32c is (folding.crc32c if folds else crc32c.crc32c)
+    assert frame.crc32c is native.crc32c and chunking.crc32c is native.crc32c

@@ -388,4 +388,4 @@ def test_frames_of_other_kinds_are_not_checksummed_twice() -> None:
         assert fast_decode(plain) is not None
         assert sum(calls) == len(plain) - 4  # every byte but the CRC field's, once
     finally:
-        NATIVE.configure(native._resolved(), native.describe, crc32c.crc32c)
+        NATIVE.configure(native._resolved(), native.describe, native.crc32c)
