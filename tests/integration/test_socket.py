@@ -143,6 +143,7 @@ def test_flush_waits_for_acks_and_unacked_frames_are_resent_after_a_consumer_res
     threading.Timer(1.0, lambda: replacement.append(tb.Consumer(address))).start()
     send_numbered(producer, range(5, 10))  # the first may vanish into the dead socket's buffer
     producer.flush(20)
+    wait_for(lambda: replacement, 10, "the replacement consumer")  # (flush may beat the Timer's append)
     received = {i: replacement[0].recv(f"a{i}", timeout=10)[0] for i in range(5, 10)}
     assert received == {i: i for i in range(5, 10)}
     producer.close()
@@ -314,8 +315,10 @@ def test_acks_flow_while_the_application_is_not_receiving() -> None:
 
 def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:
     # a thread hand-off costs about a process wake-up here: the waiting thread reads for itself
+    # (linger_s longer than the default 1 ms: a test thread preempted between its recv and its next
+    # send would otherwise let the background reader lead, on a loaded machine)
     readers: list[str] = []
-    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+    with tb.Consumer("tcp://127.0.0.1:0?linger_s=0.2") as consumer, tb.Producer(consumer.address) as producer:
         deliver = consumer._deliver
 
         def spy(frame: Any, crc: Any = None, **options: Any) -> Any:

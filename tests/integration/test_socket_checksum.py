@@ -127,6 +127,7 @@ def test_a_large_tensor_sent_again_after_a_consumer_restart_arrives_intact() -> 
     for i in range(3):
         producer.send(f"big{i}", BIG + i)
     producer.flush(30)
+    wait_for(lambda: replacement, 10, "the replacement consumer")  # (flush may beat the Timer's append)
     for i in range(3):
         np.testing.assert_array_equal(replacement[0].recv(f"big{i}", timeout=20), BIG + i)
     assert replacement[0].stats["rejected"] == 0
