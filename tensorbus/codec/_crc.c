@@ -27,23 +27,28 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_FOLD 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
 #define HAVE_FOLD 0
 #endif
 
-#define FOLD_FROM 256            /* shorter: the crc32 instruction alone is as fast */
+#define FOLD_FROM 256            /* shorter: the crc32 instruction alone is as fast (and folding needs 128) */
 #define RELEASE_GIL_FROM 32768   /* the crc32c package's choice too */
 
 #if HAVE_FOLD
 #define TARGET __attribute__((target("sse4.2,avx2,pclmul,vpclmulqdq")))
 
-/* x^1087 and x^1023 modulo P, bit-reflected, in the upper half of a 64-bit word */
-static const uint64_t K_LO = 0x6577b24500000000ULL, K_HI = 0x7417153f00000000ULL;
 #define POLY 0x82F63B78u         /* P, bit-reflected */
 #define BLOCK 65536              /* crc_block's bytes: half folded, half in four crc32 streams */
-#define STREAM (BLOCK / 8)       /* one of those streams */
-static uint32_t g_skip;          /* x^(8 * STREAM - 33) modulo P */
+#define STREAM (BLOCK / 2 / 4)   /* one of those streams */
+_Static_assert(FOLD_FROM >= 128 && FOLD_FROM <= BLOCK, "crc_lanes reads 128 bytes before it looks at n");
+
+/* set once, at import (x_to_the): the fold's x^1087 and x^1023 modulo P, bit-reflected in the upper
+ * half of a 64-bit word (the low, then the high half of a lane is multiplied by them), and the
+ * join's x^(8 * STREAM - 33) */
+static uint64_t g_fold_lo, g_fold_hi;
+static uint32_t g_skip;
 
 static inline uint64_t
 load64(const uint8_t *p)
@@ -111,7 +116,8 @@ lanes_crc(const Lanes *l)
     return crc_bytes(0, bytes, sizeof bytes);
 }
 
-#define FOLD_CONSTANTS _mm256_set_epi64x((long long)K_HI, (long long)K_LO, (long long)K_HI, (long long)K_LO)
+#define FOLD_CONSTANTS \
+    _mm256_set_epi64x((long long)g_fold_hi, (long long)g_fold_lo, (long long)g_fold_hi, (long long)g_fold_lo)
 
 /* the CRC register after 128 bytes or more, by folding alone */
 TARGET static uint32_t
@@ -134,9 +140,15 @@ skip_stream(uint32_t r)
     return (uint32_t)_mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(product));
 }
 
-#define CRC4(s, q) \
-    s = _mm_crc32_u64(s, load64(q)); s = _mm_crc32_u64(s, load64((q) + 8)); \
-    s = _mm_crc32_u64(s, load64((q) + 16)); s = _mm_crc32_u64(s, load64((q) + 24))
+/* the crc32 instruction's register after 32 more bytes */
+TARGET static inline uint64_t
+crc32_bytes(uint64_t state, const uint8_t *p)
+{
+    state = _mm_crc32_u64(state, load64(p));
+    state = _mm_crc32_u64(state, load64(p + 8));
+    state = _mm_crc32_u64(state, load64(p + 16));
+    return _mm_crc32_u64(state, load64(p + 24));
+}
 
 /* The CRC register after one BLOCK: its first half folded while the crc32 instruction reads its
  * second half as four streams, in the same loop (the two run on different units; each alone does
@@ -148,15 +160,15 @@ crc_block(uint32_t state, const uint8_t *p)
     const uint8_t *c = p + BLOCK / 2;
     Lanes l = lanes_start(state, p);
     uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    for (size_t i = 1; i <= BLOCK / 256; i++) {
-        const uint8_t *o = c + 32 * (i - 1);
-        if (i < BLOCK / 256) {  /* (the lanes started with the first 128 bytes: one fold fewer) */
+    for (size_t i = 0; i < STREAM / 32; i++) {
+        if (i) {  /* (lanes_start took the first 128 bytes) */
             lanes_fold(&l, k, p + 128 * i);
         }
-        CRC4(s0, o);
-        CRC4(s1, o + STREAM);
-        CRC4(s2, o + 2 * STREAM);
-        CRC4(s3, o + 3 * STREAM);
+        const uint8_t *o = c + 32 * i;
+        s0 = crc32_bytes(s0, o);
+        s1 = crc32_bytes(s1, o + STREAM);
+        s2 = crc32_bytes(s2, o + 2 * STREAM);
+        s3 = crc32_bytes(s3, o + 3 * STREAM);
     }
     uint32_t r = lanes_crc(&l);
     r = skip_stream(r) ^ (uint32_t)s0;
@@ -186,37 +198,41 @@ x_to_the(unsigned n)
     return p;
 }
 
+/* SSE4.2, PCLMULQDQ, AVX2 and VPCLMULQDQ, and an OS that saves the ymm registers (OSXSAVE, and
+ * XCR0's SSE and AVX bits): asked of the CPU itself, the same under any compiler */
 static int
 cpu_folds(void)
 {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("vpclmulqdq");
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_SSE4_2) || !(c & bit_PCLMUL) || !(c & bit_OSXSAVE) ||
+        !(c & bit_AVX)) {
+        return 0;
+    }
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+        return 0;
+    }
+    return (b & bit_AVX2) && (c & (1u << 10));  /* CPUID.7.0:ECX bit 10 is VPCLMULQDQ */
 }
 #endif
 
 static int g_accelerated = 0;
 
 PyDoc_STRVAR(crc32c_doc,
-"crc32c(data, value=0)\n--\n\n"
+"crc32c(data, value=0, gil_release_mode=-1)\n--\n\n"
 "CRC32C of `data` (any C-contiguous buffer), continuing from the CRC `value` of what came before:\n"
-"crc32c.crc32c's answers and call. Only when ACCELERATED (else RuntimeError).");
+"crc32c.crc32c's answers and call (gil_release_mode: -1 from 32 KiB, 0 never, 1 always). Only\n"
+"when ACCELERATED (else RuntimeError).");
 
 static PyObject *
 crc32c(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"data", "value", NULL};
+    static char *names[] = {"data", "value", "gil_release_mode", NULL};
     Py_buffer data;
-    PyObject *given = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|O!:crc32c", names, &data, &PyLong_Type, &given)) {
-        return NULL;
-    }
-    unsigned long long value = given == NULL ? 0 : PyLong_AsUnsignedLongLong(given);  /* negative: OverflowError */
-    if (value > 0xFFFFFFFFULL) {
-        PyBuffer_Release(&data);
-        if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_ValueError, "crc32c: value %llu is not a 32-bit CRC", value);
-        }
+    unsigned int value = 0;  /* "I": masked to 32 bits, as the package takes it (-1 is 0xFFFFFFFF) */
+    int gil_release_mode = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|Ii:crc32c", names, &data, &value, &gil_release_mode)) {
         return NULL;
     }
     if (!g_accelerated) {
@@ -226,7 +242,7 @@ crc32c(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     uint32_t state = ~(uint32_t)value;
 #if HAVE_FOLD
-    if (data.len >= RELEASE_GIL_FROM) {
+    if (gil_release_mode > 0 || (gil_release_mode < 0 && data.len >= RELEASE_GIL_FROM)) {
         Py_BEGIN_ALLOW_THREADS
         state = crc_fold(state, data.buf, (size_t)data.len);
         Py_END_ALLOW_THREADS
@@ -257,6 +273,8 @@ PyInit__crc(void)
     }
 #if HAVE_FOLD
     g_accelerated = cpu_folds();
+    g_fold_lo = (uint64_t)x_to_the(1087) << 32;
+    g_fold_hi = (uint64_t)x_to_the(1023) << 32;
     g_skip = x_to_the(8 * STREAM - 33);
 #endif
     if (PyModule_AddIntConstant(m, "ACCELERATED", g_accelerated) < 0 ||
