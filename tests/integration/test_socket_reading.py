@@ -19,6 +19,7 @@ import tensorbus as tb
 from tensorbus.transports import reactor as reactor_module
 from tensorbus.transports.reactor import Poller
 from tests.conftest import require_native
+from tests.faults import wait_for
 
 
 @pytest.mark.parametrize("epoll", [True, False], ids=["epoll", "selectors"])
@@ -183,11 +184,7 @@ def test_a_producer_dropped_while_held_leaves_alone_the_one_that_got_its_descrip
             assert child.stdin is not None and child.stdout is not None
             assert child.stdout.readline() == "A sent\n"
             # a2 is held first, then the ack after it fails and drops A: wait for both
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not (
-                reactor._held and reactor._held[0] not in reactor._peers.values()
-            ):
-                time.sleep(0.01)
+            wait_for(lambda: reactor._held and reactor._held[0] not in reactor._peers.values(), 10, "A held, dropped")
             (held,) = reactor._held
             assert held not in reactor._peers.values()  # its ack failed: dropped while it holds a2
             child.stdin.write("\n")
