@@ -136,8 +136,7 @@ class Producer:
         """Encode and send one tensor (ndarray, SparseTensor, dict bundle, torch tensor) under `key`."""
         if self._closed:
             raise Closed("send on a closed Producer")
-        if self._forks != _forks:
-            self._check_fork()
+        self._check_fork()
         message_id = (self.producer_id, next(self._sequence))
         transport = self.transport
         flags = self._plain_flags  # most sends: one plain ndarray, built and sent in C where the transport can
