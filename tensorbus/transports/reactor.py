@@ -142,7 +142,7 @@ class Poller:
             self._epoll.register(fd, select.EPOLLIN)
         else:
             assert self._selector is not None
-            self._selector.register(fd, selectors.EVENT_READ, data)
+            self._selector.register(fd, selectors.EVENT_READ)
         self._data[fd] = data
 
     def unregister(self, fd: int, data: Any) -> None:
@@ -158,11 +158,11 @@ class Poller:
 
     def poll(self, timeout_s: float) -> list[Any]:
         """What was registered with each descriptor readable within `timeout_s` (0: now)."""
+        data = self._data
         if self._epoll is not None:
-            data = self._data
             return [data[fd] for fd, _ in self._epoll.poll(timeout_s) if fd in data]
         assert self._selector is not None
-        return [key.data for key, _ in self._selector.select(timeout_s)]
+        return [data[key.fd] for key, _ in self._selector.select(timeout_s)]
 
     def close(self) -> None:
         if self._epoll is not None:
