@@ -142,7 +142,7 @@ skip_stream(uint32_t r)
 
 /* the crc32 instruction's register after 32 more bytes */
 TARGET static inline uint64_t
-crc32_bytes(uint64_t state, const uint8_t *p)
+crc_next32(uint64_t state, const uint8_t *p)
 {
     state = _mm_crc32_u64(state, load64(p));
     state = _mm_crc32_u64(state, load64(p + 8));
@@ -165,10 +165,10 @@ crc_block(uint32_t state, const uint8_t *p)
             lanes_fold(&l, k, p + 128 * i);
         }
         const uint8_t *o = c + 32 * i;
-        s0 = crc32_bytes(s0, o);
-        s1 = crc32_bytes(s1, o + STREAM);
-        s2 = crc32_bytes(s2, o + 2 * STREAM);
-        s3 = crc32_bytes(s3, o + 3 * STREAM);
+        s0 = crc_next32(s0, o);
+        s1 = crc_next32(s1, o + STREAM);
+        s2 = crc_next32(s2, o + 2 * STREAM);
+        s3 = crc_next32(s3, o + 3 * STREAM);
     }
     uint32_t r = lanes_crc(&l);
     r = skip_stream(r) ^ (uint32_t)s0;
