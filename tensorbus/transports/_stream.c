@@ -43,6 +43,9 @@
  * holds unread bytes */
 #define READ_AHEAD (1 << 20)
 #define SPARE_INBOXES 4
+/* frames from this size wait for recv_lowat bytes at a time (see set_lowat); 1 MB ones gained nothing
+ * measurable (0.81-0.85x a bare socket against 0.84-0.91x, within the noise), so they are left alone */
+#define LOWAT_FROM (4 << 20)
 
 /* what read() returns besides a frame (a tuple) and None (no more bytes for now) */
 enum { ACK_REQUEST = 1, SKIPPED = 2, CHECK_PREFIX = 3, END = 4 };
@@ -73,6 +76,7 @@ typedef struct {
     unsigned long crc;
     uint64_t skip_left;
     Py_ssize_t last_total;
+    int recv_lowat, lowat; /* SO_RCVLOWAT for large frames (0: never set), and the socket's now */
 } Reader;
 
 static inline uint32_t
@@ -254,12 +258,35 @@ prefix_ok(const Reader *self)
            le32(p + 8) <= self->max_header && le64(p + 12) <= self->max_payload;
 }
 
+/* How many bytes the kernel gathers before the socket counts as readable (SO_RCVLOWAT; TCP only, as
+ * epoll honours it only there). Waiting in the middle of a large frame, `recv_lowat`: the reader wakes
+ * once per that many bytes instead of once per loopback packet (64 KiB): bare sockets streaming 16 MB
+ * measured 1.07-1.23x the throughput with 256 KiB, and 1 MiB was no better and less steady. Never more than the frame still owes: those bytes come, or the stream
+ * ends, which wakes the reader anyway. Back to 1 byte at the frame's end, so nothing smaller ever waits
+ * for bytes that may not come. 0 with an exception set on failure. */
+static int
+set_lowat(Reader *self, int bytes)
+{
+    if (!self->recv_lowat || bytes == self->lowat) {
+        return 1;
+    }
+    if (setsockopt(self->fd, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof bytes) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return 0;
+    }
+    self->lowat = bytes;
+    return 1;
+}
+
 /* The end of the stream (n == 0), no bytes yet (n == -2: None) or an error (NULL) as read() returns it. */
 static PyObject *
 stopped(Reader *self, Py_ssize_t n)
 {
     if (n == -2) {
-        Py_RETURN_NONE;
+        int wake_after = self->frame != NULL && self->total >= LOWAT_FROM && self->total - self->got >= self->recv_lowat
+                             ? self->recv_lowat
+                             : 1;
+        return set_lowat(self, wake_after) ? Py_NewRef(Py_None) : NULL;
     }
     if (n == 0) {
         return PyLong_FromLong(END);
@@ -377,6 +404,10 @@ read_next(Reader *self)
     else {
         Py_INCREF(view);
     }
+    if (!set_lowat(self, 1)) { /* (the connection is dropped: the producer sends this frame again) */
+        Py_DECREF(view);
+        return NULL;
+    }
     PyObject *crc = self->crc_on ? PyLong_FromUnsignedLong(self->crc) : Py_NewRef(Py_None);
     self->last_total = self->total;
     drop_frame(self); /* the next frame starts afresh, whatever the caller does with this one */
@@ -460,12 +491,13 @@ static int
 reader_init(Reader *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"sock", "max_header_bytes", "max_payload_bytes", "take_buffer", "crc32c",
-                            "pooled_from", "checksum_from", "crc_slice", NULL};
+                            "pooled_from", "checksum_from", "crc_slice", "recv_lowat", NULL};
     PyObject *sock, *header_limit, *payload_limit, *take_buffer, *crc;
     Py_ssize_t pooled_from, checksum_from, crc_slice;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOnnn:StreamReader", names, &sock, &PyLong_Type, &header_limit,
-                                     &PyLong_Type, &payload_limit, &take_buffer, &crc, &pooled_from, &checksum_from,
-                                     &crc_slice)) {
+    int recv_lowat = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!OOnnn|i:StreamReader", names, &sock, &PyLong_Type,
+                                     &header_limit, &PyLong_Type, &payload_limit, &take_buffer, &crc, &pooled_from,
+                                     &checksum_from, &crc_slice, &recv_lowat)) {
         return -1;
     }
     if (self->sock != NULL) {
@@ -483,7 +515,7 @@ reader_init(Reader *self, PyObject *args, PyObject *kwargs)
         max_payload = UINT64_MAX;
     }
     if (crc_slice < 1 || crc_slice > (1 << 30) || pooled_from < 0 || checksum_from < 0 || max_header > UINT32_MAX ||
-        max_payload > (1ULL << 62)) {
+        max_payload > (1ULL << 62) || recv_lowat < 0) {
         PyErr_SetString(PyExc_ValueError, "StreamReader: a limit or size out of range (frame.Limits.native)");
         return -1;
     }
@@ -491,6 +523,7 @@ reader_init(Reader *self, PyObject *args, PyObject *kwargs)
     self->fd = -1;
     self->max_header = max_header, self->max_payload = max_payload;
     self->pooled_from = pooled_from, self->checksum_from = checksum_from, self->crc_slice = crc_slice;
+    self->recv_lowat = recv_lowat, self->lowat = 1;
     Py_XSETREF(self->take_buffer, Py_NewRef(take_buffer));
     Py_XSETREF(self->crc32c, Py_NewRef(crc));
     return 0;
@@ -566,7 +599,8 @@ static PyTypeObject ReaderType = {
     .tp_basicsize = sizeof(Reader),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = PyDoc_STR("StreamReader(sock, max_header_bytes, max_payload_bytes, take_buffer, crc32c, pooled_from, "
-                        "checksum_from, crc_slice)\n--\n\nFrames off one non-blocking stream socket (see _stream.c)."),
+                        "checksum_from, crc_slice, recv_lowat=0)\n--\n\nFrames off one non-blocking stream socket (see _stream.c); "
+                        "recv_lowat: SO_RCVLOWAT while waiting in a large frame (TCP only; 0: never set)."),
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)reader_init,
     .tp_dealloc = (destructor)reader_dealloc,

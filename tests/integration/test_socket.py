@@ -313,6 +313,40 @@ def test_acks_flow_while_the_application_is_not_receiving() -> None:
         assert len(consumer.table) == 100
 
 
+def _send_soon(producer: tb.Producer, key: str, tensor: np.ndarray, delay_s: float = 0.2) -> threading.Timer:
+    """Send from another thread after `delay_s`: a recv called meanwhile leads, and reads it itself."""
+    timer = threading.Timer(delay_s, producer.send, (key, tensor))
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "unix"])
+def test_after_a_large_tensor_the_next_arrives_while_the_application_works(scheme: str, tmp_path: Any) -> None:
+    # linger_s keeps the background reader out for a minute after a recv; after a tensor of
+    # OVERLAP_FROM bytes it takes over at once, so the next one is read while no recv waits
+    where = f"unix://{tmp_path}/c.sock" if scheme == "unix" else "tcp://127.0.0.1:0"
+    large = np.arange(reactor.OVERLAP_FROM // 8, dtype=np.float64)
+    with tb.Consumer(f"{where}?linger_s=60") as consumer, tb.Producer(consumer.address) as producer:
+        first = _send_soon(producer, "first", large)
+        assert same(consumer.recv("first", timeout=10), large)  # (read by this thread: it waited first)
+        first.join()
+        second = _send_soon(producer, "second", large + 1, delay_s=0)
+        wait_for(lambda: len(consumer.table) == 1, 10, "the second tensor, read with no recv waiting")
+        second.join()
+        assert same(consumer.recv("second", timeout=0), large + 1)
+
+
+def test_after_a_small_tensor_the_application_keeps_the_lead_for_linger_s() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
+        first = _send_soon(producer, "first", np.arange(10))
+        assert same(consumer.recv("first", timeout=10), np.arange(10))  # (read by this thread: it waited first)
+        first.join()
+        producer.send("second", np.arange(20))
+        time.sleep(0.5)  # the background reader would have read it by now, were it not kept out
+        assert len(consumer.table) == 0
+        assert same(consumer.recv("second", timeout=10), np.arange(20))
+
+
 def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:
     # a thread hand-off costs about a process wake-up here: the waiting thread reads for itself
     # (linger_s longer than the default 1 ms: a test thread preempted between its recv and its next

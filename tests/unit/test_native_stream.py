@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import select
 import socket
 import struct
 import threading
@@ -392,3 +393,80 @@ def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames() ->
         assert reader.fill() is True and reader.read() == reactor.READER.END  # the end is something to look at
     finally:
         ours.close()
+
+
+def _tcp_pair(buffer_bytes: int | None = None) -> tuple[socket.socket, socket.socket]:
+    """A loopback TCP connection (ours: the consumer's end); `buffer_bytes`: both ends' kernel buffers."""
+    with socket.socket() as server:
+        if buffer_bytes:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)  # (before listen: the window scale)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        theirs = socket.socket()
+        if buffer_bytes:
+            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+        theirs.connect(server.getsockname())
+        ours, _ = server.accept()
+    ours.setblocking(False)
+    return ours, theirs
+
+
+def _lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+LOWAT = 256 << 10
+#: 5 MiB with its header: a frame large enough for the reader to wait for LOWAT bytes at a time
+LARGE = bytes(frame.dumps(np.arange(5 << 17, dtype=np.float64), key="big"))
+
+
+def _reader(sock: socket.socket, recv_lowat: int) -> Any:
+    take = BufferPool(2).take
+    return reactor.READER.StreamReader(
+        sock, 1 << 20, 1 << 30, take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20, recv_lowat=recv_lowat
+    )
+
+
+def test_in_a_large_frame_the_reader_waits_for_recv_lowat_bytes_and_for_any_byte_in_its_tail() -> None:
+    ours, theirs = _tcp_pair()
+    with ours, theirs:
+        reader, readable = _reader(ours, LOWAT), select.poll()
+        readable.register(ours, select.POLLIN)
+        theirs.sendall(LARGE[:100_000])
+        readable.poll(5000)
+        assert reader.read() is None and reader.mid_frame
+        assert _lowat(ours) == LOWAT  # in the frame's body, with more than LOWAT bytes still owed
+        body = threading.Thread(target=theirs.sendall, args=(LARGE[100_000:-1000],))  # (more than the buffers hold)
+        body.start()
+        deadline = time.monotonic() + 10
+        while (body.is_alive() or _lowat(ours) != 1) and time.monotonic() < deadline:
+            readable.poll(100)
+            assert reader.read() is None
+        body.join()
+        assert _lowat(ours) == 1  # 1000 bytes owed, fewer than LOWAT: any byte wakes the reader
+        theirs.sendall(LARGE[-1000:])
+        assert readable.poll(5000), "the frame's last bytes did not make the socket readable"
+        event = reader.read()
+        assert type(event) is tuple and bytes(event[0]) == LARGE
+        small = bytes(frame.dumps(np.arange(3.0), key="k"))
+        theirs.sendall(small)
+        assert readable.poll(5000), "a small frame after a large one did not make the socket readable"
+        event = reader.read()
+        assert type(event) is tuple and bytes(event[0]) == small
+
+
+@pytest.mark.parametrize("recv_lowat", [LOWAT, 0])
+def test_a_large_frame_read_whole_leaves_the_socket_waking_for_any_byte(recv_lowat: int) -> None:
+    ours, theirs = _tcp_pair(buffer_bytes=4 << 20)  # (twice that in the kernel: the whole frame fits)
+    with ours, theirs:
+        reader = _reader(ours, recv_lowat)
+        theirs.sendall(LARGE[:100_000])
+        time.sleep(0.05)
+        assert reader.read() is None
+        assert _lowat(ours) == (recv_lowat or 1)  # (0: the reader never sets it)
+        theirs.sendall(LARGE[100_000:])
+        deadline = time.monotonic() + 10
+        while (event := reader.read()) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert type(event) is tuple and bytes(event[0]) == LARGE
+        assert _lowat(ours) == 1  # at the frame's end, whatever it was set to in its middle
