@@ -263,7 +263,8 @@ prefix_ok(const Reader *self)
  * once per that many bytes instead of once per loopback packet (64 KiB): bare sockets streaming 16 MB
  * measured 1.07-1.23x the throughput with 256 KiB, and 1 MiB was no better and less steady. Never more than the frame still owes: those bytes come, or the stream
  * ends, which wakes the reader anyway. Back to 1 byte at the frame's end, so nothing smaller ever waits
- * for bytes that may not come. 0 with an exception set on failure. */
+ * for bytes that may not come. reactor.py passes recv_lowat 0 where the kernel may hold a reader past
+ * that (before Linux 5.8, or not Linux). 0 with an exception set on failure. */
 static int
 set_lowat(Reader *self, int bytes)
 {

@@ -9,7 +9,8 @@ leads when no application thread has waited recently (`linger_s`), so acks flow 
 never stall while the application is busy elsewhere (leadership leaves it in microseconds, and
 a background leader is woken through a pipe when an application thread wants to lead). It waits
 for that idleness without the GIL (`_stream.IdleTimer`), so it never interrupts an application
-that keeps receiving.
+that keeps receiving small tensors. After a recv that read a large frame (OVERLAP_FROM) it takes
+over at once: the next large tensor then arrives while the application works on this one.
 
 Each connection is a small state machine (prefix, then the frame into one buffer, or skipping a
 frame over the limits), so a producer that stalls mid-frame holds up nobody else. Plain (not TLS)
@@ -24,10 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
+import re
 import select
 import selectors
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,14 +61,25 @@ CHECKSUM_WHILE_RECEIVING = 4 << 20
 NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
 #: large frames are received (and checksummed, while still in cache) at most this many bytes at a time
 CRC_SLICE = 1 << 20
+
+
+def _lowat_is_safe(system: str = sys.platform, release: str | None = None) -> bool:
+    """Whether SO_RCVLOWAT can never keep a reader waiting for bytes the kernel will not take in:
+    Linux 5.8 on caps it to the receive buffer and wakes the reader anyway under memory pressure or
+    a closing window ("tcp: fix SO_RCVLOWAT possible hangs under high mem pressure", 2020)."""
+    version = re.match(r"(\d+)\.(\d+)", platform.release() if release is None else release)
+    return system == "linux" and version is not None and (int(version[1]), int(version[2])) >= (5, 8)
+
+
 #: while a TCP connection's reader waits in the middle of a large frame, the kernel wakes it once this
-#: many bytes are in (SO_RCVLOWAT), not once per loopback packet (64 KiB); see `_stream.c`, set_lowat
-RECV_LOWAT = 256 << 10
+#: many bytes are in (SO_RCVLOWAT), not once per loopback packet (64 KiB); see `_stream.c`, set_lowat.
+#: 0 (never set) where the kernel may not be safe with it
+RECV_LOWAT = 256 << 10 if _lowat_is_safe() else 0
 #: bytes read at once while waiting for a prefix (so a small frame costs one system call)
 READ_AHEAD = 256 << 10
 #: drained read-ahead buffers kept for the next connection that needs one
 SPARE_INBOXES = 4
-#: after a recv whose last frame was at least this large, the background reader takes over at once
+#: after a recv that read a frame at least this large, the background reader takes over at once
 #: rather than after `linger_s`: the next large tensor then arrives while the application works on
 #: this one, and the hand-off (~25 µs) is a few percent of such a frame's time (1 ms and more here)
 OVERLAP_FROM = 4 << 20
@@ -230,7 +245,7 @@ class Reactor:
         #: the background thread leaves leadership to the application until it has been idle for `linger_s`
         self._idle = READER.IdleTimer() if READER is not None else IdleClock()
         self._closed = False
-        self._last_frame_bytes = 0  # the size of the last frame read, by whichever thread led
+        self._largest_read = 0  # the largest frame read since an application thread took the lead
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
         self._background.start()
 
@@ -301,10 +316,11 @@ class Reactor:
                 continue
             try:  # (straight after taking the lead: no call in between, so no Ctrl-C)
                 self._app_leads, self._leading = True, threading.get_ident()
+                self._largest_read = 0
                 self._lead(lambda: not done.locked(), time.monotonic() + slice_s, self.spin_s)
             finally:
                 self._app_leads, self._leading = False, None
-                self._idle.touch(0.0 if self._last_frame_bytes >= OVERLAP_FROM else self.linger_s)
+                self._idle.touch(0.0 if self._largest_read >= OVERLAP_FROM else self.linger_s)
                 self._leader.release()
 
     def _take_lead(self, wait_s: float) -> bool:
@@ -617,7 +633,8 @@ class Reactor:
             peer.turned_away = peer.frames  # never acknowledged, so the producer sends it again
         peer.frames += 1
         peer.unacked_bytes += peer.total
-        self._last_frame_bytes = peer.total
+        if peer.total > self._largest_read:
+            self._largest_read = peer.total
         every_frames, every_bytes = self._ack_every
         if peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed:
             self._ack(peer)

@@ -338,13 +338,28 @@ def test_after_a_large_tensor_the_next_arrives_while_the_application_works(schem
 
 def test_after_a_small_tensor_the_application_keeps_the_lead_for_linger_s() -> None:
     with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
-        first = _send_soon(producer, "first", np.arange(10))
+        first = _send_soon(producer, "first", np.arange(10), delay_s=1.0)  # (long: this recv must be first)
         assert same(consumer.recv("first", timeout=10), np.arange(10))  # (read by this thread: it waited first)
         first.join()
         producer.send("second", np.arange(20))
         time.sleep(0.5)  # the background reader would have read it by now, were it not kept out
         assert len(consumer.table) == 0
         assert same(consumer.recv("second", timeout=10), np.arange(20))
+
+
+def test_a_recv_that_read_nothing_keeps_the_background_reader_out_for_linger_s() -> None:
+    # what hands the lead over at once is a large frame read by that recv, not one read before it
+    large = np.arange(reactor.OVERLAP_FROM // 8, dtype=np.float64)
+    with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
+        producer.send("large", large)
+        wait_for(lambda: len(consumer.table) == 1, 10, "the large tensor, read by the background reader")
+        assert same(consumer.recv("large", timeout=0), large)
+        with pytest.raises(tb.Timeout):
+            consumer.recv("missing", timeout=0.2)  # leads, and reads nothing
+        producer.send("small", np.arange(20))
+        time.sleep(0.5)  # the background reader would have read it by now, were it not kept out
+        assert len(consumer.table) == 0
+        assert same(consumer.recv("small", timeout=10), np.arange(20))
 
 
 def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:

@@ -395,19 +395,13 @@ def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames() ->
         ours.close()
 
 
-def _tcp_pair(buffer_bytes: int | None = None) -> tuple[socket.socket, socket.socket]:
-    """A loopback TCP connection (ours: the consumer's end); `buffer_bytes`: both ends' kernel buffers."""
-    with socket.socket() as server:
-        if buffer_bytes:
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)  # (before listen: the window scale)
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        theirs = socket.socket()
-        if buffer_bytes:
-            theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-        theirs.connect(server.getsockname())
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A loopback TCP connection: (ours, the consumer's non-blocking end; theirs, the producer's)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        theirs = socket.create_connection(server.getsockname())
         ours, _ = server.accept()
     ours.setblocking(False)
+    theirs.settimeout(20)
     return ours, theirs
 
 
@@ -455,18 +449,50 @@ def test_in_a_large_frame_the_reader_waits_for_recv_lowat_bytes_and_for_any_byte
         assert type(event) is tuple and bytes(event[0]) == small
 
 
-@pytest.mark.parametrize("recv_lowat", [LOWAT, 0])
-def test_a_large_frame_read_whole_leaves_the_socket_waking_for_any_byte(recv_lowat: int) -> None:
-    ours, theirs = _tcp_pair(buffer_bytes=4 << 20)  # (twice that in the kernel: the whole frame fits)
-    with ours, theirs:
-        reader = _reader(ours, recv_lowat)
-        theirs.sendall(LARGE[:100_000])
-        time.sleep(0.05)
+def _drain(reader: Any, ours: socket.socket, sender: threading.Thread) -> None:
+    """Read (nothing whole comes out) until `sender` is done and the socket has stayed empty a while."""
+    quiet, deadline = 0, time.monotonic() + 20
+    while quiet < 3 and time.monotonic() < deadline:
         assert reader.read() is None
+        time.sleep(0.02)
+        try:
+            ours.recv(1, socket.MSG_PEEK)
+            quiet = 0
+        except BlockingIOError:
+            quiet = 0 if sender.is_alive() else quiet + 1
+    assert quiet == 3, "the sender's bytes never stopped coming"
+
+
+@pytest.mark.parametrize("recv_lowat", [LOWAT, 0])
+def test_a_large_frame_ending_in_one_read_leaves_the_socket_waking_for_any_byte(recv_lowat: int) -> None:
+    ours, theirs = _tcp_pair()
+    with ours, theirs:
+        reader, readable = _reader(ours, recv_lowat), select.poll()
+        readable.register(ours, select.POLLIN)
+        last = LOWAT + 1000  # owed when the reader last waits: more than LOWAT, so it waits for LOWAT
+        body = threading.Thread(target=theirs.sendall, args=(LARGE[:-last],))
+        body.start()
+        _drain(reader, ours, body)
+        body.join()
         assert _lowat(ours) == (recv_lowat or 1)  # (0: the reader never sets it)
-        theirs.sendall(LARGE[100_000:])
+        theirs.sendall(LARGE[-last:])  # (the kernel grew the receive buffer to hold LOWAT and more)
+        assert readable.poll(5000), "the frame's last bytes did not make the socket readable"
         deadline = time.monotonic() + 10
         while (event := reader.read()) is None and time.monotonic() < deadline:
-            time.sleep(0.001)
+            readable.poll(100)
         assert type(event) is tuple and bytes(event[0]) == LARGE
         assert _lowat(ours) == 1  # at the frame's end, whatever it was set to in its middle
+
+
+@pytest.mark.parametrize(
+    ("system", "release", "safe"),
+    [
+        ("linux", "6.18.44-fc-v669", True),
+        ("linux", "5.8.0", True),
+        ("linux", "5.4.0-150-generic", False),
+        ("linux", "4.18.0-553.el8_10.x86_64", False),
+        ("darwin", "23.1.0", False),
+    ],
+)
+def test_recv_lowat_is_used_only_on_kernels_that_cannot_hang_on_it(system: str, release: str, safe: bool) -> None:
+    assert reactor._lowat_is_safe(system, release) is safe
