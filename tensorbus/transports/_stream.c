@@ -261,10 +261,11 @@ prefix_ok(const Reader *self)
 /* How many bytes the kernel gathers before the socket counts as readable (SO_RCVLOWAT; TCP only, as
  * epoll honours it only there). Waiting in the middle of a large frame, `recv_lowat`: the reader wakes
  * once per that many bytes instead of once per loopback packet (64 KiB): bare sockets streaming 16 MB
- * measured 1.07-1.23x the throughput with 256 KiB, and 1 MiB was no better and less steady. Never more than the frame still owes: those bytes come, or the stream
- * ends, which wakes the reader anyway. Back to 1 byte at the frame's end, so nothing smaller ever waits
- * for bytes that may not come. reactor.py passes recv_lowat 0 where the kernel may hold a reader past
- * that (before Linux 5.8, or not Linux). 0 with an exception set on failure. */
+ * measured 1.07-1.23x the throughput with 256 KiB, and 1 MiB was no better and less steady. Never more
+ * than the frame still owes: those bytes come, or the stream ends, which wakes the reader anyway. Back
+ * to 1 byte at the frame's end, so nothing smaller ever waits for bytes that may not come. reactor.py
+ * passes recv_lowat 0 where the kernel may hold a reader past that (before Linux 5.8, or not Linux).
+ * 0 with an exception set on failure. */
 static int
 set_lowat(Reader *self, int bytes)
 {
@@ -600,8 +601,9 @@ static PyTypeObject ReaderType = {
     .tp_basicsize = sizeof(Reader),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = PyDoc_STR("StreamReader(sock, max_header_bytes, max_payload_bytes, take_buffer, crc32c, pooled_from, "
-                        "checksum_from, crc_slice, recv_lowat=0)\n--\n\nFrames off one non-blocking stream socket (see _stream.c); "
-                        "recv_lowat: SO_RCVLOWAT while waiting in a large frame (TCP only; 0: never set)."),
+                        "checksum_from, crc_slice, recv_lowat=0)\n--\n\n"
+                        "Frames off one non-blocking stream socket (see _stream.c); recv_lowat: SO_RCVLOWAT while "
+                        "waiting in a large frame (TCP only; 0: never set)."),
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)reader_init,
     .tp_dealloc = (destructor)reader_dealloc,
