@@ -280,7 +280,8 @@ set_lowat(Reader *self, int bytes)
     return 1;
 }
 
-/* The end of the stream (n == 0), no bytes yet (n == -2: None) or an error (NULL) as read() returns it. */
+/* The end of the stream (n == 0), no bytes yet (n == -2: None) or an error (NULL) as read() returns it.
+ * No bytes yet means the caller waits next: the low-water mark is set for that wait here. */
 static PyObject *
 stopped(Reader *self, Py_ssize_t n)
 {

@@ -320,6 +320,14 @@ def _send_soon(producer: tb.Producer, key: str, tensor: np.ndarray, delay_s: flo
     return timer
 
 
+def _sent_and_left_for_recv(consumer: tb.Consumer, producer: tb.Producer) -> None:
+    """Send a small tensor: the background reader, kept out for `linger_s`, must leave it for a recv."""
+    producer.send("small", np.arange(20))
+    time.sleep(0.5)  # the background reader would have read it by now, were it not kept out
+    assert len(consumer.table) == 0
+    assert same(consumer.recv("small", timeout=10), np.arange(20))
+
+
 @pytest.mark.parametrize("scheme", ["tcp", "unix"])
 def test_after_a_large_tensor_the_next_arrives_while_the_application_works(scheme: str, tmp_path: Any) -> None:
     # linger_s keeps the background reader out for a minute after a recv; after a tensor of
@@ -341,10 +349,7 @@ def test_after_a_small_tensor_the_application_keeps_the_lead_for_linger_s() -> N
         first = _send_soon(producer, "first", np.arange(10), delay_s=1.0)  # (long: this recv must be first)
         assert same(consumer.recv("first", timeout=10), np.arange(10))  # (read by this thread: it waited first)
         first.join()
-        producer.send("second", np.arange(20))
-        time.sleep(0.5)  # the background reader would have read it by now, were it not kept out
-        assert len(consumer.table) == 0
-        assert same(consumer.recv("second", timeout=10), np.arange(20))
+        _sent_and_left_for_recv(consumer, producer)
 
 
 def test_a_recv_that_read_nothing_keeps_the_background_reader_out_for_linger_s() -> None:
@@ -356,10 +361,7 @@ def test_a_recv_that_read_nothing_keeps_the_background_reader_out_for_linger_s()
         assert same(consumer.recv("large", timeout=0), large)
         with pytest.raises(tb.Timeout):
             consumer.recv("missing", timeout=0.2)  # leads, and reads nothing
-        producer.send("small", np.arange(20))
-        time.sleep(0.5)  # the background reader would have read it by now, were it not kept out
-        assert len(consumer.table) == 0
-        assert same(consumer.recv("small", timeout=10), np.arange(20))
+        _sent_and_left_for_recv(consumer, producer)
 
 
 def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:

@@ -363,11 +363,18 @@ def test_idle_timer_takes_huge_and_negative_seconds() -> None:
     assert timer.wait(0) is True
 
 
+def _reader(sock: socket.socket, recv_lowat: int) -> Any:
+    """A C reader of `sock`: 1 MiB headers, 1 GiB payloads, pooled from 1 MiB, checksummed while received from 4 MiB."""
+    take = BufferPool(2).take
+    return reactor.READER.StreamReader(
+        sock, 1 << 20, 1 << 30, take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20, recv_lowat=recv_lowat
+    )
+
+
 def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames() -> None:
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
-    limits = (1 << 20, 1 << 30)  # header, payload
-    reader = reactor.READER.StreamReader(ours, *limits, BufferPool(2).take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20)
+    reader = _reader(ours, recv_lowat=0)
     try:
         assert reader.fill() is False and not reader.inbox_held  # nothing there: no buffer kept either
         small = bytes(frame.dumps(np.arange(3.0), key="k"))
@@ -412,13 +419,6 @@ def _lowat(sock: socket.socket) -> int:
 LOWAT = 256 << 10
 #: 5 MiB with its header: a frame large enough for the reader to wait for LOWAT bytes at a time
 LARGE = bytes(frame.dumps(np.arange(5 << 17, dtype=np.float64), key="big"))
-
-
-def _reader(sock: socket.socket, recv_lowat: int) -> Any:
-    take = BufferPool(2).take
-    return reactor.READER.StreamReader(
-        sock, 1 << 20, 1 << 30, take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20, recv_lowat=recv_lowat
-    )
 
 
 def test_in_a_large_frame_the_reader_waits_for_recv_lowat_bytes_and_for_any_byte_in_its_tail() -> None:
