@@ -53,6 +53,7 @@ from ..codec.frame import (
 from ..codec.native import crc32c
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
+from .idle import IdleSweep
 from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER, NATIVE_STREAM
 
 log = logging.getLogger(__name__)
@@ -246,10 +247,17 @@ class Reactor:
         self._idle = READER.IdleTimer() if READER is not None else IdleClock()
         self._closed = False
         self._largest_read = 0  # the largest frame read since an application thread took the lead
+        self.idle = IdleSweep(options["idle_timeout_s"])
+        self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
         self._background.start()
 
     # -- connections ----------------------------------------------------------------------------
+
+    @property
+    def connections(self) -> int:
+        """Producer connections being read."""
+        return len(self._peers)
 
     def add(self, conn: socket.socket, name: Any) -> None:
         """Start reading a connection that finished its handshake."""
@@ -389,7 +397,10 @@ class Reactor:
                     ready.add(peer)
             for peer in ready:
                 self._read(peer, stop)
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if self.idle.due(now):
+                self.idle.run(self, now)
+            if now >= deadline:
                 return stop()
         return False
 
@@ -442,6 +453,7 @@ class Reactor:
 
     def _read(self, peer: _Peer, stop: Callable[[], bool]) -> None:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
+        self.reading = peer.name
         try:
             step = self._step if peer.reader is None else self._step_native
             for _ in range(FAIR_SHARE):

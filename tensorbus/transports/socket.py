@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 READ_ACKS_EVERY = 64
 #: a producer waiting for acks asks again this often when the consumer answers without progress
 ACK_POLL_S = 0.02
+#: a producer whose connection was quiet this long looks for a close (e.g. `idle_timeout_s`) before it sends
+PROBE_AFTER_S = 1.0
 
 
 def _readable(sock: socket.socket, wait_s: float) -> bool:
@@ -90,6 +92,8 @@ class SocketTransport(Transport):
         "ack_every_bytes": 8 * 1024 * 1024,
         "close_timeout_s": 10.0,
         "backlog": 128,
+        "max_connections": 1024,
+        "idle_timeout_s": 300.0,
         "pooled_buffers": 4,
         "linger_s": 0.001,
         "spin_s": 0.0001,
@@ -118,6 +122,8 @@ class SocketTransport(Transport):
         self.secret: bytes | None = secret.encode() if isinstance(secret, str) else secret
         self._sock: socket.socket | None = None
         self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
+        self.incarnation = b""  # the consumer's, from its hello (signed frames are bound to it)
+        self._used_at = 0.0  # when this producer last sent or read acks
         self._c_sends_below = c_sends_below(False)
         #: `send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
         self._c_head: Callable[..., bytearray | None] | None = None
@@ -179,7 +185,7 @@ class SocketTransport(Transport):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                self._crc_after = introduce(sock, self.secret, self.address)
+                self._crc_after, self.incarnation = introduce(sock, self.secret, self.address)
                 self._c_sends_below = c_sends_below(self._crc_after)
                 set_send_timeout(sock, self.options["send_timeout_s"])
                 if self.family != socket.AF_UNIX:
@@ -209,6 +215,7 @@ class SocketTransport(Transport):
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
         with self._lock:
             self._raise_if_closed()  # even while close waits for this lock with the connection still open
+            self._probe_if_quiet()
             self._book(frame, self._send_retrying(frame))
 
     def send_ndarray(
@@ -229,6 +236,7 @@ class SocketTransport(Transport):
         frame: list[Buffer] = [head, flat_bytes(array)] if array.nbytes else [head]
         with self._lock:
             self._raise_if_closed()
+            self._probe_if_quiet()
             sock = self._sock
             sent: int | None = None
             if sock is not None:
@@ -264,6 +272,18 @@ class SocketTransport(Transport):
             log.warning("connection to %s broke (%s); reconnecting", self.address, failed)
             failed = None
         raise AssertionError("unreachable")
+
+    def _probe_if_quiet(self) -> None:
+        """After a quiet spell, read what the consumer sent meanwhile: acks, or the end of a connection it
+        closed (e.g. after `idle_timeout_s`), which is then replaced before the frame goes out rather than after."""
+        now = time.monotonic()
+        if self._sock is not None and now - self._used_at >= PROBE_AFTER_S:
+            try:
+                self._read_acks(0)
+            except OSError as exc:
+                log.info("connection to %s was closed while quiet (%s); reconnecting", self.address, exc)
+                self._drop_connection()
+        self._used_at = now
 
     def _book(self, frame: list[Buffer], nbytes: int) -> None:
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""

@@ -1,9 +1,11 @@
 """The stream-socket protocol around frames: handshake (with optional shared-secret auth) and acks.
 
 consumer -> producer  HELLO  "TBSK", version u8, flags u8 (bit 0: auth required; bit 1: CRCs may
-                      follow their frames), 32-byte nonce
+                      follow their frames; bit 2: the nonce's first 16 bytes are the consumer's
+                      incarnation, which signed frames are bound to), 32-byte nonce
 producer -> consumer  PROOF  HMAC-SHA256(secret, "tensorbus-socket-auth-v1" + nonce), or 32 zero bytes
-consumer -> producer  VERDICT u8: 1 accepted; 0 refused, and the connection closes
+consumer -> producer  VERDICT u8: 1 accepted; 0 refused (the secret), and the connection closes;
+                      2 refused for another reason, which follows (u16 length, UTF-8), then it closes
 producer -> consumer  frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, a frame-sized marker)
 consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
                       on every ACK REQUEST and every `ack_every_frames` frames / `ack_every_bytes` bytes
@@ -51,6 +53,11 @@ HELLO_MAGIC = b"TBSK"
 PROTOCOL_VERSION = 1
 FLAG_AUTH = 0x01
 FLAG_CRC_AFTER = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
+FLAG_INCARNATION = 0x04  # in HELLO: the nonce begins with the consumer's incarnation
+#: random bytes naming one run of a consumer: signed frames are bound to it (see docs/FORMAT.md)
+INCARNATION_BYTES = 16
+VERDICT_ACCEPTED, VERDICT_REFUSED, VERDICT_REASON = b"\x01", b"\x00", b"\x02"
+REASON = struct.Struct("<H")
 CRC_AFTER = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
 CRC_TRAILER = struct.Struct("<I")
 #: payloads at least this large are checksummed while they are sent; smaller ones up front, as the
@@ -69,6 +76,16 @@ class AuthRefused(TransportError):
     """The consumer refused this producer's proof of the shared secret."""
 
     retriable = False
+
+
+class Refused(TransportError):
+    """The consumer refused this connection for a reason it gave (e.g. its `max_connections`)."""
+
+
+def refusal(reason: str) -> bytes:
+    """VERDICT 2 and its reason, as the consumer sends it."""
+    text = reason.encode()[: (1 << 16) - 1]
+    return VERDICT_REASON + REASON.pack(len(text)) + text
 
 
 def proof(secret: bytes | None, nonce: bytes) -> bytes:
@@ -195,10 +212,11 @@ def greet(sock: socket.socket, secret: bytes | None) -> bool:
     return accepted
 
 
-def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
-    """Producer side of the handshake: True if the consumer takes CRCs after frames.
+def introduce(sock: socket.socket, secret: bytes | None, address: str) -> tuple[bool, bytes]:
+    """Producer side of the handshake: whether the consumer takes CRCs after frames, and its
+    incarnation (b"" from a consumer that does not say).
 
-    Raises `AuthRefused` or `TransportError` with the reason.
+    Raises `AuthRefused`, `Refused` or `TransportError` with the reason.
     """
     hello = bytearray(HELLO.size)
     try:
@@ -214,9 +232,24 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
         raise AuthRefused(f"{address} requires a shared secret: set the auth_secret option")
     sock.sendall(proof(secret, nonce))
     verdict = sock.recv(1)
-    if verdict != b"\x01":
+    if verdict == VERDICT_REASON:
+        raise Refused(f"{address} refused the connection: {_reason(sock)}")
+    if verdict != VERDICT_ACCEPTED:
         raise AuthRefused(f"{address} refused this producer's auth_secret")
-    return bool(flags & FLAG_CRC_AFTER)
+    incarnation = nonce[:INCARNATION_BYTES] if flags & FLAG_INCARNATION else b""
+    return bool(flags & FLAG_CRC_AFTER), incarnation
+
+
+def _reason(sock: socket.socket) -> str:
+    """The reason that follows a VERDICT of 2 (best effort: it is only for the error message)."""
+    try:
+        size = bytearray(REASON.size)
+        if recv_exact(sock, memoryview(size)) == REASON.size:
+            text = bytearray(REASON.unpack(size)[0])
+            return bytes(text[: recv_exact(sock, memoryview(text))]).decode("utf-8", "replace")
+    except OSError:
+        pass
+    return "no reason given"
 
 
 #: the constants `_stream.c` repeats, by the names it exports them under
