@@ -17,6 +17,7 @@ import numpy as np
 from .codec import Limits, Message, MessageId, Reassembler, encode, encode_chunks
 from .codec.compression import check_codec
 from .codec.frame import FLAG_CHECKSUM, NATIVE, Buffer
+from .codec.signing import frame_key
 from .codec.torch_bridge import check_like
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, Closed, CodecError, ConfigError, TensorBusError
@@ -55,6 +56,7 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "max_payload_bytes": Limits.max_payload_bytes,
     "max_decompressed_bytes": Limits.max_decompressed_bytes,
     "max_ndim": Limits.max_ndim,
+    "max_frame_age_s": 300.0,
     "dedup_window": 100_000,
     "dedup_file": None,
     "like": "numpy",
@@ -102,6 +104,8 @@ class Producer:
         if self.compression is not None:
             check_codec(self.compression)
         self.signing_key = _key_bytes(opts["signing_key"])
+        self.transport.signing_key = self.signing_key
+        self._bound: tuple[tuple[str, bytes], bytes] | None = None  # (endpoint identity, its frame key)
         self._start_identity()
         self._closed = False
 
@@ -124,6 +128,7 @@ class Producer:
             return
         self.transport.abandon()
         self.transport, _ = _open(self.url, PRODUCER_OPTIONS, self._options, "Producer")
+        self.transport.signing_key = self.signing_key
         self._start_identity()
 
     @classmethod
@@ -144,19 +149,22 @@ class Producer:
             if transport.send_ndarray(tensor, key, metadata, message_id, flags):
                 return message_id
         transport.wait_for_room()
+        signing_key = self._frame_key()
         options = {
             "key": key,
             "metadata": metadata,
             "compression": self.compression,
             "checksum": self.checksum,
             "message_id": message_id,
-            "signing_key": self.signing_key,
         }
         limit = transport.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            transport.send(encode(tensor, **options, deferred_checksum=transport.seals_frames), key=key)
+            frame = encode(tensor, **options, signing_key=signing_key, deferred_checksum=transport.seals_frames)
+            transport.send(frame, key=key)
             return message_id
-        parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
+        parts = encode_chunks(
+            tensor, max_chunk_bytes=limit, **options, signing_key=self.signing_key, chunk_signing_key=signing_key
+        )
         sent = 0
         try:
             for part in parts:
@@ -167,6 +175,15 @@ class Producer:
                 transport.forget_last(sent)
             raise
         return message_id
+
+    def _frame_key(self) -> bytes | None:
+        """The key frames are signed with: `signing_key` bound to the endpoint (and consumer run) now served."""
+        if self.signing_key is None:
+            return None
+        identity = self.transport.signing_identity(consumer=False)
+        if self._bound is None or self._bound[0] != identity:
+            self._bound = identity, frame_key(self.signing_key, *identity)
+        return self._bound[1]
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the transport confirms everything sent so far (where it confirms at all)."""
@@ -220,19 +237,22 @@ class Consumer:
         self._shown = redact(url)  # for logs: no password, no secrets from the query
         self.transport, opts = _open(url, CONSUMER_OPTIONS, options, "Consumer")
         self.signing_key = _key_bytes(opts["signing_key"])
+        identity = self.transport.signing_identity(consumer=True) if self.signing_key is not None else ("", b"")
         limits = Limits(
             max_header_bytes=opts["max_header_bytes"],
             max_payload_bytes=opts["max_payload_bytes"],
             max_decompressed_bytes=opts["max_decompressed_bytes"],
             max_ndim=opts["max_ndim"],
+            max_frame_age_s=opts["max_frame_age_s"],
         )
         self.table = Rendezvous(max_buffered_bytes=opts["max_buffered_bytes"])
         self.reassembler = Reassembler(
             max_bytes=opts["max_reassembly_bytes"],
             timeout_s=opts["reassembly_timeout_s"],
             limits=limits,
-            signing_key=self.signing_key,
+            signing_key=None if self.signing_key is None else frame_key(self.signing_key, *identity),
             like=check_like(opts["like"]),
+            whole_signing_key=self.signing_key,  # (a chunked message's own MAC: see `encode_chunks`)
         )
         self._lock = threading.Lock()
         self._seen = SeenIds(opts["dedup_window"], opts["dedup_file"])

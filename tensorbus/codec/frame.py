@@ -6,6 +6,7 @@ import functools
 import hashlib
 import hmac
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -27,6 +28,7 @@ from ..keys import check_key
 from .compression import compress, decompress
 from .crc import combine, uncombine
 from .native import NATIVE, agrees, crc32c
+from .signing import TIMESTAMP, check_age
 from .tensors import ALIGN, align, flatten, rebuild
 from .torch_bridge import to_like
 
@@ -54,6 +56,8 @@ class Limits:
     max_payload_bytes: int = 1 << 36
     #: what a compressed payload may expand to: a few KB of zstd can claim gigabytes, so far less than the above
     max_decompressed_bytes: int = 1 << 30
+    #: how far a signed message's timestamp may be from this clock, either way (None: not checked)
+    max_frame_age_s: float | None = None
 
     @functools.cached_property
     def native(self) -> bool:
@@ -244,6 +248,11 @@ def layout(
     return header, body, end
 
 
+def stamp(header: dict[str, Any]) -> None:
+    """Put the producer's clock in a signed message's header (see `signing.check_age`)."""
+    header[TIMESTAMP] = time.time()
+
+
 def flat_bytes(array: np.ndarray) -> memoryview:
     """An array's memory as flat bytes (in its own C or Fortran order), without a copy."""
     try:
@@ -267,13 +276,15 @@ def encode(
 
     `deferred_checksum`: leave the CRC to a transport that computes it while sending (see `seal`).
     """
-    if NATIVE is not None and compression is None and type(obj) is np.ndarray:  # the common case, in C
+    if NATIVE is not None and compression is None and signing_key is None and type(obj) is np.ndarray:  # in C
         flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
         head = NATIVE.ndarray_head(obj, key, metadata, message_id, flags)
         if head is not None:
             body: list[Buffer] = [flat_bytes(obj)] if obj.nbytes else []
             return seal(head, body, checksum, signing_key, deferred=deferred_checksum)
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
+    if signing_key is not None:
+        stamp(header)
     return encode_raw(
         header, body, end, checksum=checksum, signing_key=signing_key, deferred_checksum=deferred_checksum
     )
@@ -416,6 +427,8 @@ def parse(
         if actual != stored:
             raise ChecksumMismatch(f"CRC32C stored {stored:#010x}, computed {actual:#010x}")
     header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    if signing_key is not None and header.get("kind") != "chunk":
+        check_age(header, limits.max_frame_age_s)
     tensors = header.get("tensors", [])
     if isinstance(tensors, list) and len(tensors) > limits.max_tensors:
         raise LimitExceeded(f"frame holds {len(tensors)} tensors; the limit is max_tensors={limits.max_tensors}")

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 from ..codec.frame import Buffer, Limits, Message, MessageId
+from ..errors import ConfigError
 
 
 class Delivered(NamedTuple):
@@ -79,6 +80,8 @@ class Transport:
     seals_frames: ClassVar[bool] = False
     #: option name -> default; every transport also accepts `max_frame_bytes`
     OPTIONS: ClassVar[dict[str, Any]] = {}
+    #: a producer's `signing_key`, for a transport that signs frames again (sockets, for a new consumer run)
+    signing_key: bytes | None = None
 
     def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
         self.url = url
@@ -90,6 +93,11 @@ class Transport:
     def address(self) -> str:
         """The endpoint URL as it is actually served (e.g. with the port a listener picked)."""
         return urllib.parse.urlunsplit(self.url)
+
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """What signed frames are bound to (see `codec.signing`): the endpoint's name, the same for its
+        producers and consumers, and the consumer run's incarnation (b"" where there is none)."""
+        raise ConfigError(f"{self.url.scheme}:// endpoints cannot sign frames")
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Send one frame (scatter-gather buffers) to the endpoint."""

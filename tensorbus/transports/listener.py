@@ -22,7 +22,6 @@ from ..logs import LogLimiter
 from .base import backoff_s
 from .greeter import Greeter
 from .reactor import Reactor
-from .stream import INCARNATION_BYTES
 
 log = logging.getLogger(__name__)
 #: the accept thread looks up this often (e.g. for close, or handshakes past their deadline)
@@ -43,7 +42,7 @@ class Listener:
 
     def __init__(
         self, family: int, target: str | tuple[str, int], options: dict[str, Any], secret: bytes | None,
-        address: Callable[[], str],
+        address: Callable[[], str], incarnation: bytes,
     ) -> None:  # fmt: skip
         self.family, self.target, self.options, self.secret = family, target, options, secret
         self._address = address  # the endpoint URL, for messages (it learns its port only once bound)
@@ -52,8 +51,7 @@ class Listener:
         self._reactor: Reactor | None = None
         self._greeter: Greeter | None = None
         self._closed = threading.Event()
-        #: random bytes naming this run of the consumer: signed frames are bound to it (docs/FORMAT.md)
-        self.incarnation = os.urandom(INCARNATION_BYTES)
+        self.incarnation = incarnation  # (sent in each hello: signed frames are bound to it)
         self._pause_s = 0.0
         self._failures = backoff_s(0.01, 1.0)
         self._errors = LogLimiter(log)

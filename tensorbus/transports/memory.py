@@ -104,6 +104,10 @@ class MemoryTransport(Transport):
         self._stop = threading.Event()
         self._pool = BufferPool(max_buffers=4)
 
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """memory://NAME."""
+        return f"memory://{self.name}", b""
+
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Copy the frame into the endpoint's queue (as a wire would); never blocks."""
         views = [memoryview(b).cast("B") for b in frame]

@@ -112,6 +112,10 @@ class RabbitMQTransport(Transport):
     def address(self) -> str:
         return urllib.parse.urlunsplit(self.url._replace(query=f"queue={urllib.parse.quote(self.queue)}"))
 
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """amqp:VHOST/QUEUE (amqps:// alike: the queue is the endpoint, not how it is reached)."""
+        return f"amqp:{self.params.virtual_host}/{self.queue}", b""
+
     def _parameters(self) -> pika.ConnectionParameters:
         url, o = self.url, self.options
         ssl_options = None

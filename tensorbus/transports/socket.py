@@ -16,6 +16,7 @@ import collections
 import contextlib
 import logging
 import math
+import os
 import select
 import socket
 import ssl
@@ -30,6 +31,7 @@ import numpy as np
 from ..buffers import BufferPool
 from ..codec.frame import NATIVE, Buffer, Limits, MessageId, flat_bytes
 from ..codec.native import crc32c
+from ..codec.signing import frame_key, resign
 from ..errors import Closed, ConfigError, TransportError
 from ..options import finite_timeout
 from .base import Deliver, Transport, backoff_s
@@ -38,6 +40,7 @@ from .reactor import Reactor
 from .stream import (
     ACK,
     ACK_REQUEST,
+    INCARNATION_BYTES,
     NATIVE_STREAM,
     AuthRefused,
     c_sends_below,
@@ -122,7 +125,10 @@ class SocketTransport(Transport):
         self.secret: bytes | None = secret.encode() if isinstance(secret, str) else secret
         self._sock: socket.socket | None = None
         self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
-        self.incarnation = b""  # the consumer's, from its hello (signed frames are bound to it)
+        #: the consumer's run: a consumer's own; a producer's from the consumer's hello (b"": it did not say)
+        self.incarnation = os.urandom(INCARNATION_BYTES)
+        self._signed_for: bytes | None = None  # the run the producer signs new frames for
+        self._unacked_for: bytes | None = None  # the run the unacknowledged frames are signed for
         self._used_at = 0.0  # when this producer last sent or read acks
         self._c_sends_below = c_sends_below(False)
         #: `send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
@@ -186,6 +192,7 @@ class SocketTransport(Transport):
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
                 self._crc_after, self.incarnation = introduce(sock, self.secret, self.address)
+                self._sign_unacked_for(self.incarnation)
                 self._c_sends_below = c_sends_below(self._crc_after)
                 set_send_timeout(sock, self.options["send_timeout_s"])
                 if self.family != socket.AF_UNIX:
@@ -210,6 +217,32 @@ class SocketTransport(Transport):
                 sock.close()
                 raise
         raise AssertionError("unreachable")
+
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """ "socket" and the consumer's incarnation: a producer connects first, to learn it from the hello."""
+        if not consumer:
+            with self._lock:
+                self._raise_if_closed()
+                if self._sock is None:
+                    self._sock = self._connect()
+                self._signed_for = self.incarnation
+        return "socket", self.incarnation
+
+    def _sign_unacked_for(self, incarnation: bytes) -> None:
+        """Sign the frames to be resent for the consumer run just connected to, if another than before.
+
+        The producer vouches for them again: they never reached that run, which refuses frames signed for another.
+        """
+        if self.signing_key is not None and self._unacked_for not in (None, incarnation):
+            key = frame_key(self.signing_key, "socket", incarnation)
+            for frame, _ in self._unacked:
+                resign(frame, key)
+        self._unacked_for = incarnation
+
+    def _signed_for_now(self, frame: list[Buffer]) -> None:
+        """Sign a new frame again if the connection changed consumer runs since the producer signed it."""
+        if self.signing_key is not None and self._signed_for not in (None, self.incarnation):
+            resign(frame, frame_key(self.signing_key, "socket", self.incarnation))
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
@@ -257,6 +290,7 @@ class SocketTransport(Transport):
                 try:
                     if self._sock is None:
                         self._sock = self._connect()
+                    self._signed_for_now(frame)
                     return send_frame(self._sock, frame, self._crc_after)
                 except BaseException as exc:
                     failed = exc
@@ -441,7 +475,9 @@ class SocketTransport(Transport):
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Bind, then accept producers on a background thread; their frames are read by a `Reactor`."""
         context = self._ssl_context(server_side=True)
-        self._listener = Listener(self.family, self.target, self.options, self.secret, lambda: self.address)
+        self._listener = Listener(
+            self.family, self.target, self.options, self.secret, lambda: self.address, self.incarnation
+        )
         bound = self._listener.bind()
         if self.family != socket.AF_UNIX:
             host, port = bound[:2]
