@@ -21,6 +21,7 @@ from .codec.signing import frame_key
 from .codec.torch_bridge import check_like
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, Closed, CodecError, ConfigError, TensorBusError
+from .logs import LogLimiter
 from .options import finite_timeout, load_config, merge, redact
 from .rendezvous import ANY, Callback, RecvHandle, Rendezvous
 from .transports import Delivered, Transport, resolve_transport
@@ -265,7 +266,11 @@ class Consumer:
         self._interrupted: tuple[Buffer, Message] | None = None  # a frame whose delivery was interrupted, decoded
         #: the C delivery of plain frames into the table (`_native.Lane`; `lane.taken` counts them), or None
         self.lane = self._lane(limits, opts["like"])
+        #: bad frames are logged a few per sender and window, the rest counted in a summary line
+        self._rejections = LogLimiter(log, "frames rejected")
         self.transport.listen(_Sink(self), limits)
+        self._shown = redact(self.transport.address)  # (with the port a listener bound)
+        self._rejections.what = f"frames rejected by {self._shown}"
         if hasattr(self.transport, "pump"):
             self.table.pump = self.transport.pump  # a waiting recv reads for itself
             self.table.room_opened = self.transport.room_opened  # type: ignore[attr-defined]
@@ -321,7 +326,7 @@ class Consumer:
                     message = self.reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
             except CodecError as exc:
                 self.stats["rejected"] += 1
-                log.error("%s: dropped a bad frame: %s", self._shown, exc)
+                self._log_rejection("dropped a bad frame", exc)
                 return Delivered(None, True)
             except MemoryError:
                 raise  # not the frame's fault: the transport drops the connection and the frame comes again
@@ -415,7 +420,7 @@ class Consumer:
             return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:
             self.stats["refused"] += 1
-            log.error("%s: refused message %s: %s", self._shown, message_id, exc)
+            self._log_rejection(f"refused message {message_id}", exc)
         else:
             self.stats["received"] += 1
         return Delivered(message_id, True)
@@ -445,12 +450,19 @@ class Consumer:
         if not self._held_up:
             self.reassembler.resume()
 
+    def _log_rejection(self, what: str, exc: Exception) -> None:
+        """Log a frame refused, naming its sender where the transport knows it; rate-limited per sender."""
+        sender = self.transport.sender()
+        where = f" from {sender}" if sender else ""
+        self._rejections.error("%s: %s%s: %s", self._shown, what, where, exc, source=sender or "")
+
     def _expire_loop(self) -> None:
         """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""
         interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0))
         while not self._stopping.wait(interval):
             with self._lock:
                 self.reassembler.expire()  # (nothing while a delivery is held up: see `_hold`)
+            self._rejections.flush()
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""
@@ -496,6 +508,7 @@ class Consumer:
             if unreceived:  # acknowledged when they reached the table (most of them): not sent again
                 log.warning("%s: closed with %d received tensors nobody took: dropped", self._shown, unreceived)
             self.transport.close()
+            self._rejections.flush(final=True)
             with self._lock:
                 self._seen.close()
 

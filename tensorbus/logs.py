@@ -67,12 +67,12 @@ class LogLimiter:
         """`log` at ERROR."""
         return self.log(logging.ERROR, source, message, *args)
 
-    def flush(self, level: int = logging.ERROR) -> None:
-        """Report every window that has passed with lines suppressed, and forget it."""
+    def flush(self, level: int = logging.ERROR, *, final: bool = False) -> None:
+        """Report every window that has passed (`final`: every window) with lines suppressed, and forget it."""
         now = self.clock()
         with self._lock:
             for source, window in list(self._windows.items()):
-                if now - window.started >= self.window_s:
+                if final or now - window.started >= self.window_s:
                     del self._windows[source]
                     self._summarise(source, window, level)
 

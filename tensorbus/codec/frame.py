@@ -24,7 +24,7 @@ from ..errors import (
     UnsupportedVersion,
     brief,
 )
-from ..keys import check_key
+from ..keys import MAX_KEY_CHARS, check_key
 from .compression import compress, decompress
 from .crc import combine, uncombine
 from .native import NATIVE, agrees, crc32c
@@ -381,13 +381,15 @@ def frame_length(prefix: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:
     view = memoryview(prefix).cast("B")
     if len(view) < PREFIX.size:
         raise TruncatedFrame(f"frame needs at least {PREFIX.size} bytes for its prefix, got {len(view)}")
-    magic, version, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
+    magic, version, flags, reserved, header_len, payload_len, _ = PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise BadMagic(f"expected magic {MAGIC!r}, found {bytes(magic)!r}")
     if version != VERSION:
         raise UnsupportedVersion(f"expected format version {VERSION}, found {version}")
     if flags & ~KNOWN_FLAGS:
         raise UnsupportedVersion(f"frame sets unknown flags {flags:#x}")
+    if reserved:
+        raise UnsupportedVersion(f"frame sets reserved bytes 6-7 to {reserved:#06x}; they must be 0")
     if header_len > limits.max_header_bytes:
         raise LimitExceeded(f"header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}")
     if payload_len > limits.max_payload_bytes:
@@ -475,6 +477,8 @@ def message_from_frame(
     key, metadata = header.get("key"), header.get("meta", {})
     if key is not None and not isinstance(key, str):
         raise MalformedHeader(f"key must be a string, got {type(key).__name__}")
+    if key is not None and len(key) > MAX_KEY_CHARS:
+        raise MalformedHeader(f"key of {len(key)} characters; the limit is {MAX_KEY_CHARS}")
     if not isinstance(metadata, dict):
         raise MalformedHeader(f"metadata must be a map, got {type(metadata).__name__}")
     if header.get("comp") is not None:
@@ -502,5 +506,6 @@ NATIVE_CONSTANTS = {
     "ALIGN": ALIGN,
     "OBJECT_BYTES": OBJECT_BYTES,
     "MAX_PRODUCER_ID": MAX_PRODUCER_ID,
+    "MAX_KEY_CHARS": MAX_KEY_CHARS,
 }
 NATIVE = agrees(NATIVE, NATIVE_CONSTANTS)

@@ -99,6 +99,10 @@ class Transport:
         producers and consumers, and the consumer run's incarnation (b"" where there is none)."""
         raise ConfigError(f"{self.url.scheme}:// endpoints cannot sign frames")
 
+    def sender(self) -> str | None:
+        """Who sent the frame being delivered right now, where the transport knows (a socket peer's address)."""
+        return None
+
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Send one frame (scatter-gather buffers) to the endpoint."""
         raise NotImplementedError

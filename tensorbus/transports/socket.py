@@ -485,6 +485,14 @@ class SocketTransport(Transport):
         self.reactor = Reactor(deliver, limits, self.options, self._pool)
         self._listener.start(self.reactor, context)
 
+    def sender(self) -> str | None:
+        """The address of the producer connection being read (on the reading thread)."""
+        name = None if self.reactor is None else self.reactor.reading
+        if isinstance(name, tuple) and len(name) >= 2:
+            host, port = name[:2]
+            return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return None if name is None else (str(name) or "a unix-socket producer")
+
     def pump(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.pump`)."""
         assert self.reactor is not None
