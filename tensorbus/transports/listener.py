@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import socket
 import ssl
 import stat
@@ -37,6 +38,16 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def connection_cap(asked: int) -> int:
+    """`max_connections`, lowered to half the process's descriptor limit: past that, accepting would
+    fail for want of descriptors (and every other file this process opens with it)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or asked <= soft // 2:
+        return asked
+    log.info("max_connections=%d lowered to %d: half this process's descriptor limit (ulimit -n)", asked, soft // 2)
+    return max(1, soft // 2)
+
+
 class Listener:
     """A bound server socket whose accept thread greets producers (`Greeter`) and hands them to a `Reactor`."""
 
@@ -55,6 +66,7 @@ class Listener:
         self._pause_s = 0.0
         self._failures = backoff_s(0.01, 1.0)
         self._errors = LogLimiter(log)
+        self.max_connections = connection_cap(options["max_connections"])
 
     def bind(self) -> Any:
         """Bind and listen; return the bound address. A clear `TransportError` when that is not possible."""
@@ -163,9 +175,8 @@ class Listener:
     def _room(self) -> str | None:
         """None while another producer may connect; else why not (sent to the one refused)."""
         assert self._reactor is not None
-        limit = self.options["max_connections"]
-        if limit is not None and self._reactor.connections >= limit:
-            return f"it has max_connections={limit} producers connected"
+        if self._reactor.connections >= self.max_connections:
+            return f"it has max_connections={self.max_connections} producers connected"
         return None
 
     def close(self) -> None:

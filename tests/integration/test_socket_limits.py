@@ -136,3 +136,12 @@ def test_a_quiet_producer_loses_nothing_when_its_idle_connection_is_closed() -> 
                 assert consumer.recv(f"r{round_}-{i}", timeout=5).tolist() == [i, i]
         assert consumer.recv("last", timeout=5).tolist() == [1, 1]
         assert consumer.stats["duplicates"] == 0 and consumer.stats["rejected"] == 0
+
+
+def test_max_connections_stays_under_half_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 249 idle connections exhausted a consumer limited to 256 descriptors: accepting then failed for all
+    from tensorbus.transports import listener
+
+    monkeypatch.setattr(listener.resource, "getrlimit", lambda _: (256, 4096))
+    assert listener.connection_cap(1024) == 128
+    assert listener.connection_cap(100) == 100
