@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..logs import LogLimiter
 from .stream import (
     FLAG_AUTH,
     FLAG_CRC_AFTER,
@@ -69,6 +70,7 @@ class Greeter:
         self.room, self.admit = room, admit  # room(): None, or why no connection can be taken now
         self.selector = selectors.DefaultSelector()
         self.pending: collections.OrderedDict[int, Handshake] = collections.OrderedDict()
+        self._refusals = LogLimiter(log, "producers refused")  # (per address: anyone can provoke these)
 
     def start(self, conn: socket.socket, peer: Any, context: ssl.SSLContext | None) -> None:
         """Begin the handshake of a connection just accepted."""
@@ -104,7 +106,8 @@ class Greeter:
             else:
                 key.data()
         now = time.monotonic()
-        for shake in list(self.pending.values()):
+        while self.pending:
+            shake = next(iter(self.pending.values()))
             if shake.deadline is None or shake.deadline > now:
                 break  # (in order of arrival: the deadlines are too)
             self._close(shake, "timed out (connect_timeout_s)", logging.INFO)
@@ -156,13 +159,16 @@ class Greeter:
                 raise ConnectionResetError("it closed the connection without answering")
             shake.answer += data
         shake.done = True
+        source = str(shake.peer[0]) if isinstance(shake.peer, tuple) else ""
         if self.secret is not None and not hmac.compare_digest(bytes(shake.answer), proof(self.secret, shake.nonce)):
-            log.warning("refused producer %s: no valid proof of the shared secret", shake.peer)
+            self._refusals.log(
+                logging.WARNING, source, "refused producer %s: no valid proof of the shared secret", shake.peer
+            )
             shake.out = VERDICT_REFUSED
             return
         reason = self.room()
         if reason is not None:
-            log.warning("refused producer %s: %s", shake.peer, reason)
+            self._refusals.log(logging.WARNING, source, "refused producer %s: %s", shake.peer, reason)
             shake.out = refusal(reason)
             return
         shake.accepted = True

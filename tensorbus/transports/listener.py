@@ -139,10 +139,11 @@ class Listener:
                     greeter.watch(server, lambda: self._accept(server, context))
                     paused_until, self._pause_s = None, 0.0
                 greeter.run_once(POLL_S)
-            except (OSError, ValueError):
+            except Exception:
                 if self._closed.is_set() or server.fileno() < 0:
                     break
-                raise
+                log.exception("the handshakes on %s failed; going on", self._address())  # (a bug: never stop accepting)
+                time.sleep(POLL_S)
         greeter.close()
 
     def _accept(self, server: socket.socket, context: ssl.SSLContext | None) -> None:
