@@ -58,6 +58,7 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "max_decompressed_bytes": Limits.max_decompressed_bytes,
     "max_ndim": Limits.max_ndim,
     "max_frame_age_s": 300.0,
+    "unclaimed_timeout_s": None,
     "dedup_window": 100_000,
     "dedup_file": None,
     "like": "numpy",
@@ -247,6 +248,7 @@ class Consumer:
             max_frame_age_s=opts["max_frame_age_s"],
         )
         self.table = Rendezvous(max_buffered_bytes=opts["max_buffered_bytes"])
+        self._unclaimed_timeout_s: float | None = opts["unclaimed_timeout_s"]
         self.reassembler = Reassembler(
             max_bytes=opts["max_reassembly_bytes"],
             timeout_s=opts["reassembly_timeout_s"],
@@ -457,12 +459,28 @@ class Consumer:
         self._rejections.error("%s: %s%s: %s", self._shown, what, where, exc, source=sender or "")
 
     def _expire_loop(self) -> None:
-        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""
-        interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0))
+        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives,
+        and (with `unclaimed_timeout_s`) received ones nobody takes."""
+        unclaimed_s = self._unclaimed_timeout_s
+        interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0, unclaimed_s / 4 if unclaimed_s else 5.0))
         while not self._stopping.wait(interval):
             with self._lock:
                 self.reassembler.expire()  # (nothing while a delivery is held up: see `_hold`)
             self._rejections.flush()
+            if unclaimed_s is not None:
+                self._drop_unclaimed(unclaimed_s)
+
+    def _drop_unclaimed(self, timeout_s: float) -> None:
+        """Drop the tensors nobody received within `timeout_s` of their arrival (logged and counted)."""
+        dropped = self.table.drop_unclaimed(timeout_s)
+        if dropped:
+            self.stats["unclaimed"] += len(dropped)
+            keys = sorted({str(message.key) for message in dropped})
+            shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            log.warning(
+                "%s: dropped %d tensors nobody received within unclaimed_timeout_s=%g (keys %s)",
+                self._shown, len(dropped), timeout_s, shown,
+            )  # fmt: skip
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""

@@ -5,6 +5,7 @@ Every attack is bounded (a count of sockets, a deadline) and runs on loopback on
 
 from __future__ import annotations
 
+import logging
 import resource
 import socket
 import time
@@ -145,3 +146,30 @@ def test_max_connections_stays_under_half_the_descriptor_limit(monkeypatch: pyte
     monkeypatch.setattr(listener.resource, "getrlimit", lambda _: (256, 4096))
     assert listener.connection_cap(1024) == 128
     assert listener.connection_cap(100) == 100
+
+
+def test_a_tensor_nobody_takes_stops_holding_the_table_after_unclaimed_timeout_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # one small zstd frame filled the table with a tensor nobody asked for, and nothing ever cleared
+    # it: honest tensors (with no receiver waiting yet) waited for ever
+    caplog.set_level(logging.WARNING, logger="tensorbus")
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=4 << 20, unclaimed_timeout_s=0.5) as consumer:
+        peer = raw_peer(consumer.address)
+        bomb = tb.dumps(np.zeros(8 << 20, np.uint8), key="nobody", compression="zstd", message_id=("bomb", 1))
+        assert len(bomb) < 64 << 10
+        peer.sendall(bomb)
+        wait_for(lambda: consumer.stats["received"] == 1, 10, "the unclaimed tensor in the table")
+        with tb.Producer(consumer.address) as producer:
+            producer.send("honest", np.ones(2))
+            wait_for(lambda: consumer.stats["unclaimed"] == 1, 10, "the unclaimed tensor dropped")
+            wait_for(lambda: consumer.stats["received"] == 2, 10, "the honest tensor in the table")
+        assert consumer.recv("honest", timeout=5).tolist() == [1, 1]
+        assert "dropped 1 tensors nobody received within unclaimed_timeout_s=0.5 (keys nobody)" in caplog.text
+        peer.close()
+    with tb.Consumer("tcp://127.0.0.1:0", reassembly_timeout_s=0.2) as consumer:  # off by default
+        with tb.Producer(consumer.address) as producer:
+            producer.send("kept", np.ones(2))
+            producer.flush(5)
+        time.sleep(1.0)
+        assert consumer.recv("kept", timeout=5).tolist() == [1, 1] and consumer.stats["unclaimed"] == 0
