@@ -3,7 +3,7 @@
 Each accepted connection is a small state machine (TLS handshake, HELLO out, PROOF in, VERDICT
 out) driven by one selector on the accept thread. A peer that stays silent holds nothing but its
 descriptor until its `connect_timeout_s` runs out, so any number of them cannot keep an honest
-producer waiting: its handshake takes the few round trips it needs. Past `MAX_HANDSHAKES` at once,
+producer waiting: its handshake takes the few round trips it needs. Past `handshake_cap()` at once,
 the oldest is dropped (an honest handshake takes milliseconds; the oldest are the silent ones).
 """
 
@@ -13,6 +13,7 @@ import collections
 import hmac
 import logging
 import os
+import resource
 import selectors
 import socket
 import ssl
@@ -36,8 +37,15 @@ from .stream import (
 )
 
 log = logging.getLogger(__name__)
-#: handshakes in progress at once; past this the oldest is dropped
+#: handshakes in progress at once, at most (see `handshake_cap`); past it the oldest is dropped
 MAX_HANDSHAKES = 4096
+
+
+def handshake_cap() -> int:
+    """How many handshakes may be in progress at once: MAX_HANDSHAKES, or a quarter of the process's
+    descriptor limit if that is less (silent peers must not use up the descriptors accepting needs)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_HANDSHAKES if soft == resource.RLIM_INFINITY else max(16, min(MAX_HANDSHAKES, soft // 4))
 
 
 class Handshake:
@@ -70,6 +78,7 @@ class Greeter:
         self.room, self.admit = room, admit  # room(): None, or why no connection can be taken now
         self.selector = selectors.DefaultSelector()
         self.pending: collections.OrderedDict[int, Handshake] = collections.OrderedDict()
+        self.max_handshakes = handshake_cap()
         self._refusals = LogLimiter(log, "producers refused")  # (per address: anyone can provoke these)
 
     def start(self, conn: socket.socket, peer: Any, context: ssl.SSLContext | None) -> None:
@@ -84,9 +93,9 @@ class Greeter:
                 return
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         shake = Handshake(conn, peer, deadline)
-        if len(self.pending) >= MAX_HANDSHAKES:
+        if len(self.pending) >= self.max_handshakes:
             _, oldest = self.pending.popitem(last=False)
-            self._close(oldest, f"dropped (over {MAX_HANDSHAKES} handshakes at once, this the oldest)")
+            self._close(oldest, f"dropped (over {self.max_handshakes} handshakes at once, this the oldest)")
         self.pending[shake.fd] = shake
         self.selector.register(conn, selectors.EVENT_READ, shake)
         self._advance(shake)

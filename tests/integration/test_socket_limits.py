@@ -173,3 +173,19 @@ def test_a_tensor_nobody_takes_stops_holding_the_table_after_unclaimed_timeout_s
             producer.flush(5)
         time.sleep(1.0)
         assert consumer.recv("kept", timeout=5).tolist() == [1, 1] and consumer.stats["unclaimed"] == 0
+
+
+def test_past_the_handshake_cap_the_oldest_silent_connection_makes_way() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", connect_timeout_s=30) as consumer:
+        greeter = consumer.transport._listener._greeter  # type: ignore[attr-defined]
+        greeter.max_handshakes = 50  # (a quarter of a 200-descriptor limit)
+        silent = _silent_connections(consumer.address, 200)
+        wait_for(lambda: len(greeter.pending) == 50, 10, "the cap reached")
+        started = time.monotonic()
+        with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
+            producer.send("k", np.arange(3))
+            assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
+        assert time.monotonic() - started < 1.0
+        assert len(greeter.pending) <= 50
+        for sock in silent:
+            sock.close()
