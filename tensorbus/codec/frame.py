@@ -24,7 +24,7 @@ from ..errors import (
     brief,
 )
 from ..keys import check_key
-from .compression import compress, decompress
+from .compression import compress_if_it_pays, decompress
 from .crc import combine, uncombine
 from .native import NATIVE, agrees, crc32c
 from .tensors import ALIGN, align, flatten, rebuild
@@ -236,10 +236,9 @@ def layout(
         **extra,
     }
     if compression is not None:
-        raw = b"".join(body)
-        packed = compress(compression, raw)
-        if len(packed) < len(raw):
-            header["comp"], header["raw"] = compression, len(raw)
+        packed = compress_if_it_pays(compression, body)
+        if packed is not None:
+            header["comp"], header["raw"] = compression, end
             body, end = [packed], len(packed)
     return header, body, end
 
