@@ -48,11 +48,15 @@ class SparseTensor:
             if indices.size and indices.dtype.kind not in "iu":
                 raise InvalidTensor(f"indices must be integers, got {indices.dtype}")
             indices = indices.astype(np.int64)
-        if indices.size and ((indices < 0).any() or (indices >= shape).any()):
-            raise InvalidTensor(f"indices fall outside dense_shape {shape}: every receiver would refuse it")
         object.__setattr__(self, "indices", indices)
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "dense_shape", shape)
+        _checked(self)
+
+    def outside(self) -> bool:
+        """Whether an index lies outside `dense_shape` (each receiver refuses such a tensor)."""
+        indices = self.indices
+        return bool(indices.size) and bool((indices < 0).any() or (indices >= self.dense_shape).any())
 
     def to_dense(self) -> np.ndarray:
         """Scatter the values into a new dense array (duplicate indices are summed)."""
@@ -73,6 +77,13 @@ class SparseTensor:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _checked(sparse: SparseTensor, where: str = "") -> SparseTensor:
+    """`sparse`, checked again when sent: its arrays may have been written to since it was made."""
+    if sparse.outside():
+        raise InvalidTensor(f"sparse indices{where} fall outside dense_shape {sparse.dense_shape}")
+    return sparse
 
 
 Tensor = Union[np.ndarray, SparseTensor, "dict[str, np.ndarray]", "dict[Any, Any]", "list[Any]", "tuple[Any, ...]"]
@@ -140,7 +151,7 @@ def flatten(obj: Any) -> tuple[str, dict[str, Any], list[dict[str, Any]], list[n
     named: list[tuple[str, np.ndarray]]
     if isinstance(obj, SparseTensor):
         kind, extra = "sparse", {"dense_shape": list(obj.dense_shape)}
-        named = [("indices", obj.indices), ("values", obj.values)]
+        named = [("indices", _checked(obj).indices), ("values", obj.values)]
     elif isinstance(obj, dict) and _is_bundle(obj):
         kind, extra = "bundle", {}
         named = [(name, _as_array(value)) for name, value in obj.items()]
@@ -197,7 +208,7 @@ class _TreeWriter:
                 self.node(value, f"{path}/{i}", depth + 1) for i, value in enumerate(obj)
             ]
         if isinstance(obj, SparseTensor):
-            self.named += [(f"{path}/indices", obj.indices), (f"{path}/values", obj.values)]
+            self.named += [(f"{path}/indices", _checked(obj, f" at {path}").indices), (f"{path}/values", obj.values)]
             return ["sparse", list(obj.dense_shape)]
         self.named.append((path, _as_array(obj, f" at {path}")))
         return ["tensor"]
