@@ -13,6 +13,7 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
+from ..buffers import aligned
 from ..errors import (
     BadMagic,
     ChecksumMismatch,
@@ -355,6 +356,11 @@ def payload_crcs(payload: memoryview, whole: int | None = None) -> tuple[int, in
 _CHUNK_HEADER_START = b"\xa4kind\xa5chunk"
 
 
+def is_chunk(view: memoryview) -> bool:
+    """Whether a frame's header begins as a chunk's does (a hint: `parse` checks the frame all the same)."""
+    return view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] == _CHUNK_HEADER_START
+
+
 def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, int | None] | None:
     """For a checksummed, unsigned chunk frame: its CRC to verify plus `payload_crcs`, in one pass; else None.
 
@@ -362,7 +368,7 @@ def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, 
     are derived from it and the payload is not read again. Other frames need no payload CRC, and
     combining costs ~10 µs: they get None and `parse` as usual.
     """
-    if view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] != _CHUNK_HEADER_START:
+    if not is_chunk(view):
         return None
     _, _, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
     start = align(PREFIX.size + header_len)
@@ -479,7 +485,7 @@ def message_from_frame(
         if type(raw) is not int or raw < 0:
             raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {brief(raw)}")
         most = min(limits.max_payload_bytes, limits.max_decompressed_bytes)
-        payload = memoryview(decompress(header["comp"], payload, raw, most))
+        payload = aligned(decompress(header["comp"], payload, raw, most))  # (a copy: bytes start 32 bytes in)
     tensor, entries = rebuild(
         header,
         payload,
