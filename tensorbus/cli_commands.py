@@ -24,9 +24,22 @@ from .keys import make_key
 from .options import redact
 
 
+def _arrays(obj: Any) -> list[np.ndarray]:
+    """The arrays of a received structure (its depth was bounded when it was decoded)."""
+    if isinstance(obj, np.ndarray):
+        return [obj]
+    if isinstance(obj, SparseTensor):
+        return [obj.indices, obj.values]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [array for item in items for array in _arrays(item)]
+
+
 def _describe(tensor: Any) -> str:
-    if isinstance(tensor, dict):
+    if isinstance(tensor, dict) and all(isinstance(a, np.ndarray) for a in tensor.values()):
         return f"bundle of {len(tensor)} tensors, {sum(a.nbytes for a in tensor.values()):,} bytes"
+    if isinstance(tensor, (dict, list, tuple)):
+        arrays = _arrays(tensor)
+        return f"structure of {len(arrays)} arrays, {sum(a.nbytes for a in arrays):,} bytes"
     if isinstance(tensor, SparseTensor):
         return f"sparse {tensor.values.dtype} {tensor.dense_shape}, nnz={len(tensor.values)}"
     return f"{tensor.dtype} {tuple(tensor.shape)}, {tensor.nbytes:,} bytes"

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -308,3 +309,44 @@ def test_errors_are_named_by_the_class_tensorbus_exports() -> None:
 
     assert _public_name(AuthRefused("refused")) == "TransportError"  # what a user can catch, not an internal name
     assert _public_name(tb.Timeout("late")) == "Timeout"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "int4"])
+@pytest.mark.parametrize(("command", "suffix"), [("recv", ".npy"), ("save", ".npz"), ("recv", ".safetensors")])
+def test_a_dtype_the_file_format_cannot_describe_comes_back_the_same(
+    tmp_path: Path, dtype: str, command: str, suffix: str
+) -> None:
+    """What recv and save write comes back as the same dtype and bits, through `tensorbus send` too:
+    numpy's formats would store bfloat16 as raw |V2, so such a tensor is written as a .tbf instead."""
+    tensor = np.arange(-3, 5).astype(getattr(ml_dtypes, dtype))
+    output = tmp_path / f"out{suffix}"
+    receiver, address = listen(command, "tcp://127.0.0.1:0", "k", "-o", str(output), "--timeout", "30")
+    with tb.Producer(address) as producer:
+        producer.send("k", tensor if command == "recv" else {"w": tensor, "b": np.ones(2)})
+    _, err = receiver.communicate(timeout=60)
+    assert receiver.returncode == 0, err
+    holds = suffix == ".safetensors" and dtype != "int4"  # safetensors names bfloat16 and float8; numpy does not
+    written = output if holds else output.with_suffix(".tbf")
+    assert written.exists() and (holds or not output.exists())
+    if not holds:
+        assert f"cannot {'hold' if suffix == '.safetensors' else 'describe'} dtype {dtype}" in err
+        assert f"wrote it as a tensorbus frame instead: {written}" in err
+    back = read_tensor(written)
+    got = back if command == "recv" and not isinstance(back, dict) else back.get("tensor", back.get("w"))
+    assert got.dtype == tensor.dtype and got.tobytes() == tensor.tobytes()
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "again", "-o", str(tmp_path / "again.tbf"))
+    sent = tensorbus("send", address, "again", str(written))  # what tensorbus wrote, it sends back unchanged
+    assert sent.returncode == 0, sent.stderr
+    finish(receiver)
+    again = read_tensor(tmp_path / "again.tbf")
+    again = again if isinstance(again, np.ndarray) else again.get("tensor", again.get("w"))
+    assert again.dtype == tensor.dtype and again.tobytes() == tensor.tobytes()
+
+
+def test_a_nested_structure_is_received_as_a_frame_and_sent_on(tmp_path: Path) -> None:
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "s.npz"), "--timeout", "30")
+    with tb.Producer(address) as producer:
+        producer.send("k", {"layers": [np.ones(2), np.zeros(3)], "step": 7})
+    out, err = receiver.communicate(timeout=60)
+    assert receiver.returncode == 0 and "structure of 2 arrays" in out and "s.tbf" in err, err
+    assert tb.loads((tmp_path / "s.tbf").read_bytes())["step"] == 7
