@@ -12,6 +12,8 @@ import pytest
 import tensorbus as tb
 from tensorbus.codec.frame import PREFIX, Limits, encode_raw, layout
 from tensorbus.codec.tensors import ALIGN, MAX_TREE_DEPTH, MAX_TREE_ENTRIES
+from tensorbus.rendezvous import tensor_nbytes
+from tests.faults import wait_for
 from tests.unit import frames_v1
 
 
@@ -178,6 +180,17 @@ def test_a_received_tree_past_the_receivers_limits_is_refused() -> None:
 def test_a_structures_entries_count_against_the_consumers_buffer_like_metadata() -> None:
     small, big = tb.decode(tb.dumps({"a": [0]})), tb.decode(tb.dumps({"a": list(range(1000))}))
     assert big.header_bytes - small.header_bytes > 999 * 64
+
+
+def test_every_array_of_a_structure_counts_against_the_consumers_buffer() -> None:
+    tree = tb.loads(tb.dumps(tf_style()))
+    arrays = [*tree["ragged"], tree["pair"][0], tree["nested"]["deeper"][0]["x"], tree[7]]
+    sparse = tree["pair"][1]
+    assert tensor_nbytes(tree) == sum(a.nbytes for a in arrays) + sparse.indices.nbytes + sparse.values.nbytes
+    with tb.Consumer("memory://counted") as consumer, tb.Producer("memory://counted") as producer:
+        producer.send("big", ([np.ones(1 << 17)],))  # 1 MiB of float64 in a list in a tuple
+        wait_for(lambda: len(consumer.table) == 1, 10, "the structure to arrive")
+        assert consumer.table.buffered_bytes > 1 << 20  # (was counted as its header alone)
 
 
 @pytest.mark.parametrize("name", ["NDARRAY", "BUNDLE", "SPARSE"])
