@@ -37,7 +37,7 @@ def compress_if_it_pays(name: str, buffers: Sequence[bytes | bytearray | memoryv
         sample = _sample(views, total)
         if len(compress(name, sample)) >= PAYS_BELOW * len(sample):
             return None
-    packed = compress(name, b"".join(views))
+    packed = compress(name, views[0] if len(views) == 1 else b"".join(views))  # (one array: no joined copy)
     return packed if len(packed) < total else None
 
 
