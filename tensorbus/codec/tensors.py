@@ -183,9 +183,7 @@ class _TreeWriter:
             raise LimitExceeded(f"the structure holds more than {MAX_TREE_ENTRIES} entries, the limit")
         kind = type(obj)
         if kind in SCALARS:
-            if kind is int and not -(1 << 63) <= obj < 1 << 64:
-                raise InvalidTensor(f"int {brief(obj)} at {path or 'the top'} does not fit in 64 bits")
-            return obj
+            return _fits(obj, path)
         if isinstance(obj, (dict, list, tuple)):
             if depth > MAX_TREE_DEPTH:
                 raise LimitExceeded(f"the structure nests deeper than {MAX_TREE_DEPTH} levels (at {path})")
@@ -197,7 +195,7 @@ class _TreeWriter:
                             f"dict key {brief(name)} at {path or 'the top'} is a {type(name).__name__}: "
                             "keys must be str or int"
                         )
-                    node += [name, self.node(value, f"{path}/{name}", depth + 1)]
+                    node += [_fits(name, path), self.node(value, f"{path}/{name}", depth + 1)]
                 return node
             if kind is not list and kind is not tuple:  # e.g. a namedtuple: its class cannot travel
                 raise InvalidTensor(
@@ -212,6 +210,13 @@ class _TreeWriter:
             return ["sparse", list(obj.dense_shape)]
         self.named.append((path, _as_array(obj, f" at {path}")))
         return ["tensor"]
+
+
+def _fits(value: Any, path: str) -> Any:
+    """`value`, unless it is an int msgpack cannot hold (it holds 64 bits, signed or unsigned)."""
+    if type(value) is int and not -(1 << 63) <= value < 1 << 64:
+        raise InvalidTensor(f"int {brief(value)} at {path or 'the top'} does not fit in 64 bits")
+    return value
 
 
 def _array(entry: Any, payload: memoryview, max_ndim: int, at: int) -> np.ndarray:

@@ -105,6 +105,7 @@ def test_a_flat_dict_of_tensors_stays_a_bundle_and_an_ordered_dict_comes_back_a_
         ({(1, 2): np.ones(1)}, tb.InvalidTensor, r"dict key \(1, 2\) at the top is a tuple: keys must be str or int"),
         ({True: np.ones(1)}, tb.InvalidTensor, r"dict key True at the top is a bool"),
         ([2**64], tb.InvalidTensor, r"does not fit in 64 bits"),
+        ({"a": {-(2**63) - 1: np.ones(1)}}, tb.InvalidTensor, r"at /a does not fit in 64 bits"),
         ({"p": collections.namedtuple("P", "x")(1)}, tb.InvalidTensor, r"cannot send a P at /p: only plain lists"),
         ([b"bytes"], tb.UnsupportedDtype, r"cannot send a bytes at /0"),
     ],
