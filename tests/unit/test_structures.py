@@ -236,3 +236,11 @@ def test_a_sparse_tensor_with_indices_outside_its_shape_is_refused_when_made() -
     with pytest.raises(tb.InvalidTensor, match="integers"):
         tb.SparseTensor([[0.5, 0]], [1.0], (3, 3))
     assert tb.SparseTensor([[2, 2]], [1.0], (3, 3)).to_dense()[2, 2] == 1.0
+
+
+def test_a_consumer_takes_its_structure_limits_as_options() -> None:
+    with tb.Consumer("memory://limits", max_tree_depth=2) as consumer, tb.Producer("memory://limits") as producer:
+        producer.send("deep", [[[1]]])
+        producer.send("flat", [[1]])
+        assert consumer.recv("flat", timeout=10) == [[1]]
+        assert consumer.stats["rejected"] == 1  # the deeper one, dropped as every bad frame is (and logged)
