@@ -59,6 +59,8 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "max_ndim": Limits.max_ndim,
     "max_frame_age_s": 300.0,
     "unclaimed_timeout_s": None,
+    "max_tree_depth": Limits.max_tree_depth,
+    "max_tree_entries": Limits.max_tree_entries,
     "dedup_window": 100_000,
     "dedup_file": None,
     "like": "numpy",
@@ -246,6 +248,8 @@ class Consumer:
             max_decompressed_bytes=opts["max_decompressed_bytes"],
             max_ndim=opts["max_ndim"],
             max_frame_age_s=opts["max_frame_age_s"],
+            max_tree_depth=opts["max_tree_depth"],
+            max_tree_entries=opts["max_tree_entries"],
         )
         self.table = Rendezvous(max_buffered_bytes=opts["max_buffered_bytes"])
         self._unclaimed_timeout_s: float | None = opts["unclaimed_timeout_s"]
