@@ -157,6 +157,7 @@ class Rendezvous:
             if waiter is not None:
                 self._complete(waiter, StaleIncarnation(*stale.args))
             raise stale
+        assert waiter is not None
         self._complete(waiter, message)
 
     def _fence(self, key: str) -> StaleIncarnation | None:
