@@ -29,8 +29,9 @@ def test_the_native_speedup_benchmark_runs_both_ways() -> None:
 
 
 def _producer_that_leaves_at_once(address: str, size: int, count: int) -> threading.Thread:
-    """In place of `consumer_floor._start_producer`: a producer that sends its frames (a warm-up and `count`), takes the ack for all of them, then sends two ack requests and closes
-    in the same segment: whatever answers them writes to a peer that is already gone."""
+    """In place of `consumer_floor._start_producer`: a producer that sends its frames (a warm-up and `count`),
+    takes the ack for all of them, then sends two ack requests and closes in the same segment: whatever
+    answers them writes to a peer that is already gone."""
 
     frames = consumer_floor.WARMUP + count
 
