@@ -13,6 +13,7 @@ from .errors import (
     ConfigError,
     LimitExceeded,
     MalformedHeader,
+    Rejected,
     SignatureError,
     StaleIncarnation,
     TensorBusError,
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
     "ConfigError", "Consumer", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey", "Producer",
-    "Reassembler", "RecvHandle", "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation",
+    "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation",
     "TensorBusError", "Timeout", "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion",
     "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",
 ]  # fmt: skip
