@@ -226,7 +226,7 @@ class SocketTransport(Transport):
         to `encode`): the producer then takes the general path.
         """
         if self._rejections:
-            raise self._rejections.popleft()
+            self._raise_rejection()
         c_head, c_send = self._c_head, self._c_send
         if c_head is None or c_send is None or self._unacked_bytes >= self.options["max_unacked_bytes"]:
             return False
@@ -385,6 +385,14 @@ class SocketTransport(Transport):
         )
         return True
 
+    def _raise_rejection(self) -> None:
+        """Raise the consumer's oldest refusal not raised yet, if there is one."""
+        try:
+            rejection = self._rejections.popleft()
+        except IndexError:  # (none; or another thread's send raised the last one just now)
+            return
+        raise rejection
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects);
         `Rejected` if it refused one (for each refused message, a send or flush raises once)."""
@@ -395,8 +403,7 @@ class SocketTransport(Transport):
                     timeout,
                     lambda: f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s",
                 )
-            if self._rejections:
-                raise self._rejections.popleft()
+            self._raise_rejection()
 
     def wait_for_room(self) -> None:
         """Before a new message: wait while `max_unacked_bytes` are unacknowledged (up to `send_timeout_s`).
@@ -404,8 +411,7 @@ class SocketTransport(Transport):
         Called between messages, never between the chunks of one, so a message larger than the
         limit still goes out whole.
         """
-        if self._rejections:
-            raise self._rejections.popleft()
+        self._raise_rejection()
         limit = self.options["max_unacked_bytes"]
         if self._unacked_bytes < limit:
             return
