@@ -55,7 +55,8 @@ def as_run_here(script: str, url: str) -> str:
     and `url` for the examples' endpoint (the default port may be taken by someone else on this machine)."""
     python = shlex.quote(sys.executable)
     script = re.sub(r"(?<![\w/.-])(\.venv/bin/python3?|python3?)(?=\s)", python, script)
-    return EXAMPLE.sub(lambda found: f"{found[0]} {url}", script).rstrip("\n") + "\nwait\n"
+    script = re.sub(rf"({EXAMPLE.pattern})(?:[ \t]+\w+://[^\s;&|]+)?", rf"\1 {url}", script)
+    return script.rstrip("\n") + "\nwait\n"
 
 
 def run_example(name: str, url: str) -> subprocess.Popen[str]:
@@ -109,11 +110,16 @@ def test_the_example_consumer_prints_what_the_example_producer_sent() -> None:
 
 
 def test_a_shell_block_runs_the_examples_with_this_interpreter_on_the_given_url() -> None:
-    script = ".venv/bin/python examples/consumer.py &\npython3 examples/producer.py  # then this\n"
+    script = (
+        ".venv/bin/python examples/consumer.py &\n"
+        "python3 examples/producer.py  # then this\n"
+        ".venv/bin/python examples/producer.py unix:///tmp/x.sock; wait\n"
+    )
     ran = as_run_here(script, "tcp://127.0.0.1:1234")
     python = shlex.quote(sys.executable)
     assert ran.splitlines() == [
         f"{python} examples/consumer.py tcp://127.0.0.1:1234 &",
         f"{python} examples/producer.py tcp://127.0.0.1:1234  # then this",
+        f"{python} examples/producer.py tcp://127.0.0.1:1234; wait",
         "wait",
     ]
