@@ -71,7 +71,7 @@ def minimal_reader(size: int, count: int) -> float:
     listener.close()
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        greet(conn, None)
+        greet(conn, None, refusals=False)  # (it refuses nothing: it checks CRCs, and raises)
         buffer = memoryview(bytearray(READ_BYTES))
         state = {"lo": 0, "hi": 0, "frames": 0}
         table: dict[str, collections.deque] = collections.defaultdict(collections.deque)

@@ -194,10 +194,13 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def greet(sock: socket.socket, secret: bytes | None) -> bool:
-    """Consumer side of the handshake: send a nonce, check the proof, send the verdict."""
+def greet(sock: socket.socket, secret: bytes | None, *, refusals: bool = True) -> bool:
+    """Consumer side of the handshake: send a nonce, check the proof, send the verdict.
+
+    `refusals`: offer to tell refused frames (a producer that wants that then sends REFUSALS WANTED first).
+    """
     nonce = os.urandom(32)
-    flags = FLAG_CRC_AFTER | FLAG_REFUSALS | (FLAG_AUTH if secret else 0)
+    flags = FLAG_CRC_AFTER | (FLAG_REFUSALS if refusals else 0) | (FLAG_AUTH if secret else 0)
     sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
     answer = bytearray(PROOF_BYTES)
     got = recv_exact(sock, memoryview(answer))
