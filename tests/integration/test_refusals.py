@@ -17,6 +17,7 @@ from tensorbus.transports import reactor
 from tensorbus.transports import socket as socket_transport
 from tensorbus.transports.stream import ACK, ACK_REQUEST, HELLO, proof
 from tests.conftest import require_native
+from tests.faults import wait_for
 
 WAIT_S = 30.0
 
@@ -115,3 +116,17 @@ def test_a_producer_that_does_not_ask_for_refusals_gets_none(caplog: pytest.LogC
             with pytest.raises(TimeoutError):
                 sock.recv(1)
         assert consumer.stats["rejected"] == 1
+
+
+def test_a_message_held_for_room_and_then_refused_is_told_too(ends: Any) -> None:
+    url, consumer_options, producer_options = ends
+    newer, stale = tb.make_key("worker", 2, "ps", "grad"), tb.make_key("worker", 1, "ps", "grad")
+    with tb.Consumer(url, max_buffered_bytes=1000, **consumer_options) as consumer:
+        with tb.Producer(consumer.address, **producer_options) as producer:
+            producer.send(newer, np.zeros(200))  # fills the table
+            stale_id = producer.send(stale, np.zeros(2))  # held until there is room: then found stale
+            wait_for(lambda: consumer.transport.reactor._held, WAIT_S, "the stale tensor to be held")
+            assert consumer.recv(newer, timeout=WAIT_S).size == 200
+            with pytest.raises(tb.Rejected, match="incarnation 1 of 'worker'") as caught:
+                producer.flush(WAIT_S)
+            assert caught.value.message_id == stale_id
