@@ -26,6 +26,7 @@ from .stream import (
     FLAG_AUTH,
     FLAG_CRC_AFTER,
     FLAG_INCARNATION,
+    FLAG_REFUSALS,
     HELLO,
     HELLO_MAGIC,
     PROOF_BYTES,
@@ -33,7 +34,7 @@ from .stream import (
     VERDICT_ACCEPTED,
     VERDICT_REFUSED,
     proof,
-    refusal,
+    turned_down,
 )
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class Greeter:
                 shake.tls_pending = False
             if not shake.nonce:
                 shake.nonce = self.incarnation + os.urandom(32 - len(self.incarnation))
-                flags = FLAG_CRC_AFTER | FLAG_INCARNATION | (FLAG_AUTH if self.secret else 0)
+                flags = FLAG_CRC_AFTER | FLAG_REFUSALS | FLAG_INCARNATION | (FLAG_AUTH if self.secret else 0)
                 shake.out = HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, shake.nonce)
             self._flush(shake)
             if not shake.done:
@@ -178,7 +179,7 @@ class Greeter:
         reason = self.room()
         if reason is not None:
             self._refusals.log(logging.WARNING, source, "refused producer %s: %s", shake.peer, reason)
-            shake.out = refusal(reason)
+            shake.out = turned_down(reason)
             return
         shake.accepted = True
         shake.out = VERDICT_ACCEPTED

@@ -1,14 +1,21 @@
 """The stream-socket protocol around frames: handshake (with optional shared-secret auth) and acks.
 
 consumer -> producer  HELLO  "TBSK", version u8, flags u8 (bit 0: auth required; bit 1: CRCs may
-                      follow their frames; bit 2: the nonce's first 16 bytes are the consumer's
-                      incarnation, which signed frames are bound to), 32-byte nonce
+                      follow their frames; bit 2: refusals are told; bit 3: the nonce's first 16 bytes
+                      are the consumer's incarnation, which signed frames are bound to), 32-byte nonce
 producer -> consumer  PROOF  HMAC-SHA256(secret, "tensorbus-socket-auth-v1" + nonce), or 32 zero bytes
 consumer -> producer  VERDICT u8: 1 accepted; 0 refused (the secret), and the connection closes;
                       2 refused for another reason, which follows (u16 length, UTF-8), then it closes
-producer -> consumer  frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, a frame-sized marker)
+producer -> consumer  REFUSALS WANTED ("TBRF" + 20 zero bytes, a frame-sized marker), first, if HELLO set bit 2;
+                      then frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, also frame-sized)
 consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
                       on every ACK REQUEST and every `ack_every_frames` frames / `ack_every_bytes` bytes
+consumer -> producer  REFUSAL u64 (bit 63 set: no ACK count gets there; the rest: the index of the refused
+                      frame on this connection, from 0), reason length u16, reason (UTF-8); only to a
+                      producer that sent REFUSALS WANTED, and before the ACK that covers that frame
+
+A refused frame (over the consumer's limits, failing its checksum or signature, a stale incarnation...)
+is acknowledged like any other, so it is not sent again; the producer learns of it from its REFUSAL.
 
 A large checksummed, unsigned, unchunked frame may go out before its CRC32C is known, so the
 producer checksums each slice just before sending it (in cache, while the consumer already reads)
@@ -29,6 +36,8 @@ import socket
 import ssl
 import struct
 from types import ModuleType
+
+import msgpack
 
 from ..codec.frame import (
     CRC_AT,
@@ -53,7 +62,7 @@ HELLO_MAGIC = b"TBSK"
 PROTOCOL_VERSION = 1
 FLAG_AUTH = 0x01
 FLAG_CRC_AFTER = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
-FLAG_INCARNATION = 0x04  # in HELLO: the nonce begins with the consumer's incarnation
+FLAG_INCARNATION = 0x08  # in HELLO: the nonce begins with the consumer's incarnation
 #: random bytes naming one run of a consumer: signed frames are bound to it (see docs/FORMAT.md)
 INCARNATION_BYTES = 16
 VERDICT_ACCEPTED, VERDICT_REFUSED, VERDICT_REASON = b"\x01", b"\x00", b"\x02"
@@ -68,6 +77,12 @@ SEAL_SLICE = 1 << 20
 PROOF_BYTES = 32
 ACK = struct.Struct("<Q")
 ACK_REQUEST = b"TBAK" + bytes(20)
+FLAG_REFUSALS = 0x04  # in HELLO: this consumer tells the producers that want it which frames it refused
+REFUSALS_WANTED = b"TBRF" + bytes(20)
+REFUSAL = struct.Struct("<QH")
+REFUSED = 1 << 63  # in the first field of a REFUSAL: what tells it from an ACK
+#: a refusal's reason is cut to this many bytes
+MAX_REASON_BYTES = 1000
 _AUTH_CONTEXT = b"tensorbus-socket-auth-v1"
 IOV_MAX = 512
 
@@ -82,7 +97,7 @@ class Refused(TransportError):
     """The consumer refused this connection for a reason it gave (e.g. its `max_connections`)."""
 
 
-def refusal(reason: str) -> bytes:
+def turned_down(reason: str) -> bytes:
     """VERDICT 2 and its reason, as the consumer sends it."""
     text = reason.encode()[: (1 << 16) - 1]
     return VERDICT_REASON + REASON.pack(len(text)) + text
@@ -196,10 +211,13 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def greet(sock: socket.socket, secret: bytes | None) -> bool:
-    """Consumer side of the handshake: send a nonce, check the proof, send the verdict."""
+def greet(sock: socket.socket, secret: bytes | None, *, refusals: bool = True) -> bool:
+    """Consumer side of the handshake: send a nonce, check the proof, send the verdict.
+
+    `refusals`: offer to tell refused frames (a producer that wants that then sends REFUSALS WANTED first).
+    """
     nonce = os.urandom(32)
-    flags = FLAG_CRC_AFTER | (FLAG_AUTH if secret else 0)
+    flags = FLAG_CRC_AFTER | (FLAG_REFUSALS if refusals else 0) | (FLAG_AUTH if secret else 0)
     sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
     answer = bytearray(PROOF_BYTES)
     got = recv_exact(sock, memoryview(answer))
@@ -213,8 +231,8 @@ def greet(sock: socket.socket, secret: bytes | None) -> bool:
 
 
 def introduce(sock: socket.socket, secret: bytes | None, address: str) -> tuple[bool, bytes]:
-    """Producer side of the handshake: whether the consumer takes CRCs after frames, and its
-    incarnation (b"" from a consumer that does not say).
+    """Producer side of the handshake (asking for refusals where the consumer tells them): whether the
+    consumer takes CRCs after frames, and its incarnation (b"" from a consumer that does not say).
 
     Raises `AuthRefused`, `Refused` or `TransportError` with the reason.
     """
@@ -236,6 +254,8 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> tuple[
         raise Refused(f"{address} refused the connection: {_reason(sock)}")
     if verdict != VERDICT_ACCEPTED:
         raise AuthRefused(f"{address} refused this producer's auth_secret")
+    if flags & FLAG_REFUSALS:
+        sock.sendall(REFUSALS_WANTED)
     incarnation = nonce[:INCARNATION_BYTES] if flags & FLAG_INCARNATION else b""
     return bool(flags & FLAG_CRC_AFTER), incarnation
 
@@ -250,6 +270,20 @@ def _reason(sock: socket.socket) -> str:
     except OSError:
         pass
     return "no reason given"
+
+
+def refusal(index: int, reason: str) -> bytes:
+    """The REFUSAL record of the frame `index` of a connection (counted from 0), its reason cut short if long."""
+    text = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+    return REFUSAL.pack(REFUSED | index, len(text)) + text
+
+
+def names_in(head: Buffer) -> tuple[str | None, tuple[str, int] | None]:
+    """The key and message id written in a frame's head, as this process encoded it (for a refusal's error)."""
+    _, _, _, _, header_len, _, _ = PREFIX.unpack_from(head)
+    header = msgpack.unpackb(memoryview(head)[PREFIX.size : PREFIX.size + header_len])
+    message_id = header.get("id")
+    return header.get("key"), None if message_id is None else (message_id[0], message_id[1])
 
 
 #: the constants `_stream.c` repeats, by the names it exports them under
