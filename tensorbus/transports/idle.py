@@ -20,8 +20,8 @@ SWEEP_S = (0.05, 5.0)
 
 def in_flight(peer: Any) -> bool:
     """Whether the consumer holds anything of this connection's: part of a frame, a held or replayed
-    frame, an incomplete chunked message."""
-    if peer.held is not None or peer.replay is not None or peer.incomplete or peer.ack_owed:
+    frame, an incomplete chunked message, an ack or refusal not yet sent."""
+    if peer.held is not None or peer.replay is not None or peer.incomplete or peer.ack_owed or peer.outbox:
         return True
     if peer.reader is not None:
         return bool(peer.reader.mid_frame or peer.reader.buffered)
