@@ -5,7 +5,10 @@ message. This publisher runs a `SelectConnection` on a thread of its own and kee
 IN_FLIGHT_BYTES unconfirmed (measured on the native broker: 64 KB messages 4x, 1 MB 1.6x and
 16 MB chunks 1.2x the blocking rate; sixteen 16 MB chunks in flight were slower than one).
 Messages are confirmed in any order the broker likes; after a lost connection or channel every
-unconfirmed one is published again (duplicates are dropped by message id on the consumer side).
+unconfirmed one is published again (duplicates are dropped by message id on the consumer side),
+through the next node of the URL when it names several. When no confirm comes for
+`confirm_timeout_s` (e.g. a quorum queue that lost the majority of its nodes cannot take
+messages), `send` and `flush` raise instead of waiting on.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Publisher:
         self._pending = threading.Condition()
         self._pending_bytes = 0
         self._unconfirmed = 0
+        self._progress_at = time.monotonic()  # when the last confirm came (or the first unconfirmed frame went)
         self._error: TransportError | None = None
         self._returned: TransportError | None = None  # an unroutable message, reported with its confirm
         self._connection: pika.SelectConnection | None = None
@@ -57,6 +61,7 @@ class Publisher:
         self._wake_posted: pika.SelectConnection | None = None  # the connection a wake-up is posted to
         self._open_error: BaseException | None = None  # why the connection ended (or never opened)
         self._refused: BaseException | None = None  # the broker refused to set up the channel
+        self._passive: Any = None  # the channel whose passive declare is looking for the queue
         self._delays = backoff_s(0.1, 2.0)  # between reconnects; restarts once a channel is ready
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -74,7 +79,10 @@ class Publisher:
             while self._pending_bytes and self._pending_bytes + len(body) > self.t.options["max_pending_bytes"]:
                 self._pending.wait(1.0)
                 self.raise_error()
+                self._check_progress()
             self._pending_bytes += len(body)
+            if not self._unconfirmed:
+                self._progress_at = time.monotonic()
             self._unconfirmed += 1
             self._outbox.append((body, key))  # under the lock: `_fail_all` cannot miss it
         self._wake()
@@ -87,8 +95,18 @@ class Publisher:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TransportError(f"{self._unconfirmed} frames unconfirmed by {self.t.shown} after {timeout}s")
-                self._pending.wait(remaining)
+                self._pending.wait(1.0 if remaining is None else min(remaining, 1.0))
+                self._check_progress()
             self.raise_error()
+
+    def _check_progress(self) -> None:
+        """Raise when frames wait for a confirm and none came for confirm_timeout_s (caller holds `_pending`)."""
+        waited = time.monotonic() - self._progress_at
+        if self._unconfirmed and self._error is None and waited > self.t.options["confirm_timeout_s"]:
+            raise TransportError(
+                f"{self._unconfirmed} frames unconfirmed by {self.t.shown}, no confirm for {waited:.0f}s "
+                f"(confirm_timeout_s): are its nodes down, or has a quorum queue lost the majority of its nodes?"
+            )
 
     def raise_error(self) -> None:
         """Raise (once) the first failure the I/O thread recorded."""
@@ -145,7 +163,7 @@ class Publisher:
                 return
             error = self.t.as_error(self._refused or self._open_error or TransportError("connection lost"))
             first = not self._ready.is_set()
-            delay = next(self._delays)
+            delay = next(self._delays) if self.t.fail_over() else 0.0  # the next node at once, then back off
             if not error.retriable or self._stop.is_set() or (first and time.monotonic() + delay > deadline):
                 self._fail_all(error)  # e.g. wrong credentials: nothing will ever be published
                 if first or self._stop.is_set():
@@ -162,17 +180,21 @@ class Publisher:
         self._open_error = reason
         connection.ioloop.stop()
 
-    def _on_channel(self, channel: Any) -> None:
+    def _on_channel(self, channel: Any, passive: bool = True) -> None:
+        """Set up a new channel: find the queue (a passive declare; declared as `queue_type` when missing), confirms."""
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_return_callback(self._on_return)
-        self.t.declare(
-            channel,
-            callback=lambda _: channel.confirm_delivery(self._on_confirm, callback=lambda _: self._on_ready(channel)),
-        )
+        confirm = lambda _: channel.confirm_delivery(self._on_confirm, callback=lambda _: self._on_ready(channel))  # noqa: E731
+        if passive:
+            self._passive = channel
+            channel.queue_declare(self.t.queue, passive=True, callback=confirm)
+        else:
+            self.t.declare(channel, callback=confirm)
 
     def _on_ready(self, channel: Any) -> None:
         self._channel, self._next_tag = channel, 1
         self._delays = backoff_s(0.1, 2.0)
+        self.t.connected()
         self._ready.set()
         self._publish()
 
@@ -233,8 +255,11 @@ class Publisher:
         """The broker closed the channel over one message (e.g. over max_message_size): fail it, resend the rest."""
         if not isinstance(reason, px.ChannelClosedByBroker) or self._connection is None:
             return  # closed by this side, or with the connection: `_run` reconnects
-        if self._channel is not channel:  # refused while being set up, e.g. the queue exists with other arguments
-            self._refused = reason
+        if self._channel is not channel:  # refused while being set up
+            if channel is self._passive and reason.reply_code == 404:  # no such queue: declare it
+                self._connection.channel(on_open_callback=lambda c: self._on_channel(c, passive=False))
+                return
+            self._refused = reason  # e.g. a queue_type the broker does not know
             self._connection.close()
             return
         self._channel, self._returned = None, None
