@@ -169,3 +169,14 @@ rmq_cluster_start() {  # start a node again with its data: returns once it runs 
   rmqc_await_members "$node" 3
   log "RabbitMQ node $node rejoined the cluster in $((SECONDS - t0))s"
 }
+
+rmq_cluster_leader() {  # rmq_cluster_leader QUEUE: the node that leads the quorum queue (rabbit1..3)
+  local node
+  for node in "${RMQC_NODES[@]}"; do
+    pid_alive "$RMQC/$node/rabbitmq.pid" || continue
+    rmqc_ctl "$node" -q list_queues name leader --formatter json \
+      | python3 -c 'import json, sys; print(*[q["leader"].split("@")[0] for q in json.load(sys.stdin) if q["name"] == sys.argv[1]])' "$1"
+    return
+  done
+  die "no RabbitMQ cluster node is running"
+}

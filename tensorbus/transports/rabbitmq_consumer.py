@@ -24,6 +24,8 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Any
 
+import pika.exceptions as px
+
 from ..codec.frame import MessageId
 from ..errors import ConfigError, TransportError
 from .base import Deliver
@@ -83,7 +85,7 @@ class QueueConsumer:
             try:
                 self._serve()
             except Exception as exc:  # whatever failed, reconnect: a dead I/O thread would stop all delivery
-                if not isinstance(exc, TransportError):
+                if not isinstance(exc, (TransportError, px.AMQPError, OSError)):
                     log.exception("the RabbitMQ consumer thread of %s failed", self.t.shown)
                 error = self.t.as_error(exc)
                 if not self.ready.is_set():

@@ -62,6 +62,8 @@ class Publisher:
         self._open_error: BaseException | None = None  # why the connection ended (or never opened)
         self._refused: BaseException | None = None  # the broker refused to set up the channel
         self._passive: Any = None  # the channel whose passive declare is looking for the queue
+        #: messages the broker refused (Basic.Nack) and that were published again
+        self.nacks = 0
         self._delays = backoff_s(0.1, 2.0)  # between reconnects; restarts once a channel is ready
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -105,7 +107,8 @@ class Publisher:
         if self._unconfirmed and self._error is None and waited > self.t.options["confirm_timeout_s"]:
             raise TransportError(
                 f"{self._unconfirmed} frames unconfirmed by {self.t.shown}, no confirm for {waited:.0f}s "
-                f"(confirm_timeout_s): are its nodes down, or has a quorum queue lost the majority of its nodes?"
+                f"(confirm_timeout_s, {self.nacks} refused with a nack so far): are its nodes down, has a quorum "
+                f"queue lost the majority of its nodes, or is the queue full?"
             )
 
     def raise_error(self) -> None:
@@ -177,7 +180,7 @@ class Publisher:
         connection.ioloop.stop()
 
     def _on_closed(self, connection: pika.SelectConnection, reason: BaseException) -> None:
-        self._open_error = reason
+        self._open_error = self._open_error or reason  # (closed after a nack: that is the reason)
         connection.ioloop.stop()
 
     def _on_channel(self, channel: Any, passive: bool = True) -> None:
@@ -231,13 +234,27 @@ class Publisher:
             tags = [tag for tag in self._in_flight if tag <= method.delivery_tag]
         else:
             tags = [method.delivery_tag] if method.delivery_tag in self._in_flight else []
+        refused = []
         for tag in tags:
-            body, _ = self._in_flight.pop(tag)
-            self._in_flight_bytes -= len(body)
-            error, self._returned = self._returned, None
+            frame_and_key = self._in_flight.pop(tag)
+            self._in_flight_bytes -= len(frame_and_key[0])
             if isinstance(method, pika.spec.Basic.Nack):
-                error = TransportError(f"RabbitMQ at {self.t.shown} did not accept a message (nack)")
-            self._confirmed(len(body), error)
+                refused.append(frame_and_key)
+                continue
+            error, self._returned = self._returned, None
+            self._confirmed(len(frame_and_key[0]), error)
+        if refused:
+            # A quorum queue nacks what reaches it between two leaders, and a channel that first published
+            # then keeps the dead leader and nacks everything after (RabbitMQ 3.10): a new connection (and
+            # channel) publishes them again, with everything else unconfirmed.
+            self.nacks += len(refused)
+            self._outbox.extendleft(reversed(refused))
+            log.info("RabbitMQ at %s refused %d messages (nack); publishing them again", self.t.shown, len(refused))
+            if self._connection is not None and self._connection.is_open:
+                self._channel = None
+                self._open_error = TransportError(f"RabbitMQ at {self.t.shown} refused {len(refused)} messages (nack)")
+                self._connection.close()
+            return
         self._publish()
 
     def _on_return(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
