@@ -105,6 +105,7 @@ class Publisher:
         """Raise when frames wait for a confirm and none came for confirm_timeout_s (caller holds `_pending`)."""
         waited = time.monotonic() - self._progress_at
         if self._unconfirmed and self._error is None and waited > self.t.options["confirm_timeout_s"]:
+            self._progress_at = time.monotonic()  # a later send or flush waits as long again
             raise TransportError(
                 f"{self._unconfirmed} frames unconfirmed by {self.t.shown}, no confirm for {waited:.0f}s "
                 f"(confirm_timeout_s, {self.nacks} refused with a nack so far): are its nodes down, has a quorum "
