@@ -296,3 +296,51 @@ def test_an_aborted_consumer_hands_everything_to_the_next_while_still_open(url: 
     got, aborted = received_by_a_successor_of_an_aborted_consumer(url)
     aborted.close()
     assert sorted(got) == list(range(20))
+
+
+def test_every_consumer_of_a_stream_gets_every_tensor_from_where_it_starts(url: str) -> None:
+    url = f"{url}&queue_type=stream"
+    big = np.random.default_rng(0).standard_normal(50_000)  # 400 kB: chunked below
+    with tb.Producer(url, max_frame_bytes=64_000) as producer:
+        for i in range(5):
+            producer.send(f"k{i}", np.full(3, i))
+        producer.send("big", big)
+        producer.flush(30)
+        with (
+            tb.Consumer(f"{url}&offset=first") as one,
+            tb.Consumer(f"{url}&offset=first") as two,  # a second reader of the same stream: fan-out
+            tb.Consumer(f"{url}&offset=3") as from_3,
+            tb.Consumer(f"{url}&offset=next") as later,
+        ):
+            for consumer in (one, two):
+                assert [int(consumer.recv(f"k{i}", timeout=30)[0]) for i in range(5)] == list(range(5))
+                assert same(consumer.recv("big", timeout=30), big)
+            assert int(from_3.next_message(timeout=30).tensor[0]) == 3  # offsets count messages from 0
+            producer.send("after", np.arange(4.0))
+            producer.flush(30)
+            assert later.next_message(timeout=30).key == "after"  # `next`: nothing sent before it started
+            for consumer in (one, two):
+                assert same(consumer.recv("after", timeout=30), np.arange(4.0))
+
+
+def test_a_stream_consumer_that_loses_its_connection_goes_on_from_its_position(url: str) -> None:
+    url = f"{url}&queue_type=stream"
+    with (
+        tb.Consumer(f"{url}&offset=first&prefetch_count=4") as consumer,
+        tb.Producer(url, max_frame_bytes=10_000) as producer,
+    ):
+        reader = consumer.transport.consumer
+        for i in range(20):
+            producer.send(f"k{i}", np.full(5_000, i, np.float32))  # 20 kB: 3 chunks each
+        producer.flush(30)
+        assert [int(consumer.recv(f"k{i}", timeout=30)[0]) for i in range(10)] == list(range(10))
+        # (the worker moves the position on just after it handed the tensor over)
+        wait_for(lambda: isinstance(reader.position, int) and reader.position >= 10 * 3, 10, "the position")
+        reader._connection._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+        wait_for(lambda: reader.generation >= 2, 20, "the consumer to reconnect")
+        assert [int(consumer.recv(f"k{i}", timeout=30)[0]) for i in range(10, 20)] == list(range(10, 20))
+        with pytest.raises(tb.Timeout):  # the frames read again after the reconnect were dropped as duplicates
+            message = consumer.next_message(timeout=1)
+            pytest.fail(f"{message.key} came twice")
+        # read again: about a window's worth, not the 30 chunks before the position (as from `first`)
+        assert consumer.stats["duplicates"] + consumer.reassembler.stats["duplicates"] < 15
