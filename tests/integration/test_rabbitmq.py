@@ -344,3 +344,14 @@ def test_a_stream_consumer_that_loses_its_connection_goes_on_from_its_position(u
             pytest.fail(f"{message.key} came twice")
         # read again: about a window's worth, not the 30 chunks before the position (as from `first`)
         assert consumer.stats["duplicates"] + consumer.reassembler.stats["duplicates"] < 15
+
+
+def test_a_url_of_several_nodes_connects_to_the_first_that_answers(url: str) -> None:
+    parts = urllib.parse.urlsplit(url)
+    several = urllib.parse.urlunsplit(parts._replace(netloc=f"guest:guest@127.0.0.1:1,{parts.hostname}:{parts.port}"))
+    with tb.Consumer(several) as consumer, tb.Producer(several) as producer:
+        producer.send("k", np.arange(3.0))
+        assert same(consumer.recv("k", timeout=30), np.arange(3.0))
+        assert producer.transport.params.port == consumer.transport.params.port == parts.port
+    with pytest.raises(tb.ConfigError, match=r"bad host:port '127\.0\.0\.1:99999'"):
+        tb.Producer(urllib.parse.urlunsplit(parts._replace(netloc="127.0.0.1:5672,127.0.0.1:99999")))
