@@ -55,6 +55,8 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "max_payload_bytes": Limits.max_payload_bytes,
     "max_decompressed_bytes": Limits.max_decompressed_bytes,
     "max_ndim": Limits.max_ndim,
+    "max_tree_depth": Limits.max_tree_depth,
+    "max_tree_entries": Limits.max_tree_entries,
     "dedup_window": 100_000,
     "dedup_file": None,
     "like": "numpy",
@@ -225,6 +227,8 @@ class Consumer:
             max_payload_bytes=opts["max_payload_bytes"],
             max_decompressed_bytes=opts["max_decompressed_bytes"],
             max_ndim=opts["max_ndim"],
+            max_tree_depth=opts["max_tree_depth"],
+            max_tree_entries=opts["max_tree_entries"],
         )
         self.table = Rendezvous(max_buffered_bytes=opts["max_buffered_bytes"])
         self.reassembler = Reassembler(
