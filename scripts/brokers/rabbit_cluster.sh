@@ -112,6 +112,7 @@ rmq_cluster_up() {  # three nodes, one cluster, a quorum queue served: wipes dat
   local node all=1 t0=$SECONDS
   for node in "${RMQC_NODES[@]}"; do pid_alive "$RMQC/$node/rabbitmq.pid" || all=0; done
   if ((all)); then log "RabbitMQ cluster already running"; rmqc_probe; return 0; fi
+  rmq_install   # (from brokers.sh: Debian's rabbitmq-server, once)
   rmq_cluster_down
   trap 'log "stopping the RabbitMQ cluster again"; rmq_cluster_down' EXIT   # whatever fails below
   [[ ${TENSORBUS_KEEP_DATA:-0} == 1 ]] || rm -rf "$RMQC/home" "${RMQC_NODES[@]/#/$RMQC/}"

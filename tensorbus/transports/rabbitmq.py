@@ -258,6 +258,7 @@ class RabbitMQTransport(Transport):
             self.consumer.stop.set()
             raise TransportError(f"RabbitMQ at {self.shown} did not answer in time")
         if self.consumer.error is not None:
+            self.consumer.close()  # (its worker thread)
             raise self.consumer.error
 
     def close(self) -> None:
