@@ -78,10 +78,11 @@ class Publisher:
         """Queue one frame; blocks while max_pending_bytes are queued or unconfirmed."""
         with self._pending:
             self.raise_error()
+            since = time.monotonic()
             while self._pending_bytes and self._pending_bytes + len(body) > self.t.options["max_pending_bytes"]:
                 self._pending.wait(1.0)
                 self.raise_error()
-                self._check_progress()
+                self._check_progress(since)
             self._pending_bytes += len(body)
             if not self._unconfirmed:
                 self._progress_at = time.monotonic()
@@ -91,21 +92,22 @@ class Publisher:
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the broker has confirmed every queued frame; raise the first failure."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        since = time.monotonic()
+        deadline = None if timeout is None else since + timeout
         with self._pending:
             while self._unconfirmed and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TransportError(f"{self._unconfirmed} frames unconfirmed by {self.t.shown} after {timeout}s")
                 self._pending.wait(1.0 if remaining is None else min(remaining, 1.0))
-                self._check_progress()
+                self._check_progress(since)
             self.raise_error()
 
-    def _check_progress(self) -> None:
-        """Raise when frames wait for a confirm and none came for confirm_timeout_s (caller holds `_pending`)."""
-        waited = time.monotonic() - self._progress_at
+    def _check_progress(self, since: float) -> None:
+        """Raise when frames wait for a confirm and none came for confirm_timeout_s, neither since the last one
+        nor since this wait began at `since` (caller holds `_pending`)."""
+        waited = time.monotonic() - max(self._progress_at, since)
         if self._unconfirmed and self._error is None and waited > self.t.options["confirm_timeout_s"]:
-            self._progress_at = time.monotonic()  # a later send or flush waits as long again
             raise TransportError(
                 f"{self._unconfirmed} frames unconfirmed by {self.t.shown}, no confirm for {waited:.0f}s "
                 f"(confirm_timeout_s, {self.nacks} refused with a nack so far): are its nodes down, has a quorum "
@@ -297,6 +299,7 @@ class Publisher:
         with self._pending:
             self._pending_bytes -= nbytes
             self._unconfirmed -= 1
+            self._progress_at = time.monotonic()
             if error is not None and self._error is None:
                 self._error = error
             self._pending.notify_all()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 import urllib.parse
 
@@ -355,3 +357,16 @@ def test_a_url_of_several_nodes_connects_to_the_first_that_answers(url: str) -> 
         assert producer.transport.params.port == consumer.transport.params.port == parts.port
     with pytest.raises(tb.ConfigError, match=r"bad host:port '127\.0\.0\.1:99999'"):
         tb.Producer(urllib.parse.urlunsplit(parts._replace(netloc="127.0.0.1:5672,127.0.0.1:99999")))
+
+
+def test_a_stream_longer_than_confirm_timeout_s_is_not_taken_for_a_stalled_one(url: str) -> None:
+    # the producer runs ahead of the broker, so frames stay unconfirmed all along: every confirm is progress
+    with tb.Consumer(url) as consumer, tb.Producer(url, confirm_timeout_s=2, max_pending_bytes=32 << 20) as producer:
+        # taken as they come (iterating ends when the consumer closes)
+        threading.Thread(target=lambda: collections.deque(consumer, maxlen=0), daemon=True).start()
+        started, sent = time.monotonic(), 0
+        while time.monotonic() - started < 2.5 * 2 and sent < 5000:
+            producer.send("k", np.zeros(1 << 18, np.float32))  # 1 MB
+            sent += 1
+        producer.flush(60)
+        assert producer.transport._publisher.peak_in_flight > 4
