@@ -23,7 +23,6 @@
 #      TENSORBUS_KAFKA_CONTROLLER_PORT (9095) TENSORBUS_KAFKA_VERSION (4.4.0)
 #      TENSORBUS_BROKER_DIR ($REPO/.brokers) TENSORBUS_CACHE_DIR (~/.cache/tensorbus)
 #      TENSORBUS_BROKER_TLS_DIR ($TENSORBUS_BROKER_DIR/tls) TENSORBUS_BIND (127.0.0.1: the listeners' address)
-#      TENSORBUS_KAFKA_PROBE_CLASSES (a directory with KafkaReady.class: the probe needs no JDK then)
 #      TENSORBUS_KEEP_DATA=1 (don't wipe on up)
 set -euo pipefail
 
@@ -143,8 +142,8 @@ rmq_stop() {
 
 # ---------------------------------------------------------------- Kafka
 kafka_install() {
-  # A JDK, not just a JRE: the readiness probe is a single-file Java source program (unless compiled).
-  [[ -n $KAFKA_PROBE_CLASSES ]] || command -v javac >/dev/null || apt_install openjdk-17-jdk-headless
+  # A JDK, not just a JRE: the readiness probe is a single-file Java source program.
+  command -v javac >/dev/null || apt_install openjdk-17-jdk-headless
   [[ -f $KAFKA_LIBS/.complete ]] && return 0
   command -v mvn >/dev/null || apt_install maven
   log "resolving Kafka $KAFKA_VERSION jars from Maven Central into $KAFKA_LIBS"
@@ -156,17 +155,8 @@ kafka_install() {
   touch "$KAFKA_LIBS/.complete"
 }
 
-KAFKA_PROBE_CLASSES=${TENSORBUS_KAFKA_PROBE_CLASSES:-}
 KAFKA_JAVA=(java -Xms128m -Xmx512m -XX:+UseG1GC -Djava.awt.headless=true -Dlog4j2.shutdownHookEnabled=false
   -Dlog4j2.configurationFile="$REPO/scripts/kafka/log4j2.properties" -cp "$KAFKA_LIBS/*")
-
-kafka_probe() {  # kafka_probe ARGS...: scripts/kafka/KafkaReady.java, from source or compiled
-  if [[ -n $KAFKA_PROBE_CLASSES ]]; then
-    "${KAFKA_JAVA[@]:0:${#KAFKA_JAVA[@]}-1}" "$KAFKA_LIBS/*:$KAFKA_PROBE_CLASSES" KafkaReady "$@"
-  else
-    "${KAFKA_JAVA[@]}" "$REPO/scripts/kafka/KafkaReady.java" "$@"
-  fi
-}
 
 kafka_start() {
   kafka_install; tls_ensure
@@ -194,7 +184,7 @@ kafka_start() {
     ((SECONDS - t0 < 120)) || { kafka_stop; fail_with_log "Kafka not started after 120s" "$KAFKA/kafka.log"; }
     sleep 0.5
   done
-  kafka_probe "127.0.0.1:$KAFKA_PORT" >"$KAFKA/ready.log" 2>&1 \
+  "${KAFKA_JAVA[@]}" "$REPO/scripts/kafka/KafkaReady.java" "127.0.0.1:$KAFKA_PORT" >"$KAFKA/ready.log" 2>&1 \
     || { kafka_stop; fail_with_log "Kafka does not serve metadata" "$KAFKA/ready.log" "$KAFKA/kafka.log"; }
   for p in "$KAFKA_SSL_PORT" "$KAFKA_SASL_PORT"; do
     tls_probe "$p" "$KAFKA/tls-probe.log" \
