@@ -26,6 +26,7 @@ took "engine and Compose"
 bash scripts/docker.sh prepare
 took "base image and Kafka's jars"
 "${compose[@]}" build --quiet
+docker image prune -f >/dev/null   # the untagged images earlier builds left behind (the build cache stays)
 took "images built"
 # `down` before `up`: containers a killed run left behind would hold the ports
 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
