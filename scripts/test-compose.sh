@@ -15,7 +15,7 @@ t0=$SECONDS
 took() { echo "[compose] $1: $((SECONDS - t0))s" >&2; t0=$SECONDS; }
 
 profile=()   # the clusters, once the native launcher has them (scripts/brokers/*_cluster.sh)
-if [[ -f scripts/brokers/rabbit_cluster.sh && -f scripts/brokers/kafka_cluster.sh ]]; then profile=(--profile cluster); fi
+if compgen -G "scripts/brokers/*_cluster.sh" >/dev/null; then profile=(--profile cluster); fi
 compose=(docker compose "${profile[@]}")
 
 engine_was_up=0

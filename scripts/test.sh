@@ -14,10 +14,12 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q -e ".[rabbitmq,kafka,compression,bench,cli,dev,torch]"
 
 took "venv"
-native_down() { bash scripts/brokers.sh down; }
+native_down() { bash scripts/brokers.sh cluster down; bash scripts/brokers.sh down; }
 if [ "${TENSORBUS_BROKERS:-auto}" != "external" ]; then
-  bash scripts/brokers.sh up
   trap native_down EXIT
+  bash scripts/brokers.sh up
+  # the three-node clusters of the node-loss tests (marked `cluster`), beside the single nodes
+  TENSORBUS_PYTHON=.venv/bin/python bash scripts/brokers.sh cluster up
 fi
 took "native brokers up"
 
