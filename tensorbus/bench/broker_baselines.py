@@ -89,7 +89,7 @@ class PikaLink(_ChunkedLink):
         self.inbox: collections.deque[tuple[int, dict[str, Any], bytes]] = collections.deque()
         self.queues: list[str] = []
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(spec["url"]).query)
-        queue_type = query.get("queue_type", ["classic"])[-1]  # (pika-quorum: a quorum queue)
+        queue_type = query.get("queue_type", ["quorum"])[-1]  # tensorbus's default (pika-classic: classic)
         self.arguments = None if queue_type == "classic" else {"x-queue-type": queue_type}
 
     def open(self) -> str:

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", help="element type of the tensors (default: float32)")
     add("--repeats", "--rounds", dest="repeats", type=int, metavar="N", help="timed rounds per cell (median)")
     add("--budget-s", type=float, metavar="S", help="time budget per (method, size) cell, warm-up included")
-    add("--baselines", metavar="LIST", help="socket,zmq,pickle,pika,pika-quorum,kafka-python, auto (default) or none")
+    add("--baselines", metavar="LIST", help="socket,zmq,pickle,pika,pika-classic,kafka-python, auto (default) or none")
     add("--latency-sizes", metavar="LIST", help="sizes for round trips (default: 4KB)")
     add("--warmup-s", type=float, metavar="S", help="untimed traffic per cell before timing")
     add("--round-s", type=float, metavar="S", help="target length of a timed round")

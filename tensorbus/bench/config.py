@@ -24,12 +24,12 @@ BASELINES: dict[str, tuple[str, ...]] = {
     "socket": ("memory", "tcp", "unix"),
     "zmq": ("memory", "tcp", "unix"),
     "pickle": ("memory", "tcp", "unix"),
-    "pika": ("amqp",),
-    "pika-quorum": ("amqp-quorum",),
+    "pika": ("amqp", "amqp-quorum"),
+    "pika-classic": ("amqp-classic",),
     "kafka-python": ("kafka",),
 }
 #: baselines that are another baseline on a differently declared queue: name -> URL query
-BASELINE_QUERY = {"pika-quorum": "queue_type=quorum"}
+BASELINE_QUERY = {"pika-classic": "queue_type=classic"}
 VERIFY_MODES = ("crc32c", "index")
 DEFAULT_CONFIG = Path("config/bench.toml")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"

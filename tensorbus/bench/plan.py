@@ -21,18 +21,18 @@ _COMPARE = {
     "unix": ["socket", "zmq"],
     "amqp": ["pika"],
     "kafka": ["kafka-python"],
-    "amqp-quorum": ["pika-quorum"],
-    "amqp-classic": ["pika"],
+    "amqp-quorum": ["pika"],
+    "amqp-classic": ["pika-classic"],
 }
 _BASELINE_FAMILY = {
     "socket": "tcp",
     "zmq": "tcp",
     "pickle": "tcp",
     "pika": "amqp",
-    "pika-quorum": "amqp",
+    "pika-classic": "amqp",
     "kafka-python": "kafka",
 }
-_BASELINE_MODULE = {"zmq": "zmq", "pika": "pika", "pika-quorum": "pika", "kafka-python": "kafka"}
+_BASELINE_MODULE = {"zmq": "zmq", "pika": "pika", "pika-classic": "pika", "kafka-python": "kafka"}
 
 
 def plan(cfg: BenchConfig) -> list[Method]:

@@ -21,7 +21,7 @@ COLORS = {
     "zmq": "#9467bd",
     "pickle": "#8c564b",
     "pika": "#e3a857",
-    "pika-quorum": "#e3a857",
+    "pika-classic": "#c49a6c",
     "kafka-python": "#e377c2",
 }
 

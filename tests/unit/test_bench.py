@@ -182,10 +182,11 @@ def test_quorum_and_classic_rows_each_have_their_queue_type_and_their_baseline()
         transports=["amqp-quorum", "amqp-classic"], baselines=["auto"], amqp_url="amqp://guest:guest@127.0.0.1:1/%2F"
     )
     methods = {m.name: m for m in plan(cfg)}
-    assert set(methods) == {"amqp-quorum", "amqp-classic", "pika", "pika-quorum"}
+    assert set(methods) == {"amqp-quorum", "amqp-classic", "pika", "pika-classic"}
     assert methods["amqp-quorum"].url.endswith("?queue_type=quorum") and methods["amqp-quorum"].family == "amqp"
     assert methods["amqp-classic"].url.endswith("?queue_type=classic")
-    assert methods["pika-quorum"].url.endswith("?queue_type=quorum") and methods["pika-quorum"].impl == "pika-quorum"
-    assert methods["amqp-quorum"].compare == ["pika-quorum"] and methods["amqp-classic"].compare == ["pika"]
+    assert methods["pika-classic"].url.endswith("?queue_type=classic")
+    assert methods["pika-classic"].impl == "pika-classic"
+    assert methods["amqp-quorum"].compare == ["pika"] and methods["amqp-classic"].compare == ["pika-classic"]
     with pytest.raises(ConfigError, match="amqp-quorum, amqp-classic"):
         config.BenchConfig(transports=["amqp-mirrored"])
