@@ -9,8 +9,8 @@ What it measures
       - minimal: the socket handshake, then per frame only the prefix, the CRC32C check, the msgpack
         header, the payload copied out of the read buffer into an array of its own, a per-key FIFO, and
         an ack every 32 frames. No dedup, fencing, limits or error handling.
-    The difference is what the consumer's guarantees cost per tensor. Since plain frames are delivered
-    in C (`_native.Lane`) it is small: 0.88x and 1.05x at 4 KB and 64 KB, against 1.45x and 1.39x before.
+    The difference is what the consumer's guarantees cost per tensor (plain frames are delivered in C,
+    by the intake's `_intake.FastDelivery`; docs/PERFORMANCE.md has the measured ratios).
 
 Run
     python -m benchmarks.consumer_floor [--sizes 4KB,64KB,1MB] [--tensors 5000] [--rounds 5]

@@ -7,7 +7,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import msgpack
@@ -491,3 +491,5 @@ NATIVE_CONSTANTS = {
     "MAX_PRODUCER_ID": MAX_PRODUCER_ID,
 }
 NATIVE = agrees(NATIVE, NATIVE_CONSTANTS)
+if NATIVE is not None:  # (`decode_message` builds Messages in C: it checks their fields are the ones it sets)
+    NATIVE.configure_message(Message, tuple(f.name for f in fields(Message)))

@@ -7,7 +7,7 @@ transport only moves frames (lists of buffers) and reports each received frame t
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 from ..codec.frame import Buffer, Limits, Message, MessageId
@@ -31,7 +31,11 @@ class Delivered(NamedTuple):
 
 
 class Deliver(Protocol):
-    """What a listening transport reports to: called with each received frame."""
+    """What a listening transport reports to: called with each received frame (the consumer's intake)."""
+
+    #: the C delivery of a whole plain frame, for transports that read frames in C: the Message it
+    #: delivered, or None when it changed nothing (then call the intake itself); None where there is none
+    fast: Callable[[memoryview, int | None], Message | None] | None
 
     def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.

@@ -16,8 +16,8 @@ Each connection is a small state machine (prefix, then the frame into one buffer
 frame over the limits), so a producer that stalls mid-frame holds up nobody else. Plain (not TLS)
 connections run it in C when the extension is built (`_stream.c`, `_step_native`); the Python one
 below (`_step`) reads TLS connections, and every connection when the extension is not there.
-A plain frame the C reader read goes on into the consumer's table in C as well (`Consumer.lane`,
-`_native.Lane`), which saves about a fifth of a small tensor's time; the Python delivery takes the rest.
+A plain frame the C reader read goes on into the consumer's table in C as well (the intake's `fast`,
+`_intake.FastDelivery`); the Python delivery takes the rest.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ class Reactor:
     def __init__(self, deliver: Deliver, limits: Limits, options: dict[str, Any], pool: BufferPool) -> None:
         self.deliver, self.limits, self.options, self.pool = deliver, limits, options, pool
         self._ack_every = (options["ack_every_frames"], options["ack_every_bytes"])  # (read for every frame)
-        self._lane = getattr(deliver, "take", None)  # the consumer's C delivery of plain frames
+        self._fast = deliver.fast  # the intake's C delivery of plain frames
         self.linger_s: float = options["linger_s"]
         self.spin_s: float = options["spin_s"]
         self._poller = Poller()
@@ -524,7 +524,7 @@ class Reactor:
             return False
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
-            if self._lane is not None and self._lane(*event) is not None:
+            if self._fast is not None and self._fast(*event) is not None:
                 self._finish(peer, HANDED_OVER)
             else:
                 self._deliver(peer, *event)

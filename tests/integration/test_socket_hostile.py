@@ -31,10 +31,10 @@ def test_an_ack_looks_only_at_the_oldest_incomplete_message_not_at_all_of_them(m
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
         peer = raw_peer(consumer.address)
         peer.sendall(_chunk_frames("hog", 2000))
-        wait_for(lambda: consumer.reassembler.pending == 2000, 20, "2000 incomplete messages")
+        wait_for(lambda: consumer.intake.reassembler.pending == 2000, 20, "2000 incomplete messages")
         calls = []
-        real = consumer.reassembler.is_pending
-        monkeypatch.setattr(consumer.reassembler, "is_pending", lambda m: calls.append(m) or real(m))
+        real = consumer.intake.reassembler.is_pending
+        monkeypatch.setattr(consumer.intake.reassembler, "is_pending", lambda m: calls.append(m) or real(m))
         peer.sendall(ACK_REQUEST * 50)
         with tb.Producer(consumer.address) as producer:
             producer.send("k", np.ones(4))
