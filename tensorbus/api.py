@@ -10,17 +10,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from .codec import Limits, Message, MessageId, encode, encode_chunks
+from .codec import Limits, Message, MessageId
 from .codec.compression import check_codec
-from .codec.frame import FLAG_CHECKSUM
 from .codec.torch_bridge import check_like
 from .errors import Aborted, Closed, ConfigError
 from .intake import Intake
 from .options import finite_timeout, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle
-from .transports import Transport, resolve_transport
+from .transports import Encoding, Transport, resolve_transport
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +97,7 @@ class Producer:
         if self.compression is not None:
             check_codec(self.compression)
         self.signing_key = _key_bytes(opts["signing_key"])
+        self._encoding = Encoding(self.compression, self.checksum, self.signing_key)
         self._start_identity()
         self._closed = False
 
@@ -108,9 +106,6 @@ class Producer:
         self.producer_id = uuid.uuid4().hex[:16]
         self._sequence = itertools.count(1)
         self._forks = _forks
-        #: flags of the frame `transport.send_ndarray` builds, or None when this producer's frames need more
-        plain = self.compression is None and self.signing_key is None and self.transport.max_frame_bytes is None
-        self._plain_flags = (FLAG_CHECKSUM if self.checksum else 0) if plain else None
 
     def _check_fork(self) -> None:
         """In a forked child: become a producer of its own. With the parent's id its tensors would be
@@ -136,34 +131,7 @@ class Producer:
             raise Closed("send on a closed Producer")
         self._check_fork()
         message_id = (self.producer_id, next(self._sequence))
-        transport = self.transport
-        flags = self._plain_flags  # most sends: one plain ndarray, built and sent in C where the transport can
-        if flags is not None and type(tensor) is np.ndarray:
-            if transport.send_ndarray(tensor, key, metadata, message_id, flags):
-                return message_id
-        transport.wait_for_room()
-        options = {
-            "key": key,
-            "metadata": metadata,
-            "compression": self.compression,
-            "checksum": self.checksum,
-            "message_id": message_id,
-            "signing_key": self.signing_key,
-        }
-        limit = transport.max_frame_bytes
-        if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            transport.send(encode(tensor, **options, deferred_checksum=transport.seals_frames), key=key)
-            return message_id
-        parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
-        sent = 0
-        try:
-            for part in parts:
-                transport.send(part, key=key)
-                sent += 1
-        except BaseException:  # (a Ctrl-C between or inside chunks too)
-            if sent:  # the chunks that went out can never make a whole tensor: don't resend them
-                transport.forget_last(sent)
-            raise
+        self.transport.send_message(tensor, key, metadata, message_id, self._encoding)
         return message_id
 
     def flush(self, timeout: float | None = None) -> None:
@@ -215,9 +183,9 @@ class Consumer:
         self._closed = False
         self.transport.listen(self.intake, limits)
         self.intake.start()
-        if hasattr(self.transport, "pump"):
-            self.table.pump = self.transport.pump  # a waiting recv reads for itself
-            self.table.room_opened = self.transport.room_opened  # type: ignore[attr-defined]
+        if self.transport.reads_while_waiting:
+            self.table.read_while_waiting = self.transport.read_while_waiting  # a waiting recv reads for itself
+        self.table.room_opened = self.transport.room_opened
 
     @classmethod
     def from_config(cls, path: str | Path, url: str | None = None, **overrides: Any) -> Consumer:

@@ -91,9 +91,9 @@ class Rendezvous(TableState):
         #: messages `abort` dropped unreceived (a transport must not acknowledge them on the way out)
         self.dropped = 0
         self.stats = collections.Counter[str]()
-        #: set by a consumer whose transport can read on the waiting thread: `pump(done, deadline)`
-        #: waits for the waiter's lock `done` (True) or the deadline (False), reading frames meanwhile
-        self.pump: Callable[[threading.Lock, float | None], bool] | None = None
+        #: set by a consumer whose transport can read on the waiting thread: `read_while_waiting(done,
+        #: deadline)` waits for the waiter's lock `done` (True) or the deadline (False), reading frames meanwhile
+        self.read_while_waiting: Callable[[threading.Lock, float | None], bool] | None = None
         #: set by a consumer whose transport holds messages that did not fit: called (under the
         #: table's lock, so it must not block) when room opens or a receiver starts waiting
         self.room_opened: Callable[[], None] | None = None
@@ -231,9 +231,9 @@ class Rendezvous(TableState):
             return self._hand_out(message)
         assert waiter.done is not None
         try:
-            if self.pump is not None:
+            if self.read_while_waiting is not None:
                 deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
-                served = self.pump(waiter.done, deadline)
+                served = self.read_while_waiting(waiter.done, deadline)
             else:
                 served = waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0))
         except BaseException as exc:  # e.g. Ctrl-C: a waiter left queued would swallow the next tensor

@@ -252,7 +252,7 @@ class Reactor:
 
     # -- leadership -----------------------------------------------------------------------------
 
-    def pump(self, done: threading.Lock, deadline: float | None) -> bool:
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for `done` (a waiter's lock) until `deadline`, reading frames on this thread meanwhile.
 
         True once `done` was acquired, False when the deadline passed. When another application

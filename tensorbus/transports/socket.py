@@ -32,7 +32,7 @@ from ..codec.frame import NATIVE, Buffer, Limits, MessageId, flat_bytes
 from ..codec.native import crc32c
 from ..errors import Closed, ConfigError, TransportError
 from ..options import finite_timeout
-from .base import Deliver, Transport, backoff_s
+from .base import Deliver, Encoding, Transport, backoff_s
 from .listener import Listener
 from .reactor import Reactor
 from .stream import (
@@ -80,6 +80,7 @@ class SocketTransport(Transport):
     schemes = ("tcp", "tcps", "unix")
     seals_frames = True
     acknowledges = True
+    reads_while_waiting = True
     OPTIONS: ClassVar[dict[str, Any]] = {
         "max_frame_bytes": None,
         "connect_timeout_s": 5.0,
@@ -119,10 +120,11 @@ class SocketTransport(Transport):
         self._sock: socket.socket | None = None
         self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
         self._c_sends_below = c_sends_below(False)
-        #: `send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
+        #: `_send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
+        #: (built, not TLS, one frame per tensor)
         self._c_head: Callable[..., bytearray | None] | None = None
         self._c_send: Callable[..., int | None] | None = None
-        if NATIVE is not None and NATIVE_STREAM is not None and url.scheme != "tcps":
+        if NATIVE is not None and NATIVE_STREAM is not None and url.scheme != "tcps" and self.max_frame_bytes is None:
             self._c_head, self._c_send = NATIVE.ndarray_head, NATIVE_STREAM.send_frame
         self._lock = threading.Lock()
         self._unacked: collections.deque[tuple[list[Buffer], int]] = collections.deque()
@@ -211,14 +213,25 @@ class SocketTransport(Transport):
             self._raise_if_closed()  # even while close waits for this lock with the connection still open
             self._book(frame, self._send_retrying(frame))
 
-    def send_ndarray(
+    def send_message(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
+    ) -> None:
+        """Send one tensor; a plain ndarray (most sends) is built and sent in C where it can be."""
+        flags = encoding.plain_flags
+        if (
+            flags is None
+            or type(tensor) is not np.ndarray
+            or not self._send_ndarray(tensor, key, metadata, message_id, flags)
+        ):
+            super().send_message(tensor, key, metadata, message_id, encoding)
+
+    def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
     ) -> bool:
         """`encode` and `send` of one plain ndarray in the fewest steps: the frame built and sent in C.
 
-        Most sends are this, and a small tensor's time is mostly such steps. False, with nothing
-        sent, where it does not apply (no C extension, TLS, no room, a tensor the C head leaves
-        to `encode`): the producer then takes the general path.
+        A small tensor's time is mostly such steps. False, with nothing sent, where it does not apply
+        (no C extension, TLS, chunked frames, no room, a tensor the C head leaves to `encode`).
         """
         c_head, c_send = self._c_head, self._c_send
         if c_head is None or c_send is None or self._unacked_bytes >= self.options["max_unacked_bytes"]:
@@ -429,10 +442,10 @@ class SocketTransport(Transport):
         self.reactor = Reactor(deliver, limits, self.options, self._pool)
         self._listener.start(self.reactor, context)
 
-    def pump(self, done: threading.Lock, deadline: float | None) -> bool:
-        """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.pump`)."""
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
+        """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.read_while_waiting`)."""
         assert self.reactor is not None
-        return self.reactor.pump(done, deadline)
+        return self.reactor.read_while_waiting(done, deadline)
 
     def room_opened(self) -> None:
         """The consumer's table has room again (or a receiver waits): offer it what is held back."""
