@@ -1,6 +1,6 @@
 """A small pool of large receive buffers, reused once nothing references them any more.
 
-Fresh memory is slow on VMs (first touch of new pages runs well under 1 GB/s), so a stream
+Fresh memory is slow on VMs (the first touch of new pages; docs/PERFORMANCE.md), so a stream
 reader that allocates a new 256 MB buffer per tensor loses most of its speed. Delivered tensors
 are views of the buffer; a buffer is free again when its reference count says no view is alive.
 """

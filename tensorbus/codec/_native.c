@@ -946,8 +946,8 @@ PyDoc_STRVAR(ndarray_head_doc,
 "plain ndarray, byte for byte; None when frame.layout must run (anything but the common case).");
 
 /* dtypes.describe(dtype), remembered for the last few dtypes (by identity, holding them: numpy's
- * builtin dtypes are singletons, so nearly every tensor sent hits): calling describe, Python, took
- * ~1.5 µs of a live round trip's ~4.4 µs encode. What describe refuses is not remembered. */
+ * builtin dtypes are singletons, so nearly every tensor sent hits): calling describe, Python, was a
+ * large part of a small tensor's encode. What describe refuses is not remembered. */
 #define DESCRIBED_KEPT 8
 static struct {
     PyArray_Descr *dtype;

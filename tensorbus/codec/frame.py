@@ -350,7 +350,7 @@ def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, 
 
     With `crc`, the frame's CRC32C as a stream reader computed it while receiving, the payload's
     are derived from it and the payload is not read again. Other frames need no payload CRC, and
-    combining costs ~10 µs: they get None and `parse` as usual.
+    combining CRCs is not free: they get None and `parse` as usual.
     """
     if view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] != _CHUNK_HEADER_START:
         return None

@@ -38,13 +38,12 @@
 #define SIGNATURE_BYTES 32
 #define ALIGN 64
 /* bytes read at once while a prefix is wanted: 16 frames of 64 KB (FAIR_SHARE, the most the reactor
- * takes from one connection in a row) per system call; 1 MiB against 256 KiB gave a 64 KB stream
- * 1.15-1.47x pyzmq against 0.70-1.15x (eight alternating runs); a connection holds it only while it
- * holds unread bytes */
+ * takes from one connection in a row) per system call, which made a 64 KB stream faster than a
+ * smaller read-ahead did (docs/PERFORMANCE.md); a connection holds it only while it holds unread bytes */
 #define READ_AHEAD (1 << 20)
 #define SPARE_INBOXES 4
 /* frames from this size wait for recv_lowat bytes at a time (see set_lowat); 1 MB ones gained nothing
- * measurable (0.81-0.85x a bare socket against 0.84-0.91x, within the noise), so they are left alone */
+ * measurable, so they are left alone */
 #define LOWAT_FROM (4 << 20)
 
 /* what read() returns besides a frame (a tuple) and None (no more bytes for now) */
@@ -260,8 +259,8 @@ prefix_ok(const Reader *self)
 
 /* How many bytes the kernel gathers before the socket counts as readable (SO_RCVLOWAT; TCP only, as
  * epoll honours it only there). Waiting in the middle of a large frame, `recv_lowat`: the reader wakes
- * once per that many bytes instead of once per loopback packet (64 KiB): bare sockets streaming 16 MB
- * measured 1.07-1.23x the throughput with 256 KiB, and 1 MiB was no better and less steady. Never more
+ * once per that many bytes instead of once per loopback packet, which streams large frames faster
+ * (docs/PERFORMANCE.md); a larger mark was no better and less steady. Never more
  * than the frame still owes: those bytes come, or the stream ends, which wakes the reader anyway. Back
  * to 1 byte at the frame's end, so nothing smaller ever waits for bytes that may not come. reactor.py
  * passes recv_lowat 0 where the kernel may hold a reader past that (before Linux 5.8, or not Linux).
@@ -744,8 +743,8 @@ done:
 
 /* reactor.py's background thread reads only once no application thread has led for `linger_s`.
  * Waiting for that in Python wakes the thread (and takes the GIL from the application) every
- * linger_s while the application receives: round trips measured 2-5 % longer at the median and
- * 15-30 % at p90. This waits without the GIL, so an application that keeps receiving never meets it. */
+ * linger_s while the application receives, which made round trips longer, at the tail most. This
+ * waits without the GIL, so an application that keeps receiving never meets it. */
 
 #define IDLE_NAP_NS 50000000LL /* the longest nap between looks at `woken` (close) */
 

@@ -38,8 +38,8 @@ from .base import Deliver, Delivered, Transport
 log = logging.getLogger(__name__)
 #: bytes a record batch adds around one record's value (batch header, record fields, a short key)
 RECORD_OVERHEAD = 1024
-#: bytes one fetch may bring per partition: 16 records of a 1 MB chunk, not kafka-python's one (1 MiB).
-#: Measured side by side with kafka-python's default: 1.1-1.5x the throughput from 1 MB tensors up
+#: bytes one fetch may bring per partition: 16 records of a 1 MB chunk, not kafka-python's one (1 MiB),
+#: for more throughput from 1 MB tensors up (docs/PERFORMANCE.md)
 FETCH_PER_PARTITION = 16 << 20
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 #: what the guarantees above rest on (5 in flight is the most idempotence allows)

@@ -287,8 +287,8 @@ class RabbitMQTransport(Transport):
 
         Only chunks of the current channel count (`generation`): after a reconnect the broker
         redelivers the older ones, which are counted again as they come. `basic_qos` is a synchronous
-        round trip to the broker (measured: over half the consumer's time when it ran once per held
-        chunk of a 256 MB tensor), so the window moves in steps of half `prefetch_count` and shrinks
+        round trip to the broker (most of the consumer's time when it ran once per held chunk of a
+        large tensor), so the window moves in steps of half `prefetch_count` and shrinks
         only once it is two steps too large; AMQP caps it at 65535.
         """
         if generation != self._generation:

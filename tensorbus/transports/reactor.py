@@ -1,6 +1,6 @@
 """The receiving side of the stream sockets: every producer connection read by whichever thread leads.
 
-A thread hand-off costs about as much as a process wake-up here (~25 µs), so a frame should be
+A thread hand-off costs about as much as a process wake-up, so a frame should be
 read by the thread that wants it. Connections are non-blocking and share one selector; one
 thread at a time leads (selects and reads whole frames, delivering each). An application thread
 waiting in `Consumer.recv` leads itself, so its tensor needs no hand-off, and busy-polls for
@@ -67,7 +67,7 @@ def _lowat_is_safe(system: str = sys.platform, release: str | None = None) -> bo
 RECV_LOWAT = 256 << 10 if _lowat_is_safe() else 0
 #: after a recv that read a frame at least this large, the background reader takes over at once
 #: rather than after `linger_s`: the next large tensor then arrives while the application works on
-#: this one, and the hand-off (~25 µs) is a few percent of such a frame's time (1 ms and more here)
+#: this one, and the hand-off is a few percent of such a frame's time
 OVERLAP_FROM = 4 << 20
 #: frames read from one connection before the others get a turn
 FAIR_SHARE = 16
@@ -357,10 +357,10 @@ class Reactor:
     def _ready(self, stop: Callable[[], bool], deadline: float, spin_s: float) -> list[Any]:
         """The peers (None: the wake-up pipe) with bytes to read, waiting for some until `deadline`.
 
-        With `spin_s`, it busy-polls that long before it sleeps: a sleeping thread wakes ~25 µs late.
+        With `spin_s`, it busy-polls that long before it sleeps: a sleeping thread wakes late.
         While there is one connection (read in C), it busy-polls by reading ahead from it
         (`StreamReader.fill`): the read that finds a frame is the one that would follow the poll, so
-        a reply costs a system call fewer (~3 µs here). What it finds is delivered here, so this
+        a reply costs a system call fewer. What it finds is delivered here, so this
         returns [] as soon as `stop()` holds or bytes wait.
         """
         poll = self._poller.poll

@@ -54,9 +54,9 @@ FLAG_CRC_AFTER = 0x02  # in HELLO: this consumer takes frames whose CRC follows 
 CRC_AFTER = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
 CRC_TRAILER = struct.Struct("<I")
 #: payloads at least this large are checksummed while they are sent; smaller ones up front, as the
-#: socket buffers (4 MiB here) let the producer run ahead of the consumer anyway
+#: socket buffers let the producer run ahead of the consumer anyway
 SEAL_WHILE_SENDING = 4 << 20
-#: ... slice by slice, each still in cache when the kernel copies it (256 KiB to 4 MiB measured alike)
+#: ... slice by slice, each still in cache when the kernel copies it
 SEAL_SLICE = 1 << 20
 PROOF_BYTES = 32
 ACK = struct.Struct("<Q")
