@@ -63,7 +63,7 @@ class Intake:
         state.table = self.table
         self._seen = SeenIds(dedup_window, dedup_file, ids=state.seen)
         if dedup_file is not None:  # recorded when the application takes a tensor, not on arrival
-            self.table.handed_out = self._handed_out
+            self.table.on_delivered_to_application = self._record_delivered
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
         #: the C delivery of plain frames (`fast(frame, crc)`: the Message it delivered, or None to
         #: deliver the frame with `__call__`), for transports that read frames in C; None where it cannot serve
@@ -159,7 +159,7 @@ class Intake:
         """True while the message still waits for chunks."""
         return self.reassembler.is_pending(message_id)
 
-    def handed_over_all(self) -> bool:
+    def none_dropped(self) -> bool:
         """False once an abort or close dropped delivered tensors nobody received."""
         return self.table.dropped == 0
 
@@ -189,7 +189,7 @@ class Intake:
             with self._lock:
                 self._seen.discard(message_id)
 
-    def _handed_out(self, message: Message) -> None:
+    def _record_delivered(self, message: Message) -> None:
         """Record a message the application now has in the dedup file: a successor drops its resends."""
         if message.message_id is not None:
             with self._lock:

@@ -99,7 +99,7 @@ class Rendezvous(TableState):
         self.room_opened: Callable[[], None] | None = None
         #: called with each message as it is handed to the application (a recv returning it, a
         #: callback about to get it), on the receiving thread: a consumer records it as delivered
-        self.handed_out: Callable[[Message], None] | None = None
+        self.on_delivered_to_application: Callable[[Message], None] | None = None
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -250,8 +250,8 @@ class Rendezvous(TableState):
         return self._hand_out(waiter.result)
 
     def _hand_out(self, message: Message) -> Message:
-        if self.handed_out is not None:
-            self.handed_out(message)
+        if self.on_delivered_to_application is not None:
+            self.on_delivered_to_application(message)
         return message
 
     def _requeue(self, waiter: Waiter) -> None:

@@ -6,7 +6,7 @@
  *
  * It reads ahead (one system call for several small frames), sizes each frame from its prefix,
  * receives it into one buffer (large frames straight into place, checksummed slice by slice while
- * in cache), and moves a CRC sent after the frame (stream.py, CRC_AFTER) into place. Whatever is
+ * in cache), and moves a CRC sent after the frame (stream.py, TRAILING_CRC) into place. Whatever is
  * not the common case goes back to Python as an event: an ack request, a prefix that is over the
  * limits or not a frame at all (Python decides, with frame.frame_length's own errors), the end of
  * the stream. TLS connections are read in Python.
@@ -33,7 +33,7 @@
 #define FLAG_CHECKSUM 0x01
 #define FLAG_SIGNED 0x02
 #define KNOWN_FLAGS (FLAG_CHECKSUM | FLAG_SIGNED)
-#define CRC_AFTER 0x80
+#define TRAILING_CRC 0x80
 #define CRC_TRAILER 4
 #define SIGNATURE_BYTES 32
 #define ALIGN 64
@@ -370,8 +370,8 @@ read_next(Reader *self)
             self->prefix_got = 0;
             return PyLong_FromLong(ACK_REQUEST);
         }
-        self->crc_after = (self->prefix[5] & CRC_AFTER) != 0;
-        self->prefix[5] &= (uint8_t)~CRC_AFTER; /* the frame as it was sealed (and checksummed) */
+        self->crc_after = (self->prefix[5] & TRAILING_CRC) != 0;
+        self->prefix[5] &= (uint8_t)~TRAILING_CRC; /* the frame as it was sealed (and checksummed) */
         if (!prefix_ok(self)) {
             return PyLong_FromLong(CHECK_PREFIX);
         }
@@ -580,7 +580,7 @@ get_last_total(Reader *self, void *closure)
 }
 
 static PyGetSetDef reader_getset[] = {
-    {"prefix", (getter)get_prefix, NULL, "the last prefix read (its CRC_AFTER bit cleared)", NULL},
+    {"prefix", (getter)get_prefix, NULL, "the last prefix read (its TRAILING_CRC bit cleared)", NULL},
     {"buffered", (getter)get_buffered, NULL, "bytes read ahead and not yet taken", NULL},
     {"mid_frame", (getter)get_mid_frame, NULL, "whether part of a frame has been read", NULL},
     {"crc_after", (getter)get_crc_after, NULL, "whether the last prefix said its CRC follows the frame", NULL},
@@ -883,7 +883,7 @@ PyInit__stream(void)
         PyModule_AddIntConstant(m, "PREFIX_SIZE", PREFIX_SIZE) < 0 || PyModule_AddIntConstant(m, "CRC_AT", CRC_AT) < 0 ||
         PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "KNOWN_FLAGS", KNOWN_FLAGS) < 0 ||
-        PyModule_AddIntConstant(m, "CRC_AFTER", CRC_AFTER) < 0 ||
+        PyModule_AddIntConstant(m, "TRAILING_CRC", TRAILING_CRC) < 0 ||
         PyModule_AddIntConstant(m, "CRC_TRAILER", CRC_TRAILER) < 0 ||
         PyModule_AddIntConstant(m, "SIGNATURE_BYTES", SIGNATURE_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "ALIGN", ALIGN) < 0) {

@@ -76,7 +76,7 @@ class Deliver(Protocol):
         """True while the message still waits for chunks (False once complete, rejected or expired)."""
         ...
 
-    def handed_over_all(self) -> bool:
+    def none_dropped(self) -> bool:
         """False once an abort or close dropped delivered tensors nobody received (a last ack must not cover them)."""
         ...
 

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import TransportError
 from .base import backoff_s
 from .reactor import Reactor
-from .stream import greet
+from .stream import handshake_as_consumer
 
 log = logging.getLogger(__name__)
 #: the accept thread looks up this often (e.g. for close) while the handshake limit is reached
@@ -145,7 +145,7 @@ class Listener:
             conn.settimeout(self.options["connect_timeout_s"])
             if ctx is not None:
                 conn = current[0] = ctx.wrap_socket(conn, server_side=True)
-            if not greet(conn, self.secret):
+            if not handshake_as_consumer(conn, self.secret):
                 log.error("refused producer %s: no valid proof of the shared secret", peer)
                 conn.close()
                 return

@@ -79,7 +79,7 @@ _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 #: what `_finish` books for a frame whose message was handed over without its id being needed: the C
 #: delivery took a plain frame (never in `incomplete`), or a recv_async callback had it (a chunked
 #: message's id leaves `incomplete` at the next ack)
-HANDED_OVER = Delivered(None, True)
+TAKEN_WITHOUT_ID = Delivered(None, True)
 
 
 class IdleClock:
@@ -451,7 +451,7 @@ class Reactor:
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
             if self._fast is not None and self._fast(*event) is not None:
-                self._finish(peer, HANDED_OVER)
+                self._finish(peer, TAKEN_WITHOUT_ID)
             else:
                 self._deliver(peer, *event)
         elif event == ACK_REQUEST:
@@ -472,7 +472,7 @@ class Reactor:
         try:
             result = self.deliver(frame, crc, may_hold=True)
         except CallbackInterrupted:  # in a recv_async callback, which had its message: delivered
-            self._finish(peer, HANDED_OVER)
+            self._finish(peer, TAKEN_WITHOUT_ID)
             raise
         except BaseException:
             peer.replay = (frame, crc)
@@ -552,7 +552,7 @@ class Reactor:
 
         None once an abort or close dropped tensors nobody took: the producer sends those again.
         """
-        if not self.deliver.handed_over_all():
+        if not self.deliver.none_dropped():
             peer.ack_owed = False
             return
         incomplete = peer.incomplete

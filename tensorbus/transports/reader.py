@@ -12,7 +12,7 @@ Both turn bytes off a non-blocking stream socket into events, with one interface
 
 It reads ahead (one system call for several small frames), sizes each frame from its prefix, receives
 it into one buffer (large frames straight into place, checksummed slice by slice), and moves a CRC sent
-after the frame (stream.CRC_AFTER) into place. `stream_reader` gives a connection the C reader when the
+after the frame (stream.TRAILING_CRC) into place. `stream_reader` gives a connection the C reader when the
 extension is built and the connection is a plain socket, else the Python one (TLS connections always).
 """
 
@@ -27,8 +27,7 @@ from ..buffers import POOLED_FROM
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Limits, frame_length
 from ..codec.native import crc32c
 from ..errors import CodecError
-from .stream import ACK_REQUEST as ACK_REQUEST_PREFIX
-from .stream import CRC_AFTER, CRC_TRAILER, NATIVE_STREAM
+from .stream import ACK_REQUEST_MARKER, CRC_TRAILER, NATIVE_STREAM, TRAILING_CRC
 
 #: the C reader's module; None when it is not built, is stale, or TENSORBUS_NATIVE=0
 READER: Any = NATIVE_STREAM
@@ -82,7 +81,7 @@ class PyStreamReader:
 
     @property
     def prefix(self) -> bytes:
-        """The last prefix read (its CRC_AFTER bit cleared)."""
+        """The last prefix read (its TRAILING_CRC bit cleared)."""
         return bytes(self._prefix)
 
     @property
@@ -155,11 +154,11 @@ class PyStreamReader:
             self._prefix_got += n
             if self._prefix_got < PREFIX.size:
                 continue
-            if prefix == ACK_REQUEST_PREFIX:
+            if prefix == ACK_REQUEST_MARKER:
                 self._prefix_got = 0
                 return ACK_REQUEST
-            self.crc_after = bool(prefix[5] & CRC_AFTER)
-            prefix[5] &= ~CRC_AFTER  # the frame as it was sealed (and checksummed)
+            self.crc_after = bool(prefix[5] & TRAILING_CRC)
+            prefix[5] &= ~TRAILING_CRC  # the frame as it was sealed (and checksummed)
             try:
                 total = frame_length(prefix, self._limits)
             except CodecError:

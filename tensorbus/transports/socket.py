@@ -37,11 +37,11 @@ from .listener import Listener
 from .reactor import Reactor
 from .stream import (
     ACK,
-    ACK_REQUEST,
+    ACK_REQUEST_MARKER,
     NATIVE_STREAM,
     AuthRefused,
     c_sends_below,
-    introduce,
+    handshake_as_producer,
     send_frame,
     set_send_timeout,
 )
@@ -181,7 +181,7 @@ class SocketTransport(Transport):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                self._crc_after = introduce(sock, self.secret, self.address)
+                self._crc_after = handshake_as_producer(sock, self.secret, self.address)
                 self._c_sends_below = c_sends_below(self._crc_after)
                 set_send_timeout(sock, self.options["send_timeout_s"])
                 if self.family != socket.AF_UNIX:
@@ -211,7 +211,7 @@ class SocketTransport(Transport):
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
         with self._lock:
             self._raise_if_closed()  # even while close waits for this lock with the connection still open
-            self._book(frame, self._send_retrying(frame))
+            self._keep_until_acked(frame, self._send_retrying(frame))
 
     def send_message(
         self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
@@ -249,7 +249,7 @@ class SocketTransport(Transport):
                     sent = c_send(sock.fileno(), frame, self._c_sends_below, crc32c)
                 except BaseException as exc:
                     sent = self._send_retrying(frame, exc)
-            self._book(frame, self._send_retrying(frame) if sent is None else sent)
+            self._keep_until_acked(frame, self._send_retrying(frame) if sent is None else sent)
         return True
 
     def _send_retrying(self, frame: list[Buffer], failed: BaseException | None = None) -> int:
@@ -278,7 +278,7 @@ class SocketTransport(Transport):
             failed = None
         raise AssertionError("unreachable")
 
-    def _book(self, frame: list[Buffer], nbytes: int) -> None:
+    def _keep_until_acked(self, frame: list[Buffer], nbytes: int) -> None:
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""
         self._unacked.append((frame, nbytes))
         self._unacked_bytes += nbytes
@@ -329,7 +329,7 @@ class SocketTransport(Transport):
         )
         try:
             if overdue and not self._ack_requested:
-                self._sock.sendall(ACK_REQUEST)
+                self._sock.sendall(ACK_REQUEST_MARKER)
                 self._ack_requested = True
             self._read_acks(0)
         except OSError as exc:
@@ -416,7 +416,7 @@ class SocketTransport(Transport):
                 if self._sock is None:
                     self._sock = self._connect(deadline)
                 if not self._ack_requested:
-                    self._sock.sendall(ACK_REQUEST)
+                    self._sock.sendall(ACK_REQUEST_MARKER)
                     self._ack_requested = True
                 self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
                 if self._acked == acked and not self._ack_requested:  # answered, but nothing new: don't spin

@@ -10,7 +10,7 @@ consumer -> producer  ACK u64: frames of this connection safely delivered so far
 
 A large checksummed, unsigned, unchunked frame may go out before its CRC32C is known, so the
 producer checksums each slice just before sending it (in cache, while the consumer already reads)
-instead of reading the whole tensor once more first. Such a frame has bit 7 (`CRC_AFTER`) set in
+instead of reading the whole tensor once more first. Such a frame has bit 7 (`TRAILING_CRC`) set in
 its flags byte and a zero CRC field, and its CRC follows it as 4 more bytes (u32). The consumer
 clears the bit and writes the CRC into the field: the frame it decodes is the frame as `encode`
 would have sealed it. Only sent to consumers whose HELLO sets bit 1, so older consumers get sealed
@@ -49,9 +49,9 @@ NATIVE_STREAM: ModuleType | None = load(f"{__package__}._stream")
 HELLO = struct.Struct("<4sBB32s")
 HELLO_MAGIC = b"TBSK"
 PROTOCOL_VERSION = 1
-FLAG_AUTH = 0x01
-FLAG_CRC_AFTER = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
-CRC_AFTER = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
+HELLO_AUTH = 0x01
+HELLO_TRAILING_CRC = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
+TRAILING_CRC = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
 CRC_TRAILER = struct.Struct("<I")
 #: payloads at least this large are checksummed while they are sent; smaller ones up front, as the
 #: socket buffers let the producer run ahead of the consumer anyway
@@ -60,7 +60,8 @@ SEAL_WHILE_SENDING = 4 << 20
 SEAL_SLICE = 1 << 20
 PROOF_BYTES = 32
 ACK = struct.Struct("<Q")
-ACK_REQUEST = b"TBAK" + bytes(20)
+#: sent by a producer in place of a frame to ask for an ack (a frame-sized marker: "TBAK", 20 zero bytes)
+ACK_REQUEST_MARKER = b"TBAK" + bytes(20)
 _AUTH_CONTEXT = b"tensorbus-socket-auth-v1"
 IOV_MAX = 512
 
@@ -134,7 +135,7 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int
         return nbytes
     crc = checksum_of(head)
     wire_head = bytearray(head)
-    wire_head[5] |= CRC_AFTER
+    wire_head[5] |= TRAILING_CRC
     batch: list[Buffer] = [wire_head]
     batched = 0
     for buffer in frame[1:]:  # many small arrays (a bundle) go out together, ~1 MiB per call
@@ -179,10 +180,10 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def greet(sock: socket.socket, secret: bytes | None) -> bool:
+def handshake_as_consumer(sock: socket.socket, secret: bytes | None) -> bool:
     """Consumer side of the handshake: send a nonce, check the proof, send the verdict."""
     nonce = os.urandom(32)
-    flags = FLAG_CRC_AFTER | (FLAG_AUTH if secret else 0)
+    flags = HELLO_TRAILING_CRC | (HELLO_AUTH if secret else 0)
     sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
     answer = bytearray(PROOF_BYTES)
     got = recv_exact(sock, memoryview(answer))
@@ -195,7 +196,7 @@ def greet(sock: socket.socket, secret: bytes | None) -> bool:
     return accepted
 
 
-def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
+def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: str) -> bool:
     """Producer side of the handshake: True if the consumer takes CRCs after frames.
 
     Raises `AuthRefused` or `TransportError` with the reason.
@@ -210,13 +211,13 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
     _, version, flags, nonce = HELLO.unpack(hello)
     if version != PROTOCOL_VERSION:
         raise TransportError(f"{address} speaks socket protocol {version}, this build speaks {PROTOCOL_VERSION}")
-    if flags & FLAG_AUTH and secret is None:
+    if flags & HELLO_AUTH and secret is None:
         raise AuthRefused(f"{address} requires a shared secret: set the auth_secret option")
     sock.sendall(proof(secret, nonce))
     verdict = sock.recv(1)
     if verdict != b"\x01":
         raise AuthRefused(f"{address} refused this producer's auth_secret")
-    return bool(flags & FLAG_CRC_AFTER)
+    return bool(flags & HELLO_TRAILING_CRC)
 
 
 #: the constants `_stream.c` repeats, by the names it exports them under
@@ -225,7 +226,7 @@ NATIVE_CONSTANTS = {
     "CRC_AT": CRC_AT,
     "FORMAT_VERSION": VERSION,
     "KNOWN_FLAGS": KNOWN_FLAGS,
-    "CRC_AFTER": CRC_AFTER,
+    "TRAILING_CRC": TRAILING_CRC,
     "CRC_TRAILER": CRC_TRAILER.size,
     "SIGNATURE_BYTES": SIGNATURE_BYTES,
     "ALIGN": ALIGN,

@@ -18,7 +18,7 @@ import trustme
 import tensorbus as tb
 from tensorbus.transports import reactor
 from tensorbus.transports import reader as reader_module
-from tensorbus.transports.stream import ACK, HELLO, greet, proof
+from tensorbus.transports.stream import ACK, HELLO, handshake_as_consumer, proof
 from tests.conftest import require_native
 from tests.faults import fail_feed_once, wait_for
 from tests.peers import Peer, make_tensor, same
@@ -248,7 +248,7 @@ def test_a_send_to_a_consumer_that_stopped_reading_fails_within_send_timeout() -
 
     def accept_and_ignore() -> None:  # handshake, then never read again
         conn, _ = server.accept()
-        greet(conn, None)
+        handshake_as_consumer(conn, None)
         accepted.append(conn)
 
     threading.Thread(target=accept_and_ignore, daemon=True).start()
@@ -700,7 +700,7 @@ def test_an_ack_for_frames_never_sent_breaks_the_connection_not_the_producer() -
                 conn, _ = server.accept()
             except OSError:
                 return
-            greet(conn, None)
+            handshake_as_consumer(conn, None)
             conn.sendall(ACK.pack(1000))
             conns.append(conn)
 

@@ -12,7 +12,7 @@ import pytest
 import tensorbus as tb
 from tensorbus.codec.chunking import chunk_header, encode_raw
 from tensorbus.transports import reader as reader_module
-from tensorbus.transports.stream import ACK_REQUEST, HELLO
+from tensorbus.transports.stream import ACK_REQUEST_MARKER, HELLO
 from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
 
@@ -36,7 +36,7 @@ def test_an_ack_looks_only_at_the_oldest_incomplete_message_not_at_all_of_them(m
         calls = []
         real = consumer.intake.reassembler.is_pending
         monkeypatch.setattr(consumer.intake.reassembler, "is_pending", lambda m: calls.append(m) or real(m))
-        peer.sendall(ACK_REQUEST * 50)
+        peer.sendall(ACK_REQUEST_MARKER * 50)
         with tb.Producer(consumer.address) as producer:
             producer.send("k", np.ones(4))
             assert consumer.recv("k", timeout=10).sum() == 4

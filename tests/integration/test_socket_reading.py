@@ -150,14 +150,14 @@ HELD_THEN_GONE = r"""
 import socket, sys
 import numpy as np
 import tensorbus as tb
-from tensorbus.transports.stream import introduce
+from tensorbus.transports.stream import handshake_as_producer
 path = sys.argv[1]
 def frame(key, value, producer, seq):
     return bytes(tb.dumps(np.full(1000, value), key=key, message_id=(producer * 16, seq)))
 def connect():
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(path)
-    introduce(sock, None, path)
+    handshake_as_producer(sock, None, path)
     return sock
 a = connect()
 a.shutdown(socket.SHUT_RD)  # A reads nothing more: the consumer's ack after its 2nd frame fails

@@ -30,7 +30,7 @@ from tensorbus.transports import reader as reader_module
 from tensorbus.transports import stream as stream_module
 from tensorbus.transports.base import Delivered
 from tensorbus.transports.socket import SocketTransport
-from tensorbus.transports.stream import ACK_REQUEST, CRC_AFTER
+from tensorbus.transports.stream import ACK_REQUEST_MARKER, TRAILING_CRC
 
 from ..conftest import require_native
 
@@ -63,7 +63,7 @@ class Recorder:
     def is_pending(self, message_id: MessageId | None) -> bool:
         return False
 
-    def handed_over_all(self) -> bool:
+    def none_dropped(self) -> bool:
         return True
 
 
@@ -81,7 +81,7 @@ def crc_after(whole: bytes) -> bytes:
     wire = bytearray(whole)
     crc = wire[CRC_AT : PREFIX.size]
     wire[CRC_AT : PREFIX.size] = bytes(4)
-    wire[5] |= CRC_AFTER
+    wire[5] |= TRAILING_CRC
     return bytes(wire) + bytes(crc)
 
 
@@ -95,7 +95,7 @@ def stream(seed: int) -> bytes:
         array = np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8)
         whole = b"".join(bytes(b) for b in encode(array, key=f"k{i}", checksum=rng.random() < 0.8))
         if choice < 0.1:
-            parts.append(ACK_REQUEST)
+            parts.append(ACK_REQUEST_MARKER)
         elif choice < 0.2:
             parts.append(crc_after(b"".join(bytes(b) for b in encode(array, key="after"))))
         elif choice < 0.25:
@@ -168,7 +168,7 @@ def test_the_c_reader_hands_over_what_the_python_reader_does(seed: int, monkeypa
     assert acks == sorted(acks) and (not acks or acks[-1][0] <= len(frames))
     for whole, crc in frames:  # and what was handed over is whole frames, CRCs where sent after them
         if len(whole) > PREFIX.size:
-            assert not whole[5] & CRC_AFTER
+            assert not whole[5] & TRAILING_CRC
             assert len(whole) == frame.frame_length(whole, frame.Limits())
         if crc is not None:
             view = memoryview(whole)
