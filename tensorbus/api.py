@@ -7,15 +7,16 @@ import logging
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .codec import Limits, Message, MessageId
 from .codec.compression import check_codec
 from .codec.torch_bridge import check_like
 from .errors import Aborted, Closed, ConfigError
 from .intake import Intake
-from .options import finite_timeout, load_config, merge, redact
+from .options import build, defaults, finite_timeout, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle
 from .transports import Encoding, Transport, resolve_transport
 
@@ -34,26 +35,36 @@ def _count_fork() -> None:
 if hasattr(os, "register_at_fork"):  # (no fork, nothing to count: Windows)
     os.register_at_fork(after_in_child=_count_fork)
 
-PRODUCER_OPTIONS: dict[str, Any] = {
-    "compression": None,
-    "checksum": True,
-    "signing_key": None,
-    "max_frame_bytes": None,
-}
-CONSUMER_OPTIONS: dict[str, Any] = {
-    "signing_key": None,
-    "max_frame_bytes": None,
-    "max_buffered_bytes": 1 << 30,
-    "max_reassembly_bytes": 1 << 31,
-    "reassembly_timeout_s": 60.0,
-    "max_header_bytes": Limits.max_header_bytes,
-    "max_payload_bytes": Limits.max_payload_bytes,
-    "max_decompressed_bytes": Limits.max_decompressed_bytes,
-    "max_ndim": Limits.max_ndim,
-    "dedup_window": 100_000,
-    "dedup_file": None,
-    "like": "numpy",
-}
+
+@dataclass(frozen=True, kw_only=True)
+class ProducerOptions:
+    """A producer's own options (its transport's are the transport's `Options`)."""
+
+    compression: str | None = None
+    checksum: bool = True
+    signing_key: bytes | str | None = None
+    max_frame_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerOptions:
+    """A consumer's own options (its transport's are the transport's `Options`)."""
+
+    signing_key: bytes | str | None = None
+    max_frame_bytes: int | None = None
+    max_buffered_bytes: int = 1 << 30
+    max_reassembly_bytes: int = 1 << 31
+    reassembly_timeout_s: float = 60.0
+    max_header_bytes: int = Limits.max_header_bytes
+    max_payload_bytes: int = Limits.max_payload_bytes
+    max_decompressed_bytes: int = Limits.max_decompressed_bytes
+    max_ndim: int = Limits.max_ndim
+    dedup_window: int = 100_000
+    dedup_file: str | Path | None = None
+    like: str = "numpy"
+
+
+_Own = TypeVar("_Own", ProducerOptions, ConsumerOptions)
 
 
 def _key_bytes(value: Any) -> bytes | None:
@@ -64,17 +75,18 @@ def _key_bytes(value: Any) -> bytes | None:
     raise ConfigError(f"signing_key must be bytes or str, got {type(value).__name__}")
 
 
-def _open(url: str, own: dict[str, Any], kwargs: dict[str, Any], role: str) -> tuple[Transport, dict[str, Any]]:
-    """Resolve the transport and split the options into the endpoint's own and the transport's."""
+def _open(url: str, own: type[_Own], kwargs: dict[str, Any], role: str) -> tuple[Transport, _Own]:
+    """Resolve the transport and split the options into the endpoint's own and the transport's (each checked once)."""
     cls, parsed = resolve_transport(url)
     try:
         if "," not in parsed.netloc:  # (kafka:// may list several brokers: its transport parses them)
             parsed.port  # noqa: B018 -- parsing it raises for a port that is not a number in range
     except ValueError as exc:
         raise ConfigError(f"bad port in {redact(url)}: {exc}") from None
-    options = merge({**own, **cls.OPTIONS}, url=parsed, kwargs=kwargs, where=f"{role} {parsed.scheme}://")
-    transport = cls(parsed._replace(query=""), {k: options[k] for k in cls.OPTIONS})
-    return transport, {k: options[k] for k in own}
+    known = {**defaults(own), **defaults(cls.Options)}
+    options = merge(known, url=parsed, kwargs=kwargs, where=f"{role} {parsed.scheme}://")
+    transport = cls(parsed._replace(query=""), build(cls.Options, options))
+    return transport, build(own, options)
 
 
 def _config_args(path: str | Path, role: str, url: str | None, overrides: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -92,11 +104,11 @@ class Producer:
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         self._options = options
-        self.transport, opts = _open(url, PRODUCER_OPTIONS, options, "Producer")
-        self.compression, self.checksum = opts["compression"], opts["checksum"]
+        self.transport, opts = _open(url, ProducerOptions, options, "Producer")
+        self.compression, self.checksum = opts.compression, opts.checksum
         if self.compression is not None:
             check_codec(self.compression)
-        self.signing_key = _key_bytes(opts["signing_key"])
+        self.signing_key = _key_bytes(opts.signing_key)
         self._encoding = Encoding(self.compression, self.checksum, self.signing_key)
         self._start_identity()
         self._closed = False
@@ -116,7 +128,7 @@ class Producer:
         if self._forks == _forks:
             return
         self.transport.abandon()
-        self.transport, _ = _open(self.url, PRODUCER_OPTIONS, self._options, "Producer")
+        self.transport, _ = _open(self.url, ProducerOptions, self._options, "Producer")
         self._start_identity()
 
     @classmethod
@@ -159,23 +171,23 @@ class Consumer:
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         self._shown = redact(url)  # for logs: no password, no secrets from the query
-        self.transport, opts = _open(url, CONSUMER_OPTIONS, options, "Consumer")
+        self.transport, opts = _open(url, ConsumerOptions, options, "Consumer")
         limits = Limits(
-            max_header_bytes=opts["max_header_bytes"],
-            max_payload_bytes=opts["max_payload_bytes"],
-            max_decompressed_bytes=opts["max_decompressed_bytes"],
-            max_ndim=opts["max_ndim"],
+            max_header_bytes=opts.max_header_bytes,
+            max_payload_bytes=opts.max_payload_bytes,
+            max_decompressed_bytes=opts.max_decompressed_bytes,
+            max_ndim=opts.max_ndim,
         )
         #: where received frames become messages in the table (dedup, reassembly, holds, expiry)
         self.intake = Intake(
             limits=limits,
-            max_buffered_bytes=opts["max_buffered_bytes"],
-            max_reassembly_bytes=opts["max_reassembly_bytes"],
-            reassembly_timeout_s=opts["reassembly_timeout_s"],
-            dedup_window=opts["dedup_window"],
-            dedup_file=opts["dedup_file"],
-            signing_key=_key_bytes(opts["signing_key"]),
-            like=check_like(opts["like"]),
+            max_buffered_bytes=opts.max_buffered_bytes,
+            max_reassembly_bytes=opts.max_reassembly_bytes,
+            reassembly_timeout_s=opts.reassembly_timeout_s,
+            dedup_window=opts.dedup_window,
+            dedup_file=opts.dedup_file,
+            signing_key=_key_bytes(opts.signing_key),
+            like=check_like(opts.like),
             name=self._shown,
         )
         self.table = self.intake.table

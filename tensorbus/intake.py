@@ -167,10 +167,15 @@ class Intake:
 
     def _feed(self, data: Buffer, crc: int | None) -> Message | None:
         """The reassembler's answer for a frame (caller holds `_lock`); keeps `state.reassembling` true to it."""
+        reassembler, state = self.reassembler, self.state
         try:
-            return self.reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
-        finally:
-            self.state.reassembling = self.reassembler.pending > 0
+            message = reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
+        except BaseException:
+            state.reassembling = reassembler.pending > 0  # (a chunked message may have been given up on)
+            raise
+        if message is None or state.reassembling:  # a chunk, or what may have completed a chunked message
+            state.reassembling = reassembler.pending > 0
+        return message
 
     def _full(self) -> bool:
         """The table is at its limit (read without its lock: a quick look before asking properly)."""

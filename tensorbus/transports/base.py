@@ -33,6 +33,14 @@ class Encoding:
         object.__setattr__(self, "plain_flags", (FLAG_CHECKSUM if self.checksum else 0) if plain else None)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TransportOptions:
+    """What every transport takes: each transport's options extend these (validated by options.merge)."""
+
+    #: frames larger than this are chunked above the transport; None means no limit
+    max_frame_bytes: int | None = None
+
+
 class Delivered(NamedTuple):
     """What the consumer made of one received frame: which message, and whether it is finished.
 
@@ -105,14 +113,14 @@ class Transport:
     reads_while_waiting: ClassVar[bool] = False
     #: `send` takes frames encoded with `deferred_checksum` and computes their CRC while sending
     seals_frames: ClassVar[bool] = False
-    #: option name -> default; every transport also accepts `max_frame_bytes`
-    OPTIONS: ClassVar[dict[str, Any]] = {}
+    #: the transport's options (their names, defaults and types)
+    Options: ClassVar[type[TransportOptions]] = TransportOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions) -> None:
         self.url = url
         self.options = options
         #: frames larger than this are chunked above the transport; None means no limit
-        self.max_frame_bytes: int | None = options.get("max_frame_bytes")
+        self.max_frame_bytes: int | None = options.max_frame_bytes
 
     @property
     def address(self) -> str:

@@ -11,12 +11,11 @@ import collections
 import logging
 import threading
 import urllib.parse
-from typing import Any, ClassVar
 
 from ..buffers import POOLED_FROM, BufferPool
 from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
-from .base import Deliver, Transport
+from .base import Deliver, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +91,8 @@ class MemoryTransport(Transport):
     """Frames through an in-process queue; a background thread delivers them to the consumer."""
 
     schemes = ("memory",)
-    OPTIONS: ClassVar[dict[str, Any]] = {"max_frame_bytes": None}
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions) -> None:
         super().__init__(url, options)
         self.name = url.netloc + url.path
         if not self.name:

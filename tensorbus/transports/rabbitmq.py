@@ -20,7 +20,8 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import pika
 import pika.exceptions as px
@@ -28,7 +29,7 @@ from pika.adapters.utils import connection_workflow as workflow
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import ConfigError, TransportError
-from .base import Deliver, Transport, backoff_s
+from .base import Deliver, Transport, TransportOptions, backoff_s
 from .rabbitmq_publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -66,39 +67,45 @@ def map_errors(address: str) -> Iterator[None]:
         raise TransportError(f"connection to RabbitMQ at {address} failed: {exc!r}") from None
 
 
+@dataclass(frozen=True, kw_only=True)
+class RabbitMQOptions(TransportOptions):
+    """The options of amqp:// and amqps:// endpoints."""
+
+    queue: str | None = None
+    max_frame_bytes: int | None = 16 * 1024 * 1024 - 4096
+    durable: bool = True
+    persistent: bool = True
+    prefetch_count: int = 16
+    heartbeat_s: int = 30
+    connect_timeout_s: float = 10.0
+    reconnect_timeout_s: float = 60.0
+    max_pending_bytes: int = 256 * 1024 * 1024
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+
 class RabbitMQTransport(Transport):
     """A durable queue per endpoint; a publisher I/O thread or a consumer I/O thread per instance."""
 
     schemes = ("amqp", "amqps")
     acknowledges = True
     persists = True
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "queue": None,
-        "max_frame_bytes": 16 * 1024 * 1024 - 4096,
-        "durable": True,
-        "persistent": True,
-        "prefetch_count": 16,
-        "heartbeat_s": 30,
-        "connect_timeout_s": 10.0,
-        "reconnect_timeout_s": 60.0,
-        "max_pending_bytes": 256 * 1024 * 1024,
-        "ssl_cafile": None,
-        "ssl_certfile": None,
-        "ssl_keyfile": None,
-    }
+    Options = RabbitMQOptions
+    options: RabbitMQOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: RabbitMQOptions) -> None:
         super().__init__(url, options)
-        if not options["queue"]:
+        if not options.queue:
             raise ConfigError(
                 f"AMQP URL needs a queue, e.g. amqp://guest:guest@127.0.0.1:5672/%2F?queue=tensors; "
                 f"got {urllib.parse.urlunsplit(url)!r}"
             )
-        if not 1 <= options["prefetch_count"] <= MAX_PREFETCH:
+        if not 1 <= options.prefetch_count <= MAX_PREFETCH:
             raise ConfigError(
-                f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {options['prefetch_count']}"
+                f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {options.prefetch_count}"
             )
-        self.queue: str = options["queue"]
+        self.queue: str = options.queue
         self.shown = f"{url.scheme}://{url.hostname}:{url.port or 5672}{url.path or '/'}?queue={self.queue}"
         self.params = self._parameters()
         self.content_type = CONTENT_TYPE
@@ -116,9 +123,9 @@ class RabbitMQTransport(Transport):
         url, o = self.url, self.options
         ssl_options = None
         if url.scheme == "amqps":
-            context = ssl.create_default_context(cafile=o["ssl_cafile"])
-            if o["ssl_certfile"]:
-                context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"])
+            context = ssl.create_default_context(cafile=o.ssl_cafile)
+            if o.ssl_certfile:
+                context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
             ssl_options = pika.SSLOptions(context, url.hostname)
         vhost = urllib.parse.unquote(url.path[1:]) if len(url.path) > 1 else "/"
         return pika.ConnectionParameters(
@@ -126,10 +133,10 @@ class RabbitMQTransport(Transport):
             port=url.port or (5671 if ssl_options else 5672),
             virtual_host=vhost,
             ssl_options=ssl_options,
-            heartbeat=o["heartbeat_s"],
-            blocked_connection_timeout=o["reconnect_timeout_s"],
-            socket_timeout=o["connect_timeout_s"],
-            stack_timeout=o["connect_timeout_s"] * 2,
+            heartbeat=o.heartbeat_s,
+            blocked_connection_timeout=o.reconnect_timeout_s,
+            socket_timeout=o.connect_timeout_s,
+            stack_timeout=o.connect_timeout_s * 2,
             connection_attempts=1,
             credentials=pika.PlainCredentials(
                 urllib.parse.unquote(url.username or "guest"), urllib.parse.unquote(url.password or "guest")
@@ -138,7 +145,7 @@ class RabbitMQTransport(Transport):
 
     def _connect(self) -> tuple[pika.BlockingConnection, Any]:
         """Open a connection and a confirming channel with the endpoint's queue declared, retrying with backoff."""
-        deadline = time.monotonic() + self.options["reconnect_timeout_s"]
+        deadline = time.monotonic() + self.options.reconnect_timeout_s
         for delay in backoff_s(0.1, 2.0):
             try:
                 with map_errors(self.shown):
@@ -160,7 +167,7 @@ class RabbitMQTransport(Transport):
         self._thread = threading.Thread(target=target, args=args, daemon=True, name=f"tensorbus-amqp-{self.queue}")
         self._thread.start()
         o = self.options
-        if not self._ready.wait(o["reconnect_timeout_s"] + 3 * o["connect_timeout_s"]):
+        if not self._ready.wait(o.reconnect_timeout_s + 3 * o.connect_timeout_s):
             self._stop.set()
             raise TransportError(f"RabbitMQ at {self.shown} did not answer in time")
         if self._error is not None:
@@ -181,7 +188,7 @@ class RabbitMQTransport(Transport):
 
     def declare(self, channel: Any, **callback: Any) -> None:
         """Declare the endpoint's queue on a blocking channel, or on an async one with `callback=`."""
-        channel.queue_declare(self.queue, durable=self.options["durable"], **callback)
+        channel.queue_declare(self.queue, durable=self.options.durable, **callback)
 
     def as_error(self, exc: BaseException) -> TransportError:
         """The tensorbus error for a pika exception, as `map_errors` translates it."""
@@ -222,7 +229,7 @@ class RabbitMQTransport(Transport):
                     generation += 1
                     self._connection, self._channel, self._generation = connection, channel, generation
                     self._pending_chunks = 0
-                    self._window = self.options["prefetch_count"]
+                    self._window = self.options.prefetch_count
                     self._cancelled = False
                     channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
                     channel.basic_qos(prefetch_count=self._window, global_qos=True)
@@ -294,8 +301,8 @@ class RabbitMQTransport(Transport):
         if generation != self._generation:
             return
         self._pending_chunks = max(0, self._pending_chunks + delta)
-        needed = self.options["prefetch_count"] + self._pending_chunks
-        step = max(1, self.options["prefetch_count"] // 2)
+        needed = self.options.prefetch_count + self._pending_chunks
+        step = max(1, self.options.prefetch_count // 2)
         if needed > self._window or needed + 2 * step <= self._window:
             self._window = min(-(-needed // step) * step, MAX_PREFETCH)
             self._channel.basic_qos(prefetch_count=self._window, global_qos=True)

@@ -71,7 +71,7 @@ class Publisher:
         """Queue one frame; blocks while max_pending_bytes are queued or unconfirmed."""
         with self._pending:
             self.raise_error()
-            while self._pending_bytes and self._pending_bytes + len(body) > self.t.options["max_pending_bytes"]:
+            while self._pending_bytes and self._pending_bytes + len(body) > self.t.options.max_pending_bytes:
                 self._pending.wait(1.0)
                 self.raise_error()
             self._pending_bytes += len(body)
@@ -123,7 +123,7 @@ class Publisher:
             self._ready.set()
 
     def _connect_until_stopped(self) -> None:
-        deadline = time.monotonic() + self.t.options["reconnect_timeout_s"]
+        deadline = time.monotonic() + self.t.options.reconnect_timeout_s
         while True:
             self._open_error = self._refused = self._returned = None
             connection = pika.SelectConnection(
@@ -183,7 +183,7 @@ class Publisher:
         if channel is None or not channel.is_open:
             return
         properties = pika.BasicProperties(
-            content_type=self.t.content_type, delivery_mode=2 if self.t.options["persistent"] else 1
+            content_type=self.t.content_type, delivery_mode=2 if self.t.options.persistent else 1
         )
         while self._outbox and (
             not self._in_flight

@@ -47,7 +47,7 @@ from ..codec.frame import (
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
 from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
-from .stream import ACK, CRC_TRAILER, NATIVE_STREAM
+from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, SocketOptions
 
 log = logging.getLogger(__name__)
 NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
@@ -194,12 +194,12 @@ class _Peer:
 class Reactor:
     """Reads frames from registered connections on the leading thread and hands them to `deliver`."""
 
-    def __init__(self, deliver: Deliver, limits: Limits, options: dict[str, Any], pool: BufferPool) -> None:
+    def __init__(self, deliver: Deliver, limits: Limits, options: SocketOptions, pool: BufferPool) -> None:
         self.deliver, self.limits, self.options, self.pool = deliver, limits, options, pool
-        self._ack_every = (options["ack_every_frames"], options["ack_every_bytes"])  # (read for every frame)
+        self._ack_every = (options.ack_every_frames, options.ack_every_bytes)  # (read for every frame)
         self._fast = deliver.fast  # the intake's C delivery of plain frames
-        self.linger_s: float = options["linger_s"]
-        self.spin_s: float = options["spin_s"]
+        self.linger_s: float = options.linger_s
+        self.spin_s: float = options.spin_s
         self._poller = Poller()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)

@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from .stream import (
     ACK_REQUEST_MARKER,
     NATIVE_STREAM,
     AuthRefused,
+    SocketOptions,
     c_sends_below,
     handshake_as_producer,
     send_frame,
@@ -81,27 +82,10 @@ class SocketTransport(Transport):
     seals_frames = True
     acknowledges = True
     reads_while_waiting = True
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "max_frame_bytes": None,
-        "connect_timeout_s": 5.0,
-        "send_timeout_s": 30.0,
-        "reconnect_timeout_s": 10.0,
-        "max_unacked_bytes": 256 * 1024 * 1024,
-        "ack_every_frames": 256,  # (each ack costs the consumer a system call: fewer acks, less time)
-        "ack_every_bytes": 8 * 1024 * 1024,
-        "close_timeout_s": 10.0,
-        "backlog": 128,
-        "pooled_buffers": 4,
-        "linger_s": 0.001,
-        "spin_s": 0.0001,
-        "auth_secret": None,
-        "ssl_cafile": None,
-        "ssl_certfile": None,
-        "ssl_keyfile": None,
-        "ssl_context": None,
-    }
+    Options = SocketOptions
+    options: SocketOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions) -> None:
         super().__init__(url, options)
         self.target: str | tuple[str, int]
         if url.scheme == "unix":
@@ -115,7 +99,7 @@ class SocketTransport(Transport):
                 raise ConfigError(f"{url.scheme} URL takes no path (a port is the whole address); got {url.geturl()!r}")
             host = url.hostname or "127.0.0.1"
             self.family, self.target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, url.port)
-        secret = options["auth_secret"]
+        secret = options.auth_secret
         self.secret: bytes | None = secret.encode() if isinstance(secret, str) else secret
         self._sock: socket.socket | None = None
         self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
@@ -135,7 +119,7 @@ class SocketTransport(Transport):
         self._listener: Listener | None = None
         self.reactor: Reactor | None = None
         self._closed = False  # close began: no more sends or reconnects
-        self._pool = BufferPool(options["pooled_buffers"])
+        self._pool = BufferPool(options.pooled_buffers)
 
     @property
     def address(self) -> str:
@@ -145,17 +129,17 @@ class SocketTransport(Transport):
     def _ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
         if self.url.scheme != "tcps":
             return None
-        if self.options["ssl_context"] is not None:
-            return self.options["ssl_context"]
+        if self.options.ssl_context is not None:
+            return self.options.ssl_context
         o = self.options
         if server_side:
-            if not o["ssl_certfile"]:
+            if not o.ssl_certfile:
                 raise ConfigError("a tcps:// consumer needs ssl_certfile (and ssl_keyfile) or ssl_context")
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=o["ssl_cafile"])
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=o.ssl_cafile)
         else:
-            context = ssl.create_default_context(cafile=o["ssl_cafile"])
-        if o["ssl_certfile"]:
-            context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"])
+            context = ssl.create_default_context(cafile=o.ssl_cafile)
+        if o.ssl_certfile:
+            context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
         return context
 
     # -- producer side ------------------------------------------------------------------------------
@@ -166,14 +150,14 @@ class SocketTransport(Transport):
         Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner.
         """
         self._raise_if_closed()
-        retry_until = time.monotonic() + self.options["reconnect_timeout_s"]
+        retry_until = time.monotonic() + self.options.reconnect_timeout_s
         if deadline is not None:
             retry_until = min(retry_until, deadline)
         context = self._ssl_context(server_side=False)
         for delay in backoff_s():
             sock = socket.socket(self.family, socket.SOCK_STREAM)
             try:
-                attempt_s = self.options["connect_timeout_s"]
+                attempt_s = self.options.connect_timeout_s
                 if deadline is not None:  # a flush's: no attempt outlasts it
                     left = max(0.05, deadline - time.monotonic())
                     attempt_s = left if attempt_s is None else min(attempt_s, left)
@@ -183,7 +167,7 @@ class SocketTransport(Transport):
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
                 self._crc_after = handshake_as_producer(sock, self.secret, self.address)
                 self._c_sends_below = c_sends_below(self._crc_after)
-                set_send_timeout(sock, self.options["send_timeout_s"])
+                set_send_timeout(sock, self.options.send_timeout_s)
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._sent = self._acked = 0
@@ -234,7 +218,7 @@ class SocketTransport(Transport):
         (no C extension, TLS, chunked frames, no room, a tensor the C head leaves to `encode`).
         """
         c_head, c_send = self._c_head, self._c_send
-        if c_head is None or c_send is None or self._unacked_bytes >= self.options["max_unacked_bytes"]:
+        if c_head is None or c_send is None or self._unacked_bytes >= self.options.max_unacked_bytes:
             return False
         head = c_head(array, key, metadata, message_id, flags)
         if head is None:
@@ -270,7 +254,7 @@ class SocketTransport(Transport):
                 raise failed
             if isinstance(failed, (TimeoutError, BlockingIOError)):  # the consumer stopped reading
                 raise TransportError(
-                    f"sending to {self.address} made no progress for {self.options['send_timeout_s']}s"
+                    f"sending to {self.address} made no progress for {self.options.send_timeout_s}s"
                 ) from None
             if attempt == 2:
                 raise TransportError(f"sending to {self.address} failed: {failed}") from None
@@ -283,7 +267,7 @@ class SocketTransport(Transport):
         self._unacked.append((frame, nbytes))
         self._unacked_bytes += nbytes
         self._sent += 1
-        if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
+        if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options.max_unacked_bytes:
             self._trim_acked()
 
     def _raise_if_closed(self) -> None:
@@ -324,8 +308,8 @@ class SocketTransport(Transport):
         """
         assert self._sock is not None
         overdue = (
-            len(self._unacked) >= 4 * self.options["ack_every_frames"]
-            or self._unacked_bytes >= self.options["max_unacked_bytes"]
+            len(self._unacked) >= 4 * self.options.ack_every_frames
+            or self._unacked_bytes >= self.options.max_unacked_bytes
         )
         try:
             if overdue and not self._ack_requested:
@@ -375,10 +359,10 @@ class SocketTransport(Transport):
         Called between messages, never between the chunks of one, so a message larger than the
         limit still goes out whole.
         """
-        limit = self.options["max_unacked_bytes"]
+        limit = self.options.max_unacked_bytes
         if self._unacked_bytes < limit:
             return
-        timeout = self.options["send_timeout_s"]
+        timeout = self.options.send_timeout_s
         with self._locked(timeout, "wait for room"):
             self._await_acks(
                 lambda: self._unacked_bytes < limit,
@@ -456,11 +440,11 @@ class SocketTransport(Transport):
         """Flush (up to close_timeout_s) and close the producer connection, or stop listening and drop every peer."""
         if self._unacked and not self._closed:
             try:
-                self.flush(self.options["close_timeout_s"])
+                self.flush(self.options.close_timeout_s)
             except TransportError as exc:
                 log.warning("closing with frames not acknowledged: %s", exc)
         self._closed = True
-        if self._acquire(self.options["close_timeout_s"]):
+        if self._acquire(self.options.close_timeout_s):
             try:
                 self._drop_connection()
             finally:

@@ -26,6 +26,7 @@ import os
 import socket
 import ssl
 import struct
+from dataclasses import dataclass
 from types import ModuleType
 
 from ..codec.frame import (
@@ -42,9 +43,33 @@ from ..codec.frame import (
 from ..codec.native import agrees, crc32c, load
 from ..codec.tensors import ALIGN
 from ..errors import TransportError
+from .base import TransportOptions
 
 #: the C reader and sender (`_stream.c`); None when not built, stale, or TENSORBUS_NATIVE=0
 NATIVE_STREAM: ModuleType | None = load(f"{__package__}._stream")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SocketOptions(TransportOptions):
+    """The options of tcp://, tcps:// and unix:// endpoints."""
+
+    connect_timeout_s: float = 5.0
+    send_timeout_s: float = 30.0
+    reconnect_timeout_s: float = 10.0
+    max_unacked_bytes: int = 256 * 1024 * 1024
+    ack_every_frames: int = 256  # (each ack costs the consumer a system call: fewer acks, less time)
+    ack_every_bytes: int = 8 * 1024 * 1024
+    close_timeout_s: float = 10.0
+    backlog: int = 128
+    pooled_buffers: int = 4
+    linger_s: float = 0.001
+    spin_s: float = 0.0001
+    auth_secret: str | bytes | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_context: ssl.SSLContext | None = None
+
 
 HELLO = struct.Struct("<4sBB32s")
 HELLO_MAGIC = b"TBSK"

@@ -66,7 +66,7 @@ def test_tcp_consumer_killed_and_restarted_mid_stream(tmp_path: Path) -> None:
     # the killed process handed some tensors to its application whose acks the producer had not read
     # yet; those are sent again, and the new process has no memory of them. The producer reads acks
     # every READ_ACKS_EVERY frames and the consumer sends them every ack_every_frames, which bounds the repeats:
-    assert result["duplicated"] <= READ_ACKS_EVERY + SocketTransport.OPTIONS["ack_every_frames"]
+    assert result["duplicated"] <= READ_ACKS_EVERY + SocketTransport.Options().ack_every_frames
 
 
 def test_tcp_consumer_restarted_on_its_dedup_file_drops_what_its_predecessor_delivered(tmp_path: Path) -> None:

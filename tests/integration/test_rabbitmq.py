@@ -218,7 +218,7 @@ def test_a_connection_lost_mid_tensor_leaves_the_prefetch_window_as_configured(u
             producer.transport.send(chunk, key="big")
         producer.flush(30)
         assert same(consumer.recv("big", timeout=30), arr)
-        full = transport.options["prefetch_count"]  # (the I/O thread sets the count, then the window)
+        full = transport.options.prefetch_count  # (the I/O thread sets the count, then the window)
         wait_for(lambda: transport._pending_chunks == 0 and transport._window == full, 10, "the held chunks released")
         assert transport._window == full and transport._thread.is_alive()
         for i in range(3):

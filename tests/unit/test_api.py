@@ -12,6 +12,7 @@ import pytest
 import tensorbus as tb
 import tensorbus.options
 import tensorbus.transports
+from tensorbus.options import defaults
 from tensorbus.transports.base import Delivered
 from tests.faults import fail_feed_once, wait_for
 
@@ -76,7 +77,7 @@ def test_unknown_options_are_errors_from_kwargs_and_query() -> None:
 
 def test_url_query_options_are_typed() -> None:
     producer = tb.Producer("tcp://127.0.0.1:9?send_timeout_s=2.5&max_frame_bytes=65536")
-    assert producer.transport.options["send_timeout_s"] == 2.5 and producer.transport.max_frame_bytes == 65536
+    assert producer.transport.options.send_timeout_s == 2.5 and producer.transport.max_frame_bytes == 65536
     producer.close()
 
 
@@ -110,7 +111,9 @@ def test_shipped_config_files_name_only_known_options() -> None:
         url, _ = tb.options.load_config(path, "consumer")
         assert url, f"{path} names a url"
         cls, _ = tb.transports.resolve_transport(url)
-        known = set(cls.OPTIONS) | set(tb.api.PRODUCER_OPTIONS) | set(tb.api.CONSUMER_OPTIONS)
+        known = (
+            set(defaults(cls.Options)) | set(defaults(tb.api.ProducerOptions)) | set(defaults(tb.api.ConsumerOptions))
+        )
         assert set(options) <= known, f"{path}: {set(options) - known}"
 
 

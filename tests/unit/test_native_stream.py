@@ -123,7 +123,7 @@ def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytes
     logger = logging.getLogger(reactor.__name__)
     logger.addHandler(reasons)
     monkeypatch.setattr(logger, "level", logging.INFO)  # ("went away" is INFO)
-    options = {**SocketTransport.OPTIONS, "linger_s": 0.0}
+    options = SocketTransport.Options(linger_s=0.0)
     reader = reactor.Reactor(recorder, LIMITS, options, BufferPool())  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
     try:
