@@ -11,6 +11,7 @@ from .errors import (
     Closed,
     CodecError,
     ConfigError,
+    InvalidTensor,
     LimitExceeded,
     MalformedHeader,
     SignatureError,
@@ -29,7 +30,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
-    "ConfigError", "Consumer", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey", "Producer",
+    "ConfigError", "Consumer", "InvalidTensor", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey",
+    "Producer",
     "Reassembler", "RecvHandle", "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation",
     "TensorBusError", "Timeout", "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion",
     "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",

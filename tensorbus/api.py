@@ -59,6 +59,8 @@ class ConsumerOptions:
     max_payload_bytes: int = Limits.max_payload_bytes
     max_decompressed_bytes: int = Limits.max_decompressed_bytes
     max_ndim: int = Limits.max_ndim
+    max_tree_depth: int = Limits.max_tree_depth
+    max_tree_entries: int = Limits.max_tree_entries
     dedup_window: int = 100_000
     dedup_file: str | Path | None = None
     like: str = "numpy"
@@ -177,6 +179,8 @@ class Consumer:
             max_payload_bytes=opts.max_payload_bytes,
             max_decompressed_bytes=opts.max_decompressed_bytes,
             max_ndim=opts.max_ndim,
+            max_tree_depth=opts.max_tree_depth,
+            max_tree_entries=opts.max_tree_entries,
         )
         #: where received frames become messages in the table (dedup, reassembly, holds, expiry)
         self.intake = Intake(

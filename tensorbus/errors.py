@@ -59,6 +59,11 @@ class MalformedHeader(CodecError):
     """The msgpack header is not valid msgpack, or does not describe a consistent tensor."""
 
 
+class InvalidTensor(CodecError):
+    """What `send` was given cannot make a frame any receiver takes: a sparse tensor whose parts
+    disagree, metadata that is not a map, a masked array, an unsupported leaf of a structure."""
+
+
 # -- configuration -----------------------------------------------------------------------------
 
 

@@ -35,9 +35,9 @@ def tensor_nbytes(tensor: Any) -> int:
         return tensor.nbytes
     if isinstance(tensor, SparseTensor):
         return tensor.indices.nbytes + tensor.values.nbytes
-    if isinstance(tensor, dict):
-        return sum(tensor_nbytes(v) for v in tensor.values())
-    return int(getattr(tensor, "nbytes", 0))
+    if isinstance(tensor, (dict, list, tuple)):  # a bundle or a structure (its depth bounded when decoded)
+        return sum(tensor_nbytes(v) for v in (tensor.values() if isinstance(tensor, dict) else tensor))
+    return int(getattr(tensor, "nbytes", 0))  # a torch tensor; 0 for a structure's scalars (counted with its header)
 
 
 def message_nbytes(message: Message) -> int:

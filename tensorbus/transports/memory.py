@@ -12,7 +12,7 @@ import logging
 import threading
 import urllib.parse
 
-from ..buffers import POOLED_FROM, BufferPool
+from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, TransportOptions
@@ -106,10 +106,7 @@ class MemoryTransport(Transport):
         """Copy the frame into the endpoint's queue (as a wire would); never blocks."""
         views = [memoryview(b).cast("B") for b in frame]
         total = sum(len(v) for v in views)
-        if total < POOLED_FROM:
-            HUB.endpoint(self.name).put(b"".join(views))
-            return
-        # into a large buffer no tensor views any more: fresh pages are slow
+        # into a 64-byte aligned buffer (a large one no tensor views any more: fresh pages are slow)
         HUB.endpoint(self.name).put(join_into(views, self._pool.take(total)))
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:

@@ -147,12 +147,16 @@ class SocketTransport(Transport):
     def _connect(self, deadline: float | None = None) -> socket.socket:
         """Connect, handshake, and send again every frame the last connection left unacknowledged.
 
-        Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner.
+        Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner;
+        each attempt (connect, TLS, handshake) may take up to `connect_timeout_s`. A consumer that is
+        not there refuses at once, so it is `reconnect_timeout_s` that bounds a send to nobody.
         """
         self._raise_if_closed()
-        retry_until = time.monotonic() + self.options.reconnect_timeout_s
-        if deadline is not None:
-            retry_until = min(retry_until, deadline)
+        started = time.monotonic()
+        retry_until = started + self.options.reconnect_timeout_s
+        bound = f"reconnect_timeout_s={self.options.reconnect_timeout_s:g}"
+        if deadline is not None and deadline < retry_until:
+            retry_until, bound = deadline, "the flush's timeout"
         context = self._ssl_context(server_side=False)
         for delay in backoff_s():
             sock = socket.socket(self.family, socket.SOCK_STREAM)
@@ -183,7 +187,10 @@ class SocketTransport(Transport):
             except (OSError, TransportError) as exc:
                 sock.close()
                 if self._closed or time.monotonic() + delay > retry_until:
-                    raise TransportError(f"cannot connect to {self.address}: {exc}") from None
+                    raise TransportError(
+                        f"cannot connect to {self.address}: {exc} (gave up after {time.monotonic() - started:.1f}s "
+                        f"of retries, as {bound} bounds them; connect_timeout_s bounds each attempt)"
+                    ) from None
                 log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
                 time.sleep(delay)
             except BaseException:  # e.g. Ctrl-C while resending: half a frame must not stay on a live socket

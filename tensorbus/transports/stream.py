@@ -53,9 +53,9 @@ NATIVE_STREAM: ModuleType | None = load(f"{__package__}._stream")
 class SocketOptions(TransportOptions):
     """The options of tcp://, tcps:// and unix:// endpoints."""
 
-    connect_timeout_s: float = 5.0
+    connect_timeout_s: float = 5.0  # one attempt: connect, TLS, handshake (a refused connect ends it at once)
     send_timeout_s: float = 30.0
-    reconnect_timeout_s: float = 10.0
+    reconnect_timeout_s: float = 10.0  # all attempts: how long a send retries a consumer that is not (yet) there
     max_unacked_bytes: int = 256 * 1024 * 1024
     ack_every_frames: int = 256  # (each ack costs the consumer a system call: fewer acks, less time)
     ack_every_bytes: int = 8 * 1024 * 1024
