@@ -86,101 +86,69 @@ static PyMemberDef intake_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
-static int
-table_traverse(TableState *self, visitproc visit, void *arg)
+/* Both state types hold only the objects their members name (and `window`): traversed, cleared and
+ * freed by walking their PyMemberDef tables. */
+#define MEMBER(self, m) ((PyObject **)((char *)(self) + (m)->offset))
+
+static PyTypeObject IntakeStateType;
+
+static PyMemberDef *
+members_of(PyObject *self)
 {
-    Py_VISIT(self->lock);
-    Py_VISIT(self->waiters);
-    Py_VISIT(self->arrivals);
-    Py_VISIT(self->by_key);
-    Py_VISIT(self->buffered_bytes);
-    Py_VISIT(self->max_buffered_bytes);
-    Py_VISIT(self->counter);
-    Py_VISIT(self->aborted);
-    Py_VISIT(self->stats);
+    return PyObject_TypeCheck(self, &IntakeStateType) ? intake_members : table_members;
+}
+
+/* Visit each object member (`visit` NULL: clear it). */
+static int
+walk_members(PyObject *self, visitproc visit, void *arg)
+{
+    for (PyMemberDef *m = members_of(self); m->name != NULL; m++) {
+        if (m->type != T_OBJECT_EX) {
+            continue;
+        }
+        if (visit == NULL) {
+            Py_CLEAR(*MEMBER(self, m));
+        }
+        else {
+            Py_VISIT(*MEMBER(self, m));
+        }
+    }
     return 0;
 }
 
 static int
-table_clear(TableState *self)
+state_traverse(PyObject *self, visitproc visit, void *arg)
 {
-    Py_CLEAR(self->lock);
-    Py_CLEAR(self->waiters);
-    Py_CLEAR(self->arrivals);
-    Py_CLEAR(self->by_key);
-    Py_CLEAR(self->buffered_bytes);
-    Py_CLEAR(self->max_buffered_bytes);
-    Py_CLEAR(self->counter);
-    Py_CLEAR(self->aborted);
-    Py_CLEAR(self->stats);
-    return 0;
+    return walk_members(self, visit, arg);
+}
+
+static int
+state_clear(PyObject *self)
+{
+    return walk_members(self, NULL, NULL);
 }
 
 static void
-table_dealloc(TableState *self)
+state_dealloc(PyObject *self)
 {
-    PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
-    table_clear(self);
-    type->tp_free((PyObject *)self); /* (a Python subclass's type is released by its own dealloc, after this) */
+    state_clear(self);
+    Py_TYPE(self)->tp_free(self); /* (a Python subclass's type is released by its own dealloc, after this) */
 }
 
-static PyTypeObject TableStateType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus._intake.TableState",
-    .tp_basicsize = sizeof(TableState),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    .tp_doc = PyDoc_STR("The rendezvous table's queues and counts (see intake_state.py)."),
-    .tp_new = PyType_GenericNew,
-    .tp_dealloc = (destructor)table_dealloc,
-    .tp_traverse = (traverseproc)table_traverse,
-    .tp_clear = (inquiry)table_clear,
-    .tp_members = table_members,
-};
+/* The two state types differ only in their fields. */
+#define STATE_TYPE(name, fields, members_, doc)                                                                      \
+    {                                                                                                                \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus._intake." name, .tp_basicsize = sizeof(fields),          \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE, .tp_doc = PyDoc_STR(doc),         \
+        .tp_new = PyType_GenericNew, .tp_dealloc = state_dealloc, .tp_traverse = state_traverse,                    \
+        .tp_clear = state_clear, .tp_members = members_,                                                             \
+    }
 
-static int
-intake_traverse(IntakeState *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->lock);
-    Py_VISIT(self->seen);
-    Py_VISIT(self->reassembling);
-    Py_VISIT(self->interrupted);
-    Py_VISIT(self->stats);
-    Py_VISIT(self->table);
-    return 0;
-}
-
-static int
-intake_clear(IntakeState *self)
-{
-    Py_CLEAR(self->lock);
-    Py_CLEAR(self->seen);
-    Py_CLEAR(self->reassembling);
-    Py_CLEAR(self->interrupted);
-    Py_CLEAR(self->stats);
-    Py_CLEAR(self->table);
-    return 0;
-}
-
-static void
-intake_dealloc(IntakeState *self)
-{
-    PyTypeObject *type = Py_TYPE(self);
-    PyObject_GC_UnTrack(self);
-    intake_clear(self);
-    type->tp_free((PyObject *)self); /* (a Python subclass's type is released by its own dealloc, after this) */
-}
-
-static PyTypeObject IntakeStateType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus._intake.IntakeState",
-    .tp_basicsize = sizeof(IntakeState),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
-    .tp_doc = PyDoc_STR("What the intake's C delivery reads and writes (see intake_state.py)."),
-    .tp_new = PyType_GenericNew,
-    .tp_dealloc = (destructor)intake_dealloc,
-    .tp_traverse = (traverseproc)intake_traverse,
-    .tp_clear = (inquiry)intake_clear,
-    .tp_members = intake_members,
-};
+static PyTypeObject TableStateType =
+    STATE_TYPE("TableState", TableState, table_members, "The rendezvous table's queues and counts (see intake_state.py).");
+static PyTypeObject IntakeStateType = STATE_TYPE("IntakeState", IntakeState, intake_members,
+                                                 "What the intake's C delivery reads and writes (see intake_state.py).");
 
 /* ---- small helpers ---------------------------------------------------------------------------------------- */
 
