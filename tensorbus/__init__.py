@@ -14,6 +14,7 @@ from .errors import (
     InvalidTensor,
     LimitExceeded,
     MalformedHeader,
+    Rejected,
     SignatureError,
     StaleIncarnation,
     TensorBusError,
@@ -31,8 +32,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
     "ConfigError", "Consumer", "InvalidTensor", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey",
-    "Producer",
-    "Reassembler", "RecvHandle", "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation",
+    "Producer", "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "SignatureError", "SparseTensor",
+    "StaleIncarnation",
     "TensorBusError", "Timeout", "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion",
     "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",
 ]  # fmt: skip

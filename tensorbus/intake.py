@@ -97,13 +97,13 @@ class Intake:
             except CodecError as exc:
                 self.stats["rejected"] += 1
                 log.error("%s: dropped a bad frame: %s", self._name, exc)
-                return Delivered(None, True)
+                return Delivered(None, True, refused=str(exc))
             except MemoryError:
                 raise  # not the frame's fault: the transport drops the connection and the frame comes again
             except Exception:  # a decoder bug must cost this one frame, not the connection or a recv
                 self.stats["rejected"] += 1
                 log.exception("%s: dropped a frame the decoder failed on", self._name)
-                return Delivered(None, True)
+                return Delivered(None, True, refused="the consumer's decoder failed on it (see its log)")
             message_id = self.reassembler.last_message_id if message is None else message.message_id
             if self.table.aborted is not None:
                 # every frame, before dedup: a broker may hand a turned-away tensor to this consumer
@@ -213,8 +213,8 @@ class Intake:
         except TensorBusError as exc:
             self.stats["refused"] += 1
             log.error("%s: refused message %s: %s", self._name, message_id, exc)
-        else:
-            self.stats["received"] += 1
+            return Delivered(message_id, True, refused=str(exc))
+        self.stats["received"] += 1
         return Delivered(message_id, True)
 
     def _wait_for_room(self, key: str | None) -> None:

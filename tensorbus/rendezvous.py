@@ -110,21 +110,21 @@ class Rendezvous(TableState):
 
     def put(self, message: Message, *, first: bool = False) -> None:
         """Deliver a decoded message (what transports call); never blocks. `first`: ahead of those buffered."""
-        waiter = None
+        waiter = stale = None
         key = message.key
         with self._lock:
             self._raise_if_aborted()
             if may_name_incarnation(key):
-                self._fence(key)
+                stale = self._fence(key)
             waiters = self._waiters
-            for wanted in (key, ANY) if waiters else ():
+            for wanted in ((key,) if stale is not None else (key, ANY)) if waiters else ():
                 queue = waiters.get(wanted)
                 if queue:
                     waiter = queue.popleft()
                     if not queue:
                         del waiters[wanted]
                     break
-            if waiter is None:
+            if waiter is None and stale is None:
                 self._counter += 1
                 nbytes = message_nbytes(message)
                 self._arrivals[self._counter] = (message, nbytes)
@@ -139,19 +139,24 @@ class Rendezvous(TableState):
                 self.buffered_bytes += nbytes
                 self.stats["buffered"] += 1
                 return
+        if stale is not None:  # a receiver of the key fails now: the tensor it waits for will never come
+            if waiter is not None:
+                self._complete(waiter, StaleIncarnation(*stale.args))
+            raise stale
+        assert waiter is not None
         self._complete(waiter, message)
 
-    def _fence(self, key: str) -> None:
-        """Reject keys that name an older incarnation of a source than one already seen."""
+    def _fence(self, key: str) -> StaleIncarnation | None:
+        """The error for a key that names an older incarnation of a source than one already seen, else None."""
         try:
             parsed = parse_key(key)
         except ConfigError:
-            return
+            return None
         source = hash(parsed.src)
         newest = self._incarnations.get(source, -1)
         if parsed.src_incarnation < newest:
             self.stats["stale"] += 1
-            raise StaleIncarnation(
+            return StaleIncarnation(
                 f"key {brief(key)} names incarnation {parsed.src_incarnation:x} of {brief(parsed.src)}, "
                 f"but incarnation {newest:x} has already been seen"
             )
@@ -159,6 +164,7 @@ class Rendezvous(TableState):
         self._incarnations.move_to_end(source)
         if len(self._incarnations) > MAX_SOURCES:  # sources are chosen by peers: forget the longest quiet
             self._incarnations.popitem(last=False)
+        return None
 
     # -- consuming -------------------------------------------------------------------------------
 

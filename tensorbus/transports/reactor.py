@@ -47,7 +47,7 @@ from ..codec.frame import (
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
 from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
-from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, SocketOptions
+from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, SocketOptions, refusal
 
 log = logging.getLogger(__name__)
 NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
@@ -73,6 +73,8 @@ OVERLAP_FROM = 4 << 20
 FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
 POLL_S = 0.05
+#: refusals a producer has not taken off its socket, in bytes, at most: past that it is dropped
+MAX_OUTBOX = 1 << 20
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -189,6 +191,8 @@ class _Peer:
         self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
         self.held: Message | None = None  # a message the full table could not take: this peer is not read meanwhile
         self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
+        self.refusals = False  # the producer asked to be told which frames were refused (stream.REFUSALS_WANTED)
+        self.outbox = bytearray()  # refusals not sent yet (the socket was full): they go before the next ack
 
 
 class Reactor:
@@ -460,7 +464,11 @@ class Reactor:
             peer.total = reader.last_total  # (its prefix)
             self._deliver(peer, memoryview(reader.prefix))  # the consumer counts it as refused
         elif event == CHECK_PREFIX:
-            reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
+            if reader.prefix == REFUSALS_WANTED:  # (not a frame: a marker the readers leave to this step)
+                peer.refusals = True
+                reader.skip(0)
+            else:
+                reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
         else:  # END
             raise PeerGone("disconnected mid-frame") if reader.mid_frame else PeerGone("went away", logging.INFO)
         return True
@@ -501,6 +509,8 @@ class Reactor:
             peer.incomplete.setdefault(result.message_id, peer.frames)
         elif peer.turned_away is None:
             peer.turned_away = peer.frames  # never acknowledged, so the producer sends it again
+        if result.refused is not None:
+            self._refuse(peer, peer.frames, result.refused)
         peer.frames += 1
         peer.unacked_bytes += peer.total
         if peer.total > self._largest_read:
@@ -508,6 +518,15 @@ class Reactor:
         every_frames, every_bytes = self._ack_every
         if peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed:
             self._ack(peer)
+
+    def _refuse(self, peer: _Peer, index: int, reason: str) -> None:
+        """Tell the producer (if it asked) that its frame `index` was refused: before the ack that covers it."""
+        if not peer.refusals:
+            return
+        peer.outbox += refusal(index, reason)
+        if len(peer.outbox) > MAX_OUTBOX:
+            raise PeerGone(f"dropped: it left {len(peer.outbox)} bytes of refusals of its frames unread")
+        peer.ack_owed = True  # (sent with the next ack, at the latest)
 
     def _hold(self, peer: _Peer, message: Message) -> None:
         """Stop reading a peer whose message the full table cannot take: other peers go on."""
@@ -533,6 +552,12 @@ class Reactor:
         """A held message was taken (or turned away): book it, and read its peer again."""
         self._held.remove(peer)
         peer.held = None
+        if result.refused is not None:  # (a held message is the last frame read from its peer)
+            try:
+                self._refuse(peer, peer.frames - 1, result.refused)
+            except PeerGone as exc:
+                self._drop(peer, str(exc), exc.level)
+                return
         if result.done:
             peer.incomplete.pop(result.message_id, None)
         elif result.turned_away and peer.turned_away is None:
@@ -564,6 +589,12 @@ class Reactor:
         safe = next(iter(incomplete.values()), peer.frames)
         if peer.turned_away is not None:
             safe = min(safe, peer.turned_away)
+        while peer.outbox:  # refusals first: the ack covers their frames
+            try:
+                del peer.outbox[: peer.conn.send(peer.outbox)]
+            except _WOULD_BLOCK:
+                peer.ack_owed = True
+                return
         try:
             sent = peer.conn.send(ACK.pack(safe))
         except _WOULD_BLOCK:
