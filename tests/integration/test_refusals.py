@@ -13,7 +13,7 @@ import pytest
 import trustme
 
 import tensorbus as tb
-from tensorbus.transports import reactor
+from tensorbus.transports import reader as reader_module
 from tensorbus.transports import socket as socket_transport
 from tensorbus.transports.stream import ACK, ACK_REQUEST_MARKER, HELLO, proof
 from tests.conftest import require_native
@@ -39,9 +39,9 @@ def ends(
     """A consumer URL with its options and the producer's, read by the C stream reader or by the Python one."""
     scheme, reader = request.param.split("-")
     if reader == "c":
-        require_native(reactor.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
+        require_native(reader_module.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
     else:
-        monkeypatch.setattr(reactor, "READER", None)
+        monkeypatch.setattr(reader_module, "READER", None)
     if scheme == "tcps":
         yield "tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]}, {"ssl_cafile": tls["ca"]}
     elif scheme == "unix":
