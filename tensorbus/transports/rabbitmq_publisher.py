@@ -2,8 +2,8 @@
 
 pika's BlockingChannel waits for each confirm before the next publish: one broker round trip per
 message. This publisher runs a `SelectConnection` on a thread of its own and keeps up to
-IN_FLIGHT_BYTES unconfirmed (measured on the native broker: 64 KB messages 4x, 1 MB 1.6x and
-16 MB chunks 1.2x the blocking rate; sixteen 16 MB chunks in flight were slower than one).
+IN_FLIGHT_BYTES unconfirmed, which is several times the blocking rate for small messages and
+still faster for large chunks (docs/PERFORMANCE.md); too many large chunks in flight are slower.
 Messages are confirmed in any order the broker likes; after a lost connection or channel every
 unconfirmed one is published again (duplicates are dropped by message id on the consumer side),
 through the next node of the URL when it names several. When no confirm comes for
