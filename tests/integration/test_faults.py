@@ -23,6 +23,8 @@ from tests.conftest import endpoint_url
 
 COUNT = 1000
 ROOT = Path(__file__).parents[2]
+#: the launcher whose `restart NAME` acts on the brokers under test (scripts/compose-brokers.sh for Docker's)
+BROKERS_SH = os.environ.get("TENSORBUS_BROKERS_SH", str(ROOT / "scripts" / "brokers.sh"))
 
 
 def run_stream_with_fault(
@@ -45,7 +47,7 @@ def run_stream_with_fault(
             consumer.join(10)
             consumer = faults.start(faults.consume, consumer_url or url, str(log), consumer_options)
         else:
-            subprocess.run(["bash", str(ROOT / "scripts" / "brokers.sh"), "restart", fault], check=True, timeout=120)
+            subprocess.run(["bash", BROKERS_SH, "restart", fault], check=True, timeout=120)
         faults.wait_for(lambda: faults.report(log, COUNT)["lost"] == 0, 240, "every tensor")
         producer.join(60)
         assert producer.exitcode == 0, f"producer exited with {producer.exitcode}"
