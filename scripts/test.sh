@@ -30,7 +30,7 @@ took "native brokers up"
 # the Python codec and socket paths alone, as where the C extensions cannot be built (brokers aside:
 # their transports use only the codec, and the unit tests cover its Python path)
 TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q tests/unit tests/integration -m "not broker" \
-  --ignore=tests/unit/test_native.py --ignore=tests/unit/test_crc_folding.py --ignore=tests/unit/test_native_stream.py --ignore=tests/unit/test_lane.py --ignore=tests/integration/test_socket_send.py \
+  --ignore=tests/unit/test_native.py --ignore=tests/unit/test_crc_folding.py --ignore=tests/unit/test_native_stream.py --ignore=tests/unit/test_fast_delivery.py --ignore=tests/integration/test_socket_send.py \
   --deselect tests/integration/test_benchmarks.py::test_the_native_speedup_benchmark_runs_both_ways \
   --deselect tests/integration/test_socket.py::test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python \
   --deselect tests/integration/test_socket.py::test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once \

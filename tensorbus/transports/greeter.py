@@ -23,12 +23,12 @@ from typing import Any
 
 from ..logs import LogLimiter
 from .stream import (
-    FLAG_AUTH,
-    FLAG_CRC_AFTER,
-    FLAG_INCARNATION,
-    FLAG_REFUSALS,
     HELLO,
+    HELLO_AUTH,
+    HELLO_INCARNATION,
     HELLO_MAGIC,
+    HELLO_REFUSALS,
+    HELLO_TRAILING_CRC,
     PROOF_BYTES,
     PROTOCOL_VERSION,
     VERDICT_ACCEPTED,
@@ -130,7 +130,7 @@ class Greeter:
                 shake.tls_pending = False
             if not shake.nonce:
                 shake.nonce = self.incarnation + os.urandom(32 - len(self.incarnation))
-                flags = FLAG_CRC_AFTER | FLAG_REFUSALS | FLAG_INCARNATION | (FLAG_AUTH if self.secret else 0)
+                flags = HELLO_TRAILING_CRC | HELLO_REFUSALS | HELLO_INCARNATION | (HELLO_AUTH if self.secret else 0)
                 shake.out = HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, shake.nonce)
             self._flush(shake)
             if not shake.done:

@@ -23,9 +23,7 @@ def in_flight(peer: Any) -> bool:
     frame, an incomplete chunked message, an ack or refusal not yet sent."""
     if peer.held is not None or peer.replay is not None or peer.incomplete or peer.ack_owed or peer.outbox:
         return True
-    if peer.reader is not None:
-        return bool(peer.reader.mid_frame or peer.reader.buffered)
-    return peer.frame is not None or bool(peer.prefix_got or peer.skip_left or peer.in_lo < peer.in_hi)
+    return bool(peer.reader.mid_frame or peer.reader.buffered)
 
 
 class IdleSweep:

@@ -23,6 +23,7 @@ from ..logs import LogLimiter
 from .base import backoff_s
 from .greeter import Greeter
 from .reactor import Reactor
+from .stream import SocketOptions
 
 log = logging.getLogger(__name__)
 #: the accept thread looks up this often (e.g. for close, or handshakes past their deadline)
@@ -52,7 +53,7 @@ class Listener:
     """A bound server socket whose accept thread greets producers (`Greeter`) and hands them to a `Reactor`."""
 
     def __init__(
-        self, family: int, target: str | tuple[str, int], options: dict[str, Any], secret: bytes | None,
+        self, family: int, target: str | tuple[str, int], options: SocketOptions, secret: bytes | None,
         address: Callable[[], str], incarnation: bytes,
     ) -> None:  # fmt: skip
         self.family, self.target, self.options, self.secret = family, target, options, secret
@@ -66,7 +67,7 @@ class Listener:
         self._pause_s = 0.0
         self._failures = backoff_s(0.01, 1.0)
         self._errors = LogLimiter(log)
-        self.max_connections = connection_cap(options["max_connections"])
+        self.max_connections = connection_cap(options.max_connections)
 
     def bind(self) -> Any:
         """Bind and listen; return the bound address. A clear `TransportError` when that is not possible."""
@@ -77,7 +78,7 @@ class Listener:
             else:
                 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.bind(self.target)
-            server.listen(self.options["backlog"])
+            server.listen(self.options.backlog)
             if self.family == socket.AF_UNIX:
                 self._socket_file = _identity(self.target)  # type: ignore[arg-type]
         except OSError as exc:
@@ -92,9 +93,7 @@ class Listener:
     def start(self, reactor: Reactor, context: ssl.SSLContext | None) -> None:
         """Accept producers on a background thread; the ones that pass the handshake go to `reactor`."""
         self._reactor = reactor
-        self._greeter = Greeter(
-            self.secret, self.incarnation, self.options["connect_timeout_s"], self._room, self._admit
-        )
+        self._greeter = Greeter(self.secret, self.incarnation, self.options.connect_timeout_s, self._room, self._admit)
         threading.Thread(
             target=self._serve, args=(context,), daemon=True, name=f"tensorbus-accept-{self._address()}"
         ).start()
@@ -189,7 +188,7 @@ class Listener:
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         if self._reactor is not None:
-            self._reactor.close(self.options["close_timeout_s"])
+            self._reactor.close(self.options.close_timeout_s)
         if self.family == socket.AF_UNIX and _identity(self.target) == self._socket_file:  # type: ignore[arg-type]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.target)  # type: ignore[arg-type]  # (a successor's file is left alone)

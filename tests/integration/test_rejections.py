@@ -31,7 +31,7 @@ def test_a_flood_of_bad_frames_logs_a_few_lines_and_a_summary_naming_the_peer_an
     # tcp://127.0.0.1:0 rather than the port bound, and no peer at all
     caplog.set_level(logging.ERROR, logger="tensorbus")
     with tb.Consumer("tcp://127.0.0.1:0", reassembly_timeout_s=0.4) as consumer:
-        consumer._rejections.window_s = 0.5  # (10 s in use: shortened so the summary comes soon)
+        consumer.intake._rejections.window_s = 0.5  # (10 s in use: shortened so the summary comes soon)
         peer = raw_peer(consumer.address)
         host, port = peer.getsockname()
         peer_address = f"{host}:{port}"

@@ -18,7 +18,7 @@ import pytest
 import tensorbus as tb
 from tensorbus.codec import frame as frame_module
 from tensorbus.codec.signing import frame_key
-from tensorbus.transports.stream import greet
+from tensorbus.transports.stream import handshake_as_consumer
 from tests.conftest import endpoint_url, require_broker
 from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
@@ -119,7 +119,7 @@ def test_frames_left_unacknowledged_are_signed_again_for_the_consumer_run_that_g
 
         def first_run() -> None:  # a consumer run that reads the frames and dies before acknowledging them
             conn, _ = listener.accept()
-            greet(conn, None)
+            handshake_as_consumer(conn, None)
             accepted.append(conn)
 
         thread = threading.Thread(target=first_run)

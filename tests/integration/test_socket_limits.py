@@ -115,7 +115,7 @@ def test_a_connection_with_a_message_in_flight_is_not_idle() -> None:
     with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.3) as consumer:
         waiting = raw_peer(consumer.address)
         waiting.sendall(_chunk_frames("slow", 1))  # chunk 0 of 2: its message is incomplete
-        wait_for(lambda: consumer.reassembler.pending == 1, 5, "the first chunk")
+        wait_for(lambda: consumer.intake.reassembler.pending == 1, 5, "the first chunk")
         time.sleep(1.5)
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
         assert reactor.connections == 1 and reactor.idle.dropped == 0
