@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from .codec import Limits, Message, MessageId, Reassembler
-from .codec.frame import Buffer
+from .codec.frame import Buffer, peek_message
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, CodecError, TensorBusError
 from .intake_state import FAST, IntakeState
 from .logs import LogLimiter
 from .rendezvous import Rendezvous
 from .transports import Delivered
+from .transports.base import Held
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class Intake:
         if dedup_file is not None:  # recorded when the application takes a tensor, not on arrival
             self.table.on_delivered_to_application = self._record_delivered
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
+        self._held_bytes = 0  # the frames held back undecoded (`Held`): they count against max_buffered_bytes
+        self._limits = limits
         #: the C delivery of plain frames (`fast(frame, crc)`: the Message it delivered, or None to
         #: deliver the frame with `__call__`), for transports that read frames in C; None where it cannot serve
         self.fast: Callable[[memoryview, int | None], Message | None] | None = None
@@ -112,6 +115,10 @@ class Intake:
                 if interrupted is not None and interrupted[0] is frame:  # the same frame again: decoded already
                     message, state.interrupted = interrupted[1], None  # (kept until then: others may come first)
                 else:
+                    if may_hold and self._full():
+                        held = self._held(frame, crc)
+                        if held is not None:
+                            return Delivered(held.message_id, False, held=held)
                     message = self._feed(frame, crc)
             except CodecError as exc:
                 self.stats["rejected"] += 1
@@ -136,7 +143,7 @@ class Intake:
             full = self._full()
             if may_hold and full and not self.table.has_room_for(message.key):
                 self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
-                return Delivered(message_id, False, held=message)
+                return Delivered(message_id, False, held=Held(None, None, message.key, message_id, message=message))
             if message_id is not None:
                 self._seen.add(message_id)
         try:
@@ -150,10 +157,30 @@ class Intake:
             state.interrupted = (frame, message)  # (the reassembler is done with a chunked one: keep what it made)
             raise
 
-    def release(self, message: Message) -> Delivered | None:
-        """A held message offered again: taken (or turned away, or a duplicate) once it fits; else None."""
-        if not self.table.has_room_for(message.key):
+    def release(self, held: Held) -> Delivered | None:
+        """A held message offered again: decoded and taken (or turned away, or a duplicate, or refused)
+        once it fits; else None (or held again: `Delivered.held`)."""
+        if not self.table.has_room_for(held.key):
             return None
+        if held.frame is None:
+            assert held.message is not None
+            return self._release_decoded(held.message)
+        with self._lock:
+            self._held_bytes -= held.nbytes
+            self._unhold()
+        try:
+            result = self(held.frame, held.crc, may_hold=True)
+        except CallbackInterrupted:  # in a recv_async callback, which had the message: taken
+            raise
+        except BaseException:  # still held: offered again later (decoded already: see `state.interrupted`)
+            with self._lock:
+                self._held_bytes += held.nbytes
+                self._hold()
+            raise
+        return result  # (held again, its `held` says how, when the room went meanwhile)
+
+    def _release_decoded(self, message: Message) -> Delivered:
+        """A held message (decoded: a chunked one) that now fits: taken, turned away, or a duplicate."""
         message_id = message.message_id
         with self._lock:
             if self._is_duplicate(message_id):
@@ -197,8 +224,24 @@ class Intake:
         return message
 
     def _full(self) -> bool:
-        """The table is at its limit (read without its lock: a quick look before asking properly)."""
-        return self.table.buffered_bytes >= self.table.max_buffered_bytes
+        """The table, with the frames held back, is at its limit (read without its lock: a quick look
+        before asking properly)."""
+        return self.table.buffered_bytes + self._held_bytes >= self.table.max_buffered_bytes
+
+    def _held(self, frame: Buffer, crc: int | None) -> Held | None:
+        """Hold a whole message's frame back undecoded while the table has no room for it (caller holds
+        `_lock`): a small compressed frame that expands to gigabytes then costs its size on the wire.
+        None to decode it now: a chunk, a frame whose header does not parse, one seen already, or room."""
+        peeked = peek_message(frame, self._limits)
+        if peeked is None or (peeked[1] is not None and peeked[1] in self._seen):
+            return None
+        key, message_id = peeked
+        if self.table.has_room_for(key):
+            return None
+        nbytes = memoryview(frame).nbytes
+        self._held_bytes += nbytes
+        self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
+        return Held(frame, crc, key, message_id, nbytes)
 
     def _is_duplicate(self, message_id: MessageId | None) -> bool:
         """Whether this message was seen already (then counted); caller holds `_lock`."""

@@ -18,6 +18,7 @@ from ..buffers import aligned
 from ..errors import (
     BadMagic,
     ChecksumMismatch,
+    CodecError,
     InvalidTensor,
     LimitExceeded,
     MalformedHeader,
@@ -335,6 +336,22 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise MalformedHeader(f"header must be a msgpack map, got {type(header).__name__}")
     return header
+
+
+def peek_message(frame: Buffer, limits: Limits = DEFAULT_LIMITS) -> tuple[str | None, MessageId | None] | None:
+    """The key and id of a whole message's frame, read from its header without checking or decoding the
+    rest (to decide where it goes before paying for it); None for a chunk or a frame that does not parse."""
+    try:
+        view = memoryview(frame).cast("B")
+        frame_length(view, limits)
+        header_len = PREFIX.unpack_from(view)[4]
+        header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+        key = header.get("key")
+        if header.get("kind") == "chunk" or not (key is None or isinstance(key, str)):
+            return None
+        return key, _message_id(header.get("id"))
+    except (CodecError, TypeError, ValueError):
+        return None
 
 
 def checksum_of(data: Buffer) -> int:

@@ -43,14 +43,27 @@ class TransportOptions:
     max_frame_bytes: int | None = None
 
 
+class Held(NamedTuple):
+    """A message the full table could not take. A whole message's frame is kept as it came (undecoded,
+    still compressed) until it is admitted: it costs its size on the wire, not its tensors'. A message
+    its last chunk completed is kept as `message` (the reassembler has paid for it already)."""
+
+    frame: Buffer | None
+    crc: int | None
+    key: str | None
+    message_id: MessageId | None
+    nbytes: int = 0
+    message: Message | None = None
+
+
 class Delivered(NamedTuple):
     """What the consumer made of one received frame: which message, and whether it is finished.
 
     `done` is True once the frame's message was handed to the rendezvous table (or rejected for
     good), so the transport may acknowledge every frame of `message_id`; False while chunks are missing.
     `turned_away` is True when the consumer could not take the message (aborted or closing): no
-    frame of it may be acknowledged, so the next consumer gets it. `held` is the decoded message
-    when the table had no room for it and the caller offered to hold it (`may_hold`): the caller
+    frame of it may be acknowledged, so the next consumer gets it. `held` is the message's frame
+    (`Held`, undecoded) when the table had no room for it and the caller offered to hold it (`may_hold`): the caller
     stops reading that source and offers it again with `release` until it is taken.
     `refused` is why the consumer refused the frame for good (over a limit, bad signature, stale
     incarnation...), for a transport that can tell its producer; None when it took it.
@@ -59,7 +72,7 @@ class Delivered(NamedTuple):
     message_id: MessageId | None
     done: bool
     turned_away: bool = False
-    held: Message | None = None
+    held: Held | None = None
     refused: str | None = None
 
 
@@ -81,8 +94,9 @@ class Deliver(Protocol):
         """
         ...
 
-    def release(self, message: Message) -> Delivered | None:
-        """Offer a held message again: what became of it, or None while there is still no room."""
+    def release(self, held: Held) -> Delivered | None:
+        """Offer a held message again: what became of it, or None while there is still no room (or a
+        `Delivered` whose `held` replaces it, when the room went while it was being decoded)."""
         ...
 
     def is_pending(self, message_id: MessageId | None) -> bool:

@@ -40,12 +40,11 @@ from ..codec.frame import (
     PREFIX,
     Buffer,
     Limits,
-    Message,
     MessageId,
     frame_length,
 )
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
-from .base import Deliver, Delivered
+from .base import Deliver, Delivered, Held
 from .idle import IdleSweep
 from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
 from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, SocketOptions, refusal
@@ -190,7 +189,7 @@ class _Peer:
         self.ack_owed = False
         self.incomplete: dict[MessageId | None, int] = {}  # message id -> index of its first frame here
         self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
-        self.held: Message | None = None  # a message the full table could not take: this peer is not read meanwhile
+        self.held: Held | None = None  # a message the full table could not take: this peer is not read meanwhile
         self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
         self.refusals = False  # the producer asked to be told which frames were refused (stream.REFUSALS_WANTED)
         self.outbox = bytearray()  # refusals not sent yet (the socket was full): they go before the next ack
@@ -544,7 +543,7 @@ class Reactor:
             raise PeerGone(f"dropped: it left {len(peer.outbox)} bytes of refusals of its frames unread")
         peer.ack_owed = True  # (sent with the next ack, at the latest)
 
-    def _hold(self, peer: _Peer, message: Message) -> None:
+    def _hold(self, peer: _Peer, message: Held) -> None:
         """Stop reading a peer whose message the full table cannot take: other peers go on."""
         peer.held = message
         self._held.append(peer)
@@ -561,7 +560,9 @@ class Reactor:
             except CallbackInterrupted:  # a recv_async callback had it: taken
                 self._read_again(peer, Delivered(peer.held.message_id, True))
                 raise
-            if result is not None:
+            if result is not None and result.held is not None:
+                peer.held = result.held  # (no room after all: held again)
+            elif result is not None:
                 self._read_again(peer, result)
 
     def _read_again(self, peer: _Peer, result: Delivered) -> None:

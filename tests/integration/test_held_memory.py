@@ -1,0 +1,88 @@
+"""Held messages under a flood of compression bombs: the consumer's memory stays within its table's limit.
+
+While the table is full, each connection's next message is held back as it came (undecoded), so K
+connections each sending one small zstd frame that expands to many MiB cost K small frames, not K
+decoded tensors. The consumer runs in a process of its own, so its peak resident memory is its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import tensorbus as tb
+from tests.integration.test_socket import raw_peer
+
+MIB = 1 << 20
+TABLE_MIB = 64
+BOMB_MIB = 64
+BOMBS = 6
+#: what the consumer may grow by over its table's limit (the interpreter's own churn, a frame or two)
+MARGIN_MIB = 48
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def _consumer(requests: Any, replies: Any) -> None:
+    """A consumer that reports on request: ("status",) -> (held back, received, peak RSS MiB);
+    ("recv", key) -> the sum of the tensor received under key."""
+    logging.disable(logging.CRITICAL)
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=TABLE_MIB * MIB) as consumer:
+        replies.put((consumer.address, _peak_rss_mib()))
+        while (request := requests.get(timeout=120))[0] != "stop":
+            if request[0] == "status":
+                replies.put((consumer.intake._held_up, consumer.stats["received"], _peak_rss_mib()))
+            else:
+                replies.put(int(consumer.recv(request[1], timeout=30).sum()))
+
+
+def test_compression_bombs_held_while_the_table_is_full_cost_their_size_on_the_wire() -> None:
+    spawn = multiprocessing.get_context("spawn")
+    requests, replies = spawn.Queue(), spawn.Queue()
+    child = spawn.Process(target=_consumer, args=(requests, replies), daemon=True)
+    child.start()
+    peers = []
+    try:
+        address, baseline = replies.get(timeout=60)
+        with tb.Producer(address) as filler:  # a tensor nobody asks for fills the table
+            filler.send("filler", np.ones(TABLE_MIB * MIB, np.uint8))
+            filler.flush(30)
+        bomb = np.zeros(BOMB_MIB * MIB, np.uint8)
+        frames = [tb.dumps(bomb, key=f"bomb{i}", compression="zstd", message_id=("bomb", i)) for i in range(BOMBS)]
+        del bomb
+        assert sum(len(frame) for frame in frames) < BOMBS * MIB // 8  # (small on the wire)
+        for frame in frames:
+            peer = raw_peer(address)
+            peer.sendall(frame)
+            peers.append(peer)
+        deadline = time.monotonic() + 30
+        while True:  # until every bomb is held back (each on its own connection)
+            requests.put(("status",))
+            held, received, peak = replies.get(timeout=30)
+            if held >= BOMBS or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert held == BOMBS and received == 1
+        assert peak - baseline < TABLE_MIB + MARGIN_MIB, (baseline, peak)
+        with tb.Producer(address) as honest:  # someone waiting for a key makes room for it
+            requests.put(("recv", "honest"))
+            honest.send("honest", np.full(1000, 3, np.int64))
+            assert replies.get(timeout=60) == 3000
+    finally:
+        for peer in peers:
+            peer.close()
+        requests.put(("stop",))
+        child.join(30)
+        if child.is_alive():
+            child.kill()
