@@ -5,6 +5,9 @@
 #   bash scripts/brokers.sh down    [rabbitmq|kafka]   stop by PID (TERM, then KILL after a timeout)
 #   bash scripts/brokers.sh restart  rabbitmq|kafka    stop + start KEEPING data (fault tests)
 #   bash scripts/brokers.sh status  [rabbitmq|kafka]
+#   bash scripts/brokers.sh cluster up|down|status|kill NODE|start NODE
+#                                      three-broker Kafka cluster on 9191-9193 (scripts/brokers/kafka_cluster.sh);
+#                                      kill = SIGKILL, start = back in sync; NODE is kafka1..kafka3
 #
 # Listeners: RabbitMQ AMQP 5672 and AMQPS (TLS) 5671, guest/guest. Kafka PLAINTEXT 9092, SSL 9093,
 # SASL_SSL 9094 (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512: user tensorbus, password tensorbus-secret),
@@ -46,6 +49,8 @@ KAFKA_LIBS=$CACHE/kafka-$KAFKA_VERSION/libs
 source "$REPO/scripts/brokers/common.sh"   # log, die, port_open, pid_alive, apt_install, stop_pid
 # shellcheck source-path=SCRIPTDIR source=brokers/tls.sh
 source "$REPO/scripts/brokers/tls.sh"      # tls_ensure, tls_probe
+# shellcheck source-path=SCRIPTDIR source=brokers/kafka_cluster.sh
+source "$REPO/scripts/brokers/kafka_cluster.sh"  # kafka_cluster_up|down|status|kill N|start N
 
 # ---------------------------------------------------------------- RabbitMQ
 rmq_env() {  # everything the server and rabbitmqctl must agree on (cookie in $HOME)
@@ -208,8 +213,20 @@ status_one() {  # status_one NAME PIDFILE LABEL=PORT...
   fi
 }
 
+cluster() {  # cluster up|down|status|kill NODE|start NODE
+  local cmd=${1:-} node=${2:-}
+  case $cmd in
+    up|down|status) "kafka_cluster_$cmd" ;;
+    kill|start)
+      [[ $node =~ ^kafka[123]$ ]] || die "cluster $cmd needs a node: kafka1..kafka3"
+      "kafka_cluster_$cmd" "${node#kafka}" ;;
+    *) die "usage: brokers.sh cluster up|down|status|kill NODE|start NODE" ;;
+  esac
+}
+
 main() {
   local cmd=${1:-} what=${2:-all} names
+  if [[ $cmd == cluster ]]; then shift; cluster "$@"; return; fi
   case $what in all) names="rabbitmq kafka" ;; rabbitmq|kafka) names=$what ;;
     *) die "unknown broker '$what' (rabbitmq|kafka)" ;; esac
   case $cmd in

@@ -51,6 +51,13 @@ _CONSUMER = {"enable_auto_commit": False, "auto_offset_reset": "earliest", "meta
 _API_VERSIONS = struct.pack(">ihhih", 10, 18, 0, 1, -1)
 
 
+def _delivery(timeout_s: float) -> dict[str, int]:
+    """kafka-python's retry bounds: a request times out after half the delivery timeout (at most 30 s), so a
+    record outlives a dead broker's request and is retried (on the new leader) before it fails for good."""
+    delivery = int(timeout_s * 1000)
+    return {"delivery_timeout_ms": delivery, "request_timeout_ms": min(30_000, delivery // 2)}
+
+
 class _Fatal(TransportError):
     retriable = False
 
@@ -64,7 +71,13 @@ def translate(exc: BaseException, where: str, nbytes: int | None = None) -> Tens
         )
     if isinstance(exc, ke.KafkaConfigurationError):
         return ConfigError(f"kafka-python refused the configuration for {where}: {exc}")
-    if isinstance(exc, (ke.AuthorizationError, ke.UnsupportedSaslMechanismError, ke.InvalidTopicError)):
+    if nbytes is not None and isinstance(exc, (ke.KafkaTimeoutError, ke.NotEnoughReplicasError)):
+        return TransportError(
+            f"Kafka at {where} did not acknowledge a record of {nbytes} bytes within delivery_timeout_s ({exc!r}): "
+            "no partition leader, or fewer in-sync replicas than the topic's min.insync.replicas"
+        )
+    refused = (ke.AuthorizationError, ke.UnsupportedSaslMechanismError, ke.InvalidTopicError)
+    if isinstance(exc, (*refused, ke.InvalidReplicationFactorError, ke.InvalidConfigurationError)):
         return _Fatal(f"Kafka at {where} refused the request: {exc!r}")
     return TransportError(f"Kafka at {where} failed: {exc!r}")
 
@@ -76,6 +89,19 @@ def map_errors(where: str) -> Iterator[None]:
         yield
     except (ke.KafkaError, OSError) as exc:
         raise translate(exc, where) from None
+
+
+def _count(name: str, value: Any) -> int | None:
+    """An optional positive whole number, from a keyword or a URL query's text."""
+    if value is None:
+        return None
+    try:
+        count = int(value) if isinstance(value, str) and not isinstance(value, bool) else value
+    except ValueError:
+        count = None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ConfigError(f"option {name} must be a whole number of 1 or more, got {value!r}")
+    return count
 
 
 def _ask(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -> bytes:
@@ -178,7 +204,9 @@ class KafkaTransport(Transport):
         "max_frame_bytes": 1_000_000,  # chunk size: under max_request_size and the broker's message.max.bytes
         "max_request_size": 1_048_576,
         "partitions": 1,  # for topics this transport creates
-        "replication_factor": 1,
+        "replication_factor": None,  # for topics this transport creates; default: 3, or fewer live brokers
+        "min_insync_replicas": None,  # for topics this transport creates; default: 2 at 3 replicas or more
+        "delivery_timeout_s": 120.0,  # a record not acknowledged by then (retried meanwhile) fails the producer
         "group": None,  # consumer group; default tensorbus-TOPIC
         "max_pending_bytes": 256 * 1024 * 1024,  # send() blocks while this much is unacknowledged
         "connect_timeout_s": 10.0,
@@ -214,6 +242,15 @@ class KafkaTransport(Transport):
             )
         for name in [n for n in o if n == "group" or n.startswith(("ssl_", "sasl_"))]:  # names, secrets: text
             o[name] = None if o[name] is None else str(o[name])  # (a URL query turns "1234" into a number)
+        for name in ("replication_factor", "min_insync_replicas"):  # (no default to take the type from)
+            o[name] = _count(name, o[name])
+        if o["replication_factor"] and o["min_insync_replicas"] and o["min_insync_replicas"] > o["replication_factor"]:
+            raise ConfigError(
+                f"min_insync_replicas={o['min_insync_replicas']} exceeds replication_factor={o['replication_factor']}: "
+                "no write to such a topic could ever be acknowledged"
+            )
+        if o["delivery_timeout_s"] < 1:
+            raise ConfigError(f"delivery_timeout_s must be at least 1 second, got {o['delivery_timeout_s']!r}")
         self.group: str = o["group"] or f"tensorbus-{self.topic}"
         self._lock = threading.Lock()
         self._producer: KafkaProducer | None = None
@@ -297,14 +334,35 @@ class KafkaTransport(Transport):
                     f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
                 ) from None
             try:
-                spec = {"num_partitions": o["partitions"], "replication_factor": o["replication_factor"]}
-                admin.create_topics({self.topic: spec})
-                admin.wait_for_topics([self.topic], timeout_ms=int(timeout * 1000))
-                log.info("created topic %s with %d partition(s)", self._shown, o["partitions"])
-            except ke.TopicAlreadyExistsError:
+                if self.topic not in admin.list_topics():
+                    self._create_topic(admin)
+            except ke.TopicAlreadyExistsError:  # created meanwhile (by another producer or consumer): used as it is
                 pass
             finally:
                 admin.close()
+
+    def _create_topic(self, admin: KafkaAdminClient) -> None:
+        """Create the topic, replicated on up to 3 live brokers unless told otherwise (the cluster counted now)."""
+        o, timeout = self.options, self.options["connect_timeout_s"]
+        brokers = len(admin.describe_cluster()["brokers"])
+        replicas = o["replication_factor"] or min(3, brokers)
+        min_insync = o["min_insync_replicas"] or (2 if replicas >= 3 else None)
+        if replicas > brokers:
+            raise _Fatal(
+                f"cannot create {self._shown} with replication_factor={replicas}: the cluster has {brokers} live "
+                "broker(s)"
+            )
+        configs = {} if min_insync is None else {"min.insync.replicas": str(min_insync)}
+        spec = {"num_partitions": o["partitions"], "replication_factor": replicas, "configs": configs}
+        admin.create_topics({self.topic: spec})
+        admin.wait_for_topics([self.topic], timeout_ms=int(timeout * 1000))
+        log.info(
+            "created topic %s: %d partition(s), %d replica(s), min.insync.replicas %s",
+            self._shown,
+            o["partitions"],
+            replicas,
+            min_insync or "(the broker's default)",
+        )
 
     # -- producer side -------------------------------------------------------------------------------
 
@@ -323,6 +381,7 @@ class KafkaTransport(Transport):
                         **_PRODUCER,
                         max_request_size=o["max_request_size"],
                         max_block_ms=int(o["connect_timeout_s"] * 1000),
+                        **_delivery(o["delivery_timeout_s"]),
                         allow_auto_create_topics=False,
                     )
                     self._keyless_partition = random.choice(sorted(producer.partitions_for(self.topic)))
