@@ -5,13 +5,14 @@
 #   bash scripts/brokers.sh down    [rabbitmq|kafka]   stop by PID (TERM, then KILL after a timeout)
 #   bash scripts/brokers.sh restart  rabbitmq|kafka    stop + start KEEPING data (fault tests)
 #   bash scripts/brokers.sh status  [rabbitmq|kafka]
-#   bash scripts/brokers.sh cluster up|down|status|kill NODE|start NODE
-#                                      three-broker Kafka cluster on 9191-9193 (scripts/brokers/kafka_cluster.sh);
-#                                      kill = SIGKILL, start = back in sync; NODE is kafka1..kafka3
+#   bash scripts/brokers.sh cluster up|down|status [rabbitmq|kafka]   the three-node clusters, beside the above
+#   bash scripts/brokers.sh cluster kill|start NODE   SIGKILL a node / start it again (returns once it rejoined);
+#                                                     NODE is rabbit1..3 or kafka1..3
 #
 # Listeners: RabbitMQ AMQP 5672 and AMQPS (TLS) 5671, guest/guest. Kafka PLAINTEXT 9092, SSL 9093,
 # SASL_SSL 9094 (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512: user tensorbus, password tensorbus-secret),
-# KRaft controller 9095. TLS: a test CA and a server certificate for 127.0.0.1/localhost, made once
+# KRaft controller 9095. Clusters: RabbitMQ rabbit1..3 on 5681..5683 (scripts/brokers/rabbit_cluster.sh),
+# Kafka kafka1..3 on 9191..9193 (scripts/brokers/kafka_cluster.sh). TLS: a test CA and a server certificate for 127.0.0.1/localhost, made once
 # per broker dir in $TENSORBUS_BROKER_DIR/tls (clients trust tls/ca.pem; see scripts/brokers/tls.sh).
 #
 # Env: TENSORBUS_AMQP_PORT (5672) TENSORBUS_AMQPS_PORT (5671) TENSORBUS_EPMD_PORT (4371)
@@ -49,8 +50,12 @@ KAFKA_LIBS=$CACHE/kafka-$KAFKA_VERSION/libs
 source "$REPO/scripts/brokers/common.sh"   # log, die, port_open, pid_alive, apt_install, stop_pid
 # shellcheck source-path=SCRIPTDIR source=brokers/tls.sh
 source "$REPO/scripts/brokers/tls.sh"      # tls_ensure, tls_probe
-# shellcheck source-path=SCRIPTDIR source=brokers/kafka_cluster.sh
-source "$REPO/scripts/brokers/kafka_cluster.sh"  # kafka_cluster_up|down|status|kill N|start N
+# shellcheck source-path=SCRIPTDIR source=brokers/rabbit_cluster.sh
+source "$REPO/scripts/brokers/rabbit_cluster.sh"   # rmq_cluster_up|down|status|kill|start
+if [[ -f $REPO/scripts/brokers/kafka_cluster.sh ]]; then
+  # shellcheck source-path=SCRIPTDIR source=/dev/null
+  source "$REPO/scripts/brokers/kafka_cluster.sh"  # kafka_cluster_up|down|status|kill|start
+fi
 
 # ---------------------------------------------------------------- RabbitMQ
 rmq_env() {  # everything the server and rabbitmqctl must agree on (cookie in $HOME)
@@ -213,20 +218,31 @@ status_one() {  # status_one NAME PIDFILE LABEL=PORT...
   fi
 }
 
-cluster() {  # cluster up|down|status|kill NODE|start NODE
-  local cmd=${1:-} node=${2:-}
-  case $cmd in
-    up|down|status) "kafka_cluster_$cmd" ;;
+cluster() {  # cluster VERB [rabbitmq|kafka|NODE]: rmq_cluster_VERB and kafka_cluster_VERB
+  local verb=${1:-} what=${2:-all} prefixes=() args=()
+  case $verb in
+    up|down|status)
+      case $what in all) prefixes=(rmq kafka) ;; rabbitmq) prefixes=(rmq) ;; kafka) prefixes=(kafka) ;;
+        *) die "unknown cluster '$what' (rabbitmq|kafka)" ;; esac ;;
     kill|start)
-      [[ $node =~ ^kafka[123]$ ]] || die "cluster $cmd needs a node: kafka1..kafka3"
-      "kafka_cluster_$cmd" "${node#kafka}" ;;
-    *) die "usage: brokers.sh cluster up|down|status|kill NODE|start NODE" ;;
+      args=("$what")
+      case $what in rabbit[1-3]) prefixes=(rmq) ;; kafka[1-3]) prefixes=(kafka) ;;
+        *) die "cluster $verb needs a node: rabbit1..3 or kafka1..3, not '$what'" ;; esac ;;
+    *) die "unknown cluster command '$verb' (up|down|status|kill NODE|start NODE)" ;;
   esac
+  local prefix
+  for prefix in "${prefixes[@]}"; do
+    if declare -F "${prefix}_cluster_$verb" >/dev/null; then
+      "${prefix}_cluster_$verb" "${args[@]}"
+    else
+      log "no ${prefix}_cluster_$verb here yet (scripts/brokers/kafka_cluster.sh missing): skipped"
+    fi
+  done
 }
 
 main() {
   local cmd=${1:-} what=${2:-all} names
-  if [[ $cmd == cluster ]]; then shift; cluster "$@"; return; fi
+  if [[ $cmd == cluster ]]; then cluster "${@:2}"; return; fi
   case $what in all) names="rabbitmq kafka" ;; rabbitmq|kafka) names=$what ;;
     *) die "unknown broker '$what' (rabbitmq|kafka)" ;; esac
   case $cmd in
