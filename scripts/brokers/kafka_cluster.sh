@@ -37,7 +37,7 @@ kcluster_node() {  # kcluster_node N|kafkaN: prints N, which must be 1, 2 or 3
 
 kcluster_ready() {  # kcluster_ready LOG ARGS...: run KafkaReady.java against the cluster
   local out=$1; shift
-  "${KCLUSTER_JAVA[@]}" "$REPO/scripts/kafka/KafkaReady.java" "$(kcluster_bootstrap)" --brokers 3 "$@" >"$out" 2>&1
+  "${KCLUSTER_JAVA[@]}" "$REPO/scripts/kafka/KafkaReady.java" "$(kcluster_bootstrap)" "$@" >"$out" 2>&1
 }
 
 kcluster_render() {  # kcluster_render N: write broker N's server.properties, format its storage once
@@ -93,7 +93,7 @@ kafka_cluster_up() {
   for n in 1 2 3; do wait -n || exit 1; done
   for n in 1 2 3; do from[n]=$(kcluster_log_lines "$n"); kcluster_launch "$n"; done
   for n in 1 2 3; do kcluster_await_started "$n" "${from[n]}"; done
-  kcluster_ready "$KCLUSTER/ready.log" --topic "$KCLUSTER_READY_TOPIC" \
+  kcluster_ready "$KCLUSTER/ready.log" --brokers 3 --topic "$KCLUSTER_READY_TOPIC" \
     || fail_with_log "the Kafka cluster did not form" "$KCLUSTER/ready.log"
   trap - EXIT
   log "Kafka cluster ready on $(kcluster_bootstrap) in $((SECONDS - t0))s (replication factor 3 writable)"
@@ -133,7 +133,7 @@ kafka_cluster_start() {
   from=$(kcluster_log_lines "$n")
   kcluster_launch "$n"
   kcluster_await_started "$n" "$from"
-  kcluster_ready "$(kcluster_dir "$n")/ready.log" --in-isr "$n" \
+  kcluster_ready "$(kcluster_dir "$n")/ready.log" --brokers 1 --in-isr "$n" \
     || fail_with_log "kafka$n did not rejoin the in-sync replicas" "$(kcluster_dir "$n")/ready.log"
   log "kafka$n rejoined (in every ISR it belongs to) in $((SECONDS - t0))s"
 }

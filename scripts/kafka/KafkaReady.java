@@ -3,8 +3,9 @@
 //       exits 0 once the broker serves cluster metadata (describeCluster + listTopics);
 //   java -cp '<kafka libs>/*' KafkaReady.java BOOTSTRAP --brokers N [--topic T] [--in-isr ID] [--timeout S]
 //       exits 0 once N brokers are registered, then (--topic) topic T exists with replication factor N
-//       and a record written to it with acks=all is acknowledged, then (--in-isr) broker ID is in the
-//       in-sync replica set of every partition it holds. Each step is retried until S seconds (120) pass.
+//       and a record written to it with acks=all is acknowledged, then (--in-isr) broker ID is registered
+//       and in the in-sync replica set of every partition it holds. Each step is retried until S seconds
+//       (120) pass.
 import java.util.ArrayList;
 import java.util.Collection;
 import java.util.List;
@@ -55,7 +56,7 @@ public class KafkaReady {
         p.put(AdminClientConfig.DEFAULT_API_TIMEOUT_MS_CONFIG, "30000");
         p.put(AdminClientConfig.REQUEST_TIMEOUT_MS_CONFIG, "10000");
         try (Admin admin = Admin.create(p)) {
-            if (brokers == 0) {
+            if (brokers == 0 && topic == null && inIsr == null) {
                 int nodes = admin.describeCluster().nodes().get(30, TimeUnit.SECONDS).size();
                 admin.listTopics().names().get(30, TimeUnit.SECONDS);
                 System.out.println("kafka ready: " + nodes + " broker(s) serving metadata");
@@ -73,10 +74,14 @@ public class KafkaReady {
             }
             if (inIsr != null) {
                 final int id = inIsr;
+                await("broker " + id + " registered", () -> {
+                    Collection<Node> nodes = admin.describeCluster().nodes().get(10, TimeUnit.SECONDS);
+                    return nodes.stream().anyMatch(node -> node.id() == id) ? null : "registered: " + nodes;
+                });
                 await("broker " + id + " in sync", () -> outOfSync(admin, id));
             }
         }
-        System.out.println("kafka cluster ready: " + brokers + " brokers" + (topic != null ? ", " + topic + " writable" : "")
+        System.out.println("kafka cluster ready: at least " + brokers + " broker(s)" + (topic != null ? ", " + topic + " writable" : "")
                 + (inIsr != null ? ", broker " + inIsr + " in every ISR it belongs to" : ""));
     }
 
