@@ -123,21 +123,11 @@ def topic() -> Iterator[str]:
 
 def check(result: NodeLossResult, topic: str) -> None:
     """Print the table; require every tensor once, intact, from a topic on 3 replicas needing 2 in sync."""
-    from kafka.admin import ConfigResource, ConfigResourceType  # (imported by the transport, warnings silenced)
-
     print()
     print(table([result]))
     assert result.ok, table([result])
     assert result.sent == result.received == 1000
-    client = admin()
-    try:
-        [described] = client.describe_topics([topic])
-        resource = ConfigResource(ConfigResourceType.TOPIC, topic, ["min.insync.replicas"])
-        configs = client.describe_configs([resource])["topic"][topic]
-    finally:
-        client.close()
-    assert len(described["partitions"][0]["replica_nodes"]) == 3  # the transport's defaults on a 3-broker cluster
-    assert configs["min.insync.replicas"]["value"] == "2"
+    assert topic_layout(topic) == (3, "2")  # the transport's defaults on a three-broker cluster
 
 
 def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_nothing(topic: str) -> None:
@@ -214,3 +204,30 @@ def test_a_producer_that_cannot_reach_min_insync_replicas_raises(topic: str) -> 
         with pytest.raises(tb.TransportError, match="did not acknowledge"):
             producer.flush(timeout=60)
         assert time.monotonic() - started < 30
+
+
+def topic_layout(topic: str) -> tuple[int, str]:
+    """The topic's replica count and its min.insync.replicas."""
+    from kafka.admin import ConfigResource, ConfigResourceType  # (imported by the transport, warnings silenced)
+
+    client = admin()
+    try:
+        [described] = client.describe_topics([topic])
+        resource = ConfigResource(ConfigResourceType.TOPIC, topic, ["min.insync.replicas"])
+        configs = client.describe_configs([resource])["topic"][topic]
+    finally:
+        client.close()
+    return len(described["partitions"][0]["replica_nodes"]), configs["min.insync.replicas"]["value"]
+
+
+def test_replication_options_in_the_url_shape_a_new_topic_and_not_an_existing_one(topic: str) -> None:
+    url = f"{CLUSTER_URL}/{topic}"
+    with tb.Producer(f"{url}?replication_factor=2&min_insync_replicas=1") as producer:
+        producer.send("t", np.arange(3))
+        producer.flush(30)
+    assert topic_layout(topic) == (2, "1")
+    with tb.Producer(url) as producer, tb.Consumer(url) as consumer:  # the defaults would be (3, "2"): not applied
+        producer.send("u", np.arange(4))
+        assert (consumer.recv("t", timeout=30) == np.arange(3)).all()
+        assert (consumer.recv("u", timeout=30) == np.arange(4)).all()
+    assert topic_layout(topic) == (2, "1")

@@ -194,6 +194,30 @@ def test_configuration_errors_are_clear(url: str) -> None:
         tb.Producer(KAFKA_URL)
     with pytest.raises(tb.ConfigError, match="max_request_size"):
         tb.Producer(url, max_frame_bytes=2_000_000)  # over kafka-python's default max_request_size
+    with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=3 exceeds replication_factor=2"):
+        tb.Producer(f"{url}?replication_factor=2&min_insync_replicas=3")
+    for bad in ("replication_factor=0", "replication_factor=two", "min_insync_replicas=-1"):
+        with pytest.raises(tb.ConfigError, match="whole number of 1 or more"):
+            tb.Producer(f"{url}?{bad}")
+    with pytest.raises(tb.ConfigError, match="delivery_timeout_s must be at least 1"):
+        tb.Producer(url, delivery_timeout_s=0.5)
+
+
+def test_a_new_topic_gets_as_many_replicas_as_live_brokers_and_no_more(url: str) -> None:
+    """One broker: one replica and the broker's min.insync.replicas; asking for three is refused, saying why."""
+    with tb.Producer(url) as producer:
+        producer.send("t", np.arange(3))
+        producer.flush(30)
+    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
+    try:
+        [described] = admin.describe_topics([topic_of(url)])
+    finally:
+        admin.close()
+    assert described["partitions"][0]["replica_nodes"] == [1]
+    with tb.Producer(f"{url}-rf3?replication_factor=3") as producer:
+        with pytest.raises(tb.TransportError, match=r"replication_factor=3: the cluster has 1 live broker") as info:
+            producer.send("t", np.arange(3))
+        assert not info.value.retriable
 
 
 def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes() -> None:
