@@ -22,8 +22,8 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections.abc import Iterator
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, TypeVar
 
 with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas with importlib.resources.read_text
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -36,6 +36,7 @@ from ..errors import ConfigError, TensorBusError, TransportError
 from .base import Deliver, Delivered, Transport
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 #: bytes a record batch adds around one record's value (batch header, record fields, a short key)
 RECORD_OVERHEAD = 1024
 #: bytes one fetch may bring per partition: 16 records of a 1 MB chunk, not kafka-python's one (1 MiB).
@@ -102,6 +103,22 @@ def _count(name: str, value: Any) -> int | None:
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ConfigError(f"option {name} must be a whole number of 1 or more, got {value!r}")
     return count
+
+
+def _retrying(attempt: Callable[[], _T], deadline: float, where: str) -> _T:
+    """`attempt()`, made again after each retriable kafka-python error until `deadline` (then that error is raised).
+
+    Such errors come, for one, from a broker killed a moment ago: the cluster lists it until its session
+    times out, and kafka-python sends a metadata or admin request to it only once.
+    """
+    while True:
+        try:
+            return attempt()
+        except ke.RetriableError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("%s: %r; asking again", where, exc)
+            time.sleep(0.5)
 
 
 def _ask(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -> bytes:
@@ -334,12 +351,16 @@ class KafkaTransport(Transport):
                     f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
                 ) from None
             try:
-                if self.topic not in admin.list_topics():
-                    self._create_topic(admin)
-            except ke.TopicAlreadyExistsError:  # created meanwhile (by another producer or consumer): used as it is
-                pass
+                _retrying(lambda: self._create_unless_there(admin), time.monotonic() + timeout, self._shown)
             finally:
                 admin.close()
+
+    def _create_unless_there(self, admin: KafkaAdminClient) -> None:
+        try:
+            if self.topic not in admin.list_topics():
+                self._create_topic(admin)
+        except ke.TopicAlreadyExistsError:  # created meanwhile (by another producer or consumer): used as it is
+            pass
 
     def _create_topic(self, admin: KafkaAdminClient) -> None:
         """Create the topic, replicated on up to 3 live brokers unless told otherwise (the cluster counted now)."""
@@ -384,7 +405,9 @@ class KafkaTransport(Transport):
                         **_delivery(o["delivery_timeout_s"]),
                         allow_auto_create_topics=False,
                     )
-                    self._keyless_partition = random.choice(sorted(producer.partitions_for(self.topic)))
+                    deadline = time.monotonic() + o["connect_timeout_s"]
+                    partitions = _retrying(lambda: producer.partitions_for(self.topic), deadline, self._shown)
+                    self._keyless_partition = random.choice(sorted(partitions))
                 self._producer, self._failed = producer, False
             return self._producer
 
@@ -508,7 +531,10 @@ class KafkaTransport(Transport):
         updates the group's view of the topic (`topics()` always asks the cluster).
         """
         deadline = time.monotonic() + timeout
-        while self.topic not in consumer.topics() or not consumer.partitions_for_topic(self.topic):
+        while True:
+            topics = _retrying(consumer.topics, deadline, self._shown)
+            if self.topic in topics and consumer.partitions_for_topic(self.topic):
+                return
             if time.monotonic() > deadline:
                 raise TransportError(f"{self._shown}: partitions of the topic unknown to the client after {timeout}s")
             time.sleep(0.1)

@@ -6,6 +6,7 @@ tests kill and restart its brokers through the same script, and leave all three 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import time
@@ -231,3 +232,26 @@ def test_replication_options_in_the_url_shape_a_new_topic_and_not_an_existing_on
         assert (consumer.recv("t", timeout=30) == np.arange(3)).all()
         assert (consumer.recv("u", timeout=30) == np.arange(4)).all()
     assert topic_layout(topic) == (2, "1")
+
+
+def _round_trip(url: str) -> None:
+    """A consumer and a producer on `url`: one tensor through (in a process of its own, as an application)."""
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("t", np.arange(5))
+        producer.flush(30)
+        assert (consumer.recv("t", timeout=30) == np.arange(5)).all()
+
+
+def test_clients_started_while_the_first_broker_of_the_url_is_down_use_the_others(topic: str) -> None:
+    """A new topic then gets as many replicas as the cluster counts live brokers: two once kafka1 is fenced.
+
+    The clients run in a process of their own: kafka-python 3.0 leaves each socket whose connection was
+    refused to the garbage collector, whose ResourceWarnings this suite turns into errors.
+    """
+    cluster("kill", 1)
+    client = multiprocessing.get_context("spawn").Process(target=_round_trip, args=(f"{CLUSTER_URL}/{topic}",))
+    client.start()
+    client.join(90)
+    assert client.exitcode == 0, f"the clients failed (exit code {client.exitcode}; their traceback is above)"
+    cluster("start", 1)  # (before this process's admin client asks the cluster)
+    assert topic_layout(topic) in {(2, "1"), (3, "2")}  # (3 while the controller has not fenced kafka1 yet)
