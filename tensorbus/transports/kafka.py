@@ -338,29 +338,30 @@ class KafkaTransport(Transport):
 
     def _ensure_topic(self) -> None:
         """Create the topic (partitions, replication_factor) unless it exists."""
-        o, timeout = self.options, self.options["connect_timeout_s"]
+        timeout = self.options["connect_timeout_s"]
         self._probe(timeout)
         with map_errors(self._shown):
-            try:
-                admin = KafkaAdminClient(**self._client_config())
-            except ke.KafkaTimeoutError:  # a broker answered the probe: with SASL, the login is what failed
-                if not o["sasl_mechanism"]:
-                    raise
-                raise _Fatal(
-                    f"Kafka at {self._shown} answered, but no SASL {o['sasl_mechanism']} login succeeded within "
-                    f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
-                ) from None
-            try:
-                _retrying(lambda: self._create_unless_there(admin), time.monotonic() + timeout, self._shown)
-            finally:
-                admin.close()
+            _retrying(self._create_unless_there, time.monotonic() + timeout, self._shown)
 
-    def _create_unless_there(self, admin: KafkaAdminClient) -> None:
+    def _create_unless_there(self) -> None:
+        """One attempt, with an admin client of its own: kafka-python's keeps asking the broker it first chose."""
+        o, timeout = self.options, self.options["connect_timeout_s"]
+        try:
+            admin = KafkaAdminClient(**self._client_config())
+        except ke.KafkaTimeoutError:  # a broker answered the probe: with SASL, the login is what failed
+            if not o["sasl_mechanism"]:
+                raise
+            raise _Fatal(
+                f"Kafka at {self._shown} answered, but no SASL {o['sasl_mechanism']} login succeeded within "
+                f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
+            ) from None
         try:
             if self.topic not in admin.list_topics():
                 self._create_topic(admin)
         except ke.TopicAlreadyExistsError:  # created meanwhile (by another producer or consumer): used as it is
             pass
+        finally:
+            admin.close()
 
     def _create_topic(self, admin: KafkaAdminClient) -> None:
         """Create the topic, replicated on up to 3 live brokers unless told otherwise (the cluster counted now)."""

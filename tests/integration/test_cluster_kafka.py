@@ -12,7 +12,7 @@ import subprocess
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +131,21 @@ def check(result: NodeLossResult, topic: str) -> None:
     assert topic_layout(topic) == (3, "2")  # the transport's defaults on a three-broker cluster
 
 
+def in_child(target: Callable[[str], None], url: str) -> None:
+    """Run `target(url)` in a process of its own, as an application would; fail if it raised.
+
+    kafka-python 3.0 leaves each socket whose connection was refused to the garbage collector, whose
+    ResourceWarnings this suite turns into errors: clients that meet a dead broker run apart.
+    """
+    child = multiprocessing.get_context("spawn").Process(target=target, args=(url,))
+    child.start()
+    child.join(120)
+    if child.is_alive():
+        child.kill()
+        child.join(5)
+    assert child.exitcode == 0, f"{target.__name__} failed (exit code {child.exitcode}; its traceback is above)"
+
+
 def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_nothing(topic: str) -> None:
     """kafka1 is first in the URL and coordinates the group, kafka2 leads the partition: kafka1 dies, returns.
 
@@ -191,13 +206,12 @@ def test_a_broker_down_until_the_end_loses_nothing(topic: str) -> None:
     check(result, topic)
 
 
-def test_a_producer_that_cannot_reach_min_insync_replicas_raises(topic: str) -> None:
-    """Two brokers down: no acks=all write can be acknowledged, and the producer says so instead of losing it."""
-    url = f"{CLUSTER_URL}/{topic}"
+def _short_of_replicas(url: str) -> None:
+    """Send one tensor, kill both followers, send another: flush must raise within the delivery timeout."""
     with tb.Producer(url, delivery_timeout_s=8.0) as producer:
         producer.send("before", np.arange(10))
         producer.flush(timeout=30)
-        survivor = leader(topic)
+        survivor = leader(urllib.parse.urlsplit(url).path.lstrip("/"))
         for broker in sorted(set(BROKERS) - {survivor}):
             cluster("kill", broker)
         producer.send("after", np.arange(10))
@@ -205,6 +219,21 @@ def test_a_producer_that_cannot_reach_min_insync_replicas_raises(topic: str) -> 
         with pytest.raises(tb.TransportError, match="did not acknowledge"):
             producer.flush(timeout=60)
         assert time.monotonic() - started < 30
+
+
+def test_a_producer_that_cannot_reach_min_insync_replicas_raises(topic: str) -> None:
+    """Two brokers down: no acks=all write can be acknowledged, and the producer says so instead of losing it.
+
+    What it had flushed before is still there once the brokers are back. The producer runs in a process of
+    its own (see `in_child`).
+    """
+    url = f"{CLUSTER_URL}/{topic}"
+    in_child(_short_of_replicas, url)
+    for broker, server in BROKERS.items():
+        if not reachable(f"kafka://{server}"):
+            cluster("start", broker)
+    with tb.Consumer(url) as consumer:
+        assert (consumer.recv("before", timeout=30) == np.arange(10)).all()
 
 
 def topic_layout(topic: str) -> tuple[int, str]:
@@ -243,15 +272,8 @@ def _round_trip(url: str) -> None:
 
 
 def test_clients_started_while_the_first_broker_of_the_url_is_down_use_the_others(topic: str) -> None:
-    """A new topic then gets as many replicas as the cluster counts live brokers: two once kafka1 is fenced.
-
-    The clients run in a process of their own: kafka-python 3.0 leaves each socket whose connection was
-    refused to the garbage collector, whose ResourceWarnings this suite turns into errors.
-    """
+    """A new topic then gets as many replicas as the cluster counts live brokers: two once kafka1 is fenced."""
     cluster("kill", 1)
-    client = multiprocessing.get_context("spawn").Process(target=_round_trip, args=(f"{CLUSTER_URL}/{topic}",))
-    client.start()
-    client.join(90)
-    assert client.exitcode == 0, f"the clients failed (exit code {client.exitcode}; their traceback is above)"
+    in_child(_round_trip, f"{CLUSTER_URL}/{topic}")
     cluster("start", 1)  # (before this process's admin client asks the cluster)
     assert topic_layout(topic) in {(2, "1"), (3, "2")}  # (3 while the controller has not fenced kafka1 yet)
