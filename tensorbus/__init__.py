@@ -11,8 +11,10 @@ from .errors import (
     Closed,
     CodecError,
     ConfigError,
+    InvalidTensor,
     LimitExceeded,
     MalformedHeader,
+    Rejected,
     SignatureError,
     StaleIncarnation,
     TensorBusError,
@@ -29,8 +31,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
-    "ConfigError", "Consumer", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey", "Producer",
-    "Reassembler", "RecvHandle", "Rendezvous", "SignatureError", "SparseTensor", "StaleIncarnation",
+    "ConfigError", "Consumer", "InvalidTensor", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey",
+    "Producer", "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "SignatureError", "SparseTensor",
+    "StaleIncarnation",
     "TensorBusError", "Timeout", "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion",
     "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",
 ]  # fmt: skip

@@ -55,6 +55,8 @@ CONSUMER_OPTIONS: dict[str, Any] = {
     "max_payload_bytes": Limits.max_payload_bytes,
     "max_decompressed_bytes": Limits.max_decompressed_bytes,
     "max_ndim": Limits.max_ndim,
+    "max_tree_depth": Limits.max_tree_depth,
+    "max_tree_entries": Limits.max_tree_entries,
     "dedup_window": 100_000,
     "dedup_file": None,
     "like": "numpy",
@@ -225,6 +227,8 @@ class Consumer:
             max_payload_bytes=opts["max_payload_bytes"],
             max_decompressed_bytes=opts["max_decompressed_bytes"],
             max_ndim=opts["max_ndim"],
+            max_tree_depth=opts["max_tree_depth"],
+            max_tree_entries=opts["max_tree_entries"],
         )
         self.table = Rendezvous(max_buffered_bytes=opts["max_buffered_bytes"])
         self.reassembler = Reassembler(
@@ -302,13 +306,13 @@ class Consumer:
             except CodecError as exc:
                 self.stats["rejected"] += 1
                 log.error("%s: dropped a bad frame: %s", self._shown, exc)
-                return Delivered(None, True)
+                return Delivered(None, True, refused=str(exc))
             except MemoryError:
                 raise  # not the frame's fault: the transport drops the connection and the frame comes again
             except Exception:  # a decoder bug must cost this one frame, not the connection or a recv
                 self.stats["rejected"] += 1
                 log.exception("%s: dropped a frame the decoder failed on", self._shown)
-                return Delivered(None, True)
+                return Delivered(None, True, refused="the consumer's decoder failed on it (see its log)")
             message_id = self.reassembler.last_message_id if message is None else message.message_id
             if self.table.aborted is not None:
                 # every frame, before dedup: a broker may hand a turned-away tensor to this consumer
@@ -396,8 +400,8 @@ class Consumer:
         except TensorBusError as exc:
             self.stats["refused"] += 1
             log.error("%s: refused message %s: %s", self._shown, message_id, exc)
-        else:
-            self.stats["received"] += 1
+            return Delivered(message_id, True, refused=str(exc))
+        self.stats["received"] += 1
         return Delivered(message_id, True)
 
     def _wait_for_room(self, key: str | None) -> None:

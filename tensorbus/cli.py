@@ -11,14 +11,14 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .errors import TensorBusError
+from .errors import CodecError, TensorBusError
 
 
 def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     from . import cli_commands as c
 
     def add_parser(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], help=help)
+        return sub.add_parser(name, parents=[common], help=help, description=help)  # (`COMMAND --help` shows it)
 
     demo = add_parser("demo", help="send tensors from a second process to a consumer and show what arrived")
     demo.add_argument("--url", default="tcp://127.0.0.1:0", help="consumer endpoint (default: %(default)s)")
@@ -29,6 +29,13 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     send.add_argument("key", help="the key the consumer receives it under")
     send.add_argument("file", help="a .npy, .npz, .safetensors or .tbf (tensorbus frame) file")
     send.add_argument("--compression", choices=["lz4", "zstd"])
+    send.add_argument(
+        "--timeout",
+        type=seconds,
+        default=None,
+        help="seconds to keep trying to reach the consumer and have the tensor confirmed "
+        "(bounds connect_timeout_s, reconnect_timeout_s and send_timeout_s; default: theirs, and 60 s to confirm)",
+    )
     send.set_defaults(run=c.send)
 
     recv = add_parser("recv", help="receive one tensor by key and write it (.npy, .npz, .safetensors, .tbf raw)")
@@ -60,7 +67,9 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     bench.set_defaults(run=bench_cli.run)
 
     inspect = add_parser(
-        "inspect", help="print the headers of the frames in a file, without loading payloads (exit 1 if one is bad)"
+        "inspect",
+        help="print the headers of the frames in a file, without loading payloads "
+        "(exit 1 if a frame is bad or the file is empty, truncated or not frames)",
     )
     inspect.add_argument("file", help="a file of tensorbus frames (.tbf), e.g. written by recv -o OUT.tbf")
     inspect.set_defaults(run=c.inspect)
@@ -137,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except TensorBusError as exc:
         print(f"tensorbus {args.command}: {_public_name(exc)}: {exc}", file=sys.stderr)
-        return 2
+        return 1 if args.command == "inspect" and isinstance(exc, CodecError) else 2  # a bad file, as documented
     except BrokenPipeError:
         if not _stdout_gone():
             raise  # (a socket's: transports turn those into TransportError, so this is a bug worth a traceback)

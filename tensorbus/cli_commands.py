@@ -9,6 +9,7 @@ import multiprocessing
 import re
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,25 @@ from .errors import BadMagic, CodecError, ConfigError, Timeout, TruncatedFrame, 
 from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
 from .options import redact
+from .transports import resolve_transport
+
+
+def _arrays(obj: Any) -> list[np.ndarray]:
+    """The arrays of a received structure (its depth was bounded when it was decoded)."""
+    if isinstance(obj, np.ndarray):
+        return [obj]
+    if isinstance(obj, SparseTensor):
+        return [obj.indices, obj.values]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return [array for item in items for array in _arrays(item)]
 
 
 def _describe(tensor: Any) -> str:
-    if isinstance(tensor, dict):
+    if isinstance(tensor, dict) and all(isinstance(a, np.ndarray) for a in tensor.values()):
         return f"bundle of {len(tensor)} tensors, {sum(a.nbytes for a in tensor.values()):,} bytes"
+    if isinstance(tensor, (dict, list, tuple)):
+        arrays = _arrays(tensor)
+        return f"structure of {len(arrays)} arrays, {sum(a.nbytes for a in arrays):,} bytes"
     if isinstance(tensor, SparseTensor):
         return f"sparse {tensor.values.dtype} {tensor.dense_shape}, nnz={len(tensor.values)}"
     return f"{tensor.dtype} {tuple(tensor.shape)}, {tensor.nbytes:,} bytes"
@@ -83,12 +98,32 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if ok and process.exitcode == 0 else 1
 
 
+#: what `send --timeout` bounds, where the transport has the option: an attempt, the retries, a blocked send
+SEND_TIMEOUTS = ("connect_timeout_s", "reconnect_timeout_s", "send_timeout_s")
+
+
+def _bounded_by(url: str, timeout: float | None) -> dict[str, float]:
+    """The producer options that keep a send within `timeout` seconds (none lowered that the URL sets lower)."""
+    if timeout is None:
+        return {}
+    cls, parsed = resolve_transport(url)
+    query = urllib.parse.parse_qs(parsed.query)
+    options = {}
+    for name in SEND_TIMEOUTS:
+        if name in cls.OPTIONS:
+            try:
+                options[name] = min(timeout, float(query.get(name, ["inf"])[-1]))
+            except ValueError:  # a bad value in the URL: the producer names it
+                continue
+    return options
+
+
 def send(args: argparse.Namespace) -> int:
-    """Send a tensor file to a consumer."""
+    """Send a tensor file to a consumer; with --timeout, give up (exit 2) if that does not succeed in time."""
     tensor = read_tensor(args.file)
-    with Producer(args.url, compression=args.compression) as producer:
+    with Producer(args.url, compression=args.compression, **_bounded_by(args.url, args.timeout)) as producer:
         producer.send(args.key, tensor)
-        producer.flush(timeout=60)
+        producer.flush(timeout=60 if args.timeout is None else args.timeout)
     print(f"sent {args.key}: {_describe(tensor)}")
     return 0
 
@@ -171,7 +206,10 @@ def save(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    """Print each frame's header in a file of frames, checking checksums but not building arrays."""
+    """Print each frame's header in a file of frames, checking checksums but not building arrays.
+
+    Exit status 1 when a frame fails its checks or the file is not whole frames (empty, truncated,
+    not frames at all: a CodecError, which `cli.main` maps to 1 for inspect)."""
     data = memoryview(Path(args.file).read_bytes())
     if not data:
         raise TruncatedFrame(f"{args.file} is empty: no frames")
@@ -188,7 +226,10 @@ def inspect(args: argparse.Namespace) -> int:
             )
         frame_bytes = data[offset : offset + total]
         header_len = PREFIX.unpack_from(frame_bytes)[4]
-        header = _unpack_header(frame_bytes[PREFIX.size : PREFIX.size + header_len])
+        try:
+            header = _unpack_header(frame_bytes[PREFIX.size : PREFIX.size + header_len])
+        except CodecError:  # (parse, below, says what is wrong with it)
+            header = {}
         try:
             parse(frame_bytes)
             status = "ok" if frame_bytes[5] & 1 else "absent"

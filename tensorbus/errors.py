@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import reprlib
+from typing import Any
 
 _BRIEF = reprlib.Repr()
 _BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 80, 80
@@ -59,6 +60,11 @@ class MalformedHeader(CodecError):
     """The msgpack header is not valid msgpack, or does not describe a consistent tensor."""
 
 
+class InvalidTensor(CodecError):
+    """What `send` was given cannot make a frame any receiver takes: a sparse tensor whose parts
+    disagree, metadata that is not a map, a masked array, an unsupported leaf of a structure."""
+
+
 # -- configuration -----------------------------------------------------------------------------
 
 
@@ -73,6 +79,27 @@ class TransportError(TensorBusError):
     """The connection to a peer or broker failed; retrying may succeed."""
 
     retriable = True
+
+
+class Rejected(TransportError):
+    """The consumer refused a tensor this producer sent (over one of its limits, a bad signature, a stale
+    incarnation...) and said so (stream sockets). Raised by the producer's next `send`, which then sends
+    nothing, or its `flush`; once per refused message. The message is not sent again: it would be refused again.
+    """
+
+    retriable = False
+
+    def __init__(self, text: str, *, key: str | None = None, message_id: Any = None, reason: str = "") -> None:
+        super().__init__(text)
+        self.key, self.message_id, self.reason = key, message_id, reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rejected, (self.args, self.key, self.message_id, self.reason)
+
+
+def _rejected(args: tuple[Any, ...], key: str | None, message_id: Any, reason: str) -> Rejected:
+    """A `Rejected` again (unpickled: its fields are keyword-only)."""
+    return Rejected(*args, key=key, message_id=message_id, reason=reason)
 
 
 class Timeout(TensorBusError, TimeoutError):

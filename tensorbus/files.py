@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .codec import encode
+from .codec.dtypes import DTYPES
 from .errors import ConfigError, TensorBusError
 
 FORMATS = (".npy", ".npz", ".safetensors", ".tbf")
@@ -32,9 +33,7 @@ def read_tensor(path: str | Path) -> Any:
             with np.load(path, allow_pickle=False) as npz:
                 return {name: npz[name] for name in npz.files}
         if suffix == ".safetensors":
-            from safetensors.numpy import load_file
-
-            return load_file(str(path))
+            return _read_safetensors(Path(path))
         from .codec import loads
 
         return loads(Path(path).read_bytes(), copy=True)
@@ -46,6 +45,36 @@ def read_tensor(path: str | Path) -> Any:
         if "allow_pickle" in str(exc):  # numpy's advice to load it unsafely: tensorbus never does
             exc = ValueError("it holds pickled objects, or is not in numpy's format at all (never unpickled)")
         raise ConfigError(f"cannot read {path} as {suffix}: {exc}") from None
+
+
+#: safetensors dtype names -> numpy dtypes, including what `safetensors.numpy` cannot load (bfloat16, float8)
+SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32", "I32": "int32",
+    "U64": "uint64", "I64": "int64", "F16": "float16", "F32": "float32", "F64": "float64", "C64": "complex64",
+    "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+}  # fmt: skip
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """A .safetensors file as a dict of arrays: the bfloat16 and float8 tensors that `save` writes too."""
+    from safetensors import deserialize
+
+    out = {}
+    for name, spec in deserialize(path.read_bytes()):
+        dtype = DTYPES.get(SAFETENSORS_DTYPES.get(spec["dtype"], ""))
+        if dtype is None:
+            raise ConfigError(f"cannot read {path}: tensor {name!r} is of safetensors dtype {spec['dtype']}")
+        out[name] = np.frombuffer(spec["data"], dtype.newbyteorder("<")).reshape(spec["shape"])
+    return out
+
+
+def _npy_holds(array: np.ndarray) -> bool:
+    """Whether .npy describes the array's dtype so that it comes back the same (not ml_dtypes': raw |V2)."""
+    try:
+        return bool(np.lib.format.descr_to_dtype(np.lib.format.dtype_to_descr(array.dtype)) == array.dtype)
+    except (TypeError, ValueError):  # a descr numpy writes but cannot read back ('<f1' for float8_e5m2)
+        return False
 
 
 def check_writable(path: str | Path, *, bundle: bool = False) -> None:
@@ -85,13 +114,12 @@ def write_tensor(
         os.fchmod(fd, 0o666 & ~_umask())  # as open() would create it: mkstemp makes it private (0600)
         with os.fdopen(fd, "wb") as f:
             if suffix == ".npy":
-                np.save(f, _single(tensor, path), allow_pickle=False)
+                np.save(f, _numpy_holds(path, _single(tensor, path)), allow_pickle=False)
             elif suffix == ".npz":
-                np.savez(f, **_bundle(tensor))  # type: ignore[arg-type]  # (the stubs fear a key named allow_pickle)
+                arrays = {name: _numpy_holds(path, array) for name, array in _bundle(tensor).items()}
+                np.savez(f, **arrays)  # type: ignore[arg-type]  # (the stubs fear a key named allow_pickle)
             elif suffix == ".safetensors":
-                from safetensors.numpy import save
-
-                f.write(save({k: np.ascontiguousarray(v) for k, v in _bundle(tensor).items()}))
+                f.write(_safetensors(path, _bundle(tensor)))
             else:
                 f.writelines(encode(tensor, key=key, metadata=metadata))  # header, then the arrays' own memory
             f.flush()
@@ -115,8 +143,33 @@ def _single(tensor: Any, path: str | Path) -> np.ndarray:
 
 
 def _bundle(tensor: Any) -> dict[str, np.ndarray]:
-    if isinstance(tensor, dict):
+    if isinstance(tensor, dict) and all(isinstance(v, np.ndarray) for v in tensor.values()):
         return tensor
     if isinstance(tensor, np.ndarray):
         return {"tensor": tensor}
-    raise ConfigError(f"cannot write a {type(tensor).__name__} as a bundle; use .tbf")
+    what = "nested structure" if isinstance(tensor, (dict, list, tuple)) else type(tensor).__name__
+    raise ConfigError(f"cannot write a {what} as a bundle; use .tbf")
+
+
+def _numpy_holds(path: str | Path, array: np.ndarray) -> np.ndarray:
+    """`array`, if numpy's format keeps its dtype; else a ConfigError (the caller writes .tbf instead)."""
+    if not _npy_holds(array):
+        raise ConfigError(
+            f"{path}: {Path(path).suffix} cannot describe dtype {array.dtype} (numpy would store raw bytes)"
+        )
+    return array
+
+
+def _safetensors(path: str | Path, arrays: dict[str, np.ndarray]) -> bytes:
+    """The bytes of a .safetensors file of `arrays`, or a ConfigError for a dtype it cannot hold."""
+    from safetensors.numpy import save
+
+    held = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+    for array in held.values():
+        if array.dtype.name not in SAFETENSORS_DTYPES.values() and array.dtype != bool:
+            raise ConfigError(f"{path}: .safetensors cannot hold dtype {array.dtype}")
+    try:
+        data: bytes = save(held)
+    except Exception as exc:  # safetensors' own errors for what it cannot hold
+        raise ConfigError(f"{path}: .safetensors cannot hold these tensors: {exc}") from None
+    return data

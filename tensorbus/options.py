@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 import urllib.parse
 from pathlib import Path
@@ -16,14 +17,23 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 _SECRET_WORDS = ("secret", "key", "password", "token")
 
 
-def finite_timeout(timeout: float | None) -> float | None:
-    """`timeout`, or None (wait forever) for one too long for the platform's waits (e.g. `math.inf`).
+def finite_timeout(timeout: object, name: str = "timeout") -> float | None:
+    """A public method's `timeout` argument, checked: a number of seconds (0 or more) or None (wait forever),
+    where one too long for the platform's waits (e.g. `math.inf`) becomes None. Anything else is a
+    `ConfigError` naming the argument, raised where the mistake is made rather than deep in a wait.
 
     NaN is refused: compared with anything it is neither less nor more, so a wait on it would never end.
     """
-    if timeout is not None and math.isnan(timeout):
-        raise ConfigError("a timeout cannot be NaN")
-    return None if timeout is not None and timeout >= threading.TIMEOUT_MAX else timeout
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise ConfigError(f"{name} must be a number of seconds or None, got {timeout!r} ({type(timeout).__name__})")
+    seconds = float(timeout)
+    if math.isnan(seconds):
+        raise ConfigError(f"{name} cannot be NaN")
+    if seconds < 0:
+        raise ConfigError(f"{name} must be 0 seconds or more (None: wait forever), got {timeout!r}")
+    return None if seconds >= threading.TIMEOUT_MAX else seconds
 
 
 def _coerce(name: str, text: str, default: Any) -> Any:

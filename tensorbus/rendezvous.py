@@ -37,9 +37,9 @@ def tensor_nbytes(tensor: Any) -> int:
         return tensor.nbytes
     if isinstance(tensor, SparseTensor):
         return tensor.indices.nbytes + tensor.values.nbytes
-    if isinstance(tensor, dict):
-        return sum(tensor_nbytes(v) for v in tensor.values())
-    return int(getattr(tensor, "nbytes", 0))
+    if isinstance(tensor, (dict, list, tuple)):  # a bundle or a structure (its depth bounded when decoded)
+        return sum(tensor_nbytes(v) for v in (tensor.values() if isinstance(tensor, dict) else tensor))
+    return int(getattr(tensor, "nbytes", 0))  # a torch tensor; 0 for a structure's scalars (counted with its header)
 
 
 def message_nbytes(message: Message) -> int:
@@ -124,21 +124,21 @@ class Rendezvous:
 
     def put(self, message: Message, *, first: bool = False) -> None:
         """Deliver a decoded message (what transports call); never blocks. `first`: ahead of those buffered."""
-        waiter = None
+        waiter = stale = None
         key = message.key
         with self._lock:
             self._raise_if_aborted()
             if key is not None and key.count(";") == 4:  # (only such a key can name an incarnation)
-                self._fence(key)
+                stale = self._fence(key)
             waiters = self._waiters
-            for wanted in (key, ANY) if waiters else ():
+            for wanted in ((key,) if stale is not None else (key, ANY)) if waiters else ():
                 queue = waiters.get(wanted)
                 if queue:
                     waiter = queue.popleft()
                     if not queue:
                         del waiters[wanted]
                     break
-            if waiter is None:
+            if waiter is None and stale is None:
                 self._counter += 1
                 nbytes = message_nbytes(message)
                 self._arrivals[self._counter] = (message, nbytes)
@@ -153,19 +153,24 @@ class Rendezvous:
                 self.buffered_bytes += nbytes
                 self.stats["buffered"] += 1
                 return
+        if stale is not None:  # a receiver of the key fails now: the tensor it waits for will never come
+            if waiter is not None:
+                self._complete(waiter, StaleIncarnation(*stale.args))
+            raise stale
+        assert waiter is not None
         self._complete(waiter, message)
 
-    def _fence(self, key: str) -> None:
-        """Reject keys that name an older incarnation of a source than one already seen."""
+    def _fence(self, key: str) -> StaleIncarnation | None:
+        """The error for a key that names an older incarnation of a source than one already seen, else None."""
         try:
             parsed = parse_key(key)
         except ConfigError:
-            return
+            return None
         source = hash(parsed.src)
         newest = self._incarnations.get(source, -1)
         if parsed.src_incarnation < newest:
             self.stats["stale"] += 1
-            raise StaleIncarnation(
+            return StaleIncarnation(
                 f"key {brief(key)} names incarnation {parsed.src_incarnation:x} of {brief(parsed.src)}, "
                 f"but incarnation {newest:x} has already been seen"
             )
@@ -173,6 +178,7 @@ class Rendezvous:
         self._incarnations.move_to_end(source)
         if len(self._incarnations) > MAX_SOURCES:  # sources are chosen by peers: forget the longest quiet
             self._incarnations.popitem(last=False)
+        return None
 
     # -- consuming -------------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@
 #define ALIGN 64
 #define OBJECT_BYTES 64
 #define MAX_PRODUCER_ID 128
+/* what receivers take by default (Limits.max_header_bytes): a larger head is left to Python, which refuses it */
+#define MAX_HEADER_BYTES (1 << 20)
 #define MAX_DTYPE_NAME 32
 
 /* set by configure(): dtype name -> {byte order -> np.dtype} (what frame.resolve accepts), the
@@ -1007,7 +1009,7 @@ ndarray_head(PyObject *self, PyObject *args)
     PyObject *head = NULL;
     if (put_header(&w, array, key, meta, id, described, fortran)) {
         size_t header_len = w.len - PREFIX_SIZE;
-        head = header_len <= UINT32_MAX ? PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)align64(w.len)) : NULL;
+        head = header_len <= MAX_HEADER_BYTES ? PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)align64(w.len)) : NULL;
         if (head != NULL) {
             uint8_t *out = (uint8_t *)PyByteArray_AS_STRING(head);
             memcpy(out, "TBUS", 4);
@@ -1508,7 +1510,8 @@ PyInit__native(void)
                       PyModule_AddIntConstant(m, "FLAG_CHECKSUM", FLAG_CHECKSUM) < 0 ||
                       PyModule_AddIntConstant(m, "ALIGN", ALIGN) < 0 ||
                       PyModule_AddIntConstant(m, "OBJECT_BYTES", OBJECT_BYTES) < 0 ||
-                      PyModule_AddIntConstant(m, "MAX_PRODUCER_ID", MAX_PRODUCER_ID) < 0)) {
+                      PyModule_AddIntConstant(m, "MAX_PRODUCER_ID", MAX_PRODUCER_ID) < 0 ||
+                      PyModule_AddIntConstant(m, "MAX_HEADER_BYTES", MAX_HEADER_BYTES) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

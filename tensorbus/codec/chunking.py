@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from ..buffers import BufferPool
+from ..buffers import BufferPool, aligned
 from ..errors import CodecError, ConfigError, LimitExceeded, MalformedHeader, brief
 from .crc import combine
 from .frame import (
@@ -31,6 +31,7 @@ from .frame import (
     decode_native,
     encode_raw,
     frame_head,
+    is_chunk,
     layout,
     message_from_frame,
     parse,
@@ -257,6 +258,8 @@ class Reassembler:
             self.expire()
         self.last_message_id = None
         view = memoryview(data).cast("B")
+        if not copy and not is_chunk(view):  # (a chunk's bytes are copied into the message's buffer anyway)
+            view = aligned(view, self._pool)  # its tensors: views at multiples of 64 from its start
         if not copy and self.signing_key is None:
             message = decode_native(view, crc, self.limits, self.like)
             if message is not None:  # one plain ndarray, decoded in C

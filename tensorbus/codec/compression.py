@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, LimitExceeded, MalformedHeader, brief
 
 CODECS = ("lz4", "zstd")
+#: payloads at least this large are judged from a sample before the whole is compressed
+SAMPLE_FROM = 256 << 10
+#: the sample: this many slices of SLICE_BYTES, spread evenly over the payload
+SLICES, SLICE_BYTES = 8, 8 << 10
+#: the whole is compressed only if the sample shrinks below this fraction of its size
+PAYS_BELOW = 0.9
 
 
 def compress(name: str, data: bytes | memoryview) -> bytes:
@@ -16,6 +23,36 @@ def compress(name: str, data: bytes | memoryview) -> bytes:
     except ModuleNotFoundError as exc:
         hint = "pip install 'tensorbus[compression]'"
         raise ConfigError(f"{name} compression needs the {exc.name} package: {hint}") from None
+
+
+def compress_if_it_pays(name: str, buffers: Sequence[bytes | bytearray | memoryview]) -> bytes | None:
+    """The payload in `buffers` compressed, or None where that does not make it smaller.
+
+    A large payload is first judged from a sample spread over it: random or already compressed
+    data is then left alone without compressing (and joining) the whole of it.
+    """
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = sum(len(v) for v in views)
+    if total >= SAMPLE_FROM:
+        sample = _sample(views, total)
+        if len(compress(name, sample)) >= PAYS_BELOW * len(sample):
+            return None
+    packed = compress(name, views[0] if len(views) == 1 else b"".join(views))  # (one array: no joined copy)
+    return packed if len(packed) < total else None
+
+
+def _sample(views: list[memoryview], total: int) -> bytes:
+    """SLICES slices of SLICE_BYTES at evenly spaced offsets of the concatenated `views`."""
+    step = total // SLICES
+    wanted = [(i * step, i * step + SLICE_BYTES) for i in range(SLICES)]
+    parts, at = [], 0
+    for view in views:
+        for start, end in wanted:
+            lo, hi = max(start, at), min(end, at + len(view))
+            if lo < hi:
+                parts.append(view[lo - at : hi - at])
+        at += len(view)
+    return b"".join(parts)
 
 
 def check_codec(name: str) -> None:

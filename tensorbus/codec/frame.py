@@ -13,9 +13,11 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
+from ..buffers import aligned
 from ..errors import (
     BadMagic,
     ChecksumMismatch,
+    InvalidTensor,
     LimitExceeded,
     MalformedHeader,
     SignatureError,
@@ -24,10 +26,10 @@ from ..errors import (
     brief,
 )
 from ..keys import check_key
-from .compression import compress, decompress
+from .compression import compress_if_it_pays, decompress
 from .crc import combine, uncombine
 from .native import NATIVE, agrees, crc32c
-from .tensors import ALIGN, align, flatten, rebuild
+from .tensors import ALIGN, MAX_TREE_DEPTH, MAX_TREE_ENTRIES, align, flatten, rebuild
 from .torch_bridge import to_like
 
 MAGIC = b"TBUS"
@@ -54,6 +56,9 @@ class Limits:
     max_payload_bytes: int = 1 << 36
     #: what a compressed payload may expand to: a few KB of zstd can claim gigabytes, so far less than the above
     max_decompressed_bytes: int = 1 << 30
+    #: how deeply a nested structure may nest, and how many containers and leaves it may hold
+    max_tree_depth: int = MAX_TREE_DEPTH
+    max_tree_entries: int = MAX_TREE_ENTRIES
 
     @functools.cached_property
     def native(self) -> bool:
@@ -122,6 +127,11 @@ def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearra
         raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
     if header.get("meta"):  # refused here what every receiver would refuse (map keys, depth): see below
         metadata_objects(header["meta"], containers=(dict, list, tuple))
+    if len(packed) > DEFAULT_LIMITS.max_header_bytes:
+        raise LimitExceeded(
+            f"the frame's header (key, metadata, table of tensors) would be {len(packed)} bytes; "
+            f"receivers refuse headers over max_header_bytes={DEFAULT_LIMITS.max_header_bytes} by default"
+        )
     head = bytearray(align(PREFIX.size + len(packed)))
     PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
     head[PREFIX.size : PREFIX.size + len(packed)] = packed
@@ -217,6 +227,8 @@ def layout(
 ) -> tuple[dict[str, Any], list[Buffer], int]:
     """The header, the payload buffers (the arrays' own memory) and the payload length of a tensor."""
     check_key(key)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidTensor(f"metadata must be a dict of msgpack-able values, got a {type(metadata).__name__}")
     kind, extra, entries, arrays = flatten(obj)
     body: list[Buffer] = []
     end = 0
@@ -236,10 +248,9 @@ def layout(
         **extra,
     }
     if compression is not None:
-        raw = b"".join(body)
-        packed = compress(compression, raw)
-        if len(packed) < len(raw):
-            header["comp"], header["raw"] = compression, len(raw)
+        packed = compress_if_it_pays(compression, body)
+        if packed is not None:
+            header["comp"], header["raw"] = compression, end
             body, end = [packed], len(packed)
     return header, body, end
 
@@ -345,6 +356,11 @@ def payload_crcs(payload: memoryview, whole: int | None = None) -> tuple[int, in
 _CHUNK_HEADER_START = b"\xa4kind\xa5chunk"
 
 
+def is_chunk(view: memoryview) -> bool:
+    """Whether a frame's header begins as a chunk's does (a hint: `parse` checks the frame all the same)."""
+    return view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] == _CHUNK_HEADER_START
+
+
 def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, int | None] | None:
     """For a checksummed, unsigned chunk frame: its CRC to verify plus `payload_crcs`, in one pass; else None.
 
@@ -352,7 +368,7 @@ def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, 
     are derived from it and the payload is not read again. Other frames need no payload CRC, and
     combining costs ~10 µs: they get None and `parse` as usual.
     """
-    if view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] != _CHUNK_HEADER_START:
+    if not is_chunk(view):
         return None
     _, _, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
     start = align(PREFIX.size + header_len)
@@ -469,9 +485,16 @@ def message_from_frame(
         if type(raw) is not int or raw < 0:
             raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {brief(raw)}")
         most = min(limits.max_payload_bytes, limits.max_decompressed_bytes)
-        payload = memoryview(decompress(header["comp"], payload, raw, most))
-    tensor = rebuild(header, payload, copy=copy, max_ndim=limits.max_ndim)
-    overhead = frame.nbytes - len(frame.payload) + OBJECT_BYTES * metadata_objects(metadata)
+        payload = aligned(decompress(header["comp"], payload, raw, most))  # (a copy: bytes start 32 bytes in)
+    tensor, entries = rebuild(
+        header,
+        payload,
+        copy=copy,
+        max_ndim=limits.max_ndim,
+        max_tree_depth=limits.max_tree_depth,
+        max_tree_entries=limits.max_tree_entries,
+    )
+    overhead = frame.nbytes - len(frame.payload) + OBJECT_BYTES * (metadata_objects(metadata) + entries)
     return Message(key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"], overhead)
 
 
@@ -489,5 +512,6 @@ NATIVE_CONSTANTS = {
     "ALIGN": ALIGN,
     "OBJECT_BYTES": OBJECT_BYTES,
     "MAX_PRODUCER_ID": MAX_PRODUCER_ID,
+    "MAX_HEADER_BYTES": DEFAULT_LIMITS.max_header_bytes,
 }
 NATIVE = agrees(NATIVE, NATIVE_CONSTANTS)

@@ -72,13 +72,17 @@ def check_like(like: object) -> str:
 
 
 def to_like(obj: Any, like: str) -> Any:
-    """Convert a decoded object's arrays to the requested framework ("numpy" or "torch")."""
+    """Convert a decoded object's arrays to the requested framework ("numpy" or "torch"); through a
+    structure's dicts, lists and tuples too (their depth is bounded when they are decoded)."""
     if like == "numpy":
         return obj
     if like != "torch":
         raise ValueError(f"like must be one of {LIKES}, got {like!r}")
-    if isinstance(obj, dict):
-        return {name: numpy_to_torch(a) for name, a in obj.items()}
     if isinstance(obj, np.ndarray):
         return numpy_to_torch(obj)
+    if isinstance(obj, dict):
+        return {name: to_like(value, like) for name, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [to_like(value, like) for value in obj]
+        return items if isinstance(obj, list) else tuple(items)
     return obj

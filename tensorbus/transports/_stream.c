@@ -213,8 +213,12 @@ start_frame(Reader *self)
     }
     PyObject *frame;
     if ((Py_ssize_t)whole < self->pooled_from) {
-        PyObject *bytes = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)whole);
-        frame = bytes == NULL ? NULL : PyMemoryView_FromObject(bytes);
+        /* a view of a new bytearray, from its first byte at a multiple of 64: so is every tensor in it */
+        PyObject *bytes = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)whole + ALIGN);
+        PyObject *all = bytes == NULL ? NULL : PyMemoryView_FromObject(bytes);
+        Py_ssize_t skip = bytes == NULL ? 0 : (Py_ssize_t)(-(uintptr_t)PyByteArray_AS_STRING(bytes) % ALIGN);
+        frame = all == NULL ? NULL : PySequence_GetSlice(all, skip, skip + (Py_ssize_t)whole);
+        Py_XDECREF(all);
         Py_XDECREF(bytes);
     }
     else {

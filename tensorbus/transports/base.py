@@ -22,12 +22,15 @@ class Delivered(NamedTuple):
     frame of it may be acknowledged, so the next consumer gets it. `held` is the decoded message
     when the table had no room for it and the caller offered to hold it (`may_hold`): the caller
     stops reading that source and offers it again with `release` until it is taken.
+    `refused` is why the consumer refused the frame for good (over a limit, bad signature, stale
+    incarnation...), for a transport that can tell its producer; None when it took it.
     """
 
     message_id: MessageId | None
     done: bool
     turned_away: bool = False
     held: Message | None = None
+    refused: str | None = None
 
 
 class Deliver(Protocol):

@@ -13,20 +13,29 @@ import threading
 import urllib.parse
 from typing import Any, ClassVar
 
-from ..buffers import POOLED_FROM, BufferPool
+from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
+from ..options import finite_timeout
 from .base import Deliver, Transport
 
 log = logging.getLogger(__name__)
 
 
 class Frames:
-    """One endpoint's queue of frames; a frame the closing consumer turned away goes back to the front."""
+    """One endpoint's queue of frames; a frame the closing consumer turned away goes back to the front.
+
+    It counts the bytes it holds, so that producers can wait for room (backpressure, as a socket's
+    unacknowledged bytes bound a producer there).
+    """
 
     def __init__(self) -> None:
         self._frames: collections.deque[Buffer] = collections.deque()
-        self._ready = threading.Condition()
+        lock = threading.Lock()
+        self._ready = threading.Condition(lock)  # (a frame came)
+        self._room = threading.Condition(lock)  # (a frame went)
+        #: bytes of the frames queued
+        self.nbytes = 0
 
     def put(self, frame: Buffer, *, front: bool = False) -> None:
         with self._ready:
@@ -34,6 +43,7 @@ class Frames:
                 self._frames.appendleft(frame)
             else:
                 self._frames.append(frame)
+            self.nbytes += memoryview(frame).nbytes
             self._ready.notify()
 
     def get(self, stop: threading.Event) -> Buffer | None:
@@ -41,7 +51,17 @@ class Frames:
         with self._ready:
             while not self._frames and not stop.is_set():
                 self._ready.wait()
-            return None if stop.is_set() else self._frames.popleft()
+            if stop.is_set():
+                return None
+            frame = self._frames.popleft()
+            self.nbytes -= memoryview(frame).nbytes
+            self._room.notify_all()
+            return frame
+
+    def wait_for_room(self, limit: int, timeout: float | None) -> bool:
+        """Wait while `limit` bytes or more are queued: True once fewer are, False after `timeout` seconds."""
+        with self._room:
+            return self._room.wait_for(lambda: self.nbytes < limit, timeout)
 
     def wake(self) -> None:
         with self._ready:
@@ -92,7 +112,13 @@ class MemoryTransport(Transport):
     """Frames through an in-process queue; a background thread delivers them to the consumer."""
 
     schemes = ("memory",)
-    OPTIONS: ClassVar[dict[str, Any]] = {"max_frame_bytes": None}
+    #: `max_unacked_bytes`: the bytes sent to the endpoint and not yet taken by its consumer's delivery, at
+    #: most, before a new message waits for room (up to `send_timeout_s`), as on the socket transports
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "max_frame_bytes": None,
+        "max_unacked_bytes": 256 * 1024 * 1024,
+        "send_timeout_s": 30.0,
+    }
 
     def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
         super().__init__(url, options)
@@ -104,14 +130,26 @@ class MemoryTransport(Transport):
         self._stop = threading.Event()
         self._pool = BufferPool(max_buffers=4)
 
+    def wait_for_room(self) -> None:
+        """Before a new message: wait while `max_unacked_bytes` wait for the consumer (up to `send_timeout_s`).
+
+        Called between messages, never between the chunks of one, so a message larger than the
+        limit still goes out whole.
+        """
+        limit, timeout = self.options["max_unacked_bytes"], self.options["send_timeout_s"]
+        queue = HUB.endpoint(self.name)
+        if queue.nbytes < limit or queue.wait_for_room(limit, finite_timeout(timeout, "send_timeout_s")):
+            return
+        raise TransportError(
+            f"memory://{self.name} has had {queue.nbytes} bytes waiting for its consumer for {timeout}s "
+            f"(max_unacked_bytes={limit}): is a consumer listening, and receiving?"
+        )
+
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
-        """Copy the frame into the endpoint's queue (as a wire would); never blocks."""
+        """Copy the frame into the endpoint's queue (as a wire would); `wait_for_room` bounds the queue."""
         views = [memoryview(b).cast("B") for b in frame]
         total = sum(len(v) for v in views)
-        if total < POOLED_FROM:
-            HUB.endpoint(self.name).put(b"".join(views))
-            return
-        # into a large buffer no tensor views any more: fresh pages are slow
+        # into a 64-byte aligned buffer (a large one no tensor views any more: fresh pages are slow)
         HUB.endpoint(self.name).put(join_into(views, self._pool.take(total)))
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:

@@ -53,7 +53,7 @@ from ..codec.frame import (
 from ..codec.native import crc32c
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
-from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER, NATIVE_STREAM
+from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, refusal
 
 log = logging.getLogger(__name__)
 #: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
@@ -87,6 +87,8 @@ OVERLAP_FROM = 4 << 20
 FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
 POLL_S = 0.05
+#: refusals a producer has not taken off its socket, in bytes, at most: past that it is dropped
+MAX_OUTBOX = 1 << 20
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -215,6 +217,8 @@ class _Peer:
         self.held: Message | None = None  # a message the full table could not take: this peer is not read meanwhile
         self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
         self.reader: Any = None  # the C reader of this connection (`_step_native`), if it has one
+        self.refusals = False  # the producer asked to be told which frames were refused (stream.REFUSALS_WANTED)
+        self.outbox = bytearray()  # refusals not sent yet (the socket was full): they go before the next ack
 
 
 class Reactor:
@@ -534,7 +538,11 @@ class Reactor:
             peer.total = reader.last_total  # (its prefix)
             self._deliver(peer, memoryview(reader.prefix))  # the consumer counts it as refused
         elif event == READER.CHECK_PREFIX:
-            reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
+            if reader.prefix == REFUSALS_WANTED:  # (not a frame: a marker the C reader leaves to this one)
+                peer.refusals = True
+                reader.skip(0)
+            else:
+                reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
         else:  # READER.END
             raise PeerGone("disconnected mid-frame") if reader.mid_frame else PeerGone("went away", logging.INFO)
         return True
@@ -557,6 +565,10 @@ class Reactor:
             if peer.prefix == ACK_REQUEST:
                 peer.prefix_got = 0
                 self._ack(peer)
+                return True
+            if peer.prefix == REFUSALS_WANTED:
+                peer.prefix_got = 0
+                peer.refusals = True
                 return True
             if not self._start_frame(peer):
                 return True
@@ -631,6 +643,8 @@ class Reactor:
             peer.incomplete.setdefault(result.message_id, peer.frames)
         elif peer.turned_away is None:
             peer.turned_away = peer.frames  # never acknowledged, so the producer sends it again
+        if result.refused is not None:
+            self._refuse(peer, peer.frames, result.refused)
         peer.frames += 1
         peer.unacked_bytes += peer.total
         if peer.total > self._largest_read:
@@ -638,6 +652,15 @@ class Reactor:
         every_frames, every_bytes = self._ack_every
         if peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed:
             self._ack(peer)
+
+    def _refuse(self, peer: _Peer, index: int, reason: str) -> None:
+        """Tell the producer (if it asked) that its frame `index` was refused: before the ack that covers it."""
+        if not peer.refusals:
+            return
+        peer.outbox += refusal(index, reason)
+        if len(peer.outbox) > MAX_OUTBOX:
+            raise PeerGone(f"dropped: it left {len(peer.outbox)} bytes of refusals of its frames unread")
+        peer.ack_owed = True  # (sent with the next ack, at the latest)
 
     def _hold(self, peer: _Peer, message: Message) -> None:
         """Stop reading a peer whose message the full table cannot take: other peers go on."""
@@ -663,6 +686,12 @@ class Reactor:
         """A held message was taken (or turned away): book it, and read its peer again."""
         self._held.remove(peer)
         peer.held = None
+        if result.refused is not None:  # (a held message is the last frame read from its peer)
+            try:
+                self._refuse(peer, peer.frames - 1, result.refused)
+            except PeerGone as exc:
+                self._drop(peer, str(exc), exc.level)
+                return
         if result.done:
             peer.incomplete.pop(result.message_id, None)
         elif result.turned_away and peer.turned_away is None:
@@ -694,6 +723,12 @@ class Reactor:
         safe = next(iter(incomplete.values()), peer.frames)
         if peer.turned_away is not None:
             safe = min(safe, peer.turned_away)
+        while peer.outbox:  # refusals first: the ack covers their frames
+            try:
+                del peer.outbox[: peer.conn.send(peer.outbox)]
+            except _WOULD_BLOCK:
+                peer.ack_owed = True
+                return
         try:
             sent = peer.conn.send(ACK.pack(safe))
         except _WOULD_BLOCK:

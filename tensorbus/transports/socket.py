@@ -30,7 +30,7 @@ import numpy as np
 from ..buffers import BufferPool
 from ..codec.frame import NATIVE, Buffer, Limits, MessageId, flat_bytes
 from ..codec.native import crc32c
-from ..errors import Closed, ConfigError, TransportError
+from ..errors import Closed, ConfigError, Rejected, TransportError
 from ..options import finite_timeout
 from .base import Deliver, Transport, backoff_s
 from .listener import Listener
@@ -39,9 +39,12 @@ from .stream import (
     ACK,
     ACK_REQUEST,
     NATIVE_STREAM,
+    REFUSAL,
+    REFUSED,
     AuthRefused,
     c_sends_below,
     introduce,
+    names_in,
     send_frame,
     set_send_timeout,
 )
@@ -82,9 +85,9 @@ class SocketTransport(Transport):
     acknowledges = True
     OPTIONS: ClassVar[dict[str, Any]] = {
         "max_frame_bytes": None,
-        "connect_timeout_s": 5.0,
+        "connect_timeout_s": 5.0,  # one attempt: connect, TLS, handshake (a refused connect ends it at once)
         "send_timeout_s": 30.0,
-        "reconnect_timeout_s": 10.0,
+        "reconnect_timeout_s": 10.0,  # all attempts: how long a send retries a consumer that is not (yet) there
         "max_unacked_bytes": 256 * 1024 * 1024,
         "ack_every_frames": 256,  # (each ack costs the consumer a system call: 32 measured ~10 % slower)
         "ack_every_bytes": 8 * 1024 * 1024,
@@ -130,6 +133,8 @@ class SocketTransport(Transport):
         self._sent = self._acked = 0
         self._ack_buf = bytearray()
         self._ack_requested = False
+        #: the consumer's refusals of this producer's messages, raised one by one by the next sends or flushes
+        self._rejections: collections.deque[Rejected] = collections.deque()
         self._listener: Listener | None = None
         self.reactor: Reactor | None = None
         self._closed = False  # close began: no more sends or reconnects
@@ -161,12 +166,16 @@ class SocketTransport(Transport):
     def _connect(self, deadline: float | None = None) -> socket.socket:
         """Connect, handshake, and send again every frame the last connection left unacknowledged.
 
-        Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner.
+        Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner;
+        each attempt (connect, TLS, handshake) may take up to `connect_timeout_s`. A consumer that is
+        not there refuses at once, so it is `reconnect_timeout_s` that bounds a send to nobody.
         """
         self._raise_if_closed()
-        retry_until = time.monotonic() + self.options["reconnect_timeout_s"]
-        if deadline is not None:
-            retry_until = min(retry_until, deadline)
+        started = time.monotonic()
+        retry_until = started + self.options["reconnect_timeout_s"]
+        bound = f"reconnect_timeout_s={self.options['reconnect_timeout_s']:g}"
+        if deadline is not None and deadline < retry_until:
+            retry_until, bound = deadline, "the flush's timeout"
         context = self._ssl_context(server_side=False)
         for delay in backoff_s():
             sock = socket.socket(self.family, socket.SOCK_STREAM)
@@ -197,7 +206,10 @@ class SocketTransport(Transport):
             except (OSError, TransportError) as exc:
                 sock.close()
                 if self._closed or time.monotonic() + delay > retry_until:
-                    raise TransportError(f"cannot connect to {self.address}: {exc}") from None
+                    raise TransportError(
+                        f"cannot connect to {self.address}: {exc} (gave up after {time.monotonic() - started:.1f}s "
+                        f"of retries, as {bound} bounds them; connect_timeout_s bounds each attempt)"
+                    ) from None
                 log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
                 time.sleep(delay)
             except BaseException:  # e.g. Ctrl-C while resending: half a frame must not stay on a live socket
@@ -220,6 +232,8 @@ class SocketTransport(Transport):
         sent, where it does not apply (no C extension, TLS, no room, a tensor the C head leaves
         to `encode`): the producer then takes the general path.
         """
+        if self._rejections:
+            self._raise_rejection()
         c_head, c_send = self._c_head, self._c_send
         if c_head is None or c_send is None or self._unacked_bytes >= self.options["max_unacked_bytes"]:
             return False
@@ -338,6 +352,10 @@ class SocketTransport(Transport):
         self._ack_buf += data
         while len(self._ack_buf) >= ACK.size:
             (count,) = ACK.unpack_from(self._ack_buf)
+            if count & REFUSED:
+                if not self._take_refusal():
+                    return  # (the rest of it comes with a later read)
+                continue
             del self._ack_buf[: ACK.size]
             if not self._acked <= count <= self._acked + len(self._unacked):
                 raise ConnectionResetError(f"the consumer acked {count} frames; {self._sent} were sent")
@@ -347,14 +365,52 @@ class SocketTransport(Transport):
                 self._unacked_bytes -= n
             self._acked = count
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects)."""
-        with self._locked(timeout, "flush"):
-            self._await_acks(
-                lambda: not self._unacked,
-                timeout,
-                lambda: f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s",
+    def _take_refusal(self) -> bool:
+        """Take a REFUSAL off the front of the ack buffer (False: not all of it is here yet); a message's
+        first refused frame becomes a `Rejected` for the next send or flush to raise."""
+        if len(self._ack_buf) < REFUSAL.size:
+            return False
+        field, length = REFUSAL.unpack_from(self._ack_buf)
+        if len(self._ack_buf) < REFUSAL.size + length:
+            return False
+        reason = bytes(self._ack_buf[REFUSAL.size : REFUSAL.size + length]).decode("utf-8", "replace")
+        del self._ack_buf[: REFUSAL.size + length]
+        index = field & ~REFUSED
+        if not self._acked <= index < self._acked + len(self._unacked):
+            raise ConnectionResetError(f"the consumer refused frame {index}; {self._sent} were sent")
+        key, message_id = names_in(self._unacked[index - self._acked][0][0])
+        if self._rejections and self._rejections[-1].message_id == message_id:
+            return True  # another chunk of a message already refused
+        log.warning("%s refused message %s (key %r): %s", self.address, message_id, key, reason)
+        self._rejections.append(
+            Rejected(
+                f"{self.address} refused message {message_id} (key {key!r}): {reason}; it is not sent again",
+                key=key,
+                message_id=message_id,
+                reason=reason,
             )
+        )
+        return True
+
+    def _raise_rejection(self) -> None:
+        """Raise the consumer's oldest refusal not raised yet, if there is one."""
+        try:
+            rejection = self._rejections.popleft()
+        except IndexError:  # (none; or another thread's send raised the last one just now)
+            return
+        raise rejection
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects);
+        `Rejected` if it refused one (for each refused message, a send or flush raises once)."""
+        with self._locked(timeout, "flush"):
+            if not self._rejections:
+                self._await_acks(
+                    lambda: not self._unacked,
+                    timeout,
+                    lambda: f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s",
+                )
+            self._raise_rejection()
 
     def wait_for_room(self) -> None:
         """Before a new message: wait while `max_unacked_bytes` are unacknowledged (up to `send_timeout_s`).
@@ -362,6 +418,7 @@ class SocketTransport(Transport):
         Called between messages, never between the chunks of one, so a message larger than the
         limit still goes out whole.
         """
+        self._raise_rejection()
         limit = self.options["max_unacked_bytes"]
         if self._unacked_bytes < limit:
             return
@@ -441,9 +498,12 @@ class SocketTransport(Transport):
 
     def close(self) -> None:
         """Flush (up to close_timeout_s) and close the producer connection, or stop listening and drop every peer."""
+        self._rejections.clear()  # (each was logged as it came: close waits for the acks of what is left)
         if self._unacked and not self._closed:
             try:
                 self.flush(self.options["close_timeout_s"])
+            except Rejected:
+                pass  # (logged as it came)
             except TransportError as exc:
                 log.warning("closing with frames not acknowledged: %s", exc)
         self._closed = True

@@ -1,12 +1,19 @@
 """The stream-socket protocol around frames: handshake (with optional shared-secret auth) and acks.
 
 consumer -> producer  HELLO  "TBSK", version u8, flags u8 (bit 0: auth required; bit 1: CRCs may
-                      follow their frames), 32-byte nonce
+                      follow their frames; bit 2: refusals are told), 32-byte nonce
 producer -> consumer  PROOF  HMAC-SHA256(secret, "tensorbus-socket-auth-v1" + nonce), or 32 zero bytes
 consumer -> producer  VERDICT u8: 1 accepted; 0 refused, and the connection closes
-producer -> consumer  frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, a frame-sized marker)
+producer -> consumer  REFUSALS WANTED ("TBRF" + 20 zero bytes, a frame-sized marker), first, if HELLO set bit 2;
+                      then frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, also frame-sized)
 consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
                       on every ACK REQUEST and every `ack_every_frames` frames / `ack_every_bytes` bytes
+consumer -> producer  REFUSAL u64 (bit 63 set: no ACK count gets there; the rest: the index of the refused
+                      frame on this connection, from 0), reason length u16, reason (UTF-8); only to a
+                      producer that sent REFUSALS WANTED, and before the ACK that covers that frame
+
+A refused frame (over the consumer's limits, failing its checksum or signature, a stale incarnation...)
+is acknowledged like any other, so it is not sent again; the producer learns of it from its REFUSAL.
 
 A large checksummed, unsigned, unchunked frame may go out before its CRC32C is known, so the
 producer checksums each slice just before sending it (in cache, while the consumer already reads)
@@ -27,6 +34,8 @@ import socket
 import ssl
 import struct
 from types import ModuleType
+
+import msgpack
 
 from ..codec.frame import (
     CRC_AT,
@@ -61,6 +70,12 @@ SEAL_SLICE = 1 << 20
 PROOF_BYTES = 32
 ACK = struct.Struct("<Q")
 ACK_REQUEST = b"TBAK" + bytes(20)
+FLAG_REFUSALS = 0x04  # in HELLO: this consumer tells the producers that want it which frames it refused
+REFUSALS_WANTED = b"TBRF" + bytes(20)
+REFUSAL = struct.Struct("<QH")
+REFUSED = 1 << 63  # in the first field of a REFUSAL: what tells it from an ACK
+#: a refusal's reason is cut to this many bytes
+MAX_REASON_BYTES = 1000
 _AUTH_CONTEXT = b"tensorbus-socket-auth-v1"
 IOV_MAX = 512
 
@@ -179,10 +194,13 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def greet(sock: socket.socket, secret: bytes | None) -> bool:
-    """Consumer side of the handshake: send a nonce, check the proof, send the verdict."""
+def greet(sock: socket.socket, secret: bytes | None, *, refusals: bool = True) -> bool:
+    """Consumer side of the handshake: send a nonce, check the proof, send the verdict.
+
+    `refusals`: offer to tell refused frames (a producer that wants that then sends REFUSALS WANTED first).
+    """
     nonce = os.urandom(32)
-    flags = FLAG_CRC_AFTER | (FLAG_AUTH if secret else 0)
+    flags = FLAG_CRC_AFTER | (FLAG_REFUSALS if refusals else 0) | (FLAG_AUTH if secret else 0)
     sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
     answer = bytearray(PROOF_BYTES)
     got = recv_exact(sock, memoryview(answer))
@@ -196,7 +214,8 @@ def greet(sock: socket.socket, secret: bytes | None) -> bool:
 
 
 def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
-    """Producer side of the handshake: True if the consumer takes CRCs after frames.
+    """Producer side of the handshake (asking for refusals where the consumer tells them): True if the
+    consumer takes CRCs after frames.
 
     Raises `AuthRefused` or `TransportError` with the reason.
     """
@@ -216,7 +235,23 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
     verdict = sock.recv(1)
     if verdict != b"\x01":
         raise AuthRefused(f"{address} refused this producer's auth_secret")
+    if flags & FLAG_REFUSALS:
+        sock.sendall(REFUSALS_WANTED)
     return bool(flags & FLAG_CRC_AFTER)
+
+
+def refusal(index: int, reason: str) -> bytes:
+    """The REFUSAL record of the frame `index` of a connection (counted from 0), its reason cut short if long."""
+    text = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+    return REFUSAL.pack(REFUSED | index, len(text)) + text
+
+
+def names_in(head: Buffer) -> tuple[str | None, tuple[str, int] | None]:
+    """The key and message id written in a frame's head, as this process encoded it (for a refusal's error)."""
+    _, _, _, _, header_len, _, _ = PREFIX.unpack_from(head)
+    header = msgpack.unpackb(memoryview(head)[PREFIX.size : PREFIX.size + header_len])
+    message_id = header.get("id")
+    return header.get("key"), None if message_id is None else (message_id[0], message_id[1])
 
 
 #: the constants `_stream.c` repeats, by the names it exports them under

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
 from benchmarks import consumer_floor, native_speedup
 from tensorbus.codec import native
 from tensorbus.transports import stream
@@ -19,3 +26,37 @@ def test_the_native_speedup_benchmark_runs_both_ways() -> None:
         result = native_speedup.one_run(native_paths, 64 << 10, 50, 20)  # in a fresh interpreter each
         assert result.keys() == {"gbps", "consumer_us", "producer_us", "rtt_us"}
         assert all(value > 0 for value in result.values())
+
+
+def _producer_that_leaves_at_once(address: str, size: int, count: int) -> threading.Thread:
+    """In place of `consumer_floor._start_producer`: a producer that sends its frames (a warm-up and `count`),
+    takes the ack for all of them, then sends two ack requests and closes in the same segment: whatever
+    answers them writes to a peer that is already gone."""
+
+    frames = consumer_floor.WARMUP + count
+
+    def run() -> None:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            stream.introduce(sock, None, address)
+            array = np.ones(size // 4, np.float32)
+            sock.sendall(b"".join(tb.dumps(array, key="bench", metadata={"i": i}) for i in range(frames)))
+            acked = 0
+            while acked < frames:  # (all of them: no ack left unread, so the close is a FIN, not a reset)
+                acked = stream.ACK.unpack(sock.recv(stream.ACK.size, socket.MSG_WAITALL))[0]
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)  # the requests and the FIN in one segment
+            sock.sendall(stream.ACK_REQUEST * 2)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_the_minimal_reader_lets_a_producer_leave_before_it_answers_its_last_ack_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the first answer reaches a closed socket (which resets the connection), the second then
+    # failed with BrokenPipeError: the producer's leaving must end the reading, however it shows
+    monkeypatch.setattr(consumer_floor, "_start_producer", _producer_that_leaves_at_once)
+    tensors = 32 * 8 - consumer_floor.WARMUP  # (a whole number of the reader's acks: one covers the last frame)
+    assert consumer_floor.minimal_reader(4 << 10, tensors) > 0

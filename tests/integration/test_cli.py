@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -129,9 +131,9 @@ def test_inspect_prints_headers_and_checksum_status(tmp_path: Path) -> None:
 
 def test_inspect_refuses_an_empty_file_and_names_a_file_that_holds_no_frames(tmp_path: Path) -> None:
     (tmp_path / "empty.tbf").write_bytes(b"")
-    one_line_error(tensorbus("inspect", str(tmp_path / "empty.tbf")), "empty", "no frames")
+    one_line_error(tensorbus("inspect", str(tmp_path / "empty.tbf")), "empty", "no frames", status=1)
     np.save(tmp_path / "w.npy", np.ones(2))
-    one_line_error(tensorbus("inspect", str(tmp_path / "w.npy")), "is not a file of tensorbus frames")
+    one_line_error(tensorbus("inspect", str(tmp_path / "w.npy")), "is not a file of tensorbus frames", status=1)
 
 
 def test_output_cut_off_by_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
@@ -166,8 +168,8 @@ def test_arguments_are_checked_by_the_command_they_belong_to(tmp_path: Path) -> 
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "text.npy")), "never unpickled")
 
 
-def one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert result.returncode == 2, result
+def one_line_error(result: subprocess.CompletedProcess[str], *needles: str, status: int = 2) -> None:
+    assert result.returncode == status, result
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
@@ -184,7 +186,9 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
         "TransportError",
     )
     one_line_error(
-        tensorbus("send", "tcp://127.0.0.1:1?reconnect_timeout_s=1", "k", str(tmp_path / "x.npy")), "cannot connect"
+        tensorbus("send", "tcp://127.0.0.1:1?reconnect_timeout_s=1", "k", str(tmp_path / "x.npy")),
+        "cannot connect",
+        "reconnect_timeout_s=1 bounds them",
     )
     started = time.monotonic()
     one_line_error(
@@ -193,7 +197,7 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "missing.npy")), "missing.npy")
     (tmp_path / "bad.tbf").write_bytes(b"not a frame at all, just text")
-    one_line_error(tensorbus("inspect", str(tmp_path / "bad.tbf")), "BadMagic")
+    one_line_error(tensorbus("inspect", str(tmp_path / "bad.tbf")), "BadMagic", status=1)
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "bad.tbf")), "BadMagic")
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "x.csv")), "cannot tell the format")
     x = str(tmp_path / "x.npy")
@@ -308,3 +312,82 @@ def test_errors_are_named_by_the_class_tensorbus_exports() -> None:
 
     assert _public_name(AuthRefused("refused")) == "TransportError"  # what a user can catch, not an internal name
     assert _public_name(tb.Timeout("late")) == "Timeout"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "int4"])
+@pytest.mark.parametrize(("command", "suffix"), [("recv", ".npy"), ("save", ".npz"), ("recv", ".safetensors")])
+def test_a_dtype_the_file_format_cannot_describe_comes_back_the_same(
+    tmp_path: Path, dtype: str, command: str, suffix: str
+) -> None:
+    """What recv and save write comes back as the same dtype and bits, through `tensorbus send` too:
+    numpy's formats would store bfloat16 as raw |V2, so such a tensor is written as a .tbf instead."""
+    tensor = np.arange(-3, 5).astype(getattr(ml_dtypes, dtype))
+    output = tmp_path / f"out{suffix}"
+    receiver, address = listen(command, "tcp://127.0.0.1:0", "k", "-o", str(output), "--timeout", "30")
+    with tb.Producer(address) as producer:
+        producer.send("k", tensor if command == "recv" else {"w": tensor, "b": np.ones(2)})
+    _, err = receiver.communicate(timeout=60)
+    assert receiver.returncode == 0, err
+    holds = suffix == ".safetensors" and dtype != "int4"  # safetensors names bfloat16 and float8; numpy does not
+    written = output if holds else output.with_suffix(".tbf")
+    assert written.exists() and (holds or not output.exists())
+    if not holds:
+        assert f"cannot {'hold' if suffix == '.safetensors' else 'describe'} dtype {dtype}" in err
+        assert f"wrote it as a tensorbus frame instead: {written}" in err
+    back = read_tensor(written)
+    got = back if command == "recv" and not isinstance(back, dict) else back.get("tensor", back.get("w"))
+    assert got.dtype == tensor.dtype and got.tobytes() == tensor.tobytes()
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "again", "-o", str(tmp_path / "again.tbf"))
+    sent = tensorbus("send", address, "again", str(written))  # what tensorbus wrote, it sends back unchanged
+    assert sent.returncode == 0, sent.stderr
+    finish(receiver)
+    again = read_tensor(tmp_path / "again.tbf")
+    again = again if isinstance(again, np.ndarray) else again.get("tensor", again.get("w"))
+    assert again.dtype == tensor.dtype and again.tobytes() == tensor.tobytes()
+
+
+def test_a_nested_structure_is_received_as_a_frame_and_sent_on(tmp_path: Path) -> None:
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "s.npz"), "--timeout", "30")
+    with tb.Producer(address) as producer:
+        producer.send("k", {"layers": [np.ones(2), np.zeros(3)], "step": 7})
+    out, err = receiver.communicate(timeout=60)
+    assert receiver.returncode == 0 and "structure of 2 arrays" in out and "s.tbf" in err, err
+    assert tb.loads((tmp_path / "s.tbf").read_bytes())["step"] == 7
+
+
+def test_send_to_nobody_names_the_option_that_bounds_the_wait_and_timeout_shortens_it(tmp_path: Path) -> None:
+    np.save(tmp_path / "w.npy", np.ones(2))
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    started = time.monotonic()
+    one_line_error(tensorbus("send", url, "k", str(tmp_path / "w.npy"), "--timeout", "1"), "reconnect_timeout_s=1 ")
+    assert time.monotonic() - started < 8  # (the default retries for 10 s; a Python start-up takes ~1 s)
+    result = tensorbus("send", f"{url}?reconnect_timeout_s=0.5", "k", str(tmp_path / "w.npy"), "--timeout", "30")
+    assert "reconnect_timeout_s=0.5 bounds them" in result.stderr  # the URL's lower value stays
+    assert "connect_timeout_s bounds each attempt" in result.stderr
+
+
+def test_send_timeout_bounds_the_confirmation_too(tmp_path: Path) -> None:
+    np.save(tmp_path / "w.npy", np.ones(2))
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "out.npy"), "--timeout", "30")
+    sent = tensorbus("send", address, "k", str(tmp_path / "w.npy"), "--timeout", "20")
+    assert sent.returncode == 0, sent.stderr
+    finish(receiver)
+    assert np.load(tmp_path / "out.npy").tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bad header", "empty"])
+def test_inspect_exits_1_on_a_truncated_or_malformed_file_as_documented(tmp_path: Path, damage: str) -> None:
+    frame = bytearray(tb.dumps(np.arange(100.0), key="k"))
+    if damage == "truncated":
+        frame = frame[:-10]
+    elif damage == "bad header":
+        frame[24:30] = b"\xc1" * 6  # (0xc1: never valid msgpack)
+    else:
+        frame = bytearray()
+    (tmp_path / "f.tbf").write_bytes(bytes(frame))
+    result = tensorbus("inspect", str(tmp_path / "f.tbf"))
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr and result.stderr.strip()
+    assert "exit 1" in tensorbus("inspect", "--help").stdout

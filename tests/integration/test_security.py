@@ -16,20 +16,31 @@ from tests.faults import wait_for
 from tests.integration.test_behaviour import TRANSPORTS
 
 
+def flush_refused(producer: tb.Producer, timeout: float) -> list[tb.Rejected]:
+    """Flush; what a socket consumer said it refused comes back as a `Rejected` per message, one per flush."""
+    told = []
+    while True:
+        try:
+            producer.flush(timeout)
+            return told
+        except tb.Rejected as exc:
+            told.append(exc)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_signed_endpoint_rejects_unsigned_and_tampered_frames(transport: str) -> None:
     with tb.Consumer(endpoint_url(transport), signing_key=b"team-key") as consumer:
         address = consumer.address
         with tb.Producer(address) as unsigned:
-            unsigned.send("w", np.zeros(4))
-            unsigned.flush(30)
+            unsigned_id = unsigned.send("w", np.zeros(4))
+            told = flush_refused(unsigned, 30)
         tampered = bytearray(tb.dumps(np.zeros(4), key="w", signing_key=b"team-key", message_id=("evil", 1)))
         tampered[-40] ^= 1  # inside the payload; the CRC is also wrong, the signature is checked first
         forged = tb.dumps(np.zeros(4), key="w", signing_key=b"guessed", message_id=("evil", 2))
         with tb.Producer(address) as raw:
             raw.transport.send([bytes(tampered)], key="w")
             raw.transport.send([forged], key="w")
-            raw.flush(30)
+            told += flush_refused(raw, 30)
         with tb.Producer(address, signing_key=b"team-key") as signed:
             signed.send("w", np.full(4, 9.0))
             signed.send("big", np.arange(300_000.0))  # chunked on brokers; every chunk is signed too
@@ -37,6 +48,12 @@ def test_signed_endpoint_rejects_unsigned_and_tampered_frames(transport: str) ->
         assert consumer.recv("w", timeout=60)[0] == 9.0
         assert np.array_equal(consumer.recv("big", timeout=60), np.arange(300_000.0))
         assert consumer.stats["rejected"] == 3
+        sockets = transport in ("tcp", "unix")  # (brokers cannot tell the producer)
+        assert [(e.message_id, e.reason.split(":")[0]) for e in told] == [
+            (unsigned_id, "frame is unsigned but this endpoint requires a signature"),
+            (("evil", 1), "frame signature does not match"),
+            (("evil", 2), "frame signature does not match"),
+        ][: 3 if sockets else 0]
 
 
 def test_chunk_flood_claiming_huge_totals_stays_within_the_reassembly_limit() -> None:
@@ -45,7 +62,7 @@ def test_chunk_flood_claiming_huge_totals_stays_within_the_reassembly_limit() ->
             for seq in range(2000):
                 header = {"kind": "chunk", "key": "x", "id": ["evil", seq], "chunk": [0, 4096, 1 << 34, 1 << 22]}
                 attacker.transport.send(encode_raw(header, [bytes(1 << 10)], 1 << 10), key="x")
-            attacker.flush(30)
+            assert {e.message_id for e in flush_refused(attacker, 30)} == {("evil", seq) for seq in range(2000)}
         with tb.Producer(consumer.address) as honest:
             honest.send("real", np.arange(1000))
         assert np.array_equal(consumer.recv("real", timeout=30), np.arange(1000))
@@ -80,7 +97,8 @@ def test_frames_over_the_consumer_limits_are_refused_before_allocation() -> None
             producer.send("huge-meta", np.zeros(1), metadata={"blob": "x" * 10_000})
             producer.send("huge", np.zeros(1 << 20))  # 8 MB > 1 MiB payload limit
             producer.send("after", np.ones(3))
-            producer.flush(10)  # refused frames are skipped and acknowledged, never resent forever
+            told = flush_refused(producer, 10)  # refused frames are skipped and acknowledged, never resent forever
+            assert [e.key for e in told] == ["huge-meta", "huge"]
         assert np.array_equal(consumer.recv("after", timeout=10), np.ones(3))
         with pytest.raises(tb.Timeout):
             consumer.recv("huge", timeout=0.2)

@@ -19,6 +19,7 @@ from tensorbus.transports.stream import (
     HELLO,
     HELLO_MAGIC,
     PROTOCOL_VERSION,
+    REFUSALS_WANTED,
     SEAL_WHILE_SENDING,
     greet,
     recv_exact,
@@ -52,6 +53,7 @@ def _fake_consumer(hello_flags: int | None) -> tuple[socket.socket, list[Any]]:
         with conn:
             if hello_flags is None:
                 greet(conn, None)
+                assert conn.recv(len(REFUSALS_WANTED), socket.MSG_WAITALL) == REFUSALS_WANTED  # (greet offers them)
             else:
                 conn.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, hello_flags, bytes(32)))
                 conn.recv(32, socket.MSG_WAITALL)
@@ -179,6 +181,8 @@ def test_an_over_limit_frame_whose_crc_follows_it_is_skipped_with_its_crc() -> N
             producer.send("small", np.arange(5.0))  # the next frame on that connection
             np.testing.assert_array_equal(consumer.recv("small", timeout=10), np.arange(5.0))
             assert consumer.stats["rejected"] == 1
+            with pytest.raises(tb.Rejected, match=r"too-big.*exceeds max_payload_bytes"):
+                producer.flush(10)  # the consumer said so
             producer.flush(10)
 
 

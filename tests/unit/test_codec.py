@@ -167,6 +167,27 @@ def test_incompressible_payload_is_kept_raw() -> None:
     assert len(data) == len(tb.dumps(noise))
 
 
+@pytest.mark.parametrize("codec", ["lz4", "zstd"])
+def test_a_large_incompressible_payload_is_judged_from_a_sample_and_never_compressed_whole(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorbus.codec import compression
+
+    seen: list[int] = []
+    real = compression._compress
+    monkeypatch.setattr(compression, "_compress", lambda name, data: seen.append(len(data)) or real(name, data))
+    noise = np.random.default_rng(2).integers(0, 256, 4 << 20, dtype=np.uint8)
+    data = tb.dumps(noise, compression=codec)
+    assert tb.codec.parse(data).header["comp"] is None
+    assert seen and max(seen) < noise.nbytes // 32  # only the sample went through the compressor
+    half = noise.copy()
+    half[: 2 << 20] = 0  # compressible where the sample looks: the whole is compressed
+    seen.clear()
+    data = tb.dumps(half, compression=codec)
+    assert tb.codec.parse(data).header["comp"] == codec and max(seen) == half.nbytes
+    np.testing.assert_array_equal(tb.loads(data), half)
+
+
 def test_checksum_can_be_turned_off_and_is_then_not_checked() -> None:
     data = bytearray(tb.dumps(np.arange(100), checksum=False))
     data[-1] ^= 0xFF

@@ -1,0 +1,132 @@
+"""A socket consumer tells a producer which of its tensors it refused: its next send or flush raises `Rejected`."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trustme
+
+import tensorbus as tb
+from tensorbus.transports import reactor
+from tensorbus.transports import socket as socket_transport
+from tensorbus.transports.stream import ACK, ACK_REQUEST, HELLO, proof
+from tests.conftest import require_native
+from tests.faults import wait_for
+
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    paths = {"ca": directory / "ca.pem", "cert": directory / "server.pem"}
+    ca.cert_pem.write_to_path(paths["ca"])
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(paths["cert"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+@pytest.fixture(params=["tcp-c", "tcp-python", "unix-c", "unix-python", "tcps-python"])
+def ends(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tls: dict[str, str]
+) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """A consumer URL with its options and the producer's, read by the C stream reader or by the Python one."""
+    scheme, reader = request.param.split("-")
+    if reader == "c":
+        require_native(reactor.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
+    else:
+        monkeypatch.setattr(reactor, "READER", None)
+    if scheme == "tcps":
+        yield "tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]}, {"ssl_cafile": tls["ca"]}
+    elif scheme == "unix":
+        yield f"unix://{tmp_path}/refusals.sock", {}, {}
+    else:
+        yield "tcp://127.0.0.1:0", {}, {}
+
+
+def test_a_frame_over_the_consumers_limit_is_rejected_at_the_producers_flush(ends: Any) -> None:
+    url, consumer_options, producer_options = ends
+    with tb.Consumer(url, max_payload_bytes=4096, **consumer_options) as consumer:
+        with tb.Producer(consumer.address, **producer_options) as producer:
+            producer.send("small", np.arange(4))
+            big_id = producer.send("big", np.zeros(10_000))
+            producer.send("after", np.ones(2))
+            with pytest.raises(tb.Rejected, match=r"refused message .* \(key 'big'\): .*max_payload_bytes") as caught:
+                producer.flush(WAIT_S)
+            error = caught.value
+            assert (error.key, error.message_id) == ("big", big_id) and "max_payload_bytes" in error.reason
+            assert isinstance(error, tb.TransportError) and not error.retriable
+            producer.flush(WAIT_S)  # once per refused message; everything else was acknowledged
+            assert consumer.recv("small", timeout=WAIT_S).tolist() == [0, 1, 2, 3]
+            assert consumer.recv("after", timeout=WAIT_S).tolist() == [1.0, 1.0]
+            assert consumer.stats["rejected"] == 1  # not sent again
+
+
+def test_the_next_send_raises_once_the_producer_has_read_the_refusal_and_sends_nothing(ends: Any) -> None:
+    url, consumer_options, producer_options = ends
+    key = tb.make_key("worker", 1, "ps", "grad")
+    with tb.Consumer(url, **consumer_options) as consumer:
+        with tb.Producer(consumer.address, **producer_options) as producer:
+            producer.send(tb.make_key("worker", 2, "ps", "grad"), np.arange(2))  # the worker restarted...
+            stale_id = producer.send(key, np.arange(3))  # ... and a frame of its old incarnation comes late
+            producer.send("marker", np.ones(1))
+            assert consumer.recv("marker", timeout=WAIT_S)[0] == 1.0  # (so the refusal is on its way back)
+            sent = []
+            with pytest.raises(tb.Rejected, match="incarnation 1 of 'worker'") as caught:
+                for i in range(2 * socket_transport.READ_ACKS_EVERY):  # the producer reads acks every so many sends
+                    producer.send(f"n{i}", np.full(1, i))
+                    sent.append(i)
+            assert caught.value.message_id == stale_id and caught.value.key == key
+            producer.send("last", np.ones(1))  # raised once: sends go on
+            producer.flush(WAIT_S)
+            assert [consumer.recv(f"n{i}", timeout=WAIT_S)[0] for i in sent] == sent
+            assert consumer.recv("last", timeout=WAIT_S)[0] == 1.0
+            assert len(consumer.table) == 1  # the new incarnation's tensor: the send that raised sent nothing
+
+
+def test_a_chunked_message_the_consumer_refuses_raises_once(ends: Any) -> None:
+    url, consumer_options, producer_options = ends
+    with tb.Consumer(url, signing_key=b"k" * 32, **consumer_options) as consumer:
+        with tb.Producer(consumer.address, max_frame_bytes=16384, **producer_options) as producer:
+            message_id = producer.send("unsigned", np.zeros(20_000))  # ten chunks, none signed
+            with pytest.raises(tb.Rejected, match="unsigned") as caught:
+                producer.flush(WAIT_S)
+            assert caught.value.message_id == message_id
+            producer.flush(WAIT_S)
+
+
+def test_a_producer_that_does_not_ask_for_refusals_gets_none(caplog: pytest.LogCaptureFixture) -> None:
+    # (a producer of an older build: it would take a refusal for a broken ack)
+    caplog.set_level(logging.CRITICAL)
+    with tb.Consumer("tcp://127.0.0.1:0", max_payload_bytes=64) as consumer:
+        host, port = consumer.address.removeprefix("tcp://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+            hello = sock.recv(HELLO.size, socket.MSG_WAITALL)
+            sock.sendall(proof(None, HELLO.unpack(hello)[3]))
+            assert sock.recv(1) == b"\x01"
+            sock.sendall(bytes(tb.dumps(np.zeros(100), key="big")) + ACK_REQUEST)
+            assert ACK.unpack(sock.recv(ACK.size, socket.MSG_WAITALL)) == (1,)  # an ack, no refusal before it
+            sock.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+        assert consumer.stats["rejected"] == 1
+
+
+def test_a_message_held_for_room_and_then_refused_is_told_too(ends: Any) -> None:
+    url, consumer_options, producer_options = ends
+    newer, stale = tb.make_key("worker", 2, "ps", "grad"), tb.make_key("worker", 1, "ps", "grad")
+    with tb.Consumer(url, max_buffered_bytes=1000, **consumer_options) as consumer:
+        with tb.Producer(consumer.address, **producer_options) as producer:
+            producer.send(newer, np.zeros(200))  # fills the table
+            stale_id = producer.send(stale, np.zeros(2))  # held until there is room: then found stale
+            wait_for(lambda: consumer.transport.reactor._held, WAIT_S, "the stale tensor to be held")
+            assert consumer.recv(newer, timeout=WAIT_S).size == 200
+            with pytest.raises(tb.Rejected, match="incarnation 1 of 'worker'") as caught:
+                producer.flush(WAIT_S)
+            assert caught.value.message_id == stale_id

@@ -1,0 +1,53 @@
+"""What no consumer would take is refused at `send`, naming the problem, and nothing is sent: on
+the C path of a plain ndarray (tcp://, unix://) as on the Python path (memory://, TENSORBUS_NATIVE=0)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec.frame import DEFAULT_LIMITS, FLAG_CHECKSUM, NATIVE
+from tests.conftest import endpoint_url
+
+HUGE = "x" * (DEFAULT_LIMITS.max_header_bytes + 1)
+
+
+def sparse_written_to_after_it_was_made() -> tb.SparseTensor:
+    sparse = tb.SparseTensor([[0, 1]], [1.0], (2, 2))
+    sparse.indices[0, 0] = 5  # (its arrays are the caller's: nothing stops this)
+    return sparse
+
+
+CASES: list[tuple[str, dict[str, Any], type, str]] = [
+    ("str metadata", {"metadata": "str"}, tb.InvalidTensor, "metadata must be a dict.*got a str"),
+    ("list metadata", {"metadata": [1, 2]}, tb.InvalidTensor, "metadata must be a dict.*got a list"),
+    ("huge metadata", {"metadata": {"notes": HUGE}}, tb.LimitExceeded, "header.*exceed|max_header_bytes=1048576"),
+    ("huge key", {"key": HUGE}, tb.LimitExceeded, "max_header_bytes=1048576"),
+    ("sparse out of shape", {"tensor": sparse_written_to_after_it_was_made()}, tb.InvalidTensor, "outside dense"),
+    ("masked array", {"tensor": np.ma.array([1, 2], mask=[0, 1])}, tb.InvalidTensor, "masked array"),
+]
+
+
+@pytest.mark.parametrize("transport", ["memory", "tcp", "unix"])
+def test_a_frame_every_consumer_would_drop_is_refused_at_send_and_nothing_is_sent(transport: str) -> None:
+    with tb.Consumer(endpoint_url(transport)) as consumer, tb.Producer(consumer.address) as producer:
+        for what, case, error, needle in CASES:
+            with pytest.raises(error, match=needle):
+                producer.send(case.get("key", "bad"), case.get("tensor", np.ones(4)), metadata=case.get("metadata"))
+            assert what  # (named in the failure above by its parameters)
+        producer.send("ok", np.arange(3), metadata={"fine": True})
+        message = consumer.recv_message("ok", timeout=30)
+        assert message.tensor.tolist() == [0, 1, 2]
+        assert len(consumer.table) == 0 and consumer.stats["rejected"] == 0
+        assert consumer.stats["received"] == 1  # only the good one came
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the C codec is not built or TENSORBUS_NATIVE=0")
+def test_the_c_head_leaves_what_python_refuses_to_python() -> None:
+    array = np.ones(4)
+    assert NATIVE.ndarray_head(array, "k", {"a": 1}, ("p", 1), FLAG_CHECKSUM) is not None
+    for key, metadata in [(HUGE, None), ("k", {"notes": HUGE}), ("k", "str"), ("k", [1, 2])]:
+        assert NATIVE.ndarray_head(array, key, metadata, ("p", 1), FLAG_CHECKSUM) is None
