@@ -121,6 +121,15 @@ def _retrying(attempt: Callable[[], _T], deadline: float, where: str) -> _T:
             time.sleep(0.5)
 
 
+def _check_min_insync(min_insync: int | None, replicas: int) -> None:
+    """Refuse a topic whose writes could never be acknowledged: more in-sync replicas required than it has."""
+    if min_insync is not None and min_insync > replicas:
+        raise ConfigError(
+            f"min_insync_replicas={min_insync} exceeds the topic's {replicas} replica(s) (replication_factor): "
+            "no write to it could ever be acknowledged"
+        )
+
+
 def _ask(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -> bytes:
     """Send ApiVersions to host:port (inside TLS with `context`): the reply's first 8 bytes, fewer if it hangs up."""
     with socket.create_connection((host, port), timeout) as raw:
@@ -261,11 +270,8 @@ class KafkaTransport(Transport):
             o[name] = None if o[name] is None else str(o[name])  # (a URL query turns "1234" into a number)
         for name in ("replication_factor", "min_insync_replicas"):  # (no default to take the type from)
             o[name] = _count(name, o[name])
-        if o["replication_factor"] and o["min_insync_replicas"] and o["min_insync_replicas"] > o["replication_factor"]:
-            raise ConfigError(
-                f"min_insync_replicas={o['min_insync_replicas']} exceeds replication_factor={o['replication_factor']}: "
-                "no write to such a topic could ever be acknowledged"
-            )
+        if o["replication_factor"]:  # (else checked when the topic is created, against the replicas it gets)
+            _check_min_insync(o["min_insync_replicas"], o["replication_factor"])
         if o["delivery_timeout_s"] < 1:
             raise ConfigError(f"delivery_timeout_s must be at least 1 second, got {o['delivery_timeout_s']!r}")
         self.group: str = o["group"] or f"tensorbus-{self.topic}"
@@ -374,6 +380,7 @@ class KafkaTransport(Transport):
                 f"cannot create {self._shown} with replication_factor={replicas}: the cluster has {brokers} live "
                 "broker(s)"
             )
+        _check_min_insync(min_insync, replicas)
         configs = {} if min_insync is None else {"min.insync.replicas": str(min_insync)}
         spec = {"num_partitions": o["partitions"], "replication_factor": replicas, "configs": configs}
         admin.create_topics({self.topic: spec})

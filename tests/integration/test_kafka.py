@@ -202,7 +202,7 @@ def test_configuration_errors_are_clear(url: str) -> None:
         tb.Producer(KAFKA_URL)
     with pytest.raises(tb.ConfigError, match="max_request_size"):
         tb.Producer(url, max_frame_bytes=2_000_000)  # over kafka-python's default max_request_size
-    with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=3 exceeds replication_factor=2"):
+    with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=3 exceeds the topic's 2 replica"):
         tb.Producer(f"{url}?replication_factor=2&min_insync_replicas=3")
     for bad in ("replication_factor=0", "replication_factor=two", "min_insync_replicas=-1"):
         with pytest.raises(tb.ConfigError, match="whole number of 1 or more"):
@@ -252,6 +252,9 @@ def test_a_new_topic_gets_as_many_replicas_as_live_brokers_and_no_more(url: str)
         with pytest.raises(tb.TransportError, match=r"replication_factor=3: the cluster has 1 live broker") as info:
             producer.send("t", np.arange(3))
         assert not info.value.retriable
+    with tb.Producer(f"{url}-misr2?min_insync_replicas=2") as producer:  # on the one replica a broker allows
+        with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=2 exceeds the topic's 1 replica"):
+            producer.send("t", np.arange(3))
 
 
 def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes() -> None:
