@@ -6,7 +6,9 @@ out through the idempotent producer with `acks=all`; `send` only queues them, `f
 acks and raises the first failure. The consumer, a consumer-group member on one thread (kafka-python's
 consumer is not thread-safe), commits a partition only up to the first record of a tensor whose
 chunks are incomplete: a consumer that dies loses nothing, its successor re-reads from there, and
-the duplicates are dropped above this layer.
+the duplicates are dropped above this layer. A URL may list several brokers; topics this transport
+creates are replicated (`replication_factor`, `min_insync_replicas`), and a record is retried, across a
+leader election for one, until `delivery_timeout_s`.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _count(name: str, value: Any) -> int | None:
     if value is None:
         return None
     try:
-        count = int(value) if isinstance(value, str) and not isinstance(value, bool) else value
+        count = int(value) if isinstance(value, str) else value
     except ValueError:
         count = None
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
