@@ -8,6 +8,7 @@
 #   bash scripts/brokers.sh cluster up|down|status [rabbitmq|kafka]   the three-node clusters, beside the above
 #   bash scripts/brokers.sh cluster kill|start NODE   SIGKILL a node / start it again (returns once it rejoined);
 #                                                     NODE is rabbit1..3 or kafka1..3
+#   bash scripts/brokers.sh cluster leader QUEUE      the RabbitMQ node that leads a quorum queue
 #
 # Listeners: RabbitMQ AMQP 5672 and AMQPS (TLS) 5671, guest/guest. Kafka PLAINTEXT 9092, SSL 9093,
 # SASL_SSL 9094 (PLAIN, SCRAM-SHA-256, SCRAM-SHA-512: user tensorbus, password tensorbus-secret),
@@ -228,7 +229,8 @@ cluster() {  # cluster VERB [rabbitmq|kafka|NODE]: rmq_cluster_VERB and kafka_cl
       args=("$what")
       case $what in rabbit[1-3]) prefixes=(rmq) ;; kafka[1-3]) prefixes=(kafka) ;;
         *) die "cluster $verb needs a node: rabbit1..3 or kafka1..3, not '$what'" ;; esac ;;
-    *) die "unknown cluster command '$verb' (up|down|status|kill NODE|start NODE)" ;;
+    leader) [[ -n ${2:-} ]] || die "cluster leader needs a queue name"; rmq_cluster_leader "$2"; return ;;
+    *) die "unknown cluster command '$verb' (up|down|status|kill NODE|start NODE|leader QUEUE)" ;;
   esac
   local prefix
   for prefix in "${prefixes[@]}"; do

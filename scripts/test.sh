@@ -15,8 +15,10 @@ if [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && [ -f scripts/brokers.sh ]; 
     docker compose up -d --wait
     trap 'docker compose down' EXIT
   else
+    trap 'bash scripts/brokers.sh cluster down; bash scripts/brokers.sh down' EXIT
     bash scripts/brokers.sh up
-    trap 'bash scripts/brokers.sh down' EXIT
+    # the three-node clusters of the node-loss tests (marked `cluster`), beside the single nodes
+    TENSORBUS_PYTHON=.venv/bin/python bash scripts/brokers.sh cluster up
   fi
 fi
 

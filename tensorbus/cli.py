@@ -34,7 +34,8 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
         type=seconds,
         default=None,
         help="seconds to keep trying to reach the consumer and have the tensor confirmed "
-        "(bounds connect_timeout_s, reconnect_timeout_s and send_timeout_s; default: theirs, and 60 s to confirm)",
+        "(bounds connect_timeout_s, reconnect_timeout_s, send_timeout_s and confirm_timeout_s; default: theirs, "
+        "and 60 s to confirm)",
     )
     send.set_defaults(run=c.send)
 

@@ -99,7 +99,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 #: what `send --timeout` bounds, where the transport has the option: an attempt, the retries, a blocked send
-SEND_TIMEOUTS = ("connect_timeout_s", "reconnect_timeout_s", "send_timeout_s")
+SEND_TIMEOUTS = ("connect_timeout_s", "reconnect_timeout_s", "send_timeout_s", "confirm_timeout_s")
 
 
 def _bounded_by(url: str, timeout: float | None) -> dict[str, float]:

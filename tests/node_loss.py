@@ -99,6 +99,8 @@ def _produce(url: str, options: dict[str, Any], plan: list[int], window: Any, ev
                 array = _tensor(pool, index, nbytes)
                 producer.send(KEY, array, metadata={"i": index, "crc": crc32c.crc32c(array)})
                 sent += 1
+                if sent % 50 == 0:
+                    events.put(("sent", sent))
             producer.flush(timeout=max(1.0, deadline - time.monotonic()))
             producer.send(END_KEY, np.zeros(1, np.uint8), metadata={"end": True})
             producer.flush(timeout=max(1.0, deadline - time.monotonic()))
@@ -197,6 +199,8 @@ def run(
                 received += 1
                 corrupted += not intact
                 times.append(at)
+            elif kind == "sent":
+                sent = event[1]
             elif kind == "producer-done":
                 producer_done, sent, producer_error = True, event[1], event[2]
                 if producer_error is not None:

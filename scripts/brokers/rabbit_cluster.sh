@@ -112,6 +112,7 @@ rmq_cluster_up() {  # three nodes, one cluster, a quorum queue served: wipes dat
   local node all=1 t0=$SECONDS
   for node in "${RMQC_NODES[@]}"; do pid_alive "$RMQC/$node/rabbitmq.pid" || all=0; done
   if ((all)); then log "RabbitMQ cluster already running"; rmqc_probe; return 0; fi
+  rmq_install   # (from brokers.sh: Debian's rabbitmq-server, once)
   rmq_cluster_down
   trap 'log "stopping the RabbitMQ cluster again"; rmq_cluster_down' EXIT   # whatever fails below
   [[ ${TENSORBUS_KEEP_DATA:-0} == 1 ]] || rm -rf "$RMQC/home" "${RMQC_NODES[@]/#/$RMQC/}"
@@ -168,4 +169,15 @@ rmq_cluster_start() {  # start a node again with its data: returns once it runs 
   rmqc_launch "$node"; rmqc_await "$node"
   rmqc_await_members "$node" 3
   log "RabbitMQ node $node rejoined the cluster in $((SECONDS - t0))s"
+}
+
+rmq_cluster_leader() {  # rmq_cluster_leader QUEUE: the node that leads the quorum queue (rabbit1..3)
+  local node
+  for node in "${RMQC_NODES[@]}"; do
+    pid_alive "$RMQC/$node/rabbitmq.pid" || continue
+    rmqc_ctl "$node" -q list_queues name leader --formatter json \
+      | python3 -c 'import json, sys; print(*[q["leader"].split("@")[0] for q in json.load(sys.stdin) if q["name"] == sys.argv[1]])' "$1"
+    return
+  done
+  die "no RabbitMQ cluster node is running"
 }

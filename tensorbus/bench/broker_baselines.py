@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,11 +88,14 @@ class PikaLink(_ChunkedLink):
         self.tx: Any = None
         self.inbox: collections.deque[tuple[int, dict[str, Any], bytes]] = collections.deque()
         self.queues: list[str] = []
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(spec["url"]).query)
+        queue_type = query.get("queue_type", ["quorum"])[-1]  # tensorbus's default (pika-classic: classic)
+        self.arguments = None if queue_type == "classic" else {"x-queue-type": queue_type}
 
     def open(self) -> str:
         self.rx = self.pika.BlockingConnection(self.params)
         channel = self.rx.channel()
-        channel.queue_declare(self.name, durable=True)
+        channel.queue_declare(self.name, durable=True, arguments=self.arguments)
         self.queues.append(self.name)
         channel.basic_qos(prefetch_count=AMQP_PREFETCH)
         channel.basic_consume(
@@ -104,7 +108,7 @@ class PikaLink(_ChunkedLink):
         self.tx = self.pika.BlockingConnection(self.params)
         self.tx_channel = self.tx.channel()
         self.tx_channel.confirm_delivery()
-        self.tx_channel.queue_declare(address, durable=True)
+        self.tx_channel.queue_declare(address, durable=True, arguments=self.arguments)
         self.tx_queue = address
 
     def send(self, array: np.ndarray, index: int) -> None:

@@ -25,12 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     add = parser.add_argument
-    add("--transports", metavar="LIST", help="names or URLs: memory,tcp,unix,amqp,kafka (default: all)")
+    add(
+        "--transports",
+        metavar="LIST",
+        help="names or URLs: memory,tcp,unix,amqp,kafka, amqp-quorum,amqp-classic (default: the first five)",
+    )
     add("--sizes", metavar="LIST", help="tensor sizes, binary units (default: 4KB,64KB,1MB,16MB,256MB)")
     add("--dtype", help="element type of the tensors (default: float32)")
     add("--repeats", "--rounds", dest="repeats", type=int, metavar="N", help="timed rounds per cell (median)")
     add("--budget-s", type=float, metavar="S", help="time budget per (method, size) cell, warm-up included")
-    add("--baselines", metavar="LIST", help="socket,zmq,pickle,pika,kafka-python, auto (default) or none")
+    add("--baselines", metavar="LIST", help="socket,zmq,pickle,pika,pika-classic,kafka-python, auto (default) or none")
     add("--latency-sizes", metavar="LIST", help="sizes for round trips (default: 4KB)")
     add("--warmup-s", type=float, metavar="S", help="untimed traffic per cell before timing")
     add("--round-s", type=float, metavar="S", help="target length of a timed round")

@@ -14,14 +14,22 @@ import tomllib
 from ..errors import ConfigError
 
 TRANSPORTS = ("memory", "tcp", "unix", "amqp", "kafka")
+#: rows that are a transport with options: name -> (transport, options as a URL query)
+VARIANTS: dict[str, tuple[str, str]] = {
+    "amqp-quorum": ("amqp", "queue_type=quorum"),
+    "amqp-classic": ("amqp", "queue_type=classic"),
+}
 #: baseline name -> the transport families it stands in for
 BASELINES: dict[str, tuple[str, ...]] = {
     "socket": ("memory", "tcp", "unix"),
     "zmq": ("memory", "tcp", "unix"),
     "pickle": ("memory", "tcp", "unix"),
-    "pika": ("amqp",),
+    "pika": ("amqp", "amqp-quorum"),
+    "pika-classic": ("amqp-classic",),
     "kafka-python": ("kafka",),
 }
+#: baselines that are another baseline on a differently declared queue: name -> URL query
+BASELINE_QUERY = {"pika-classic": "queue_type=classic"}
 VERIFY_MODES = ("crc32c", "index")
 DEFAULT_CONFIG = Path("config/bench.toml")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
@@ -103,8 +111,9 @@ class BenchConfig:
             raise ConfigError("no transports to benchmark")
         for name in self.transports:
             scheme = name.partition("://")[0] if "://" in name else name
-            if scheme not in TRANSPORTS:
-                raise ConfigError(f"unknown transport {name!r}; known: {', '.join(TRANSPORTS)} (or a URL of one)")
+            if scheme not in TRANSPORTS and name not in VARIANTS:
+                known = ", ".join([*TRANSPORTS, *VARIANTS])
+                raise ConfigError(f"unknown transport {name!r}; known: {known} (or a URL of one)")
         if not self.sizes:
             raise ConfigError("no tensor sizes given")
         try:
@@ -133,6 +142,7 @@ class BenchConfig:
     def chosen_baselines(self) -> list[str]:
         """The baselines to run: "auto" picks those whose transport family is benchmarked."""
         families = {name.partition("://")[0] if "://" in name else name for name in self.transports}
+        families |= {VARIANTS[name][0] for name in self.transports if name in VARIANTS}
         chosen: list[str] = []
         for name in self.baselines:
             if name == "none":

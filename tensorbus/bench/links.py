@@ -157,6 +157,7 @@ IMPLEMENTATIONS = {
     "zmq": "tensorbus.bench.baselines:ZmqLink",
     "pickle": "tensorbus.bench.baselines:PickleLink",
     "pika": "tensorbus.bench.broker_baselines:PikaLink",
+    "pika-classic": "tensorbus.bench.broker_baselines:PikaLink",
     "kafka-python": "tensorbus.bench.broker_baselines:KafkaLink",
 }
 

@@ -10,38 +10,58 @@ import sys
 from typing import Any
 
 from . import brokers
-from .config import BenchConfig
+from .config import BASELINE_QUERY, VARIANTS, BenchConfig
 from .results import Method
 
 AMQP_CHUNK_BYTES = 16 * 1024 * 1024 - 4096  # the tensorbus amqp transport's default max_frame_bytes
 KAFKA_CHUNK_BYTES = 1024 * 1024 - 4096  # used only when the tensorbus kafka transport cannot say
-_COMPARE = {"tcp": ["socket", "zmq"], "unix": ["socket", "zmq"], "amqp": ["pika"], "kafka": ["kafka-python"]}
-_BASELINE_FAMILY = {"socket": "tcp", "zmq": "tcp", "pickle": "tcp", "pika": "amqp", "kafka-python": "kafka"}
-_BASELINE_MODULE = {"zmq": "zmq", "pika": "pika", "kafka-python": "kafka"}
+#: by row name first, then by transport family
+_COMPARE = {
+    "tcp": ["socket", "zmq"],
+    "unix": ["socket", "zmq"],
+    "amqp": ["pika"],
+    "kafka": ["kafka-python"],
+    "amqp-quorum": ["pika"],
+    "amqp-classic": ["pika-classic"],
+}
+_BASELINE_FAMILY = {
+    "socket": "tcp",
+    "zmq": "tcp",
+    "pickle": "tcp",
+    "pika": "amqp",
+    "pika-classic": "amqp",
+    "kafka-python": "kafka",
+}
+_BASELINE_MODULE = {"zmq": "zmq", "pika": "pika", "pika-classic": "pika", "kafka-python": "kafka"}
 
 
 def plan(cfg: BenchConfig) -> list[Method]:
     """Every requested transport and baseline, with the reason when one cannot run here."""
     methods: list[Method] = []
     urls: dict[str, str] = {"tcp": "tcp://127.0.0.1:0", "amqp": cfg.amqp_url, "kafka": cfg.kafka_url}
-    families = []
+    names = []
     for entry in cfg.transports:
-        family = entry.partition("://")[0] if "://" in entry else entry
-        families.append(family)
-        url = entry if "://" in entry else _default_url(family, cfg)
-        if family in ("tcp", "amqp", "kafka") and "://" in entry:
-            urls[family] = entry
-        methods.append(Method(family, "tensorbus", "tensorbus", family, url, in_process=family == "memory"))
+        if entry in VARIANTS:
+            family, query = VARIANTS[entry]
+            url = _with_query(_default_url(family, cfg), query)
+        else:
+            family = entry.partition("://")[0] if "://" in entry else entry
+            url = entry if "://" in entry else _default_url(family, cfg)
+            if family in ("tcp", "amqp", "kafka") and "://" in entry:
+                urls[family] = entry
+        name = entry if entry in VARIANTS else family
+        names.append(name)
+        methods.append(Method(name, "tensorbus", "tensorbus", family, url, in_process=family == "memory"))
     for method in methods:  # the same transport twice (two URLs): name them by URL
-        if families.count(method.family) > 1:
+        if names.count(method.name) > 1:
             method.name = method.url
     for name in cfg.chosen_baselines():
         family = _BASELINE_FAMILY[name]
-        methods.append(Method(name, "baseline", name, family, urls[family]))
+        methods.append(Method(name, "baseline", name, family, _with_query(urls[family], BASELINE_QUERY.get(name, ""))))
     chosen = {m.name for m in methods if m.kind == "baseline"}
     for method in methods:
         if method.kind == "tensorbus":
-            method.compare = [b for b in _COMPARE.get(method.family, []) if b in chosen]
+            method.compare = [b for b in _COMPARE.get(method.name, _COMPARE.get(method.family, [])) if b in chosen]
         check(method)
     return methods
 
@@ -80,6 +100,13 @@ def _default_url(family: str, cfg: BenchConfig) -> str:
         "amqp": cfg.amqp_url,
         "kafka": cfg.kafka_url,
     }[family]
+
+
+def _with_query(url: str, query: str) -> str:
+    """`url` with `query` added to its query string."""
+    if not query:
+        return url
+    return url + ("&" if "?" in url else "?") + query
 
 
 def _transport_option(url: str, name: str) -> Any:

@@ -14,11 +14,14 @@ COLORS = {
     "tcp": "#1f77b4",
     "unix": "#2ca02c",
     "amqp": "#ff7f0e",
+    "amqp-quorum": "#ff7f0e",
+    "amqp-classic": "#bcbd22",
     "kafka": "#d62728",
     "socket": "#17becf",
     "zmq": "#9467bd",
     "pickle": "#8c564b",
     "pika": "#e3a857",
+    "pika-classic": "#c49a6c",
     "kafka-python": "#e377c2",
 }
 

@@ -19,7 +19,8 @@ DISPLAY = {
     "socket": "bare socket",
     "zmq": "pyzmq",
     "pickle": "pickle5",
-    "pika": "raw pika",
+    "pika": "raw pika (quorum queue)",
+    "pika-classic": "raw pika (classic queue)",
     "kafka-python": "raw kafka-python",
 }
 
@@ -143,7 +144,10 @@ def targets(results: Results) -> list[Target]:
               lambda v: v > 1.0),
         judge("tcp 4KB round trip (p50) ≤ 1.5x bare socket's", "tcp", "socket", "latency", ["4KB"],
               lambda v: v <= 1.5),
-        judge("amqp ≥ 0.9x raw pika from 1MB", "amqp", "pika", "throughput", from_size("1MB"), lambda v: v >= 0.9),
+        judge("amqp ≥ 0.9x raw pika on a quorum queue from 1MB", "amqp", "pika", "throughput", from_size("1MB"),
+              lambda v: v >= 0.9),
+        judge("amqp-quorum ≥ 0.9x raw pika on a quorum queue from 1MB", "amqp-quorum", "pika", "throughput",
+              from_size("1MB"), lambda v: v >= 0.9),
         judge("kafka ≥ 0.9x raw kafka-python from 1MB", "kafka", "kafka-python", "throughput", from_size("1MB"),
               lambda v: v >= 0.9),
     ]  # fmt: skip

@@ -1,9 +1,13 @@
-"""`amqp://user:pass@host:port/vhost?queue=NAME` (and `amqps://`): tensors through a RabbitMQ queue.
+"""`amqp://user:pass@host:port[,host:port...]/vhost?queue=NAME` (and `amqps://`): tensors through a RabbitMQ queue.
 
 Each frame (or chunk frame) is one persistent message on the endpoint's durable queue, published
 with confirms. The consumer acks a message only once its whole tensor reached the rendezvous
 table, so a consumer that dies loses nothing: the broker redelivers to its successor, and
 redelivered duplicates are dropped by message id above this layer.
+
+A URL may name several nodes of a cluster: connections go to the first that answers and, when
+it is lost, to the next. A queue that exists is used as it is (a passive declare finds it); a
+missing one is declared as `queue_type` (quorum, classic or stream).
 
 pika is not thread-safe and only answers heartbeats while its thread is inside pika, so every
 connection lives on an I/O thread of its own; the application talks to it through queues and
@@ -14,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import ssl
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -26,16 +28,17 @@ import pika
 import pika.exceptions as px
 from pika.adapters.utils import connection_workflow as workflow
 
-from ..codec.frame import Buffer, Limits, MessageId
+from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, backoff_s
+from .rabbitmq_consumer import QueueConsumer, stream_offset
 from .rabbitmq_publisher import Publisher
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/vnd.tensorbus.frame"
-_STOP = object()
 #: AMQP carries prefetch_count in 16 bits
 MAX_PREFETCH = 65535
+QUEUE_TYPES = ("quorum", "classic", "stream")
 
 
 class _Fatal(TransportError):
@@ -74,6 +77,8 @@ class RabbitMQTransport(Transport):
     persists = True
     OPTIONS: ClassVar[dict[str, Any]] = {
         "queue": None,
+        "queue_type": "quorum",
+        "offset": None,
         "max_frame_bytes": 16 * 1024 * 1024 - 4096,
         "durable": True,
         "persistent": True,
@@ -81,6 +86,7 @@ class RabbitMQTransport(Transport):
         "heartbeat_s": 30,
         "connect_timeout_s": 10.0,
         "reconnect_timeout_s": 60.0,
+        "confirm_timeout_s": 60.0,
         "max_pending_bytes": 256 * 1024 * 1024,
         "ssl_cafile": None,
         "ssl_certfile": None,
@@ -98,32 +104,57 @@ class RabbitMQTransport(Transport):
             raise ConfigError(
                 f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {options['prefetch_count']}"
             )
+        if options["queue_type"] not in QUEUE_TYPES:
+            raise ConfigError(f"queue_type must be one of {', '.join(QUEUE_TYPES)}, got {options['queue_type']!r}")
+        if options["queue_type"] != "classic" and not options["durable"]:
+            raise ConfigError(
+                f"a {options['queue_type']} queue is always durable: durable=False needs queue_type=classic"
+            )
+        if options["offset"] is not None and options["queue_type"] != "stream":
+            raise ConfigError("offset is a position in a stream: it needs queue_type=stream")
+        self.offset = stream_offset(options["offset"]) if options["queue_type"] == "stream" else None
         self.queue: str = options["queue"]
-        self.shown = f"{url.scheme}://{url.hostname}:{url.port or 5672}{url.path or '/'}?queue={self.queue}"
-        self.params = self._parameters()
+        self.hosts = _hosts(url)
+        self.shown = f"{url.scheme}://{','.join(f'{h}:{p}' for h, p in self.hosts)}{url.path or '/'}?queue={self.queue}"
+        self._params = [self._parameters(host, port) for host, port in self.hosts]
+        self._host = 0  # the node connections go to now
+        self._failed = 0  # nodes that failed in a row
         self.content_type = CONTENT_TYPE
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._error: TransportError | None = None
         self._publisher: Publisher | None = None
+        self.consumer: QueueConsumer | None = None
 
     @property
     def address(self) -> str:
         return urllib.parse.urlunsplit(self.url._replace(query=f"queue={urllib.parse.quote(self.queue)}"))
 
-    def _parameters(self) -> pika.ConnectionParameters:
+    @property
+    def params(self) -> pika.ConnectionParameters:
+        """The connection parameters of the node to connect to now."""
+        return self._params[self._host]
+
+    def connected(self) -> None:
+        """A connection to the current node is up: the next failure starts a new round of the nodes."""
+        self._failed = 0
+
+    def fail_over(self) -> bool:
+        """The current node failed: move to the next one; True once every node failed in this round (back off)."""
+        self._host = (self._host + 1) % len(self._params)
+        self._failed += 1
+        return self._failed % len(self._params) == 0
+
+    def _parameters(self, host: str, port: int | None) -> pika.ConnectionParameters:
         url, o = self.url, self.options
         ssl_options = None
         if url.scheme == "amqps":
             context = ssl.create_default_context(cafile=o["ssl_cafile"])
             if o["ssl_certfile"]:
                 context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"])
-            ssl_options = pika.SSLOptions(context, url.hostname)
+            ssl_options = pika.SSLOptions(context, host)
         vhost = urllib.parse.unquote(url.path[1:]) if len(url.path) > 1 else "/"
+        user, _, password = url.netloc.rpartition("@")[0].partition(":")
         return pika.ConnectionParameters(
-            host=url.hostname or "127.0.0.1",
-            port=url.port or (5671 if ssl_options else 5672),
+            host=host,
+            port=port or (5671 if ssl_options else 5672),
             virtual_host=vhost,
             ssl_options=ssl_options,
             heartbeat=o["heartbeat_s"],
@@ -132,39 +163,59 @@ class RabbitMQTransport(Transport):
             stack_timeout=o["connect_timeout_s"] * 2,
             connection_attempts=1,
             credentials=pika.PlainCredentials(
-                urllib.parse.unquote(url.username or "guest"), urllib.parse.unquote(url.password or "guest")
+                urllib.parse.unquote(user or "guest"), urllib.parse.unquote(password or "guest")
             ),
         )
 
-    def _connect(self) -> tuple[pika.BlockingConnection, Any]:
-        """Open a connection and a confirming channel with the endpoint's queue declared, retrying with backoff."""
+    @property
+    def arguments(self) -> dict[str, Any] | None:
+        """The arguments a missing queue is declared with (its type)."""
+        queue_type = self.options["queue_type"]
+        return None if queue_type == "classic" else {"x-queue-type": queue_type}
+
+    def channel(self, connection: pika.BlockingConnection) -> Any:
+        """A channel on `connection` with the endpoint's queue there: found by a passive declare, else declared."""
+        channel = connection.channel()
+        try:
+            channel.queue_declare(self.queue, passive=True)
+            return channel
+        except px.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:
+                raise
+        channel = connection.channel()
+        self.declare(channel)
+        return channel
+
+    def declare(self, channel: Any, **callback: Any) -> None:
+        """Declare the endpoint's queue as `queue_type` on a blocking channel, or on an async one with `callback=`."""
+        channel.queue_declare(self.queue, durable=self.options["durable"], arguments=self.arguments, **callback)
+
+    def connect(self, stop: Any) -> tuple[pika.BlockingConnection, Any]:
+        """Open a connection to the first node that answers and a channel with the queue, retrying with backoff."""
         deadline = time.monotonic() + self.options["reconnect_timeout_s"]
-        for delay in backoff_s(0.1, 2.0):
+        delays = backoff_s(0.1, 2.0)
+        while True:
             try:
                 with map_errors(self.shown):
                     connection = pika.BlockingConnection(self.params)
-                    channel = connection.channel()
-                    self.declare(channel)
+                    try:
+                        channel = self.channel(connection)
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            connection.close()
+                        raise
+                    self.connected()
                     return connection, channel
             except _Fatal:
                 raise
             except TransportError as exc:
-                if self._stop.is_set() or time.monotonic() + delay > deadline:
+                if not self.fail_over():
+                    continue  # the next node, at once
+                delay = next(delays)
+                if stop.is_set() or time.monotonic() + delay > deadline:
                     raise
                 log.info("%s; retrying in %.1fs", exc, delay)
                 time.sleep(delay)
-        raise AssertionError("unreachable")
-
-    def _start(self, target: Any, *args: Any) -> None:
-        """Run `target` on the I/O thread and wait until it is connected (or failed to connect)."""
-        self._thread = threading.Thread(target=target, args=args, daemon=True, name=f"tensorbus-amqp-{self.queue}")
-        self._thread.start()
-        o = self.options
-        if not self._ready.wait(o["reconnect_timeout_s"] + 3 * o["connect_timeout_s"]):
-            self._stop.set()
-            raise TransportError(f"RabbitMQ at {self.shown} did not answer in time")
-        if self._error is not None:
-            raise self._error
 
     # -- producer side -------------------------------------------------------------------------------
 
@@ -178,10 +229,6 @@ class RabbitMQTransport(Transport):
         """Wait until the broker has confirmed every queued frame; raise the first failure."""
         if self._publisher is not None:
             self._publisher.flush(timeout)
-
-    def declare(self, channel: Any, **callback: Any) -> None:
-        """Declare the endpoint's queue on a blocking channel, or on an async one with `callback=`."""
-        channel.queue_declare(self.queue, durable=self.options["durable"], **callback)
 
     def as_error(self, exc: BaseException) -> TransportError:
         """The tensorbus error for a pika exception, as `map_errors` translates it."""
@@ -205,119 +252,30 @@ class RabbitMQTransport(Transport):
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Consume the queue on an I/O thread; a worker thread delivers and posts acks back."""
-        inbox: queue.Queue[Any] = queue.Queue()
-        self._worker = threading.Thread(
-            target=self._work, args=(inbox, deliver), daemon=True, name=f"tensorbus-amqp-deliver-{self.queue}"
-        )
-        self._worker.start()
-        self._inbox = inbox
-        self._start(self._consume_loop, inbox)
-
-    def _consume_loop(self, inbox: queue.Queue[Any]) -> None:
-        generation = 0
-        while not self._stop.is_set():
-            try:
-                with map_errors(self.shown):
-                    connection, channel = self._connect()
-                    generation += 1
-                    self._connection, self._channel, self._generation = connection, channel, generation
-                    self._pending_chunks = 0
-                    self._window = self.options["prefetch_count"]
-                    self._cancelled = False
-                    channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
-                    channel.basic_qos(prefetch_count=self._window, global_qos=True)
-                    channel.basic_consume(
-                        self.queue,
-                        lambda ch, method, props, body, g=generation: inbox.put((g, method.delivery_tag, body)),
-                    )
-                    self._ready.set()
-                    while not self._stop.is_set():
-                        connection.process_data_events(time_limit=0.2)
-                        if self._cancelled:  # the queue was deleted: declare it again on a new connection
-                            raise TransportError(f"RabbitMQ cancelled the consumer of {self.shown}")
-                    connection.process_data_events(time_limit=0)  # the acks `close` waited for go out
-            except Exception as exc:  # whatever failed, reconnect: a dead I/O thread would stop all delivery
-                if not isinstance(exc, TransportError):
-                    log.exception("the RabbitMQ consumer thread of %s failed", self.shown)
-                error = self.as_error(exc)
-                if not self._ready.is_set():
-                    self._error = error
-                    self._ready.set()
-                    return
-                if not self._stop.is_set():
-                    log.warning("%s; reconnecting (unacked messages will be redelivered)", error)
-                    with contextlib.suppress(Exception):
-                        self._connection.close()
-        with contextlib.suppress(Exception):
-            self._connection.close()
-
-    def _work(self, inbox: queue.Queue[Any], deliver: Deliver) -> None:
-        """Deliver each message; ack every message of a tensor once the tensor is complete."""
-        waiting: dict[MessageId | None, list[tuple[int, int]]] = {}
-        while True:
-            try:
-                item = inbox.get(timeout=1.0)
-            except queue.Empty:
-                item = None
-            for message_id in [m for m in waiting if not deliver.is_pending(m)]:
-                held = waiting.pop(message_id)  # expired: the tensor was given up on, its chunks go
-                self._call(self._ack, held, len(held))
-            if item is None:
-                continue
-            if item is _STOP:
-                return
-            generation, tag, body = item
-            result = deliver(body)
-            if result.turned_away:  # aborted: take nothing more; what is unacked goes back to the queue
-                self._stop.set()  # the I/O thread closes the connection (after the acks posted before this)
-                return
-            if not result.done:
-                waiting.setdefault(result.message_id, []).append((generation, tag))
-                self._call(self._grow_window, 1, generation)
-                continue
-            held = waiting.pop(result.message_id, [])
-            self._call(self._ack, [*held, (generation, tag)], len(held))
-
-    def _call(self, fn: Any, *args: Any) -> None:
-        with contextlib.suppress(Exception):  # connection gone: unacked messages come back anyway
-            self._connection.add_callback_threadsafe(lambda: fn(*args))
-
-    def _grow_window(self, delta: int, generation: int) -> None:
-        """Keep the prefetch window above the chunks held for incomplete tensors, so they cannot starve it.
-
-        Only chunks of the current channel count (`generation`): after a reconnect the broker
-        redelivers the older ones, which are counted again as they come. `basic_qos` is a synchronous
-        round trip to the broker (measured: over half the consumer's time when it ran once per held
-        chunk of a 256 MB tensor), so the window moves in steps of half `prefetch_count` and shrinks
-        only once it is two steps too large; AMQP caps it at 65535.
-        """
-        if generation != self._generation:
-            return
-        self._pending_chunks = max(0, self._pending_chunks + delta)
-        needed = self.options["prefetch_count"] + self._pending_chunks
-        step = max(1, self.options["prefetch_count"] // 2)
-        if needed > self._window or needed + 2 * step <= self._window:
-            self._window = min(-(-needed // step) * step, MAX_PREFETCH)
-            self._channel.basic_qos(prefetch_count=self._window, global_qos=True)
-
-    def _ack(self, tags: list[tuple[int, int]], released: int) -> None:
-        """Ack the tags of the current channel (older ones were requeued); the first `released` were held chunks."""
-        for generation, tag in tags:
-            if generation == self._generation:
-                self._channel.basic_ack(tag)
-        held_here = sum(generation == self._generation for generation, _ in tags[:released])
-        if held_here:
-            self._grow_window(-held_here, self._generation)
+        self.consumer = QueueConsumer(self, deliver)
+        o = self.options
+        if not self.consumer.ready.wait(o["reconnect_timeout_s"] + 3 * o["connect_timeout_s"]):
+            self.consumer.stop.set()
+            raise TransportError(f"RabbitMQ at {self.shown} did not answer in time")
+        if self.consumer.error is not None:
+            self.consumer.close()  # (its worker thread)
+            raise self.consumer.error
 
     def close(self) -> None:
         """Stop the I/O thread(s); the publisher first publishes what is queued, the consumer acks what it delivered."""
         if self._publisher is not None:
             self._publisher.close(timeout=30)
-        if self._thread is None:
-            return
-        if self._ready.is_set():
-            self._inbox.put(_STOP)
-            self._worker.join(timeout=10)  # its last acks are posted before the I/O thread stops
-        self._stop.set()
-        self._thread.join(timeout=30)
-        self._thread = None
+        if self.consumer is not None:
+            self.consumer.close()
+
+
+def _hosts(url: urllib.parse.SplitResult) -> list[tuple[str, int | None]]:
+    """The (host, port) pairs of a URL's comma-separated node list."""
+    hosts = []
+    for item in url.netloc.rpartition("@")[2].split(","):
+        try:
+            parts = urllib.parse.urlsplit(f"//{item.strip()}")
+            hosts.append((parts.hostname or "127.0.0.1", parts.port))
+        except ValueError as exc:
+            raise ConfigError(f"bad host:port {item!r} in an amqp URL: {exc}") from None
+    return hosts

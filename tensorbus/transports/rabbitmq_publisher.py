@@ -5,7 +5,10 @@ message. This publisher runs a `SelectConnection` on a thread of its own and kee
 IN_FLIGHT_BYTES unconfirmed (measured on the native broker: 64 KB messages 4x, 1 MB 1.6x and
 16 MB chunks 1.2x the blocking rate; sixteen 16 MB chunks in flight were slower than one).
 Messages are confirmed in any order the broker likes; after a lost connection or channel every
-unconfirmed one is published again (duplicates are dropped by message id on the consumer side).
+unconfirmed one is published again (duplicates are dropped by message id on the consumer side),
+through the next node of the URL when it names several. When no confirm comes for
+`confirm_timeout_s` (e.g. a quorum queue that lost the majority of its nodes cannot take
+messages), `send` and `flush` raise instead of waiting on.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Publisher:
         self._pending = threading.Condition()
         self._pending_bytes = 0
         self._unconfirmed = 0
+        self._progress_at = time.monotonic()  # when the last confirm came (or the first unconfirmed frame went)
         self._error: TransportError | None = None
         self._returned: TransportError | None = None  # an unroutable message, reported with its confirm
         self._connection: pika.SelectConnection | None = None
@@ -57,6 +61,9 @@ class Publisher:
         self._wake_posted: pika.SelectConnection | None = None  # the connection a wake-up is posted to
         self._open_error: BaseException | None = None  # why the connection ended (or never opened)
         self._refused: BaseException | None = None  # the broker refused to set up the channel
+        self._passive: Any = None  # the channel whose passive declare is looking for the queue
+        #: messages the broker refused (Basic.Nack) and that were published again
+        self.nacks = 0
         self._delays = backoff_s(0.1, 2.0)  # between reconnects; restarts once a channel is ready
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -71,24 +78,41 @@ class Publisher:
         """Queue one frame; blocks while max_pending_bytes are queued or unconfirmed."""
         with self._pending:
             self.raise_error()
+            since = time.monotonic()
             while self._pending_bytes and self._pending_bytes + len(body) > self.t.options["max_pending_bytes"]:
                 self._pending.wait(1.0)
                 self.raise_error()
+                self._check_progress(since)
             self._pending_bytes += len(body)
+            if not self._unconfirmed:
+                self._progress_at = time.monotonic()
             self._unconfirmed += 1
             self._outbox.append((body, key))  # under the lock: `_fail_all` cannot miss it
         self._wake()
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the broker has confirmed every queued frame; raise the first failure."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        since = time.monotonic()
+        deadline = None if timeout is None else since + timeout
         with self._pending:
             while self._unconfirmed and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TransportError(f"{self._unconfirmed} frames unconfirmed by {self.t.shown} after {timeout}s")
-                self._pending.wait(remaining)
+                self._pending.wait(1.0 if remaining is None else min(remaining, 1.0))
+                self._check_progress(since)
             self.raise_error()
+
+    def _check_progress(self, since: float) -> None:
+        """Raise when frames wait for a confirm and none came for confirm_timeout_s, neither since the last one
+        nor since this wait began at `since` (caller holds `_pending`)."""
+        waited = time.monotonic() - max(self._progress_at, since)
+        if self._unconfirmed and self._error is None and waited > self.t.options["confirm_timeout_s"]:
+            raise TransportError(
+                f"{self._unconfirmed} frames unconfirmed by {self.t.shown}, no confirm for {waited:.0f}s "
+                f"(confirm_timeout_s, {self.nacks} refused with a nack so far): are its nodes down, has a quorum "
+                f"queue lost the majority of its nodes, or is the queue full?"
+            )
 
     def raise_error(self) -> None:
         """Raise (once) the first failure the I/O thread recorded."""
@@ -145,7 +169,7 @@ class Publisher:
                 return
             error = self.t.as_error(self._refused or self._open_error or TransportError("connection lost"))
             first = not self._ready.is_set()
-            delay = next(self._delays)
+            delay = next(self._delays) if self.t.fail_over() else 0.0  # the next node at once, then back off
             if not error.retriable or self._stop.is_set() or (first and time.monotonic() + delay > deadline):
                 self._fail_all(error)  # e.g. wrong credentials: nothing will ever be published
                 if first or self._stop.is_set():
@@ -159,20 +183,24 @@ class Publisher:
         connection.ioloop.stop()
 
     def _on_closed(self, connection: pika.SelectConnection, reason: BaseException) -> None:
-        self._open_error = reason
+        self._open_error = self._open_error or reason  # (closed after a nack: that is the reason)
         connection.ioloop.stop()
 
-    def _on_channel(self, channel: Any) -> None:
+    def _on_channel(self, channel: Any, passive: bool = True) -> None:
+        """Set up a new channel: find the queue (a passive declare; declared as `queue_type` when missing), confirms."""
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_return_callback(self._on_return)
-        self.t.declare(
-            channel,
-            callback=lambda _: channel.confirm_delivery(self._on_confirm, callback=lambda _: self._on_ready(channel)),
-        )
+        confirm = lambda _: channel.confirm_delivery(self._on_confirm, callback=lambda _: self._on_ready(channel))  # noqa: E731
+        if passive:
+            self._passive = channel
+            channel.queue_declare(self.t.queue, passive=True, callback=confirm)
+        else:
+            self.t.declare(channel, callback=confirm)
 
     def _on_ready(self, channel: Any) -> None:
         self._channel, self._next_tag = channel, 1
         self._delays = backoff_s(0.1, 2.0)
+        self.t.connected()
         self._ready.set()
         self._publish()
 
@@ -209,13 +237,27 @@ class Publisher:
             tags = [tag for tag in self._in_flight if tag <= method.delivery_tag]
         else:
             tags = [method.delivery_tag] if method.delivery_tag in self._in_flight else []
+        refused = []
         for tag in tags:
-            body, _ = self._in_flight.pop(tag)
-            self._in_flight_bytes -= len(body)
-            error, self._returned = self._returned, None
+            frame_and_key = self._in_flight.pop(tag)
+            self._in_flight_bytes -= len(frame_and_key[0])
             if isinstance(method, pika.spec.Basic.Nack):
-                error = TransportError(f"RabbitMQ at {self.t.shown} did not accept a message (nack)")
-            self._confirmed(len(body), error)
+                refused.append(frame_and_key)
+                continue
+            error, self._returned = self._returned, None
+            self._confirmed(len(frame_and_key[0]), error)
+        if refused:
+            # A quorum queue nacks what reaches it between two leaders, and a channel that first published
+            # then keeps the dead leader and nacks everything after (RabbitMQ 3.10): a new connection (and
+            # channel) publishes them again, with everything else unconfirmed.
+            self.nacks += len(refused)
+            self._outbox.extendleft(reversed(refused))
+            log.info("RabbitMQ at %s refused %d messages (nack); publishing them again", self.t.shown, len(refused))
+            if self._connection is not None and self._connection.is_open:
+                self._channel = None
+                self._open_error = TransportError(f"RabbitMQ at {self.t.shown} refused {len(refused)} messages (nack)")
+                self._connection.close()
+            return
         self._publish()
 
     def _on_return(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:
@@ -233,8 +275,11 @@ class Publisher:
         """The broker closed the channel over one message (e.g. over max_message_size): fail it, resend the rest."""
         if not isinstance(reason, px.ChannelClosedByBroker) or self._connection is None:
             return  # closed by this side, or with the connection: `_run` reconnects
-        if self._channel is not channel:  # refused while being set up, e.g. the queue exists with other arguments
-            self._refused = reason
+        if self._channel is not channel:  # refused while being set up
+            if channel is self._passive and reason.reply_code == 404:  # no such queue: declare it
+                self._connection.channel(on_open_callback=lambda c: self._on_channel(c, passive=False))
+                return
+            self._refused = reason  # e.g. a queue_type the broker does not know
             self._connection.close()
             return
         self._channel, self._returned = None, None
@@ -254,6 +299,7 @@ class Publisher:
         with self._pending:
             self._pending_bytes -= nbytes
             self._unconfirmed -= 1
+            self._progress_at = time.monotonic()
             if error is not None and self._error is None:
                 self._error = error
             self._pending.notify_all()

@@ -173,3 +173,20 @@ def test_plain_text_report_without_rich(monkeypatch: pytest.MonkeyPatch, capsys:
     assert "bare socket" in out and "100 µs" in out and "50 µs" in out
     assert "tcp ÷ bare socket: 4KB 0.38x, 4KB RTT 2.00x" in out
     assert "MISSED  tcp 4KB round trip (p50) ≤ 1.5x bare socket's: 4KB 2.00x" in out
+
+
+def test_quorum_and_classic_rows_each_have_their_queue_type_and_their_baseline() -> None:
+    from tensorbus.bench.plan import plan
+
+    cfg = config.BenchConfig(
+        transports=["amqp-quorum", "amqp-classic"], baselines=["auto"], amqp_url="amqp://guest:guest@127.0.0.1:1/%2F"
+    )
+    methods = {m.name: m for m in plan(cfg)}
+    assert set(methods) == {"amqp-quorum", "amqp-classic", "pika", "pika-classic"}
+    assert methods["amqp-quorum"].url.endswith("?queue_type=quorum") and methods["amqp-quorum"].family == "amqp"
+    assert methods["amqp-classic"].url.endswith("?queue_type=classic")
+    assert methods["pika-classic"].url.endswith("?queue_type=classic")
+    assert methods["pika-classic"].impl == "pika-classic"
+    assert methods["amqp-quorum"].compare == ["pika"] and methods["amqp-classic"].compare == ["pika-classic"]
+    with pytest.raises(ConfigError, match="amqp-quorum, amqp-classic"):
+        config.BenchConfig(transports=["amqp-mirrored"])

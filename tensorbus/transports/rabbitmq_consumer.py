@@ -1,0 +1,206 @@
+"""The amqp:// consumer: an I/O thread consumes the queue, a worker thread delivers frames and posts acks.
+
+A chunk is acked only once its whole tensor reached the rendezvous table, so the chunks of an
+incomplete tensor stay unacked and count against the consumer's prefetch window. Quorum queues
+and streams know only a per-consumer prefetch, which cannot be widened for a consumer that already
+runs: so once the chunks held by the current consumer fill half its window, a fresh consumer (same
+channel, same prefetch) takes over and the old one is cancelled. What the old one holds stays
+unacked on the channel until its tensor completes (or the connection drops and the broker
+redelivers it); the reassembler's byte limit bounds how much that can be. The same works on
+classic queues, so there is one design for every queue type.
+
+Streams keep their messages, so an ack there only grants credit for the next one: each delivery
+is acked once it was delivered. The consumer keeps its position in memory (the offset after the
+last frame delivered, or the first chunk of a tensor still incomplete) and, after a lost
+connection, consumes again from there; a new consumer starts at `offset`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+import pika.exceptions as px
+
+from ..codec.frame import MessageId
+from ..errors import ConfigError, TransportError
+from .base import Deliver
+
+if TYPE_CHECKING:
+    from .rabbitmq import RabbitMQTransport
+
+log = logging.getLogger(__name__)
+_STOP = object()
+#: (channel generation, delivery tag, consumer tag) of one delivery
+Delivery = tuple[int, int, str]
+STREAM_OFFSETS = ("first", "next", "last")
+
+
+def stream_offset(value: Any) -> str | int:
+    """Where a stream consumer starts: first, next (the default), last, or an offset (a number, 0 or more)."""
+    if value is None:
+        return "next"
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if value in STREAM_OFFSETS or (type(value) is int and value >= 0):
+        return value
+    raise ConfigError(f"offset must be first, next, last or a stream offset (0 or more), got {value!r}")
+
+
+class QueueConsumer:
+    """Consumes the endpoint's queue on an I/O thread, reconnecting (to the next node) when the connection drops."""
+
+    def __init__(self, transport: RabbitMQTransport, deliver: Deliver) -> None:
+        self.t = transport  # its queue, options, error mapping and nodes (`connect`, `fail_over`)
+        self.deliver = deliver
+        self.stream = transport.offset is not None
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.error: TransportError | None = None
+        #: channels opened so far; deliveries of an older one cannot be acked (the broker requeued them)
+        self.generation = 0
+        #: consumers that took over from one whose window was full of held chunks
+        self.rolls = 0
+        #: consumer tag -> chunks it delivered that wait for the rest of their tensor (I/O thread only)
+        self.held = collections.Counter[str]()
+        #: stream: the offset to consume from after a reconnect
+        self.position: str | int | None = transport.offset
+        self._tag: str | None = None
+        self._connection: Any = None
+        self._channel: Any = None
+        self._cancelled = False
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self.worker = threading.Thread(target=self._work, daemon=True, name=f"tensorbus-amqp-deliver-{transport.queue}")
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-amqp-{transport.queue}")
+        self.worker.start()
+        self.thread.start()
+
+    # -- the I/O thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self._serve()
+            except Exception as exc:  # whatever failed, reconnect: a dead I/O thread would stop all delivery
+                if not isinstance(exc, (TransportError, px.AMQPError, OSError)):
+                    log.exception("the RabbitMQ consumer thread of %s failed", self.t.shown)
+                error = self.t.as_error(exc)
+                if not self.ready.is_set():
+                    self.error = error
+                    self.ready.set()
+                    return
+                if not self.stop.is_set():
+                    log.warning("%s; reconnecting (unacked messages will be redelivered)", error)
+                    with contextlib.suppress(Exception):
+                        self._connection.close()
+                    self.t.fail_over()  # the node may be gone: the next one first
+        with contextlib.suppress(Exception):
+            self._connection.close()
+
+    def _serve(self) -> None:
+        """Connect, consume, and process the connection's events until stopped (or it fails)."""
+        connection, channel = self.t.connect(self.stop)
+        self.generation += 1
+        self._connection, self._channel = connection, channel
+        self.held.clear()
+        self._cancelled = False
+        channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
+        channel.basic_qos(prefetch_count=self.t.options["prefetch_count"])  # per consumer
+        self._tag = self._consume()
+        self.ready.set()
+        while not self.stop.is_set():
+            connection.process_data_events(time_limit=0.2)
+            if self._cancelled:  # e.g. the queue was deleted: declare it again on a new connection
+                raise TransportError(f"RabbitMQ cancelled the consumer of {self.t.shown}")
+        connection.process_data_events(time_limit=0)  # the acks `close` waited for go out
+
+    def _consume(self) -> str:
+        """Start a consumer on the current channel (a stream's from the consumer's position); its tag."""
+        generation, inbox = self.generation, self._inbox
+        arguments = {"x-stream-offset": self.position} if self.stream else None
+
+        def on_message(_channel: Any, method: Any, properties: Any, body: bytes) -> None:
+            offset = (properties.headers or {}).get("x-stream-offset") if self.stream else None
+            inbox.put(((generation, method.delivery_tag, method.consumer_tag), offset, body))
+
+        tag: str = self._channel.basic_consume(self.t.queue, on_message, arguments=arguments)
+        return tag
+
+    def _hold(self, delivery: Delivery) -> None:
+        """Count a chunk held for its tensor; hand over to a fresh consumer once they fill half the window."""
+        generation, _, tag = delivery
+        if generation != self.generation:
+            return
+        self.held[tag] += 1
+        if tag == self._tag and self.held[tag] >= max(1, self.t.options["prefetch_count"] // 2):
+            old, self._tag = self._tag, self._consume()
+            self._channel.basic_cancel(old)  # (pika requeues what reaches it for `old` from now on)
+            self.rolls += 1
+
+    def _ack(self, deliveries: list[Delivery], released: int) -> None:
+        """Ack the deliveries of the current channel (older ones were requeued); the first `released` were held."""
+        for generation, delivery_tag, _ in deliveries:
+            if generation == self.generation:
+                self._channel.basic_ack(delivery_tag)
+        for generation, _, tag in deliveries[:released]:
+            if generation == self.generation:
+                self.held[tag] -= 1
+                if self.held[tag] <= 0 and tag != self._tag:
+                    del self.held[tag]
+
+    # -- the worker thread ----------------------------------------------------------------------
+
+    def _work(self) -> None:
+        """Deliver each message; ack every message of a tensor once the tensor is complete."""
+        waiting: dict[MessageId | None, list[Delivery]] = {}
+        offsets: dict[MessageId | None, int] = {}  # stream: the first offset of each incomplete tensor
+        while True:
+            try:
+                item = self._inbox.get(timeout=1.0)
+            except queue.Empty:
+                item = None
+            for message_id in [m for m in waiting if not self.deliver.is_pending(m)]:
+                held = waiting.pop(message_id)  # expired: the tensor was given up on, its chunks go
+                offsets.pop(message_id, None)
+                if not self.stream:
+                    self._call(self._ack, held, len(held))
+            if item is None:
+                continue
+            if item is _STOP:
+                return
+            delivery, offset, body = item
+            result = self.deliver(body)
+            if result.turned_away:  # aborted: take nothing more; what is unacked goes back to the queue
+                self.stop.set()  # the I/O thread closes the connection (after the acks posted before this)
+                return
+            if self.stream:
+                self._call(self._ack, [delivery], 0)  # credit for the next message: streams keep them all
+                if result.done:
+                    waiting.pop(result.message_id, None)
+                    offsets.pop(result.message_id, None)
+                elif isinstance(offset, int):
+                    waiting.setdefault(result.message_id, [])
+                    offsets.setdefault(result.message_id, offset)
+                if isinstance(offset, int):
+                    self.position = min([offset + 1, *offsets.values()])
+            elif not result.done:
+                waiting.setdefault(result.message_id, []).append(delivery)
+                self._call(self._hold, delivery)
+            else:
+                held = waiting.pop(result.message_id, [])
+                self._call(self._ack, [*held, delivery], len(held))
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        with contextlib.suppress(Exception):  # connection gone: unacked messages come back anyway
+            self._connection.add_callback_threadsafe(lambda: fn(*args))
+
+    def close(self) -> None:
+        """Deliver what is queued and post its acks, then stop the I/O thread (which sends them)."""
+        self._inbox.put(_STOP)
+        if self.ready.is_set():
+            self.worker.join(timeout=10)  # its last acks are posted before the I/O thread stops
+        self.stop.set()
+        self.thread.join(timeout=30)
