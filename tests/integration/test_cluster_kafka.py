@@ -6,6 +6,7 @@ tests kill and restart its brokers through the same script, and leave all three 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import subprocess
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from tensorbus.transports.kafka import KafkaAdminClient
+from tensorbus.transports.kafka import KafkaAdminClient, ke
 from tests.conftest import IN_CI, reachable
 from tests.node_loss import Fault, NodeLossResult, run, table
 
@@ -83,7 +84,8 @@ def group_coordinated_by(broker: int) -> str:
     try:
         deadline = time.monotonic() + 60
         while True:  # the offsets topic is created by the first group lookup, then needs its leaders
-            client.list_group_offsets({f"probe-{uuid.uuid4().hex[:6]}": None})
+            with contextlib.suppress(ke.RetriableError):  # e.g. NotCoordinatorError while leaders move
+                client.list_group_offsets({f"probe-{uuid.uuid4().hex[:6]}": None})
             described = {t["name"]: t for t in client.describe_topics(["__consumer_offsets"])}
             partitions = described.get("__consumer_offsets", {}).get("partitions") or []
             led = {p["partition_index"] for p in partitions if p["leader_id"] == broker}
