@@ -1,4 +1,4 @@
-"""Builds the optional C fast paths (the frame codec's, the stream sockets'); the rest is in pyproject.toml.
+"""Builds the optional C fast paths (the codec's, the stream sockets', the intake's); the rest is in pyproject.toml.
 
 Both are optional: without a C compiler tensorbus installs and runs on its Python paths.
 Each has its source's hash compiled in, so a checkout whose C changed after the build notices
@@ -33,5 +33,6 @@ setup(
         extension("tensorbus.codec._native", include_dirs=[numpy.get_include()]),
         extension("tensorbus.codec._crc"),
         extension("tensorbus.transports._stream"),
+        extension("tensorbus._intake"),
     ]
 )

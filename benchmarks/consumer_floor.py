@@ -9,8 +9,8 @@ What it measures
       - minimal: the socket handshake, then per frame only the prefix, the CRC32C check, the msgpack
         header, the payload copied out of the read buffer into an array of its own, a per-key FIFO, and
         an ack every 32 frames. No dedup, fencing, limits or error handling.
-    The difference is what the consumer's guarantees cost per tensor. Since plain frames are delivered
-    in C (`_native.Lane`) it is small: 0.88x and 1.05x at 4 KB and 64 KB, against 1.45x and 1.39x before.
+    The difference is what the consumer's guarantees cost per tensor (plain frames are delivered in C,
+    by the intake's `_intake.FastDelivery`; docs/PERFORMANCE.md has the measured ratios).
 
 Run
     python -m benchmarks.consumer_floor [--sizes 4KB,64KB,1MB] [--tensors 5000] [--rounds 5]
@@ -31,7 +31,7 @@ import numpy as np
 import tensorbus as tb
 from tensorbus.codec.frame import PREFIX, checksum_of
 from tensorbus.codec.tensors import align
-from tensorbus.transports.stream import ACK, ACK_REQUEST, CRC_AFTER, greet
+from tensorbus.transports.stream import ACK, ACK_REQUEST_MARKER, TRAILING_CRC, handshake_as_consumer
 
 from .common import parse_sizes
 
@@ -71,7 +71,7 @@ def minimal_reader(size: int, count: int) -> float:
     listener.close()
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        greet(conn, None, refusals=False)  # (it refuses nothing: it checks CRCs, and raises)
+        handshake_as_consumer(conn, None, refusals=False)  # (it refuses nothing: it checks CRCs, and raises)
         buffer = memoryview(bytearray(READ_BYTES))
         state = {"lo": 0, "hi": 0, "frames": 0}
         table: dict[str, collections.deque] = collections.defaultdict(collections.deque)
@@ -94,12 +94,12 @@ def minimal_reader(size: int, count: int) -> float:
                 if state["hi"] - state["lo"] < PREFIX.size:
                     read(PREFIX.size)
                 lo = state["lo"]
-                if buffer[lo : lo + PREFIX.size] == ACK_REQUEST:
+                if buffer[lo : lo + PREFIX.size] == ACK_REQUEST_MARKER:
                     state["lo"] += PREFIX.size
                     conn.sendall(ACK.pack(state["frames"]))
                     continue
                 _, _, flags, _, header_len, payload_len, stored = PREFIX.unpack_from(buffer, lo)
-                assert not flags & CRC_AFTER, "sizes from 4 MiB up carry their CRC after them: not handled here"
+                assert not flags & TRAILING_CRC, "sizes from 4 MiB up carry their CRC after them: not handled here"
                 start = align(PREFIX.size + header_len)
                 total = start + payload_len
                 if state["hi"] - lo < total:

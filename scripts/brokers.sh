@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Native (Docker-free) RabbitMQ + Kafka for tensorbus tests, listening on 127.0.0.1 only.
 #
+#   bash scripts/brokers.sh install [rabbitmq|kafka]   install (the server, or Kafka's jars) only
 #   bash scripts/brokers.sh up      [rabbitmq|kafka]   install if needed, wipe data, start, wait until ready
 #   bash scripts/brokers.sh down    [rabbitmq|kafka]   stop by PID (TERM, then KILL after a timeout)
 #   bash scripts/brokers.sh restart  rabbitmq|kafka    stop + start KEEPING data (fault tests)
 #   bash scripts/brokers.sh status  [rabbitmq|kafka]
+#   bash scripts/brokers.sh tls                        make the test CA and certificate if missing (up does too)
 #   bash scripts/brokers.sh cluster up|down|status [rabbitmq|kafka]   the three-node clusters, beside the above
 #   bash scripts/brokers.sh cluster kill|start NODE   SIGKILL a node / start it again (returns once it rejoined);
 #                                                     NODE is rabbit1..3 or kafka1..3
@@ -16,19 +18,24 @@
 # Kafka kafka1..3 on 9191..9193 (scripts/brokers/kafka_cluster.sh). TLS: a test CA and a server certificate for 127.0.0.1/localhost, made once
 # per broker dir in $TENSORBUS_BROKER_DIR/tls (clients trust tls/ca.pem; see scripts/brokers/tls.sh).
 #
+# The broker images of docker/ run this same launcher inside their containers, with TENSORBUS_BIND=0.0.0.0
+# (Docker publishes their ports on the host's 127.0.0.1 only); clients are always told 127.0.0.1.
+#
 # Env: TENSORBUS_AMQP_PORT (5672) TENSORBUS_AMQPS_PORT (5671) TENSORBUS_EPMD_PORT (4371)
 #      TENSORBUS_RABBITMQ_DIST_PORT (AMQP port + 20000) TENSORBUS_RABBITMQ_NODENAME (tensorbus@localhost)
 #      TENSORBUS_RABBITMQ_MANAGEMENT=1 (management UI on 127.0.0.1:$TENSORBUS_RABBITMQ_MANAGEMENT_PORT, 15672)
 #      TENSORBUS_KAFKA_PORT (9092) TENSORBUS_KAFKA_SSL_PORT (9093) TENSORBUS_KAFKA_SASL_PORT (9094)
 #      TENSORBUS_KAFKA_CONTROLLER_PORT (9095) TENSORBUS_KAFKA_VERSION (4.4.0)
 #      TENSORBUS_BROKER_DIR ($REPO/.brokers) TENSORBUS_CACHE_DIR (~/.cache/tensorbus)
+#      TENSORBUS_BROKER_TLS_DIR ($TENSORBUS_BROKER_DIR/tls) TENSORBUS_BIND (127.0.0.1: the listeners' address)
 #      TENSORBUS_KEEP_DATA=1 (don't wipe on up)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BASE=${TENSORBUS_BROKER_DIR:-$REPO/.brokers}
 CACHE=${TENSORBUS_CACHE_DIR:-$HOME/.cache/tensorbus}
-TLS=$BASE/tls
+TLS=${TENSORBUS_BROKER_TLS_DIR:-$BASE/tls}
+BIND=${TENSORBUS_BIND:-127.0.0.1}
 AMQP_PORT=${TENSORBUS_AMQP_PORT:-5672}
 AMQPS_PORT=${TENSORBUS_AMQPS_PORT:-5671}
 EPMD_PORT=${TENSORBUS_EPMD_PORT:-4371}   # not 4369: keeps clear of any system epmd
@@ -62,7 +69,7 @@ fi
 rmq_env() {  # everything the server and rabbitmqctl must agree on (cookie in $HOME)
   export HOME=$RMQ/home RABBITMQ_NODENAME=$RMQ_NODE RABBITMQ_USE_LONGNAME=false
   export ERL_EPMD_PORT=$EPMD_PORT ERL_EPMD_ADDRESS=127.0.0.1
-  export RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_NODE_PORT=$AMQP_PORT
+  export RABBITMQ_NODE_IP_ADDRESS=$BIND RABBITMQ_NODE_PORT=$AMQP_PORT
   export RABBITMQ_DIST_PORT=$RMQ_DIST_PORT
   export RABBITMQ_CONF_ENV_FILE=$RMQ/rabbitmq-env.conf RABBITMQ_CONFIG_FILE=$RMQ/rabbitmq.conf
   export RABBITMQ_ADVANCED_CONFIG_FILE=$RMQ/advanced.config
@@ -87,14 +94,18 @@ rmq_start() {
   rmq_install; tls_ensure; rmq_env
   mkdir -p "$HOME" "$RABBITMQ_MNESIA_BASE" "$RABBITMQ_LOG_BASE"
   : >"$RABBITMQ_CONF_ENV_FILE"   # don't read /etc/rabbitmq/rabbitmq-env.conf
+  # guest/guest is allowed from loopback only (the default), which is all we listen on natively; in a
+  # container the host's 127.0.0.1 reaches the broker through Docker's bridge, so it is allowed from any
+  # address there (the ports are published on the host's 127.0.0.1 alone)
+  local guest_loopback_only=true
+  [[ $BIND == 127.0.0.1 ]] || guest_loopback_only=false
   cat >"$RABBITMQ_CONFIG_FILE" <<EOF
-listeners.tcp.1 = 127.0.0.1:$AMQP_PORT
-# guest/guest is allowed from loopback (the default), which is all we listen on
-loopback_users.guest = true
+listeners.tcp.1 = $BIND:$AMQP_PORT
+loopback_users.guest = $guest_loopback_only
 log.console = false
 log.file.level = info
 # AMQPS: TLS with the test CA's server certificate; clients are not asked for certificates
-listeners.ssl.1 = 127.0.0.1:$AMQPS_PORT
+listeners.ssl.1 = $BIND:$AMQPS_PORT
 ssl_options.cacertfile = $TLS/ca.pem
 ssl_options.certfile = $TLS/server.pem
 ssl_options.keyfile = $TLS/server.key
@@ -103,7 +114,7 @@ ssl_options.fail_if_no_peer_cert = false
 EOF
   if [[ ${TENSORBUS_RABBITMQ_MANAGEMENT:-0} == 1 ]]; then
     echo '[rabbitmq_management].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"
-    printf 'management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = %s\n' "$RMQ_MANAGEMENT_PORT" >>"$RABBITMQ_CONFIG_FILE"
+    printf 'management.tcp.ip = %s\nmanagement.tcp.port = %s\n' "$BIND" "$RMQ_MANAGEMENT_PORT" >>"$RABBITMQ_CONFIG_FILE"
   else
     echo '[].' >"$RABBITMQ_ENABLED_PLUGINS_FILE"
   fi
@@ -116,7 +127,7 @@ EOF
     setsid epmd -port "$EPMD_PORT" -address 127.0.0.1 >"$RMQ/log/epmd.log" 2>&1 &
     echo $! >"$RMQ/epmd.pid"
   fi
-  log "starting RabbitMQ ($RABBITMQ_NODENAME) on 127.0.0.1:$AMQP_PORT, AMQPS :$AMQPS_PORT"
+  log "starting RabbitMQ ($RABBITMQ_NODENAME) on $BIND:$AMQP_PORT, AMQPS :$AMQPS_PORT"
   local t0=$SECONDS
   # $! is the rabbitmq-server wrapper: it forwards TERM to its beam.smp child (same group).
   setsid "$RMQ_BIN/rabbitmq-server" >"$RMQ/log/stdout.log" 2>&1 </dev/null &
@@ -162,7 +173,7 @@ kafka_start() {
   kafka_install; tls_ensure
   mkdir -p "$KAFKA/data"
   sed -e "s|@KAFKA_PORT@|$KAFKA_PORT|g; s|@SSL_PORT@|$KAFKA_SSL_PORT|g; s|@SASL_PORT@|$KAFKA_SASL_PORT|g" \
-    -e "s|@CONTROLLER_PORT@|$CONTROLLER_PORT|g; s|@DATA_DIR@|$KAFKA/data|g; s|@TLS_DIR@|$TLS|g" \
+    -e "s|@CONTROLLER_PORT@|$CONTROLLER_PORT|g; s|@DATA_DIR@|$KAFKA/data|g; s|@TLS_DIR@|$TLS|g; s|@BIND@|$BIND|g" \
     -e "s|@SASL_USER@|$KAFKA_SASL_USER|g; s|@SASL_PASSWORD@|$KAFKA_SASL_PASSWORD|g" \
     "$REPO/scripts/kafka/server.properties" >"$KAFKA/server.properties"
   chmod 600 "$KAFKA/server.properties"   # holds the SASL/PLAIN user table
@@ -175,7 +186,7 @@ kafka_start() {
   for p in "$KAFKA_PORT" "$KAFKA_SSL_PORT" "$KAFKA_SASL_PORT" "$CONTROLLER_PORT"; do
     port_open "$p" && die "port $p is already in use (another Kafka?)"
   done
-  log "starting Kafka $KAFKA_VERSION (KRaft) on 127.0.0.1:$KAFKA_PORT, SSL :$KAFKA_SSL_PORT, SASL_SSL :$KAFKA_SASL_PORT"
+  log "starting Kafka $KAFKA_VERSION (KRaft) on $BIND:$KAFKA_PORT, SSL :$KAFKA_SSL_PORT, SASL_SSL :$KAFKA_SASL_PORT"
   local t0=$SECONDS
   setsid "${KAFKA_JAVA[@]}" kafka.Kafka "$KAFKA/server.properties" >"$KAFKA/kafka.log" 2>&1 </dev/null &
   echo $! >"$KAFKA/kafka.pid"
@@ -248,6 +259,8 @@ main() {
   case $what in all) names="rabbitmq kafka" ;; rabbitmq|kafka) names=$what ;;
     *) die "unknown broker '$what' (rabbitmq|kafka)" ;; esac
   case $cmd in
+    tls) tls_ensure; echo "tls: clients trust $TLS/ca.pem" ;;
+    install) for n in $names; do if [[ $n == rabbitmq ]]; then rmq_install; else kafka_install; fi; done ;;
     up) for n in $names; do up "$n"; done ;;
     down) for n in $names; do if [[ $n == rabbitmq ]]; then rmq_stop; else kafka_stop; fi; done ;;
     restart)

@@ -90,7 +90,7 @@ def soak(url: str, seconds: float, producers: int, max_in_flight: int) -> dict[s
                 window, last = 0, now
         for w in workers:
             w.join(30)
-        lost = consumer.reassembler.stats["expired"] + consumer.stats["rejected"]
+        lost = consumer.intake.reassembler.stats["expired"] + consumer.stats["rejected"]
     # the first two minutes fill the dedup window (100,000 ids) and malloc's arenas: RSS is judged after them
     first, final = samples[12:18] or samples[:6], samples[-6:]
     return {

@@ -2,7 +2,7 @@
 
 A frame puts every tensor at a multiple of 64 bytes from its start, so a frame received into a
 buffer that starts at a multiple of 64 gives arrays that do too (what SIMD loads and some
-libraries want). Fresh memory is slow on VMs (first touch of new pages runs well under 1 GB/s),
+libraries want). Fresh memory is slow on VMs (the first touch of new pages; docs/PERFORMANCE.md),
 so a stream reader that allocates a new 256 MB buffer per tensor loses most of its speed.
 Delivered tensors are views of the buffer; a buffer is free again when its reference count says
 no view is alive.

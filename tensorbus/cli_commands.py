@@ -22,7 +22,7 @@ from .codec.native import crc32c
 from .errors import BadMagic, CodecError, ConfigError, Timeout, TruncatedFrame, brief
 from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
-from .options import redact
+from .options import defaults, redact
 from .transports import resolve_transport
 
 
@@ -109,8 +109,9 @@ def _bounded_by(url: str, timeout: float | None) -> dict[str, float]:
     cls, parsed = resolve_transport(url)
     query = urllib.parse.parse_qs(parsed.query)
     options = {}
+    known = defaults(cls.Options)
     for name in SEND_TIMEOUTS:
-        if name in cls.OPTIONS:
+        if name in known:
             try:
                 options[name] = min(timeout, float(query.get(name, ["inf"])[-1]))
             except ValueError:  # a bad value in the URL: the producer names it

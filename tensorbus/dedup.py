@@ -26,10 +26,17 @@ log = logging.getLogger(__name__)
 class SeenIds:
     """A bounded set of message ids, optionally kept in a file across restarts."""
 
-    def __init__(self, window: int, path: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        window: int,
+        path: str | Path | None = None,
+        *,
+        ids: collections.OrderedDict[MessageId, None] | None = None,
+    ) -> None:
+        """`ids`: the dict to keep the window's ids in, oldest first, where others read it too (the
+        intake's state, whose C delivery adds to it as `add` does); a new one by default."""
         self.window = window
-        #: (a consumer's C delivery, `_native.Lane`, holds this dict and adds to it as `add` does: never rebind it)
-        self._ids: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
+        self._ids = collections.OrderedDict() if ids is None else ids
         #: the last `window` ids persisted (what a compacted file keeps: not ids that only arrived)
         self._persisted: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._path = Path(path) if path is not None else None

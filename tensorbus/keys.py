@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from .errors import ConfigError, brief
 
@@ -16,6 +16,15 @@ class ParsedKey(NamedTuple):
     dst: str
     name: str
     frame_iter: tuple[int, int]
+
+
+#: the ';' in a key made by `make_key`: only a key with exactly this many may name an incarnation (and is fenced)
+INCARNATION_SEPARATORS = 4
+
+
+def may_name_incarnation(key: str | None) -> TypeGuard[str]:
+    """Whether `key` has the shape of a `make_key` key: the table fences it (and the C delivery leaves it to Python)."""
+    return key is not None and key.count(";") == INCARNATION_SEPARATORS
 
 
 def check_key(key: object) -> None:

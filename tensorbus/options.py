@@ -1,18 +1,29 @@
-"""Options from keyword arguments, a URL's query string and TOML files, validated by name."""
+"""Options from keyword arguments, a URL's query string and TOML files, validated by name.
+
+Each set of options (a producer's, a consumer's, each transport's) is a frozen dataclass whose field
+names carry their unit (`_s`, `_bytes`) and whose defaults give their types; `merge` checks the values
+once, and code reads them as attributes that mypy checks.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import threading
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import tomllib
 
 from .errors import ConfigError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_T = TypeVar("_T", bound="DataclassInstance")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 _SECRET_WORDS = ("secret", "key", "password", "token")
 
@@ -90,6 +101,17 @@ def redact(url: str) -> str:
     if netloc == parts.netloc and all(value != "***" for _, value in query):
         return url  # nothing to hide: as written (unsplitting would turn unix:///path into unix:/path)
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(query, safe="*/")))
+
+
+def defaults(options_type: type[DataclassInstance]) -> dict[str, Any]:
+    """Each option of an options dataclass with its default, by name."""
+    return {f.name: f.default for f in dataclasses.fields(options_type)}
+
+
+def build(options_type: type[_T], values: dict[str, Any]) -> _T:
+    """An options dataclass from merged values (those of its fields; the others are another set's)."""
+    make: Callable[..., _T] = options_type
+    return make(**{f.name: values[f.name] for f in dataclasses.fields(options_type)})
 
 
 def merge(

@@ -19,13 +19,11 @@ import numpy as np
 
 from .codec import Message, SparseTensor
 from .errors import Aborted, CallbackInterrupted, Cancelled, ConfigError, StaleIncarnation, Timeout, brief
-from .keys import check_key, parse_key
+from .intake_state import ANY, Callback, TableState, Waiter
+from .keys import check_key, may_name_incarnation, parse_key
 from .options import finite_timeout
 
 log = logging.getLogger(__name__)
-
-Callback = Callable[[Message | None, BaseException | None], None]
-ANY = object()  # the waiter key of arrival-order receivers
 
 #: sources whose newest incarnation the table remembers for fencing (the least recently seen are forgotten)
 MAX_SOURCES = 65536
@@ -51,22 +49,10 @@ def message_nbytes(message: Message) -> int:
 _ANY_ROOM = object()
 
 
-class _Waiter:
-    __slots__ = ("callback", "done", "key", "result")
-
-    def __init__(self, key: object, callback: Callback | None) -> None:
-        self.key, self.callback = key, callback
-        self.done: threading.Lock | None = None  # held until the result is in (a lock is cheaper than an Event)
-        if callback is None:
-            self.done = threading.Lock()
-            self.done.acquire()
-        self.result: Message | BaseException | None = None
-
-
 class RecvHandle:
     """Returned by `recv_async`; `cancel()` withdraws the request if it has not been served yet."""
 
-    def __init__(self, table: Rendezvous, waiter: _Waiter) -> None:
+    def __init__(self, table: Rendezvous, waiter: Waiter) -> None:
         self._table, self._waiter = table, waiter
 
     def cancel(self) -> bool:
@@ -74,11 +60,13 @@ class RecvHandle:
         return self._table._fail_waiter(self._waiter, Cancelled(f"recv of {self._waiter.key!r} was cancelled"))
 
 
-class Rendezvous:
+class Rendezvous(TableState):
     """A thread-safe table that matches sent messages with receivers by key.
 
     Unmatched messages are buffered up to `max_buffered_bytes`; past it, `send` still succeeds but
     `wait_for_room` blocks, which is how transports stop reading from the network (backpressure).
+    Its queues and counts are its `TableState` (intake_state.py): the intake's C delivery puts
+    messages there too, under `_lock`, as `put` does.
     """
 
     def __init__(self, *, max_buffered_bytes: int = 1 << 30) -> None:
@@ -94,9 +82,7 @@ class Rendezvous:
         #: a dict sent in-process may change later, and the count must come back down to zero)
         self._arrivals: collections.OrderedDict[int, tuple[Message, int]] = collections.OrderedDict()
         self._by_key: dict[str | None, collections.deque[int]] = {}
-        self._waiters: dict[object, collections.deque[_Waiter]] = {}
-        # (a consumer's C delivery, `_native.Lane`, holds `_arrivals`, `_by_key`, `_waiters` and `stats`
-        # and writes them under `_lock` as `put` does: clear them, never rebind them)
+        self._waiters: dict[object, collections.deque[Waiter]] = {}
         #: hash of a source name -> its newest incarnation, newest use last (names come from peers and
         #: may be long: only their hashes are kept, at a fixed cost per source)
         self._incarnations: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -105,15 +91,15 @@ class Rendezvous:
         #: messages `abort` dropped unreceived (a transport must not acknowledge them on the way out)
         self.dropped = 0
         self.stats = collections.Counter[str]()
-        #: set by a consumer whose transport can read on the waiting thread: `pump(done, deadline)`
-        #: waits for the waiter's lock `done` (True) or the deadline (False), reading frames meanwhile
-        self.pump: Callable[[threading.Lock, float | None], bool] | None = None
+        #: set by a consumer whose transport can read on the waiting thread: `read_while_waiting(done,
+        #: deadline)` waits for the waiter's lock `done` (True) or the deadline (False), reading frames meanwhile
+        self.read_while_waiting: Callable[[threading.Lock, float | None], bool] | None = None
         #: set by a consumer whose transport holds messages that did not fit: called (under the
         #: table's lock, so it must not block) when room opens or a receiver starts waiting
         self.room_opened: Callable[[], None] | None = None
         #: called with each message as it is handed to the application (a recv returning it, a
         #: callback about to get it), on the receiving thread: a consumer records it as delivered
-        self.handed_out: Callable[[Message], None] | None = None
+        self.on_delivered_to_application: Callable[[Message], None] | None = None
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -128,7 +114,7 @@ class Rendezvous:
         key = message.key
         with self._lock:
             self._raise_if_aborted()
-            if key is not None and key.count(";") == 4:  # (only such a key can name an incarnation)
+            if may_name_incarnation(key):
                 stale = self._fence(key)
             waiters = self._waiters
             for wanted in ((key,) if stale is not None else (key, ANY)) if waiters else ():
@@ -198,7 +184,7 @@ class Rendezvous:
     def recv_async(self, key: str, callback: Callback) -> RecvHandle:
         """Call `callback(message, None)` once `key` arrives, or `callback(None, error)`; never blocks."""
         check_key(key)  # (None: the messages sent with no key)
-        waiter = _Waiter(key, callback)
+        waiter = Waiter(key, callback)
         with self._lock:
             message = self._take(key) if self._aborted is None else None
             if message is None and self._aborted is None:
@@ -207,7 +193,7 @@ class Rendezvous:
         self._complete(waiter, message if message is not None else self._abort_error())
         return RecvHandle(self, waiter)
 
-    def _add_waiter(self, waiter: _Waiter) -> None:
+    def _add_waiter(self, waiter: Waiter) -> None:
         """Queue a receiver (caller holds the lock); wakes a transport waiting for room for this key."""
         self._waiters.setdefault(waiter.key, collections.deque()).append(waiter)
         if self.buffered_bytes >= self.max_buffered_bytes:
@@ -245,15 +231,15 @@ class Rendezvous:
             self._raise_if_aborted()
             message = self._take(key)
             if message is None:
-                waiter = _Waiter(key, None)
+                waiter = Waiter(key, None)
                 self._add_waiter(waiter)
         if message is not None:
             return self._hand_out(message)
         assert waiter.done is not None
         try:
-            if self.pump is not None:
+            if self.read_while_waiting is not None:
                 deadline = None if timeout is None else time.monotonic() + max(timeout, 0)
-                served = self.pump(waiter.done, deadline)
+                served = self.read_while_waiting(waiter.done, deadline)
             else:
                 served = waiter.done.acquire(timeout=-1 if timeout is None else max(timeout, 0))
         except BaseException as exc:  # e.g. Ctrl-C: a waiter left queued would swallow the next tensor
@@ -270,11 +256,11 @@ class Rendezvous:
         return self._hand_out(waiter.result)
 
     def _hand_out(self, message: Message) -> Message:
-        if self.handed_out is not None:
-            self.handed_out(message)
+        if self.on_delivered_to_application is not None:
+            self.on_delivered_to_application(message)
         return message
 
-    def _requeue(self, waiter: _Waiter) -> None:
+    def _requeue(self, waiter: Waiter) -> None:
         """A receive interrupted just as it was served: its message goes back, first in line."""
         assert waiter.done is not None
         waiter.done.acquire(timeout=1.0)  # `_complete` sets the result, then releases it (unless we hold it)
@@ -282,7 +268,7 @@ class Rendezvous:
             with contextlib.suppress(Aborted, StaleIncarnation):  # the interruption is what the caller hears of
                 self.put(waiter.result, first=True)
 
-    def _fail_waiter(self, waiter: _Waiter, error: BaseException) -> bool:
+    def _fail_waiter(self, waiter: Waiter, error: BaseException) -> bool:
         with self._lock:
             queue = self._waiters.get(waiter.key)
             if queue is None or waiter not in queue:
@@ -293,7 +279,7 @@ class Rendezvous:
         self._complete(waiter, error)
         return True
 
-    def _complete(self, waiter: _Waiter, result: Message | BaseException | None) -> None:
+    def _complete(self, waiter: Waiter, result: Message | BaseException | None) -> None:
         waiter.result = result
         if waiter.done is not None:
             waiter.done.release()

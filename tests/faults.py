@@ -63,8 +63,8 @@ def consume(url: str, log: str, options: dict[str, Any]) -> None:
 
     consumer.table.put = recording_put  # type: ignore[method-assign]
     reactor = getattr(consumer.transport, "reactor", None)
-    if reactor is not None and reactor._lane is not None:  # plain frames go into the table in C (`Lane`)
-        take = reactor._lane
+    if reactor is not None and reactor._fast is not None:  # plain frames go into the table in C (`FastDelivery`)
+        take = reactor._fast
 
         def recording_take(frame: Any, crc: int | None) -> tb.Message | None:
             message = take(frame, crc)
@@ -72,7 +72,7 @@ def consume(url: str, log: str, options: dict[str, Any]) -> None:
                 record(message)
             return message
 
-        reactor._lane = recording_take
+        reactor._fast = recording_take
     for message in consumer:  # the application drains the table
         del message
 
@@ -119,7 +119,7 @@ def start(target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
 
 def fail_feed_once(monkeypatch: Any, consumer: tb.Consumer, error: BaseException) -> None:
     """Make the consumer's next `Reassembler.feed` raise `error` (a decoder bug, memory running out)."""
-    feed = consumer.reassembler.feed
+    feed = consumer.intake.reassembler.feed
     failures = iter([error])
 
     def failing_once(*args: Any, **kwargs: Any) -> Any:
@@ -128,7 +128,7 @@ def fail_feed_once(monkeypatch: Any, consumer: tb.Consumer, error: BaseException
             raise pending
         return feed(*args, **kwargs)
 
-    monkeypatch.setattr(consumer.reassembler, "feed", failing_once)
+    monkeypatch.setattr(consumer.intake.reassembler, "feed", failing_once)
 
 
 def received_by_a_successor_of_an_aborted_consumer(url: str, count: int = 20) -> tuple[list[int], tb.Consumer]:

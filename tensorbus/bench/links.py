@@ -70,11 +70,12 @@ def split_query(query: str) -> tuple[str, str]:
 
     So `tcp://127.0.0.1:0?checksum=false` benchmarks producers that skip the checksum.
     """
-    from ..api import CONSUMER_OPTIONS, PRODUCER_OPTIONS
+    from ..api import ConsumerOptions, ProducerOptions
+    from ..options import defaults
 
     pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-    producer_only = set(PRODUCER_OPTIONS) - set(CONSUMER_OPTIONS)
-    consumer_only = set(CONSUMER_OPTIONS) - set(PRODUCER_OPTIONS)
+    producer_only = set(defaults(ProducerOptions)) - set(defaults(ConsumerOptions))
+    consumer_only = set(defaults(ConsumerOptions)) - set(defaults(ProducerOptions))
     consumer = urllib.parse.urlencode([(k, v) for k, v in pairs if k not in producer_only])
     producer = urllib.parse.urlencode([(k, v) for k, v in pairs if k not in consumer_only])
     return consumer, producer

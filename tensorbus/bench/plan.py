@@ -112,10 +112,11 @@ def _with_query(url: str, query: str) -> str:
 def _transport_option(url: str, name: str) -> Any:
     """A tensorbus transport's default for option `name`, or None when the transport cannot be loaded."""
     try:
+        from ..options import defaults
         from ..transports import resolve_transport
 
         cls, _ = resolve_transport(url)
-        return cls.OPTIONS.get(name)
+        return defaults(cls.Options).get(name)
     except Exception:
         return None
 

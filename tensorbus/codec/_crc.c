@@ -1,6 +1,5 @@
-/* CRC32C (Castagnoli) with the crc32c package's answers, about 1.7x as fast where the CPU has
- * AVX2 and VPCLMULQDQ: 35-37 GB/s against 20-22 on 64 KiB-1 MiB buffers on this project's
- * 2-core EPYC (AMD Zen 3).
+/* CRC32C (Castagnoli) with the crc32c package's answers, faster where the CPU has AVX2 and
+ * VPCLMULQDQ (docs/PERFORMANCE.md has the measurements).
  *
  * Why: every frame is checksummed on both ends, and at 16 MB on two cores that pass was most of
  * what separated tcp:// from a bare socket.

@@ -1,5 +1,4 @@
-/* The per-message fast path of the frame codec: one plain ndarray frame, encoded or decoded in C, and
- * (a Lane, at the end) delivered into a consumer's table.
+/* The per-message fast path of the frame codec: one plain ndarray frame, encoded or decoded in C.
  *
  * Python (frame.py) stays the codec: it defines the format, and it alone raises. These two functions
  * take only the common case, the frame a Producer writes for one ndarray: unsigned, uncompressed,
@@ -949,8 +948,8 @@ PyDoc_STRVAR(ndarray_head_doc,
 "plain ndarray, byte for byte; None when frame.layout must run (anything but the common case).");
 
 /* dtypes.describe(dtype), remembered for the last few dtypes (by identity, holding them: numpy's
- * builtin dtypes are singletons, so nearly every tensor sent hits): calling describe, Python, took
- * ~1.5 µs of a live round trip's ~4.4 µs encode. What describe refuses is not remembered. */
+ * builtin dtypes are singletons, so nearly every tensor sent hits): calling describe, Python, was a
+ * large part of a small tensor's encode. What describe refuses is not remembered. */
 #define DESCRIBED_KEPT 8
 static struct {
     PyArray_Descr *dtype;
@@ -1030,94 +1029,18 @@ ndarray_head(PyObject *self, PyObject *args)
     return head != NULL ? head : not_fast();
 }
 
-/* ---- deliver: a received frame straight into a consumer's table ---------------------------------------
- *
- * A Lane does, for the common frame, what Consumer._deliver, Reassembler.feed and Rendezvous.put do
- * in Python: decode, drop nothing, mark the id as seen, and hand the message to the oldest receiver
- * waiting for its key (or buffer it). It takes only the case with nothing to decide: a plain ndarray
- * frame, its id not seen before, both locks free at once, the table not aborted and not full, no
- * recv_async callback first in line, a key that names no incarnation, no chunked message part way
- * (feeding the reassembler is what expires those). On anything else it changes nothing and returns
- * None, and the caller delivers the frame the Python way, which decides. It runs no Python code, so
- * a Ctrl-C lands before it or after it. What can fail (a MemoryError) fails before anything changed,
- * but for the table's own writes, as in Rendezvous.put: the id is then forgotten again, and the
- * reactor drops the connection, so the frame comes again.
- */
+/* ---- decode into a Message ------------------------------------------------------------------------- */
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *consumer_lock, *table_lock; /* taken without waiting, or the frame goes the Python way */
-    PyObject *consumer, *table;           /* their scalar attributes are read on every call */
-    PyObject *seen;                       /* SeenIds._ids, an OrderedDict */
-    PyObject *partials;                   /* Reassembler._partials: while any, Python delivers (and expires them) */
-    Py_ssize_t window;
-    PyObject *waiters, *arrivals, *by_key; /* Rendezvous._waiters, ._arrivals (an OrderedDict), ._by_key */
-    PyObject *any;                         /* rendezvous.ANY */
-    PyObject *message_type, *deque_type;
-    PyObject *consumer_stats, *table_stats;
-    Py_ssize_t max_header, max_ndim;
-    unsigned long long max_payload;
-    Py_ssize_t taken; /* frames delivered here (tests check the lane is used) */
-} Lane;
-
-static PyObject *s_acquire, *s_release, *s_popleft, *s_pop, *s_append, *s_popitem, *s_callback, *s_done, *s_result,
-    *s_interrupted, *s_aborted, *s_buffered_bytes, *s_max_buffered_bytes, *s_counter, *s_received, *s_buffered,
-    *s_semicolon, *s_ndarray, *s_fields[6], *s_one;
-
-static int
-try_lock(PyObject *lock)
-{
-    PyObject *got = PyObject_CallMethodOneArg(lock, s_acquire, Py_False);
-    int ok = got == Py_True;
-    Py_XDECREF(got);
-    return got == NULL ? -1 : ok;
-}
-
-static int
-unlock(PyObject *lock)
-{
-    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-/* counter[name] += 1 on a collections.Counter (a dict: its __missing__ is not called) */
-static int
-count(PyObject *counter, PyObject *name)
-{
-    PyObject *old = PyDict_GetItemWithError(counter, name);
-    if (old == NULL && PyErr_Occurred()) {
-        return -1;
-    }
-    PyObject *new = old == NULL ? Py_NewRef(s_one) : PyNumber_Add(old, s_one);
-    int r = new == NULL ? -1 : PyDict_SetItem(counter, name, new);
-    Py_XDECREF(new);
-    return r;
-}
-
-/* count(), for a delivery already made: a count it cannot make (no memory) is not worth undoing it */
-static void
-counted(PyObject *counter, PyObject *name)
-{
-    if (count(counter, name) < 0) {
-        PyErr_Clear();
-    }
-}
-
-static int
-is_none_attr(PyObject *obj, PyObject *name)
-{
-    PyObject *v = PyObject_GetAttr(obj, name);
-    int none = v == Py_None;
-    Py_XDECREF(v);
-    return v == NULL ? -1 : none;
-}
+/* frame.Message and its fields in order (configure_message checks them against the dataclass) */
+static PyObject *g_message_type = NULL;
+static PyObject *s_fields[6], *s_ndarray;
+static const char *const MESSAGE_FIELDS[6] = {"key", "tensor", "metadata", "message_id", "kind", "header_bytes"};
 
 /* The Message of a decoded frame, made as Message(...) makes it, without running its __init__. */
 static PyObject *
-make_message(Lane *self, PyObject *decoded)
+make_message(PyObject *decoded)
 {
-    PyTypeObject *type = (PyTypeObject *)self->message_type;
+    PyTypeObject *type = (PyTypeObject *)g_message_type;
     PyObject *empty = PyTuple_New(0);
     PyObject *msg = empty == NULL ? NULL : type->tp_new(type, empty, NULL);
     Py_XDECREF(empty);
@@ -1135,308 +1058,65 @@ make_message(Lane *self, PyObject *decoded)
     return msg;
 }
 
-/* The queue of the receiver that gets a message of `key` (its own, else an arrival-order one), or NULL
- * (none waiting); borrowed. As Rendezvous.put looks. */
+PyDoc_STRVAR(decode_message_doc,
+"decode_message(frame, crc, max_header_bytes, max_payload_bytes, max_ndim)\n--\n\n"
+"decode() as a Message: (message, key, message id, bytes it holds: its array's plus header_bytes);\n"
+"None for any other frame. What a receiver that delivers in C calls.");
+
 static PyObject *
-waiting_queue(Lane *self, PyObject *key)
+decode_message(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (PyDict_GET_SIZE(self->waiters) == 0) {
+    if (nargs != 5 || !PyMemoryView_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "decode_message(frame: memoryview, crc, max_header_bytes, max_payload_bytes, max_ndim)");
         return NULL;
     }
-    PyObject *wanted[2] = {key, self->any};
-    for (int i = 0; i < 2; i++) {
-        PyObject *queue = PyDict_GetItemWithError(self->waiters, wanted[i]);
-        if (queue == NULL && PyErr_Occurred()) {
-            return NULL;
-        }
-        if (queue != NULL && PyObject_Length(queue) > 0) {
-            return queue;
-        }
+    Py_ssize_t max_header = PyLong_AsSsize_t(args[2]), max_ndim = PyLong_AsSsize_t(args[4]);
+    unsigned long long max_payload = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
     }
-    return NULL;
-}
-
-/* 1: the frame is in the table (or with its receiver), *taken its message; 0: nothing changed, deliver it
- * the Python way; -1: an error (also nothing changed, but for a MemoryError half way, which drops the
- * connection: the frame was not acknowledged, so it comes again, and a copy already taken is a duplicate). */
-static int
-lane_take(Lane *self, PyObject *frame, PyObject *crc, PyObject **taken)
-{
-    PyObject *decoded = decode_memoryview(frame, crc, self->max_header, self->max_payload, self->max_ndim);
+    if (g_message_type == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *decoded = decode_memoryview(args[0], args[1], max_header, max_payload, max_ndim);
     if (decoded == NULL || decoded == Py_None) {
-        Py_XDECREF(decoded);
-        return decoded == NULL ? -1 : 0;
+        return decoded;
     }
-    PyObject *key = PyTuple_GET_ITEM(decoded, 0), *id = PyTuple_GET_ITEM(decoded, 2);
-    PyObject *array = PyTuple_GET_ITEM(decoded, 3);
-    Py_ssize_t fences = key == Py_None ? 0 : PyUnicode_Count(key, s_semicolon, 0, PY_SSIZE_T_MAX);
-    if (fences < 0 || fences == 4 || id == Py_None) { /* a key naming an incarnation (fencing); no id to dedup by */
-        Py_DECREF(decoded);
-        return fences < 0 ? -1 : 0;
+    PyObject *msg = make_message(decoded);
+    PyObject *result = NULL;
+    if (msg != NULL) {
+        unsigned long long held = (unsigned long long)PyArray_NBYTES((PyArrayObject *)PyTuple_GET_ITEM(decoded, 3)) +
+                                  PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(decoded, 4));
+        result = Py_BuildValue("(NOOK)", msg, PyTuple_GET_ITEM(decoded, 0), PyTuple_GET_ITEM(decoded, 2), held);
     }
-    PyObject *msg = make_message(self, decoded);
-    if (msg == NULL) {
-        Py_DECREF(decoded);
-        return -1;
-    }
-    unsigned long long nbytes = (unsigned long long)PyArray_NBYTES((PyArrayObject *)array) +
-                                PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(decoded, 4));
     Py_DECREF(decoded);
-    int result = 0, consumer_locked = 0, table_locked = 0, ok = 1;
-    PyObject *waiter = NULL, *done = NULL, *number = NULL, *entry = NULL, *fresh = NULL, *queue, *keyed = NULL;
-    PyObject *buffered = NULL, *more = NULL;
-    if ((consumer_locked = try_lock(self->consumer_lock)) <= 0 || (table_locked = try_lock(self->table_lock)) <= 0) {
-        result = consumer_locked < 0 || table_locked < 0 ? -1 : 0;
-        goto out;
-    }
-    if (PyDict_GET_SIZE(self->partials) || (ok = is_none_attr(self->consumer, s_interrupted)) <= 0 ||
-        (ok = is_none_attr(self->table, s_aborted)) <= 0 || (ok = PySequence_Contains(self->seen, id)) != 0) {
-        result = PyDict_GET_SIZE(self->partials) || ok >= 0 ? 0 : -1; /* (contains: 1 is a duplicate: Python counts it) */
-        goto out;
-    }
-    if ((queue = waiting_queue(self, key)) == NULL && PyErr_Occurred()) {
-        result = -1;
-        goto out;
-    }
-    /* first whatever can fail, while nothing has changed */
-    if (queue != NULL) { /* a receiver is waiting: it gets the message, which needs no room */
-        if ((waiter = PySequence_GetItem(queue, 0)) == NULL || (ok = is_none_attr(waiter, s_callback)) <= 0 ||
-            (done = PyObject_GetAttr(waiter, s_done)) == NULL) { /* (callbacks run Python: Python calls them) */
-            result = waiter == NULL || ok < 0 || (ok > 0 && done == NULL) ? -1 : 0;
-            goto out;
-        }
-    }
-    else {
-        buffered = PyObject_GetAttr(self->table, s_buffered_bytes);
-        PyObject *limit = buffered == NULL ? NULL : PyObject_GetAttr(self->table, s_max_buffered_bytes);
-        ok = limit == NULL ? -1 : PyObject_RichCompareBool(buffered, limit, Py_LT);
-        Py_XDECREF(limit);
-        if (ok <= 0) { /* full: Python holds it back */
-            result = ok;
-            goto out;
-        }
-        PyObject *counter = PyObject_GetAttr(self->table, s_counter), *size = PyLong_FromUnsignedLongLong(nbytes);
-        more = size == NULL ? NULL : PyNumber_Add(buffered, size);
-        number = counter == NULL || more == NULL ? NULL : PyNumber_Add(counter, s_one);
-        entry = number == NULL ? NULL : PyTuple_Pack(2, msg, size);
-        Py_XDECREF(counter);
-        Py_XDECREF(size);
-        keyed = entry == NULL ? NULL : PyDict_GetItemWithError(self->by_key, key); /* (borrowed) */
-        if (keyed == NULL && entry != NULL && !PyErr_Occurred()) {
-            keyed = fresh = PyObject_CallNoArgs(self->deque_type);
-        }
-        if (keyed == NULL) {
-            result = -1;
-            goto out;
-        }
-    }
-    /* from here on it is taken: first marked as seen (a copy sent again meanwhile is a duplicate), and
-     * forgotten again should anything below fail (a MemoryError: the connection is dropped, the frame
-     * comes again, and must not then pass for a duplicate) */
-    if (PyObject_SetItem(self->seen, id, Py_None) < 0) {
-        result = -1;
-        goto out;
-    }
-    ok = 1;
-    if (PyObject_Length(self->seen) > self->window) {
-        PyObject *oldest = PyObject_CallMethodOneArg(self->seen, s_popitem, Py_False);
-        ok = oldest != NULL;
-        Py_XDECREF(oldest);
-    }
-    if (ok && waiter != NULL) { /* (none of these fail: a slot, a deque that has it, a key that is there, a held lock) */
-        PyObject *popped = NULL;
-        ok = PyObject_SetAttr(waiter, s_result, msg) == 0 && (popped = PyObject_CallMethodNoArgs(queue, s_popleft));
-        Py_XDECREF(popped);
-        if (ok && PyObject_Length(queue) == 0) {
-            PyObject *wanted = PyDict_GetItemWithError(self->waiters, key) == queue ? key : self->any;
-            ok = PyDict_DelItem(self->waiters, wanted) == 0;
-        }
-        ok = ok && unlock(done) == 0;
-    }
-    else if (ok) { /* three writes that may allocate, each undone should a later one fail; then two that do not */
-        int placed = PyObject_SetItem(self->arrivals, number, entry) == 0;
-        int keyed_here = placed && (fresh == NULL || PyDict_SetItem(self->by_key, key, fresh) == 0);
-        PyObject *appended = keyed_here ? PyObject_CallMethodOneArg(keyed, s_append, number) : NULL;
-        ok = appended != NULL && PyObject_SetAttr(self->table, s_counter, number) == 0 &&
-             PyObject_SetAttr(self->table, s_buffered_bytes, more) == 0;
-        if (!ok) {
-            PyObject *type, *value, *traceback, *undone = NULL;
-            PyErr_Fetch(&type, &value, &traceback);
-            if ((appended != NULL && (undone = PyObject_CallMethodNoArgs(keyed, s_pop)) == NULL) ||
-                (keyed_here && fresh != NULL && PyDict_DelItem(self->by_key, key) < 0) ||
-                (placed && PyObject_DelItem(self->arrivals, number) < 0)) {
-                PyErr_Clear();
-            }
-            Py_XDECREF(undone);
-            PyErr_Restore(type, value, traceback);
-        }
-        else {
-            counted(self->table_stats, s_buffered);
-        }
-        Py_XDECREF(appended);
-    }
-    if (ok) {
-        counted(self->consumer_stats, s_received);
-        result = 1;
-        self->taken++;
-        *taken = Py_NewRef(msg);
-    }
-    else {
-        result = -1;
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        if (PyObject_DelItem(self->seen, id) < 0) {
-            PyErr_Clear();
-        }
-        PyErr_Restore(type, value, traceback);
-    }
-out:
-    Py_DECREF(msg);
-    Py_XDECREF(waiter);
-    Py_XDECREF(done);
-    Py_XDECREF(number);
-    Py_XDECREF(entry);
-    Py_XDECREF(fresh);
-    Py_XDECREF(buffered);
-    Py_XDECREF(more);
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback); /* (release() with an error set would turn it into a SystemError) */
-    if (table_locked > 0 && unlock(self->table_lock) < 0) {
-        result = -1;
-    }
-    if (consumer_locked > 0 && unlock(self->consumer_lock) < 0) {
-        result = -1;
-    }
-    if (type != NULL) {
-        PyErr_Restore(type, value, traceback); /* the first error is the one reported */
-    }
     return result;
 }
 
-PyDoc_STRVAR(lane_take_doc,
-"take(frame, crc)\n--\n\n"
-"Deliver a whole received frame (a memoryview handed over; crc as StreamReader.read gives it): its\n"
-"Message once it is in the table or with its receiver; None when it changed nothing (deliver it the\n"
-"Python way).");
+PyDoc_STRVAR(configure_message_doc,
+"configure_message(message_type, field_names)\n--\n\n"
+"Hand over frame.Message and its field names in order; refused (ValueError) unless they are the ones\n"
+"make_message sets.");
 
 static PyObject *
-lane_take_method(Lane *self, PyObject *const *args, Py_ssize_t nargs)
+configure_message(PyObject *self, PyObject *args)
 {
-    if (nargs != 2 || !PyMemoryView_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "take(frame: memoryview, crc: int | None)");
+    PyObject *type, *names;
+    if (!PyArg_ParseTuple(args, "O!O!:configure_message", &PyType_Type, &type, &PyTuple_Type, &names)) {
         return NULL;
     }
-    PyObject *taken = NULL;
-    int r = lane_take(self, args[0], args[1], &taken);
-    if (r < 0) {
-        Py_XDECREF(taken);
+    int same = PyTuple_GET_SIZE(names) == 6;
+    for (Py_ssize_t i = 0; same && i < 6; i++) {
+        PyObject *name = PyTuple_GET_ITEM(names, i);
+        same = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, MESSAGE_FIELDS[i]) == 0;
+    }
+    if (!same) {
+        PyErr_SetString(PyExc_ValueError, "Message's fields are not the ones _native.c sets");
         return NULL;
     }
-    return r ? taken : Py_NewRef(Py_None);
+    Py_XSETREF(g_message_type, Py_NewRef(type));
+    Py_RETURN_NONE;
 }
-
-static int
-lane_init(Lane *self, PyObject *args, PyObject *kwargs)
-{
-    static char *names[] = {"consumer", "consumer_lock", "table", "table_lock", "seen", "window", "partials",
-                            "waiters", "arrivals", "by_key", "any", "message_type", "deque_type", "consumer_stats",
-                            "table_stats", "max_header_bytes", "max_payload_bytes", "max_ndim", NULL};
-    PyObject *o[14];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO!nO!O!O!O!OO!O!O!O!nKn:Lane", names, &o[0], &o[1], &o[2],
-                                     &o[3], &PyDict_Type, &o[4], &self->window, &PyDict_Type, &o[13], &PyDict_Type,
-                                     &o[5], &PyDict_Type, &o[6], &PyDict_Type, &o[7], &o[8], &PyType_Type, &o[9],
-                                     &PyType_Type, &o[10], &PyDict_Type, &o[11], &PyDict_Type, &o[12],
-                                     &self->max_header, &self->max_payload, &self->max_ndim)) {
-        return -1;
-    }
-    PyObject **slots[14] = {&self->consumer, &self->consumer_lock, &self->table, &self->table_lock, &self->seen,
-                            &self->waiters, &self->arrivals, &self->by_key, &self->any, &self->message_type,
-                            &self->deque_type, &self->consumer_stats, &self->table_stats, &self->partials};
-    for (int i = 0; i < 14; i++) {
-        Py_XSETREF(*slots[i], Py_NewRef(o[i]));
-    }
-    return 0;
-}
-
-static int
-lane_traverse(Lane *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->consumer);
-    Py_VISIT(self->consumer_lock);
-    Py_VISIT(self->table);
-    Py_VISIT(self->table_lock);
-    Py_VISIT(self->seen);
-    Py_VISIT(self->partials);
-    Py_VISIT(self->waiters);
-    Py_VISIT(self->arrivals);
-    Py_VISIT(self->by_key);
-    Py_VISIT(self->any);
-    Py_VISIT(self->message_type);
-    Py_VISIT(self->deque_type);
-    Py_VISIT(self->consumer_stats);
-    Py_VISIT(self->table_stats);
-    return 0;
-}
-
-static int
-lane_clear(Lane *self)
-{
-    Py_CLEAR(self->consumer);
-    Py_CLEAR(self->consumer_lock);
-    Py_CLEAR(self->table);
-    Py_CLEAR(self->table_lock);
-    Py_CLEAR(self->seen);
-    Py_CLEAR(self->partials);
-    Py_CLEAR(self->waiters);
-    Py_CLEAR(self->arrivals);
-    Py_CLEAR(self->by_key);
-    Py_CLEAR(self->any);
-    Py_CLEAR(self->message_type);
-    Py_CLEAR(self->deque_type);
-    Py_CLEAR(self->consumer_stats);
-    Py_CLEAR(self->table_stats);
-    return 0;
-}
-
-static void
-lane_dealloc(Lane *self)
-{
-    PyObject_GC_UnTrack(self);
-    lane_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *
-get_taken(Lane *self, void *closure)
-{
-    return PyLong_FromSsize_t(self->taken);
-}
-
-static PyMethodDef lane_methods[] = {
-    {"take", (PyCFunction)(void (*)(void))lane_take_method, METH_FASTCALL, lane_take_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef lane_getset[] = {
-    {"taken", (getter)get_taken, NULL, "frames this lane delivered", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject LaneType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.codec._native.Lane",
-    .tp_basicsize = sizeof(Lane),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = PyDoc_STR("Lane(consumer, consumer_lock, table, table_lock, seen, window, partials, waiters, arrivals, by_key, "
-                        "any, message_type, deque_type, consumer_stats, table_stats, max_header_bytes, "
-                        "max_payload_bytes, max_ndim)\n--\n\nA consumer's table, for delivering frames in C."),
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)lane_init,
-    .tp_dealloc = (destructor)lane_dealloc,
-    .tp_traverse = (traverseproc)lane_traverse,
-    .tp_clear = (inquiry)lane_clear,
-    .tp_methods = lane_methods,
-    .tp_getset = lane_getset,
-};
 
 /* ---- module ------------------------------------------------------------------------------------------ */
 
@@ -1466,6 +1146,8 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, decode_doc},
     {"ndarray_head", ndarray_head, METH_VARARGS, ndarray_head_doc},
     {"configure", configure, METH_VARARGS, configure_doc},
+    {"configure_message", configure_message, METH_VARARGS, configure_message_doc},
+    {"decode_message", (PyCFunction)(void (*)(void))decode_message, METH_FASTCALL, decode_message_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1477,31 +1159,15 @@ PyMODINIT_FUNC
 PyInit__native(void)
 {
     import_array();
-    struct {
-        PyObject **slot;
-        const char *text;
-    } names[] = {
-        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_popleft, "popleft"}, {&s_pop, "pop"}, {&s_append, "append"},
-        {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"}, {&s_result, "result"},
-        {&s_interrupted, "_interrupted"}, {&s_aborted, "_aborted"}, {&s_buffered_bytes, "buffered_bytes"},
-        {&s_max_buffered_bytes, "max_buffered_bytes"}, {&s_counter, "_counter"}, {&s_received, "received"},
-        {&s_buffered, "buffered"}, {&s_semicolon, ";"}, {&s_ndarray, "ndarray"}, {&s_fields[0], "key"}, {&s_fields[1], "tensor"},
-        {&s_fields[2], "metadata"}, {&s_fields[3], "message_id"}, {&s_fields[4], "kind"},
-        {&s_fields[5], "header_bytes"},
-    };
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+    for (int i = 0; i < 6; i++) {
+        if ((s_fields[i] = PyUnicode_InternFromString(MESSAGE_FIELDS[i])) == NULL) {
             return NULL;
         }
     }
-    if ((s_one = PyLong_FromLong(1)) == NULL || PyType_Ready(&LaneType) < 0) {
+    if ((s_ndarray = PyUnicode_InternFromString("ndarray")) == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddObjectRef(m, "Lane", (PyObject *)&LaneType) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
     /* the format constants this file repeats from frame.py: frame.py checks they agree */
     if (m != NULL && (PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
                       PyModule_AddIntConstant(m, "PREFIX_SIZE", PREFIX_SIZE) < 0 ||

@@ -79,7 +79,7 @@ def load(name: str) -> ModuleType | None:
 
 
 def _crc32c() -> Callable[..., int]:
-    """The folding CRC32C where the CPU has AVX2 and VPCLMULQDQ (about 1.7x as fast), else the package's."""
+    """The folding CRC32C where the CPU has AVX2 and VPCLMULQDQ (faster: docs/PERFORMANCE.md), else the package's."""
     fast = load(f"{__package__}._crc")
     return fast.crc32c if fast is not None and fast.ACCELERATED else crc32c_package.crc32c
 

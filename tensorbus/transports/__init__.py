@@ -8,7 +8,7 @@ import urllib.parse
 
 from ..errors import ConfigError
 from ..options import redact
-from .base import Deliver, Delivered, Transport
+from .base import Deliver, Delivered, Encoding, Transport
 
 TRANSPORTS: dict[str, str] = {
     "memory": "tensorbus.transports.memory:MemoryTransport",
@@ -49,4 +49,4 @@ def _extra(scheme: str) -> str:
     return {"amqp": "rabbitmq", "amqps": "rabbitmq", "kafka": "kafka", "kafkas": "kafka"}.get(scheme, "dev")
 
 
-__all__ = ["TRANSPORTS", "Deliver", "Delivered", "Transport", "resolve_transport"]
+__all__ = ["TRANSPORTS", "Deliver", "Delivered", "Encoding", "Transport", "resolve_transport"]

@@ -6,7 +6,7 @@
  *
  * It reads ahead (one system call for several small frames), sizes each frame from its prefix,
  * receives it into one buffer (large frames straight into place, checksummed slice by slice while
- * in cache), and moves a CRC sent after the frame (stream.py, CRC_AFTER) into place. Whatever is
+ * in cache), and moves a CRC sent after the frame (stream.py, TRAILING_CRC) into place. Whatever is
  * not the common case goes back to Python as an event: an ack request, a prefix that is over the
  * limits or not a frame at all (Python decides, with frame.frame_length's own errors), the end of
  * the stream. TLS connections are read in Python.
@@ -33,18 +33,17 @@
 #define FLAG_CHECKSUM 0x01
 #define FLAG_SIGNED 0x02
 #define KNOWN_FLAGS (FLAG_CHECKSUM | FLAG_SIGNED)
-#define CRC_AFTER 0x80
+#define TRAILING_CRC 0x80
 #define CRC_TRAILER 4
 #define SIGNATURE_BYTES 32
 #define ALIGN 64
 /* bytes read at once while a prefix is wanted: 16 frames of 64 KB (FAIR_SHARE, the most the reactor
- * takes from one connection in a row) per system call; 1 MiB against 256 KiB gave a 64 KB stream
- * 1.15-1.47x pyzmq against 0.70-1.15x (eight alternating runs); a connection holds it only while it
- * holds unread bytes */
+ * takes from one connection in a row) per system call, which made a 64 KB stream faster than a
+ * smaller read-ahead did (docs/PERFORMANCE.md); a connection holds it only while it holds unread bytes */
 #define READ_AHEAD (1 << 20)
 #define SPARE_INBOXES 4
 /* frames from this size wait for recv_lowat bytes at a time (see set_lowat); 1 MB ones gained nothing
- * measurable (0.81-0.85x a bare socket against 0.84-0.91x, within the noise), so they are left alone */
+ * measurable, so they are left alone */
 #define LOWAT_FROM (4 << 20)
 
 /* what read() returns besides a frame (a tuple) and None (no more bytes for now) */
@@ -264,8 +263,8 @@ prefix_ok(const Reader *self)
 
 /* How many bytes the kernel gathers before the socket counts as readable (SO_RCVLOWAT; TCP only, as
  * epoll honours it only there). Waiting in the middle of a large frame, `recv_lowat`: the reader wakes
- * once per that many bytes instead of once per loopback packet (64 KiB): bare sockets streaming 16 MB
- * measured 1.07-1.23x the throughput with 256 KiB, and 1 MiB was no better and less steady. Never more
+ * once per that many bytes instead of once per loopback packet, which streams large frames faster
+ * (docs/PERFORMANCE.md); a larger mark was no better and less steady. Never more
  * than the frame still owes: those bytes come, or the stream ends, which wakes the reader anyway. Back
  * to 1 byte at the frame's end, so nothing smaller ever waits for bytes that may not come. reactor.py
  * passes recv_lowat 0 where the kernel may hold a reader past that (before Linux 5.8, or not Linux).
@@ -375,8 +374,8 @@ read_next(Reader *self)
             self->prefix_got = 0;
             return PyLong_FromLong(ACK_REQUEST);
         }
-        self->crc_after = (self->prefix[5] & CRC_AFTER) != 0;
-        self->prefix[5] &= (uint8_t)~CRC_AFTER; /* the frame as it was sealed (and checksummed) */
+        self->crc_after = (self->prefix[5] & TRAILING_CRC) != 0;
+        self->prefix[5] &= (uint8_t)~TRAILING_CRC; /* the frame as it was sealed (and checksummed) */
         if (!prefix_ok(self)) {
             return PyLong_FromLong(CHECK_PREFIX);
         }
@@ -585,7 +584,7 @@ get_last_total(Reader *self, void *closure)
 }
 
 static PyGetSetDef reader_getset[] = {
-    {"prefix", (getter)get_prefix, NULL, "the last prefix read (its CRC_AFTER bit cleared)", NULL},
+    {"prefix", (getter)get_prefix, NULL, "the last prefix read (its TRAILING_CRC bit cleared)", NULL},
     {"buffered", (getter)get_buffered, NULL, "bytes read ahead and not yet taken", NULL},
     {"mid_frame", (getter)get_mid_frame, NULL, "whether part of a frame has been read", NULL},
     {"crc_after", (getter)get_crc_after, NULL, "whether the last prefix said its CRC follows the frame", NULL},
@@ -748,8 +747,8 @@ done:
 
 /* reactor.py's background thread reads only once no application thread has led for `linger_s`.
  * Waiting for that in Python wakes the thread (and takes the GIL from the application) every
- * linger_s while the application receives: round trips measured 2-5 % longer at the median and
- * 15-30 % at p90. This waits without the GIL, so an application that keeps receiving never meets it. */
+ * linger_s while the application receives, which made round trips longer, at the tail most. This
+ * waits without the GIL, so an application that keeps receiving never meets it. */
 
 #define IDLE_NAP_NS 50000000LL /* the longest nap between looks at `woken` (close) */
 
@@ -888,7 +887,7 @@ PyInit__stream(void)
         PyModule_AddIntConstant(m, "PREFIX_SIZE", PREFIX_SIZE) < 0 || PyModule_AddIntConstant(m, "CRC_AT", CRC_AT) < 0 ||
         PyModule_AddIntConstant(m, "FORMAT_VERSION", FORMAT_VERSION) < 0 ||
         PyModule_AddIntConstant(m, "KNOWN_FLAGS", KNOWN_FLAGS) < 0 ||
-        PyModule_AddIntConstant(m, "CRC_AFTER", CRC_AFTER) < 0 ||
+        PyModule_AddIntConstant(m, "TRAILING_CRC", TRAILING_CRC) < 0 ||
         PyModule_AddIntConstant(m, "CRC_TRAILER", CRC_TRAILER) < 0 ||
         PyModule_AddIntConstant(m, "SIGNATURE_BYTES", SIGNATURE_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "ALIGN", ALIGN) < 0) {

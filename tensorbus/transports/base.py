@@ -6,11 +6,39 @@ transport only moves frames (lists of buffers) and reports each received frame t
 
 from __future__ import annotations
 
+import threading
+import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Protocol
 
-from ..codec.frame import Buffer, Limits, Message, MessageId
+from ..codec import encode, encode_chunks
+from ..codec.frame import FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a producer encodes every tensor it sends (`Transport.send_message` takes it)."""
+
+    compression: str | None = None
+    checksum: bool = True
+    signing_key: bytes | None = None
+    #: the flags of its frames when they need nothing but the optional checksum (no compression, no
+    #: signature): what a transport's shortcut for plain frames needs to know; else None
+    plain_flags: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        plain = self.compression is None and self.signing_key is None
+        object.__setattr__(self, "plain_flags", (FLAG_CHECKSUM if self.checksum else 0) if plain else None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransportOptions:
+    """What every transport takes: each transport's options extend these (validated by options.merge)."""
+
+    #: frames larger than this are chunked above the transport; None means no limit
+    max_frame_bytes: int | None = None
 
 
 class Delivered(NamedTuple):
@@ -34,7 +62,11 @@ class Delivered(NamedTuple):
 
 
 class Deliver(Protocol):
-    """What a listening transport reports to: called with each received frame."""
+    """What a listening transport reports to: called with each received frame (the consumer's intake)."""
+
+    #: the C delivery of a whole plain frame, for transports that read frames in C: the Message it
+    #: delivered, or None when it changed nothing (then call the intake itself); None where there is none
+    fast: Callable[[memoryview, int | None], Message | None] | None
 
     def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
@@ -55,7 +87,7 @@ class Deliver(Protocol):
         """True while the message still waits for chunks (False once complete, rejected or expired)."""
         ...
 
-    def handed_over_all(self) -> bool:
+    def none_dropped(self) -> bool:
         """False once an abort or close dropped delivered tensors nobody received (a last ack must not cover them)."""
         ...
 
@@ -69,25 +101,29 @@ def backoff_s(first_s: float = 0.05, max_s: float = 2.0) -> Iterator[float]:
 
 
 class Transport:
-    """One endpoint connection, used either as a sender (`send`) or as a receiver (`listen`).
+    """One endpoint connection, used either as a sender (`send_message`) or as a receiver (`listen`).
 
     Class attributes declare what the transport can do, so callers branch on data:
-    `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart).
+    `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart),
+    `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
+    The optional methods (`read_while_waiting`, `room_opened`, `forget_last`, `flush`, `wait_for_room`,
+    `abandon`) have a default that is right for a transport without the capability.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
     acknowledges: ClassVar[bool] = False
     persists: ClassVar[bool] = False
+    reads_while_waiting: ClassVar[bool] = False
     #: `send` takes frames encoded with `deferred_checksum` and computes their CRC while sending
     seals_frames: ClassVar[bool] = False
-    #: option name -> default; every transport also accepts `max_frame_bytes`
-    OPTIONS: ClassVar[dict[str, Any]] = {}
+    #: the transport's options (their names, defaults and types)
+    Options: ClassVar[type[TransportOptions]] = TransportOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions) -> None:
         self.url = url
         self.options = options
         #: frames larger than this are chunked above the transport; None means no limit
-        self.max_frame_bytes: int | None = options.get("max_frame_bytes")
+        self.max_frame_bytes: int | None = options.max_frame_bytes
 
     @property
     def address(self) -> str:
@@ -98,12 +134,37 @@ class Transport:
         """Send one frame (scatter-gather buffers) to the endpoint."""
         raise NotImplementedError
 
-    def send_ndarray(
-        self, array: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
-    ) -> bool:
-        """Encode and send one ndarray in one frame, if this transport has a shortcut for it (one frame
-        from `flags` alone: no compression, no signature); False, with nothing sent, to take the general path."""
-        return False
+    def send_message(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
+    ) -> None:
+        """Encode one tensor and send it: in one frame, or in chunks where frames are limited (`max_frame_bytes`).
+
+        What `Producer.send` calls; a transport with a faster way for some tensors overrides it and
+        calls this for the rest. If a chunk fails, the chunks sent before it are forgotten.
+        """
+        self.wait_for_room()
+        options: dict[str, Any] = {
+            "key": key,
+            "metadata": metadata,
+            "compression": encoding.compression,
+            "checksum": encoding.checksum,
+            "message_id": message_id,
+            "signing_key": encoding.signing_key,
+        }
+        limit = self.max_frame_bytes
+        if limit is None:  # one frame: if it fails, nothing of the tensor went out
+            self.send(encode(tensor, **options, deferred_checksum=self.seals_frames), key=key)
+            return
+        parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
+        sent = 0
+        try:
+            for part in parts:
+                self.send(part, key=key)
+                sent += 1
+        except BaseException:  # (a Ctrl-C between or inside chunks too)
+            if sent:  # the chunks that went out can never make a whole tensor: don't resend them
+                self.forget_last(sent)
+            raise
 
     def forget_last(self, count: int) -> None:
         """Drop the last `count` frames sent from anything kept for resending (a message failed part way)."""
@@ -117,6 +178,17 @@ class Transport:
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Start receiving the endpoint's frames on background threads, calling `deliver` for each."""
         raise NotImplementedError
+
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
+        """Wait for `done` (a waiting receive's lock) until `deadline`: True once acquired, False when the
+        deadline passed. A transport that `reads_while_waiting` reads frames on this thread meanwhile, so
+        the receive needs no hand-off from a reading thread; by default this just waits."""
+        timeout = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+        return done.acquire(timeout=timeout)
+
+    def room_opened(self) -> None:
+        """The consumer's table has room again, or a receiver started waiting (called under the table's
+        lock: must not block). A transport that holds messages back offers them again; by default nothing."""
 
     def close(self) -> None:
         """Release connections and threads; safe to call twice."""

@@ -25,7 +25,8 @@ import time
 import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas with importlib.resources.read_text
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -35,14 +36,14 @@ with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas w
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import ConfigError, TensorBusError, TransportError
-from .base import Deliver, Delivered, Transport
+from .base import Deliver, Delivered, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 #: bytes a record batch adds around one record's value (batch header, record fields, a short key)
 RECORD_OVERHEAD = 1024
-#: bytes one fetch may bring per partition: 16 records of a 1 MB chunk, not kafka-python's one (1 MiB).
-#: Measured side by side with kafka-python's default: 1.1-1.5x the throughput from 1 MB tensors up
+#: bytes one fetch may bring per partition: 16 records of a 1 MB chunk, not kafka-python's one (1 MiB),
+#: for more throughput from 1 MB tensors up (docs/PERFORMANCE.md)
 FETCH_PER_PARTITION = 16 << 20
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 #: what the guarantees above rest on (5 in flight is the most idempotence allows)
@@ -222,34 +223,64 @@ class _Offsets(AsyncConsumerRebalanceListener):
         self.assigned -= {tp.partition for tp in lost}
 
 
+@dataclass(frozen=True, kw_only=True)
+class KafkaOptions(TransportOptions):
+    """The options of kafka:// and kafkas:// endpoints."""
+
+    max_frame_bytes: int | None = 1_000_000  # chunk size: under max_request_size and the broker's message.max.bytes
+    max_request_size: int = 1_048_576
+    partitions: int = 1  # for topics this transport creates
+    replication_factor: int | None = None  # for topics this transport creates; default: 3, or fewer live brokers
+    min_insync_replicas: int | None = None  # for topics this transport creates; default: 2 at 3 replicas or more
+    delivery_timeout_s: float = 120.0  # a record not acknowledged by then (retried meanwhile) fails the producer
+    group: str | None = None  # consumer group; default tensorbus-TOPIC
+    max_pending_bytes: int = 256 * 1024 * 1024  # send() blocks while this much is unacknowledged
+    connect_timeout_s: float = 10.0
+    close_timeout_s: float = 30.0
+    fetch_max_bytes: int = 50 * 1024 * 1024
+    max_partition_fetch_bytes: int | None = None  # default: FETCH_PER_PARTITION, within fetch_max_bytes
+    max_poll_records: int = 64
+    max_poll_interval_s: float = 300.0
+    session_timeout_s: float = 10.0
+    commit_interval_s: float = 0.5
+    ssl_cafile: str | None = None  # kafkas:// (TLS)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_password: str | None = None
+    sasl_mechanism: str | None = None  # e.g. PLAIN
+    sasl_plain_username: str | None = None
+    sasl_plain_password: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in self._text_options():  # names, secrets: text (a URL query turns "1234" into a number)
+            value = getattr(self, name)
+            object.__setattr__(self, name, None if value is None else str(value))
+        for name in ("replication_factor", "min_insync_replicas"):  # (a URL query leaves them text)
+            object.__setattr__(self, name, _count(name, getattr(self, name)))
+        if self.replication_factor:  # (else checked when the topic is created, against the replicas it gets)
+            _check_min_insync(self.min_insync_replicas, self.replication_factor)
+        if self.delivery_timeout_s < 1:
+            raise ConfigError(f"delivery_timeout_s must be at least 1 second, got {self.delivery_timeout_s!r}")
+
+    @classmethod
+    def _text_options(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name == "group" or f.name.startswith(("ssl_", "sasl_"))]
+
+    def client_settings(self) -> dict[str, Any]:
+        """The TLS and SASL settings, named as kafka-python names them."""
+        return {name: getattr(self, name) for name in self._text_options() if name != "group"}
+
+
 class KafkaTransport(Transport):
     """A topic per endpoint: an idempotent producer, or a consumer-group member on a thread of its own."""
 
     schemes = ("kafka", "kafkas")
     acknowledges = True
     persists = True
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "max_frame_bytes": 1_000_000,  # chunk size: under max_request_size and the broker's message.max.bytes
-        "max_request_size": 1_048_576,
-        "partitions": 1,  # for topics this transport creates
-        "replication_factor": None,  # for topics this transport creates; default: 3, or fewer live brokers
-        "min_insync_replicas": None,  # for topics this transport creates; default: 2 at 3 replicas or more
-        "delivery_timeout_s": 120.0,  # a record not acknowledged by then (retried meanwhile) fails the producer
-        "group": None,  # consumer group; default tensorbus-TOPIC
-        "max_pending_bytes": 256 * 1024 * 1024,  # send() blocks while this much is unacknowledged
-        "connect_timeout_s": 10.0,
-        "close_timeout_s": 30.0,
-        "fetch_max_bytes": 50 * 1024 * 1024,
-        "max_partition_fetch_bytes": None,  # default: FETCH_PER_PARTITION, within fetch_max_bytes
-        "max_poll_records": 64,
-        "max_poll_interval_s": 300.0,
-        "session_timeout_s": 10.0,
-        "commit_interval_s": 0.5,
-        **dict.fromkeys(("ssl_cafile", "ssl_certfile", "ssl_keyfile", "ssl_password")),  # kafkas:// (TLS)
-        **dict.fromkeys(("sasl_mechanism", "sasl_plain_username", "sasl_plain_password")),  # e.g. PLAIN
-    }
+    Options = KafkaOptions
+    options: KafkaOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions) -> None:
         super().__init__(url, options)
         self.topic = urllib.parse.unquote(url.path.lstrip("/"))
         if not _TOPIC.fullmatch(self.topic):
@@ -259,24 +290,16 @@ class KafkaTransport(Transport):
         hosts = url.netloc.rpartition("@")[2]
         self.servers = [h if re.search(r":\d+$", h) else f"{h}:9092" for h in hosts.split(",") if h]
         self._shown = f"{url.scheme}://{','.join(self.servers)}/{self.topic}"
-        o, record = options, (options["max_frame_bytes"] or 1 << 62) + RECORD_OVERHEAD
-        fetch = min(FETCH_PER_PARTITION, o["fetch_max_bytes"])
-        self._fetch_bytes = o["max_partition_fetch_bytes"] or max(record, fetch)  # (one record always fits)
-        if not (record <= o["max_request_size"] and record <= self._fetch_bytes <= o["fetch_max_bytes"]):
+        o, record = options, (options.max_frame_bytes or 1 << 62) + RECORD_OVERHEAD
+        fetch = min(FETCH_PER_PARTITION, o.fetch_max_bytes)
+        self._fetch_bytes = o.max_partition_fetch_bytes or max(record, fetch)  # (one record always fits)
+        if not (record <= o.max_request_size and record <= self._fetch_bytes <= o.fetch_max_bytes):
             raise ConfigError(
                 f"max_frame_bytes + {RECORD_OVERHEAD} must be at most max_request_size and max_partition_fetch_bytes "
-                f"(at most fetch_max_bytes); got {o['max_frame_bytes']}, {o['max_request_size']}, {self._fetch_bytes}, "
-                f"{o['fetch_max_bytes']}. Raise the broker's message.max.bytes along with max_frame_bytes"
+                f"(at most fetch_max_bytes); got {o.max_frame_bytes}, {o.max_request_size}, {self._fetch_bytes}, "
+                f"{o.fetch_max_bytes}. Raise the broker's message.max.bytes along with max_frame_bytes"
             )
-        for name in [n for n in o if n == "group" or n.startswith(("ssl_", "sasl_"))]:  # names, secrets: text
-            o[name] = None if o[name] is None else str(o[name])  # (a URL query turns "1234" into a number)
-        for name in ("replication_factor", "min_insync_replicas"):  # (no default to take the type from)
-            o[name] = _count(name, o[name])
-        if o["replication_factor"]:  # (else checked when the topic is created, against the replicas it gets)
-            _check_min_insync(o["min_insync_replicas"], o["replication_factor"])
-        if o["delivery_timeout_s"] < 1:
-            raise ConfigError(f"delivery_timeout_s must be at least 1 second, got {o['delivery_timeout_s']!r}")
-        self.group: str = o["group"] or f"tensorbus-{self.topic}"
+        self.group: str = o.group or f"tensorbus-{self.topic}"
         self._lock = threading.Lock()
         self._producer: KafkaProducer | None = None
         self._failed = False  # a record failed: kafka-python's idempotent producer is stuck, replace it
@@ -297,12 +320,12 @@ class KafkaTransport(Transport):
     def _client_config(self) -> dict[str, Any]:
         """Connection settings shared by the producer, the consumer and the admin client."""
         o = self.options
-        protocol = ("SASL_" if o["sasl_mechanism"] else "") + ("SSL" if self.url.scheme == "kafkas" else "PLAINTEXT")
+        protocol = ("SASL_" if o.sasl_mechanism else "") + ("SSL" if self.url.scheme == "kafkas" else "PLAINTEXT")
         return {
             "bootstrap_servers": self.servers,
             "security_protocol": protocol,
-            "bootstrap_timeout_ms": int(o["connect_timeout_s"] * 1000),
-            **{name: value for name, value in o.items() if name.startswith(("ssl_", "sasl_"))},
+            "bootstrap_timeout_ms": int(o.connect_timeout_s * 1000),
+            **o.client_settings(),
         }
 
     def _probe(self, timeout: float) -> None:
@@ -337,30 +360,30 @@ class KafkaTransport(Transport):
             return None
         o = self.options
         try:
-            context = ssl.create_default_context(cafile=o["ssl_cafile"])
-            if o["ssl_certfile"]:
-                context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"], o["ssl_password"])
+            context = ssl.create_default_context(cafile=o.ssl_cafile)
+            if o.ssl_certfile:
+                context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile, o.ssl_password)
         except OSError as exc:
             raise ConfigError(f"the TLS files for {self._shown} cannot be used: {exc}") from None
         return context
 
     def _ensure_topic(self) -> None:
         """Create the topic (partitions, replication_factor) unless it exists."""
-        timeout = self.options["connect_timeout_s"]
+        timeout = self.options.connect_timeout_s
         self._probe(timeout)
         with map_errors(self._shown):
             _retrying(self._create_unless_there, time.monotonic() + timeout, self._shown)
 
     def _create_unless_there(self) -> None:
         """One attempt, with an admin client of its own: kafka-python's keeps asking the broker it first chose."""
-        o, timeout = self.options, self.options["connect_timeout_s"]
+        o, timeout = self.options, self.options.connect_timeout_s
         try:
             admin = KafkaAdminClient(**self._client_config())
         except ke.KafkaTimeoutError:  # a broker answered the probe: with SASL, the login is what failed
-            if not o["sasl_mechanism"]:
+            if not o.sasl_mechanism:
                 raise
             raise _Fatal(
-                f"Kafka at {self._shown} answered, but no SASL {o['sasl_mechanism']} login succeeded within "
+                f"Kafka at {self._shown} answered, but no SASL {o.sasl_mechanism} login succeeded within "
                 f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
             ) from None
         try:
@@ -373,10 +396,10 @@ class KafkaTransport(Transport):
 
     def _create_topic(self, admin: KafkaAdminClient) -> None:
         """Create the topic, replicated on up to 3 live brokers unless told otherwise (the cluster counted now)."""
-        o, timeout = self.options, self.options["connect_timeout_s"]
+        o, timeout = self.options, self.options.connect_timeout_s
         brokers = len(admin.describe_cluster()["brokers"])
-        replicas = o["replication_factor"] or min(3, brokers)
-        min_insync = o["min_insync_replicas"] or (2 if replicas >= 3 else None)
+        replicas = o.replication_factor or min(3, brokers)
+        min_insync = o.min_insync_replicas or (2 if replicas >= 3 else None)
         if replicas > brokers:
             raise _Fatal(
                 f"cannot create {self._shown} with replication_factor={replicas}: the cluster has {brokers} live "
@@ -384,13 +407,13 @@ class KafkaTransport(Transport):
             )
         _check_min_insync(min_insync, replicas)
         configs = {} if min_insync is None else {"min.insync.replicas": str(min_insync)}
-        spec = {"num_partitions": o["partitions"], "replication_factor": replicas, "configs": configs}
+        spec = {"num_partitions": o.partitions, "replication_factor": replicas, "configs": configs}
         admin.create_topics({self.topic: spec})
         admin.wait_for_topics([self.topic], timeout_ms=int(timeout * 1000))
         log.info(
             "created topic %s: %d partition(s), %d replica(s), min.insync.replicas %s",
             self._shown,
-            o["partitions"],
+            o.partitions,
             replicas,
             min_insync or "(the broker's default)",
         )
@@ -410,12 +433,12 @@ class KafkaTransport(Transport):
                     producer = KafkaProducer(
                         **self._client_config(),
                         **_PRODUCER,
-                        max_request_size=o["max_request_size"],
-                        max_block_ms=int(o["connect_timeout_s"] * 1000),
-                        **_delivery(o["delivery_timeout_s"]),
+                        max_request_size=o.max_request_size,
+                        max_block_ms=int(o.connect_timeout_s * 1000),
+                        **_delivery(o.delivery_timeout_s),
                         allow_auto_create_topics=False,
                     )
-                    deadline = time.monotonic() + o["connect_timeout_s"]
+                    deadline = time.monotonic() + o.connect_timeout_s
                     partitions = _retrying(lambda: producer.partitions_for(self.topic), deadline, self._shown)
                     self._keyless_partition = random.choice(sorted(partitions))
                 self._producer, self._failed = producer, False
@@ -427,7 +450,7 @@ class KafkaTransport(Transport):
         value = b"".join(frame)
         nbytes = len(value)
         kafka_key, partition = (None, self._keyless_partition) if key is None else (key.encode(), None)
-        limit = self.options["max_pending_bytes"] - nbytes
+        limit = self.options.max_pending_bytes - nbytes
         with self._pending:
             self._pending.wait_for(lambda: self._error or not self._pending_bytes or self._pending_bytes <= limit)
             self._raise_error()
@@ -492,16 +515,16 @@ class KafkaTransport(Transport):
                     group_id=self.group,
                     **_CONSUMER,
                     allow_auto_create_topics=False,
-                    fetch_max_bytes=o["fetch_max_bytes"],
+                    fetch_max_bytes=o.fetch_max_bytes,
                     max_partition_fetch_bytes=self._fetch_bytes,
-                    max_poll_records=o["max_poll_records"],
-                    max_poll_interval_ms=int(o["max_poll_interval_s"] * 1000),
-                    session_timeout_ms=int(o["session_timeout_s"] * 1000),
-                    heartbeat_interval_ms=int(o["session_timeout_s"] * 100),  # a tenth: rebalances start quickly
+                    max_poll_records=o.max_poll_records,
+                    max_poll_interval_ms=int(o.max_poll_interval_s * 1000),
+                    session_timeout_ms=int(o.session_timeout_s * 1000),
+                    heartbeat_interval_ms=int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
                 )
                 offsets = self._offsets = _Offsets(consumer, deliver, self._shown)
                 consumer.subscribe([self.topic], listener=offsets)
-                self._await_metadata(consumer, o["connect_timeout_s"])
+                self._await_metadata(consumer, o.connect_timeout_s)
         except TensorBusError as exc:
             self._error = exc
             return
@@ -524,12 +547,12 @@ class KafkaTransport(Transport):
                     result = deliver(record.value)
                     offsets.record(tp, record.offset, result)
                     turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
-            if time.monotonic() - last_commit >= o["commit_interval_s"]:
-                offsets.commit(o["connect_timeout_s"])
+            if time.monotonic() - last_commit >= o.commit_interval_s:
+                offsets.commit(o.connect_timeout_s)
                 last_commit = time.monotonic()
-        offsets.commit(o["close_timeout_s"])
+        offsets.commit(o.close_timeout_s)
         with contextlib.suppress(Exception):
-            consumer.close(autocommit=False, timeout_ms=int(o["close_timeout_s"] * 1000))
+            consumer.close(autocommit=False, timeout_ms=int(o.close_timeout_s * 1000))
 
     def _await_metadata(self, consumer: KafkaConsumer, timeout: float) -> None:
         """After subscribing, before the first poll: fetch metadata until it lists the topic's partitions.
@@ -552,7 +575,7 @@ class KafkaTransport(Transport):
     def close(self) -> None:
         """Flush and close the producer, or stop the consumer thread (which commits and leaves the group)."""
         if self._producer is not None:
-            timeout = self.options["close_timeout_s"]
+            timeout = self.options.close_timeout_s
             try:
                 self.flush(timeout)
             except TransportError as exc:
@@ -563,5 +586,5 @@ class KafkaTransport(Transport):
             self._producer = None
         if self._thread is not None:
             self._stop.set()
-            self._thread.join(timeout=self.options["close_timeout_s"])
+            self._thread.join(timeout=self.options.close_timeout_s)
             self._thread = None

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import TransportError
 from .base import backoff_s
 from .reactor import Reactor
-from .stream import greet
+from .stream import SocketOptions, handshake_as_consumer
 
 log = logging.getLogger(__name__)
 #: the accept thread looks up this often (e.g. for close) while the handshake limit is reached
@@ -40,7 +40,7 @@ class Listener:
     """A bound server socket whose accept thread greets each producer on a thread of its own."""
 
     def __init__(
-        self, family: int, target: str | tuple[str, int], options: dict[str, Any], secret: bytes | None,
+        self, family: int, target: str | tuple[str, int], options: SocketOptions, secret: bytes | None,
         address: Callable[[], str],
     ) -> None:  # fmt: skip
         self.family, self.target, self.options, self.secret = family, target, options, secret
@@ -59,7 +59,7 @@ class Listener:
             else:
                 server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             server.bind(self.target)
-            server.listen(self.options["backlog"])
+            server.listen(self.options.backlog)
             if self.family == socket.AF_UNIX:
                 self._socket_file = _identity(self.target)  # type: ignore[arg-type]
         except OSError as exc:
@@ -106,7 +106,7 @@ class Listener:
         """Accept producers until closed; at most `backlog` handshakes at once (more wait in the kernel's queue)."""
         server = self._server
         assert server is not None
-        handshakes = threading.BoundedSemaphore(max(1, self.options["backlog"]))
+        handshakes = threading.BoundedSemaphore(max(1, self.options.backlog))
         failures = backoff_s(0.01, 1.0)
         while not self._closed.is_set():
             if not handshakes.acquire(timeout=POLL_S):
@@ -138,14 +138,14 @@ class Listener:
         then would otherwise hold its handshake slot (of `backlog`) for as long as it likes.
         """
         current = [conn]
-        deadline = threading.Timer(self.options["connect_timeout_s"], _cut, args=(current,))
+        deadline = threading.Timer(self.options.connect_timeout_s, _cut, args=(current,))
         deadline.daemon = True
         deadline.start()
         try:
-            conn.settimeout(self.options["connect_timeout_s"])
+            conn.settimeout(self.options.connect_timeout_s)
             if ctx is not None:
                 conn = current[0] = ctx.wrap_socket(conn, server_side=True)
-            if not greet(conn, self.secret):
+            if not handshake_as_consumer(conn, self.secret):
                 log.error("refused producer %s: no valid proof of the shared secret", peer)
                 conn.close()
                 return
@@ -173,7 +173,7 @@ class Listener:
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
         if self._reactor is not None:
-            self._reactor.close(self.options["close_timeout_s"])
+            self._reactor.close(self.options.close_timeout_s)
         if self.family == socket.AF_UNIX and _identity(self.target) == self._socket_file:  # type: ignore[arg-type]
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.target)  # type: ignore[arg-type]  # (a successor's file is left alone)

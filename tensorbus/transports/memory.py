@@ -11,13 +11,13 @@ import collections
 import logging
 import threading
 import urllib.parse
-from typing import Any, ClassVar
+from dataclasses import dataclass
 
 from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
 from ..options import finite_timeout
-from .base import Deliver, Transport
+from .base import Deliver, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -108,19 +108,24 @@ class MemoryHub:
 HUB = MemoryHub()
 
 
+@dataclass(frozen=True, kw_only=True)
+class MemoryOptions(TransportOptions):
+    """The options of memory:// endpoints."""
+
+    #: the bytes sent to the endpoint and not yet taken by its consumer's delivery, at most, before a
+    #: new message waits for room (up to `send_timeout_s`), as on the socket transports
+    max_unacked_bytes: int = 256 * 1024 * 1024
+    send_timeout_s: float = 30.0
+
+
 class MemoryTransport(Transport):
     """Frames through an in-process queue; a background thread delivers them to the consumer."""
 
     schemes = ("memory",)
-    #: `max_unacked_bytes`: the bytes sent to the endpoint and not yet taken by its consumer's delivery, at
-    #: most, before a new message waits for room (up to `send_timeout_s`), as on the socket transports
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "max_frame_bytes": None,
-        "max_unacked_bytes": 256 * 1024 * 1024,
-        "send_timeout_s": 30.0,
-    }
+    Options = MemoryOptions
+    options: MemoryOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: MemoryOptions) -> None:
         super().__init__(url, options)
         self.name = url.netloc + url.path
         if not self.name:
@@ -136,7 +141,7 @@ class MemoryTransport(Transport):
         Called between messages, never between the chunks of one, so a message larger than the
         limit still goes out whole.
         """
-        limit, timeout = self.options["max_unacked_bytes"], self.options["send_timeout_s"]
+        limit, timeout = self.options.max_unacked_bytes, self.options.send_timeout_s
         queue = HUB.endpoint(self.name)
         if queue.nbytes < limit or queue.wait_for_room(limit, finite_timeout(timeout, "send_timeout_s")):
             return

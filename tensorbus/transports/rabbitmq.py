@@ -22,7 +22,8 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import pika
 import pika.exceptions as px
@@ -30,7 +31,7 @@ from pika.adapters.utils import connection_workflow as workflow
 
 from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TransportError
-from .base import Deliver, Transport, backoff_s
+from .base import Deliver, Transport, TransportOptions, backoff_s
 from .rabbitmq_consumer import QueueConsumer, stream_offset
 from .rabbitmq_publisher import Publisher
 
@@ -69,51 +70,55 @@ def map_errors(address: str) -> Iterator[None]:
         raise TransportError(f"connection to RabbitMQ at {address} failed: {exc!r}") from None
 
 
+@dataclass(frozen=True, kw_only=True)
+class RabbitMQOptions(TransportOptions):
+    """The options of amqp:// and amqps:// endpoints."""
+
+    queue: str | None = None
+    queue_type: str = "quorum"
+    offset: str | int | None = None
+    max_frame_bytes: int | None = 16 * 1024 * 1024 - 4096
+    durable: bool = True
+    persistent: bool = True
+    prefetch_count: int = 16
+    heartbeat_s: int = 30
+    connect_timeout_s: float = 10.0
+    reconnect_timeout_s: float = 60.0
+    confirm_timeout_s: float = 60.0
+    max_pending_bytes: int = 256 * 1024 * 1024
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+
 class RabbitMQTransport(Transport):
     """A durable queue per endpoint; a publisher I/O thread or a consumer I/O thread per instance."""
 
     schemes = ("amqp", "amqps")
     acknowledges = True
     persists = True
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "queue": None,
-        "queue_type": "quorum",
-        "offset": None,
-        "max_frame_bytes": 16 * 1024 * 1024 - 4096,
-        "durable": True,
-        "persistent": True,
-        "prefetch_count": 16,
-        "heartbeat_s": 30,
-        "connect_timeout_s": 10.0,
-        "reconnect_timeout_s": 60.0,
-        "confirm_timeout_s": 60.0,
-        "max_pending_bytes": 256 * 1024 * 1024,
-        "ssl_cafile": None,
-        "ssl_certfile": None,
-        "ssl_keyfile": None,
-    }
+    Options = RabbitMQOptions
+    options: RabbitMQOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: RabbitMQOptions) -> None:
         super().__init__(url, options)
-        if not options["queue"]:
+        if not options.queue:
             raise ConfigError(
                 f"AMQP URL needs a queue, e.g. amqp://guest:guest@127.0.0.1:5672/%2F?queue=tensors; "
                 f"got {urllib.parse.urlunsplit(url)!r}"
             )
-        if not 1 <= options["prefetch_count"] <= MAX_PREFETCH:
+        if not 1 <= options.prefetch_count <= MAX_PREFETCH:
             raise ConfigError(
-                f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {options['prefetch_count']}"
+                f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {options.prefetch_count}"
             )
-        if options["queue_type"] not in QUEUE_TYPES:
-            raise ConfigError(f"queue_type must be one of {', '.join(QUEUE_TYPES)}, got {options['queue_type']!r}")
-        if options["queue_type"] != "classic" and not options["durable"]:
-            raise ConfigError(
-                f"a {options['queue_type']} queue is always durable: durable=False needs queue_type=classic"
-            )
-        if options["offset"] is not None and options["queue_type"] != "stream":
+        if options.queue_type not in QUEUE_TYPES:
+            raise ConfigError(f"queue_type must be one of {', '.join(QUEUE_TYPES)}, got {options.queue_type!r}")
+        if options.queue_type != "classic" and not options.durable:
+            raise ConfigError(f"a {options.queue_type} queue is always durable: durable=False needs queue_type=classic")
+        if options.offset is not None and options.queue_type != "stream":
             raise ConfigError("offset is a position in a stream: it needs queue_type=stream")
-        self.offset = stream_offset(options["offset"]) if options["queue_type"] == "stream" else None
-        self.queue: str = options["queue"]
+        self.offset = stream_offset(options.offset) if options.queue_type == "stream" else None
+        self.queue: str = options.queue
         self.hosts = _hosts(url)
         self.shown = f"{url.scheme}://{','.join(f'{h}:{p}' for h, p in self.hosts)}{url.path or '/'}?queue={self.queue}"
         self._params = [self._parameters(host, port) for host, port in self.hosts]
@@ -146,9 +151,9 @@ class RabbitMQTransport(Transport):
         url, o = self.url, self.options
         ssl_options = None
         if url.scheme == "amqps":
-            context = ssl.create_default_context(cafile=o["ssl_cafile"])
-            if o["ssl_certfile"]:
-                context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"])
+            context = ssl.create_default_context(cafile=o.ssl_cafile)
+            if o.ssl_certfile:
+                context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
             ssl_options = pika.SSLOptions(context, host)
         vhost = urllib.parse.unquote(url.path[1:]) if len(url.path) > 1 else "/"
         user, _, password = url.netloc.rpartition("@")[0].partition(":")
@@ -157,10 +162,10 @@ class RabbitMQTransport(Transport):
             port=port or (5671 if ssl_options else 5672),
             virtual_host=vhost,
             ssl_options=ssl_options,
-            heartbeat=o["heartbeat_s"],
-            blocked_connection_timeout=o["reconnect_timeout_s"],
-            socket_timeout=o["connect_timeout_s"],
-            stack_timeout=o["connect_timeout_s"] * 2,
+            heartbeat=o.heartbeat_s,
+            blocked_connection_timeout=o.reconnect_timeout_s,
+            socket_timeout=o.connect_timeout_s,
+            stack_timeout=o.connect_timeout_s * 2,
             connection_attempts=1,
             credentials=pika.PlainCredentials(
                 urllib.parse.unquote(user or "guest"), urllib.parse.unquote(password or "guest")
@@ -170,7 +175,7 @@ class RabbitMQTransport(Transport):
     @property
     def arguments(self) -> dict[str, Any] | None:
         """The arguments a missing queue is declared with (its type)."""
-        queue_type = self.options["queue_type"]
+        queue_type = self.options.queue_type
         return None if queue_type == "classic" else {"x-queue-type": queue_type}
 
     def channel(self, connection: pika.BlockingConnection) -> Any:
@@ -188,11 +193,11 @@ class RabbitMQTransport(Transport):
 
     def declare(self, channel: Any, **callback: Any) -> None:
         """Declare the endpoint's queue as `queue_type` on a blocking channel, or on an async one with `callback=`."""
-        channel.queue_declare(self.queue, durable=self.options["durable"], arguments=self.arguments, **callback)
+        channel.queue_declare(self.queue, durable=self.options.durable, arguments=self.arguments, **callback)
 
     def connect(self, stop: Any) -> tuple[pika.BlockingConnection, Any]:
         """Open a connection to the first node that answers and a channel with the queue, retrying with backoff."""
-        deadline = time.monotonic() + self.options["reconnect_timeout_s"]
+        deadline = time.monotonic() + self.options.reconnect_timeout_s
         delays = backoff_s(0.1, 2.0)
         while True:
             try:
@@ -254,7 +259,7 @@ class RabbitMQTransport(Transport):
         """Consume the queue on an I/O thread; a worker thread delivers and posts acks back."""
         self.consumer = QueueConsumer(self, deliver)
         o = self.options
-        if not self.consumer.ready.wait(o["reconnect_timeout_s"] + 3 * o["connect_timeout_s"]):
+        if not self.consumer.ready.wait(o.reconnect_timeout_s + 3 * o.connect_timeout_s):
             self.consumer.stop.set()
             raise TransportError(f"RabbitMQ at {self.shown} did not answer in time")
         if self.consumer.error is not None:

@@ -108,7 +108,7 @@ class QueueConsumer:
         self.held.clear()
         self._cancelled = False
         channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
-        channel.basic_qos(prefetch_count=self.t.options["prefetch_count"])  # per consumer
+        channel.basic_qos(prefetch_count=self.t.options.prefetch_count)  # per consumer
         self._tag = self._consume()
         self.ready.set()
         while not self.stop.is_set():
@@ -135,7 +135,7 @@ class QueueConsumer:
         if generation != self.generation:
             return
         self.held[tag] += 1
-        if tag == self._tag and self.held[tag] >= max(1, self.t.options["prefetch_count"] // 2):
+        if tag == self._tag and self.held[tag] >= max(1, self.t.options.prefetch_count // 2):
             old, self._tag = self._tag, self._consume()
             self._channel.basic_cancel(old)  # (pika requeues what reaches it for `old` from now on)
             self.rolls += 1

@@ -2,8 +2,8 @@
 
 pika's BlockingChannel waits for each confirm before the next publish: one broker round trip per
 message. This publisher runs a `SelectConnection` on a thread of its own and keeps up to
-IN_FLIGHT_BYTES unconfirmed (measured on the native broker: 64 KB messages 4x, 1 MB 1.6x and
-16 MB chunks 1.2x the blocking rate; sixteen 16 MB chunks in flight were slower than one).
+IN_FLIGHT_BYTES unconfirmed, which is several times the blocking rate for small messages and
+still faster for large chunks (docs/PERFORMANCE.md); too many large chunks in flight are slower.
 Messages are confirmed in any order the broker likes; after a lost connection or channel every
 unconfirmed one is published again (duplicates are dropped by message id on the consumer side),
 through the next node of the URL when it names several. When no confirm comes for
@@ -79,7 +79,7 @@ class Publisher:
         with self._pending:
             self.raise_error()
             since = time.monotonic()
-            while self._pending_bytes and self._pending_bytes + len(body) > self.t.options["max_pending_bytes"]:
+            while self._pending_bytes and self._pending_bytes + len(body) > self.t.options.max_pending_bytes:
                 self._pending.wait(1.0)
                 self.raise_error()
                 self._check_progress(since)
@@ -107,7 +107,7 @@ class Publisher:
         """Raise when frames wait for a confirm and none came for confirm_timeout_s, neither since the last one
         nor since this wait began at `since` (caller holds `_pending`)."""
         waited = time.monotonic() - max(self._progress_at, since)
-        if self._unconfirmed and self._error is None and waited > self.t.options["confirm_timeout_s"]:
+        if self._unconfirmed and self._error is None and waited > self.t.options.confirm_timeout_s:
             raise TransportError(
                 f"{self._unconfirmed} frames unconfirmed by {self.t.shown}, no confirm for {waited:.0f}s "
                 f"(confirm_timeout_s, {self.nacks} refused with a nack so far): are its nodes down, has a quorum "
@@ -147,7 +147,7 @@ class Publisher:
             self._ready.set()
 
     def _connect_until_stopped(self) -> None:
-        deadline = time.monotonic() + self.t.options["reconnect_timeout_s"]
+        deadline = time.monotonic() + self.t.options.reconnect_timeout_s
         while True:
             self._open_error = self._refused = self._returned = None
             connection = pika.SelectConnection(
@@ -211,7 +211,7 @@ class Publisher:
         if channel is None or not channel.is_open:
             return
         properties = pika.BasicProperties(
-            content_type=self.t.content_type, delivery_mode=2 if self.t.options["persistent"] else 1
+            content_type=self.t.content_type, delivery_mode=2 if self.t.options.persistent else 1
         )
         while self._outbox and (
             not self._in_flight

@@ -1,6 +1,6 @@
 """The receiving side of the stream sockets: every producer connection read by whichever thread leads.
 
-A thread hand-off costs about as much as a process wake-up here (~25 µs), so a frame should be
+A thread hand-off costs about as much as a process wake-up, so a frame should be
 read by the thread that wants it. Connections are non-blocking and share one selector; one
 thread at a time leads (selects and reads whole frames, delivering each). An application thread
 waiting in `Consumer.recv` leads itself, so its tensor needs no hand-off, and busy-polls for
@@ -12,12 +12,10 @@ for that idleness without the GIL (`_stream.IdleTimer`), so it never interrupts 
 that keeps receiving small tensors. After a recv that read a large frame (OVERLAP_FROM) it takes
 over at once: the next large tensor then arrives while the application works on this one.
 
-Each connection is a small state machine (prefix, then the frame into one buffer, or skipping a
-frame over the limits), so a producer that stalls mid-frame holds up nobody else. Plain (not TLS)
-connections run it in C when the extension is built (`_stream.c`, `_step_native`); the Python one
-below (`_step`) reads TLS connections, and every connection when the extension is not there.
-A plain frame the C reader read goes on into the consumer's table in C as well (`Consumer.lane`,
-`_native.Lane`), which saves about a fifth of a small tensor's time; the Python delivery takes the rest.
+Each connection has a frame reader (reader.py: the C one for plain sockets where it is built, the
+Python one for TLS), a small state machine that a producer stalling mid-frame holds up for nobody
+else; `_step` handles the events of either. A plain frame goes on into the consumer's table in C
+where it can (the intake's `fast`, `_intake.FastDelivery`); the intake's Python delivery takes the rest.
 """
 
 from __future__ import annotations
@@ -37,30 +35,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..buffers import POOLED_FROM, BufferPool
+from ..buffers import BufferPool
 from ..codec.frame import (
-    CRC_AT,
-    FLAG_CHECKSUM,
-    FLAG_SIGNED,
     PREFIX,
-    SIGNATURE_BYTES,
     Buffer,
     Limits,
     Message,
     MessageId,
     frame_length,
 )
-from ..codec.native import crc32c
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
-from .stream import ACK, ACK_REQUEST, CRC_AFTER, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, refusal
+from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
+from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, SocketOptions, refusal
 
 log = logging.getLogger(__name__)
-#: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
-CHECKSUM_WHILE_RECEIVING = 4 << 20
 NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
-#: large frames are received (and checksummed, while still in cache) at most this many bytes at a time
-CRC_SLICE = 1 << 20
 
 
 def _lowat_is_safe(system: str = sys.platform, release: str | None = None) -> bool:
@@ -75,13 +65,9 @@ def _lowat_is_safe(system: str = sys.platform, release: str | None = None) -> bo
 #: many bytes are in (SO_RCVLOWAT), not once per loopback packet (64 KiB); see `_stream.c`, set_lowat.
 #: 0 (never set) where the kernel may not be safe with it
 RECV_LOWAT = 256 << 10 if _lowat_is_safe() else 0
-#: bytes read at once while waiting for a prefix (so a small frame costs one system call)
-READ_AHEAD = 256 << 10
-#: drained read-ahead buffers kept for the next connection that needs one
-SPARE_INBOXES = 4
 #: after a recv that read a frame at least this large, the background reader takes over at once
 #: rather than after `linger_s`: the next large tensor then arrives while the application works on
-#: this one, and the hand-off (~25 µs) is a few percent of such a frame's time (1 ms and more here)
+#: this one, and the hand-off is a few percent of such a frame's time
 OVERLAP_FROM = 4 << 20
 #: frames read from one connection before the others get a turn
 FAIR_SHARE = 16
@@ -92,14 +78,10 @@ MAX_OUTBOX = 1 << 20
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
-#: the C frame reader's module (`_stream.c`); None when it is not built, is stale, or TENSORBUS_NATIVE=0
-READER: Any = NATIVE_STREAM
-
-
 #: what `_finish` books for a frame whose message was handed over without its id being needed: the C
 #: delivery took a plain frame (never in `incomplete`), or a recv_async callback had it (a chunked
 #: message's id leaves `incomplete` at the next ack)
-HANDED_OVER = Delivered(None, True)
+TAKEN_WITHOUT_ID = Delivered(None, True)
 
 
 class IdleClock:
@@ -196,27 +178,19 @@ class Poller:
 
 
 class _Peer:
-    """One producer connection and where its reader stands in the current frame."""
+    """One producer connection: its reader, and what has been delivered and acknowledged of it."""
 
-    def __init__(self, conn: socket.socket, name: Any) -> None:
+    def __init__(self, conn: socket.socket, name: Any, reader: Any) -> None:
         self.conn, self.name = conn, name
         self.fd = conn.fileno()  # (what the poller knows it by, even once the socket is closed)
-        self.prefix = memoryview(bytearray(PREFIX.size))
-        self.prefix_got = 0
-        self.frame: memoryview | None = None
-        self.got = self.total = self.crc_end = 0
-        self.crc: int | None = None
-        self.crc_after = False  # the frame's CRC follows it (stream.CRC_AFTER)
-        self.skip_left = 0
-        self.inbox: memoryview | None = None  # read-ahead buffer, lent by the reactor only while it holds bytes
-        self.in_lo = self.in_hi = 0
+        self.reader = reader  # the connection's frame reader (reader.py: C, or Python for TLS)
+        self.total = 0  # bytes of the frame being booked (what the acks count)
         self.frames = self.acked = self.unacked_bytes = 0
         self.ack_owed = False
         self.incomplete: dict[MessageId | None, int] = {}  # message id -> index of its first frame here
         self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
         self.held: Message | None = None  # a message the full table could not take: this peer is not read meanwhile
         self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
-        self.reader: Any = None  # the C reader of this connection (`_step_native`), if it has one
         self.refusals = False  # the producer asked to be told which frames were refused (stream.REFUSALS_WANTED)
         self.outbox = bytearray()  # refusals not sent yet (the socket was full): they go before the next ack
 
@@ -224,12 +198,12 @@ class _Peer:
 class Reactor:
     """Reads frames from registered connections on the leading thread and hands them to `deliver`."""
 
-    def __init__(self, deliver: Deliver, limits: Limits, options: dict[str, Any], pool: BufferPool) -> None:
+    def __init__(self, deliver: Deliver, limits: Limits, options: SocketOptions, pool: BufferPool) -> None:
         self.deliver, self.limits, self.options, self.pool = deliver, limits, options, pool
-        self._ack_every = (options["ack_every_frames"], options["ack_every_bytes"])  # (read for every frame)
-        self._lane = getattr(deliver, "take", None)  # the consumer's C delivery of plain frames
-        self.linger_s: float = options["linger_s"]
-        self.spin_s: float = options["spin_s"]
+        self._ack_every = (options.ack_every_frames, options.ack_every_bytes)  # (read for every frame)
+        self._fast = deliver.fast  # the intake's C delivery of plain frames
+        self.linger_s: float = options.linger_s
+        self.spin_s: float = options.spin_s
         self._poller = Poller()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -238,8 +212,6 @@ class Reactor:
         self._peers: dict[int, _Peer] = {}
         self._pending: set[_Peer] = set()  # peers with bytes read ahead (or decrypted) that the selector cannot see
         self._held: list[_Peer] = []  # peers not read until the table takes the message they hold
-        self._scratch = memoryview(bytearray(1 << 20))
-        self._inboxes: list[memoryview] = []  # spare read-ahead buffers (only the leading thread touches them)
         #: held by the thread that leads; an RLock for `_is_owned` (a Ctrl-C may come just after it was taken)
         self._leader = threading.RLock()
         self._state = threading.Condition()
@@ -247,7 +219,7 @@ class Reactor:
         self._app_leads = False  # an application thread (not the background one) holds `_leader`
         self._leading: int | None = None  # the ident of the thread holding `_leader`
         #: the background thread leaves leadership to the application until it has been idle for `linger_s`
-        self._idle = READER.IdleTimer() if READER is not None else IdleClock()
+        self._idle = NATIVE_STREAM.IdleTimer() if NATIVE_STREAM is not None else IdleClock()
         self._closed = False
         self._largest_read = 0  # the largest frame read since an application thread took the lead
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
@@ -260,19 +232,8 @@ class Reactor:
         conn.setblocking(False)
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
-        peer = _Peer(conn, name)
-        if READER is not None and not isinstance(conn, ssl.SSLSocket) and self.limits.native:
-            peer.reader = READER.StreamReader(
-                conn,
-                self.limits.max_header_bytes,
-                self.limits.max_payload_bytes,
-                self.pool.take,
-                crc32c,
-                POOLED_FROM,
-                CHECKSUM_WHILE_RECEIVING,
-                CRC_SLICE,
-                recv_lowat=RECV_LOWAT if conn.family in (socket.AF_INET, socket.AF_INET6) else 0,
-            )
+        lowat = RECV_LOWAT if conn.family in (socket.AF_INET, socket.AF_INET6) else 0
+        peer = _Peer(conn, name, stream_reader(conn, self.limits, self.pool.take, lowat))
         self._peers[peer.fd] = peer  # (first: a leader that reads it and drops it must find it here)
         try:
             if self._closed:
@@ -295,7 +256,7 @@ class Reactor:
 
     # -- leadership -----------------------------------------------------------------------------
 
-    def pump(self, done: threading.Lock, deadline: float | None) -> bool:
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for `done` (a waiter's lock) until `deadline`, reading frames on this thread meanwhile.
 
         True once `done` was acquired, False when the deadline passed. When another application
@@ -400,10 +361,10 @@ class Reactor:
     def _ready(self, stop: Callable[[], bool], deadline: float, spin_s: float) -> list[Any]:
         """The peers (None: the wake-up pipe) with bytes to read, waiting for some until `deadline`.
 
-        With `spin_s`, it busy-polls that long before it sleeps: a sleeping thread wakes ~25 µs late.
+        With `spin_s`, it busy-polls that long before it sleeps: a sleeping thread wakes late.
         While there is one connection (read in C), it busy-polls by reading ahead from it
         (`StreamReader.fill`): the read that finds a frame is the one that would follow the poll, so
-        a reply costs a system call fewer (~3 µs here). What it finds is delivered here, so this
+        a reply costs a system call fewer. What it finds is delivered here, so this
         returns [] as soon as `stop()` holds or bytes wait.
         """
         poll = self._poller.poll
@@ -412,7 +373,7 @@ class Reactor:
         peers = self._peers
         spin_until = min(time.monotonic() + spin_s, deadline)
         only = tuple(peers.values()) if spin_s > 0 else ()  # (one step: the listener's thread adds peers)
-        if len(only) == 1 and only[0].reader is not None:
+        if len(only) == 1:
             lone, fill = only[0], only[0].reader.fill
             while peers.get(lone.fd) is lone and lone.held is None and time.monotonic() < spin_until:
                 if fill():  # (a Ctrl-C in here leaves no frame half taken: nothing to drop the connection for)
@@ -447,16 +408,13 @@ class Reactor:
     def _read(self, peer: _Peer, stop: Callable[[], bool]) -> None:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
         try:
-            step = self._step if peer.reader is None else self._step_native
             for _ in range(FAIR_SHARE):
                 if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)):
                     break  # held back, or done and nothing read ahead says more is on its way
-                if not step(peer):  # read on while bytes keep coming: the next `recv` then finds its tensor waiting
+                if not self._step(peer):  # read on while bytes come: the next `recv` then finds its tensor waiting
                     break
             if peer.held is None and self._has_bytes_ahead(peer):
                 self._pending.add(peer)
-        except _WOULD_BLOCK:
-            return
         except PeerGone as exc:
             self._drop(peer, str(exc), exc.level)
         except (BrokenPipeError, ConnectionResetError) as exc:
@@ -472,43 +430,11 @@ class Reactor:
                 message = f"reading was interrupted ({type(exc).__name__}); its unacknowledged frames come again"
                 self._drop(peer, message, logging.WARNING)
             raise
-        finally:
-            self._return_inbox(peer)
 
     @staticmethod
     def _has_bytes_ahead(peer: _Peer) -> bool:
         """Bytes already read (or decrypted) that the selector cannot see."""
-        if peer.reader is not None:
-            return peer.reader.buffered > 0
-        return peer.in_lo < peer.in_hi or (isinstance(peer.conn, ssl.SSLSocket) and peer.conn.pending() > 0)
-
-    def _return_inbox(self, peer: _Peer) -> None:
-        """Take back a drained read-ahead buffer: an idle connection holds none (it was 256 KiB each)."""
-        if peer.inbox is not None and peer.in_lo == peer.in_hi:
-            if len(self._inboxes) < SPARE_INBOXES:
-                self._inboxes.append(peer.inbox)
-            peer.inbox = None
-
-    def _recv(self, peer: _Peer, view: memoryview) -> int:
-        n = peer.conn.recv_into(view)
-        if n == 0:
-            where = peer.frame is not None or peer.skip_left or 0 < peer.prefix_got
-            raise PeerGone("disconnected mid-frame") if where else PeerGone("went away", logging.INFO)
-        return n
-
-    def _take(self, peer: _Peer, view: memoryview) -> int:
-        """Fill `view` from bytes read ahead, reading ahead again (one system call) only for a prefix."""
-        if peer.in_lo == peer.in_hi:
-            if len(view) >= READ_AHEAD or peer.frame is not None:
-                return self._recv(peer, view)  # large: straight into its place
-            if peer.inbox is None:
-                peer.inbox = self._inboxes.pop() if self._inboxes else memoryview(bytearray(READ_AHEAD))
-            peer.in_lo, peer.in_hi = 0, self._recv(peer, peer.inbox)
-        assert peer.inbox is not None
-        n = min(len(view), peer.in_hi - peer.in_lo)
-        view[:n] = peer.inbox[peer.in_lo : peer.in_lo + n]
-        peer.in_lo += n
-        return n
+        return peer.reader.buffered > 0
 
     def _replay(self, peer: _Peer) -> bool:
         """Deliver again the frame whose delivery was interrupted (`peer.replay`, set); True, as a step."""
@@ -518,8 +444,8 @@ class Reactor:
         self._deliver(peer, frame, crc)
         return True
 
-    def _step_native(self, peer: _Peer) -> bool:
-        """`_step` by the connection's C reader; False when out of bytes."""
+    def _step(self, peer: _Peer) -> bool:
+        """Advance the connection by one event of its reader (a frame, an ack request...); False when out of bytes."""
         if peer.replay is not None:
             return self._replay(peer)
         reader = peer.reader
@@ -528,63 +454,23 @@ class Reactor:
             return False
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
-            if self._lane is not None and self._lane(*event) is not None:
-                self._finish(peer, HANDED_OVER)
+            if self._fast is not None and self._fast(*event) is not None:
+                self._finish(peer, TAKEN_WITHOUT_ID)
             else:
                 self._deliver(peer, *event)
-        elif event == READER.ACK_REQUEST:
+        elif event == ACK_REQUEST:
             self._ack(peer)
-        elif event == READER.SKIPPED:
+        elif event == SKIPPED:
             peer.total = reader.last_total  # (its prefix)
             self._deliver(peer, memoryview(reader.prefix))  # the consumer counts it as refused
-        elif event == READER.CHECK_PREFIX:
-            if reader.prefix == REFUSALS_WANTED:  # (not a frame: a marker the C reader leaves to this one)
+        elif event == CHECK_PREFIX:
+            if reader.prefix == REFUSALS_WANTED:  # (not a frame: a marker the readers leave to this step)
                 peer.refusals = True
                 reader.skip(0)
             else:
                 reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
-        else:  # READER.END
+        else:  # END
             raise PeerGone("disconnected mid-frame") if reader.mid_frame else PeerGone("went away", logging.INFO)
-        return True
-
-    def _step(self, peer: _Peer) -> bool:
-        """Advance the connection by one frame (or ack request); raises a _WOULD_BLOCK error when out of bytes."""
-        if peer.replay is not None:
-            return self._replay(peer)
-        while peer.skip_left:
-            n = self._take(peer, self._scratch[: min(peer.skip_left, len(self._scratch))])
-            peer.skip_left -= n
-            if not peer.skip_left:
-                peer.total = PREFIX.size
-                self._deliver(peer, peer.prefix)  # the consumer counts it as refused
-                return True
-        while peer.frame is None:
-            peer.prefix_got += self._take(peer, peer.prefix[peer.prefix_got :])
-            if peer.prefix_got < PREFIX.size:
-                continue
-            if peer.prefix == ACK_REQUEST:
-                peer.prefix_got = 0
-                self._ack(peer)
-                return True
-            if peer.prefix == REFUSALS_WANTED:
-                peer.prefix_got = 0
-                peer.refusals = True
-                return True
-            if not self._start_frame(peer):
-                return True
-        frame = peer.frame
-        while peer.got < peer.total:
-            end = min(peer.got + CRC_SLICE, peer.total) if peer.crc is not None else peer.total
-            n = self._take(peer, frame[peer.got : end])
-            if peer.crc is not None and peer.got < peer.crc_end:
-                peer.crc = crc32c(frame[peer.got : min(peer.got + n, peer.crc_end)], peer.crc)
-            peer.got += n
-        if peer.crc_after:  # its CRC came after it: put it where `encode` puts it
-            end = peer.total - CRC_TRAILER.size
-            frame[CRC_AT : PREFIX.size] = frame[end:]
-            frame = frame[:end]
-        crc, peer.frame, peer.prefix_got = peer.crc, None, 0  # the next frame starts afresh, whatever deliver does
-        self._deliver(peer, frame, crc)
         return True
 
     def _deliver(self, peer: _Peer, frame: memoryview, crc: int | None = None) -> None:
@@ -594,31 +480,12 @@ class Reactor:
         try:
             result = self.deliver(frame, crc, may_hold=True)
         except CallbackInterrupted:  # in a recv_async callback, which had its message: delivered
-            self._finish(peer, HANDED_OVER)
+            self._finish(peer, TAKEN_WITHOUT_ID)
             raise
         except BaseException:
             peer.replay = (frame, crc)
             raise
         self._finish(peer, result)
-
-    def _start_frame(self, peer: _Peer) -> bool:
-        """Size the frame from its prefix and get its buffer; False when its bytes are to be skipped."""
-        prefix = peer.prefix
-        peer.crc_after = bool(prefix[5] & CRC_AFTER)
-        prefix[5] &= ~CRC_AFTER  # the frame as it was sealed (and checksummed)
-        trailer = CRC_TRAILER.size if peer.crc_after else 0
-        try:
-            total = frame_length(prefix, self.limits)
-        except CodecError:  # over the limits (skipped), or not a frame at all (PeerGone)
-            peer.skip_left = self._skip_length(prefix, trailer)
-            return False
-        frame = self.pool.take(total + trailer)
-        frame[: PREFIX.size] = prefix
-        peer.frame, peer.got, peer.total, peer.crc = frame, PREFIX.size, total + trailer, None
-        if total >= CHECKSUM_WHILE_RECEIVING and prefix[5] & FLAG_CHECKSUM:
-            peer.crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
-            peer.crc = crc32c(prefix[:CRC_AT])
-        return True
 
     def _skip_length(self, prefix: Buffer, trailer: int) -> int:
         """Bytes to skip after a frame's prefix over this consumer's limits, which the consumer then counts
@@ -630,11 +497,10 @@ class Reactor:
         except CodecError as exc:
             also = " (and bit 7, its CRC after it)" if trailer else ""
             raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}{also}") from None
-        raise PeerGone("dropped: the C reader refused a prefix frame_length takes (a bug: please report it)")
+        raise PeerGone("dropped: its reader refused a prefix frame_length takes (a bug: please report it)")
 
     def _finish(self, peer: _Peer, result: Delivered) -> None:
         """Book a delivered frame; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
-        peer.prefix_got = 0
         if result.held is not None:
             self._hold(peer, result.held)
         if result.done:
@@ -711,7 +577,7 @@ class Reactor:
 
         None once an abort or close dropped tensors nobody took: the producer sends those again.
         """
-        if not self.deliver.handed_over_all():
+        if not self.deliver.none_dropped():
             peer.ack_owed = False
             return
         incomplete = peer.incomplete

@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -32,18 +32,19 @@ from ..codec.frame import NATIVE, Buffer, Limits, MessageId, flat_bytes
 from ..codec.native import crc32c
 from ..errors import Closed, ConfigError, Rejected, TransportError
 from ..options import finite_timeout
-from .base import Deliver, Transport, backoff_s
+from .base import Deliver, Encoding, Transport, backoff_s
 from .listener import Listener
 from .reactor import Reactor
 from .stream import (
     ACK,
-    ACK_REQUEST,
+    ACK_REQUEST_MARKER,
     NATIVE_STREAM,
     REFUSAL,
     REFUSED,
     AuthRefused,
+    SocketOptions,
     c_sends_below,
-    introduce,
+    handshake_as_producer,
     names_in,
     send_frame,
     set_send_timeout,
@@ -83,27 +84,11 @@ class SocketTransport(Transport):
     schemes = ("tcp", "tcps", "unix")
     seals_frames = True
     acknowledges = True
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "max_frame_bytes": None,
-        "connect_timeout_s": 5.0,  # one attempt: connect, TLS, handshake (a refused connect ends it at once)
-        "send_timeout_s": 30.0,
-        "reconnect_timeout_s": 10.0,  # all attempts: how long a send retries a consumer that is not (yet) there
-        "max_unacked_bytes": 256 * 1024 * 1024,
-        "ack_every_frames": 256,  # (each ack costs the consumer a system call: 32 measured ~10 % slower)
-        "ack_every_bytes": 8 * 1024 * 1024,
-        "close_timeout_s": 10.0,
-        "backlog": 128,
-        "pooled_buffers": 4,
-        "linger_s": 0.001,
-        "spin_s": 0.0001,
-        "auth_secret": None,
-        "ssl_cafile": None,
-        "ssl_certfile": None,
-        "ssl_keyfile": None,
-        "ssl_context": None,
-    }
+    reads_while_waiting = True
+    Options = SocketOptions
+    options: SocketOptions
 
-    def __init__(self, url: urllib.parse.SplitResult, options: dict[str, Any]) -> None:
+    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions) -> None:
         super().__init__(url, options)
         self.target: str | tuple[str, int]
         if url.scheme == "unix":
@@ -117,15 +102,16 @@ class SocketTransport(Transport):
                 raise ConfigError(f"{url.scheme} URL takes no path (a port is the whole address); got {url.geturl()!r}")
             host = url.hostname or "127.0.0.1"
             self.family, self.target = socket.AF_INET6 if ":" in host else socket.AF_INET, (host, url.port)
-        secret = options["auth_secret"]
+        secret = options.auth_secret
         self.secret: bytes | None = secret.encode() if isinstance(secret, str) else secret
         self._sock: socket.socket | None = None
         self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
         self._c_sends_below = c_sends_below(False)
-        #: `send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
+        #: `_send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
+        #: (built, not TLS, one frame per tensor)
         self._c_head: Callable[..., bytearray | None] | None = None
         self._c_send: Callable[..., int | None] | None = None
-        if NATIVE is not None and NATIVE_STREAM is not None and url.scheme != "tcps":
+        if NATIVE is not None and NATIVE_STREAM is not None and url.scheme != "tcps" and self.max_frame_bytes is None:
             self._c_head, self._c_send = NATIVE.ndarray_head, NATIVE_STREAM.send_frame
         self._lock = threading.Lock()
         self._unacked: collections.deque[tuple[list[Buffer], int]] = collections.deque()
@@ -138,7 +124,7 @@ class SocketTransport(Transport):
         self._listener: Listener | None = None
         self.reactor: Reactor | None = None
         self._closed = False  # close began: no more sends or reconnects
-        self._pool = BufferPool(options["pooled_buffers"])
+        self._pool = BufferPool(options.pooled_buffers)
 
     @property
     def address(self) -> str:
@@ -148,17 +134,17 @@ class SocketTransport(Transport):
     def _ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
         if self.url.scheme != "tcps":
             return None
-        if self.options["ssl_context"] is not None:
-            return self.options["ssl_context"]
+        if self.options.ssl_context is not None:
+            return self.options.ssl_context
         o = self.options
         if server_side:
-            if not o["ssl_certfile"]:
+            if not o.ssl_certfile:
                 raise ConfigError("a tcps:// consumer needs ssl_certfile (and ssl_keyfile) or ssl_context")
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=o["ssl_cafile"])
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=o.ssl_cafile)
         else:
-            context = ssl.create_default_context(cafile=o["ssl_cafile"])
-        if o["ssl_certfile"]:
-            context.load_cert_chain(o["ssl_certfile"], o["ssl_keyfile"])
+            context = ssl.create_default_context(cafile=o.ssl_cafile)
+        if o.ssl_certfile:
+            context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
         return context
 
     # -- producer side ------------------------------------------------------------------------------
@@ -172,15 +158,15 @@ class SocketTransport(Transport):
         """
         self._raise_if_closed()
         started = time.monotonic()
-        retry_until = started + self.options["reconnect_timeout_s"]
-        bound = f"reconnect_timeout_s={self.options['reconnect_timeout_s']:g}"
+        retry_until = started + self.options.reconnect_timeout_s
+        bound = f"reconnect_timeout_s={self.options.reconnect_timeout_s:g}"
         if deadline is not None and deadline < retry_until:
             retry_until, bound = deadline, "the flush's timeout"
         context = self._ssl_context(server_side=False)
         for delay in backoff_s():
             sock = socket.socket(self.family, socket.SOCK_STREAM)
             try:
-                attempt_s = self.options["connect_timeout_s"]
+                attempt_s = self.options.connect_timeout_s
                 if deadline is not None:  # a flush's: no attempt outlasts it
                     left = max(0.05, deadline - time.monotonic())
                     attempt_s = left if attempt_s is None else min(attempt_s, left)
@@ -188,9 +174,9 @@ class SocketTransport(Transport):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                self._crc_after = introduce(sock, self.secret, self.address)
+                self._crc_after = handshake_as_producer(sock, self.secret, self.address)
                 self._c_sends_below = c_sends_below(self._crc_after)
-                set_send_timeout(sock, self.options["send_timeout_s"])
+                set_send_timeout(sock, self.options.send_timeout_s)
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._sent = self._acked = 0
@@ -221,21 +207,32 @@ class SocketTransport(Transport):
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
         with self._lock:
             self._raise_if_closed()  # even while close waits for this lock with the connection still open
-            self._book(frame, self._send_retrying(frame))
+            self._keep_until_acked(frame, self._send_retrying(frame))
 
-    def send_ndarray(
+    def send_message(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
+    ) -> None:
+        """Send one tensor; a plain ndarray (most sends) is built and sent in C where it can be."""
+        flags = encoding.plain_flags
+        if (
+            flags is None
+            or type(tensor) is not np.ndarray
+            or not self._send_ndarray(tensor, key, metadata, message_id, flags)
+        ):
+            super().send_message(tensor, key, metadata, message_id, encoding)
+
+    def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
     ) -> bool:
         """`encode` and `send` of one plain ndarray in the fewest steps: the frame built and sent in C.
 
-        Most sends are this, and a small tensor's time is mostly such steps. False, with nothing
-        sent, where it does not apply (no C extension, TLS, no room, a tensor the C head leaves
-        to `encode`): the producer then takes the general path.
+        A small tensor's time is mostly such steps. False, with nothing sent, where it does not apply
+        (no C extension, TLS, chunked frames, no room, a tensor the C head leaves to `encode`).
         """
         if self._rejections:
             self._raise_rejection()
         c_head, c_send = self._c_head, self._c_send
-        if c_head is None or c_send is None or self._unacked_bytes >= self.options["max_unacked_bytes"]:
+        if c_head is None or c_send is None or self._unacked_bytes >= self.options.max_unacked_bytes:
             return False
         head = c_head(array, key, metadata, message_id, flags)
         if head is None:
@@ -250,7 +247,7 @@ class SocketTransport(Transport):
                     sent = c_send(sock.fileno(), frame, self._c_sends_below, crc32c)
                 except BaseException as exc:
                     sent = self._send_retrying(frame, exc)
-            self._book(frame, self._send_retrying(frame) if sent is None else sent)
+            self._keep_until_acked(frame, self._send_retrying(frame) if sent is None else sent)
         return True
 
     def _send_retrying(self, frame: list[Buffer], failed: BaseException | None = None) -> int:
@@ -271,7 +268,7 @@ class SocketTransport(Transport):
                 raise failed
             if isinstance(failed, (TimeoutError, BlockingIOError)):  # the consumer stopped reading
                 raise TransportError(
-                    f"sending to {self.address} made no progress for {self.options['send_timeout_s']}s"
+                    f"sending to {self.address} made no progress for {self.options.send_timeout_s}s"
                 ) from None
             if attempt == 2:
                 raise TransportError(f"sending to {self.address} failed: {failed}") from None
@@ -279,12 +276,12 @@ class SocketTransport(Transport):
             failed = None
         raise AssertionError("unreachable")
 
-    def _book(self, frame: list[Buffer], nbytes: int) -> None:
+    def _keep_until_acked(self, frame: list[Buffer], nbytes: int) -> None:
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""
         self._unacked.append((frame, nbytes))
         self._unacked_bytes += nbytes
         self._sent += 1
-        if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options["max_unacked_bytes"]:
+        if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options.max_unacked_bytes:
             self._trim_acked()
 
     def _raise_if_closed(self) -> None:
@@ -325,12 +322,12 @@ class SocketTransport(Transport):
         """
         assert self._sock is not None
         overdue = (
-            len(self._unacked) >= 4 * self.options["ack_every_frames"]
-            or self._unacked_bytes >= self.options["max_unacked_bytes"]
+            len(self._unacked) >= 4 * self.options.ack_every_frames
+            or self._unacked_bytes >= self.options.max_unacked_bytes
         )
         try:
             if overdue and not self._ack_requested:
-                self._sock.sendall(ACK_REQUEST)
+                self._sock.sendall(ACK_REQUEST_MARKER)
                 self._ack_requested = True
             self._read_acks(0)
         except OSError as exc:
@@ -419,10 +416,10 @@ class SocketTransport(Transport):
         limit still goes out whole.
         """
         self._raise_rejection()
-        limit = self.options["max_unacked_bytes"]
+        limit = self.options.max_unacked_bytes
         if self._unacked_bytes < limit:
             return
-        timeout = self.options["send_timeout_s"]
+        timeout = self.options.send_timeout_s
         with self._locked(timeout, "wait for room"):
             self._await_acks(
                 lambda: self._unacked_bytes < limit,
@@ -460,7 +457,7 @@ class SocketTransport(Transport):
                 if self._sock is None:
                     self._sock = self._connect(deadline)
                 if not self._ack_requested:
-                    self._sock.sendall(ACK_REQUEST)
+                    self._sock.sendall(ACK_REQUEST_MARKER)
                     self._ack_requested = True
                 self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
                 if self._acked == acked and not self._ack_requested:  # answered, but nothing new: don't spin
@@ -486,10 +483,10 @@ class SocketTransport(Transport):
         self.reactor = Reactor(deliver, limits, self.options, self._pool)
         self._listener.start(self.reactor, context)
 
-    def pump(self, done: threading.Lock, deadline: float | None) -> bool:
-        """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.pump`)."""
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
+        """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.read_while_waiting`)."""
         assert self.reactor is not None
-        return self.reactor.pump(done, deadline)
+        return self.reactor.read_while_waiting(done, deadline)
 
     def room_opened(self) -> None:
         """The consumer's table has room again (or a receiver waits): offer it what is held back."""
@@ -501,13 +498,13 @@ class SocketTransport(Transport):
         self._rejections.clear()  # (each was logged as it came: close waits for the acks of what is left)
         if self._unacked and not self._closed:
             try:
-                self.flush(self.options["close_timeout_s"])
+                self.flush(self.options.close_timeout_s)
             except Rejected:
                 pass  # (logged as it came)
             except TransportError as exc:
                 log.warning("closing with frames not acknowledged: %s", exc)
         self._closed = True
-        if self._acquire(self.options["close_timeout_s"]):
+        if self._acquire(self.options.close_timeout_s):
             try:
                 self._drop_connection()
             finally:

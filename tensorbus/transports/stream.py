@@ -17,7 +17,7 @@ is acknowledged like any other, so it is not sent again; the producer learns of 
 
 A large checksummed, unsigned, unchunked frame may go out before its CRC32C is known, so the
 producer checksums each slice just before sending it (in cache, while the consumer already reads)
-instead of reading the whole tensor once more first. Such a frame has bit 7 (`CRC_AFTER`) set in
+instead of reading the whole tensor once more first. Such a frame has bit 7 (`TRAILING_CRC`) set in
 its flags byte and a zero CRC field, and its CRC follows it as 4 more bytes (u32). The consumer
 clears the bit and writes the CRC into the field: the frame it decodes is the frame as `encode`
 would have sealed it. Only sent to consumers whose HELLO sets bit 1, so older consumers get sealed
@@ -33,6 +33,7 @@ import os
 import socket
 import ssl
 import struct
+from dataclasses import dataclass
 from types import ModuleType
 
 import msgpack
@@ -51,26 +52,52 @@ from ..codec.frame import (
 from ..codec.native import agrees, crc32c, load
 from ..codec.tensors import ALIGN
 from ..errors import TransportError
+from .base import TransportOptions
 
 #: the C reader and sender (`_stream.c`); None when not built, stale, or TENSORBUS_NATIVE=0
 NATIVE_STREAM: ModuleType | None = load(f"{__package__}._stream")
 
+
+@dataclass(frozen=True, kw_only=True)
+class SocketOptions(TransportOptions):
+    """The options of tcp://, tcps:// and unix:// endpoints."""
+
+    connect_timeout_s: float = 5.0  # one attempt: connect, TLS, handshake (a refused connect ends it at once)
+    send_timeout_s: float = 30.0
+    reconnect_timeout_s: float = 10.0  # all attempts: how long a send retries a consumer that is not (yet) there
+    max_unacked_bytes: int = 256 * 1024 * 1024
+    ack_every_frames: int = 256  # (each ack costs the consumer a system call: fewer acks, less time)
+    ack_every_bytes: int = 8 * 1024 * 1024
+    close_timeout_s: float = 10.0
+    backlog: int = 128
+    pooled_buffers: int = 4
+    linger_s: float = 0.001
+    spin_s: float = 0.0001
+    auth_secret: str | bytes | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_context: ssl.SSLContext | None = None
+
+
 HELLO = struct.Struct("<4sBB32s")
 HELLO_MAGIC = b"TBSK"
 PROTOCOL_VERSION = 1
-FLAG_AUTH = 0x01
-FLAG_CRC_AFTER = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
-CRC_AFTER = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
+HELLO_AUTH = 0x01
+HELLO_TRAILING_CRC = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
+TRAILING_CRC = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
 CRC_TRAILER = struct.Struct("<I")
 #: payloads at least this large are checksummed while they are sent; smaller ones up front, as the
-#: socket buffers (4 MiB here) let the producer run ahead of the consumer anyway
+#: socket buffers let the producer run ahead of the consumer anyway
 SEAL_WHILE_SENDING = 4 << 20
-#: ... slice by slice, each still in cache when the kernel copies it (256 KiB to 4 MiB measured alike)
+#: ... slice by slice, each still in cache when the kernel copies it
 SEAL_SLICE = 1 << 20
 PROOF_BYTES = 32
 ACK = struct.Struct("<Q")
-ACK_REQUEST = b"TBAK" + bytes(20)
-FLAG_REFUSALS = 0x04  # in HELLO: this consumer tells the producers that want it which frames it refused
+#: sent by a producer in place of a frame to ask for an ack (a frame-sized marker: "TBAK", 20 zero bytes)
+ACK_REQUEST_MARKER = b"TBAK" + bytes(20)
+HELLO_REFUSALS = 0x04  # in HELLO: this consumer tells the producers that want it which frames it refused
+#: sent by a producer first, where HELLO offers it, to be told which frames were refused (a frame-sized marker)
 REFUSALS_WANTED = b"TBRF" + bytes(20)
 REFUSAL = struct.Struct("<QH")
 REFUSED = 1 << 63  # in the first field of a REFUSAL: what tells it from an ACK
@@ -149,7 +176,7 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int
         return nbytes
     crc = checksum_of(head)
     wire_head = bytearray(head)
-    wire_head[5] |= CRC_AFTER
+    wire_head[5] |= TRAILING_CRC
     batch: list[Buffer] = [wire_head]
     batched = 0
     for buffer in frame[1:]:  # many small arrays (a bundle) go out together, ~1 MiB per call
@@ -194,13 +221,13 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def greet(sock: socket.socket, secret: bytes | None, *, refusals: bool = True) -> bool:
+def handshake_as_consumer(sock: socket.socket, secret: bytes | None, *, refusals: bool = True) -> bool:
     """Consumer side of the handshake: send a nonce, check the proof, send the verdict.
 
     `refusals`: offer to tell refused frames (a producer that wants that then sends REFUSALS WANTED first).
     """
     nonce = os.urandom(32)
-    flags = FLAG_CRC_AFTER | (FLAG_REFUSALS if refusals else 0) | (FLAG_AUTH if secret else 0)
+    flags = HELLO_TRAILING_CRC | (HELLO_REFUSALS if refusals else 0) | (HELLO_AUTH if secret else 0)
     sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
     answer = bytearray(PROOF_BYTES)
     got = recv_exact(sock, memoryview(answer))
@@ -213,7 +240,7 @@ def greet(sock: socket.socket, secret: bytes | None, *, refusals: bool = True) -
     return accepted
 
 
-def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
+def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: str) -> bool:
     """Producer side of the handshake (asking for refusals where the consumer tells them): True if the
     consumer takes CRCs after frames.
 
@@ -229,15 +256,15 @@ def introduce(sock: socket.socket, secret: bytes | None, address: str) -> bool:
     _, version, flags, nonce = HELLO.unpack(hello)
     if version != PROTOCOL_VERSION:
         raise TransportError(f"{address} speaks socket protocol {version}, this build speaks {PROTOCOL_VERSION}")
-    if flags & FLAG_AUTH and secret is None:
+    if flags & HELLO_AUTH and secret is None:
         raise AuthRefused(f"{address} requires a shared secret: set the auth_secret option")
     sock.sendall(proof(secret, nonce))
     verdict = sock.recv(1)
     if verdict != b"\x01":
         raise AuthRefused(f"{address} refused this producer's auth_secret")
-    if flags & FLAG_REFUSALS:
+    if flags & HELLO_REFUSALS:
         sock.sendall(REFUSALS_WANTED)
-    return bool(flags & FLAG_CRC_AFTER)
+    return bool(flags & HELLO_TRAILING_CRC)
 
 
 def refusal(index: int, reason: str) -> bytes:
@@ -260,7 +287,7 @@ NATIVE_CONSTANTS = {
     "CRC_AT": CRC_AT,
     "FORMAT_VERSION": VERSION,
     "KNOWN_FLAGS": KNOWN_FLAGS,
-    "CRC_AFTER": CRC_AFTER,
+    "TRAILING_CRC": TRAILING_CRC,
     "CRC_TRAILER": CRC_TRAILER.size,
     "SIGNATURE_BYTES": SIGNATURE_BYTES,
     "ALIGN": ALIGN,

@@ -38,14 +38,14 @@ def _producer_that_leaves_at_once(address: str, size: int, count: int) -> thread
     def run() -> None:
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            stream.introduce(sock, None, address)
+            stream.handshake_as_producer(sock, None, address)
             array = np.ones(size // 4, np.float32)
             sock.sendall(b"".join(tb.dumps(array, key="bench", metadata={"i": i}) for i in range(frames)))
             acked = 0
             while acked < frames:  # (all of them: no ack left unread, so the close is a FIN, not a reset)
                 acked = stream.ACK.unpack(sock.recv(stream.ACK.size, socket.MSG_WAITALL))[0]
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)  # the requests and the FIN in one segment
-            sock.sendall(stream.ACK_REQUEST * 2)
+            sock.sendall(stream.ACK_REQUEST_MARKER * 2)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

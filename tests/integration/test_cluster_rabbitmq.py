@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.broker, pytest.mark.cluster, pytest.mark.timeout(240)]
 CLUSTER_URL = os.environ.get(
     "TENSORBUS_AMQP_CLUSTER_URL", "amqp://guest:guest@127.0.0.1:5681,127.0.0.1:5682,127.0.0.1:5683/%2F"
 )
-BROKERS = Path(__file__).resolve().parents[2] / "scripts" / "brokers.sh"
+#: the launcher whose `cluster kill|start|leader` act on the cluster (scripts/compose-brokers.sh for Docker's)
+BROKERS = os.environ.get("TENSORBUS_BROKERS_SH", str(Path(__file__).resolve().parents[2] / "scripts" / "brokers.sh"))
 NODES = ("rabbit1", "rabbit2", "rabbit3")
 
 

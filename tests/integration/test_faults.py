@@ -23,6 +23,8 @@ from tests.conftest import endpoint_url
 
 COUNT = 1000
 ROOT = Path(__file__).parents[2]
+#: the launcher whose `restart NAME` acts on the brokers under test (scripts/compose-brokers.sh for Docker's)
+BROKERS_SH = os.environ.get("TENSORBUS_BROKERS_SH", str(ROOT / "scripts" / "brokers.sh"))
 
 
 def run_stream_with_fault(
@@ -45,7 +47,7 @@ def run_stream_with_fault(
             consumer.join(10)
             consumer = faults.start(faults.consume, consumer_url or url, str(log), consumer_options)
         else:
-            subprocess.run(["bash", str(ROOT / "scripts" / "brokers.sh"), "restart", fault], check=True, timeout=120)
+            subprocess.run(["bash", BROKERS_SH, "restart", fault], check=True, timeout=120)
         faults.wait_for(lambda: faults.report(log, COUNT)["lost"] == 0, 240, "every tensor")
         producer.join(60)
         assert producer.exitcode == 0, f"producer exited with {producer.exitcode}"
@@ -66,7 +68,7 @@ def test_tcp_consumer_killed_and_restarted_mid_stream(tmp_path: Path) -> None:
     # the killed process handed some tensors to its application whose acks the producer had not read
     # yet; those are sent again, and the new process has no memory of them. The producer reads acks
     # every READ_ACKS_EVERY frames and the consumer sends them every ack_every_frames, which bounds the repeats:
-    assert result["duplicated"] <= READ_ACKS_EVERY + SocketTransport.OPTIONS["ack_every_frames"]
+    assert result["duplicated"] <= READ_ACKS_EVERY + SocketTransport.Options().ack_every_frames
 
 
 def test_tcp_consumer_restarted_on_its_dedup_file_drops_what_its_predecessor_delivered(tmp_path: Path) -> None:
@@ -103,12 +105,13 @@ def test_chunked_tensor_missing_its_last_chunk_is_freed_and_later_tensors_flow(
             for chunk in chunks[:-1]:
                 producer.transport.send(chunk, key="torso")
             # (expired, not held_bytes > 0 first: the bytes are held for only reassembly_timeout_s)
-            faults.wait_for(lambda: consumer.reassembler.stats["expired"] == 1, 10, "the partial tensor to expire")
-            assert consumer.reassembler.held_bytes == 0  # its buffer freed (expire frees, then counts)
+            reassembler = consumer.intake.reassembler
+            faults.wait_for(lambda: reassembler.stats["expired"] == 1, 10, "the partial tensor to expire")
+            assert consumer.intake.reassembler.held_bytes == 0  # its buffer freed (expire frees, then counts)
             producer.flush(10)  # the given-up chunks are acknowledged, so the producer does not resend them
             producer.send("later", np.ones(5))
         assert np.array_equal(consumer.recv("later", timeout=10), np.ones(5))
-        assert consumer.reassembler.stats["expired"] == 1
+        assert consumer.intake.reassembler.stats["expired"] == 1
         with pytest.raises(tb.Timeout):
             consumer.recv("torso", timeout=0.2)
     assert "dropped incomplete message" in caplog.text

@@ -345,7 +345,7 @@ def test_a_stream_consumer_that_loses_its_connection_goes_on_from_its_position(u
             message = consumer.next_message(timeout=1)
             pytest.fail(f"{message.key} came twice")
         # read again: about a window's worth, not the 30 chunks before the position (as from `first`)
-        assert consumer.stats["duplicates"] + consumer.reassembler.stats["duplicates"] < 15
+        assert consumer.stats["duplicates"] + consumer.intake.reassembler.stats["duplicates"] < 15
 
 
 def test_a_url_of_several_nodes_connects_to_the_first_that_answers(url: str) -> None:

@@ -13,9 +13,9 @@ import pytest
 import trustme
 
 import tensorbus as tb
-from tensorbus.transports import reactor
+from tensorbus.transports import reader as reader_module
 from tensorbus.transports import socket as socket_transport
-from tensorbus.transports.stream import ACK, ACK_REQUEST, HELLO, proof
+from tensorbus.transports.stream import ACK, ACK_REQUEST_MARKER, HELLO, proof
 from tests.conftest import require_native
 from tests.faults import wait_for
 
@@ -39,9 +39,9 @@ def ends(
     """A consumer URL with its options and the producer's, read by the C stream reader or by the Python one."""
     scheme, reader = request.param.split("-")
     if reader == "c":
-        require_native(reactor.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
+        require_native(reader_module.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
     else:
-        monkeypatch.setattr(reactor, "READER", None)
+        monkeypatch.setattr(reader_module, "READER", None)
     if scheme == "tcps":
         yield "tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]}, {"ssl_cafile": tls["ca"]}
     elif scheme == "unix":
@@ -110,7 +110,7 @@ def test_a_producer_that_does_not_ask_for_refusals_gets_none(caplog: pytest.LogC
             hello = sock.recv(HELLO.size, socket.MSG_WAITALL)
             sock.sendall(proof(None, HELLO.unpack(hello)[3]))
             assert sock.recv(1) == b"\x01"
-            sock.sendall(bytes(tb.dumps(np.zeros(100), key="big")) + ACK_REQUEST)
+            sock.sendall(bytes(tb.dumps(np.zeros(100), key="big")) + ACK_REQUEST_MARKER)
             assert ACK.unpack(sock.recv(ACK.size, socket.MSG_WAITALL)) == (1,)  # an ack, no refusal before it
             sock.settimeout(0.2)
             with pytest.raises(TimeoutError):

@@ -66,7 +66,7 @@ def test_chunk_flood_claiming_huge_totals_stays_within_the_reassembly_limit() ->
         with tb.Producer(consumer.address) as honest:
             honest.send("real", np.arange(1000))
         assert np.array_equal(consumer.recv("real", timeout=30), np.arange(1000))
-        assert consumer.reassembler.held_bytes == 0
+        assert consumer.intake.reassembler.held_bytes == 0
         assert consumer.stats["rejected"] == 2000
 
 
@@ -80,12 +80,13 @@ def test_a_tiny_chunk_claiming_gigabytes_does_not_crowd_out_an_honest_chunked_te
         quick = {"close_timeout_s": 0.5} if transport in ("tcp", "unix") else {}
         with tb.Producer(consumer.address, **quick) as attacker:
             attacker.transport.send(encode_raw(header, [bytes(stride)], stride), key="junk")  # ~1.1 KB sent
-            wait_for(lambda: consumer.reassembler.pending == 1, 30, "the claim to reach the consumer")
+            wait_for(lambda: consumer.intake.reassembler.pending == 1, 30, "the claim to reach the consumer")
             with tb.Producer(consumer.address, max_frame_bytes=64 << 10) as honest:
                 honest.send("w", np.arange(100_000.0))
                 honest.flush(30)
             assert np.array_equal(consumer.recv("w", timeout=30), np.arange(100_000.0))
-            assert consumer.reassembler.pending == 1 and consumer.reassembler.held_bytes < 1 << 20  # not 2 GB
+            reassembler = consumer.intake.reassembler
+            assert reassembler.pending == 1 and reassembler.held_bytes < 1 << 20  # not 2 GB
 
 
 def test_frames_over_the_consumer_limits_are_refused_before_allocation() -> None:

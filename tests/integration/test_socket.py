@@ -17,7 +17,8 @@ import trustme
 
 import tensorbus as tb
 from tensorbus.transports import reactor
-from tensorbus.transports.stream import ACK, HELLO, greet, proof
+from tensorbus.transports import reader as reader_module
+from tensorbus.transports.stream import ACK, HELLO, handshake_as_consumer, proof
 from tests.conftest import require_native
 from tests.faults import fail_feed_once, wait_for
 from tests.peers import Peer, make_tensor, same
@@ -97,7 +98,7 @@ def test_tls_round_trip(tls: dict[str, str]) -> None:
 
 
 def test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python(tls: dict[str, str]) -> None:
-    require_native(reactor.READER is not None, "the C reader (tensorbus/transports/_stream.c)")
+    require_native(reader_module.READER is not None, "the C reader (tensorbus/transports/_stream.c)")
     readers = {}
     for url, options in (("tcp://127.0.0.1:0", {}), ("tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]})):
         with tb.Consumer(url, **options) as consumer:
@@ -106,7 +107,7 @@ def test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python(tls: 
                 assert consumer.recv("k", timeout=30).tolist() == [0, 1, 2, 3, 4]
                 assert consumer.transport.reactor is not None
                 (peer,) = consumer.transport.reactor._peers.values()
-                readers[url.split(":")[0]] = peer.reader is not None
+                readers[url.split(":")[0]] = not isinstance(peer.reader, reader_module.PyStreamReader)
     assert readers == {"tcp": True, "tcps": False}
 
 
@@ -249,7 +250,7 @@ def test_a_send_to_a_consumer_that_stopped_reading_fails_within_send_timeout() -
         conn, _ = server.accept()
         accepted.append(conn)
         with contextlib.suppress(OSError):  # (the producer gives up on a handshake after connect_timeout_s)
-            greet(conn, None)
+            handshake_as_consumer(conn, None)
 
     threading.Thread(target=accept_and_ignore, daemon=True).start()
     producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", send_timeout_s=1.0)
@@ -371,22 +372,22 @@ def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:
     # send would otherwise let the background reader lead, on a loaded machine)
     readers: list[str] = []
     with tb.Consumer("tcp://127.0.0.1:0?linger_s=0.2") as consumer, tb.Producer(consumer.address) as producer:
-        deliver = consumer._deliver
+        feed = consumer.intake._feed
 
-        def spy(frame: Any, crc: Any = None, **options: Any) -> Any:
+        def spy(frame: Any, crc: Any) -> Any:
             readers.append(threading.current_thread().name)
-            return deliver(frame, crc, **options)
+            return feed(frame, crc)
 
-        consumer._deliver = spy  # type: ignore[method-assign]
+        consumer.intake._feed = spy  # type: ignore[method-assign]
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
-        take = reactor._lane  # (plain frames are delivered in C, by the consumer's Lane)
+        take = reactor._fast  # (plain frames are delivered in C, by the intake's FastDelivery)
 
         def spy_take(frame: Any, crc: Any) -> Any:
             readers.append(threading.current_thread().name)
             return take(frame, crc)
 
         if take is not None:  # (None with TENSORBUS_NATIVE=0)
-            reactor._lane = spy_take
+            reactor._fast = spy_take
         for i in range(50):
             producer.send("k", np.full(10, i))
             assert consumer.recv("k", timeout=5)[0] == i
@@ -509,7 +510,7 @@ def test_running_out_of_memory_for_a_frame_drops_the_connection_and_the_frame_co
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
-        consumer.transport.reactor._lane = None  # type: ignore[attr-defined]  # (the Python delivery: the C one below)
+        consumer.transport.reactor._fast = None  # type: ignore[attr-defined]  # (the Python delivery: the C one below)
         fail_feed_once(monkeypatch, consumer, MemoryError())
         with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
             producer.send("k", np.arange(3))
@@ -535,7 +536,7 @@ def test_running_out_of_memory_in_the_c_delivery_drops_the_connection_and_the_fr
             producer.flush(timeout=10)  # resent on a new connection, then acknowledged
         assert FailingCounter.failed and consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
         assert consumer.stats["rejected"] == 0 and consumer.stats["duplicates"] == 0
-        assert consumer.lane is None or consumer.lane.taken == 1
+        assert consumer.intake.fast_delivery is None or consumer.intake.fast_delivery.taken == 1
 
 
 def test_half_a_tls_ack_record_does_not_block_a_flush_past_its_timeout(tls: dict[str, str]) -> None:
@@ -702,7 +703,7 @@ def test_an_ack_for_frames_never_sent_breaks_the_connection_not_the_producer() -
                 return
             conns.append(conn)
             with contextlib.suppress(OSError):  # a producer whose flush ran out mid-handshake has left
-                greet(conn, None)
+                handshake_as_consumer(conn, None)
                 conn.sendall(ACK.pack(1000))
 
     threading.Thread(target=accept_and_overack, daemon=True).start()
@@ -750,8 +751,8 @@ def test_a_held_back_tensor_is_not_acknowledged_so_a_successor_gets_it() -> None
 
 def test_a_ctrl_c_while_recv_reads_for_itself_loses_no_tensor_and_no_ack() -> None:
     with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
-        consumer.transport.reactor._lane = None  # type: ignore[attr-defined]  # (the Python delivery, which C leaves the unusual frames to)
-        feed, interrupted = consumer.reassembler.feed, []
+        consumer.transport.reactor._fast = None  # type: ignore[attr-defined]  # (the Python delivery, which C leaves the unusual frames to)
+        feed, interrupted = consumer.intake.reassembler.feed, []
 
         def interrupt_once(*args: Any, **options: Any) -> Any:  # the signal lands while the frame is decoded
             if threading.current_thread() is threading.main_thread() and not interrupted:
@@ -759,7 +760,7 @@ def test_a_ctrl_c_while_recv_reads_for_itself_loses_no_tensor_and_no_ack() -> No
                 raise KeyboardInterrupt
             return feed(*args, **options)
 
-        consumer.reassembler.feed = interrupt_once  # type: ignore[method-assign]
+        consumer.intake.reassembler.feed = interrupt_once  # type: ignore[method-assign]
         threading.Timer(0.2, lambda: producer.send("a", np.arange(3))).start()
         with pytest.raises(KeyboardInterrupt):
             consumer.recv("a", timeout=10)
@@ -776,7 +777,7 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
     # frame again, and the copy is dropped as a duplicate
     with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
-        take, interrupted = reactor._lane, []
+        take, interrupted = reactor._fast, []
 
         def interrupt_once(frame: Any, crc: Any) -> Any:
             message = take(frame, crc)
@@ -785,7 +786,7 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
                 raise KeyboardInterrupt
             return message
 
-        reactor._lane = interrupt_once
+        reactor._fast = interrupt_once
         threading.Timer(0.2, lambda: producer.send("a", np.arange(3))).start()
         with pytest.raises(KeyboardInterrupt):
             consumer.recv("a", timeout=10)
@@ -796,7 +797,7 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
         with pytest.raises(tb.Timeout):
             consumer.recv("a", timeout=0.3)  # the copy sent again was not delivered a second time
         assert consumer.stats["received"] == 2 and consumer.stats["duplicates"] == 1
-        assert consumer.lane.taken == 2
+        assert consumer.intake.fast_delivery.taken == 2
 
 
 def test_a_ctrl_c_in_a_callback_on_the_reading_thread_delivers_its_tensor_once() -> None:
@@ -841,7 +842,7 @@ def test_a_ctrl_c_in_a_callback_taking_a_held_back_tensor_delivers_it_once() -> 
         with pytest.raises(tb.CallbackInterrupted):
             consumer.recv("y", timeout=10)
         assert got == [[0, 1, 2]] and not reactor._held
-        assert consumer._held_up == 0  # nothing held up any more: partly received tensors age again
+        assert consumer.intake._held_up == 0  # nothing held up any more: partly received tensors age again
         assert consumer.recv("x", timeout=10).shape == (500,)
         producer.send("b", np.arange(4))
         assert consumer.recv("b", timeout=10).tolist() == [0, 1, 2, 3]  # its producer is read again
@@ -920,7 +921,7 @@ def test_a_half_received_tensor_of_a_held_back_producer_does_not_expire_while_ot
         assert [int(consumer.recv("fill", timeout=5)[0]) for _ in range(4)] == [0, 1, 2, 3]
         assert consumer.recv("m", timeout=5).tolist() == [0, 0, 0, 0]
         assert np.array_equal(consumer.recv("x", timeout=5), x)
-        assert consumer.reassembler.stats["expired"] == 0 and consumer.reassembler.held_bytes == 0
+        assert consumer.intake.reassembler.stats["expired"] == 0 and consumer.intake.reassembler.held_bytes == 0
         held.close()
         other.close()
 

@@ -1,4 +1,4 @@
-"""Large frames checksummed while they are sent: the CRC follows the frame (stream.CRC_AFTER)."""
+"""Large frames checksummed while they are sent: the CRC follows the frame (stream.TRAILING_CRC)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import tensorbus as tb
 from tensorbus.codec.frame import CRC_AT, PREFIX, checksum_of, frame_length
 from tensorbus.transports import stream
 from tensorbus.transports.stream import (
-    CRC_AFTER,
     CRC_TRAILER,
     HELLO,
     HELLO_MAGIC,
     PROTOCOL_VERSION,
     REFUSALS_WANTED,
     SEAL_WHILE_SENDING,
-    greet,
+    TRAILING_CRC,
+    handshake_as_consumer,
     recv_exact,
 )
 from tests.faults import wait_for
@@ -34,8 +34,8 @@ def _read_frame(conn: socket.socket) -> tuple[bytes, bytes]:
     """One frame off a stream as it travelled: (frame, the 4 bytes after it if its CRC follows it)."""
     prefix = bytearray(PREFIX.size)
     assert recv_exact(conn, memoryview(prefix)) == PREFIX.size
-    after = prefix[5] & CRC_AFTER
-    prefix[5] &= ~CRC_AFTER
+    after = prefix[5] & TRAILING_CRC
+    prefix[5] &= ~TRAILING_CRC
     rest = bytearray(frame_length(prefix) - PREFIX.size + (CRC_TRAILER.size if after else 0))
     assert recv_exact(conn, memoryview(rest)) == len(rest)
     if after:
@@ -44,7 +44,7 @@ def _read_frame(conn: socket.socket) -> tuple[bytes, bytes]:
 
 
 def _fake_consumer(hello_flags: int | None) -> tuple[socket.socket, list[Any]]:
-    """A listener whose one connection gets `greet`'s hello (None) or an older one with `hello_flags`."""
+    """One connection that gets `handshake_as_consumer`'s hello (None) or an older one's with `hello_flags`."""
     server = socket.create_server(("127.0.0.1", 0))
     got: list[Any] = []
 
@@ -52,8 +52,8 @@ def _fake_consumer(hello_flags: int | None) -> tuple[socket.socket, list[Any]]:
         conn, _ = server.accept()
         with conn:
             if hello_flags is None:
-                greet(conn, None)
-                assert conn.recv(len(REFUSALS_WANTED), socket.MSG_WAITALL) == REFUSALS_WANTED  # (greet offers them)
+                handshake_as_consumer(conn, None)
+                assert conn.recv(len(REFUSALS_WANTED), socket.MSG_WAITALL) == REFUSALS_WANTED  # (it offers them)
             else:
                 conn.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, hello_flags, bytes(32)))
                 conn.recv(32, socket.MSG_WAITALL)
@@ -81,7 +81,7 @@ def test_a_large_frame_carries_its_crc_after_it_only_to_a_consumer_that_takes_th
     if hello_flags is None:  # checksummed while sent: a zero CRC field, the CRC right after the frame
         assert stored == 0 and trailer == CRC_TRAILER.pack(checksum_of(frame))
         frame = frame[:CRC_AT] + trailer + frame[PREFIX.size :]
-    else:  # a consumer from before CRC_AFTER gets frames sealed up front
+    else:  # a consumer from before TRAILING_CRC gets frames sealed up front
         assert trailer == b"" and stored == checksum_of(frame)
     np.testing.assert_array_equal(tb.loads(frame), BIG)  # sealed now, either way:
     assert struct.unpack_from("<I", sent[0], CRC_AT)[0] == checksum_of(frame)
@@ -92,7 +92,7 @@ def _wire(tensor: np.ndarray, key: str, *, flip: int | None = None) -> bytes:
     data = bytearray(tb.dumps(tensor, key=key))
     crc = data[CRC_AT : PREFIX.size]
     data[CRC_AT : PREFIX.size] = bytes(4)
-    data[5] |= CRC_AFTER
+    data[5] |= TRAILING_CRC
     data += crc
     if flip is not None:
         data[flip] ^= 0xFF

@@ -11,7 +11,8 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec.chunking import chunk_header, encode_raw
-from tensorbus.transports.stream import ACK_REQUEST, HELLO
+from tensorbus.transports import reader as reader_module
+from tensorbus.transports.stream import ACK_REQUEST_MARKER, HELLO
 from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
 
@@ -31,11 +32,11 @@ def test_an_ack_looks_only_at_the_oldest_incomplete_message_not_at_all_of_them(m
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
         peer = raw_peer(consumer.address)
         peer.sendall(_chunk_frames("hog", 2000))
-        wait_for(lambda: consumer.reassembler.pending == 2000, 20, "2000 incomplete messages")
+        wait_for(lambda: consumer.intake.reassembler.pending == 2000, 20, "2000 incomplete messages")
         calls = []
-        real = consumer.reassembler.is_pending
-        monkeypatch.setattr(consumer.reassembler, "is_pending", lambda m: calls.append(m) or real(m))
-        peer.sendall(ACK_REQUEST * 50)
+        real = consumer.intake.reassembler.is_pending
+        monkeypatch.setattr(consumer.intake.reassembler, "is_pending", lambda m: calls.append(m) or real(m))
+        peer.sendall(ACK_REQUEST_MARKER * 50)
         with tb.Producer(consumer.address) as producer:
             producer.send("k", np.ones(4))
             assert consumer.recv("k", timeout=10).sum() == 4
@@ -113,10 +114,10 @@ def test_idle_connections_hold_no_read_ahead_buffer() -> None:
 
         def none_held() -> bool:
             peers = list(reactor._peers.values())
-            return all(p.inbox is None and (p.reader is None or not p.reader.inbox_held) for p in peers)
+            return all(not p.reader.inbox_held for p in peers)
 
         wait_for(none_held, 10, "every buffer returned")
-        assert len(reactor._inboxes) <= 4
+        assert len(reader_module._spare_inboxes) <= 4
         for i in range(20):
             assert consumer.recv(f"k{i}", timeout=10).tolist() == [i] * 100
         for sock in idle:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from tensorbus.transports import reactor as reactor_module
+from tensorbus.transports import reader as reader_module
 from tensorbus.transports.reactor import Poller
 from tests.conftest import require_native
 from tests.faults import wait_for
@@ -76,7 +76,7 @@ def counting_polls(consumer: tb.Consumer) -> list[float]:
 
 
 def test_with_one_producer_a_waiting_recv_busy_polls_by_reading_the_connection() -> None:
-    require_native(reactor_module.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
+    require_native(reader_module.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
     with tb.Consumer("tcp://127.0.0.1:0?spin_s=2.0") as consumer, tb.Producer(consumer.address) as producer:
         producer.send("warm-up", np.zeros(1))
         assert consumer.recv("warm-up", timeout=10)[0] == 0
@@ -150,14 +150,14 @@ HELD_THEN_GONE = r"""
 import socket, sys
 import numpy as np
 import tensorbus as tb
-from tensorbus.transports.stream import introduce
+from tensorbus.transports.stream import handshake_as_producer
 path = sys.argv[1]
 def frame(key, value, producer, seq):
     return bytes(tb.dumps(np.full(1000, value), key=key, message_id=(producer * 16, seq)))
 def connect():
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(path)
-    introduce(sock, None, path)
+    handshake_as_producer(sock, None, path)
     return sock
 a = connect()
 a.shutdown(socket.SHUT_RD)  # A reads nothing more: the consumer's ack after its 2nd frame fails

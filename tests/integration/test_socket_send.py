@@ -1,4 +1,4 @@
-"""The producer's C send of a plain ndarray (`SocketTransport.send_ndarray`) against the general path.
+"""The producer's C send of a plain ndarray (`SocketTransport._send_ndarray`) against the general path.
 
 What it puts on the wire must be byte for byte what `encode` makes; what it does not take must go
 the general way unchanged; and a send that fails in it must end as one in the general path does.
@@ -88,7 +88,7 @@ def test_what_the_c_send_leaves_goes_the_general_way(recorder: Recorder, tmp_pat
     strided = np.arange(20.0)[::2]
     with tb.Consumer("tcp://127.0.0.1:0", signing_key="k") as signed_consumer:
         with tb.Producer(signed_consumer.address, signing_key="k") as producer:
-            assert producer._plain_flags is None
+            assert producer._encoding.plain_flags is None
             producer.send("signed", np.ones(3))
         assert np.array_equal(signed_consumer.recv("signed", timeout=10), np.ones(3))
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
@@ -99,10 +99,10 @@ def test_what_the_c_send_leaves_goes_the_general_way(recorder: Recorder, tmp_pat
             plain.send("bundle", {"w": np.ones(2)})
             plain.send("nested", np.ones(2), metadata={"a": [1, {"b": None}]})  # the C head takes flat metadata
         with tb.Producer(consumer.address, compression="lz4") as compressed:
-            assert compressed._plain_flags is None
+            assert compressed._encoding.plain_flags is None
             compressed.send("compressed", np.zeros(1000))
         with tb.Producer(consumer.address, max_frame_bytes=4096) as chunked:
-            assert chunked._plain_flags is None
+            assert chunked.transport._c_head is None  # type: ignore[attr-defined]  # (chunked frames: no C send)
             chunked.send("chunked", np.arange(3000.0))
         assert recorder.sent == []  # none of them by the C send
         assert np.array_equal(consumer.recv("strided", timeout=10), strided)

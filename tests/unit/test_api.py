@@ -12,6 +12,7 @@ import pytest
 import tensorbus as tb
 import tensorbus.options
 import tensorbus.transports
+from tensorbus.options import defaults
 from tensorbus.transports.base import Delivered
 from tests.faults import fail_feed_once, wait_for
 
@@ -76,7 +77,7 @@ def test_unknown_options_are_errors_from_kwargs_and_query() -> None:
 
 def test_url_query_options_are_typed() -> None:
     producer = tb.Producer("tcp://127.0.0.1:9?send_timeout_s=2.5&max_frame_bytes=65536")
-    assert producer.transport.options["send_timeout_s"] == 2.5 and producer.transport.max_frame_bytes == 65536
+    assert producer.transport.options.send_timeout_s == 2.5 and producer.transport.max_frame_bytes == 65536
     producer.close()
 
 
@@ -110,7 +111,9 @@ def test_shipped_config_files_name_only_known_options() -> None:
         url, _ = tb.options.load_config(path, "consumer")
         assert url, f"{path} names a url"
         cls, _ = tb.transports.resolve_transport(url)
-        known = set(cls.OPTIONS) | set(tb.api.PRODUCER_OPTIONS) | set(tb.api.CONSUMER_OPTIONS)
+        known = (
+            set(defaults(cls.Options)) | set(defaults(tb.api.ProducerOptions)) | set(defaults(tb.api.ConsumerOptions))
+        )
         assert set(options) <= known, f"{path}: {set(options) - known}"
 
 
@@ -219,7 +222,7 @@ def test_a_closing_memory_consumer_hands_a_half_received_chunked_tensor_over_who
     with tb.Consumer("memory://chunked-handover") as second:
         assert (second.recv("k1", timeout=5) == np.arange(5000, dtype=np.float32)).all()
         assert second.recv("k2", timeout=5).tolist() == [1] * 10
-        assert second.reassembler.pending == 0
+        assert second.intake.reassembler.pending == 0
 
 
 def test_a_tensor_an_aborted_consumer_turned_away_is_turned_away_again_when_read_again() -> None:
@@ -235,10 +238,8 @@ def test_a_tensor_an_aborted_consumer_turned_away_is_turned_away_again_when_read
     with tb.Consumer("memory://turned-away") as consumer:
         consumer.abort("step failed")
         for _ in range(2):
-            assert consumer._deliver(whole) == Delivered(("p", 1), False, turned_away=True)
-            assert [consumer._deliver(c) for c in chunks] == [Delivered(("p", 2), False, turned_away=True)] * len(
-                chunks
-            )
+            assert consumer.intake(whole) == Delivered(("p", 1), False, turned_away=True)
+            assert [consumer.intake(c) for c in chunks] == [Delivered(("p", 2), False, turned_away=True)] * len(chunks)
         assert consumer.stats["duplicates"] == 0
 
 
@@ -248,9 +249,9 @@ def _joined(parts: list) -> bytes:
 
 def test_a_delivery_held_up_by_a_full_table_goes_to_a_receiver_that_waits_for_its_key() -> None:
     with tb.Consumer("memory://held-up-waiter", max_buffered_bytes=1000) as consumer:
-        consumer._deliver(tb.dumps(np.zeros(1000, np.uint8), key="a", message_id=("p", 1)))  # the table is full
+        consumer.intake(tb.dumps(np.zeros(1000, np.uint8), key="a", message_id=("p", 1)))  # the table is full
         delivering = threading.Thread(
-            target=consumer._deliver, args=(tb.dumps(np.arange(4.0), key="b", message_id=("p", 2)),)
+            target=consumer.intake, args=(tb.dumps(np.arange(4.0), key="b", message_id=("p", 2)),)
         )
         delivering.start()
         time.sleep(0.2)
@@ -268,19 +269,19 @@ def test_partly_received_tensors_do_not_expire_while_a_full_table_holds_up_deliv
         big = np.arange(3000, dtype=np.float64)
         chunks = tb.codec.encode_chunks(big, max_chunk_bytes=8192, message_id=("p", 1), key="big")
         assert len(chunks) > 2
-        consumer._deliver(_joined(chunks[0]))
-        consumer._deliver(tb.dumps(np.zeros(1000, np.uint8), key="a", message_id=("p", 2)))  # full now
+        consumer.intake(_joined(chunks[0]))
+        consumer.intake(tb.dumps(np.zeros(1000, np.uint8), key="a", message_id=("p", 2)))  # full now
         delivering = threading.Thread(
-            target=consumer._deliver, args=(tb.dumps(np.zeros(8, np.uint8), key="c", message_id=("p", 3)),)
+            target=consumer.intake, args=(tb.dumps(np.zeros(8, np.uint8), key="c", message_id=("p", 3)),)
         )
         delivering.start()
         time.sleep(3.0)  # three reassembly timeouts with delivery held up
         consumer.recv("a", timeout=5)
         delivering.join(5)
         for chunk in chunks[1:]:
-            consumer._deliver(_joined(chunk))
+            consumer.intake(_joined(chunk))
         assert np.array_equal(consumer.recv("big", timeout=5), big)
-        assert consumer.reassembler.stats["expired"] == 0
+        assert consumer.intake.reassembler.stats["expired"] == 0
 
 
 def test_keyword_and_file_options_of_the_wrong_type_are_config_errors(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from tensorbus.api import _Sink
 from tensorbus.dedup import SeenIds
 
 
@@ -60,10 +59,10 @@ def test_a_restarted_consumer_on_the_same_file_drops_a_resent_message(tmp_path: 
     frame = b"".join(tb.encode(np.arange(4), key="k", message_id=("producer", 7)))
     options = {"dedup_file": str(tmp_path / "ids")}
     with tb.Consumer("memory://dedup-a", **options) as first:
-        _Sink(first)(frame)
+        first.intake(frame)
         assert first.recv("k", timeout=1).tolist() == [0, 1, 2, 3]
     with tb.Consumer("memory://dedup-b", **options) as second:
-        _Sink(second)(frame)  # what a producer resends after reconnecting
+        second.intake(frame)  # what a producer resends after reconnecting
         assert second.stats["duplicates"] == 1 and second.stats["received"] == 0
 
 

@@ -1,6 +1,7 @@
 """The stream sockets' C reader and sender (`_stream.c`) against the Python ones.
 
-The reader, through the real Reactor: the same byte streams (frames of every kind, ack requests,
+The reader tests run against both readers (reader.py: `_stream.StreamReader` and `PyStreamReader`). The
+reader, through the real Reactor: the same byte streams (frames of every kind, ack requests,
 CRCs after their frames, frames over the limits, garbage, a cut-off end) go through a socket pair
 in random pieces, once read in C and once in Python, and what reaches the consumer and why the
 connection ends must be the same. The sender: the same bytes on the wire.
@@ -25,20 +26,29 @@ from tensorbus.buffers import BufferPool
 from tensorbus.codec import frame, native
 from tensorbus.codec.frame import CRC_AT, PREFIX, Limits, Message, MessageId, encode
 from tensorbus.transports import reactor
+from tensorbus.transports import reader as reader_module
 from tensorbus.transports import stream as stream_module
 from tensorbus.transports.base import Delivered
 from tensorbus.transports.socket import SocketTransport
-from tensorbus.transports.stream import ACK_REQUEST, CRC_AFTER
+from tensorbus.transports.stream import ACK_REQUEST_MARKER, TRAILING_CRC
 
 from ..conftest import require_native
 
-require_native(reactor.READER is not None, "the C reader and sender (tensorbus/transports/_stream.c)")
+require_native(reader_module.READER is not None, "the C reader and sender (tensorbus/transports/_stream.c)")
 
 LIMITS = Limits(max_payload_bytes=6 << 20)
 
 
+@pytest.fixture(params=["c", "python"])
+def make_reader(request: pytest.FixtureRequest) -> Any:
+    """Each reader's class: the tests that take this run against both."""
+    return reader_module.READER.StreamReader if request.param == "c" else reader_module.PyStreamReader
+
+
 class Recorder:
     """A consumer that keeps what it is handed."""
+
+    fast = None  # (no C delivery: every frame comes to `__call__`)
 
     def __init__(self) -> None:
         self.frames: list[tuple[bytes, int | None]] = []
@@ -53,7 +63,7 @@ class Recorder:
     def is_pending(self, message_id: MessageId | None) -> bool:
         return False
 
-    def handed_over_all(self) -> bool:
+    def none_dropped(self) -> bool:
         return True
 
 
@@ -71,7 +81,7 @@ def crc_after(whole: bytes) -> bytes:
     wire = bytearray(whole)
     crc = wire[CRC_AT : PREFIX.size]
     wire[CRC_AT : PREFIX.size] = bytes(4)
-    wire[5] |= CRC_AFTER
+    wire[5] |= TRAILING_CRC
     return bytes(wire) + bytes(crc)
 
 
@@ -85,7 +95,7 @@ def stream(seed: int) -> bytes:
         array = np.random.default_rng(i).integers(0, 255, size, dtype=np.uint8)
         whole = b"".join(bytes(b) for b in encode(array, key=f"k{i}", checksum=rng.random() < 0.8))
         if choice < 0.1:
-            parts.append(ACK_REQUEST)
+            parts.append(ACK_REQUEST_MARKER)
         elif choice < 0.2:
             parts.append(crc_after(b"".join(bytes(b) for b in encode(array, key="after"))))
         elif choice < 0.25:
@@ -108,17 +118,17 @@ def stream(seed: int) -> bytes:
 
 
 def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
-    monkeypatch.setattr(reactor, "READER", reactor.READER if use_c else None)
+    monkeypatch.setattr(reader_module, "READER", reader_module.READER if use_c else None)
     recorder, reasons, acks = Recorder(), Reasons(), bytearray()
     logger = logging.getLogger(reactor.__name__)
     logger.addHandler(reasons)
     monkeypatch.setattr(logger, "level", logging.INFO)  # ("went away" is INFO)
-    options = {**SocketTransport.OPTIONS, "linger_s": 0.0}
+    options = SocketTransport.Options(linger_s=0.0)
     reader = reactor.Reactor(recorder, LIMITS, options, BufferPool())  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
     try:
         reader.add(ours, "peer")
-        assert (reader._peers[ours.fileno()].reader is not None) == use_c
+        assert (not isinstance(reader._peers[ours.fileno()].reader, reader_module.PyStreamReader)) == use_c
 
         def write() -> None:
             rng = random.Random(seed)
@@ -158,20 +168,20 @@ def test_the_c_reader_hands_over_what_the_python_reader_does(seed: int, monkeypa
     assert acks == sorted(acks) and (not acks or acks[-1][0] <= len(frames))
     for whole, crc in frames:  # and what was handed over is whole frames, CRCs where sent after them
         if len(whole) > PREFIX.size:
-            assert not whole[5] & CRC_AFTER
+            assert not whole[5] & TRAILING_CRC
             assert len(whole) == frame.frame_length(whole, frame.Limits())
         if crc is not None:
             view = memoryview(whole)
             assert crc == crc32c.crc32c(view[PREFIX.size :], crc32c.crc32c(view[:CRC_AT])) or whole[5] & 2
 
 
-def test_a_frame_over_the_limits_is_skipped_and_the_next_one_read() -> None:
+def test_a_frame_over_the_limits_is_skipped_and_the_next_one_read(make_reader: Any) -> None:
     over = b"".join(bytes(b) for b in encode(np.zeros(7 << 20, np.uint8)))
     good = b"".join(bytes(b) for b in encode(np.arange(3), key="k"))
     ours, theirs = socket.socketpair()
     with ours, theirs:
         ours.setblocking(False)
-        reader = reactor.READER.StreamReader(
+        reader = make_reader(
             ours,
             1 << 20,
             LIMITS.max_payload_bytes,
@@ -182,7 +192,7 @@ def test_a_frame_over_the_limits_is_skipped_and_the_next_one_read() -> None:
             1 << 20,
         )
         theirs.sendall(over[:100])
-        assert reader.read() == reactor.READER.CHECK_PREFIX
+        assert reader.read() == reader_module.CHECK_PREFIX
         assert reader.prefix == over[: PREFIX.size]
         reader.skip(len(over) - PREFIX.size)
         assert reader.read() is None and reader.mid_frame  # the rest is not there yet
@@ -194,14 +204,14 @@ def test_a_frame_over_the_limits_is_skipped_and_the_next_one_read() -> None:
             if event is not None:
                 events.append((event, reader.last_total))
         sender.join()
-        assert events[0] == (reactor.READER.SKIPPED, PREFIX.size)
+        assert events[0] == (reader_module.SKIPPED, PREFIX.size)
         (frame_view, crc), total = events[1]
         assert bytes(frame_view) == good and crc is None and total == len(good)
-        assert events[2][0] == reactor.READER.ACK_REQUEST
+        assert events[2][0] == reader_module.ACK_REQUEST
         theirs.close()
         while (event := reader.read()) is None:
             pass
-        assert event == reactor.READER.END and not reader.mid_frame
+        assert event == reader_module.END and not reader.mid_frame
 
 
 def received(sender: Any, frames: list[list[Any]]) -> bytes:
@@ -249,13 +259,15 @@ def test_the_c_sender_leaves_a_large_unsealed_frame_to_python_and_counts_what_it
     small = encode(np.zeros(10, np.uint8), deferred_checksum=True)
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        assert reactor.READER.send_frame(ours.fileno(), large, 4 << 20, crc32c.crc32c) is None
+        assert reader_module.READER.send_frame(ours.fileno(), large, 4 << 20, crc32c.crc32c) is None
         assert large[0][CRC_AT : PREFIX.size] == bytes(4)  # untouched: Python checksums it as it sends it
-        assert reactor.READER.send_frame(ours.fileno(), small, 4 << 20, crc32c.crc32c) == sum(len(b) for b in small)
+        assert reader_module.READER.send_frame(ours.fileno(), small, 4 << 20, crc32c.crc32c) == sum(
+            len(b) for b in small
+        )
         assert frame.decode(theirs.recv(1 << 16)).tensor.tolist() == [0] * 10
         theirs.close()
         with pytest.raises(BrokenPipeError):
-            reactor.READER.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
+            reader_module.READER.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
 
 
 def test_a_frame_claiming_2_to_the_64_bytes_is_skipped_not_raised_into_recv() -> None:
@@ -278,7 +290,7 @@ def test_a_frame_claiming_2_to_the_64_bytes_is_skipped_not_raised_into_recv() ->
 def test_the_reader_refuses_misuse_rather_than_reading_the_wrong_file() -> None:
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
-    make = reactor.READER.StreamReader
+    make = reader_module.READER.StreamReader
     args = (BufferPool().take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20)
     for header_limit, payload_limit in ((-1, 1 << 20), (1 << 20, 1 << 64), (1 << 20, (1 << 62) + 1)):
         with pytest.raises(ValueError, match="out of range"):
@@ -299,7 +311,7 @@ def test_the_reader_refuses_misuse_rather_than_reading_the_wrong_file() -> None:
 
 
 def test_a_stale_or_disagreeing_build_of_the_stream_paths_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    built = reactor.READER
+    built = reader_module.READER
     assert native.agrees(built, stream_module.NATIVE_CONSTANTS) is built
     monkeypatch.setattr(built, "CRC_TRAILER", 8)
     with pytest.warns(RuntimeWarning, match="constants"):
@@ -317,10 +329,11 @@ def test_a_consumer_with_limits_the_c_reader_cannot_take_reads_in_python() -> No
             producer.send("k", np.arange(3))
             assert consumer.recv("k", timeout=20).tolist() == [0, 1, 2]
         assert consumer.transport.reactor is not None
-        assert all(peer.reader is None for peer in consumer.transport.reactor._peers.values())
+        peers = consumer.transport.reactor._peers.values()
+        assert all(isinstance(peer.reader, reader_module.PyStreamReader) for peer in peers)
 
 
-def test_a_frame_without_memory_leaves_the_reader_refusing_to_go_on() -> None:
+def test_a_frame_without_memory_leaves_the_reader_refusing_to_go_on(make_reader: Any) -> None:
     """No buffer for a frame: MemoryError (the reactor drops the connection), and no half-read stream after it."""
 
     def no_memory(n: int) -> memoryview:
@@ -330,9 +343,7 @@ def test_a_frame_without_memory_leaves_the_reader_refusing_to_go_on() -> None:
     ours, theirs = socket.socketpair()
     with ours, theirs:
         ours.setblocking(False)
-        reader = reactor.READER.StreamReader(
-            ours, 1 << 20, 1 << 30, no_memory, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20
-        )
+        reader = make_reader(ours, 1 << 20, 1 << 30, no_memory, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20)
         theirs.sendall(big[:4096])
         with pytest.raises(MemoryError):
             reader.read()
@@ -343,12 +354,12 @@ def test_a_frame_without_memory_leaves_the_reader_refusing_to_go_on() -> None:
 def test_idle_timer_behaves_like_the_python_one() -> None:
     from .test_idle import check_timer
 
-    check_timer(reactor.READER.IdleTimer)
+    check_timer(reader_module.READER.IdleTimer)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), "1", None])
 def test_idle_timer_refuses_what_is_not_a_number_of_seconds(bad: Any) -> None:
-    timer = reactor.READER.IdleTimer()
+    timer = reader_module.READER.IdleTimer()
     with pytest.raises((ValueError, TypeError)):
         timer.touch(bad)
     with pytest.raises((ValueError, TypeError)):
@@ -356,25 +367,26 @@ def test_idle_timer_refuses_what_is_not_a_number_of_seconds(bad: Any) -> None:
 
 
 def test_idle_timer_takes_huge_and_negative_seconds() -> None:
-    timer = reactor.READER.IdleTimer()
+    timer = reader_module.READER.IdleTimer()
     timer.touch(1e300)  # a linger of "forever"
     assert timer.wait(-1) is False  # a timeout already past: one look, not idle
     timer.touch(-5)
     assert timer.wait(0) is True
 
 
-def _reader(sock: socket.socket, recv_lowat: int) -> Any:
-    """A C reader of `sock`: 1 MiB headers, 1 GiB payloads, pooled from 1 MiB, checksummed while received from 4 MiB."""
+def _reader(sock: socket.socket, recv_lowat: int, make: Any = None) -> Any:
+    """A reader of `sock` (C unless `make` says): 1 MiB headers, 1 GiB payloads, pooled from 1 MiB, checksummed
+    while received from 4 MiB."""
     take = BufferPool(2).take
-    return reactor.READER.StreamReader(
+    return (make or reader_module.READER.StreamReader)(
         sock, 1 << 20, 1 << 30, take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20, recv_lowat=recv_lowat
     )
 
 
-def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames() -> None:
+def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames(make_reader: Any) -> None:
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
-    reader = _reader(ours, recv_lowat=0)
+    reader = _reader(ours, recv_lowat=0, make=make_reader)
     try:
         assert reader.fill() is False and not reader.inbox_held  # nothing there: no buffer kept either
         small = bytes(frame.dumps(np.arange(3.0), key="k"))
@@ -397,7 +409,7 @@ def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames() ->
         rest.join()
         assert event is not None and bytes(event[0]) == large
         theirs.close()
-        assert reader.fill() is True and reader.read() == reactor.READER.END  # the end is something to look at
+        assert reader.fill() is True and reader.read() == reader_module.END  # the end is something to look at
     finally:
         ours.close()
 

@@ -183,10 +183,10 @@ def test_an_interrupted_recv_leaves_no_waiter_behind() -> None:
     def interrupted(done: threading.Lock, deadline: float | None) -> bool:
         raise KeyboardInterrupt
 
-    table.pump = interrupted
+    table.read_while_waiting = interrupted
     with pytest.raises(KeyboardInterrupt):
         table.recv("k")
-    table.pump = None
+    table.read_while_waiting = None
     table.send("k", np.arange(3))
     assert table.recv("k", timeout=1).tolist() == [0, 1, 2]  # not swallowed by a stale waiter
 
@@ -199,10 +199,10 @@ def test_a_recv_interrupted_just_as_it_was_served_puts_its_tensor_back_first() -
         raise KeyboardInterrupt
 
     table.send("other", np.array([0]))
-    table.pump = served_then_interrupted
+    table.read_while_waiting = served_then_interrupted
     with pytest.raises(KeyboardInterrupt):
         table.recv("k")
-    table.pump = None
+    table.read_while_waiting = None
     table.send("k", np.array([2]))
     assert [table.recv("k", timeout=1)[0] for _ in range(2)] == [1, 2]  # per-key order kept
     assert table.next_message(timeout=1).key == "other" and len(table) == 0

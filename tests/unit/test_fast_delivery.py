@@ -1,6 +1,6 @@
-"""The C delivery of plain frames (`_native.Lane`) against the Python delivery it stands in for.
+"""The C delivery of plain frames (`_intake.FastDelivery`) against the Python delivery it stands in for.
 
-A frame the lane takes must leave the consumer exactly as `Consumer._deliver` leaves it (the table,
+A frame the C delivery takes must leave the consumer exactly as `Intake.__call__` leaves it (the table,
 the ids seen, the counts, the receiver served); a frame it does not take must change nothing, so
 that the Python delivery then decides. Checked case by case, on twin consumers.
 """
@@ -18,11 +18,11 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec import encode, encode_chunks
-from tensorbus.codec.native import NATIVE
+from tensorbus.intake_state import FAST, PyIntakeState, PyTableState
 
 from ..conftest import require_native
 
-require_native(NATIVE is not None, "the codec's C fast path (tensorbus/codec/_native.c)")
+require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
 
 
 def frame_of(tensor: Any, key: str | None = "k", seq: int | None = 1, **options: Any) -> memoryview:
@@ -49,21 +49,21 @@ def state(consumer: tb.Consumer) -> tuple[Any, ...]:
         table._counter,
         dict(table.stats),
         dict(consumer.stats),
-        list(consumer._seen._ids),
+        list(consumer.intake.state.seen),
     )
 
 
 @pytest.fixture
 def twins() -> Iterator[tuple[tb.Consumer, tb.Consumer]]:
-    """Two consumers alike: one delivers through its lane, the other the Python way."""
-    made = [tb.Consumer(f"memory://lane-{uuid.uuid4().hex}", dedup_window=3) for _ in range(2)]
+    """Two consumers alike: one delivers through its C delivery, the other the Python way."""
+    made = [tb.Consumer(f"memory://fast-{uuid.uuid4().hex}", dedup_window=3) for _ in range(2)]
     yield made[0], made[1]
     for consumer in made:
         consumer.close()
 
 
 def test_plain_frames_are_buffered_as_the_python_delivery_buffers_them(twins: Any) -> None:
-    lane_side, python_side = twins
+    c_side, python_side = twins
     frames = [
         (np.arange(12, dtype=np.float32).reshape(3, 4), "a", 1, {"step": 3, "name": "w"}),
         (np.arange(5, dtype=np.int64), "b", 2, None),
@@ -71,50 +71,50 @@ def test_plain_frames_are_buffered_as_the_python_delivery_buffers_them(twins: An
         (np.zeros(0, dtype=np.uint8), None, 4, None),
     ]
     for tensor, key, seq, metadata in frames:
-        taken = lane_side.lane.take(frame_of(tensor, key, seq, metadata=metadata), None)
-        python_side._deliver(frame_of(tensor, key, seq, metadata=metadata), None, may_hold=True)
+        taken = c_side.intake.fast(frame_of(tensor, key, seq, metadata=metadata), None)
+        python_side.intake(frame_of(tensor, key, seq, metadata=metadata), None, may_hold=True)
         assert isinstance(taken, tb.Message) and taken.key == key and taken.message_id == ("p" * 16, seq)
-        assert state(lane_side) == state(python_side)
-    assert lane_side.lane.taken == 4
-    assert len(lane_side._seen._ids) == 3  # the dedup window (3) keeps the newest ids
-    assert lane_side.recv_message("a").metadata == {"step": 3, "name": "w"}
-    assert np.array_equal(lane_side.recv("a"), np.ones((2, 2)))
-    assert lane_side.next_message().key == "b"
+        assert state(c_side) == state(python_side)
+    assert c_side.intake.fast_delivery.taken == 4
+    assert len(c_side.intake.state.seen) == 3  # the dedup window (3) keeps the newest ids
+    assert c_side.recv_message("a").metadata == {"step": 3, "name": "w"}
+    assert np.array_equal(c_side.recv("a"), np.ones((2, 2)))
+    assert c_side.next_message().key == "b"
 
 
 def test_a_waiting_receiver_gets_the_frame_and_nothing_is_buffered(twins: Any) -> None:
     got: dict[str, Any] = {}
-    for name, consumer in zip(("lane", "python"), twins, strict=True):
+    for name, consumer in zip(("c", "python"), twins, strict=True):
         receiver = threading.Thread(target=lambda c=consumer, n=name: got.setdefault(n, c.recv("k", timeout=10)))
         receiver.start()
         while "k" not in consumer.table._waiters:
             threading.Event().wait(0.001)
         frame = frame_of(np.arange(7), "k", 1)
-        if name == "lane":
-            assert consumer.lane.take(frame, None) is not None
+        if name == "c":
+            assert consumer.intake.fast(frame, None) is not None
         else:
-            consumer._deliver(frame, None, may_hold=True)
+            consumer.intake(frame, None, may_hold=True)
         receiver.join(10)
-    assert got["lane"].tolist() == got["python"].tolist() == list(range(7))
+    assert got["c"].tolist() == got["python"].tolist() == list(range(7))
     assert state(twins[0]) == state(twins[1])
     assert twins[0].table.buffered_bytes == 0 and twins[0].stats["received"] == 1
 
 
 def test_an_arrival_order_receiver_gets_a_frame_of_any_key(twins: Any) -> None:
-    lane_side = twins[0]
+    c_side = twins[0]
     got: list[tb.Message] = []
-    receiver = threading.Thread(target=lambda: got.append(lane_side.next_message(timeout=10)))
+    receiver = threading.Thread(target=lambda: got.append(c_side.next_message(timeout=10)))
     receiver.start()
-    while not lane_side.table._waiters:
+    while not c_side.table._waiters:
         threading.Event().wait(0.001)
-    assert lane_side.lane.take(frame_of(np.arange(2), "z", 1), None) is not None
+    assert c_side.intake.fast(frame_of(np.arange(2), "z", 1), None) is not None
     receiver.join(10)
-    assert got[0].key == "z" and not lane_side.table._waiters
+    assert got[0].key == "z" and not c_side.table._waiters
 
 
 def _unchanged(consumer: tb.Consumer, frame: memoryview) -> None:
     before = state(consumer)
-    assert consumer.lane.take(frame, None) is None
+    assert consumer.intake.fast(frame, None) is None
     assert state(consumer) == before
 
 
@@ -149,36 +149,36 @@ def test_a_damaged_frame_is_left_to_python_which_rejects_it(twins: Any) -> None:
     frame = frame_of(np.arange(100, dtype=np.int32))
     frame[-1] ^= 0xFF
     _unchanged(consumer, frame)
-    consumer._deliver(frame, None, may_hold=True)
+    consumer.intake(frame, None, may_hold=True)
     assert consumer.stats["rejected"] == 1
 
 
 def test_a_duplicate_is_left_to_python_which_counts_it(twins: Any) -> None:
     consumer = twins[0]
-    assert consumer.lane.take(frame_of(np.arange(3), "k", 5), None) is not None
+    assert consumer.intake.fast(frame_of(np.arange(3), "k", 5), None) is not None
     _unchanged(consumer, frame_of(np.arange(3), "k", 5))
-    consumer._deliver(frame_of(np.arange(3), "k", 5), None, may_hold=True)
+    consumer.intake(frame_of(np.arange(3), "k", 5), None, may_hold=True)
     assert consumer.stats["duplicates"] == 1 and len(consumer.table) == 1
 
 
 def test_an_aborted_table_or_an_interrupted_delivery_is_left_to_python(twins: Any) -> None:
     consumer = twins[0]
-    consumer._interrupted = (memoryview(b""), None)  # type: ignore[assignment]
+    consumer.intake.state.interrupted = (memoryview(b""), None)  # type: ignore[assignment]
     _unchanged(consumer, frame_of(np.arange(3)))
-    consumer._interrupted = None
+    consumer.intake.state.interrupted = None
     consumer.table.abort("stop")
     _unchanged(consumer, frame_of(np.arange(3)))
 
 
 def test_a_full_table_is_left_to_python_unless_a_receiver_waits_for_the_key() -> None:
-    with tb.Consumer(f"memory://lane-{uuid.uuid4().hex}", max_buffered_bytes=1000) as consumer:
-        assert consumer.lane.take(frame_of(np.zeros(200), "k", 1), None) is not None  # (1600 bytes: full now)
+    with tb.Consumer(f"memory://fast-{uuid.uuid4().hex}", max_buffered_bytes=1000) as consumer:
+        assert consumer.intake.fast(frame_of(np.zeros(200), "k", 1), None) is not None  # (1600 bytes: full now)
         _unchanged(consumer, frame_of(np.zeros(2), "k", 2))
         receiver = threading.Thread(target=lambda: consumer.recv("other", timeout=10))
         receiver.start()
         while "other" not in consumer.table._waiters:
             threading.Event().wait(0.001)
-        assert consumer.lane.take(frame_of(np.zeros(2), "other", 3), None) is not None  # handed over: needs no room
+        assert consumer.intake.fast(frame_of(np.zeros(2), "other", 3), None) is not None  # handed over: needs no room
         receiver.join(10)
         assert len(consumer.table) == 1
 
@@ -194,7 +194,7 @@ def test_a_callback_first_in_line_is_left_to_python(twins: Any) -> None:
 @pytest.mark.parametrize("which", ["consumer", "table"])
 def test_a_lock_held_by_another_thread_leaves_the_frame_to_python(twins: Any, which: str) -> None:
     consumer = twins[0]
-    lock = consumer._lock if which == "consumer" else consumer.table._lock
+    lock = consumer.intake._lock if which == "consumer" else consumer.table._lock
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -210,19 +210,19 @@ def test_a_lock_held_by_another_thread_leaves_the_frame_to_python(twins: Any, wh
     finally:
         release.set()
         holder.join(10)
-    assert consumer.lane.take(frame_of(np.arange(3)), None) is not None  # and once it is free, it is taken
+    assert consumer.intake.fast(frame_of(np.arange(3)), None) is not None  # and once it is free, it is taken
 
 
-def test_consumers_the_lane_cannot_serve_have_none() -> None:
+def test_consumers_the_c_delivery_cannot_serve_have_none() -> None:
     for options in ({"signing_key": b"s"}, {"like": "torch"}):
         if options.get("like") == "torch":
             pytest.importorskip("torch")
-        with tb.Consumer(f"memory://lane-{uuid.uuid4().hex}", **options) as consumer:
-            assert consumer.lane is None
+        with tb.Consumer(f"memory://fast-{uuid.uuid4().hex}", **options) as consumer:
+            assert consumer.intake.fast is None
 
 
 class _FailingAdd(int):
-    """An int whose `+` raises MemoryError, once: an allocation failing inside the lane."""
+    """An int whose `+` raises MemoryError, once: an allocation failing inside the C delivery."""
 
     failed = False
 
@@ -234,8 +234,8 @@ class _FailingAdd(int):
 
 
 def _locks_free(consumer: tb.Consumer) -> bool:
-    free = [lock.acquire(blocking=False) for lock in (consumer._lock, consumer.table._lock)]
-    for lock, got in zip((consumer._lock, consumer.table._lock), free, strict=True):
+    free = [lock.acquire(blocking=False) for lock in (consumer.intake._lock, consumer.table._lock)]
+    for lock, got in zip((consumer.intake._lock, consumer.table._lock), free, strict=True):
         if got:
             lock.release()
     return all(free)
@@ -246,9 +246,9 @@ def test_a_memory_error_before_anything_changed_comes_out_as_such_and_changes_no
     consumer.table._counter = type("FailingCounter", (_FailingAdd,), {})(0)
     before = state(consumer)
     with pytest.raises(MemoryError, match="injected"):  # (not a SystemError from releasing the locks)
-        consumer.lane.take(frame_of(np.arange(3)), None)
+        consumer.intake.fast(frame_of(np.arange(3)), None)
     assert state(consumer) == before and _locks_free(consumer)
-    assert consumer.lane.take(frame_of(np.arange(3)), None) is not None  # the frame sent again is taken
+    assert consumer.intake.fast(frame_of(np.arange(3)), None) is not None  # the frame sent again is taken
 
 
 class _FailingDeque(collections.deque):  # type: ignore[type-arg]
@@ -265,19 +265,43 @@ class _FailingDeque(collections.deque):  # type: ignore[type-arg]
 
 def test_a_memory_error_half_way_undoes_what_was_written_and_forgets_the_id(twins: Any) -> None:
     consumer = twins[0]
-    assert consumer.lane.take(frame_of(np.arange(3), "k", 6), None) is not None
+    assert consumer.intake.fast(frame_of(np.arange(3), "k", 6), None) is not None
     consumer.table._by_key["k"] = _FailingDeque(consumer.table._by_key["k"])
     before = state(consumer)
     with pytest.raises(MemoryError, match="injected"):  # after the id was marked and the arrival placed
-        consumer.lane.take(frame_of(np.arange(4), "k", 7), None)
-    assert state(consumer) == before and ("p" * 16, 7) not in consumer._seen and _locks_free(consumer)
-    assert consumer.lane.take(frame_of(np.arange(4), "k", 7), None) is not None  # sent again: not a duplicate
+        consumer.intake.fast(frame_of(np.arange(4), "k", 7), None)
+    assert state(consumer) == before and ("p" * 16, 7) not in consumer.intake._seen and _locks_free(consumer)
+    assert consumer.intake.fast(frame_of(np.arange(4), "k", 7), None) is not None  # sent again: not a duplicate
     assert [consumer.recv("k").tolist() for _ in range(2)] == [[0, 1, 2], [0, 1, 2, 3]] and len(consumer.table) == 0
 
 
 def test_while_a_chunked_message_is_part_way_frames_are_left_to_python(twins: Any) -> None:
     consumer = twins[0]
     first = encode_chunks(np.zeros(4096), max_chunk_bytes=4096, message_id=("p" * 16, 9))[0]
-    consumer._deliver(memoryview(bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in first))), None)
-    assert consumer.reassembler.is_pending(("p" * 16, 9))
+    consumer.intake(memoryview(bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in first))), None)
+    assert consumer.intake.reassembler.is_pending(("p" * 16, 9))
     _unchanged(consumer, frame_of(np.arange(3), "k", 10))  # (Python's delivery expires stale chunked ones first)
+
+
+def test_the_c_state_types_have_the_fields_of_their_python_twins() -> None:
+    assert FAST is not None
+    for c_type, twin in ((FAST.TableState, PyTableState), (FAST.IntakeState, PyIntakeState)):
+        members = {name for name, value in vars(c_type).items() if type(value).__name__ == "member_descriptor"}
+        assert members == set(twin.__slots__)
+
+
+@pytest.mark.parametrize("key", ["k", "a;b", "a;1;b", "a;1;b;c", "a;1;b;c;0:0", "x;y;z;w;v", "a;1;b;c;0:0;x", ";;;;"])
+def test_the_c_delivery_leaves_to_python_exactly_the_keys_the_table_fences(twins: Any, key: str) -> None:
+    from tensorbus.keys import may_name_incarnation
+
+    taken = twins[0].intake.fast(frame_of(np.arange(3), key), None)
+    assert (taken is None) == may_name_incarnation(key)
+
+
+def test_the_c_delivery_evicts_ids_past_the_window_as_seen_ids_does(twins: Any) -> None:
+    c_side, python_side = twins  # (dedup_window=3)
+    for seq in range(1, 11):
+        assert c_side.intake.fast(frame_of(np.arange(2), "k", seq), None) is not None
+        python_side.intake(frame_of(np.arange(2), "k", seq), None, may_hold=True)
+        assert list(c_side.intake.state.seen) == list(python_side.intake.state.seen)
+    assert list(c_side.intake.state.seen) == [("p" * 16, seq) for seq in (8, 9, 10)]

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The broker and CLI integration tests again, against brokers started by Docker Compose
+# (docker-compose.yml): installs the engine and Compose if missing (scripts/docker.sh), starts dockerd
+# when no engine answers and stops it again, builds the images (cached by the engine between runs),
+# `docker compose up -d --wait` (with the cluster profile once the cluster launcher is there), runs the
+# tests with the same environment variables as natively, then `docker compose down -v`.
+# The host ports must be free: stop the native brokers first (scripts/test.sh does), or move them with
+# the launcher's variables (TENSORBUS_AMQP_PORT, ...; the tests' URLs follow).
+#
+# Env: TENSORBUS_TEST_PYTHON (.venv/bin/python) and pytest arguments after the script's name.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${TENSORBUS_TEST_PYTHON:-.venv/bin/python}
+t0=$SECONDS
+took() { echo "[compose] $1: $((SECONDS - t0))s" >&2; t0=$SECONDS; }
+
+profile=()   # the clusters, once the native launcher has them (scripts/brokers/*_cluster.sh)
+if compgen -G "scripts/brokers/*_cluster.sh" >/dev/null; then profile=(--profile cluster); fi
+compose=(docker compose "${profile[@]}")
+
+engine_was_up=0
+timeout 20 docker info >/dev/null 2>&1 && engine_was_up=1
+bash scripts/docker.sh up
+((engine_was_up)) || trap 'bash scripts/docker.sh down' EXIT
+took "engine and Compose"
+bash scripts/docker.sh prepare
+took "base image and Kafka's jars"
+"${compose[@]}" build --quiet
+docker image prune -f >/dev/null   # the untagged images earlier builds left behind (the build cache stays)
+took "images built"
+# `down` before `up`: containers a killed run left behind would hold the ports
+"${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+down() { "${compose[@]}" down -v --timeout 120 || true; ((engine_was_up)) || bash scripts/docker.sh down; }
+trap down EXIT
+"${compose[@]}" up -d --wait --wait-timeout 600 || { "${compose[@]}" logs --tail 60; exit 1; }
+took "brokers up"
+"${compose[@]}" ps
+
+export TENSORBUS_AMQP_URL=${TENSORBUS_AMQP_URL:-amqp://guest:guest@127.0.0.1:${TENSORBUS_AMQP_PORT:-5672}/%2F}
+export TENSORBUS_KAFKA_URL=${TENSORBUS_KAFKA_URL:-kafka://127.0.0.1:${TENSORBUS_KAFKA_PORT:-9092}}
+c=${TENSORBUS_AMQP_CLUSTER_PORT:-5681} k=${TENSORBUS_KAFKA_CLUSTER_PORT:-9191}
+export TENSORBUS_AMQP_CLUSTER_URL=${TENSORBUS_AMQP_CLUSTER_URL:-amqp://guest:guest@127.0.0.1:$c,127.0.0.1:$((c + 1)),127.0.0.1:$((c + 2))/%2F}
+export TENSORBUS_KAFKA_CLUSTER_URL=${TENSORBUS_KAFKA_CLUSTER_URL:-kafka://127.0.0.1:$k,127.0.0.1:$((k + 1)),127.0.0.1:$((k + 2))}
+export TENSORBUS_BROKERS_SH=$PWD/scripts/compose-brokers.sh   # restarts and node kills act on the containers
+# every integration test that talks to a broker (by transport, file or marker) and the CLI's
+"$PYTHON" -m pytest -q tests/integration -k "amqp or kafka or rabbitmq or broker or cluster or test_cli" "$@"
+took "tests"

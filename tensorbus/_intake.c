@@ -1,0 +1,545 @@
+/* The intake's C delivery of plain frames, and the state it shares with the Python intake.
+ *
+ * tensorbus/intake_state.py describes the two state objects field by field and chooses these types or
+ * their Python twins (one place). The Python intake (intake.py) owns an IntakeState; its `table` is the
+ * consumer's Rendezvous, whose queues and counts are its TableState base. FastDelivery.take reads and
+ * writes those fields, and nothing else of any Python class: it does, for the common frame, what
+ * Intake.deliver, Reassembler.feed and Rendezvous.put do in Python, and leaves every other frame to them.
+ *
+ * It takes only the case with nothing to decide: a plain ndarray frame (the codec's decode_message says
+ * so), its id not seen before, both locks free at once, the table not aborted and not full, no
+ * recv_async callback first in line, a key that names no incarnation (fencing is Python's), no chunked
+ * message part way (feeding the reassembler is what expires those). On anything else it changes nothing
+ * and returns None, and the caller delivers the frame the Python way, which decides. It runs no Python
+ * code, so a Ctrl-C lands before it or after it. What can fail (a MemoryError) fails before anything
+ * changed, but for the table's own writes, as in Rendezvous.put: the id is then forgotten again, and
+ * the reactor drops the connection, so the frame comes again.
+ *
+ * The two rules it shares with Python come from Python, once: which keys may name an incarnation
+ * (keys.INCARNATION_SEPARATORS, given to configure) and the dedup window's eviction (oldest first,
+ * as dedup.SeenIds does; tests/unit/test_fast_delivery.py compares the two).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#ifndef TENSORBUS_SOURCE_HASH
+#define TENSORBUS_SOURCE_HASH "unknown"
+#endif
+
+/* set by configure() */
+static PyObject *g_decode = NULL;    /* codec: _native.decode_message */
+static PyObject *g_any = NULL;       /* intake_state.ANY, the waiter key of arrival-order receivers */
+static PyObject *g_deque = NULL;     /* collections.deque */
+static Py_ssize_t g_separators = -1; /* a key with this many ';' may name an incarnation */
+
+static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_popitem, *s_callback, *s_done, *s_result,
+    *s_received, *s_buffered, *s_semicolon, *s_one;
+
+/* ---- the state ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *lock;                             /* _lock: an RLock guarding all of the below */
+    PyObject *waiters;                          /* _waiters: {key or ANY: deque of Waiter} */
+    PyObject *arrivals;                         /* _arrivals: OrderedDict {number: (message, bytes)} */
+    PyObject *by_key;                           /* _by_key: {key: deque of numbers} */
+    PyObject *buffered_bytes, *max_buffered_bytes, *counter; /* ints */
+    PyObject *aborted;                          /* _aborted: None, or the Aborted error */
+    PyObject *stats;                            /* a collections.Counter */
+} TableState;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *lock;         /* a Lock guarding seen, reassembling, interrupted and stats */
+    PyObject *seen;         /* OrderedDict {message id: None}, oldest first, at most `window` */
+    Py_ssize_t window;
+    PyObject *reassembling; /* True while a chunked message is part way */
+    PyObject *interrupted;  /* None, or a frame whose delivery was interrupted (Python delivers it again) */
+    PyObject *stats;        /* a collections.Counter */
+    PyObject *table;        /* a TableState (the consumer's Rendezvous) */
+} IntakeState;
+
+#define OBJ(type, field, name, doc) {name, T_OBJECT_EX, offsetof(type, field), 0, doc}
+
+static PyMemberDef table_members[] = {
+    OBJ(TableState, lock, "_lock", "RLock guarding the table"),
+    OBJ(TableState, waiters, "_waiters", "key (or ANY) -> deque of Waiter"),
+    OBJ(TableState, arrivals, "_arrivals", "arrival number -> (message, bytes counted)"),
+    OBJ(TableState, by_key, "_by_key", "key -> deque of arrival numbers"),
+    OBJ(TableState, buffered_bytes, "buffered_bytes", "bytes of the buffered messages"),
+    OBJ(TableState, max_buffered_bytes, "max_buffered_bytes", "the limit on buffered_bytes"),
+    OBJ(TableState, counter, "_counter", "the last arrival number"),
+    OBJ(TableState, aborted, "_aborted", "None, or the Aborted error"),
+    OBJ(TableState, stats, "stats", "counts (a collections.Counter)"),
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMemberDef intake_members[] = {
+    OBJ(IntakeState, lock, "lock", "Lock guarding the intake's fields"),
+    OBJ(IntakeState, seen, "seen", "message id -> None, oldest first"),
+    {"window", T_PYSSIZET, offsetof(IntakeState, window), 0, "how many ids `seen` keeps"},
+    OBJ(IntakeState, reassembling, "reassembling", "True while a chunked message is part way"),
+    OBJ(IntakeState, interrupted, "interrupted", "None, or a frame whose delivery was interrupted"),
+    OBJ(IntakeState, stats, "stats", "counts (a collections.Counter)"),
+    OBJ(IntakeState, table, "table", "the table (a TableState)"),
+    {NULL, 0, 0, 0, NULL},
+};
+
+/* Both state types hold only the objects their members name (and `window`): traversed, cleared and
+ * freed by walking their PyMemberDef tables. */
+#define MEMBER(self, m) ((PyObject **)((char *)(self) + (m)->offset))
+
+static PyTypeObject IntakeStateType;
+
+static PyMemberDef *
+members_of(PyObject *self)
+{
+    return PyObject_TypeCheck(self, &IntakeStateType) ? intake_members : table_members;
+}
+
+/* Visit each object member (`visit` NULL: clear it). */
+static int
+walk_members(PyObject *self, visitproc visit, void *arg)
+{
+    for (PyMemberDef *m = members_of(self); m->name != NULL; m++) {
+        if (m->type != T_OBJECT_EX) {
+            continue;
+        }
+        if (visit == NULL) {
+            Py_CLEAR(*MEMBER(self, m));
+        }
+        else {
+            Py_VISIT(*MEMBER(self, m));
+        }
+    }
+    return 0;
+}
+
+static int
+state_traverse(PyObject *self, visitproc visit, void *arg)
+{
+    return walk_members(self, visit, arg);
+}
+
+static int
+state_clear(PyObject *self)
+{
+    return walk_members(self, NULL, NULL);
+}
+
+static void
+state_dealloc(PyObject *self)
+{
+    PyObject_GC_UnTrack(self);
+    state_clear(self);
+    Py_TYPE(self)->tp_free(self); /* (a Python subclass's type is released by its own dealloc, after this) */
+}
+
+/* The two state types differ only in their fields. */
+#define STATE_TYPE(name, fields, members_, doc)                                                                      \
+    {                                                                                                                \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus._intake." name, .tp_basicsize = sizeof(fields),          \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE, .tp_doc = PyDoc_STR(doc),         \
+        .tp_new = PyType_GenericNew, .tp_dealloc = state_dealloc, .tp_traverse = state_traverse,                    \
+        .tp_clear = state_clear, .tp_members = members_,                                                             \
+    }
+
+static PyTypeObject TableStateType =
+    STATE_TYPE("TableState", TableState, table_members, "The rendezvous table's queues and counts (see intake_state.py).");
+static PyTypeObject IntakeStateType = STATE_TYPE("IntakeState", IntakeState, intake_members,
+                                                 "What the intake's C delivery reads and writes (see intake_state.py).");
+
+/* ---- small helpers ---------------------------------------------------------------------------------------- */
+
+static int
+try_lock(PyObject *lock)
+{
+    PyObject *got = PyObject_CallMethodOneArg(lock, s_acquire, Py_False);
+    int ok = got == Py_True;
+    Py_XDECREF(got);
+    return got == NULL ? -1 : ok;
+}
+
+static int
+unlock(PyObject *lock)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(lock, s_release);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* counter[name] += 1 on a collections.Counter (a dict: its __missing__ is not called) */
+static int
+count(PyObject *counter, PyObject *name)
+{
+    PyObject *old = PyDict_GetItemWithError(counter, name);
+    if (old == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *new = old == NULL ? Py_NewRef(s_one) : PyNumber_Add(old, s_one);
+    int r = new == NULL ? -1 : PyDict_SetItem(counter, name, new);
+    Py_XDECREF(new);
+    return r;
+}
+
+/* count(), for a delivery already made: a count it cannot make (no memory) is not worth undoing it */
+static void
+counted(PyObject *counter, PyObject *name)
+{
+    if (count(counter, name) < 0) {
+        PyErr_Clear();
+    }
+}
+
+/* The queue of the receiver that gets a message of `key` (its own, else an arrival-order one), or NULL
+ * (none waiting); borrowed. As Rendezvous.put looks. */
+static PyObject *
+waiting_queue(TableState *table, PyObject *key)
+{
+    if (!PyDict_Check(table->waiters) || PyDict_GET_SIZE(table->waiters) == 0) {
+        return NULL;
+    }
+    PyObject *wanted[2] = {key, g_any};
+    for (int i = 0; i < 2; i++) {
+        PyObject *queue = PyDict_GetItemWithError(table->waiters, wanted[i]);
+        if (queue == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (queue != NULL && PyObject_Length(queue) > 0) {
+            return queue;
+        }
+    }
+    return NULL;
+}
+
+/* ---- FastDelivery ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    IntakeState *state;
+    PyObject *max_header, *max_payload, *max_ndim; /* the limits, as decode_message takes them */
+    Py_ssize_t taken;                              /* frames delivered here (tests check it is used) */
+} FastDelivery;
+
+/* 1: the frame is in the table (or with its receiver), *taken its message; 0: nothing changed, deliver it
+ * the Python way; -1: an error (also nothing changed, but for a MemoryError half way, which drops the
+ * connection: the frame was not acknowledged, so it comes again, and a copy already taken is a duplicate). */
+static int
+fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject **taken)
+{
+    IntakeState *s = self->state;
+    TableState *t = (TableState *)s->table;
+    if (g_decode == NULL || s->lock == NULL || s->seen == NULL || s->stats == NULL || t->lock == NULL ||
+        t->waiters == NULL || t->arrivals == NULL || t->by_key == NULL || t->buffered_bytes == NULL ||
+        t->max_buffered_bytes == NULL || t->counter == NULL || t->stats == NULL || !PyDict_Check(s->seen) ||
+        !PyDict_Check(t->by_key) || !PyDict_Check(t->waiters)) {
+        return 0; /* not set up (yet): the Python way */
+    }
+    PyObject *args[5] = {frame, crc, self->max_header, self->max_payload, self->max_ndim};
+    PyObject *decoded = PyObject_Vectorcall(g_decode, args, 5, NULL);
+    if (decoded == NULL || decoded == Py_None) {
+        Py_XDECREF(decoded);
+        return decoded == NULL ? -1 : 0;
+    }
+    PyObject *msg = PyTuple_GET_ITEM(decoded, 0), *key = PyTuple_GET_ITEM(decoded, 1);
+    PyObject *id = PyTuple_GET_ITEM(decoded, 2), *size = PyTuple_GET_ITEM(decoded, 3);
+    Py_ssize_t separators = key == Py_None ? 0 : PyUnicode_Count(key, s_semicolon, 0, PY_SSIZE_T_MAX);
+    if (separators < 0 || separators == g_separators || id == Py_None) { /* fencing is Python's; no id: no dedup */
+        Py_DECREF(decoded);
+        return separators < 0 ? -1 : 0;
+    }
+    int result = 0, intake_locked = 0, table_locked = 0, ok = 1;
+    PyObject *waiter = NULL, *done = NULL, *number = NULL, *entry = NULL, *fresh = NULL, *queue, *keyed = NULL;
+    PyObject *more = NULL;
+    if ((intake_locked = try_lock(s->lock)) <= 0 || (table_locked = try_lock(t->lock)) <= 0) {
+        result = intake_locked < 0 || table_locked < 0 ? -1 : 0;
+        goto out;
+    }
+    if (s->reassembling != Py_False || s->interrupted != Py_None || t->aborted != Py_None ||
+        (ok = PyDict_Contains(s->seen, id)) != 0) {
+        result = ok < 0 ? -1 : 0; /* (contains: 1 is a duplicate: Python counts it) */
+        goto out;
+    }
+    if ((queue = waiting_queue(t, key)) == NULL && PyErr_Occurred()) {
+        result = -1;
+        goto out;
+    }
+    /* first whatever can fail, while nothing has changed */
+    if (queue != NULL) { /* a receiver is waiting: it gets the message, which needs no room */
+        PyObject *callback = NULL;
+        if ((waiter = PySequence_GetItem(queue, 0)) == NULL || (callback = PyObject_GetAttr(waiter, s_callback)) == NULL) {
+            result = -1;
+            goto out;
+        }
+        ok = callback == Py_None;
+        Py_DECREF(callback);
+        if (!ok) { /* (callbacks run Python: Python calls them) */
+            result = 0;
+            goto out;
+        }
+        if ((done = PyObject_GetAttr(waiter, s_done)) == NULL) {
+            result = -1;
+            goto out;
+        }
+    }
+    else {
+        ok = PyObject_RichCompareBool(t->buffered_bytes, t->max_buffered_bytes, Py_LT);
+        if (ok <= 0) { /* full: Python holds it back */
+            result = ok;
+            goto out;
+        }
+        more = PyNumber_Add(t->buffered_bytes, size);
+        number = more == NULL ? NULL : PyNumber_Add(t->counter, s_one);
+        entry = number == NULL ? NULL : PyTuple_Pack(2, msg, size);
+        keyed = entry == NULL ? NULL : PyDict_GetItemWithError(t->by_key, key); /* (borrowed) */
+        if (keyed == NULL && entry != NULL && !PyErr_Occurred()) {
+            keyed = fresh = PyObject_CallNoArgs(g_deque);
+        }
+        if (keyed == NULL) {
+            result = -1;
+            goto out;
+        }
+    }
+    /* from here on it is taken: first marked as seen (a copy sent again meanwhile is a duplicate), and
+     * forgotten again should anything below fail (a MemoryError: the connection is dropped, the frame
+     * comes again, and must not then pass for a duplicate); the oldest id past the window goes, as
+     * SeenIds.add does */
+    if (PyObject_SetItem(s->seen, id, Py_None) < 0) {
+        result = -1;
+        goto out;
+    }
+    ok = 1;
+    if (PyDict_GET_SIZE(s->seen) > s->window) {
+        PyObject *oldest = PyObject_CallMethodOneArg(s->seen, s_popitem, Py_False);
+        ok = oldest != NULL;
+        Py_XDECREF(oldest);
+    }
+    if (ok && waiter != NULL) { /* (none of these fail: a slot, a deque that has it, a key that is there, a held lock) */
+        PyObject *popped = NULL;
+        ok = PyObject_SetAttr(waiter, s_result, msg) == 0 && (popped = PyObject_CallMethodNoArgs(queue, s_popleft));
+        Py_XDECREF(popped);
+        if (ok && PyObject_Length(queue) == 0) {
+            PyObject *wanted = PyDict_GetItemWithError(t->waiters, key) == queue ? key : g_any;
+            ok = PyDict_DelItem(t->waiters, wanted) == 0;
+        }
+        ok = ok && unlock(done) == 0;
+    }
+    else if (ok) { /* three writes that may allocate, each undone should a later one fail; then two that do not */
+        int placed = PyObject_SetItem(t->arrivals, number, entry) == 0;
+        int keyed_here = placed && (fresh == NULL || PyDict_SetItem(t->by_key, key, fresh) == 0);
+        PyObject *appended = keyed_here ? PyObject_CallMethodOneArg(keyed, s_append, number) : NULL;
+        ok = appended != NULL;
+        if (!ok) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            if ((keyed_here && fresh != NULL && PyDict_DelItem(t->by_key, key) < 0) ||
+                (placed && PyObject_DelItem(t->arrivals, number) < 0)) {
+                PyErr_Clear();
+            }
+            PyErr_Restore(type, value, traceback);
+        }
+        else {
+            Py_SETREF(t->counter, Py_NewRef(number));
+            Py_SETREF(t->buffered_bytes, Py_NewRef(more));
+            counted(t->stats, s_buffered);
+        }
+        Py_XDECREF(appended);
+    }
+    if (ok) {
+        counted(s->stats, s_received);
+        result = 1;
+        self->taken++;
+        *taken = Py_NewRef(msg);
+    }
+    else {
+        result = -1;
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (PyObject_DelItem(s->seen, id) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(type, value, traceback);
+    }
+out:
+    Py_XDECREF(waiter);
+    Py_XDECREF(done);
+    Py_XDECREF(number);
+    Py_XDECREF(entry);
+    Py_XDECREF(fresh);
+    Py_XDECREF(more);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback); /* (release() with an error set would turn it into a SystemError) */
+    if (table_locked > 0 && unlock(t->lock) < 0) {
+        result = -1;
+    }
+    if (intake_locked > 0 && unlock(s->lock) < 0) {
+        result = -1;
+    }
+    if (type != NULL) {
+        PyErr_Restore(type, value, traceback); /* the first error is the one reported */
+    }
+    Py_DECREF(decoded);
+    return result;
+}
+
+PyDoc_STRVAR(fast_take_doc,
+"take(frame, crc)\n--\n\n"
+"Deliver a whole received frame (a memoryview handed over; crc as the stream reader gives it): its\n"
+"Message once it is in the table or with its receiver; None when it changed nothing (deliver it the\n"
+"Python way).");
+
+static PyObject *
+fast_take_method(FastDelivery *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyMemoryView_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take(frame: memoryview, crc: int | None)");
+        return NULL;
+    }
+    PyObject *taken = NULL;
+    int r = fast_take(self, args[0], args[1], &taken);
+    if (r < 0) {
+        Py_XDECREF(taken);
+        return NULL;
+    }
+    return r ? taken : Py_NewRef(Py_None);
+}
+
+static int
+fast_init(FastDelivery *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"state", "max_header_bytes", "max_payload_bytes", "max_ndim", NULL};
+    PyObject *state, *header, *payload, *ndim;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!O!O!:FastDelivery", names, &IntakeStateType, &state,
+                                     &PyLong_Type, &header, &PyLong_Type, &payload, &PyLong_Type, &ndim)) {
+        return -1;
+    }
+    PyObject *table = ((IntakeState *)state)->table;
+    if (table == NULL || !PyObject_TypeCheck(table, &TableStateType)) {
+        PyErr_SetString(PyExc_TypeError, "FastDelivery: state.table must be a TableState");
+        return -1;
+    }
+    Py_XSETREF(self->state, (IntakeState *)Py_NewRef(state));
+    Py_XSETREF(self->max_header, Py_NewRef(header));
+    Py_XSETREF(self->max_payload, Py_NewRef(payload));
+    Py_XSETREF(self->max_ndim, Py_NewRef(ndim));
+    return 0;
+}
+
+static int
+fast_traverse(FastDelivery *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->state);
+    return 0;
+}
+
+static int
+fast_clear(FastDelivery *self)
+{
+    Py_CLEAR(self->state);
+    Py_CLEAR(self->max_header);
+    Py_CLEAR(self->max_payload);
+    Py_CLEAR(self->max_ndim);
+    return 0;
+}
+
+static void
+fast_dealloc(FastDelivery *self)
+{
+    PyObject_GC_UnTrack(self);
+    fast_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+get_taken(FastDelivery *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->taken);
+}
+
+static PyMethodDef fast_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))fast_take_method, METH_FASTCALL, fast_take_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef fast_getset[] = {
+    {"taken", (getter)get_taken, NULL, "frames delivered here", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FastDeliveryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus._intake.FastDelivery",
+    .tp_basicsize = sizeof(FastDelivery),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = PyDoc_STR("FastDelivery(state, max_header_bytes, max_payload_bytes, max_ndim)\n--\n\n"
+                        "The C delivery of plain frames into an intake's table (see _intake.c)."),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)fast_init,
+    .tp_dealloc = (destructor)fast_dealloc,
+    .tp_traverse = (traverseproc)fast_traverse,
+    .tp_clear = (inquiry)fast_clear,
+    .tp_methods = fast_methods,
+    .tp_getset = fast_getset,
+};
+
+/* ---- module ------------------------------------------------------------------------------------------------ */
+
+PyDoc_STRVAR(configure_doc,
+"configure(decode_message, any, deque_type, incarnation_separators)\n--\n\n"
+"Hand over what FastDelivery takes from Python: the codec's decode_message, the arrival-order waiter\n"
+"key, collections.deque, and how many ';' a key that may name an incarnation has.");
+
+static PyObject *
+configure(PyObject *self, PyObject *args)
+{
+    PyObject *decode, *any, *deque;
+    Py_ssize_t separators;
+    if (!PyArg_ParseTuple(args, "OOO!n:configure", &decode, &any, &PyType_Type, &deque, &separators)) {
+        return NULL;
+    }
+    Py_XSETREF(g_decode, Py_NewRef(decode));
+    Py_XSETREF(g_any, Py_NewRef(any));
+    Py_XSETREF(g_deque, Py_NewRef(deque));
+    g_separators = separators;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS, configure_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_intake", "The intake's C delivery of plain frames (see _intake.c).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__intake(void)
+{
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_popleft, "popleft"},
+        {&s_append, "append"},   {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"},
+        {&s_result, "result"},   {&s_received, "received"}, {&s_buffered, "buffered"}, {&s_semicolon, ";"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return NULL;
+        }
+    }
+    if ((s_one = PyLong_FromLong(1)) == NULL || PyType_Ready(&TableStateType) < 0 ||
+        PyType_Ready(&IntakeStateType) < 0 || PyType_Ready(&FastDeliveryType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && (PyModule_AddObjectRef(m, "TableState", (PyObject *)&TableStateType) < 0 ||
+                      PyModule_AddObjectRef(m, "IntakeState", (PyObject *)&IntakeStateType) < 0 ||
+                      PyModule_AddObjectRef(m, "FastDelivery", (PyObject *)&FastDeliveryType) < 0 ||
+                      PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

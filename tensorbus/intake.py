@@ -1,0 +1,257 @@
+"""The intake: the one place where a frame that arrived becomes a delivered message.
+
+A transport reports each received frame to the consumer's `Intake` (the `Deliver` protocol of
+transports/base.py). The intake decodes or reassembles it, drops it if its id was seen (dedup), puts
+it in the rendezvous table (which fences stale incarnations), holds it back while the table is full
+(backpressure), and expires chunked messages whose chunks stopped coming. Plain frames of one ndarray
+may take the C delivery instead (`fast`, `_intake.c`), which does the same to the same state
+(intake_state.py) and leaves every other case to the Python code here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .codec import Limits, Message, MessageId, Reassembler
+from .codec.frame import Buffer
+from .dedup import SeenIds
+from .errors import Aborted, CallbackInterrupted, CodecError, TensorBusError
+from .intake_state import FAST, IntakeState
+from .rendezvous import Rendezvous
+from .transports import Delivered
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    """Turns received frames into messages in `table`: dedup, reassembly, admission, holds, expiry."""
+
+    def __init__(
+        self,
+        *,
+        limits: Limits,
+        max_buffered_bytes: int,
+        max_reassembly_bytes: int,
+        reassembly_timeout_s: float,
+        dedup_window: int,
+        dedup_file: str | Path | None,
+        signing_key: bytes | None,
+        like: str,
+        name: str,
+    ) -> None:
+        self._name = name  # for logs: the consumer's URL without secrets
+        self.table = Rendezvous(max_buffered_bytes=max_buffered_bytes)
+        self.reassembler = Reassembler(
+            max_bytes=max_reassembly_bytes,
+            timeout_s=reassembly_timeout_s,
+            limits=limits,
+            signing_key=signing_key,
+            like=like,
+        )
+        state = self.state = IntakeState()
+        state.lock = self._lock = threading.Lock()
+        state.seen = collections.OrderedDict()
+        state.window = dedup_window
+        state.reassembling = False
+        state.interrupted = None
+        state.stats = self.stats = collections.Counter[str]()
+        state.table = self.table
+        self._seen = SeenIds(dedup_window, dedup_file, ids=state.seen)
+        if dedup_file is not None:  # recorded when the application takes a tensor, not on arrival
+            self.table.on_delivered_to_application = self._record_delivered
+        self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
+        #: the C delivery of plain frames (`fast(frame, crc)`: the Message it delivered, or None to
+        #: deliver the frame with `__call__`), for transports that read frames in C; None where it cannot serve
+        self.fast: Callable[[memoryview, int | None], Message | None] | None = None
+        self.fast_delivery: Any = None  # (`_intake.FastDelivery`: its `taken` counts the frames it delivered)
+        if FAST is not None and limits.native and like == "numpy" and signing_key is None:
+            self.fast_delivery = FAST.FastDelivery(
+                state, limits.max_header_bytes, limits.max_payload_bytes, limits.max_ndim
+            )
+            self.fast = self.fast_delivery.take
+        self._stopping = threading.Event()
+        self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
+
+    def start(self) -> None:
+        """Start expiring partly received tensors (once the transport delivers here)."""
+        self._expiry.start()
+
+    # -- what transports call (transports.base.Deliver) -------------------------------------------
+
+    def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+        """One received frame; never raises. See `Deliver` for `may_hold`."""
+        message: Message | None
+        state = self.state
+        with self._lock:
+            try:
+                interrupted = state.interrupted
+                if interrupted is not None and interrupted[0] is frame:  # the same frame again: decoded already
+                    message, state.interrupted = interrupted[1], None  # (kept until then: others may come first)
+                else:
+                    message = self._feed(frame, crc)
+            except CodecError as exc:
+                self.stats["rejected"] += 1
+                log.error("%s: dropped a bad frame: %s", self._name, exc)
+                return Delivered(None, True, refused=str(exc))
+            except MemoryError:
+                raise  # not the frame's fault: the transport drops the connection and the frame comes again
+            except Exception:  # a decoder bug must cost this one frame, not the connection or a recv
+                self.stats["rejected"] += 1
+                log.exception("%s: dropped a frame the decoder failed on", self._name)
+                return Delivered(None, True, refused="the consumer's decoder failed on it (see its log)")
+            message_id = self.reassembler.last_message_id if message is None else message.message_id
+            if self.table.aborted is not None:
+                # every frame, before dedup: a broker may hand a turned-away tensor to this consumer
+                # again (kafka:// after a rebalance), and it must not then pass for one already taken
+                return Delivered(message_id, False, turned_away=True)
+            if message is None:
+                self.stats["chunks"] += 1
+                return Delivered(message_id, not self.reassembler.is_pending(message_id))
+            if self._is_duplicate(message_id):
+                return Delivered(message_id, True)
+            full = self._full()
+            if may_hold and full and not self.table.has_room_for(message.key):
+                self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
+                return Delivered(message_id, False, held=message)
+            if message_id is not None:
+                self._seen.add(message_id)
+        try:
+            if full and not may_hold and not self.table.has_room_for(message.key):
+                self._wait_for_room(message.key)
+            return self._admit(message)
+        except CallbackInterrupted:  # in a recv_async callback, which had the message: it was delivered
+            raise
+        except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport offers the frame again
+            self._forget(message_id)
+            state.interrupted = (frame, message)  # (the reassembler is done with a chunked one: keep what it made)
+            raise
+
+    def release(self, message: Message) -> Delivered | None:
+        """A held message offered again: taken (or turned away, or a duplicate) once it fits; else None."""
+        if not self.table.has_room_for(message.key):
+            return None
+        message_id = message.message_id
+        with self._lock:
+            if self._is_duplicate(message_id):
+                self._unhold()
+                return Delivered(message_id, True)
+            if message_id is not None:
+                self._seen.add(message_id)
+        try:
+            result = self._admit(message)
+        except CallbackInterrupted:  # in a recv_async callback, which had the message: taken
+            with self._lock:
+                self._unhold()
+            raise
+        except BaseException:  # still held: offered again later
+            self._forget(message_id)
+            raise
+        with self._lock:
+            self._unhold()
+        return result
+
+    def is_pending(self, message_id: MessageId | None) -> bool:
+        """True while the message still waits for chunks."""
+        return self.reassembler.is_pending(message_id)
+
+    def none_dropped(self) -> bool:
+        """False once an abort or close dropped delivered tensors nobody received."""
+        return self.table.dropped == 0
+
+    # -- the steps ------------------------------------------------------------------------------------
+
+    def _feed(self, data: Buffer, crc: int | None) -> Message | None:
+        """The reassembler's answer for a frame (caller holds `_lock`); keeps `state.reassembling` true to it."""
+        reassembler, state = self.reassembler, self.state
+        try:
+            message = reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
+        except BaseException:
+            state.reassembling = reassembler.pending > 0  # (a chunked message may have been given up on)
+            raise
+        if message is None or state.reassembling:  # a chunk, or what may have completed a chunked message
+            state.reassembling = reassembler.pending > 0
+        return message
+
+    def _full(self) -> bool:
+        """The table is at its limit (read without its lock: a quick look before asking properly)."""
+        return self.table.buffered_bytes >= self.table.max_buffered_bytes
+
+    def _is_duplicate(self, message_id: MessageId | None) -> bool:
+        """Whether this message was seen already (then counted); caller holds `_lock`."""
+        if message_id is not None and message_id in self._seen:
+            self.stats["duplicates"] += 1
+            return True
+        return False
+
+    def _forget(self, message_id: MessageId | None) -> None:
+        """A message marked as seen did not reach the table after all: a copy sent again is not a duplicate."""
+        if message_id is not None:
+            with self._lock:
+                self._seen.discard(message_id)
+
+    def _record_delivered(self, message: Message) -> None:
+        """Record a message the application now has in the dedup file: a successor drops its resends."""
+        if message.message_id is not None:
+            with self._lock:
+                self._seen.persist(message.message_id)
+
+    def _admit(self, message: Message) -> Delivered:
+        """Put a decoded message (already marked as seen) in the table."""
+        message_id = message.message_id
+        try:
+            self.table.put(message)
+        except CallbackInterrupted:  # in a recv_async callback, which had it: received all the same
+            self.stats["received"] += 1
+            raise
+        except Aborted:
+            return Delivered(message_id, False, turned_away=True)
+        except TensorBusError as exc:
+            self.stats["refused"] += 1
+            log.error("%s: refused message %s: %s", self._name, message_id, exc)
+            return Delivered(message_id, True, refused=str(exc))
+        self.stats["received"] += 1
+        return Delivered(message_id, True)
+
+    def _wait_for_room(self, key: str | None) -> None:
+        """Backpressure: hold this delivery (so the transport reads no more) until the table has room
+        or someone waits for `key`."""
+        with self._lock:
+            self._hold()
+        try:
+            self.table.wait_for_room(key=key)
+        finally:
+            with self._lock:
+                self._unhold()
+
+    def _hold(self) -> None:
+        """A delivery is held up (caller holds `_lock`). Partly received tensors do not age meanwhile:
+        their chunks are not late, this consumer just is not reading them, and expiring them would
+        drop tensors the broker delivered whole."""
+        if not self._held_up:
+            self.reassembler.pause()
+        self._held_up += 1
+
+    def _unhold(self) -> None:
+        """A held-up delivery went through (caller holds `_lock`)."""
+        self._held_up -= 1
+        if not self._held_up:
+            self.reassembler.resume()
+
+    def _expire_loop(self) -> None:
+        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""
+        interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0))
+        while not self._stopping.wait(interval):
+            with self._lock:
+                self.reassembler.expire()  # (nothing while a delivery is held up: see `_hold`)
+                self.state.reassembling = self.reassembler.pending > 0
+
+    def close(self) -> None:
+        """Stop expiring and close the dedup file (after the transport stopped delivering)."""
+        self._stopping.set()
+        with self._lock:
+            self._seen.close()

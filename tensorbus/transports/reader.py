@@ -1,0 +1,247 @@
+"""A stream connection's frame reader: the C one (`_stream.StreamReader`) or its Python twin, chosen here.
+
+Both turn bytes off a non-blocking stream socket into events, with one interface:
+
+- `read()`: the next event: `(frame, crc)` for a whole frame (a memoryview handed over to the caller;
+  `crc` its CRC32C when computed while receiving, else None); `ACK_REQUEST`; `CHECK_PREFIX` (`prefix`
+  is over the limits or not a frame: `skip(n)` it, or drop the connection); `SKIPPED` (a skipped
+  frame's bytes are all gone); `END` (`mid_frame` says where); None when no more bytes are there yet.
+- `fill()`: whether `read()` has anything to look at, found out with one system call that reads ahead
+  between frames (a waiting reader's busy-poll, in place of a poll).
+- `skip(n)`, and `prefix`, `buffered`, `mid_frame`, `crc_after`, `inbox_held`, `last_total`.
+
+It reads ahead (one system call for several small frames), sizes each frame from its prefix, receives
+it into one buffer (large frames straight into place, checksummed slice by slice), and moves a CRC sent
+after the frame (stream.TRAILING_CRC) into place. `stream_reader` gives a connection the C reader when the
+extension is built and the connection is a plain socket, else the Python one (TLS connections always).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from ..buffers import POOLED_FROM
+from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Limits, frame_length
+from ..codec.native import crc32c
+from ..errors import CodecError
+from .stream import ACK_REQUEST_MARKER, CRC_TRAILER, NATIVE_STREAM, TRAILING_CRC
+
+#: the C reader's module; None when it is not built, is stale, or TENSORBUS_NATIVE=0
+READER: Any = NATIVE_STREAM
+
+#: what `read` returns besides a frame (a tuple) and None (no more bytes for now); the C reader's values
+ACK_REQUEST, SKIPPED, CHECK_PREFIX, END = 1, 2, 3, 4
+#: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
+CHECKSUM_WHILE_RECEIVING = 4 << 20
+#: large frames are received (and checksummed, while still in cache) at most this many bytes at a time
+CRC_SLICE = 1 << 20
+#: bytes the Python reader reads at once while waiting for a prefix (so a small frame costs one system call)
+READ_AHEAD = 256 << 10
+#: drained read-ahead buffers kept for the next connection that needs one
+SPARE_INBOXES = 4
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+_spare_inboxes: list[memoryview] = []
+
+
+class PyStreamReader:
+    """The Python reader, for TLS connections and where `_stream.c` is not built (see the module docstring)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        max_header_bytes: int,
+        max_payload_bytes: int,
+        take_buffer: Callable[[int], memoryview],
+        crc32c: Callable[..., int],
+        pooled_from: int,
+        checksum_from: int,
+        crc_slice: int,
+        recv_lowat: int = 0,
+    ) -> None:
+        """As the C reader's; `recv_lowat` is not used (the Python reader wakes per packet)."""
+        self._sock = sock
+        self._tls = sock if isinstance(sock, ssl.SSLSocket) else None  # (its decrypted bytes count as buffered)
+        self._limits = Limits(max_header_bytes=max_header_bytes, max_payload_bytes=max_payload_bytes)
+        self._take_buffer, self._crc32c = take_buffer, crc32c
+        self._pooled_from, self._checksum_from, self._crc_slice = pooled_from, checksum_from, crc_slice
+        self._prefix = memoryview(bytearray(PREFIX.size))
+        self._prefix_got = 0
+        self._frame: memoryview | None = None
+        self._got = self._total = self._crc_end = 0
+        self._crc: int | None = None
+        self.crc_after = False
+        self._skip_left = 0
+        self._inbox: memoryview | None = None
+        self._lo = self._hi = 0
+        self.last_total = 0
+        self._broken = False  # no buffer for the frame a prefix began: the stream cannot go on
+
+    @property
+    def prefix(self) -> bytes:
+        """The last prefix read (its TRAILING_CRC bit cleared)."""
+        return bytes(self._prefix)
+
+    @property
+    def buffered(self) -> int:
+        """Bytes read ahead (or decrypted) and not yet taken."""
+        return self._hi - self._lo + (self._tls.pending() if self._tls is not None else 0)
+
+    @property
+    def mid_frame(self) -> bool:
+        """Whether part of a frame has been read."""
+        return self._frame is not None or self._skip_left > 0 or self._prefix_got > 0
+
+    @property
+    def inbox_held(self) -> bool:
+        """Whether it holds a read-ahead buffer now."""
+        return self._inbox is not None
+
+    def read(self) -> Any:
+        """The next event of the stream (see the module docstring)."""
+        if self._broken:
+            raise RuntimeError("StreamReader failed earlier: drop its connection")
+        try:
+            return self._next()
+        except _WOULD_BLOCK:
+            return None
+        finally:
+            self._give_back_inbox()
+
+    def fill(self) -> bool:
+        """Whether `read` has anything to look at (bytes, the stream's end, an error)."""
+        if self.buffered:
+            return True
+        try:
+            if self.mid_frame:  # part way: `read` reads into place, so only look
+                if self._tls is not None:
+                    return False  # (no peeking into TLS: the poller says when records come)
+                self._sock.recv(1, socket.MSG_PEEK)
+            else:
+                self._take(None, 0)  # reads ahead, takes nothing
+        except _WOULD_BLOCK:
+            return False
+        except OSError:
+            return True  # `read` meets the error and reports it
+        finally:
+            self._give_back_inbox()
+        return True
+
+    def skip(self, n: int) -> None:
+        """Discard the next n bytes (the rest of a frame over the limits), then report SKIPPED."""
+        if n < 0:
+            raise ValueError("skip: a negative count")
+        self._skip_left = n
+        if not n:
+            self._prefix_got = 0
+
+    def _next(self) -> Any:
+        while self._skip_left:
+            n = self._take(None, min(self._skip_left, READ_AHEAD))
+            if not n:
+                return END
+            self._skip_left -= n
+            if not self._skip_left:
+                self._prefix_got, self.last_total = 0, PREFIX.size
+                return SKIPPED
+        prefix = self._prefix
+        while self._frame is None:
+            n = self._take(prefix[self._prefix_got :], PREFIX.size - self._prefix_got)
+            if not n:
+                return END
+            self._prefix_got += n
+            if self._prefix_got < PREFIX.size:
+                continue
+            if prefix == ACK_REQUEST_MARKER:
+                self._prefix_got = 0
+                return ACK_REQUEST
+            self.crc_after = bool(prefix[5] & TRAILING_CRC)
+            prefix[5] &= ~TRAILING_CRC  # the frame as it was sealed (and checksummed)
+            try:
+                total = frame_length(prefix, self._limits)
+            except CodecError:
+                return CHECK_PREFIX
+            self._start_frame(total)
+        frame = self._frame
+        while self._got < self._total:
+            end = min(self._got + self._crc_slice, self._total) if self._crc is not None else self._total
+            n = self._take(frame[self._got : end], end - self._got, straight=True)
+            if not n:
+                return END
+            if self._crc is not None and self._got < self._crc_end:
+                self._crc = self._crc32c(frame[self._got : min(self._got + n, self._crc_end)], self._crc)
+            self._got += n
+        if self.crc_after:  # its CRC came after it: put it where `encode` puts it
+            end = self._total - CRC_TRAILER.size
+            frame[CRC_AT : PREFIX.size] = frame[end:]
+            frame = frame[:end]
+        crc, self._frame, self._prefix_got, self.last_total = self._crc, None, 0, self._total
+        return frame, crc
+
+    def _start_frame(self, total: int) -> None:
+        """Get the buffer of a frame of `total` bytes (its prefix checked) and start receiving into it."""
+        prefix = self._prefix
+        whole = total + (CRC_TRAILER.size if self.crc_after else 0)
+        try:
+            frame = self._take_buffer(whole)  # (the pool's own buffers below `pooled_from` are fresh ones)
+        except BaseException:
+            self._broken = True
+            raise
+        frame[: PREFIX.size] = prefix
+        self._frame, self._got, self._total, self._crc = frame, PREFIX.size, whole, None
+        if total >= self._checksum_from and prefix[5] & FLAG_CHECKSUM:
+            self._crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
+            self._crc = self._crc32c(prefix[:CRC_AT])
+
+    def _take(self, into: memoryview | None, want: int, straight: bool = False) -> int:
+        """Up to `want` bytes into `into` (None: dropped) from what was read ahead, reading ahead again
+        (one system call) when that is empty, unless this is a frame's body or a large read, which go
+        straight into place; 0 at the stream's end."""
+        inbox = self._inbox
+        if self._lo == self._hi:
+            if into is not None and (straight or want >= READ_AHEAD):
+                return self._recv(into[:want])
+            if inbox is None:
+                inbox = self._inbox = _spare_inboxes.pop() if _spare_inboxes else memoryview(bytearray(READ_AHEAD))
+            n = self._recv(inbox)
+            if not n:
+                return 0
+            self._lo, self._hi = 0, n
+        assert inbox is not None
+        n = min(want, self._hi - self._lo)
+        if into is not None:
+            into[:n] = inbox[self._lo : self._lo + n]
+        self._lo += n
+        return n
+
+    def _recv(self, view: memoryview) -> int:
+        return self._sock.recv_into(view, len(view))
+
+    def _give_back_inbox(self) -> None:
+        """A drained read-ahead buffer goes back: an idle connection holds none."""
+        if self._inbox is not None and self._lo == self._hi:
+            if len(_spare_inboxes) < SPARE_INBOXES:
+                _spare_inboxes.append(self._inbox)
+            self._inbox, self._lo, self._hi = None, 0, 0
+
+
+def stream_reader(
+    conn: socket.socket, limits: Limits, take_buffer: Callable[[int], memoryview], recv_lowat: int
+) -> Any:
+    """The reader of one connection: the C one for a plain socket where it is built and the limits fit
+    it, else the Python one (TLS connections always)."""
+    use_c = READER is not None and not isinstance(conn, ssl.SSLSocket) and limits.native
+    make = READER.StreamReader if use_c else PyStreamReader
+    return make(
+        conn,
+        limits.max_header_bytes,
+        limits.max_payload_bytes,
+        take_buffer,
+        crc32c,
+        POOLED_FROM,
+        CHECKSUM_WHILE_RECEIVING,
+        CRC_SLICE,
+        recv_lowat=recv_lowat,
+    )
