@@ -89,8 +89,9 @@ kafka_cluster_up() {
   [[ ${TENSORBUS_KEEP_DATA:-0} == 1 ]] || rm -rf "$KCLUSTER"/kafka[123]
   kafka_install
   trap kafka_cluster_down EXIT   # a broker that failed to start takes the others down with it
-  for n in 1 2 3; do kcluster_render "$n" & done   # formatting is a JVM start each: side by side
-  for n in 1 2 3; do wait -n || exit 1; done
+  local formats=()
+  for n in 1 2 3; do kcluster_render "$n" & formats+=($!); done   # formatting is a JVM start each: side by side
+  for n in "${formats[@]}"; do wait "$n" || exit 1; done   # each by its PID: `wait -n` may answer for another job
   for n in 1 2 3; do from[n]=$(kcluster_log_lines "$n"); kcluster_launch "$n"; done
   for n in 1 2 3; do kcluster_await_started "$n" "${from[n]}"; done
   kcluster_ready "$KCLUSTER/ready.log" --brokers 3 --topic "$KCLUSTER_READY_TOPIC" \
