@@ -17,15 +17,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing
+import os
 import queue
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import crc32c
 import numpy as np
 
+#: the launcher whose `restart`, `cluster kill|start|leader` act on the brokers under test
+#: (scripts/compose-brokers.sh for Docker Compose's)
+BROKERS_SH = os.environ.get("TENSORBUS_BROKERS_SH", str(Path(__file__).resolve().parents[1] / "scripts" / "brokers.sh"))
 END_KEY = "node-loss-end"
 KEY = "node-loss"
 SMALL_BYTES, BIG_BYTES = 4 << 10, 4 << 20
@@ -65,6 +71,14 @@ class NodeLossResult:
             and self.producer_error is None
             and self.consumer_error is None
         )
+
+
+def cluster(*args: str) -> str:
+    """Run `brokers.sh cluster ARGS...` (kill NODE, start NODE, leader QUEUE), failing the test if it fails;
+    its output. `start` returns once the node is back in its cluster."""
+    done = subprocess.run(["bash", BROKERS_SH, "cluster", *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"brokers.sh cluster {' '.join(args)} failed:\n{done.stderr}"
+    return done.stdout.strip()
 
 
 def sizes(count: int, large_count: int, large_bytes: int, seed: int = 0) -> list[int]:

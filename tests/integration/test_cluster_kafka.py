@@ -9,18 +9,17 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import subprocess
 import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tensorbus as tb
 from tensorbus.transports.kafka import KafkaAdminClient, ke
+from tests import node_loss
 from tests.conftest import IN_CI, reachable
 from tests.node_loss import Fault, NodeLossResult, run, table
 
@@ -30,7 +29,6 @@ CLUSTER_URL = os.environ.get(
 SERVERS = urllib.parse.urlsplit(CLUSTER_URL).netloc.split(",")
 #: broker id -> host:port, as `brokers.sh cluster up` numbers them (node ids 1, 2, 3 in URL order)
 BROKERS = {i + 1: server for i, server in enumerate(SERVERS)}
-BROKERS_SH = Path(__file__).resolve().parents[2] / "scripts" / "brokers.sh"
 #: the cluster's __consumer_offsets partitions (scripts/kafka/cluster.properties: offsets.topic.num.partitions)
 OFFSETS_PARTITIONS = 10
 
@@ -50,10 +48,7 @@ def require_cluster() -> None:
 
 def cluster(verb: str, broker: int) -> None:
     """`brokers.sh cluster kill|start kafkaN`: kill is SIGKILL; start returns once the broker is back in sync."""
-    done = subprocess.run(
-        ["bash", str(BROKERS_SH), "cluster", verb, f"kafka{broker}"], capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, f"cluster {verb} kafka{broker} failed:\n{done.stderr}"
+    node_loss.cluster(verb, f"kafka{broker}")
 
 
 def admin() -> KafkaAdminClient:
