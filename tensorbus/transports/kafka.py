@@ -399,6 +399,12 @@ class KafkaTransport(Transport):
         o, timeout = self.options, self.options.connect_timeout_s
         brokers = len(admin.describe_cluster()["brokers"])
         replicas = o.replication_factor or min(3, brokers)
+        if not o.replication_factor and brokers < min(3, len(self.servers)):  # a topic's replicas are for good
+            log.warning(
+                "creating %s with %d replica(s): only %d of the %d brokers in the URL are live "
+                "(set replication_factor to wait for them instead)",
+                self._shown, replicas, brokers, len(self.servers),
+            )  # fmt: skip
         min_insync = o.min_insync_replicas or (2 if replicas >= 3 else None)
         if replicas > brokers:
             raise _Fatal(
