@@ -457,7 +457,12 @@ class SocketTransport(Transport):
             acked = self._acked
             try:
                 if self._sock is None:
-                    self._sock = self._connect(deadline)
+                    try:
+                        self._sock = self._connect(deadline)
+                    except TransportError as exc:  # the wait's time ran out while reconnecting: say what waited
+                        if deadline is None or time.monotonic() < deadline:
+                            raise
+                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
                 if not self._ack_requested:
                     self._sock.sendall(ACK_REQUEST_MARKER)
                     self._ack_requested = True
