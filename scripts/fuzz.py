@@ -6,6 +6,11 @@ parsers), and a share of them is sent over real sockets to a live consumer besid
 producer whose tensors must all arrive. Anything other than a tensorbus CodecError is a crash; a
 single case over 2 s is a hang. Prints a report with peak RSS.
 
+Two attacks follow: a captured stream of signed frames replayed (to the consumer restarted, to
+another endpoint with the same key, and mutated), every one of which must be refused; and the held
+bomb: connections each sending one small zstd frame that expands to `--bomb-mib` MiB while the
+consumer's table is full, whose peak RSS is reported against `max_buffered_bytes`.
+
     python scripts/fuzz.py --cases 1000000            # the full run (about 2-4 minutes here)
     python scripts/fuzz.py --cases 20000 --live 2000  # a quick slice
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import random
 import resource
 import socket
@@ -28,6 +34,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tensorbus as tb
 from tensorbus.transports.stream import HELLO, proof
+
+SIGNING_KEY = b"fuzz-key"
 
 
 def seeds() -> list[bytes]:
@@ -79,11 +87,109 @@ def raw_connection(address: str) -> socket.socket:
     return sock
 
 
+def replay(rng: random.Random, count: int) -> dict[str, int]:
+    """Signed frames captured on their way to a consumer, replayed to it restarted and to another
+    endpoint, as they were and mutated: how many were delivered (must be none) and refused (at least
+    all those replayed as they were)."""
+    captured: list[bytes] = []
+    with tb.Consumer("tcp://127.0.0.1:0", signing_key=SIGNING_KEY) as first:
+        address = first.address
+        with tb.Producer(address, signing_key=SIGNING_KEY) as producer:
+            send = producer.transport.send
+
+            def tap(frame: list, *, key: str | None) -> None:
+                send(frame, key=key)
+                captured.append(b"".join(bytes(memoryview(b).cast("B")) for b in frame))
+
+            producer.transport.send = tap  # type: ignore[method-assign]
+            for i in range(count):
+                producer.send(f"r{i}", np.full(8, i))
+            producer.flush(30)
+    result = {"replayed": 0, "delivered": 0, "refused": 0}
+    with (
+        tb.Consumer(address, signing_key=SIGNING_KEY) as restarted,
+        tb.Consumer("tcp://127.0.0.1:0", signing_key=SIGNING_KEY) as other,
+    ):
+        for target in (restarted, other):
+            attacker = raw_connection(target.address)  # as captured: each one refused, the connection kept
+            attacker.sendall(b"".join(captured))
+            result["replayed"] += len(captured)
+            for frame in captured:  # mutated: refused, or the connection dropped for garbage
+                try:
+                    attacker.sendall(mutate(rng, frame, captured))
+                except OSError:
+                    attacker.close()
+                    attacker = raw_connection(target.address)
+                result["replayed"] += 1
+            attacker.close()
+        with tb.Producer(address, signing_key=SIGNING_KEY) as honest:  # (after the replays, on their heels)
+            honest.send("honest", np.ones(1))
+            honest.flush(30)
+        restarted.recv("honest", timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and min(t.stats["rejected"] for t in (restarted, other)) < count:
+            time.sleep(0.05)  # (the replays as captured come first on their connections: all refused by then)
+        for target in (restarted, other):
+            result["delivered"] += target.stats["received"] - (target is restarted)
+            result["refused"] += target.stats["rejected"]
+    return result
+
+
+def _bomb_consumer(max_buffered: int, addresses: multiprocessing.Queue, stop: multiprocessing.Event) -> None:
+    logging.disable(logging.CRITICAL)
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=max_buffered) as consumer:
+        addresses.put(consumer.address)
+        stop.wait(120)
+
+
+def _peak_rss_mib(pid: int) -> float:
+    """A process's peak resident memory (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def held_bomb(connections: int, bomb_mib: int, max_buffered_mib: int) -> dict[str, float]:
+    """`connections` peers each sending one zstd frame that expands to `bomb_mib` MiB to a consumer
+    whose table (`max_buffered_mib`) an unclaimed tensor fills: the consumer's peak RSS, MiB."""
+    spawn = multiprocessing.get_context("spawn")
+    addresses, stop = spawn.Queue(), spawn.Event()
+    child = spawn.Process(target=_bomb_consumer, args=(max_buffered_mib << 20, addresses, stop), daemon=True)
+    child.start()
+    try:
+        address = addresses.get(timeout=60)
+        baseline = _peak_rss_mib(child.pid)  # type: ignore[arg-type]
+        with tb.Producer(address) as filler:
+            filler.send("filler", np.ones(max_buffered_mib << 20, np.uint8))
+            filler.flush(30)
+        bomb = np.zeros(bomb_mib << 20, np.uint8)
+        frames = [
+            tb.dumps(bomb, key=f"bomb{i}", compression="zstd", message_id=("bomb", i)) for i in range(connections)
+        ]
+        peers = [raw_connection(address) for _ in range(connections)]
+        for peer, frame in zip(peers, frames, strict=True):
+            peer.sendall(frame)
+        time.sleep(2.0)
+        peak = _peak_rss_mib(child.pid)  # type: ignore[arg-type]
+        for peer in peers:
+            peer.close()
+        wire_kib = sum(len(f) for f in frames) / 1024
+        return {"wire_kib": round(wire_kib), "baseline_mib": round(baseline), "peak_mib": round(peak)}
+    finally:
+        stop.set()
+        child.join(30)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=1_000_000)
     parser.add_argument("--live", type=int, default=20_000, help="mutated frames sent to a live tcp:// consumer")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--replays", type=int, default=200, help="signed frames captured, then replayed")
+    parser.add_argument("--bombs", type=int, default=8, help="held-bomb connections (0: skip that attack)")
+    parser.add_argument("--bomb-mib", type=int, default=64, help="what each held bomb expands to")
+    parser.add_argument("--max-buffered-mib", type=int, default=64, help="the held-bomb consumer's table")
     args = parser.parse_args()
     logging.disable(logging.CRITICAL)  # every rejected frame logs an error; the report counts them
     rng = random.Random(args.seed)
@@ -132,13 +238,22 @@ def main() -> int:
                 live["honest_received"] += 1
         honest.close()
         attacker.close()
+    replays = replay(rng, args.replays)
+    bombs = held_bomb(args.bombs, args.bomb_mib, args.max_buffered_mib) if args.bombs else None
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"offline: {args.cases:,} mutated frames x (decode, reassembler) in {offline_s:.0f}s: {counts}")
     print(f"live tcp:// consumer: {live}")
+    print(f"replayed signed frames (restarted consumer, other endpoint; as captured and mutated): {replays}")
+    if bombs is not None:
+        print(
+            f"held bomb: {args.bombs} connections x one zstd frame of {args.bomb_mib} MiB, "
+            f"max_buffered_bytes={args.max_buffered_mib} MiB full: {bombs}"
+        )
     print(
         f"peak RSS {peak_mb:.0f} MB; reassembler held {reassembler.held_bytes} bytes, stats {dict(reassembler.stats)}"
     )
     ok = counts["crashes"] == 0 and counts["hangs"] == 0 and live["honest_received"] == live["honest_sent"]
+    ok = ok and replays["delivered"] == 0 and replays["refused"] >= 2 * args.replays
     return 0 if ok else 1
 
 

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from .codec import Limits, Message, MessageId
 from .codec.compression import check_codec
+from .codec.signing import frame_key
 from .codec.torch_bridge import check_like
 from .errors import Aborted, Closed, ConfigError
 from .intake import Intake
@@ -59,6 +60,8 @@ class ConsumerOptions:
     max_payload_bytes: int = Limits.max_payload_bytes
     max_decompressed_bytes: int = Limits.max_decompressed_bytes
     max_ndim: int = Limits.max_ndim
+    max_frame_age_s: float | None = 300.0  # signed frames older (or further ahead) than this are refused
+    unclaimed_timeout_s: float | None = None  # tensors nobody received within this are dropped (logged, counted)
     max_tree_depth: int = Limits.max_tree_depth
     max_tree_entries: int = Limits.max_tree_entries
     dedup_window: int = 100_000
@@ -174,11 +177,14 @@ class Consumer:
         self.url = url
         self._shown = redact(url)  # for logs: no password, no secrets from the query
         self.transport, opts = _open(url, ConsumerOptions, options, "Consumer")
+        signing_key = _key_bytes(opts.signing_key)
+        identity = self.transport.signing_identity(consumer=True) if signing_key is not None else ("", b"")
         limits = Limits(
             max_header_bytes=opts.max_header_bytes,
             max_payload_bytes=opts.max_payload_bytes,
             max_decompressed_bytes=opts.max_decompressed_bytes,
             max_ndim=opts.max_ndim,
+            max_frame_age_s=opts.max_frame_age_s,
             max_tree_depth=opts.max_tree_depth,
             max_tree_entries=opts.max_tree_entries,
         )
@@ -190,7 +196,10 @@ class Consumer:
             reassembly_timeout_s=opts.reassembly_timeout_s,
             dedup_window=opts.dedup_window,
             dedup_file=opts.dedup_file,
-            signing_key=_key_bytes(opts.signing_key),
+            signing_key=None if signing_key is None else frame_key(signing_key, *identity),
+            whole_signing_key=signing_key,  # (a chunked message's own MAC: see `encode_chunks`)
+            unclaimed_timeout_s=opts.unclaimed_timeout_s,
+            sender=self.transport.sender,
             like=check_like(opts.like),
             name=self._shown,
         )
@@ -198,6 +207,8 @@ class Consumer:
         self.stats = self.intake.stats
         self._closed = False
         self.transport.listen(self.intake, limits)
+        self._shown = redact(self.transport.address)  # (with the port a listener bound)
+        self.intake.name = self._shown
         self.intake.start()
         if self.transport.reads_while_waiting:
             self.table.read_while_waiting = self.transport.read_while_waiting  # a waiting recv reads for itself

@@ -22,6 +22,7 @@ from .codec.frame import Buffer
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, CodecError, TensorBusError
 from .intake_state import FAST, IntakeState
+from .logs import LogLimiter
 from .rendezvous import Rendezvous
 from .transports import Delivered
 
@@ -43,8 +44,15 @@ class Intake:
         signing_key: bytes | None,
         like: str,
         name: str,
+        whole_signing_key: bytes | None = None,
+        unclaimed_timeout_s: float | None = None,
+        sender: Callable[[], str | None] = lambda: None,
     ) -> None:
-        self._name = name  # for logs: the consumer's URL without secrets
+        #: bad frames are logged a few per sender and window, the rest counted in a summary line
+        self._rejections = LogLimiter(log, "frames rejected")
+        self.name = name  # for logs: the consumer's URL without secrets
+        self._sender = sender  # who sent the frame being delivered, where the transport knows
+        self._unclaimed_timeout_s = unclaimed_timeout_s
         self.table = Rendezvous(max_buffered_bytes=max_buffered_bytes)
         self.reassembler = Reassembler(
             max_bytes=max_reassembly_bytes,
@@ -52,6 +60,7 @@ class Intake:
             limits=limits,
             signing_key=signing_key,
             like=like,
+            whole_signing_key=whole_signing_key,
         )
         state = self.state = IntakeState()
         state.lock = self._lock = threading.Lock()
@@ -77,6 +86,16 @@ class Intake:
         self._stopping = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
 
+    @property
+    def name(self) -> str:
+        """The consumer's URL without secrets (with the port a listener bound, once it did), for logs."""
+        return self._name
+
+    @name.setter
+    def name(self, name: str) -> None:
+        self._name = name
+        self._rejections.what = f"frames rejected by {name}"
+
     def start(self) -> None:
         """Start expiring partly received tensors (once the transport delivers here)."""
         self._expiry.start()
@@ -96,7 +115,7 @@ class Intake:
                     message = self._feed(frame, crc)
             except CodecError as exc:
                 self.stats["rejected"] += 1
-                log.error("%s: dropped a bad frame: %s", self._name, exc)
+                self._log_rejection("dropped a bad frame", exc)
                 return Delivered(None, True, refused=str(exc))
             except MemoryError:
                 raise  # not the frame's fault: the transport drops the connection and the frame comes again
@@ -212,7 +231,7 @@ class Intake:
             return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:
             self.stats["refused"] += 1
-            log.error("%s: refused message %s: %s", self._name, message_id, exc)
+            self._log_rejection(f"refused message {message_id}", exc)
             return Delivered(message_id, True, refused=str(exc))
         self.stats["received"] += 1
         return Delivered(message_id, True)
@@ -242,16 +261,40 @@ class Intake:
         if not self._held_up:
             self.reassembler.resume()
 
+    def _log_rejection(self, what: str, exc: Exception) -> None:
+        """Log a frame refused, naming its sender where the transport knows it; rate-limited per sender."""
+        sender = self._sender()
+        where = f" from {sender}" if sender else ""
+        self._rejections.error("%s: %s%s: %s", self._name, what, where, exc, source=sender or "")
+
     def _expire_loop(self) -> None:
-        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives."""
-        interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0))
+        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives,
+        and (with `unclaimed_timeout_s`) received ones nobody takes."""
+        unclaimed_s = self._unclaimed_timeout_s
+        interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0, unclaimed_s / 4 if unclaimed_s else 5.0))
         while not self._stopping.wait(interval):
             with self._lock:
                 self.reassembler.expire()  # (nothing while a delivery is held up: see `_hold`)
                 self.state.reassembling = self.reassembler.pending > 0
+            self._rejections.flush()
+            if unclaimed_s is not None:
+                self._drop_unclaimed(unclaimed_s)
+
+    def _drop_unclaimed(self, timeout_s: float) -> None:
+        """Drop the tensors nobody received within `timeout_s` of their arrival (logged and counted)."""
+        dropped = self.table.drop_unclaimed(timeout_s)
+        if dropped:
+            self.stats["unclaimed"] += len(dropped)
+            keys = sorted({str(message.key) for message in dropped})
+            shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            log.warning(
+                "%s: dropped %d tensors nobody received within unclaimed_timeout_s=%g (keys %s)",
+                self._name, len(dropped), timeout_s, shown,
+            )  # fmt: skip
 
     def close(self) -> None:
         """Stop expiring and close the dedup file (after the transport stopped delivering)."""
         self._stopping.set()
+        self._rejections.flush(final=True)
         with self._lock:
             self._seen.close()

@@ -7,6 +7,9 @@ from typing import NamedTuple, TypeGuard
 
 from .errors import ConfigError, brief
 
+#: the longest key a frame may carry (docs/FORMAT.md): senders refuse longer ones, receivers drop them
+MAX_KEY_CHARS = 1024
+
 
 class ParsedKey(NamedTuple):
     """The five parts of a rendezvous key."""
@@ -28,10 +31,12 @@ def may_name_incarnation(key: str | None) -> TypeGuard[str]:
 
 
 def check_key(key: object) -> None:
-    """Refuse a key that is neither a str nor None ("no key"): a frame carries only strings, so any
-    other type would be sent, then dropped by every consumer as a malformed frame."""
+    """Refuse a key that is neither a str nor None ("no key"), or longer than MAX_KEY_CHARS: any other
+    would be sent, then dropped by every consumer as a malformed frame."""
     if key is not None and not isinstance(key, str):
         raise ConfigError(f"key must be a str (or None), got {type(key).__name__}: {brief(key)}")
+    if key is not None and len(key) > MAX_KEY_CHARS:
+        raise ConfigError(f"key of {len(key)} characters; the limit is {MAX_KEY_CHARS}: {brief(key)}")
 
 
 def make_key(src: str, src_incarnation: int, dst: str, name: str, frame_iter: tuple[int, int] = (0, 0)) -> str:

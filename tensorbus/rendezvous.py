@@ -87,6 +87,8 @@ class Rendezvous(TableState):
         #: may be long: only their hashes are kept, at a fixed cost per source)
         self._incarnations: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._counter = 0
+        #: (arrival number, time) at each `drop_unclaimed`: every message up to that number had come by then
+        self._marks: collections.deque[tuple[int, float]] = collections.deque()
         self._aborted: Aborted | None = None
         #: messages `abort` dropped unreceived (a transport must not acknowledge them on the way out)
         self.dropped = 0
@@ -324,6 +326,36 @@ class Rendezvous(TableState):
         if self.buffered_bytes < self.max_buffered_bytes or self._aborted is not None:
             return True
         return key is not _ANY_ROOM and bool(self._waiters.get(key) or self._waiters.get(ANY))
+
+    def drop_unclaimed(self, timeout_s: float, now: float | None = None) -> list[Message]:
+        """Drop the buffered messages nobody received for `timeout_s` (measured from one call to the
+        next: call it every so often), and return them. Called by a consumer with `unclaimed_timeout_s`."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._marks.append((self._counter, now))
+            cutoff = 0
+            while self._marks and self._marks[0][1] <= now - timeout_s:
+                cutoff = self._marks.popleft()[0]
+            old = [number for number in self._arrivals if number <= cutoff]
+            if not old:
+                return []
+            was_full = self.buffered_bytes >= self.max_buffered_bytes
+            dropped = []
+            for number in old:
+                message, nbytes = self._arrivals.pop(number)
+                self.buffered_bytes -= nbytes
+                dropped.append(message)
+            for key in {message.key for message in dropped}:
+                numbers = self._by_key[key]
+                kept = [number for number in numbers if number in self._arrivals]
+                numbers.clear()  # (in place: the C delivery holds these)
+                numbers.extend(kept)
+                if not numbers:
+                    del self._by_key[key]
+            self.stats["unclaimed"] += len(dropped)
+            if was_full and self.buffered_bytes < self.max_buffered_bytes:
+                self._room_opened()
+        return dropped
 
     def abort(self, reason: str) -> None:
         """Fail every pending receive, drop what is buffered, and make every later call raise `Aborted`."""

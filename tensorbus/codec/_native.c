@@ -31,6 +31,7 @@
 #define ALIGN 64
 #define OBJECT_BYTES 64
 #define MAX_PRODUCER_ID 128
+#define MAX_KEY_CHARS 1024
 /* what receivers take by default (Limits.max_header_bytes): a larger head is left to Python, which refuses it */
 #define MAX_HEADER_BYTES (1 << 20)
 #define MAX_DTYPE_NAME 32
@@ -563,8 +564,8 @@ read_header(Reader *r, Header *h, Py_ssize_t max_ndim)
                 r->p += 1;
                 h->key = Py_NewRef(Py_None);
             }
-            else if ((h->key = read_unicode(r)) == NULL) {
-                return 0;
+            else if ((h->key = read_unicode(r)) == NULL || PyUnicode_GET_LENGTH(h->key) > MAX_KEY_CHARS) {
+                return 0; /* (a key over the limit: refused by the Python decoder, which says why) */
             }
             field = 2;
         }
@@ -610,7 +611,8 @@ decode_frame(PyObject *frame, const Py_buffer *view, PyObject *crc_given, Py_ssi
 {
     const uint8_t *p = view->buf;
     Py_ssize_t len = view->len;
-    if (len < PREFIX_SIZE || memcmp(p, "TBUS", 4) != 0 || p[4] != FORMAT_VERSION || (p[5] & ~FLAG_CHECKSUM)) {
+    if (len < PREFIX_SIZE || memcmp(p, "TBUS", 4) != 0 || p[4] != FORMAT_VERSION || (p[5] & ~FLAG_CHECKSUM) || p[6] ||
+        p[7]) {
         return not_fast(); /* signed frames, and anything frame_length refuses, go the Python way */
     }
     uint64_t header_len = le32(p + 8), payload_len = le64(p + 12);
@@ -987,8 +989,9 @@ ndarray_head(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "OOOOi:ndarray_head", &obj, &key, &meta, &id, &flags)) {
         return NULL;
     }
-    if (g_describe == NULL || !PyArray_CheckExact(obj) || (key != Py_None && !PyUnicode_CheckExact(key)) ||
-        flags < 0 || flags > 255) {
+    if (g_describe == NULL || !PyArray_CheckExact(obj) ||
+        (key != Py_None && (!PyUnicode_CheckExact(key) || PyUnicode_GET_LENGTH(key) > MAX_KEY_CHARS)) || flags < 0 ||
+        flags > 255) {
         Py_RETURN_NONE;
     }
     PyArrayObject *array = (PyArrayObject *)obj;
@@ -1177,6 +1180,7 @@ PyInit__native(void)
                       PyModule_AddIntConstant(m, "ALIGN", ALIGN) < 0 ||
                       PyModule_AddIntConstant(m, "OBJECT_BYTES", OBJECT_BYTES) < 0 ||
                       PyModule_AddIntConstant(m, "MAX_PRODUCER_ID", MAX_PRODUCER_ID) < 0 ||
+                      PyModule_AddIntConstant(m, "MAX_KEY_CHARS", MAX_KEY_CHARS) < 0 ||
                       PyModule_AddIntConstant(m, "MAX_HEADER_BYTES", MAX_HEADER_BYTES) < 0)) {
         Py_DECREF(m);
         return NULL;

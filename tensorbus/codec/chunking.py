@@ -39,6 +39,7 @@ from .frame import (
     seal,
     seal_with_crc,
     split_checksum,
+    stamp,
 )
 from .native import crc32c
 from .tensors import align
@@ -134,28 +135,35 @@ def encode_chunks(
     compression: str | None = None,
     checksum: bool = True,
     signing_key: bytes | None = None,
+    chunk_signing_key: bytes | None = None,
 ) -> list[list[Buffer]]:
     """`split(encode(obj, ...))`, but a chunked tensor's bytes are checksummed once, not twice.
+
+    `chunk_signing_key` signs the chunks, if they are to be signed with another key than the
+    message they carry (a `Producer`'s are bound to the endpoint: see `signing`).
 
     Each chunk's CRC32C is computed over its slice, and the whole frame's CRC is combined from
     those (see `crc.combine`); with a signing key the HMAC needs its own pass anyway, so that
     case (like an unchunked frame) takes the plain path.
     """
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
+    if signing_key is not None:
+        stamp(header)
     flags = FLAG_CHECKSUM if checksum else 0
     head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
     total = len(head) + end
     stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
     one_pass_anyway = total <= max_chunk_bytes or not checksum or signing_key is not None
     if one_pass_anyway or stride < MIN_STRIDE or len(head) > stride:  # split() refuses such a stride
-        frame = seal(head, body, checksum, signing_key)
+        whole = total + (SIGNATURE_BYTES if signing_key is not None else 0) <= max_chunk_bytes
+        frame = seal(head, body, checksum, chunk_signing_key if whole and chunk_signing_key else signing_key)
         return split(
             frame,
             max_chunk_bytes=max_chunk_bytes,
             message_id=message_id,
             key=key,
             checksum=checksum,
-            signing_key=signing_key,
+            signing_key=chunk_signing_key or signing_key,
         )
     runs = _slices([head, *body], stride)  # runs[0] starts with the whole head, whose CRC field is still 0
     tails = []  # (CRC32C, length) of each run's bytes past the head: the one pass over the tensor
@@ -234,9 +242,12 @@ class Reassembler:
         signing_key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
         like: str = "numpy",
+        whole_signing_key: bytes | None = None,
     ) -> None:
         self.max_bytes, self.timeout_s, self.limits = max_bytes, timeout_s, limits
         self.signing_key, self.clock = signing_key, clock
+        #: the key a reassembled message is signed with, if not `signing_key` (see `encode_chunks`)
+        self.whole_signing_key = whole_signing_key or signing_key
         self.like = like  # what arrays come back as: "numpy", or "torch" (see `decode`)
         self._partials: dict[MessageId, _Partial] = {}
         self._done: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
@@ -312,7 +323,10 @@ class Reassembler:
         try:
             message = message_from_frame(
                 parse(
-                    partial.buffer, limits=self.limits, signing_key=self.signing_key, crc=self._combined_crc(partial)
+                    partial.buffer,
+                    limits=self.limits,
+                    signing_key=self.whole_signing_key,
+                    crc=self._combined_crc(partial),
                 ),
                 copy=copy,
                 limits=self.limits,

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import hmac
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
@@ -25,10 +26,11 @@ from ..errors import (
     UnsupportedVersion,
     brief,
 )
-from ..keys import check_key
+from ..keys import MAX_KEY_CHARS, check_key
 from .compression import compress_if_it_pays, decompress
 from .crc import combine, uncombine
 from .native import NATIVE, agrees, crc32c
+from .signing import TIMESTAMP, check_age
 from .tensors import ALIGN, MAX_TREE_DEPTH, MAX_TREE_ENTRIES, align, flatten, rebuild
 from .torch_bridge import to_like
 
@@ -56,6 +58,8 @@ class Limits:
     max_payload_bytes: int = 1 << 36
     #: what a compressed payload may expand to: a few KB of zstd can claim gigabytes, so far less than the above
     max_decompressed_bytes: int = 1 << 30
+    #: how far a signed message's timestamp may be from this clock, either way (None: not checked)
+    max_frame_age_s: float | None = None
     #: how deeply a nested structure may nest, and how many containers and leaves it may hold
     max_tree_depth: int = MAX_TREE_DEPTH
     max_tree_entries: int = MAX_TREE_ENTRIES
@@ -255,6 +259,11 @@ def layout(
     return header, body, end
 
 
+def stamp(header: dict[str, Any]) -> None:
+    """Put the producer's clock in a signed message's header (see `signing.check_age`)."""
+    header[TIMESTAMP] = time.time()
+
+
 def flat_bytes(array: np.ndarray) -> memoryview:
     """An array's memory as flat bytes (in its own C or Fortran order), without a copy."""
     try:
@@ -278,13 +287,15 @@ def encode(
 
     `deferred_checksum`: leave the CRC to a transport that computes it while sending (see `seal`).
     """
-    if NATIVE is not None and compression is None and type(obj) is np.ndarray:  # the common case, in C
+    if NATIVE is not None and compression is None and signing_key is None and type(obj) is np.ndarray:  # in C
         flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
         head = NATIVE.ndarray_head(obj, key, metadata, message_id, flags)
         if head is not None:
             body: list[Buffer] = [flat_bytes(obj)] if obj.nbytes else []
             return seal(head, body, checksum, signing_key, deferred=deferred_checksum)
     header, body, end = layout(obj, key=key, metadata=metadata, compression=compression, message_id=message_id)
+    if signing_key is not None:
+        stamp(header)
     return encode_raw(
         header, body, end, checksum=checksum, signing_key=signing_key, deferred_checksum=deferred_checksum
     )
@@ -386,13 +397,15 @@ def frame_length(prefix: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:
     view = memoryview(prefix).cast("B")
     if len(view) < PREFIX.size:
         raise TruncatedFrame(f"frame needs at least {PREFIX.size} bytes for its prefix, got {len(view)}")
-    magic, version, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
+    magic, version, flags, reserved, header_len, payload_len, _ = PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise BadMagic(f"expected magic {MAGIC!r}, found {bytes(magic)!r}")
     if version != VERSION:
         raise UnsupportedVersion(f"expected format version {VERSION}, found {version}")
     if flags & ~KNOWN_FLAGS:
         raise UnsupportedVersion(f"frame sets unknown flags {flags:#x}")
+    if reserved:
+        raise UnsupportedVersion(f"frame sets reserved bytes 6-7 to {reserved:#06x}; they must be 0")
     if header_len > limits.max_header_bytes:
         raise LimitExceeded(f"header of {header_len} bytes exceeds max_header_bytes={limits.max_header_bytes}")
     if payload_len > limits.max_payload_bytes:
@@ -432,6 +445,8 @@ def parse(
         if actual != stored:
             raise ChecksumMismatch(f"CRC32C stored {stored:#010x}, computed {actual:#010x}")
     header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    if signing_key is not None and header.get("kind") != "chunk":
+        check_age(header, limits.max_frame_age_s)
     tensors = header.get("tensors", [])
     if isinstance(tensors, list) and len(tensors) > limits.max_tensors:
         raise LimitExceeded(f"frame holds {len(tensors)} tensors; the limit is max_tensors={limits.max_tensors}")
@@ -478,6 +493,8 @@ def message_from_frame(
     key, metadata = header.get("key"), header.get("meta", {})
     if key is not None and not isinstance(key, str):
         raise MalformedHeader(f"key must be a string, got {type(key).__name__}")
+    if key is not None and len(key) > MAX_KEY_CHARS:
+        raise MalformedHeader(f"key of {len(key)} characters; the limit is {MAX_KEY_CHARS}")
     if not isinstance(metadata, dict):
         raise MalformedHeader(f"metadata must be a map, got {type(metadata).__name__}")
     if header.get("comp") is not None:
@@ -512,6 +529,7 @@ NATIVE_CONSTANTS = {
     "ALIGN": ALIGN,
     "OBJECT_BYTES": OBJECT_BYTES,
     "MAX_PRODUCER_ID": MAX_PRODUCER_ID,
+    "MAX_KEY_CHARS": MAX_KEY_CHARS,
     "MAX_HEADER_BYTES": DEFAULT_LIMITS.max_header_bytes,
 }
 NATIVE = agrees(NATIVE, NATIVE_CONSTANTS)

@@ -234,6 +234,8 @@ def _array(entry: Any, payload: memoryview, max_ndim: int, at: int) -> np.ndarra
         raise LimitExceeded(f"tensor has {len(shape)} dimensions; the limit is max_ndim={max_ndim}")
     if type(offset) is not int or type(nbytes) is not int:
         raise MalformedHeader(f"offset and nbytes must be ints, got {brief(offset)} and {brief(nbytes)}")
+    if type(fortran) is not bool:
+        raise MalformedHeader(f"fortran must be true or false, got {brief(fortran)}")
     if offset != at:
         raise MalformedHeader(f"tensor at offset {offset}: tensors follow one another (64-byte aligned) from {at}")
     expected = math.prod(shape) * dtype.itemsize

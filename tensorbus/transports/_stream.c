@@ -257,7 +257,7 @@ static int
 prefix_ok(const Reader *self)
 {
     const uint8_t *p = self->prefix;
-    return memcmp(p, "TBUS", 4) == 0 && p[4] == FORMAT_VERSION && !(p[5] & ~KNOWN_FLAGS) &&
+    return memcmp(p, "TBUS", 4) == 0 && p[4] == FORMAT_VERSION && !(p[5] & ~KNOWN_FLAGS) && p[6] == 0 && p[7] == 0 &&
            le32(p + 8) <= self->max_header && le64(p + 12) <= self->max_payload;
 }
 

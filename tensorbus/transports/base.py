@@ -15,6 +15,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 from ..codec import encode, encode_chunks
 from ..codec.frame import FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
+from ..codec.signing import frame_key
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,9 @@ class Transport:
     seals_frames: ClassVar[bool] = False
     #: the transport's options (their names, defaults and types)
     Options: ClassVar[type[TransportOptions]] = TransportOptions
+    #: a producer's `signing_key` (set by `send_message`), for a transport that signs frames again (sockets)
+    signing_key: bytes | None = None
+    _bound: tuple[tuple[bytes, str, bytes], bytes] | None = None  # (key, endpoint, consumer run), its frame key
 
     def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions) -> None:
         self.url = url
@@ -129,6 +134,15 @@ class Transport:
     def address(self) -> str:
         """The endpoint URL as it is actually served (e.g. with the port a listener picked)."""
         return urllib.parse.urlunsplit(self.url)
+
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """What signed frames are bound to (see `codec.signing`): the endpoint's name, the same for its
+        producers and consumers, and the consumer run's incarnation (b"" where there is none)."""
+        raise ConfigError(f"{self.url.scheme}:// endpoints cannot sign frames")
+
+    def sender(self) -> str | None:
+        """Who sent the frame being delivered right now, where the transport knows (a socket peer's address)."""
+        return None
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Send one frame (scatter-gather buffers) to the endpoint."""
@@ -143,19 +157,21 @@ class Transport:
         calls this for the rest. If a chunk fails, the chunks sent before it are forgotten.
         """
         self.wait_for_room()
+        bound_key = self._frame_key(encoding.signing_key)
         options: dict[str, Any] = {
             "key": key,
             "metadata": metadata,
             "compression": encoding.compression,
             "checksum": encoding.checksum,
             "message_id": message_id,
-            "signing_key": encoding.signing_key,
         }
         limit = self.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            self.send(encode(tensor, **options, deferred_checksum=self.seals_frames), key=key)
+            self.send(encode(tensor, **options, signing_key=bound_key, deferred_checksum=self.seals_frames), key=key)
             return
-        parts = encode_chunks(tensor, max_chunk_bytes=limit, **options)
+        parts = encode_chunks(
+            tensor, max_chunk_bytes=limit, **options, signing_key=encoding.signing_key, chunk_signing_key=bound_key
+        )
         sent = 0
         try:
             for part in parts:
@@ -165,6 +181,16 @@ class Transport:
             if sent:  # the chunks that went out can never make a whole tensor: don't resend them
                 self.forget_last(sent)
             raise
+
+    def _frame_key(self, signing_key: bytes | None) -> bytes | None:
+        """The key frames are signed with: `signing_key` bound to the endpoint (and consumer run) now served."""
+        if signing_key is None:
+            return None
+        self.signing_key = signing_key
+        endpoint, run = self.signing_identity(consumer=False)
+        if self._bound is None or self._bound[0] != (signing_key, endpoint, run):
+            self._bound = (signing_key, endpoint, run), frame_key(signing_key, endpoint, run)
+        return self._bound[1]
 
     def forget_last(self, count: int) -> None:
         """Drop the last `count` frames sent from anything kept for resending (a message failed part way)."""

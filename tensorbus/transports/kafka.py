@@ -312,6 +312,10 @@ class KafkaTransport(Transport):
         self._stop = threading.Event()
         self._ready = threading.Event()
 
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """kafka:TOPIC (kafkas:// alike)."""
+        return f"kafka:{self.topic}", b""
+
     @property
     def assignment(self) -> frozenset[int]:
         """The partitions this consumer owns at the moment (they move on rebalances)."""

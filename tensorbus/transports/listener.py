@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import socket
 import ssl
 import stat
@@ -18,12 +19,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import TransportError
+from ..logs import LogLimiter
 from .base import backoff_s
+from .greeter import Greeter
 from .reactor import Reactor
-from .stream import SocketOptions, handshake_as_consumer
+from .stream import SocketOptions
 
 log = logging.getLogger(__name__)
-#: the accept thread looks up this often (e.g. for close) while the handshake limit is reached
+#: the accept thread looks up this often (e.g. for close, or handshakes past their deadline)
 POLL_S = 0.1
 
 
@@ -36,19 +39,35 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def connection_cap(asked: int) -> int:
+    """`max_connections`, lowered to half the process's descriptor limit: past that, accepting would
+    fail for want of descriptors (and every other file this process opens with it)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or asked <= soft // 2:
+        return asked
+    log.info("max_connections=%d lowered to %d: half this process's descriptor limit (ulimit -n)", asked, soft // 2)
+    return max(1, soft // 2)
+
+
 class Listener:
-    """A bound server socket whose accept thread greets each producer on a thread of its own."""
+    """A bound server socket whose accept thread greets producers (`Greeter`) and hands them to a `Reactor`."""
 
     def __init__(
         self, family: int, target: str | tuple[str, int], options: SocketOptions, secret: bytes | None,
-        address: Callable[[], str],
+        address: Callable[[], str], incarnation: bytes,
     ) -> None:  # fmt: skip
         self.family, self.target, self.options, self.secret = family, target, options, secret
         self._address = address  # the endpoint URL, for messages (it learns its port only once bound)
         self._server: socket.socket | None = None
         self._socket_file: tuple[int, int] | None = None  # (device, inode) of the unix socket file bound
         self._reactor: Reactor | None = None
+        self._greeter: Greeter | None = None
         self._closed = threading.Event()
+        self.incarnation = incarnation  # (sent in each hello: signed frames are bound to it)
+        self._pause_s = 0.0
+        self._failures = backoff_s(0.01, 1.0)
+        self._errors = LogLimiter(log)
+        self.max_connections = connection_cap(options.max_connections)
 
     def bind(self) -> Any:
         """Bind and listen; return the bound address. A clear `TransportError` when that is not possible."""
@@ -74,8 +93,9 @@ class Listener:
     def start(self, reactor: Reactor, context: ssl.SSLContext | None) -> None:
         """Accept producers on a background thread; the ones that pass the handshake go to `reactor`."""
         self._reactor = reactor
+        self._greeter = Greeter(self.secret, self.incarnation, self.options.connect_timeout_s, self._room, self._admit)
         threading.Thread(
-            target=self._accept, args=(context,), daemon=True, name=f"tensorbus-accept-{self._address()}"
+            target=self._serve, args=(context,), daemon=True, name=f"tensorbus-accept-{self._address()}"
         ).start()
 
     def _remove_stale_socket_file(self) -> None:
@@ -102,67 +122,62 @@ class Listener:
         finally:
             probe.close()
 
-    def _accept(self, context: ssl.SSLContext | None) -> None:
-        """Accept producers until closed; at most `backlog` handshakes at once (more wait in the kernel's queue)."""
-        server = self._server
-        assert server is not None
-        handshakes = threading.BoundedSemaphore(max(1, self.options.backlog))
-        failures = backoff_s(0.01, 1.0)
+    def _serve(self, context: ssl.SSLContext | None) -> None:
+        """Accept producers and run their handshakes (`Greeter`) until closed."""
+        server, greeter = self._server, self._greeter
+        assert server is not None and greeter is not None
+        server.setblocking(False)
+        greeter.watch(server, lambda: self._accept(server, context))
+        paused_until: float | None = None  # accepting failed (e.g. out of descriptors): retry then
         while not self._closed.is_set():
-            if not handshakes.acquire(timeout=POLL_S):
-                continue
+            try:
+                if paused_until is None and self._pause_s:
+                    greeter.watch(server, None)
+                    paused_until = time.monotonic() + self._pause_s
+                elif paused_until is not None and time.monotonic() >= paused_until:
+                    greeter.watch(server, lambda: self._accept(server, context))
+                    paused_until, self._pause_s = None, 0.0
+                greeter.run_once(POLL_S)
+            except Exception:
+                if self._closed.is_set() or server.fileno() < 0:
+                    break
+                log.exception("the handshakes on %s failed; going on", self._address())  # (a bug: never stop accepting)
+                time.sleep(POLL_S)
+        greeter.close()
+
+    def _accept(self, server: socket.socket, context: ssl.SSLContext | None) -> None:
+        """Accept every connection waiting and start its handshake."""
+        assert self._greeter is not None
+        while True:
             try:
                 conn, peer = server.accept()
+            except BlockingIOError:
+                self._failures = backoff_s(0.01, 1.0)
+                return
             except OSError as exc:
-                handshakes.release()
                 if self._closed.is_set() or server.fileno() < 0:
                     return
-                delay = next(failures)  # e.g. EMFILE: out of file descriptors for now; keep the listener alive
-                log.error("accepting a producer on %s failed (%s); retrying in %.2fs", self._address(), exc, delay)
-                time.sleep(delay)
-                continue
-            failures = backoff_s(0.01, 1.0)
-            threading.Thread(
-                target=self._handshake,
-                args=(conn, peer, context, handshakes),
-                daemon=True,
-                name=f"tensorbus-hello-{peer}",
-            ).start()
-
-    def _handshake(
-        self, conn: socket.socket, peer: Any, ctx: ssl.SSLContext | None, handshakes: threading.BoundedSemaphore
-    ) -> None:
-        """TLS and the shared-secret check (blocking, with a timeout), then hand the connection to the reactor.
-
-        The whole handshake gets `connect_timeout_s`, not each read: a peer trickling a byte now and
-        then would otherwise hold its handshake slot (of `backlog`) for as long as it likes.
-        """
-        current = [conn]
-        deadline = threading.Timer(self.options.connect_timeout_s, _cut, args=(current,))
-        deadline.daemon = True
-        deadline.start()
-        try:
-            conn.settimeout(self.options.connect_timeout_s)
-            if ctx is not None:
-                conn = current[0] = ctx.wrap_socket(conn, server_side=True)
-            if not handshake_as_consumer(conn, self.secret):
-                log.error("refused producer %s: no valid proof of the shared secret", peer)
-                conn.close()
+                self._pause_s = next(self._failures)  # e.g. EMFILE: out of descriptors for now; keep listening
+                self._errors.error(
+                    "accepting a producer on %s failed (%s); retrying in %.2fs", self._address(), exc, self._pause_s
+                )
                 return
-        except (OSError, ssl.SSLError) as exc:
-            if not self._closed.is_set():  # one that left without a word was probably probing (see bind)
-                left = isinstance(exc, (BrokenPipeError, ConnectionResetError, EOFError))
-                log.log(logging.INFO if left else logging.ERROR, "handshake with %s failed: %s", peer, exc)
-            conn.close()
-            return
-        finally:
-            deadline.cancel()
-            handshakes.release()
+            self._greeter.start(conn, peer, context)
+
+    def _admit(self, conn: socket.socket, peer: Any) -> None:
+        """A producer passed the handshake: its frames are read from now on."""
         assert self._reactor is not None
         if self._closed.is_set():
             conn.close()
             return
         self._reactor.add(conn, peer)
+
+    def _room(self) -> str | None:
+        """None while another producer may connect; else why not (sent to the one refused)."""
+        assert self._reactor is not None
+        if self._reactor.connections >= self.max_connections:
+            return f"it has max_connections={self.max_connections} producers connected"
+        return None
 
     def close(self) -> None:
         """Stop accepting, drop every producer (see `Reactor.close`), remove the unix socket file this bound."""
@@ -178,9 +193,3 @@ class Listener:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.target)  # type: ignore[arg-type]  # (a successor's file is left alone)
         self._server = None
-
-
-def _cut(current: list[socket.socket]) -> None:
-    """End a handshake that ran out of time: its blocked read returns at once."""
-    with contextlib.suppress(OSError):
-        current[0].shutdown(socket.SHUT_RDWR)

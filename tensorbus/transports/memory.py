@@ -135,6 +135,10 @@ class MemoryTransport(Transport):
         self._stop = threading.Event()
         self._pool = BufferPool(max_buffers=4)
 
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """memory://NAME."""
+        return f"memory://{self.name}", b""
+
     def wait_for_room(self) -> None:
         """Before a new message: wait while `max_unacked_bytes` wait for the consumer (up to `send_timeout_s`).
 

@@ -132,6 +132,10 @@ class RabbitMQTransport(Transport):
     def address(self) -> str:
         return urllib.parse.urlunsplit(self.url._replace(query=f"queue={urllib.parse.quote(self.queue)}"))
 
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """amqp:VHOST/QUEUE (amqps:// and every node alike: the queue is the endpoint, not how it is reached)."""
+        return f"amqp:{self.params.virtual_host}/{self.queue}", b""
+
     @property
     def params(self) -> pika.ConnectionParameters:
         """The connection parameters of the node to connect to now."""

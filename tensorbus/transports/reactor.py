@@ -46,6 +46,7 @@ from ..codec.frame import (
 )
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
+from .idle import IdleSweep
 from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
 from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, SocketOptions, refusal
 
@@ -222,10 +223,17 @@ class Reactor:
         self._idle = NATIVE_STREAM.IdleTimer() if NATIVE_STREAM is not None else IdleClock()
         self._closed = False
         self._largest_read = 0  # the largest frame read since an application thread took the lead
+        self.idle = IdleSweep(options.idle_timeout_s)
+        self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
         self._background.start()
 
     # -- connections ----------------------------------------------------------------------------
+
+    @property
+    def connections(self) -> int:
+        """Producer connections being read."""
+        return len(self._peers)
 
     def add(self, conn: socket.socket, name: Any) -> None:
         """Start reading a connection that finished its handshake."""
@@ -244,6 +252,10 @@ class Reactor:
             if self._peers.get(peer.fd) is peer:
                 del self._peers[peer.fd]
             conn.close()
+            return
+        if self._peers.get(peer.fd) is not peer:  # a leader read it (a lone peer is read unpolled) and
+            with contextlib.suppress(KeyError, ValueError, OSError):  # dropped it before it was registered
+                self._poller.unregister(peer.fd, peer)
 
     def _drop(self, peer: _Peer, reason: str, level: int) -> None:
         log.log(level, "producer %s: %s", peer.name, reason)
@@ -354,7 +366,10 @@ class Reactor:
                     ready.add(peer)
             for peer in ready:
                 self._read(peer, stop)
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if self.idle.due(now):
+                self.idle.run(self, now)
+            if now >= deadline:
                 return stop()
         return False
 
@@ -407,6 +422,7 @@ class Reactor:
 
     def _read(self, peer: _Peer, stop: Callable[[], bool]) -> None:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
+        self.reading = peer.name
         try:
             for _ in range(FAIR_SHARE):
                 if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)):

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import logging
 import math
+import os
 import select
 import socket
 import ssl
@@ -30,6 +31,7 @@ import numpy as np
 from ..buffers import BufferPool
 from ..codec.frame import NATIVE, Buffer, Limits, MessageId, flat_bytes
 from ..codec.native import crc32c
+from ..codec.signing import frame_key, resign
 from ..errors import Closed, ConfigError, Rejected, TransportError
 from ..options import finite_timeout
 from .base import Deliver, Encoding, Transport, backoff_s
@@ -38,6 +40,7 @@ from .reactor import Reactor
 from .stream import (
     ACK,
     ACK_REQUEST_MARKER,
+    INCARNATION_BYTES,
     NATIVE_STREAM,
     REFUSAL,
     REFUSED,
@@ -55,6 +58,8 @@ log = logging.getLogger(__name__)
 READ_ACKS_EVERY = 64
 #: a producer waiting for acks asks again this often when the consumer answers without progress
 ACK_POLL_S = 0.02
+#: a producer whose connection was quiet this long looks for a close (e.g. `idle_timeout_s`) before it sends
+PROBE_AFTER_S = 1.0
 
 
 def _readable(sock: socket.socket, wait_s: float) -> bool:
@@ -106,6 +111,11 @@ class SocketTransport(Transport):
         self.secret: bytes | None = secret.encode() if isinstance(secret, str) else secret
         self._sock: socket.socket | None = None
         self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
+        #: the consumer's run: a consumer's own; a producer's from the consumer's hello (b"": it did not say)
+        self.incarnation = os.urandom(INCARNATION_BYTES)
+        self._signed_for: bytes | None = None  # the run the producer signs new frames for
+        self._unacked_for: bytes | None = None  # the run the unacknowledged frames are signed for
+        self._used_at = 0.0  # when this producer last sent or read acks
         self._c_sends_below = c_sends_below(False)
         #: `_send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
         #: (built, not TLS, one frame per tensor)
@@ -175,7 +185,8 @@ class SocketTransport(Transport):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                self._crc_after = handshake_as_producer(sock, self.secret, self.address)
+                self._crc_after, self.incarnation = handshake_as_producer(sock, self.secret, self.address)
+                self._sign_unacked_for(self.incarnation)
                 self._c_sends_below = c_sends_below(self._crc_after)
                 set_send_timeout(sock, self.options.send_timeout_s)
                 if self.family != socket.AF_UNIX:
@@ -204,10 +215,37 @@ class SocketTransport(Transport):
                 raise
         raise AssertionError("unreachable")
 
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """ "socket" and the consumer's incarnation: a producer connects first, to learn it from the hello."""
+        if not consumer:
+            with self._lock:
+                self._raise_if_closed()
+                if self._sock is None:
+                    self._sock = self._connect()
+                self._signed_for = self.incarnation
+        return "socket", self.incarnation
+
+    def _sign_unacked_for(self, incarnation: bytes) -> None:
+        """Sign the frames to be resent for the consumer run just connected to, if another than before.
+
+        The producer vouches for them again: they never reached that run, which refuses frames signed for another.
+        """
+        if self.signing_key is not None and self._unacked_for not in (None, incarnation):
+            key = frame_key(self.signing_key, "socket", incarnation)
+            for frame, _ in self._unacked:
+                resign(frame, key)
+        self._unacked_for = incarnation
+
+    def _signed_for_now(self, frame: list[Buffer]) -> None:
+        """Sign a new frame again if the connection changed consumer runs since the producer signed it."""
+        if self.signing_key is not None and self._signed_for not in (None, self.incarnation):
+            resign(frame, frame_key(self.signing_key, "socket", self.incarnation))
+
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
         with self._lock:
             self._raise_if_closed()  # even while close waits for this lock with the connection still open
+            self._probe_if_quiet()
             self._keep_until_acked(frame, self._send_retrying(frame))
 
     def send_message(
@@ -241,6 +279,7 @@ class SocketTransport(Transport):
         frame: list[Buffer] = [head, flat_bytes(array)] if array.nbytes else [head]
         with self._lock:
             self._raise_if_closed()
+            self._probe_if_quiet()
             sock = self._sock
             sent: int | None = None
             if sock is not None:
@@ -261,6 +300,7 @@ class SocketTransport(Transport):
                 try:
                     if self._sock is None:
                         self._sock = self._connect()
+                    self._signed_for_now(frame)
                     return send_frame(self._sock, frame, self._crc_after)
                 except BaseException as exc:
                     failed = exc
@@ -276,6 +316,18 @@ class SocketTransport(Transport):
             log.warning("connection to %s broke (%s); reconnecting", self.address, failed)
             failed = None
         raise AssertionError("unreachable")
+
+    def _probe_if_quiet(self) -> None:
+        """After a quiet spell, read what the consumer sent meanwhile: acks, or the end of a connection it
+        closed (e.g. after `idle_timeout_s`), which is then replaced before the frame goes out rather than after."""
+        now = time.monotonic()
+        if self._sock is not None and now - self._used_at >= PROBE_AFTER_S:
+            try:
+                self._read_acks(0)
+            except OSError as exc:
+                log.info("connection to %s was closed while quiet (%s); reconnecting", self.address, exc)
+                self._drop_connection()
+        self._used_at = now
 
     def _keep_until_acked(self, frame: list[Buffer], nbytes: int) -> None:
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""
@@ -482,13 +534,23 @@ class SocketTransport(Transport):
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Bind, then accept producers on a background thread; their frames are read by a `Reactor`."""
         context = self._ssl_context(server_side=True)
-        self._listener = Listener(self.family, self.target, self.options, self.secret, lambda: self.address)
+        self._listener = Listener(
+            self.family, self.target, self.options, self.secret, lambda: self.address, self.incarnation
+        )
         bound = self._listener.bind()
         if self.family != socket.AF_UNIX:
             host, port = bound[:2]
             self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self.reactor = Reactor(deliver, limits, self.options, self._pool)
         self._listener.start(self.reactor, context)
+
+    def sender(self) -> str | None:
+        """The address of the producer connection being read (on the reading thread)."""
+        name = None if self.reactor is None else self.reactor.reading
+        if isinstance(name, tuple) and len(name) >= 2:
+            host, port = name[:2]
+            return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return None if name is None else (str(name) or "a unix-socket producer")
 
     def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.read_while_waiting`)."""

@@ -1,9 +1,11 @@
 """The stream-socket protocol around frames: handshake (with optional shared-secret auth) and acks.
 
 consumer -> producer  HELLO  "TBSK", version u8, flags u8 (bit 0: auth required; bit 1: CRCs may
-                      follow their frames; bit 2: refusals are told), 32-byte nonce
+                      follow their frames; bit 2: refusals are told; bit 3: the nonce's first 16 bytes
+                      are the consumer's incarnation, which signed frames are bound to), 32-byte nonce
 producer -> consumer  PROOF  HMAC-SHA256(secret, "tensorbus-socket-auth-v1" + nonce), or 32 zero bytes
-consumer -> producer  VERDICT u8: 1 accepted; 0 refused, and the connection closes
+consumer -> producer  VERDICT u8: 1 accepted; 0 refused (the secret), and the connection closes;
+                      2 refused for another reason, which follows (u16 length, UTF-8), then it closes
 producer -> consumer  REFUSALS WANTED ("TBRF" + 20 zero bytes, a frame-sized marker), first, if HELLO set bit 2;
                       then frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, also frame-sized)
 consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
@@ -70,6 +72,8 @@ class SocketOptions(TransportOptions):
     ack_every_bytes: int = 8 * 1024 * 1024
     close_timeout_s: float = 10.0
     backlog: int = 128
+    max_connections: int = 1024  # producer connections read at once (lowered to half `ulimit -n`)
+    idle_timeout_s: float | None = 300.0  # a connection with nothing sent or owed this long is closed
     pooled_buffers: int = 4
     linger_s: float = 0.001
     spin_s: float = 0.0001
@@ -85,6 +89,11 @@ HELLO_MAGIC = b"TBSK"
 PROTOCOL_VERSION = 1
 HELLO_AUTH = 0x01
 HELLO_TRAILING_CRC = 0x02  # in HELLO: this consumer takes frames whose CRC follows them
+HELLO_INCARNATION = 0x08  # in HELLO: the nonce begins with the consumer's incarnation
+#: random bytes naming one run of a consumer: signed frames are bound to it (see docs/FORMAT.md)
+INCARNATION_BYTES = 16
+VERDICT_ACCEPTED, VERDICT_REFUSED, VERDICT_REASON = b"\x01", b"\x00", b"\x02"
+REASON = struct.Struct("<H")
 TRAILING_CRC = 0x80  # in a frame's flags byte, on a stream only: its CRC follows it
 CRC_TRAILER = struct.Struct("<I")
 #: payloads at least this large are checksummed while they are sent; smaller ones up front, as the
@@ -111,6 +120,16 @@ class AuthRefused(TransportError):
     """The consumer refused this producer's proof of the shared secret."""
 
     retriable = False
+
+
+class Refused(TransportError):
+    """The consumer refused this connection for a reason it gave (e.g. its `max_connections`)."""
+
+
+def turned_down(reason: str) -> bytes:
+    """VERDICT 2 and its reason, as the consumer sends it."""
+    text = reason.encode()[: (1 << 16) - 1]
+    return VERDICT_REASON + REASON.pack(len(text)) + text
 
 
 def proof(secret: bytes | None, nonce: bytes) -> bytes:
@@ -240,11 +259,11 @@ def handshake_as_consumer(sock: socket.socket, secret: bytes | None, *, refusals
     return accepted
 
 
-def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: str) -> bool:
-    """Producer side of the handshake (asking for refusals where the consumer tells them): True if the
-    consumer takes CRCs after frames.
+def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: str) -> tuple[bool, bytes]:
+    """Producer side of the handshake (asking for refusals where the consumer tells them): whether the
+    consumer takes CRCs after frames, and its incarnation (b"" from a consumer that does not say).
 
-    Raises `AuthRefused` or `TransportError` with the reason.
+    Raises `AuthRefused`, `Refused` or `TransportError` with the reason.
     """
     hello = bytearray(HELLO.size)
     try:
@@ -260,11 +279,26 @@ def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: st
         raise AuthRefused(f"{address} requires a shared secret: set the auth_secret option")
     sock.sendall(proof(secret, nonce))
     verdict = sock.recv(1)
-    if verdict != b"\x01":
+    if verdict == VERDICT_REASON:
+        raise Refused(f"{address} refused the connection: {_reason(sock)}")
+    if verdict != VERDICT_ACCEPTED:
         raise AuthRefused(f"{address} refused this producer's auth_secret")
     if flags & HELLO_REFUSALS:
         sock.sendall(REFUSALS_WANTED)
-    return bool(flags & HELLO_TRAILING_CRC)
+    incarnation = nonce[:INCARNATION_BYTES] if flags & HELLO_INCARNATION else b""
+    return bool(flags & HELLO_TRAILING_CRC), incarnation
+
+
+def _reason(sock: socket.socket) -> str:
+    """The reason that follows a VERDICT of 2 (best effort: it is only for the error message)."""
+    try:
+        size = bytearray(REASON.size)
+        if recv_exact(sock, memoryview(size)) == REASON.size:
+            text = bytearray(REASON.unpack(size)[0])
+            return bytes(text[: recv_exact(sock, memoryview(text))]).decode("utf-8", "replace")
+    except OSError:
+        pass
+    return "no reason given"
 
 
 def refusal(index: int, reason: str) -> bytes:

@@ -113,7 +113,20 @@ def test_fuzz_script_slice_finds_no_crash_or_hang() -> None:
     """A bounded slice of scripts/fuzz.py (the full run is 1,000,000 cases, by hand)."""
     script = Path(__file__).parents[2] / "scripts" / "fuzz.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--cases", "20000", "--live", "2000", "--seed", "7"],
+        [
+            sys.executable,
+            str(script),
+            "--cases",
+            "20000",
+            "--live",
+            "2000",
+            "--seed",
+            "7",
+            "--replays",
+            "50",
+            "--bombs",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=240,

@@ -321,3 +321,36 @@ def test_the_buffer_limit_counts_metadata_objects_not_only_their_bytes() -> None
     frame = tb.dumps(np.zeros(1), metadata=metadata)
     message = tb.decode(frame)
     assert len(frame) < 11_000 and message.header_bytes > 10_000 * 64
+
+
+def _with_reserved(frame: bytes, value: int) -> bytes:
+    """`frame` with its reserved prefix bytes (6-7) set to `value` and its CRC made right again."""
+    raw = bytearray(frame)
+    struct.pack_into("<H", raw, 6, value)
+    struct.pack_into("<I", raw, CRC_AT, checksum_of(raw))
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("value", [1, 0x100, 0xFFFF])
+def test_reserved_prefix_bytes_that_are_not_zero_are_refused(value: int) -> None:
+    with pytest.raises(tb.UnsupportedVersion, match="reserved"):
+        tb.decode(_with_reserved(GOOD, value))  # (the C decoder leaves it to the Python one, which says why)
+    with pytest.raises(tb.UnsupportedVersion, match="reserved"):
+        tb.codec.frame.frame_length(_with_reserved(GOOD, value))
+
+
+@pytest.mark.parametrize("fortran", ["yes", 1, 0, None, [True]])
+def test_a_header_field_of_the_wrong_type_is_refused(fortran: object) -> None:
+    frame = craft(tensor_header(fortran=fortran, shape=[2, 2]), bytes(16))
+    with pytest.raises(tb.MalformedHeader, match="fortran must be true or false"):
+        tb.decode(frame)
+
+
+def test_a_key_longer_than_the_limit_is_refused_on_decode_and_at_send() -> None:
+    limit = tb.codec.frame.MAX_KEY_CHARS
+    assert tb.decode(craft({**tensor_header(), "key": "k" * limit}, bytes(16))).key == "k" * limit
+    with pytest.raises(tb.MalformedHeader, match=f"the limit is {limit}"):
+        tb.decode(craft({**tensor_header(), "key": "k" * (limit + 1)}, bytes(16)))
+    for array in (np.zeros(4), np.zeros((3, 3))[:, ::2]):  # the C head, and the Python layout
+        with pytest.raises(tb.ConfigError, match=f"the limit is {limit}"):
+            tb.encode(array, key="k" * (limit + 1))

@@ -58,7 +58,8 @@ def test_encode_chunks_is_byte_for_byte_split_of_encode(tensor: object, max_chun
     assert [b"".join(c) for c in got] == [b"".join(c) for c in expected]
 
 
-def test_encode_chunks_with_compression_or_signing_or_no_checksum_matches_too() -> None:
+def test_encode_chunks_with_compression_or_signing_or_no_checksum_matches_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tb.codec.frame.time, "time", lambda: 1.0e9)  # (a signed message carries the clock)
     tensor = np.tile(np.arange(1000, dtype=np.int32), 300)
     for options in ({"compression": "zstd"}, {"signing_key": b"s"}, {"checksum": False}):
         full = {"key": "k", "message_id": ("p", 1), **options}

@@ -233,6 +233,8 @@ def received(sender: Any, frames: list[list[Any]]) -> bytes:
 
 
 def test_the_c_sender_puts_on_the_wire_what_the_python_sender_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(frame.time, "time", lambda: 1.0e9)  # (a signed message carries the clock)
+
     def frames() -> list[list[Any]]:
         rng = np.random.default_rng(3)
         out = [

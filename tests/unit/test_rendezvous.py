@@ -243,13 +243,28 @@ def test_an_incarnation_is_at_most_64_bits_and_a_long_source_name_is_not_kept() 
     table = tb.Rendezvous()
     tracemalloc.start()
     try:
-        for i in range(100):  # peers naming sources of 100 KB each: fencing remembers each at a fixed cost
-            key = tb.make_key(f"{i}" + "s" * 100_000, 1, "ps", "g")
+        for i in range(1000):  # peers naming sources as long as a key may be: fencing remembers each at a fixed cost
+            key = tb.make_key(f"{i:04}" + "s" * 1000, 1, "ps", "g")
             table.send(key, np.ones(1))
             table.recv(key, timeout=1)
         held, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert held < 1 << 20, held  # not the 10 MB of names
+    assert held < 256 << 10, held  # not the 1 MB of names
     with pytest.raises(tb.StaleIncarnation):
-        table.send(tb.make_key("7" + "s" * 100_000, 0, "ps", "g"), np.ones(1))  # still fenced
+        table.send(tb.make_key("0007" + "s" * 1000, 0, "ps", "g"), np.ones(1))  # still fenced
+
+
+def test_drop_unclaimed_drops_what_waited_longer_than_the_timeout_and_opens_room() -> None:
+    table = tb.Rendezvous(max_buffered_bytes=100)
+    opened = []
+    table.room_opened = lambda: opened.append(True)
+    table.send("old", np.zeros(100, np.uint8))  # fills the table
+    assert table.drop_unclaimed(10, now=0.0) == []  # (the first look: it has come by now)
+    table.send("new", np.zeros(1, np.uint8))
+    assert table.drop_unclaimed(10, now=5.0) == []
+    dropped = table.drop_unclaimed(10, now=10.0)
+    assert [m.key for m in dropped] == ["old"] and table.stats["unclaimed"] == 1 and opened
+    assert table.buffered_keys() == {"new": 1} and table.buffered_bytes == 1
+    assert [m.key for m in table.drop_unclaimed(10, now=15.0)] == ["new"]
+    assert len(table) == 0 and table.buffered_bytes == 0 and table.buffered_keys() == {}

@@ -1,0 +1,64 @@
+"""Closing producer connections that have been idle for `idle_timeout_s`, without losing a frame.
+
+A connection is idle when nothing it sent is in flight on the consumer's side: no frame since the
+last look, none part-read, none held back or unacknowledged, no chunked message incomplete. A
+quiet connection with frames delivered but not yet acknowledged is acknowledged first, and is
+idle from then on. The producer keeps nothing unacknowledged then, and notices the closed
+connection before its next send (see `SocketTransport`), so it just connects again.
+A connection stalled in the middle of a frame is not idle: `max_connections` bounds those.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+#: how often the reading thread looks for idle connections, at most and at least
+SWEEP_S = (0.05, 5.0)
+
+
+def in_flight(peer: Any) -> bool:
+    """Whether the consumer holds anything of this connection's: part of a frame, a held or replayed
+    frame, an incomplete chunked message, an ack or refusal not yet sent."""
+    if peer.held is not None or peer.replay is not None or peer.incomplete or peer.ack_owed or peer.outbox:
+        return True
+    return bool(peer.reader.mid_frame or peer.reader.buffered)
+
+
+class IdleSweep:
+    """Looks at every connection every so often (on the reading thread) and drops the idle ones."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.every_s = 0.0 if timeout_s is None else min(max(timeout_s / 4, SWEEP_S[0]), SWEEP_S[1])
+        self.next_at = time.monotonic() + self.every_s
+        self._quiet: dict[int, tuple[Any, int, float]] = {}  # fd -> (peer, its frame count, quiet since)
+        self.dropped = 0
+
+    def due(self, now: float) -> bool:
+        return self.timeout_s is not None and now >= self.next_at
+
+    def run(self, reactor: Any, now: float) -> None:
+        """Drop the connections idle for `timeout_s`; acknowledge the quiet ones that are owed an ack."""
+        assert self.timeout_s is not None
+        self.next_at = now + self.every_s
+        quiet: dict[int, tuple[Any, int, float]] = {}
+        for fd, peer in list(reactor._peers.items()):
+            if in_flight(peer):
+                continue
+            seen = self._quiet.get(fd)
+            since = seen[2] if seen is not None and seen[0] is peer and seen[1] == peer.frames else now
+            if peer.frames > peer.acked:
+                try:
+                    reactor._ack(peer)  # (delivered, just not acknowledged yet: the producer may let them go)
+                except Exception as exc:  # (OSError, or an ack cut short)
+                    reactor._drop(peer, f"connection failed: {exc}", logging.ERROR)
+                    continue
+                since = now
+            elif now - since >= self.timeout_s:
+                self.dropped += 1
+                reactor._drop(peer, f"closed after {self.timeout_s:g} s idle (idle_timeout_s)", logging.INFO)
+                continue
+            quiet[fd] = (peer, peer.frames, since)
+        self._quiet = quiet

@@ -1,0 +1,169 @@
+"""Signed frames captured and replayed: to a restarted consumer, to another endpoint, or too late.
+
+A signature is bound to the endpoint, to the consumer's run (sockets) and to the producer's clock
+(see docs/FORMAT.md, Signing): every replay below is refused and counted, and honest traffic still
+goes through.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec import frame as frame_module
+from tensorbus.codec.signing import frame_key
+from tensorbus.transports.stream import handshake_as_consumer
+from tests.conftest import endpoint_url, require_broker
+from tests.faults import wait_for
+from tests.integration.test_socket import raw_peer
+
+KEY = b"team-key"
+COUNT = 7
+
+
+def _tap(producer: tb.Producer) -> list[bytes]:
+    """Every frame `producer` sends, as it went out (what an eavesdropper captures)."""
+    captured: list[bytes] = []
+    send = producer.transport.send
+
+    def recording(frame: list[Any], *, key: str | None) -> None:
+        send(frame, key=key)
+        captured.append(b"".join(bytes(memoryview(b).cast("B")) for b in frame))
+
+    producer.transport.send = recording  # type: ignore[method-assign]
+    return captured
+
+
+def _signed_stream(address: str) -> list[bytes]:
+    """COUNT signed tensors sent to `address` and taken there; returns their frames as captured."""
+    with tb.Producer(address, signing_key=KEY) as producer:
+        captured = _tap(producer)
+        for i in range(COUNT):
+            producer.send(f"k{i}", np.full(3, i))
+        producer.flush(10)
+    return captured
+
+
+def _replayed_none(consumer: tb.Consumer, honest_address: str) -> None:
+    """After the replay, an honest signed tensor arrives and no replayed one does."""
+    with tb.Producer(honest_address, signing_key=KEY) as producer:
+        producer.send("honest", np.ones(2))
+        producer.flush(10)
+    assert consumer.recv("honest", timeout=10).tolist() == [1, 1]
+    wait_for(lambda: consumer.stats["rejected"] >= COUNT, 10, "every replayed frame refused")
+    assert consumer.stats["rejected"] == COUNT and consumer.stats["received"] == 1
+    for i in range(COUNT):
+        with pytest.raises(tb.Timeout):
+            consumer.recv(f"k{i}", timeout=0.01)
+
+
+def _replay_on_socket(address: str, frames: list[bytes]) -> None:
+    peer = raw_peer(address)
+    peer.sendall(b"".join(frames))
+    peer.close()
+
+
+def test_a_stream_replayed_to_a_restarted_socket_consumer_is_refused() -> None:
+    # replayed to a restarted consumer with the same key (no dedup_file), 7 of 7 were delivered again
+    with tb.Consumer("tcp://127.0.0.1:0", signing_key=KEY) as first:
+        address = first.address
+        captured = _signed_stream(address)
+        for i in range(COUNT):
+            assert first.recv(f"k{i}", timeout=10).tolist() == [i] * 3
+    assert len(captured) == COUNT
+    with tb.Consumer(address, signing_key=KEY) as restarted:  # same port, same key: a new run
+        _replay_on_socket(address, captured)
+        _replayed_none(restarted, address)
+
+
+def test_a_stream_replayed_to_another_socket_endpoint_with_the_same_key_is_refused() -> None:
+    with (
+        tb.Consumer("tcp://127.0.0.1:0", signing_key=KEY) as first,
+        tb.Consumer("tcp://127.0.0.1:0", signing_key=KEY) as other,
+    ):
+        captured = _signed_stream(first.address)
+        _replay_on_socket(other.address, captured)
+        _replayed_none(other, other.address)
+
+
+def test_a_signed_frame_older_than_max_frame_age_s_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", signing_key=KEY, max_frame_age_s=60) as consumer:
+        bound = frame_key(KEY, "socket", consumer.transport.incarnation)  # type: ignore[attr-defined]
+        now = time.time()
+        frames = []
+        for i, skew in enumerate((-3600, -61, 3600)):  # an hour old, just too old, an hour ahead
+            monkeypatch.setattr(frame_module.time, "time", lambda s=skew: now + s)
+            frames.append(tb.dumps(np.full(3, i), key=f"k{i}", signing_key=bound, message_id=("old", i)))
+        monkeypatch.undo()
+        peer = raw_peer(consumer.address)
+        peer.sendall(b"".join(frames))
+        wait_for(lambda: consumer.stats["rejected"] == 3, 10, "the three frames refused")
+        peer.sendall(tb.dumps(np.ones(1), key="fresh", signing_key=bound, message_id=("old", 9)))
+        assert consumer.recv("fresh", timeout=10).tolist() == [1]  # the same, signed now: taken
+        peer.close()
+
+
+def test_frames_left_unacknowledged_are_signed_again_for_the_consumer_run_that_gets_them() -> None:
+    # the producer's resend after a consumer restart is legitimate: it must not be refused as a replay
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with tb.Producer(f"tcp://127.0.0.1:{port}", signing_key=KEY, reconnect_timeout_s=10) as producer:
+        accepted: list[socket.socket] = []
+        listener.settimeout(10)
+
+        def first_run() -> None:  # a consumer run that reads the frames and dies before acknowledging them
+            conn, _ = listener.accept()
+            handshake_as_consumer(conn, None)
+            accepted.append(conn)
+
+        thread = threading.Thread(target=first_run)
+        thread.start()
+        for i in range(3):
+            producer.send(f"k{i}", np.full(2, i))
+        thread.join(10)
+        accepted[0].recv(1 << 16)
+        accepted[0].close()
+        listener.close()
+        with tb.Consumer(f"tcp://127.0.0.1:{port}", signing_key=KEY) as consumer:
+            producer.flush(15)
+            for i in range(3):
+                assert consumer.recv(f"k{i}", timeout=10).tolist() == [i, i]
+            assert consumer.stats["rejected"] == 0
+
+
+def test_a_stream_replayed_to_another_memory_endpoint_or_too_late_is_refused() -> None:
+    with tb.Consumer("memory://replay-a", signing_key=KEY) as first:
+        captured = _signed_stream("memory://replay-a")
+        with tb.Consumer("memory://replay-b", signing_key=KEY) as other:
+            with tb.Producer("memory://replay-b") as raw:
+                for frame in captured:
+                    raw.transport.send([frame], key=None)
+            _replayed_none(other, "memory://replay-b")
+        for i in range(COUNT):
+            assert first.recv(f"k{i}", timeout=10).tolist() == [i] * 3
+    # memory:// has no consumer runs to tell apart: a restarted consumer is protected by the age limit
+    with tb.Consumer("memory://replay-a", signing_key=KEY, max_frame_age_s=0.5) as restarted:
+        time.sleep(0.6)
+        with tb.Producer("memory://replay-a") as raw:
+            for frame in captured:
+                raw.transport.send([frame], key=None)
+        _replayed_none(restarted, "memory://replay-a")
+
+
+@pytest.mark.broker
+def test_a_stream_replayed_to_another_rabbitmq_queue_with_the_same_key_is_refused() -> None:
+    url = endpoint_url("amqp")
+    require_broker(url)
+    with tb.Consumer(url, signing_key=KEY) as first, tb.Consumer(endpoint_url("amqp"), signing_key=KEY) as other:
+        captured = _signed_stream(first.address)
+        with tb.Producer(other.address) as raw:
+            for frame in captured:
+                raw.transport.send([frame], key=None)
+            raw.flush(30)
+        _replayed_none(other, other.address)

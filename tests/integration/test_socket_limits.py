@@ -1,0 +1,191 @@
+"""Socket consumers under connection attacks: silent handshakes, too many connections, idle ones.
+
+Every attack is bounded (a count of sockets, a deadline) and runs on loopback only.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import socket
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tests.faults import wait_for
+from tests.integration.test_socket import raw_peer
+from tests.integration.test_socket_hostile import _chunk_frames
+
+SILENT = 2000
+
+
+@pytest.fixture
+def descriptors() -> Iterator[None]:
+    """Room for both ends of a few thousand loopback connections in this one process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 2 * SILENT + 512
+    if soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.fail(f"the test needs {wanted} descriptors; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _silent_connections(address: str, count: int) -> list[socket.socket]:
+    """`count` connections that never answer the consumer's hello (each connected before the next: a
+    full accept queue drops connection attempts, which the kernel retries only a second or more later)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return [socket.create_connection((host, int(port)), timeout=10) for _ in range(count)]
+
+
+def test_two_thousand_silent_connections_do_not_keep_an_honest_producer_waiting(descriptors: None) -> None:
+    # 128 handshake slots on threads, 5 s each: 2000 silent peers made an honest producer holding
+    # the secret fail with "cannot connect ...: timed out"
+    with tb.Consumer("tcp://127.0.0.1:0", auth_secret="s3cret", connect_timeout_s=30) as consumer:
+        silent = _silent_connections(consumer.address, SILENT)
+        try:
+            greeter = consumer.transport._listener._greeter  # type: ignore[attr-defined]
+            wait_for(lambda: len(greeter.pending) >= SILENT, 30, f"{SILENT} handshakes in progress")
+            started = time.monotonic()
+            with tb.Producer(consumer.address, auth_secret="s3cret", reconnect_timeout_s=5) as producer:
+                producer.send("k", np.arange(4))
+                assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2, 3]
+                took = time.monotonic() - started
+            assert took < 1.0, f"connect and delivery took {took:.2f}s under {SILENT} silent connections"
+            assert len(greeter.pending) >= SILENT - 10  # (they were all still there: nothing timed out meanwhile)
+        finally:
+            for sock in silent:
+                sock.close()
+
+
+def test_silent_connections_are_closed_after_connect_timeout_s() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", connect_timeout_s=0.5) as consumer:
+        silent = _silent_connections(consumer.address, 50)
+        greeter = consumer.transport._listener._greeter  # type: ignore[attr-defined]
+        wait_for(lambda: len(greeter.pending) == 50, 10, "50 handshakes in progress")
+        wait_for(lambda: not greeter.pending, 5, "the handshakes to time out")
+        for sock in silent:
+            sock.setblocking(True)
+            sock.settimeout(5)
+            assert len(sock.recv(1 << 10)) > 0 and sock.recv(1) == b""  # its hello, then the end
+            sock.close()
+
+
+def test_one_connection_over_max_connections_is_refused_with_the_reason_and_the_others_go_on() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", max_connections=3) as consumer:
+        producers = [tb.Producer(consumer.address) for _ in range(3)]
+        for i, producer in enumerate(producers):
+            producer.send(f"k{i}", np.full(3, i))
+            producer.flush(5)
+        started = time.monotonic()
+        with pytest.raises(tb.TransportError, match="max_connections=3"):
+            with tb.Producer(consumer.address, reconnect_timeout_s=0.3) as extra:
+                extra.send("extra", np.ones(3))
+        assert time.monotonic() - started < 3
+        for i, producer in enumerate(producers):  # the three connected before are untouched
+            producer.send(f"again{i}", np.full(3, 10 + i))
+            producer.flush(5)
+            assert consumer.recv(f"k{i}", timeout=5).tolist() == [i] * 3
+            assert consumer.recv(f"again{i}", timeout=5).tolist() == [10 + i] * 3
+        assert consumer.transport.reactor.connections == 3  # type: ignore[attr-defined]
+        producers[0].close()
+        wait_for(lambda: consumer.transport.reactor.connections == 2, 5, "the first producer gone")  # type: ignore[attr-defined]
+        with tb.Producer(consumer.address) as late:  # its place is free again
+            late.send("late", np.zeros(2))
+            assert consumer.recv("late", timeout=5).tolist() == [0, 0]
+        for producer in producers[1:]:
+            producer.close()
+
+
+def test_an_idle_connection_is_closed_after_idle_timeout_s() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.5) as consumer:
+        idle = raw_peer(consumer.address)
+        idle.settimeout(5)
+        started = time.monotonic()
+        assert idle.recv(1) == b""  # closed by the consumer
+        assert 0.4 < time.monotonic() - started < 3
+        idle.close()
+
+
+def test_a_connection_with_a_message_in_flight_is_not_idle() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.3) as consumer:
+        waiting = raw_peer(consumer.address)
+        waiting.sendall(_chunk_frames("slow", 1))  # chunk 0 of 2: its message is incomplete
+        wait_for(lambda: consumer.intake.reassembler.pending == 1, 5, "the first chunk")
+        time.sleep(1.5)
+        reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+        assert reactor.connections == 1 and reactor.idle.dropped == 0
+        waiting.close()
+
+
+def test_a_quiet_producer_loses_nothing_when_its_idle_connection_is_closed() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.3) as consumer:
+        reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+        with tb.Producer(consumer.address) as producer:
+            for round_ in range(3):
+                for i in range(5):  # delivered, and not yet acknowledged when the producer falls quiet
+                    producer.send(f"r{round_}-{i}", np.full(2, i))
+                wait_for(lambda r=round_: reactor.idle.dropped > r, 10, "the idle connection closed")
+            producer.send("last", np.ones(2))
+            producer.flush(5)
+        for round_ in range(3):
+            for i in range(5):
+                assert consumer.recv(f"r{round_}-{i}", timeout=5).tolist() == [i, i]
+        assert consumer.recv("last", timeout=5).tolist() == [1, 1]
+        assert consumer.stats["duplicates"] == 0 and consumer.stats["rejected"] == 0
+
+
+def test_max_connections_stays_under_half_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 249 idle connections exhausted a consumer limited to 256 descriptors: accepting then failed for all
+    from tensorbus.transports import listener
+
+    monkeypatch.setattr(listener.resource, "getrlimit", lambda _: (256, 4096))
+    assert listener.connection_cap(1024) == 128
+    assert listener.connection_cap(100) == 100
+
+
+def test_a_tensor_nobody_takes_stops_holding_the_table_after_unclaimed_timeout_s(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # one small zstd frame filled the table with a tensor nobody asked for, and nothing ever cleared
+    # it: honest tensors (with no receiver waiting yet) waited for ever
+    caplog.set_level(logging.WARNING, logger="tensorbus")
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=4 << 20, unclaimed_timeout_s=0.5) as consumer:
+        peer = raw_peer(consumer.address)
+        bomb = tb.dumps(np.zeros(8 << 20, np.uint8), key="nobody", compression="zstd", message_id=("bomb", 1))
+        assert len(bomb) < 64 << 10
+        peer.sendall(bomb)
+        wait_for(lambda: consumer.stats["received"] == 1, 10, "the unclaimed tensor in the table")
+        with tb.Producer(consumer.address) as producer:
+            producer.send("honest", np.ones(2))
+            wait_for(lambda: consumer.stats["unclaimed"] == 1, 10, "the unclaimed tensor dropped")
+            wait_for(lambda: consumer.stats["received"] == 2, 10, "the honest tensor in the table")
+        assert consumer.recv("honest", timeout=5).tolist() == [1, 1]
+        assert "dropped 1 tensors nobody received within unclaimed_timeout_s=0.5 (keys nobody)" in caplog.text
+        peer.close()
+    with tb.Consumer("tcp://127.0.0.1:0", reassembly_timeout_s=0.2) as consumer:  # off by default
+        with tb.Producer(consumer.address) as producer:
+            producer.send("kept", np.ones(2))
+            producer.flush(5)
+        time.sleep(1.0)
+        assert consumer.recv("kept", timeout=5).tolist() == [1, 1] and consumer.stats["unclaimed"] == 0
+
+
+def test_past_the_handshake_cap_the_oldest_silent_connection_makes_way() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", connect_timeout_s=30) as consumer:
+        greeter = consumer.transport._listener._greeter  # type: ignore[attr-defined]
+        greeter.max_handshakes = 50  # (a quarter of a 200-descriptor limit)
+        silent = _silent_connections(consumer.address, 200)
+        wait_for(lambda: len(greeter.pending) == 50, 10, "the cap reached")
+        started = time.monotonic()
+        with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
+            producer.send("k", np.arange(3))
+            assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
+        assert time.monotonic() - started < 1.0
+        assert len(greeter.pending) <= 50
+        for sock in silent:
+            sock.close()
