@@ -16,16 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import multiprocessing
+import os
 import queue
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 
+from tests.faults import CONTEXT, checksum
+
+#: the launcher whose `restart`, `cluster kill|start|leader` act on the brokers under test
+#: (scripts/compose-brokers.sh for Docker Compose's)
+BROKERS_SH = os.environ.get("TENSORBUS_BROKERS_SH", str(Path(__file__).resolve().parents[1] / "scripts" / "brokers.sh"))
 END_KEY = "node-loss-end"
 KEY = "node-loss"
 SMALL_BYTES, BIG_BYTES = 4 << 10, 4 << 20
@@ -67,6 +73,14 @@ class NodeLossResult:
         )
 
 
+def cluster(*args: str) -> str:
+    """Run `brokers.sh cluster ARGS...` (kill NODE, start NODE, leader QUEUE), failing the test if it fails;
+    its output. `start` returns once the node is back in its cluster."""
+    done = subprocess.run(["bash", BROKERS_SH, "cluster", *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"brokers.sh cluster {' '.join(args)} failed:\n{done.stderr}"
+    return done.stdout.strip()
+
+
 def sizes(count: int, large_count: int, large_bytes: int, seed: int = 0) -> list[int]:
     """Tensor sizes in bytes: log-uniform 4 KB..4 MB, with `large_count` of `large_bytes` spread evenly."""
     rng = np.random.default_rng(seed)
@@ -97,7 +111,7 @@ def _produce(url: str, options: dict[str, Any], plan: list[int], window: Any, ev
                 if not window.acquire(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"the consumer fell {sent} tensors behind and stayed there")
                 array = _tensor(pool, index, nbytes)
-                producer.send(KEY, array, metadata={"i": index, "crc": crc32c.crc32c(array)})
+                producer.send(KEY, array, metadata={"i": index, "crc": checksum(array)})
                 sent += 1
                 if sent % 50 == 0:
                     events.put(("sent", sent))
@@ -133,7 +147,7 @@ def _consume(
                     events.put(("end", ended_at))
                     continue
                 array = message.tensor
-                intact = crc32c.crc32c(array) == message.metadata["crc"] and array.dtype == np.uint8
+                intact = checksum(array) == message.metadata["crc"] and array.dtype == np.uint8
                 events.put(("recv", message.metadata["i"], intact, time.monotonic()))
                 window.release()
         events.put(("consumer-done", None))
@@ -157,19 +171,18 @@ def run(
     consumer_options: dict[str, Any] | None = None,
 ) -> NodeLossResult:
     """Stream `count` tensors from a producer process to a consumer process, running `faults` on the way."""
-    context = multiprocessing.get_context("spawn")
-    events: Any = context.Queue()
-    credit = context.Semaphore(window)
-    stop = context.Event()
+    events: Any = CONTEXT.Queue()
+    credit = CONTEXT.Semaphore(window)
+    stop = CONTEXT.Event()
     plan = sizes(count, large_count, large_bytes)
     started = time.monotonic()
     deadline = started + timeout_s
-    consumer = context.Process(
+    consumer = CONTEXT.Process(
         target=_consume,
         args=(consumer_url or url, consumer_options or {}, credit, events, stop, drain_s, timeout_s),
         name="node-loss-consumer",
     )
-    producer = context.Process(
+    producer = CONTEXT.Process(
         target=_produce, args=(url, producer_options or {}, plan, credit, events, timeout_s), name="node-loss-producer"
     )
     consumer.start()

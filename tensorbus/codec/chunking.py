@@ -269,8 +269,11 @@ class Reassembler:
             self.expire()
         self.last_message_id = None
         view = memoryview(data).cast("B")
-        if not copy and not is_chunk(view):  # (a chunk's bytes are copied into the message's buffer anyway)
-            view = aligned(view, self._pool)  # its tensors: views at multiples of 64 from its start
+        if not copy and type(data) is bytes and not is_chunk(view):  # (a chunk's bytes are copied anyway)
+            # the broker clients' frames: a bytes object's data starts 32 bytes in, so its tensors (views at
+            # multiples of 64 from the frame's start) would not be aligned; every other transport receives
+            # into aligned buffers, which need no look
+            view = aligned(view, self._pool)
         if not copy and self.signing_key is None:
             message = decode_native(view, crc, self.limits, self.like)
             if message is not None:  # one plain ndarray, decoded in C

@@ -6,7 +6,9 @@ out through the idempotent producer with `acks=all`; `send` only queues them, `f
 acks and raises the first failure. The consumer, a consumer-group member on one thread (kafka-python's
 consumer is not thread-safe), commits a partition only up to the first record of a tensor whose
 chunks are incomplete: a consumer that dies loses nothing, its successor re-reads from there, and
-the duplicates are dropped above this layer.
+the duplicates are dropped above this layer. A URL may list several brokers; topics this transport
+creates are replicated (`replication_factor`, `min_insync_replicas`), and a record is retried, across a
+leader election for one, until `delivery_timeout_s`.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas with importlib.resources.read_text
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -37,6 +39,7 @@ from ..errors import ConfigError, TensorBusError, TransportError
 from .base import Deliver, Delivered, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 #: bytes a record batch adds around one record's value (batch header, record fields, a short key)
 RECORD_OVERHEAD = 1024
 #: bytes one fetch may bring per partition: 16 records of a 1 MB chunk, not kafka-python's one (1 MiB),
@@ -52,6 +55,13 @@ _CONSUMER = {"enable_auto_commit": False, "auto_offset_reset": "earliest", "meta
 _API_VERSIONS = struct.pack(">ihhih", 10, 18, 0, 1, -1)
 
 
+def _delivery(timeout_s: float) -> dict[str, int]:
+    """kafka-python's retry bounds: a request times out after half the delivery timeout (at most 30 s), so a
+    record outlives a dead broker's request and is retried (on the new leader) before it fails for good."""
+    delivery = int(timeout_s * 1000)
+    return {"delivery_timeout_ms": delivery, "request_timeout_ms": min(30_000, delivery // 2)}
+
+
 class _Fatal(TransportError):
     retriable = False
 
@@ -65,7 +75,13 @@ def translate(exc: BaseException, where: str, nbytes: int | None = None) -> Tens
         )
     if isinstance(exc, ke.KafkaConfigurationError):
         return ConfigError(f"kafka-python refused the configuration for {where}: {exc}")
-    if isinstance(exc, (ke.AuthorizationError, ke.UnsupportedSaslMechanismError, ke.InvalidTopicError)):
+    if nbytes is not None and isinstance(exc, (ke.KafkaTimeoutError, ke.NotEnoughReplicasError)):
+        return TransportError(
+            f"Kafka at {where} did not acknowledge a record of {nbytes} bytes within delivery_timeout_s ({exc!r}): "
+            "no partition leader, or fewer in-sync replicas than the topic's min.insync.replicas"
+        )
+    refused = (ke.AuthorizationError, ke.UnsupportedSaslMechanismError, ke.InvalidTopicError)
+    if isinstance(exc, (*refused, ke.InvalidReplicationFactorError, ke.InvalidConfigurationError)):
         return _Fatal(f"Kafka at {where} refused the request: {exc!r}")
     return TransportError(f"Kafka at {where} failed: {exc!r}")
 
@@ -77,6 +93,44 @@ def map_errors(where: str) -> Iterator[None]:
         yield
     except (ke.KafkaError, OSError) as exc:
         raise translate(exc, where) from None
+
+
+def _count(name: str, value: Any) -> int | None:
+    """An optional positive whole number, from a keyword or a URL query's text."""
+    if value is None:
+        return None
+    try:
+        count = int(value) if isinstance(value, str) else value
+    except ValueError:
+        count = None
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ConfigError(f"option {name} must be a whole number of 1 or more, got {value!r}")
+    return count
+
+
+def _retrying(attempt: Callable[[], _T], deadline: float, where: str) -> _T:
+    """`attempt()`, made again after each retriable kafka-python error until `deadline` (then that error is raised).
+
+    Such errors come, for one, from a broker killed a moment ago: the cluster lists it until its session
+    times out, and kafka-python sends a metadata or admin request to it only once.
+    """
+    while True:
+        try:
+            return attempt()
+        except ke.RetriableError as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("%s: %r; asking again", where, exc)
+            time.sleep(0.5)
+
+
+def _check_min_insync(min_insync: int | None, replicas: int) -> None:
+    """Refuse a topic whose writes could never be acknowledged: more in-sync replicas required than it has."""
+    if min_insync is not None and min_insync > replicas:
+        raise ConfigError(
+            f"min_insync_replicas={min_insync} exceeds the topic's {replicas} replica(s) (replication_factor): "
+            "no write to it could ever be acknowledged"
+        )
 
 
 def _ask(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -> bytes:
@@ -176,7 +230,9 @@ class KafkaOptions(TransportOptions):
     max_frame_bytes: int | None = 1_000_000  # chunk size: under max_request_size and the broker's message.max.bytes
     max_request_size: int = 1_048_576
     partitions: int = 1  # for topics this transport creates
-    replication_factor: int = 1
+    replication_factor: int | None = None  # for topics this transport creates; default: 3, or fewer live brokers
+    min_insync_replicas: int | None = None  # for topics this transport creates; default: 2 at 3 replicas or more
+    delivery_timeout_s: float = 120.0  # a record not acknowledged by then (retried meanwhile) fails the producer
     group: str | None = None  # consumer group; default tensorbus-TOPIC
     max_pending_bytes: int = 256 * 1024 * 1024  # send() blocks while this much is unacknowledged
     connect_timeout_s: float = 10.0
@@ -199,6 +255,12 @@ class KafkaOptions(TransportOptions):
         for name in self._text_options():  # names, secrets: text (a URL query turns "1234" into a number)
             value = getattr(self, name)
             object.__setattr__(self, name, None if value is None else str(value))
+        for name in ("replication_factor", "min_insync_replicas"):  # (a URL query leaves them text)
+            object.__setattr__(self, name, _count(name, getattr(self, name)))
+        if self.replication_factor:  # (else checked when the topic is created, against the replicas it gets)
+            _check_min_insync(self.min_insync_replicas, self.replication_factor)
+        if self.delivery_timeout_s < 1:
+            raise ConfigError(f"delivery_timeout_s must be at least 1 second, got {self.delivery_timeout_s!r}")
 
     @classmethod
     def _text_options(cls) -> list[str]:
@@ -311,27 +373,60 @@ class KafkaTransport(Transport):
 
     def _ensure_topic(self) -> None:
         """Create the topic (partitions, replication_factor) unless it exists."""
-        o, timeout = self.options, self.options.connect_timeout_s
+        timeout = self.options.connect_timeout_s
         self._probe(timeout)
         with map_errors(self._shown):
-            try:
-                admin = KafkaAdminClient(**self._client_config())
-            except ke.KafkaTimeoutError:  # a broker answered the probe: with SASL, the login is what failed
-                if not o.sasl_mechanism:
-                    raise
-                raise _Fatal(
-                    f"Kafka at {self._shown} answered, but no SASL {o.sasl_mechanism} login succeeded within "
-                    f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
-                ) from None
-            try:
-                spec = {"num_partitions": o.partitions, "replication_factor": o.replication_factor}
-                admin.create_topics({self.topic: spec})
-                admin.wait_for_topics([self.topic], timeout_ms=int(timeout * 1000))
-                log.info("created topic %s with %d partition(s)", self._shown, o.partitions)
-            except ke.TopicAlreadyExistsError:
-                pass
-            finally:
-                admin.close()
+            _retrying(self._create_unless_there, time.monotonic() + timeout, self._shown)
+
+    def _create_unless_there(self) -> None:
+        """One attempt, with an admin client of its own: kafka-python's keeps asking the broker it first chose."""
+        o, timeout = self.options, self.options.connect_timeout_s
+        try:
+            admin = KafkaAdminClient(**self._client_config())
+        except ke.KafkaTimeoutError:  # a broker answered the probe: with SASL, the login is what failed
+            if not o.sasl_mechanism:
+                raise
+            raise _Fatal(
+                f"Kafka at {self._shown} answered, but no SASL {o.sasl_mechanism} login succeeded within "
+                f"{timeout}s: check sasl_plain_username and sasl_plain_password (kafka-python logs the reason)"
+            ) from None
+        try:
+            if self.topic not in admin.list_topics():
+                self._create_topic(admin)
+        except ke.TopicAlreadyExistsError:  # created meanwhile (by another producer or consumer): used as it is
+            pass
+        finally:
+            admin.close()
+
+    def _create_topic(self, admin: KafkaAdminClient) -> None:
+        """Create the topic, replicated on up to 3 live brokers unless told otherwise (the cluster counted now)."""
+        o, timeout = self.options, self.options.connect_timeout_s
+        brokers = len(admin.describe_cluster()["brokers"])
+        replicas = o.replication_factor or min(3, brokers)
+        if not o.replication_factor and brokers < min(3, len(self.servers)):  # a topic's replicas are for good
+            log.warning(
+                "creating %s with %d replica(s): only %d of the %d brokers in the URL are live "
+                "(set replication_factor to wait for them instead)",
+                self._shown, replicas, brokers, len(self.servers),
+            )  # fmt: skip
+        min_insync = o.min_insync_replicas or (2 if replicas >= 3 else None)
+        if replicas > brokers:
+            raise _Fatal(
+                f"cannot create {self._shown} with replication_factor={replicas}: the cluster has {brokers} live "
+                "broker(s)"
+            )
+        _check_min_insync(min_insync, replicas)
+        configs = {} if min_insync is None else {"min.insync.replicas": str(min_insync)}
+        spec = {"num_partitions": o.partitions, "replication_factor": replicas, "configs": configs}
+        admin.create_topics({self.topic: spec})
+        admin.wait_for_topics([self.topic], timeout_ms=int(timeout * 1000))
+        log.info(
+            "created topic %s: %d partition(s), %d replica(s), min.insync.replicas %s",
+            self._shown,
+            o.partitions,
+            replicas,
+            min_insync or "(the broker's default)",
+        )
 
     # -- producer side -------------------------------------------------------------------------------
 
@@ -350,9 +445,12 @@ class KafkaTransport(Transport):
                         **_PRODUCER,
                         max_request_size=o.max_request_size,
                         max_block_ms=int(o.connect_timeout_s * 1000),
+                        **_delivery(o.delivery_timeout_s),
                         allow_auto_create_topics=False,
                     )
-                    self._keyless_partition = random.choice(sorted(producer.partitions_for(self.topic)))
+                    deadline = time.monotonic() + o.connect_timeout_s
+                    partitions = _retrying(lambda: producer.partitions_for(self.topic), deadline, self._shown)
+                    self._keyless_partition = random.choice(sorted(partitions))
                 self._producer, self._failed = producer, False
             return self._producer
 
@@ -476,7 +574,10 @@ class KafkaTransport(Transport):
         updates the group's view of the topic (`topics()` always asks the cluster).
         """
         deadline = time.monotonic() + timeout
-        while self.topic not in consumer.topics() or not consumer.partitions_for_topic(self.topic):
+        while True:
+            topics = _retrying(consumer.topics, deadline, self._shown)
+            if self.topic in topics and consumer.partitions_for_topic(self.topic):
+                return
             if time.monotonic() > deadline:
                 raise TransportError(f"{self._shown}: partitions of the topic unknown to the client after {timeout}s")
             time.sleep(0.1)

@@ -204,7 +204,11 @@ class PyStreamReader:
             if into is not None and (straight or want >= READ_AHEAD):
                 return self._recv(into[:want])
             if inbox is None:
-                inbox = self._inbox = _spare_inboxes.pop() if _spare_inboxes else memoryview(bytearray(READ_AHEAD))
+                try:  # (the spares are shared by every reader of the process: pop, never look then pop)
+                    inbox = _spare_inboxes.pop()
+                except IndexError:
+                    inbox = memoryview(bytearray(READ_AHEAD))
+                self._inbox = inbox
             n = self._recv(inbox)
             if not n:
                 return 0

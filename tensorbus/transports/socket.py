@@ -131,6 +131,7 @@ class SocketTransport(Transport):
         self._ack_requested = False
         #: the consumer's refusals of this producer's messages, raised one by one by the next sends or flushes
         self._rejections: collections.deque[Rejected] = collections.deque()
+        self._last_refused: MessageId | None = None  # (a message's other chunks are refused too: told once)
         self._listener: Listener | None = None
         self.reactor: Reactor | None = None
         self._closed = False  # close began: no more sends or reconnects
@@ -428,8 +429,9 @@ class SocketTransport(Transport):
         if not self._acked <= index < self._acked + len(self._unacked):
             raise ConnectionResetError(f"the consumer refused frame {index}; {self._sent} were sent")
         key, message_id = names_in(self._unacked[index - self._acked][0][0])
-        if self._rejections and self._rejections[-1].message_id == message_id:
-            return True  # another chunk of a message already refused
+        if message_id is not None and message_id == self._last_refused:
+            return True  # another chunk of a message already refused (and perhaps raised already)
+        self._last_refused = message_id
         log.warning("%s refused message %s (key %r): %s", self.address, message_id, key, reason)
         self._rejections.append(
             Rejected(
@@ -452,13 +454,12 @@ class SocketTransport(Transport):
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects);
         `Rejected` if it refused one (for each refused message, a send or flush raises once)."""
-        with self._locked(timeout, "flush"):
-            if not self._rejections:
-                self._await_acks(
-                    lambda: not self._unacked,
-                    timeout,
-                    lambda: f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s",
-                )
+        with self._locked(timeout, "flush"):  # (refused frames are acknowledged too: the wait ends)
+            self._await_acks(
+                lambda: not self._unacked,
+                timeout,
+                lambda: f"{len(self._unacked)} frames unacknowledged by {self.address} after {timeout}s",
+            )
             self._raise_rejection()
 
     def wait_for_room(self) -> None:
@@ -467,7 +468,8 @@ class SocketTransport(Transport):
         Called between messages, never between the chunks of one, so a message larger than the
         limit still goes out whole.
         """
-        self._raise_rejection()
+        if self._rejections:
+            self._raise_rejection()
         limit = self.options.max_unacked_bytes
         if self._unacked_bytes < limit:
             return
@@ -507,7 +509,12 @@ class SocketTransport(Transport):
             acked = self._acked
             try:
                 if self._sock is None:
-                    self._sock = self._connect(deadline)
+                    try:
+                        self._sock = self._connect(deadline)
+                    except TransportError as exc:  # the wait's time ran out while reconnecting: say what waited
+                        if deadline is None or time.monotonic() < deadline:
+                            raise
+                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
                 if not self._ack_requested:
                     self._sock.sendall(ACK_REQUEST_MARKER)
                     self._ack_requested = True

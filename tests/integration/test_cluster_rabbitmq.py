@@ -7,13 +7,11 @@ leaves every node running again. The tables printed here are the README's reliab
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pika
@@ -28,16 +26,10 @@ pytestmark = [pytest.mark.broker, pytest.mark.cluster, pytest.mark.timeout(240)]
 CLUSTER_URL = os.environ.get(
     "TENSORBUS_AMQP_CLUSTER_URL", "amqp://guest:guest@127.0.0.1:5681,127.0.0.1:5682,127.0.0.1:5683/%2F"
 )
-#: the launcher whose `cluster kill|start|leader` act on the cluster (scripts/compose-brokers.sh for Docker's)
-BROKERS = os.environ.get("TENSORBUS_BROKERS_SH", str(Path(__file__).resolve().parents[2] / "scripts" / "brokers.sh"))
 NODES = ("rabbit1", "rabbit2", "rabbit3")
 
 
-def cluster(*args: str) -> str:
-    """Run `brokers.sh cluster ARGS...` (kill, start, leader), failing the test if it fails."""
-    done = subprocess.run(["bash", str(BROKERS), "cluster", *args], capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, f"brokers.sh cluster {' '.join(args)} failed:\n{done.stderr}"
-    return done.stdout.strip()
+cluster = node_loss.cluster
 
 
 def port_of(node: str) -> int:

@@ -18,13 +18,12 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.transports.socket import READ_ACKS_EVERY, SocketTransport
-from tests import faults
+from tests import faults, node_loss
 from tests.conftest import endpoint_url
 
 COUNT = 1000
 ROOT = Path(__file__).parents[2]
-#: the launcher whose `restart NAME` acts on the brokers under test (scripts/compose-brokers.sh for Docker's)
-BROKERS_SH = os.environ.get("TENSORBUS_BROKERS_SH", str(ROOT / "scripts" / "brokers.sh"))
+BROKERS_SH = node_loss.BROKERS_SH
 
 
 def run_stream_with_fault(

@@ -15,7 +15,15 @@ import pytest
 import tensorbus as tb
 
 # kafka-python's own classes, imported by the transport with its import-time DeprecationWarnings silenced
-from tensorbus.transports.kafka import KafkaAdminClient, KafkaConsumer, KafkaTransport, TopicPartition, _Offsets
+from tensorbus.transports.kafka import (
+    KafkaAdminClient,
+    KafkaConsumer,
+    KafkaTransport,
+    TopicPartition,
+    _Offsets,
+    _retrying,
+    ke,
+)
 from tests.conftest import KAFKA_URL, endpoint_url
 from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
@@ -194,6 +202,59 @@ def test_configuration_errors_are_clear(url: str) -> None:
         tb.Producer(KAFKA_URL)
     with pytest.raises(tb.ConfigError, match="max_request_size"):
         tb.Producer(url, max_frame_bytes=2_000_000)  # over kafka-python's default max_request_size
+    with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=3 exceeds the topic's 2 replica"):
+        tb.Producer(f"{url}?replication_factor=2&min_insync_replicas=3")
+    for bad in ("replication_factor=0", "replication_factor=two", "min_insync_replicas=-1"):
+        with pytest.raises(tb.ConfigError, match="whole number of 1 or more"):
+            tb.Producer(f"{url}?{bad}")
+    with pytest.raises(tb.ConfigError, match="delivery_timeout_s must be at least 1"):
+        tb.Producer(url, delivery_timeout_s=0.5)
+
+
+def test_setup_requests_are_made_again_after_a_retriable_error_until_a_deadline() -> None:
+    """As when the cluster still lists a broker killed a moment ago and kafka-python asks it (NodeNotReadyError)."""
+    calls: list[float] = []
+
+    def flaky() -> str:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise ke.NodeNotReadyError(1)
+        return "answered"
+
+    assert _retrying(flaky, time.monotonic() + 10, "here") == "answered" and len(calls) == 3
+
+    def failing(error: Exception) -> None:
+        calls.append(time.monotonic())
+        raise error
+
+    calls.clear()
+    with pytest.raises(ke.NodeNotReadyError):
+        _retrying(lambda: failing(ke.NodeNotReadyError(1)), time.monotonic() + 0.7, "here")
+    assert 2 <= len(calls) <= 3  # asked again every 0.5 s until the deadline had passed
+    calls.clear()
+    with pytest.raises(ke.TopicAuthorizationFailedError):
+        _retrying(lambda: failing(ke.TopicAuthorizationFailedError()), time.monotonic() + 10, "here")
+    assert len(calls) == 1  # not retriable: raised at once
+
+
+def test_a_new_topic_gets_as_many_replicas_as_live_brokers_and_no_more(url: str) -> None:
+    """One broker: one replica and the broker's min.insync.replicas; asking for three is refused, saying why."""
+    with tb.Producer(url) as producer:
+        producer.send("t", np.arange(3))
+        producer.flush(30)
+    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
+    try:
+        [described] = admin.describe_topics([topic_of(url)])
+    finally:
+        admin.close()
+    assert described["partitions"][0]["replica_nodes"] == [1]
+    with tb.Producer(f"{url}-rf3?replication_factor=3") as producer:
+        with pytest.raises(tb.TransportError, match=r"replication_factor=3: the cluster has 1 live broker") as info:
+            producer.send("t", np.arange(3))
+        assert not info.value.retriable
+    with tb.Producer(f"{url}-misr2?min_insync_replicas=2") as producer:  # on the one replica a broker allows
+        with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=2 exceeds the topic's 1 replica"):
+            producer.send("t", np.arange(3))
 
 
 def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes() -> None:

@@ -122,7 +122,9 @@ def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytes
     recorder, reasons, acks = Recorder(), Reasons(), bytearray()
     logger = logging.getLogger(reactor.__name__)
     logger.addHandler(reasons)
-    monkeypatch.setattr(logger, "level", logging.INFO)  # ("went away" is INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # ("went away" is INFO; setLevel, not the attribute: it clears the logger's cache
+    # of isEnabledFor answers, which an earlier test may have filled while INFO was off)
     options = SocketTransport.Options(linger_s=0.0)
     reader = reactor.Reactor(recorder, LIMITS, options, BufferPool())  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
@@ -154,6 +156,7 @@ def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytes
         reader.close(5)
         theirs.close()
         logger.removeHandler(reasons)
+        logger.setLevel(level)
     return recorder.frames, reasons.reasons, list(struct.iter_unpack("<Q", acks))
 
 
