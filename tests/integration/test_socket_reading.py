@@ -142,6 +142,9 @@ def test_a_ctrl_c_during_the_busy_poll_keeps_the_idle_connection() -> None:
         assert main is not None and threading.get_ident() == main  # (Python runs signal handlers there)
         gc.collect()  # and no collection meanwhile: an interrupt that lands in a finalizer is swallowed by CPython
         gc.disable()
+        # a terminal's Ctrl-C reaches a main thread that accepts SIGINT: in this process a library may have
+        # left it blocked (a signal blocked there stays pending for ever), so the test makes sure it is not
+        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         try:
             for trial in range(5):
                 # to the main thread itself, as a terminal's Ctrl-C reaches a single-threaded program: sent to the
@@ -153,6 +156,7 @@ def test_a_ctrl_c_during_the_busy_poll_keeps_the_idle_connection() -> None:
                 producer.send(f"after-{trial}", np.full(1, float(trial)))
                 assert consumer.recv(f"after-{trial}", timeout=2)[0] == float(trial)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             gc.enable()
 
 
