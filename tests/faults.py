@@ -13,7 +13,6 @@ import collections
 import multiprocessing
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +78,6 @@ def consume(url: str, log: str, options: dict[str, Any]) -> None:
 
 def lines(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def report(log: Path, count: int) -> dict[str, int]:

@@ -20,6 +20,7 @@ import tensorbus as tb
 from tensorbus.transports.socket import READ_ACKS_EVERY, SocketTransport
 from tests import faults, node_loss
 from tests.conftest import endpoint_url
+from tests.waiting import wait_for
 
 COUNT = 1000
 ROOT = Path(__file__).parents[2]
@@ -40,14 +41,14 @@ def run_stream_with_fault(
     time.sleep(1.0 if consumer_url else 0.5)
     producer = faults.start(faults.produce, url, COUNT, producer_options, str(progress))
     try:
-        faults.wait_for(lambda: len(faults.lines(log)) >= COUNT // 3, 120, "a third of the stream")
+        wait_for(lambda: len(faults.lines(log)) >= COUNT // 3, 120, "a third of the stream")
         if fault == "kill-consumer":
             os.kill(consumer.pid, signal.SIGKILL)
             consumer.join(10)
             consumer = faults.start(faults.consume, consumer_url or url, str(log), consumer_options)
         else:
             subprocess.run(["bash", BROKERS_SH, "restart", fault], check=True, timeout=120)
-        faults.wait_for(lambda: faults.report(log, COUNT)["lost"] == 0, 240, "every tensor")
+        wait_for(lambda: faults.report(log, COUNT)["lost"] == 0, 240, "every tensor")
         producer.join(60)
         assert producer.exitcode == 0, f"producer exited with {producer.exitcode}"
     finally:
@@ -105,7 +106,7 @@ def test_chunked_tensor_missing_its_last_chunk_is_freed_and_later_tensors_flow(
                 producer.transport.send(chunk, key="torso")
             # (expired, not held_bytes > 0 first: the bytes are held for only reassembly_timeout_s)
             reassembler = consumer.intake.reassembler
-            faults.wait_for(lambda: reassembler.stats["expired"] == 1, 10, "the partial tensor to expire")
+            wait_for(lambda: reassembler.stats["expired"] == 1, 10, "the partial tensor to expire")
             assert consumer.intake.reassembler.held_bytes == 0  # its buffer freed (expire frees, then counts)
             producer.flush(10)  # the given-up chunks are acknowledged, so the producer does not resend them
             producer.send("later", np.ones(5))
@@ -142,7 +143,7 @@ def test_tensors_an_aborted_consumer_turns_away_reach_its_successor(transport: s
 def _take_one_then_hold(url: str, dedup_file: str, ready: Any) -> None:
     consumer = tb.Consumer(url, dedup_file=dedup_file)
     consumer.recv("k0", timeout=20)  # handed to the application: recorded in the file
-    faults.wait_for(lambda: len(consumer.table) == 4, 20, "the other four to arrive")  # received, not taken
+    wait_for(lambda: len(consumer.table) == 4, 20, "the other four to arrive")  # received, not taken
     ready.set()
     time.sleep(60)  # killed here
 

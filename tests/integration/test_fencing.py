@@ -12,7 +12,7 @@ import pytest
 import tensorbus as tb
 from tensorbus.transports import reader as reader_module
 from tests.conftest import require_native
-from tests.faults import wait_for
+from tests.waiting import wait_for
 
 #: what a fenced receive may take at most (it used to wait out its whole timeout)
 PROMPTLY_S = 5.0

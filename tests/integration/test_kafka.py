@@ -27,6 +27,7 @@ from tensorbus.transports.kafka import (
 from tests.conftest import KAFKA_URL, endpoint_url
 from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
+from tests.waiting import wait_for
 
 BOOTSTRAP = urllib.parse.urlsplit(KAFKA_URL).netloc
 
@@ -54,13 +55,6 @@ def owned(consumer: tb.Consumer) -> frozenset[int]:
     """The partitions a consumer owns right now."""
     assert isinstance(consumer.transport, KafkaTransport)
     return consumer.transport.assignment
-
-
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.02)
 
 
 def test_64_mb_tensor_is_chunked_under_the_default_limit(url: str) -> None:
@@ -100,14 +94,14 @@ def test_two_consumers_in_one_group_share_partitions_without_duplicates(url: str
         for i in range(20):
             producer.send(f"k{i}", np.full(1000, i, np.int32))
         producer.flush(30)
-        wait_until(lambda: len(first.table) == 20, 30, "the first consumer to receive 20 tensors")
+        wait_for(lambda: len(first.table) == 20, 30, "the first consumer to receive 20 tensors")
         with tb.Consumer(url) as second:  # joins the group: a rebalance hands it one of the two partitions
-            wait_until(lambda: owned(first) and owned(second), 30, "a partition each")
+            wait_for(lambda: owned(first) and owned(second), 30, "a partition each")
             assert owned(first) | owned(second) == {0, 1}
             for i in range(20, 40):
                 producer.send(f"k{i}", np.full(1000, i, np.int32))
             producer.flush(30)
-            wait_until(lambda: len(first.table) + len(second.table) >= 40, 30, "all 40 tensors")
+            wait_for(lambda: len(first.table) + len(second.table) >= 40, 30, "all 40 tensors")
             time.sleep(1.0)  # anything read twice would have arrived by now
             got = [[str(c.next_message(timeout=1).key) for _ in range(len(c.table))] for c in (first, second)]
     assert sorted(got[0] + got[1]) == sorted(f"k{i}" for i in range(40))  # nothing lost, nothing twice
@@ -116,9 +110,13 @@ def test_two_consumers_in_one_group_share_partitions_without_duplicates(url: str
 
 def _victim(url: str, ready: Any) -> None:
     consumer = tb.Consumer(url, session_timeout_s=6.0)
-    while consumer.stats["chunks"] < 5 or consumer.stats["received"] < 1:
-        time.sleep(0.01)
-    time.sleep(1.5)  # several commit intervals: its progress is committed before it dies
+    wait_for(lambda: consumer.stats["chunks"] >= 5 and consumer.stats["received"] >= 1, 60, "the first chunks")
+    offsets = consumer.transport._offsets  # type: ignore[attr-defined]
+
+    def all_committed() -> bool:  # (a commit interval, then the broker's answer: slow on a loaded machine)
+        return bool(offsets._committed) and not offsets.committable()
+
+    wait_for(all_committed, 60, "its progress committed")  # before it dies
     ready.set()
     time.sleep(600)  # killed long before this
 

@@ -17,8 +17,9 @@ import pytest
 
 import tensorbus as tb
 from tests.conftest import AMQP_URL, endpoint_url
-from tests.faults import received_by_a_successor_of_an_aborted_consumer, wait_for
+from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
+from tests.waiting import wait_for
 
 
 @pytest.fixture

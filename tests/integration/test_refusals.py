@@ -17,7 +17,7 @@ from tensorbus.transports import reader as reader_module
 from tensorbus.transports import socket as socket_transport
 from tensorbus.transports.stream import ACK, ACK_REQUEST_MARKER, HELLO, proof
 from tests.conftest import require_native
-from tests.faults import wait_for
+from tests.waiting import wait_for
 
 WAIT_S = 30.0
 

@@ -10,9 +10,9 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec.frame import CRC_AT
-from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
 from tests.unit.test_bad_frames import _with_reserved, craft, tensor_header
+from tests.waiting import wait_for
 
 FLOOD = 2000
 

@@ -12,8 +12,8 @@ import pytest
 import tensorbus as tb
 from tensorbus.codec.frame import encode_raw
 from tests.conftest import endpoint_url
-from tests.faults import wait_for
 from tests.integration.test_behaviour import TRANSPORTS
+from tests.waiting import wait_for
 
 
 def flush_refused(producer: tb.Producer, timeout: float) -> list[tb.Rejected]:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import select
 import socket
 import threading
 import time
@@ -20,8 +21,9 @@ from tensorbus.transports import reactor
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports.stream import ACK, HELLO, handshake_as_consumer, proof
 from tests.conftest import require_native
-from tests.faults import fail_feed_once, wait_for
+from tests.faults import fail_feed_once
 from tests.peers import Peer, make_tensor, same
+from tests.waiting import once, wait_for
 
 
 def raw_peer(address: str, secret: bytes | None = None) -> socket.socket:
@@ -315,11 +317,13 @@ def test_acks_flow_while_the_application_is_not_receiving() -> None:
         assert len(consumer.table) == 100
 
 
-def _send_soon(producer: tb.Producer, key: str, tensor: np.ndarray, delay_s: float = 0.2) -> threading.Timer:
-    """Send from another thread after `delay_s`: a recv called meanwhile leads, and reads it itself."""
-    timer = threading.Timer(delay_s, producer.send, (key, tensor))
-    timer.start()
-    return timer
+def once_leading(consumer: tb.Consumer, action: Any) -> threading.Thread:
+    """Run `action` on another thread once this thread leads the consumer's reading (in a recv): what it
+    sends is then read by this thread. (Sent after a fixed delay instead, it found a recv that a loaded
+    machine had not yet let start, and the background reader took it.)"""
+    reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+    me = threading.get_ident()
+    return once(lambda: reactor._leading == me, action, "this thread to lead the reading")
 
 
 def _sent_and_left_for_recv(consumer: tb.Consumer, producer: tb.Producer) -> None:
@@ -337,10 +341,11 @@ def test_after_a_large_tensor_the_next_arrives_while_the_application_works(schem
     where = f"unix://{tmp_path}/c.sock" if scheme == "unix" else "tcp://127.0.0.1:0"
     large = np.arange(reactor.OVERLAP_FROM // 8, dtype=np.float64)
     with tb.Consumer(f"{where}?linger_s=60") as consumer, tb.Producer(consumer.address) as producer:
-        first = _send_soon(producer, "first", large)
+        first = once_leading(consumer, lambda: producer.send("first", large))
         assert same(consumer.recv("first", timeout=10), large)  # (read by this thread: it waited first)
         first.join()
-        second = _send_soon(producer, "second", large + 1, delay_s=0)
+        second = threading.Thread(target=producer.send, args=("second", large + 1))
+        second.start()
         wait_for(lambda: len(consumer.table) == 1, 10, "the second tensor, read with no recv waiting")
         second.join()
         assert same(consumer.recv("second", timeout=0), large + 1)
@@ -348,7 +353,7 @@ def test_after_a_large_tensor_the_next_arrives_while_the_application_works(schem
 
 def test_after_a_small_tensor_the_application_keeps_the_lead_for_linger_s() -> None:
     with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
-        first = _send_soon(producer, "first", np.arange(10), delay_s=1.0)  # (long: this recv must be first)
+        first = once_leading(consumer, lambda: producer.send("first", np.arange(10)))  # (this recv must be first)
         assert same(consumer.recv("first", timeout=10), np.arange(10))  # (read by this thread: it waited first)
         first.join()
         _sent_and_left_for_recv(consumer, producer)
@@ -437,12 +442,22 @@ def test_a_consumer_out_of_file_descriptors_accepts_again_once_it_has_some() -> 
         [sys.executable, "-c", OUT_OF_FDS_CONSUMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    errors: list[str] = []
+
+    def read_errors() -> None:
+        assert child.stderr is not None
+        for line in child.stderr:
+            errors.append(line)
+
+    reading = threading.Thread(target=read_errors, daemon=True)
+    reading.start()
     try:
         assert child.stdout is not None and child.stdin is not None
         address = child.stdout.readline().strip()
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         crowd = [socket.create_connection((host, int(port)), timeout=5) for _ in range(10)]
-        time.sleep(0.5)  # the consumer runs out of descriptors accepting them
+        ran_out = "the consumer to run out of descriptors accepting them, and say it keeps listening"
+        wait_for(lambda: any("accepting a producer on" in e and "retrying" in e for e in errors), 30, ran_out)
         for sock in crowd:
             sock.close()
         child.stdin.write("restore\n")
@@ -451,11 +466,16 @@ def test_a_consumer_out_of_file_descriptors_accepts_again_once_it_has_some() -> 
         with tb.Producer(address, reconnect_timeout_s=10) as producer:
             producer.send("k", np.arange(3))
             producer.flush(timeout=15)
-        out, err = child.communicate(timeout=30)
+        child.stdin.close()
+        out = child.stdout.read()
     finally:
         child.kill()
-    assert out.strip() == "[0, 1, 2]", err
-    assert "accepting a producer on" in err and "retrying" in err  # it did run out, and kept listening
+        child.wait(30)
+        reading.join(10)
+        for stream in (child.stdin, child.stdout, child.stderr):
+            if stream is not None:
+                stream.close()
+    assert out.strip() == "[0, 1, 2]", "".join(errors)
 
 
 def test_a_unix_path_is_never_taken_from_a_live_consumer_nor_removed_from_under_a_successor(
@@ -620,17 +640,25 @@ def test_flush_and_close_keep_their_timeouts_while_another_thread_is_stuck_sendi
         except tb.TensorBusError as exc:
             failures.append(exc)
 
+    def blocked_in_a_send() -> bool:  # it holds the connection, and the full socket buffer stops its send
+        transport = producer.transport
+        sock = transport._sock
+        if sock is None or not transport._lock.locked():
+            return False
+        _, writable, _ = select.select([], [sock], [], 0)
+        return not writable
+
     stuck = threading.Thread(target=send_forever)
     stuck.start()
-    wait_for(lambda: producer.transport._unacked_bytes >= 4 << 20, 10, "the producer to fill the socket buffers")
-    time.sleep(0.5)  # the sender is now blocked in sendmsg, holding the connection
+    wait_for(lambda: producer.transport._unacked_bytes >= 4 << 20, 30, "the producer to fill the socket buffers")
+    wait_for(blocked_in_a_send, 30, "the sender to block in a send, holding the connection")
     started = time.monotonic()
     with pytest.raises(tb.TransportError, match="a send has held the connection"):
         producer.flush(timeout=1.0)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 10  # its 1 s, not the stuck send's for ever (a margin for a loaded machine)
     started = time.monotonic()
     producer.close()  # flush, then wake the stuck sender rather than wait for it forever
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 10  # its close_timeout_s (1 s) and the wake-up
     stuck.join(10)
     assert not stuck.is_alive() and producer.transport._sock is None
     assert len(failures) == 1 and isinstance(failures[0], tb.Closed)  # woken, and told why, not reconnected
@@ -751,7 +779,8 @@ def test_a_held_back_tensor_is_not_acknowledged_so_a_successor_gets_it() -> None
 
 
 def test_a_ctrl_c_while_recv_reads_for_itself_loses_no_tensor_and_no_ack() -> None:
-    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+    # (linger_s: once this thread has led, the background reader stays out while it leads again and again)
+    with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
         consumer.transport.reactor._fast = None  # type: ignore[attr-defined]  # (the Python delivery, which C leaves the unusual frames to)
         feed, interrupted = consumer.intake.reassembler.feed, []
 
@@ -762,7 +791,7 @@ def test_a_ctrl_c_while_recv_reads_for_itself_loses_no_tensor_and_no_ack() -> No
             return feed(*args, **options)
 
         consumer.intake.reassembler.feed = interrupt_once  # type: ignore[method-assign]
-        threading.Timer(0.2, lambda: producer.send("a", np.arange(3))).start()
+        once_leading(consumer, lambda: producer.send("a", np.arange(3)))
         with pytest.raises(KeyboardInterrupt):
             consumer.recv("a", timeout=10)
         assert interrupted and consumer.recv("a", timeout=10).tolist() == [0, 1, 2]  # read again, not lost
@@ -776,7 +805,7 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
     # the C delivery runs no Python code, so a signal lands before it or after it: after it, the frame
     # is taken but not yet counted for the acks; the connection is dropped, the producer sends the
     # frame again, and the copy is dropped as a duplicate
-    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+    with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
         take, interrupted = reactor._fast, []
 
@@ -788,7 +817,7 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
             return message
 
         reactor._fast = interrupt_once
-        threading.Timer(0.2, lambda: producer.send("a", np.arange(3))).start()
+        once_leading(consumer, lambda: producer.send("a", np.arange(3)))
         with pytest.raises(KeyboardInterrupt):
             consumer.recv("a", timeout=10)
         assert interrupted == ["a"] and consumer.recv("a", timeout=10).tolist() == [0, 1, 2]  # given back, not lost
@@ -802,7 +831,7 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
 
 
 def test_a_ctrl_c_in_a_callback_on_the_reading_thread_delivers_its_tensor_once() -> None:
-    with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
+    with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
         got: list[list[int]] = []
 
         def interrupted(message: Any, error: object) -> None:
@@ -810,7 +839,7 @@ def test_a_ctrl_c_in_a_callback_on_the_reading_thread_delivers_its_tensor_once()
             raise KeyboardInterrupt  # as a Ctrl-C landing in the callback would
 
         consumer.recv_async("a", interrupted)
-        threading.Timer(0.2, lambda: producer.send("a", np.arange(3))).start()  # read by this thread, in recv
+        once_leading(consumer, lambda: producer.send("a", np.arange(3)))  # read by this thread, in recv
         with pytest.raises(tb.CallbackInterrupted) as caught:  # the application's Ctrl-C, still a KeyboardInterrupt
             consumer.recv("b", timeout=10)
         assert isinstance(caught.value, KeyboardInterrupt) and got == [[0, 1, 2]]
@@ -824,7 +853,7 @@ def test_a_ctrl_c_in_a_callback_on_the_reading_thread_delivers_its_tensor_once()
 
 def test_a_ctrl_c_in_a_callback_taking_a_held_back_tensor_delivers_it_once() -> None:
     with (
-        tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=1000) as consumer,
+        tb.Consumer("tcp://127.0.0.1:0?linger_s=2", max_buffered_bytes=1000) as consumer,
         tb.Producer(consumer.address) as producer,
     ):
         producer.send("x", np.zeros(500))  # 4000 bytes: the table is full with it alone
@@ -839,7 +868,7 @@ def test_a_ctrl_c_in_a_callback_taking_a_held_back_tensor_delivers_it_once() -> 
             raise KeyboardInterrupt  # as a Ctrl-C landing in the callback would
 
         # a receiver for "a" makes room for it: this thread, leading in its recv, hands it over
-        threading.Timer(0.2, lambda: consumer.recv_async("a", interrupted)).start()
+        once_leading(consumer, lambda: consumer.recv_async("a", interrupted))
         with pytest.raises(tb.CallbackInterrupted):
             consumer.recv("y", timeout=10)
         assert got == [[0, 1, 2]] and not reactor._held
@@ -940,11 +969,11 @@ def test_a_ctrl_c_while_recv_decodes_a_reassembled_tensor_loses_nothing(monkeypa
 
     monkeypatch.setattr(chunking, "message_from_frame", interrupt_once)
     with (
-        tb.Consumer("tcp://127.0.0.1:0") as consumer,
+        tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer,
         tb.Producer(consumer.address, max_frame_bytes=1 << 16) as producer,
     ):
         x = np.arange(100_000, dtype=np.float32)  # 7 chunks
-        threading.Timer(0.2, lambda: producer.send("x", x)).start()
+        once_leading(consumer, lambda: producer.send("x", x))
         with pytest.raises(KeyboardInterrupt):
             consumer.recv("x", timeout=10)
         assert interrupted and np.array_equal(consumer.recv("x", timeout=10), x)  # its last chunk completes it again
@@ -976,7 +1005,7 @@ def test_a_forked_child_that_only_flushes_and_closes_leaves_the_parents_connecti
 
 def test_a_ctrl_c_while_a_reassembled_tensor_enters_the_table_loses_nothing() -> None:
     with (
-        tb.Consumer("tcp://127.0.0.1:0") as consumer,
+        tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer,
         tb.Producer(consumer.address, max_frame_bytes=1 << 16) as producer,
     ):
         put, interrupted = consumer.table.put, []
@@ -989,7 +1018,7 @@ def test_a_ctrl_c_while_a_reassembled_tensor_enters_the_table_loses_nothing() ->
 
         consumer.table.put = interrupt_once  # type: ignore[method-assign]
         x = np.arange(100_000, dtype=np.float32)
-        threading.Timer(0.2, lambda: producer.send("x", x)).start()
+        once_leading(consumer, lambda: producer.send("x", x))
         with pytest.raises(KeyboardInterrupt):
             consumer.recv("x", timeout=10)
         assert interrupted and np.array_equal(consumer.recv("x", timeout=10), x)
@@ -1010,7 +1039,7 @@ def test_closing_with_tensors_nobody_took_acknowledges_none_of_them(tmp_path: An
 
     flushing = threading.Thread(target=flush)
     flushing.start()  # its ack request waits behind the held tensor, which close's last pass reads
-    time.sleep(0.3)
+    wait_for(lambda: producer.transport._ack_requested, 10, "the flush to ask for an ack")
     first.close()
     flushing.join(10)
     with tb.Consumer(address) as successor:

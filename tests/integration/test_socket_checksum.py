@@ -24,8 +24,8 @@ from tensorbus.transports.stream import (
     handshake_as_consumer,
     recv_exact,
 )
-from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
+from tests.waiting import wait_for
 
 BIG = np.arange(SEAL_WHILE_SENDING // 4 + 1000, dtype=np.float32)  # just over the threshold
 

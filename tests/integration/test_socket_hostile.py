@@ -13,8 +13,8 @@ import tensorbus as tb
 from tensorbus.codec.chunking import chunk_header, encode_raw
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports.stream import ACK_REQUEST_MARKER, HELLO
-from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
+from tests.waiting import wait_for
 
 
 def _chunk_frames(producer_id: str, count: int) -> bytes:

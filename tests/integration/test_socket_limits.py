@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from tests.faults import wait_for
 from tests.integration.test_socket import raw_peer
 from tests.integration.test_socket_hostile import _chunk_frames
+from tests.waiting import wait_for
 
 SILENT = 2000
 

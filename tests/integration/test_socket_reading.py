@@ -20,7 +20,7 @@ import tensorbus as tb
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports.reactor import Poller
 from tests.conftest import require_native
-from tests.faults import wait_for
+from tests.waiting import wait_for
 
 
 @pytest.mark.parametrize("epoll", [True, False], ids=["epoll", "selectors"])

@@ -14,7 +14,8 @@ import tensorbus.options
 import tensorbus.transports
 from tensorbus.options import defaults
 from tensorbus.transports.base import Delivered
-from tests.faults import fail_feed_once, wait_for
+from tests.faults import fail_feed_once
+from tests.waiting import wait_for
 
 
 def test_unknown_scheme_names_the_known_ones_and_suggests() -> None:

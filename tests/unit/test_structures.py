@@ -13,8 +13,8 @@ import tensorbus as tb
 from tensorbus.codec.frame import PREFIX, Limits, encode_raw, layout
 from tensorbus.codec.tensors import ALIGN, MAX_TREE_DEPTH, MAX_TREE_ENTRIES
 from tensorbus.rendezvous import tensor_nbytes
-from tests.faults import wait_for
 from tests.unit import frames_v1
+from tests.waiting import wait_for
 
 
 def same_structure(a: Any, b: Any) -> bool:

@@ -1,0 +1,35 @@
+"""Waiting in tests for something to happen, rather than sleeping and hoping it has.
+
+On a loaded machine (a busy CI runner, brokers in the background) a thread can be kept off the CPU
+for a second or more: a fixed sleep or a short timeout then fails a test for no fault of the code.
+These wait for the condition itself, with a deadline far past what it takes on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
+    """Return once `condition()` is true; fail naming `what` if it is not within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def once(condition: Callable[[], Any], action: Callable[[], Any], what: str, timeout: float = 30) -> threading.Thread:
+    """Run `action()` on a new thread as soon as `condition()` holds (waited for as `wait_for` does): the
+    thread, started, for the caller to join."""
+
+    def run() -> None:
+        wait_for(condition, timeout, what)
+        action()
+
+    thread = threading.Thread(target=run, daemon=True, name=f"once {what}")
+    thread.start()
+    return thread
