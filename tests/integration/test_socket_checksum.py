@@ -69,10 +69,7 @@ def test_a_large_frame_carries_its_crc_after_it_only_to_a_consumer_that_takes_th
     server, got = _fake_consumer(hello_flags)
     producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", send_timeout_s=10)
     producer.send("big", BIG)
-    for _ in range(200):
-        if got:
-            break
-        threading.Event().wait(0.05)
+    wait_for(lambda: got, 30, "the frame at the fake consumer")
     frame, trailer = got[0]
     (sent, _), *_ = producer.transport._unacked  # kept for a resend
     producer.transport.abandon()

@@ -68,14 +68,15 @@ def test_a_handshake_gets_connect_timeout_s_in_all_not_per_byte() -> None:
                 break
             time.sleep(0.3)
         slow.close()
-        assert closed_after is not None and closed_after < 4, f"handshake still open after {closed_after}"
+        # (a per-read timeout never ends it here; the bound leaves a loaded machine room past the 1 s)
+        assert closed_after is not None and closed_after < 8, f"handshake still open after {closed_after}"
 
 
 def test_close_called_from_a_recv_async_callback_closes_the_consumer(tmp_path) -> None:
     # the callback runs on the reading thread: close waited for the lock that thread held, then
     # raised RuntimeError from joining itself, leaving connections and the socket file behind
     path = str(tmp_path / "c.sock")
-    consumer = tb.Consumer(f"unix://{path}", close_timeout_s=3)
+    consumer = tb.Consumer(f"unix://{path}", close_timeout_s=30)  # (what waiting for its own lock would take)
     outcome: dict[str, object] = {}
 
     def on_message(message, error) -> None:
@@ -91,7 +92,7 @@ def test_close_called_from_a_recv_async_callback_closes_the_consumer(tmp_path) -
     with tb.Producer(f"unix://{path}") as producer:
         producer.send("stop", np.zeros(1))
         wait_for(lambda: "took" in outcome, 10, "the callback")
-    assert outcome.get("ok") and outcome["took"] < 1, outcome
+    assert outcome.get("ok") and outcome["took"] < 10, outcome
     wait_for(lambda: not consumer.transport.reactor._peers, 10, "the connections to close")
     assert not os.path.exists(path)
     with pytest.raises(tb.Aborted):

@@ -45,32 +45,38 @@ def _silent_connections(address: str, count: int) -> list[socket.socket]:
 def test_two_thousand_silent_connections_do_not_keep_an_honest_producer_waiting(descriptors: None) -> None:
     # 128 handshake slots on threads, 5 s each: 2000 silent peers made an honest producer holding
     # the secret fail with "cannot connect ...: timed out"
-    with tb.Consumer("tcp://127.0.0.1:0", auth_secret="s3cret", connect_timeout_s=30) as consumer:
+    # (a silent connection holds its slot for connect_timeout_s: the honest producer must not wait for that,
+    # and the bound on its wait leaves a loaded machine a wide margin below it)
+    with tb.Consumer("tcp://127.0.0.1:0", auth_secret="s3cret", connect_timeout_s=120) as consumer:
         silent = _silent_connections(consumer.address, SILENT)
         try:
             greeter = consumer.transport._listener._greeter  # type: ignore[attr-defined]
-            wait_for(lambda: len(greeter.pending) >= SILENT, 30, f"{SILENT} handshakes in progress")
+            wait_for(lambda: len(greeter.pending) >= SILENT, 60, f"{SILENT} handshakes in progress")
             started = time.monotonic()
-            with tb.Producer(consumer.address, auth_secret="s3cret", reconnect_timeout_s=5) as producer:
+            with tb.Producer(consumer.address, auth_secret="s3cret", reconnect_timeout_s=30) as producer:
                 producer.send("k", np.arange(4))
-                assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2, 3]
+                assert consumer.recv("k", timeout=30).tolist() == [0, 1, 2, 3]
                 took = time.monotonic() - started
-            assert took < 1.0, f"connect and delivery took {took:.2f}s under {SILENT} silent connections"
+            assert took < 15, f"connect and delivery took {took:.2f}s under {SILENT} silent connections"
             assert len(greeter.pending) >= SILENT - 10  # (they were all still there: nothing timed out meanwhile)
         finally:
             for sock in silent:
                 sock.close()
 
 
-def test_silent_connections_are_closed_after_connect_timeout_s() -> None:
+def test_silent_connections_are_closed_after_connect_timeout_s(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tensorbus")
     with tb.Consumer("tcp://127.0.0.1:0", connect_timeout_s=0.5) as consumer:
         silent = _silent_connections(consumer.address, 50)
         greeter = consumer.transport._listener._greeter  # type: ignore[attr-defined]
-        wait_for(lambda: len(greeter.pending) == 50, 10, "50 handshakes in progress")
-        wait_for(lambda: not greeter.pending, 5, "the handshakes to time out")
+        # (each one's end logged: a loaded machine may take longer than connect_timeout_s to connect all 50,
+        # so they are not all in progress at once)
+        ended = "timed out (connect_timeout_s)"
+        wait_for(lambda: caplog.text.count(ended) == 50, 30, "the 50 handshakes to time out")
+        assert not greeter.pending
         for sock in silent:
             sock.setblocking(True)
-            sock.settimeout(5)
+            sock.settimeout(10)
             assert len(sock.recv(1 << 10)) > 0 and sock.recv(1) == b""  # its hello, then the end
             sock.close()
 
@@ -83,9 +89,9 @@ def test_one_connection_over_max_connections_is_refused_with_the_reason_and_the_
             producer.flush(5)
         started = time.monotonic()
         with pytest.raises(tb.TransportError, match="max_connections=3"):
-            with tb.Producer(consumer.address, reconnect_timeout_s=0.3) as extra:
+            with tb.Producer(consumer.address, connect_timeout_s=30, reconnect_timeout_s=0.3) as extra:
                 extra.send("extra", np.ones(3))
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 10  # told at once, not left to its 30 s connect timeout
         for i, producer in enumerate(producers):  # the three connected before are untouched
             producer.send(f"again{i}", np.full(3, 10 + i))
             producer.flush(5)
@@ -103,11 +109,11 @@ def test_one_connection_over_max_connections_is_refused_with_the_reason_and_the_
 
 def test_an_idle_connection_is_closed_after_idle_timeout_s() -> None:
     with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.5) as consumer:
+        started = time.monotonic()  # (before the connection: its idle time cannot have begun earlier)
         idle = raw_peer(consumer.address)
-        idle.settimeout(5)
-        started = time.monotonic()
+        idle.settimeout(30)
         assert idle.recv(1) == b""  # closed by the consumer
-        assert 0.4 < time.monotonic() - started < 3
+        assert 0.4 < time.monotonic() - started < 10  # after its idle_timeout_s, not some later clean-up
         idle.close()
 
 
@@ -180,12 +186,12 @@ def test_past_the_handshake_cap_the_oldest_silent_connection_makes_way() -> None
         greeter = consumer.transport._listener._greeter  # type: ignore[attr-defined]
         greeter.max_handshakes = 50  # (a quarter of a 200-descriptor limit)
         silent = _silent_connections(consumer.address, 200)
-        wait_for(lambda: len(greeter.pending) == 50, 10, "the cap reached")
+        wait_for(lambda: len(greeter.pending) == 50, 30, "the cap reached")
         started = time.monotonic()
-        with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
+        with tb.Producer(consumer.address, reconnect_timeout_s=30) as producer:
             producer.send("k", np.arange(3))
-            assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
-        assert time.monotonic() - started < 1.0
+            assert consumer.recv("k", timeout=30).tolist() == [0, 1, 2]
+        assert time.monotonic() - started < 10  # not after a silent one's 30 s connect timeout
         assert len(greeter.pending) <= 50
         for sock in silent:
             sock.close()

@@ -84,11 +84,9 @@ def test_with_one_producer_a_waiting_recv_busy_polls_by_reading_the_connection()
         polls = counting_polls(consumer)
         later = threading.Timer(0.05, producer.send, ("reply", np.arange(5.0)))
         later.start()
-        started = time.monotonic()
         assert np.array_equal(consumer.recv("reply", timeout=10), np.arange(5.0))
-        assert time.monotonic() - started < 1.0  # found while spinning, not after it
         later.join()
-        assert polls == []  # the read that found the frame was the whole wait
+        assert polls == []  # found while spinning, not by a poll after it: the read that found it was the whole wait
 
 
 def test_a_second_producer_is_read_once_the_busy_poll_on_the_first_ends() -> None:
@@ -112,7 +110,7 @@ def test_a_second_producer_is_read_once_the_busy_poll_on_the_first_ends() -> Non
 
 
 def test_a_producer_leaving_during_the_busy_poll_ends_it_and_others_are_served() -> None:
-    with tb.Consumer("tcp://127.0.0.1:0?spin_s=5.0") as consumer:
+    with tb.Consumer("tcp://127.0.0.1:0?spin_s=30") as consumer:
         leaving = tb.Producer(consumer.address)
         leaving.send("warm-up", np.zeros(1))
         consumer.recv("warm-up", timeout=10)
@@ -120,7 +118,7 @@ def test_a_producer_leaving_during_the_busy_poll_ends_it_and_others_are_served()
         started = time.monotonic()
         with pytest.raises(tb.Timeout):
             consumer.recv("never", timeout=0.5)
-        assert time.monotonic() - started < 2.0  # not held in a 5 s spin on a closed connection
+        assert time.monotonic() - started < 10  # not held in a 30 s spin on a closed connection
         deadline = time.monotonic() + 10  # (the Timer thread's close may come late on a loaded machine)
         while consumer.transport.reactor._peers and time.monotonic() < deadline:
             with pytest.raises(tb.Timeout):
@@ -154,7 +152,7 @@ def test_a_ctrl_c_during_the_busy_poll_keeps_the_idle_connection() -> None:
                     consumer.recv("never", timeout=5)
                 assert list(reader._peers.values()) == [peer]  # not dropped: the producer needs no reconnect
                 producer.send(f"after-{trial}", np.full(1, float(trial)))
-                assert consumer.recv(f"after-{trial}", timeout=2)[0] == float(trial)
+                assert consumer.recv(f"after-{trial}", timeout=10)[0] == float(trial)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             gc.enable()

@@ -184,9 +184,7 @@ def test_frames_a_closing_memory_consumer_never_delivered_wait_for_the_next_one(
     with tb.Producer("memory://handover") as producer:
         for i in range(10):
             producer.send(f"k{i}", np.full(1000, i, np.uint8))  # the first fills the table: delivery then waits
-    deadline = time.monotonic() + 5
-    while len(first.table) < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: len(first.table) >= 1, 30, "k0 in the table")
     first.close()  # k0 sat in its table unreceived and goes with it; k1..k9 were never delivered
     with tb.Consumer("memory://handover") as second:
         assert [second.recv(f"k{i}", timeout=5)[0] for i in range(1, 10)] == list(range(1, 10))
@@ -197,9 +195,7 @@ def test_the_buffer_limit_counts_metadata_too() -> None:
         with tb.Producer("memory://metadata") as producer:
             for i in range(40):  # empty tensors, 100 KB of metadata each
                 producer.send(f"k{i}", np.zeros(0), metadata={"blob": "x" * 100_000})
-            deadline = time.monotonic() + 5
-            while consumer.table.buffered_bytes < 1 << 20 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: consumer.table.buffered_bytes >= 1 << 20, 30, "the table filled to its limit")
             time.sleep(0.2)  # delivery has stopped at the limit
             assert consumer.table.buffered_bytes >= 1 << 20 and len(consumer.table) < 40
             assert [consumer.recv(f"k{i}", timeout=5).size for i in range(40)] == [0] * 40
@@ -215,9 +211,7 @@ def test_a_closing_memory_consumer_hands_a_half_received_chunked_tensor_over_who
     queue = HUB.endpoint("chunked-handover")
     sent = len(queue)
     first = tb.Consumer("memory://chunked-handover", max_buffered_bytes=1000)
-    deadline = time.monotonic() + 5
-    while (len(first.table) < 1 or len(queue) > 1) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: len(first.table) >= 1 and len(queue) <= 1, 30, "k0 delivered and k1 read")
     assert sent > 3 and len(first.table) == 1 and len(queue) == 1  # k0 delivered; k1 read whole, waits for room
     first.close()  # its delivery thread then hands k1 to an aborted table: every chunk of it goes back
     with tb.Consumer("memory://chunked-handover") as second:

@@ -25,8 +25,8 @@ def check_timer(make: Callable[[], Any]) -> None:
     assert timer.wait(0.05) is False  # led just now: not idle, and the wait times out
     assert time.monotonic() - started >= 0.04
 
+    started = time.monotonic()  # (before the touch: taken after it, a preempted thread may take it late)
     timer.touch(0.05)
-    started = time.monotonic()
     assert timer.wait(10) is True  # idle once the linger passes, long before the timeout
     assert 0.04 <= time.monotonic() - started < 5
 

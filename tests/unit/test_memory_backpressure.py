@@ -51,9 +51,12 @@ def test_a_consumer_whose_table_is_full_holds_its_producers_back_and_lets_them_g
 
             receiving = threading.Thread(target=receive)
             receiving.start()
-            for i in range(50 - 4):  # a receiver makes room: none of these waits out send_timeout_s
-                producer.send("w", np.full(MIB, i % 256, np.uint8))
-            receiving.join(30)
+            # a receiver makes room: these go through (a producer of its own, whose send_timeout_s a receiving
+            # thread kept off the CPU on a loaded machine does not run out; one holding back for ever would)
+            with tb.Producer("memory://slow", max_unacked_bytes=2 * MIB, send_timeout_s=60) as patient:
+                for i in range(50 - 4):
+                    patient.send("w", np.full(MIB, i % 256, np.uint8))
+            receiving.join(60)
             assert received == 50
 
 
