@@ -6,7 +6,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import select
+import platform
 import socket
 import threading
 import time
@@ -244,17 +244,23 @@ def test_no_send_timeout_means_sends_wait() -> None:
             assert list(consumer.recv("k", timeout=10)) == list(range(5))
 
 
-def test_a_send_to_a_consumer_that_stopped_reading_fails_within_send_timeout() -> None:
+def consumer_that_stops_reading() -> tuple[socket.socket, list[socket.socket]]:
+    """A listening socket whose one connection does the handshake, then is never read again; and that connection."""
     server = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
 
-    def accept_and_ignore() -> None:  # handshake, then never read again
+    def accept_and_ignore() -> None:
         conn, _ = server.accept()
         accepted.append(conn)
         with contextlib.suppress(OSError):  # (the producer gives up on a handshake after connect_timeout_s)
             handshake_as_consumer(conn, None)
 
     threading.Thread(target=accept_and_ignore, daemon=True).start()
+    return server, accepted
+
+
+def test_a_send_to_a_consumer_that_stopped_reading_fails_within_send_timeout() -> None:
+    server, accepted = consumer_that_stops_reading()
     producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", send_timeout_s=1.0)
     started = time.monotonic()
     with pytest.raises(tb.TransportError, match=r"made no progress for 1\.0s"):
@@ -628,9 +634,24 @@ def test_a_producer_whose_socket_has_a_descriptor_past_1023_reads_its_acks() -> 
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+#: system call numbers that write to a socket (write, writev, sendto, sendmsg), by machine
+SEND_CALLS = {"x86_64": {1, 20, 44, 46}, "aarch64": {64, 66, 206, 211}}
+
+
+def sleeps_in_a_send(thread: threading.Thread) -> bool:
+    """Whether `thread` is asleep in a system call that writes to a socket (Linux: /proc/self/task/TID)."""
+    calls, task = SEND_CALLS.get(platform.machine()), f"/proc/self/task/{thread.native_id}"
+    if calls is None or not os.path.exists(f"{task}/syscall"):
+        pytest.fail(f"cannot tell what a thread waits in on {platform.system()} {platform.machine()}")
+    with open(f"{task}/syscall") as call, open(f"{task}/stat") as stat:
+        number = call.read().split()[0]  # ("running" while it runs)
+        state = stat.read().rpartition(")")[2].split()[0]  # S: asleep (R: woken, or running)
+    return state == "S" and number.isdigit() and int(number) in calls
+
+
 def test_flush_and_close_keep_their_timeouts_while_another_thread_is_stuck_sending() -> None:
-    consumer = tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=1 << 20)  # nobody receives: it stops reading
-    producer = tb.Producer(consumer.address, send_timeout_s=None, close_timeout_s=1.0)
+    server, accepted = consumer_that_stops_reading()
+    producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", send_timeout_s=None, close_timeout_s=1.0)
     failures: list[BaseException] = []
 
     def send_forever() -> None:
@@ -640,18 +661,16 @@ def test_flush_and_close_keep_their_timeouts_while_another_thread_is_stuck_sendi
         except tb.TensorBusError as exc:
             failures.append(exc)
 
-    def blocked_in_a_send() -> bool:  # it holds the connection, and the full socket buffer stops its send
-        transport = producer.transport
-        sock = transport._sock
-        if sock is None or not transport._lock.locked():
+    def held_for_good() -> bool:  # asleep in a send, twice, no frame sent between: the buffers are full for good
+        sent = producer.transport._sent
+        if not sleeps_in_a_send(stuck):
             return False
-        _, writable, _ = select.select([], [sock], [], 0)
-        return not writable
+        time.sleep(0.2)
+        return sleeps_in_a_send(stuck) and producer.transport._sent == sent
 
     stuck = threading.Thread(target=send_forever)
     stuck.start()
-    wait_for(lambda: producer.transport._unacked_bytes >= 4 << 20, 30, "the producer to fill the socket buffers")
-    wait_for(blocked_in_a_send, 30, "the sender to block in a send, holding the connection")
+    wait_for(held_for_good, 30, "the sender to block in a send, holding the connection")
     started = time.monotonic()
     with pytest.raises(tb.TransportError, match="a send has held the connection"):
         producer.flush(timeout=1.0)
@@ -662,7 +681,8 @@ def test_flush_and_close_keep_their_timeouts_while_another_thread_is_stuck_sendi
     stuck.join(10)
     assert not stuck.is_alive() and producer.transport._sock is None
     assert len(failures) == 1 and isinstance(failures[0], tb.Closed)  # woken, and told why, not reconnected
-    consumer.close()
+    for conn in (*accepted, server):
+        conn.close()
 
 
 def test_a_send_racing_close_does_not_reconnect_after_it() -> None:
