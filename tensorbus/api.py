@@ -54,6 +54,8 @@ class ConsumerOptions:
     signing_key: bytes | str | None = None
     max_frame_bytes: int | None = None
     max_buffered_bytes: int = 1 << 30
+    #: what one producer (a connection, on sockets) may have buffered; None: half of max_buffered_bytes
+    max_buffered_bytes_per_producer: int | None = None
     max_reassembly_bytes: int = 1 << 31
     reassembly_timeout_s: float = 60.0
     max_header_bytes: int = Limits.max_header_bytes
@@ -192,6 +194,7 @@ class Consumer:
         self.intake = Intake(
             limits=limits,
             max_buffered_bytes=opts.max_buffered_bytes,
+            max_buffered_bytes_per_producer=opts.max_buffered_bytes_per_producer,
             max_reassembly_bytes=opts.max_reassembly_bytes,
             reassembly_timeout_s=opts.reassembly_timeout_s,
             dedup_window=opts.dedup_window,

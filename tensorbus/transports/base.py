@@ -46,7 +46,8 @@ class TransportOptions:
 class Held(NamedTuple):
     """A message the full table could not take. A whole message's frame is kept as it came (undecoded,
     still compressed) until it is admitted: it costs its size on the wire, not its tensors'. A message
-    its last chunk completed is kept as `message` (the reassembler has paid for it already)."""
+    its last chunk completed is kept as `message` (the reassembler has paid for it already). `source`:
+    the producer it came from, as the transport named it."""
 
     frame: Buffer | None
     crc: int | None
@@ -54,6 +55,7 @@ class Held(NamedTuple):
     message_id: MessageId | None
     nbytes: int = 0
     message: Message | None = None
+    source: object = None
 
 
 class Delivered(NamedTuple):
@@ -79,11 +81,14 @@ class Delivered(NamedTuple):
 class Deliver(Protocol):
     """What a listening transport reports to: called with each received frame (the consumer's intake)."""
 
-    #: the C delivery of a whole plain frame, for transports that read frames in C: the Message it
-    #: delivered, or None when it changed nothing (then call the intake itself); None where there is none
-    fast: Callable[[memoryview, int | None], Message | None] | None
+    #: the C delivery of a whole plain frame, for transports that read frames in C (`fast(frame, crc,
+    #: source)`): the Message it delivered, or None when it changed nothing (then call the intake
+    #: itself); None where there is none
+    fast: Callable[[memoryview, int | None, object], Message | None] | None
 
-    def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+    def __call__(
+        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+    ) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
 
         The frame's buffer is handed over: the transport must not write to it again.
@@ -91,6 +96,8 @@ class Deliver(Protocol):
         While the consumer's table is full this waits for room, unless `may_hold`: then a complete
         message that does not fit comes back as `Delivered.held`, for a caller that can stop
         reading just the source it came from (backpressure per producer, not per transport).
+        `source` (hashable, with `may_hold`) names that producer: its tensors count against its share of the
+        table (`max_buffered_bytes_per_producer`), and past it its next one is held the same way.
         """
         ...
 
