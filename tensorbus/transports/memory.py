@@ -271,6 +271,8 @@ class MemoryTransport(Transport):
             ]
             for source, frame in reversed(back):  # first in line for the next consumer of the name
                 frames.put(frame, source=source, front=True)
+            for source in held:  # the next consumer reads them all
+                frames.hold(source, False)
             HUB.release(self.name)  # here, not in close: close may run on this very thread (in a callback)
 
     def _release(
