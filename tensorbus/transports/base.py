@@ -34,6 +34,28 @@ class Encoding:
         plain = self.compression is None and self.signing_key is None
         object.__setattr__(self, "plain_flags", (FLAG_CHECKSUM if self.checksum else 0) if plain else None)
 
+    def encode(
+        self,
+        tensor: Any,
+        key: str | None,
+        metadata: dict[str, Any] | None,
+        message_id: MessageId,
+        signing_key: bytes | None,
+        *,
+        deferred_checksum: bool = False,
+    ) -> list[Buffer]:
+        """`tensor` as one whole frame encoded this way, signed with `signing_key` (the key bound to the endpoint)."""
+        return encode(
+            tensor,
+            key=key,
+            metadata=metadata,
+            compression=self.compression,
+            checksum=self.checksum,
+            message_id=message_id,
+            signing_key=signing_key,
+            deferred_checksum=deferred_checksum,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class TransportOptions:
@@ -122,16 +144,14 @@ class Transport:
     Class attributes declare what the transport can do, so callers branch on data:
     `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart),
     `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
-    The optional methods (`read_while_waiting`, `room_opened`, `forget_last`, `flush`, `wait_for_room`,
-    `abandon`) have a default that is right for a transport without the capability.
+    The optional methods (`encode_frame`, `read_while_waiting`, `room_opened`, `forget_last`, `flush`,
+    `wait_for_room`, `abandon`) have a default that is right for a transport without the capability.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
     acknowledges: ClassVar[bool] = False
     persists: ClassVar[bool] = False
     reads_while_waiting: ClassVar[bool] = False
-    #: `send` takes frames encoded with `deferred_checksum` and computes their CRC while sending
-    seals_frames: ClassVar[bool] = False
     #: the transport's options (their names, defaults and types)
     Options: ClassVar[type[TransportOptions]] = TransportOptions
     #: a producer's `signing_key` (set by `send_message`), for a transport that signs frames again (sockets)
@@ -172,19 +192,20 @@ class Transport:
         """
         self.wait_for_room()
         bound_key = self._frame_key(encoding.signing_key)
-        options: dict[str, Any] = {
-            "key": key,
-            "metadata": metadata,
-            "compression": encoding.compression,
-            "checksum": encoding.checksum,
-            "message_id": message_id,
-        }
         limit = self.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            self.send(encode(tensor, **options, signing_key=bound_key, deferred_checksum=self.seals_frames), key=key)
+            self.send(self.encode_frame(tensor, key, metadata, message_id, encoding, bound_key), key=key)
             return
         parts = encode_chunks(
-            tensor, max_chunk_bytes=limit, **options, signing_key=encoding.signing_key, chunk_signing_key=bound_key
+            tensor,
+            max_chunk_bytes=limit,
+            key=key,
+            metadata=metadata,
+            compression=encoding.compression,
+            checksum=encoding.checksum,
+            message_id=message_id,
+            signing_key=encoding.signing_key,
+            chunk_signing_key=bound_key,
         )
         sent = 0
         try:
@@ -195,6 +216,22 @@ class Transport:
             if sent:  # the chunks that went out can never make a whole tensor: don't resend them
                 self.forget_last(sent)
             raise
+
+    def encode_frame(
+        self,
+        tensor: Any,
+        key: str | None,
+        metadata: dict[str, Any] | None,
+        message_id: MessageId,
+        encoding: Encoding,
+        signing_key: bytes | None,
+    ) -> list[Buffer]:
+        """One tensor as one whole frame for `send`, sealed (signed with `signing_key`, the bound key).
+
+        A transport that can finish frames while sending them overrides this (sockets compute the
+        checksum as the bytes go out).
+        """
+        return encoding.encode(tensor, key, metadata, message_id, signing_key)
 
     def _frame_key(self, signing_key: bytes | None) -> bytes | None:
         """The key frames are signed with: `signing_key` bound to the endpoint (and consumer run) now served."""

@@ -87,7 +87,6 @@ class SocketTransport(Transport):
     """One stream socket per producer; the consumer's `Listener` accepts them and its `Reactor` reads them."""
 
     schemes = ("tcp", "tcps", "unix")
-    seals_frames = True
     acknowledges = True
     reads_while_waiting = True
     Options = SocketOptions
@@ -259,6 +258,18 @@ class SocketTransport(Transport):
             or not self._send_ndarray(tensor, key, metadata, message_id, flags)
         ):
             super().send_message(tensor, key, metadata, message_id, encoding)
+
+    def encode_frame(
+        self,
+        tensor: Any,
+        key: str | None,
+        metadata: dict[str, Any] | None,
+        message_id: MessageId,
+        encoding: Encoding,
+        signing_key: bytes | None,
+    ) -> list[Buffer]:
+        """One whole frame whose checksum `send_frame` computes while sending it (`deferred_checksum`)."""
+        return encoding.encode(tensor, key, metadata, message_id, signing_key, deferred_checksum=True)
 
     def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
