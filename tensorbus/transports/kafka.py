@@ -261,6 +261,25 @@ class KafkaOptions(TransportOptions):
             _check_min_insync(self.min_insync_replicas, self.replication_factor)
         if self.delivery_timeout_s < 1:
             raise ConfigError(f"delivery_timeout_s must be at least 1 second, got {self.delivery_timeout_s!r}")
+        record, fetch = self._record_bytes, self.partition_fetch_bytes
+        if not (record <= self.max_request_size and record <= fetch <= self.fetch_max_bytes):
+            raise ConfigError(
+                f"max_frame_bytes + {RECORD_OVERHEAD} must be at most max_request_size and max_partition_fetch_bytes "
+                f"(at most fetch_max_bytes); got {self.max_frame_bytes}, {self.max_request_size}, {fetch}, "
+                f"{self.fetch_max_bytes}. Raise the broker's message.max.bytes along with max_frame_bytes"
+            )
+
+    @property
+    def _record_bytes(self) -> int:
+        """The most bytes one frame's record takes in a batch."""
+        return (self.max_frame_bytes or 1 << 62) + RECORD_OVERHEAD
+
+    @property
+    def partition_fetch_bytes(self) -> int:
+        """What one fetch may bring per partition: `max_partition_fetch_bytes`, by default FETCH_PER_PARTITION
+        within `fetch_max_bytes`, and never less than one whole record."""
+        fetch = min(FETCH_PER_PARTITION, self.fetch_max_bytes)
+        return self.max_partition_fetch_bytes or max(self._record_bytes, fetch)
 
     @classmethod
     def _text_options(cls) -> list[str]:
@@ -290,16 +309,8 @@ class KafkaTransport(Transport):
         hosts = url.netloc.rpartition("@")[2]
         self.servers = [h if re.search(r":\d+$", h) else f"{h}:9092" for h in hosts.split(",") if h]
         self._shown = f"{url.scheme}://{','.join(self.servers)}/{self.topic}"
-        o, record = options, (options.max_frame_bytes or 1 << 62) + RECORD_OVERHEAD
-        fetch = min(FETCH_PER_PARTITION, o.fetch_max_bytes)
-        self._fetch_bytes = o.max_partition_fetch_bytes or max(record, fetch)  # (one record always fits)
-        if not (record <= o.max_request_size and record <= self._fetch_bytes <= o.fetch_max_bytes):
-            raise ConfigError(
-                f"max_frame_bytes + {RECORD_OVERHEAD} must be at most max_request_size and max_partition_fetch_bytes "
-                f"(at most fetch_max_bytes); got {o.max_frame_bytes}, {o.max_request_size}, {self._fetch_bytes}, "
-                f"{o.fetch_max_bytes}. Raise the broker's message.max.bytes along with max_frame_bytes"
-            )
-        self.group: str = o.group or f"tensorbus-{self.topic}"
+        self._fetch_bytes = options.partition_fetch_bytes
+        self.group: str = options.group or f"tensorbus-{self.topic}"
         self._lock = threading.Lock()
         self._producer: KafkaProducer | None = None
         self._failed = False  # a record failed: kafka-python's idempotent producer is stuck, replace it

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pika.exceptions as px
 
 from ..codec.frame import MessageId
-from ..errors import ConfigError, TransportError
+from ..errors import TransportError
 from .base import Deliver
 
 if TYPE_CHECKING:
@@ -37,18 +37,6 @@ log = logging.getLogger(__name__)
 _STOP = object()
 #: (channel generation, delivery tag, consumer tag) of one delivery
 Delivery = tuple[int, int, str]
-STREAM_OFFSETS = ("first", "next", "last")
-
-
-def stream_offset(value: Any) -> str | int:
-    """Where a stream consumer starts: first, next (the default), last, or an offset (a number, 0 or more)."""
-    if value is None:
-        return "next"
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if value in STREAM_OFFSETS or (type(value) is int and value >= 0):
-        return value
-    raise ConfigError(f"offset must be first, next, last or a stream offset (0 or more), got {value!r}")
 
 
 class QueueConsumer:
