@@ -136,6 +136,7 @@ def encode_chunks(
     checksum: bool = True,
     signing_key: bytes | None = None,
     chunk_signing_key: bytes | None = None,
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes,
 ) -> list[list[Buffer]]:
     """`split(encode(obj, ...))`, but a chunked tensor's bytes are checksummed once, not twice.
 
@@ -150,7 +151,7 @@ def encode_chunks(
     if signing_key is not None:
         stamp(header)
     flags = FLAG_CHECKSUM if checksum else 0
-    head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
+    head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0), max_header_bytes)
     total = len(head) + end
     stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
     one_pass_anyway = total <= max_chunk_bytes or not checksum or signing_key is not None

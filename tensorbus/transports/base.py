@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 from ..codec import encode, encode_chunks
-from ..codec.frame import FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
+from ..codec.frame import DEFAULT_LIMITS, FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
 from ..codec.signing import frame_key
 from ..errors import ConfigError
 
@@ -26,12 +26,19 @@ class Encoding:
     compression: str | None = None
     checksum: bool = True
     signing_key: bytes | None = None
+    #: the largest header the consumers take: a tensor whose header is larger is refused at `send`
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes
     #: the flags of its frames when they need nothing but the optional checksum (no compression, no
-    #: signature): what a transport's shortcut for plain frames needs to know; else None
+    #: signature, the default header limit, which the C heads apply): what a transport's shortcut for
+    #: plain frames needs to know; else None
     plain_flags: int | None = field(init=False)
 
     def __post_init__(self) -> None:
-        plain = self.compression is None and self.signing_key is None
+        plain = (
+            self.compression is None
+            and self.signing_key is None
+            and self.max_header_bytes >= DEFAULT_LIMITS.max_header_bytes  # (the C head leaves larger ones to Python)
+        )
         object.__setattr__(self, "plain_flags", (FLAG_CHECKSUM if self.checksum else 0) if plain else None)
 
     def encode(
@@ -54,6 +61,7 @@ class Encoding:
             message_id=message_id,
             signing_key=signing_key,
             deferred_checksum=deferred_checksum,
+            max_header_bytes=self.max_header_bytes,
         )
 
 
@@ -206,6 +214,7 @@ class Transport:
             message_id=message_id,
             signing_key=encoding.signing_key,
             chunk_signing_key=bound_key,
+            max_header_bytes=encoding.max_header_bytes,
         )
         sent = 0
         try:
