@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import struct
 import time
 from collections.abc import Callable
@@ -254,6 +255,10 @@ class Reassembler:
         self._done: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._given_up: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._paused_since: float | None = None
+        self._expire_at = math.inf  # no incomplete message can be late before this (see `expire`)
+        #: incomplete messages given up so far (expired, over `max_bytes`, or bad once whole): a transport
+        #: that keeps their frames looks for which ones only when this grew (see `transports.base.GivenUp`)
+        self.given_up = 0
         self.held_bytes = 0
         #: the message id of the last chunk fed (None for whole frames), for transports that ack per message
         self.last_message_id: MessageId | None = None
@@ -266,7 +271,7 @@ class Reassembler:
         `crc` is the frame's CRC32C if the receiver already computed it (see `parse`). `owned`:
         the caller never writes to `data` again, so a chunk may be kept without a copy (as may `bytes`).
         """
-        if self._partials:
+        if self._partials and self.clock() > self._expire_at:
             self.expire()
         self.last_message_id = None
         view = memoryview(data).cast("B")
@@ -335,6 +340,7 @@ class Reassembler:
             )
         except CodecError:
             self._finish(message_id)  # a bad frame: done with it (anything else leaves it to be fed again)
+            self.given_up += 1
             raise
         self._finish(message_id)
         return message
@@ -378,6 +384,7 @@ class Reassembler:
         partial = self._partials.pop(message_id, None)
         if partial is None:  # refused at its first chunk
             return LimitExceeded(why)
+        self.given_up += 1
         self.held_bytes -= partial.charged
         log.error(
             "gave up on message %s (key %r): %d of %d bytes received, %d bytes held for reassembly (limit %d)",
@@ -432,6 +439,7 @@ class Reassembler:
             )
         partial = _Partial(total, count, stride, header.get("key"), self.clock())
         self._partials[message_id] = partial
+        self._expire_at = min(self._expire_at, partial.started + self.timeout_s)
         self._charge(partial, PARTIAL_OVERHEAD)
         return partial
 
@@ -441,12 +449,17 @@ class Reassembler:
         _remember(self._done, message_id)
 
     def expire(self) -> int:
-        """Drop messages incomplete for longer than `timeout_s`; return how many were dropped (none while paused)."""
+        """Drop messages incomplete for longer than `timeout_s`; return how many were dropped (none while paused).
+
+        `feed` calls it once the oldest incomplete message may be late (`_expire_at`), not for every frame.
+        """
         if self._paused_since is not None:
             return 0
         now, stale = self.clock(), []
+        self._expire_at = math.inf
         for mid, p in self._partials.items():  # oldest first (started in insertion order): stop at a fresh one
             if now - p.started <= self.timeout_s:
+                self._expire_at = p.started + self.timeout_s
                 break
             stale.append(mid)
         for mid in stale:
@@ -461,6 +474,7 @@ class Reassembler:
                 self.timeout_s,
             )
         self.stats["expired"] += len(stale)
+        self.given_up += len(stale)
         return len(stale)
 
     def pause(self) -> None:
@@ -475,6 +489,7 @@ class Reassembler:
             self._paused_since = None
             for partial in self._partials.values():
                 partial.started += stood
+            self._expire_at += stood
 
     def is_pending(self, message_id: MessageId | None) -> bool:
         """True while some but not all chunks of `message_id` have arrived."""

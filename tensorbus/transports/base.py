@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -133,9 +133,31 @@ class Deliver(Protocol):
         """True while the message still waits for chunks (False once complete, rejected or expired)."""
         ...
 
+    def given_up(self) -> int:
+        """How many incomplete messages were given up so far (expired, or refused part way): whose
+        frames a transport keeps need looking for (`is_pending`) only once this grew (see `GivenUp`)."""
+        ...
+
     def none_dropped(self) -> bool:
         """False once an abort or close dropped delivered tensors nobody received (a last ack must not cover them)."""
         ...
+
+
+class GivenUp:
+    """Finds the incomplete messages the consumer gave up on among those whose frames a transport keeps,
+    looking only when it gave one up since the last look: not on every frame."""
+
+    def __init__(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+        self._looked_at = deliver.given_up()
+
+    def among(self, kept: Iterable[MessageId | None]) -> list[MessageId | None]:
+        """The messages of `kept` no longer pending; [] at once while none was given up since the last look."""
+        count = self._deliver.given_up()  # (read first: one given up while this looks is found by the next look)
+        if count == self._looked_at:
+            return []
+        self._looked_at = count
+        return [message_id for message_id in kept if not self._deliver.is_pending(message_id)]
 
 
 def backoff_s(first_s: float = 0.05, max_s: float = 2.0) -> Iterator[float]:

@@ -36,7 +36,7 @@ with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas w
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import ConfigError, TensorBusError, TransportError
-from .base import Deliver, Delivered, Transport, TransportOptions
+from .base import Deliver, Delivered, GivenUp, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -159,6 +159,7 @@ class _Offsets(AsyncConsumerRebalanceListener):
         self._waiting: dict[TopicPartition, dict[MessageId | None, int]] = {}  # message -> its first offset
         self._refused: dict[TopicPartition, int] = {}  # the first offset of a message the consumer turned away
         self._committed: dict[TopicPartition, int] = {}
+        self._given_up = GivenUp(deliver)
 
     def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
         with self._lock:
@@ -176,10 +177,11 @@ class _Offsets(AsyncConsumerRebalanceListener):
         """Offsets safe to commit that differ from the last commit."""
         offsets = {}
         with self._lock:
+            gone = self._given_up.among(m for waiting in self._waiting.values() for m in waiting)
             for tp, after in self._next.items():
                 waiting = self._waiting[tp]
-                for message_id in [m for m in waiting if not self.deliver.is_pending(m)]:
-                    del waiting[message_id]  # expired (given up on) since: nothing more to wait for
+                for message_id in gone:
+                    waiting.pop(message_id, None)  # expired (given up on) since: nothing more to wait for
                 safe = min(waiting.values(), default=after)
                 safe = min(safe, self._refused.get(tp, safe))
                 if self._committed.get(tp) != safe:

@@ -17,7 +17,7 @@ from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
 from ..options import finite_timeout
-from .base import Deliver, Transport, TransportOptions
+from .base import Deliver, GivenUp, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,7 @@ class MemoryTransport(Transport):
     def _run(self, frames: Frames, deliver: Deliver) -> None:
         """Deliver frames until closed or turned away; what this consumer did not finish goes back, in order."""
         held: dict[MessageId | None, list[Buffer]] = {}  # the frames of messages not complete yet
+        given_up = GivenUp(deliver)
         turned_away: MessageId | None = None
         try:
             while (frame := frames.get(self._stop)) is not None:
@@ -184,7 +185,7 @@ class MemoryTransport(Transport):
                     held.pop(result.message_id, None)
                     continue
                 if result.message_id not in held:  # a new incomplete message: forget those given up on
-                    for message_id in [m for m in held if not deliver.is_pending(m)]:
+                    for message_id in given_up.among(held):
                         del held[message_id]
                 held.setdefault(result.message_id, []).append(frame)
                 if result.turned_away:

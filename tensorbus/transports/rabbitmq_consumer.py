@@ -28,7 +28,7 @@ import pika.exceptions as px
 
 from ..codec.frame import MessageId
 from ..errors import TransportError
-from .base import Deliver
+from .base import Deliver, GivenUp
 
 if TYPE_CHECKING:
     from .rabbitmq import RabbitMQTransport
@@ -145,12 +145,13 @@ class QueueConsumer:
         """Deliver each message; ack every message of a tensor once the tensor is complete."""
         waiting: dict[MessageId | None, list[Delivery]] = {}
         offsets: dict[MessageId | None, int] = {}  # stream: the first offset of each incomplete tensor
+        given_up = GivenUp(self.deliver)
         while True:
             try:
                 item = self._inbox.get(timeout=1.0)
             except queue.Empty:
                 item = None
-            for message_id in [m for m in waiting if not self.deliver.is_pending(m)]:
+            for message_id in given_up.among(waiting):
                 held = waiting.pop(message_id)  # expired: the tensor was given up on, its chunks go
                 offsets.pop(message_id, None)
                 if not self.stream:
