@@ -115,7 +115,8 @@ class Producer:
         if self.compression is not None:
             check_codec(self.compression)
         self.signing_key = _key_bytes(opts.signing_key)
-        self._encoding = Encoding(self.compression, self.checksum, self.signing_key, opts.max_header_bytes)
+        wanted = Encoding(self.compression, self.checksum, self.signing_key, opts.max_header_bytes)
+        self._encoding = self.transport.encoding(wanted)
         self._start_identity()
         self._closed = False
 

@@ -28,6 +28,8 @@ class Encoding:
     signing_key: bytes | None = None
     #: the largest header the consumers take: a tensor whose header is larger is refused at `send`
     max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes
+    #: a whole frame's CRC is left to the transport, which computes it while sending (see `Transport.encoding`)
+    deferred_checksum: bool = False
     #: the flags of its frames when they need nothing but the optional checksum (no compression, no
     #: signature, the default header limit, which the C heads apply): what a transport's shortcut for
     #: plain frames needs to know; else None
@@ -48,8 +50,6 @@ class Encoding:
         metadata: dict[str, Any] | None,
         message_id: MessageId,
         signing_key: bytes | None,
-        *,
-        deferred_checksum: bool = False,
     ) -> list[Buffer]:
         """`tensor` as one whole frame encoded this way, signed with `signing_key` (the key bound to the endpoint)."""
         return encode(
@@ -60,7 +60,7 @@ class Encoding:
             checksum=self.checksum,
             message_id=message_id,
             signing_key=signing_key,
-            deferred_checksum=deferred_checksum,
+            deferred_checksum=self.deferred_checksum,
             max_header_bytes=self.max_header_bytes,
         )
 
@@ -174,7 +174,7 @@ class Transport:
     Class attributes declare what the transport can do, so callers branch on data:
     `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart),
     `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
-    The optional methods (`encode_frame`, `read_while_waiting`, `room_opened`, `forget_last`, `flush`,
+    The optional methods (`encoding`, `read_while_waiting`, `room_opened`, `forget_last`, `flush`,
     `wait_for_room`, `abandon`) have a default that is right for a transport without the capability.
     """
 
@@ -224,7 +224,7 @@ class Transport:
         bound_key = self._frame_key(encoding.signing_key)
         limit = self.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            self.send(self.encode_frame(tensor, key, metadata, message_id, encoding, bound_key), key=key)
+            self.send(encoding.encode(tensor, key, metadata, message_id, bound_key), key=key)
             return
         parts = encode_chunks(
             tensor,
@@ -248,21 +248,10 @@ class Transport:
                 self.forget_last(sent)
             raise
 
-    def encode_frame(
-        self,
-        tensor: Any,
-        key: str | None,
-        metadata: dict[str, Any] | None,
-        message_id: MessageId,
-        encoding: Encoding,
-        signing_key: bytes | None,
-    ) -> list[Buffer]:
-        """One tensor as one whole frame for `send`, sealed (signed with `signing_key`, the bound key).
-
-        A transport that can finish frames while sending them overrides this (sockets compute the
-        checksum as the bytes go out).
-        """
-        return encoding.encode(tensor, key, metadata, message_id, signing_key)
+    def encoding(self, wanted: Encoding) -> Encoding:
+        """How this transport encodes a producer's tensors (`Producer` asks once): `wanted`, or a variant
+        of it for a transport that finishes frames while it sends them."""
+        return wanted
 
     def _frame_key(self, signing_key: bytes | None) -> bytes | None:
         """The key frames are signed with: `signing_key` bound to the endpoint (and consumer run) now served."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -259,17 +260,9 @@ class SocketTransport(Transport):
         ):
             super().send_message(tensor, key, metadata, message_id, encoding)
 
-    def encode_frame(
-        self,
-        tensor: Any,
-        key: str | None,
-        metadata: dict[str, Any] | None,
-        message_id: MessageId,
-        encoding: Encoding,
-        signing_key: bytes | None,
-    ) -> list[Buffer]:
-        """One whole frame whose checksum `send_frame` computes while sending it (`deferred_checksum`)."""
-        return encoding.encode(tensor, key, metadata, message_id, signing_key, deferred_checksum=True)
+    def encoding(self, wanted: Encoding) -> Encoding:
+        """`wanted`, with a whole frame's CRC left to `send_frame`, which computes it while sending."""
+        return dataclasses.replace(wanted, deferred_checksum=True)
 
     def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
