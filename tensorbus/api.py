@@ -45,6 +45,7 @@ class ProducerOptions:
     checksum: bool = True
     signing_key: bytes | str | None = None
     max_frame_bytes: int | None = None
+    max_header_bytes: int = Limits.max_header_bytes  # what its consumers take: a larger header is refused at send
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +117,8 @@ class Producer:
         if self.compression is not None:
             check_codec(self.compression)
         self.signing_key = _key_bytes(opts.signing_key)
-        self._encoding = Encoding(self.compression, self.checksum, self.signing_key)
+        wanted = Encoding(self.compression, self.checksum, self.signing_key, opts.max_header_bytes)
+        self._encoding = self.transport.encoding(wanted)
         self._start_identity()
         self._closed = False
 

@@ -213,6 +213,10 @@ class Intake:
         """True while the message still waits for chunks."""
         return self.reassembler.is_pending(message_id)
 
+    def given_up(self) -> int:
+        """Incomplete messages given up so far (expired, or refused part way)."""
+        return self.reassembler.given_up
+
     def none_dropped(self) -> bool:
         """False once an abort or close dropped delivered tensors nobody received."""
         return self.table.dropped == 0

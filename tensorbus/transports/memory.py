@@ -18,7 +18,7 @@ from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
 from ..options import finite_timeout
-from .base import Deliver, Held, Transport, TransportOptions
+from .base import Deliver, GivenUp, Held, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +233,7 @@ class MemoryTransport(Transport):
         #: the frames (with their sources) of messages not complete yet, or held back
         incomplete: dict[MessageId | None, list[tuple[object, Buffer]]] = {}
         held = self._held = {}  # source -> the message the consumer holds back (its share of the table is full)
+        given_up = GivenUp(deliver)
         turned_away: MessageId | None = None
         try:
             while not self._stop.is_set():
@@ -255,7 +256,7 @@ class MemoryTransport(Transport):
                     continue
                 if result.message_id not in incomplete:  # a new incomplete message: forget those given up on
                     keep = {h.message_id for h in held.values()}
-                    for message_id in [m for m in incomplete if m not in keep and not deliver.is_pending(m)]:
+                    for message_id in [m for m in given_up.among(incomplete) if m not in keep]:
                         del incomplete[message_id]
                 incomplete.setdefault(result.message_id, []).append((source, frame))
                 if result.turned_away:

@@ -597,10 +597,18 @@ class Reactor:
             self._pending.add(peer)
 
     def _ack(self, peer: _Peer) -> None:
-        """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full).
+        """Send the refusals queued, then ack the frames before the oldest still-incomplete tensor
+        (cumulative; retried if the socket is full).
 
-        None once an abort or close dropped tensors nobody took: the producer sends those again.
+        No ack once an abort or close dropped tensors nobody took (the producer sends those again);
+        the refusals go all the same, as a refused frame is refused for good.
         """
+        while peer.outbox:  # refusals first: the ack covers their frames
+            try:
+                del peer.outbox[: peer.conn.send(peer.outbox)]
+            except _WOULD_BLOCK:
+                peer.ack_owed = True
+                return
         if not self.deliver.none_dropped():
             peer.ack_owed = False
             return
@@ -613,12 +621,6 @@ class Reactor:
         safe = next(iter(incomplete.values()), peer.frames)
         if peer.turned_away is not None:
             safe = min(safe, peer.turned_away)
-        while peer.outbox:  # refusals first: the ack covers their frames
-            try:
-                del peer.outbox[: peer.conn.send(peer.outbox)]
-            except _WOULD_BLOCK:
-                peer.ack_owed = True
-                return
         try:
             sent = peer.conn.send(ACK.pack(safe))
         except _WOULD_BLOCK:

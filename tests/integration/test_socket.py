@@ -778,6 +778,7 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
     # frame again, and the copy is dropped as a duplicate
     with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+        require_native(reactor._fast is not None, "the C delivery (tensorbus/_intake.c)")
         take, interrupted = reactor._fast, []
 
         def interrupt_once(frame: Any, crc: Any, source: Any) -> Any:

@@ -65,6 +65,9 @@ class Recorder:
     def is_pending(self, message_id: MessageId | None) -> bool:
         return False
 
+    def given_up(self) -> int:
+        return 0
+
     def none_dropped(self) -> bool:
         return True
 

@@ -286,10 +286,9 @@ def test_a_source_at_its_share_has_no_room_while_the_others_do() -> None:
     assert table.source_bytes("A") == 0 and not table._by_source
     table.put(_message("a", 300), source="A")
     assert not table.has_room_for("x", "A") and table.has_room_for("x", "B") and table.has_room_for("x")
-    threading.Thread(target=lambda: table.recv("x", timeout=10), daemon=True).start()
-    while "x" not in table._waiters:
-        time.sleep(0.001)
+    handle = table.recv_async("x", lambda message, error: None)
     assert table.has_room_for("x", "A")  # someone waits for its key: handed over, it needs no room
+    assert handle.cancel() and not table.has_room_for("x", "A")
 
 
 def test_a_source_s_bytes_are_released_on_every_way_out_of_the_table() -> None:
