@@ -1,8 +1,8 @@
 """Builds the optional C fast paths (the codec's, the stream sockets', the intake's); the rest is in pyproject.toml.
 
 Both are optional: without a C compiler tensorbus installs and runs on its Python paths.
-Each has its source's hash compiled in, so a checkout whose C changed after the build notices
-(tensorbus/codec/native.py) instead of running a stale binary.
+Each has its source's hash compiled in (its .c and the header the extensions share), so a checkout
+whose C changed after the build notices (tensorbus/codec/native.py) instead of running a stale binary.
 """
 
 import hashlib
@@ -11,16 +11,20 @@ from pathlib import Path
 import numpy
 from setuptools import Extension, setup
 
+ROOT = Path(__file__).parent
+#: the frame format's constants and loads, shared by the extensions (codec/_frame.h)
+HEADER = "tensorbus/codec/_frame.h"
 FLAGS = ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
 
 
 def extension(name: str, **options: object) -> Extension:
     """An optional C extension of tensorbus, with the hash of its source compiled in."""
     source = name.replace(".", "/") + ".c"
-    source_hash = hashlib.sha256((Path(__file__).parent / source).read_bytes()).hexdigest()
+    source_hash = hashlib.sha256((ROOT / source).read_bytes() + (ROOT / HEADER).read_bytes()).hexdigest()
     return Extension(
         name,
         [source],
+        depends=[HEADER],
         define_macros=[("TENSORBUS_SOURCE_HASH", f'"{source_hash}"')],
         extra_compile_args=FLAGS,
         optional=True,

@@ -25,6 +25,7 @@ import resource
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -181,6 +182,40 @@ def held_bomb(connections: int, bomb_mib: int, max_buffered_mib: int) -> dict[st
         child.join(30)
 
 
+def hog(tensors: int) -> dict[str, float]:
+    """One connection sends `tensors` 64 KiB tensors nobody takes, twice the consumer's table: an
+    honest producer's tensors must still be taken at once (its share: `max_buffered_bytes_per_producer`)."""
+    frames = [tb.dumps(np.ones(64 << 10, np.uint8), key=f"hog{i}", message_id=("hog", i)) for i in range(tensors)]
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=tensors << 15) as consumer:
+        attacker = raw_connection(consumer.address)
+
+        def send_all() -> None:
+            try:
+                attacker.sendall(b"".join(frames))
+            except OSError:  # closed once done, while the consumer still holds it back
+                pass
+
+        flood = threading.Thread(target=send_all)
+        flood.start()
+        deadline = time.monotonic() + 30
+        while consumer.intake._held_up < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the attacker is held back
+        worst, taken = 0.0, 0
+        with tb.Producer(consumer.address) as honest:
+            for i in range(20):
+                started = time.monotonic()
+                honest.send(f"honest{i}", np.full(1024, i))
+                try:
+                    honest.flush(5)
+                except tb.TransportError:
+                    break
+                worst = max(worst, time.monotonic() - started)
+                taken += int(consumer.recv(f"honest{i}", timeout=0)[0] == i)
+        attacker.close()
+        flood.join(30)
+    return {"honest_taken": taken, "of": 20, "worst_ms": round(worst * 1000, 2)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=1_000_000)
@@ -190,6 +225,7 @@ def main() -> int:
     parser.add_argument("--bombs", type=int, default=8, help="held-bomb connections (0: skip that attack)")
     parser.add_argument("--bomb-mib", type=int, default=64, help="what each held bomb expands to")
     parser.add_argument("--max-buffered-mib", type=int, default=64, help="the held-bomb consumer's table")
+    parser.add_argument("--hog", type=int, default=2000, help="unclaimed tensors one connection floods (0: skip)")
     args = parser.parse_args()
     logging.disable(logging.CRITICAL)  # every rejected frame logs an error; the report counts them
     rng = random.Random(args.seed)
@@ -240,6 +276,7 @@ def main() -> int:
         attacker.close()
     replays = replay(rng, args.replays)
     bombs = held_bomb(args.bombs, args.bomb_mib, args.max_buffered_mib) if args.bombs else None
+    hogged = hog(args.hog) if args.hog else None
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"offline: {args.cases:,} mutated frames x (decode, reassembler) in {offline_s:.0f}s: {counts}")
     print(f"live tcp:// consumer: {live}")
@@ -249,11 +286,14 @@ def main() -> int:
             f"held bomb: {args.bombs} connections x one zstd frame of {args.bomb_mib} MiB, "
             f"max_buffered_bytes={args.max_buffered_mib} MiB full: {bombs}"
         )
+    if hogged is not None:
+        print(f"one connection floods {args.hog} unclaimed 64 KiB tensors (twice the table): {hogged}")
     print(
         f"peak RSS {peak_mb:.0f} MB; reassembler held {reassembler.held_bytes} bytes, stats {dict(reassembler.stats)}"
     )
     ok = counts["crashes"] == 0 and counts["hangs"] == 0 and live["honest_received"] == live["honest_sent"]
     ok = ok and replays["delivered"] == 0 and replays["refused"] >= 2 * args.replays
+    ok = ok and (hogged is None or hogged["honest_taken"] == hogged["of"])
     return 0 if ok else 1
 
 

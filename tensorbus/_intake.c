@@ -7,7 +7,8 @@
  * Intake.deliver, Reassembler.feed and Rendezvous.put do in Python, and leaves every other frame to them.
  *
  * It takes only the case with nothing to decide: a plain ndarray frame (the codec's decode_message says
- * so), its id not seen before, both locks free at once, the table not aborted and not full, no
+ * so), its id not seen before, both locks free at once, the table not aborted and not full (nor the
+ * share of the producer it came from, `source`, where the transport names one), no
  * recv_async callback first in line, a key that names no incarnation (fencing is Python's), no chunked
  * message part way (feeding the reassembler is what expires those). On anything else it changes nothing
  * and returns None, and the caller delivers the frame the Python way, which decides. It runs no Python
@@ -33,7 +34,7 @@ static PyObject *g_any = NULL;       /* intake_state.ANY, the waiter key of arri
 static PyObject *g_deque = NULL;     /* collections.deque */
 static Py_ssize_t g_separators = -1; /* a key with this many ';' may name an incarnation */
 
-static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_popitem, *s_callback, *s_done, *s_result,
+static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_pop, *s_popitem, *s_callback, *s_done, *s_result,
     *s_received, *s_buffered, *s_semicolon, *s_one;
 
 /* ---- the state ------------------------------------------------------------------------------------------ */
@@ -44,7 +45,8 @@ typedef struct {
     PyObject *waiters;                          /* _waiters: {key or ANY: deque of Waiter} */
     PyObject *arrivals;                         /* _arrivals: OrderedDict {number: (message, bytes)} */
     PyObject *by_key;                           /* _by_key: {key: deque of numbers} */
-    PyObject *buffered_bytes, *max_buffered_bytes, *counter; /* ints */
+    PyObject *by_source;                        /* _by_source: {source: bytes buffered}, sources with some */
+    PyObject *buffered_bytes, *max_buffered_bytes, *max_source_bytes, *counter; /* ints */
     PyObject *aborted;                          /* _aborted: None, or the Aborted error */
     PyObject *stats;                            /* a collections.Counter */
 } TableState;
@@ -65,10 +67,12 @@ typedef struct {
 static PyMemberDef table_members[] = {
     OBJ(TableState, lock, "_lock", "RLock guarding the table"),
     OBJ(TableState, waiters, "_waiters", "key (or ANY) -> deque of Waiter"),
-    OBJ(TableState, arrivals, "_arrivals", "arrival number -> (message, bytes counted)"),
+    OBJ(TableState, arrivals, "_arrivals", "arrival number -> (message, bytes counted, source)"),
     OBJ(TableState, by_key, "_by_key", "key -> deque of arrival numbers"),
+    OBJ(TableState, by_source, "_by_source", "source -> bytes its buffered messages count"),
     OBJ(TableState, buffered_bytes, "buffered_bytes", "bytes of the buffered messages"),
     OBJ(TableState, max_buffered_bytes, "max_buffered_bytes", "the limit on buffered_bytes"),
+    OBJ(TableState, max_source_bytes, "max_source_bytes", "the limit on one source's buffered bytes"),
     OBJ(TableState, counter, "_counter", "the last arrival number"),
     OBJ(TableState, aborted, "_aborted", "None, or the Aborted error"),
     OBJ(TableState, stats, "stats", "counts (a collections.Counter)"),
@@ -226,14 +230,15 @@ typedef struct {
  * the Python way; -1: an error (also nothing changed, but for a MemoryError half way, which drops the
  * connection: the frame was not acknowledged, so it comes again, and a copy already taken is a duplicate). */
 static int
-fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject **taken)
+fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, PyObject **taken)
 {
     IntakeState *s = self->state;
     TableState *t = (TableState *)s->table;
     if (g_decode == NULL || s->lock == NULL || s->seen == NULL || s->stats == NULL || t->lock == NULL ||
         t->waiters == NULL || t->arrivals == NULL || t->by_key == NULL || t->buffered_bytes == NULL ||
-        t->max_buffered_bytes == NULL || t->counter == NULL || t->stats == NULL || !PyDict_Check(s->seen) ||
-        !PyDict_Check(t->by_key) || !PyDict_Check(t->waiters)) {
+        t->max_buffered_bytes == NULL || t->counter == NULL || t->stats == NULL || t->by_source == NULL ||
+        t->max_source_bytes == NULL || !PyDict_Check(s->seen) || !PyDict_Check(t->by_key) ||
+        !PyDict_Check(t->waiters) || !PyDict_Check(t->by_source)) {
         return 0; /* not set up (yet): the Python way */
     }
     PyObject *args[5] = {frame, crc, self->max_header, self->max_payload, self->max_ndim};
@@ -251,7 +256,7 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject **taken)
     }
     int result = 0, intake_locked = 0, table_locked = 0, ok = 1;
     PyObject *waiter = NULL, *done = NULL, *number = NULL, *entry = NULL, *fresh = NULL, *queue, *keyed = NULL;
-    PyObject *more = NULL;
+    PyObject *more = NULL, *share = NULL;
     if ((intake_locked = try_lock(s->lock)) <= 0 || (table_locked = try_lock(t->lock)) <= 0) {
         result = intake_locked < 0 || table_locked < 0 ? -1 : 0;
         goto out;
@@ -285,13 +290,19 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject **taken)
     }
     else {
         ok = PyObject_RichCompareBool(t->buffered_bytes, t->max_buffered_bytes, Py_LT);
-        if (ok <= 0) { /* full: Python holds it back */
+        if (ok > 0 && source != Py_None) { /* the source's share, as Rendezvous._has_room_for */
+            PyObject *had = PyDict_GetItemWithError(t->by_source, source); /* (borrowed) */
+            ok = had == NULL ? (PyErr_Occurred() ? -1 : 1) : PyObject_RichCompareBool(had, t->max_source_bytes, Py_LT);
+            share = ok <= 0 ? NULL : had == NULL ? Py_NewRef(size) : PyNumber_Add(had, size);
+            ok = ok > 0 && share == NULL ? -1 : ok;
+        }
+        if (ok <= 0) { /* full (or the source's share is): Python holds it back */
             result = ok;
             goto out;
         }
         more = PyNumber_Add(t->buffered_bytes, size);
         number = more == NULL ? NULL : PyNumber_Add(t->counter, s_one);
-        entry = number == NULL ? NULL : PyTuple_Pack(2, msg, size);
+        entry = number == NULL ? NULL : PyTuple_Pack(3, msg, size, source);
         keyed = entry == NULL ? NULL : PyDict_GetItemWithError(t->by_key, key); /* (borrowed) */
         if (keyed == NULL && entry != NULL && !PyErr_Occurred()) {
             keyed = fresh = PyObject_CallNoArgs(g_deque);
@@ -325,18 +336,21 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject **taken)
         }
         ok = ok && unlock(done) == 0;
     }
-    else if (ok) { /* three writes that may allocate, each undone should a later one fail; then two that do not */
+    else if (ok) { /* four writes that may allocate, each undone should a later one fail; then two that do not */
         int placed = PyObject_SetItem(t->arrivals, number, entry) == 0;
         int keyed_here = placed && (fresh == NULL || PyDict_SetItem(t->by_key, key, fresh) == 0);
         PyObject *appended = keyed_here ? PyObject_CallMethodOneArg(keyed, s_append, number) : NULL;
-        ok = appended != NULL;
+        int shared = appended != NULL && (share == NULL || PyDict_SetItem(t->by_source, source, share) == 0);
+        ok = shared;
         if (!ok) {
-            PyObject *type, *value, *traceback;
+            PyObject *type, *value, *traceback, *popped = NULL;
             PyErr_Fetch(&type, &value, &traceback);
-            if ((keyed_here && fresh != NULL && PyDict_DelItem(t->by_key, key) < 0) ||
+            if ((appended != NULL && (popped = PyObject_CallMethodNoArgs(keyed, s_pop)) == NULL) ||
+                (keyed_here && fresh != NULL && PyDict_DelItem(t->by_key, key) < 0) ||
                 (placed && PyObject_DelItem(t->arrivals, number) < 0)) {
                 PyErr_Clear();
             }
+            Py_XDECREF(popped);
             PyErr_Restore(type, value, traceback);
         }
         else {
@@ -368,6 +382,7 @@ out:
     Py_XDECREF(entry);
     Py_XDECREF(fresh);
     Py_XDECREF(more);
+    Py_XDECREF(share);
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback); /* (release() with an error set would turn it into a SystemError) */
     if (table_locked > 0 && unlock(t->lock) < 0) {
@@ -384,20 +399,20 @@ out:
 }
 
 PyDoc_STRVAR(fast_take_doc,
-"take(frame, crc)\n--\n\n"
-"Deliver a whole received frame (a memoryview handed over; crc as the stream reader gives it): its\n"
-"Message once it is in the table or with its receiver; None when it changed nothing (deliver it the\n"
-"Python way).");
+"take(frame, crc, source=None)\n--\n\n"
+"Deliver a whole received frame (a memoryview handed over; crc as the stream reader gives it; source:\n"
+"the producer it came from, whose share of the table it counts against): its Message once it is in\n"
+"the table or with its receiver; None when it changed nothing (deliver it the Python way).");
 
 static PyObject *
 fast_take_method(FastDelivery *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2 || !PyMemoryView_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "take(frame: memoryview, crc: int | None)");
+    if (nargs < 2 || nargs > 3 || !PyMemoryView_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take(frame: memoryview, crc: int | None, source: object = None)");
         return NULL;
     }
     PyObject *taken = NULL;
-    int r = fast_take(self, args[0], args[1], &taken);
+    int r = fast_take(self, args[0], args[1], nargs == 3 ? args[2] : Py_None, &taken);
     if (r < 0) {
         Py_XDECREF(taken);
         return NULL;
@@ -521,7 +536,7 @@ PyInit__intake(void)
         const char *text;
     } names[] = {
         {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_popleft, "popleft"},
-        {&s_append, "append"},   {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"},
+        {&s_append, "append"},   {&s_pop, "pop"},         {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"},
         {&s_result, "result"},   {&s_received, "received"}, {&s_buffered, "buffered"}, {&s_semicolon, ";"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {

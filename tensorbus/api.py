@@ -45,6 +45,7 @@ class ProducerOptions:
     checksum: bool = True
     signing_key: bytes | str | None = None
     max_frame_bytes: int | None = None
+    max_header_bytes: int = Limits.max_header_bytes  # what its consumers take: a larger header is refused at send
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,8 @@ class ConsumerOptions:
     signing_key: bytes | str | None = None
     max_frame_bytes: int | None = None
     max_buffered_bytes: int = 1 << 30
+    #: what one producer (a connection, on sockets) may have buffered; None: half of max_buffered_bytes
+    max_buffered_bytes_per_producer: int | None = None
     max_reassembly_bytes: int = 1 << 31
     reassembly_timeout_s: float = 60.0
     max_header_bytes: int = Limits.max_header_bytes
@@ -114,7 +117,8 @@ class Producer:
         if self.compression is not None:
             check_codec(self.compression)
         self.signing_key = _key_bytes(opts.signing_key)
-        self._encoding = Encoding(self.compression, self.checksum, self.signing_key)
+        wanted = Encoding(self.compression, self.checksum, self.signing_key, opts.max_header_bytes)
+        self._encoding = self.transport.encoding(wanted)
         self._start_identity()
         self._closed = False
 
@@ -192,6 +196,7 @@ class Consumer:
         self.intake = Intake(
             limits=limits,
             max_buffered_bytes=opts.max_buffered_bytes,
+            max_buffered_bytes_per_producer=opts.max_buffered_bytes_per_producer,
             max_reassembly_bytes=opts.max_reassembly_bytes,
             reassembly_timeout_s=opts.reassembly_timeout_s,
             dedup_window=opts.dedup_window,

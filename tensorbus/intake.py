@@ -3,9 +3,11 @@
 A transport reports each received frame to the consumer's `Intake` (the `Deliver` protocol of
 transports/base.py). The intake decodes or reassembles it, drops it if its id was seen (dedup), puts
 it in the rendezvous table (which fences stale incarnations), holds it back while the table is full
-(backpressure), and expires chunked messages whose chunks stopped coming. Plain frames of one ndarray
-may take the C delivery instead (`fast`, `_intake.c`), which does the same to the same state
-(intake_state.py) and leaves every other case to the Python code here.
+or its producer has its share of it (backpressure: `max_buffered_bytes_per_producer`, where the
+transport names the producer a frame came from: `source`), and expires chunked messages whose
+chunks stopped coming. Plain frames of one ndarray may take the C delivery instead (`fast`,
+`_intake.c`), which does the same to the same state (intake_state.py) and leaves every other case
+to the Python code here.
 """
 
 from __future__ import annotations
@@ -48,13 +50,16 @@ class Intake:
         whole_signing_key: bytes | None = None,
         unclaimed_timeout_s: float | None = None,
         sender: Callable[[], str | None] = lambda: None,
+        max_buffered_bytes_per_producer: int | None = None,
     ) -> None:
         #: bad frames are logged a few per sender and window, the rest counted in a summary line
         self._rejections = LogLimiter(log, "frames rejected")
         self.name = name  # for logs: the consumer's URL without secrets
         self._sender = sender  # who sent the frame being delivered, where the transport knows
         self._unclaimed_timeout_s = unclaimed_timeout_s
-        self.table = Rendezvous(max_buffered_bytes=max_buffered_bytes)
+        self.table = Rendezvous(
+            max_buffered_bytes=max_buffered_bytes, max_buffered_bytes_per_producer=max_buffered_bytes_per_producer
+        )
         self.reassembler = Reassembler(
             max_bytes=max_reassembly_bytes,
             timeout_s=reassembly_timeout_s,
@@ -77,9 +82,9 @@ class Intake:
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
         self._held_bytes = 0  # the frames held back undecoded (`Held`): they count against max_buffered_bytes
         self._limits = limits
-        #: the C delivery of plain frames (`fast(frame, crc)`: the Message it delivered, or None to
+        #: the C delivery of plain frames (`fast(frame, crc, source)`: the Message it delivered, or None to
         #: deliver the frame with `__call__`), for transports that read frames in C; None where it cannot serve
-        self.fast: Callable[[memoryview, int | None], Message | None] | None = None
+        self.fast: Callable[[memoryview, int | None, object], Message | None] | None = None
         self.fast_delivery: Any = None  # (`_intake.FastDelivery`: its `taken` counts the frames it delivered)
         if FAST is not None and limits.native and like == "numpy" and signing_key is None:
             self.fast_delivery = FAST.FastDelivery(
@@ -105,8 +110,10 @@ class Intake:
 
     # -- what transports call (transports.base.Deliver) -------------------------------------------
 
-    def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
-        """One received frame; never raises. See `Deliver` for `may_hold`."""
+    def __call__(
+        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+    ) -> Delivered:
+        """One received frame; never raises. See `Deliver` for `may_hold` and `source`."""
         message: Message | None
         state = self.state
         with self._lock:
@@ -115,8 +122,8 @@ class Intake:
                 if interrupted is not None and interrupted[0] is frame:  # the same frame again: decoded already
                     message, state.interrupted = interrupted[1], None  # (kept until then: others may come first)
                 else:
-                    if may_hold and self._full():
-                        held = self._held(frame, crc)
+                    if may_hold and (self._full() or self.table.at_share(source)):
+                        held = self._held(frame, crc, source)
                         if held is not None:
                             return Delivered(held.message_id, False, held=held)
                     message = self._feed(frame, crc)
@@ -141,15 +148,16 @@ class Intake:
             if self._is_duplicate(message_id):
                 return Delivered(message_id, True)
             full = self._full()
-            if may_hold and full and not self.table.has_room_for(message.key):
+            if may_hold and (full or self.table.at_share(source)) and not self.table.has_room_for(message.key, source):
                 self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
-                return Delivered(message_id, False, held=Held(None, None, message.key, message_id, message=message))
+                held = Held(None, None, message.key, message_id, message=message, source=source)
+                return Delivered(message_id, False, held=held)
             if message_id is not None:
                 self._seen.add(message_id)
         try:
             if full and not may_hold and not self.table.has_room_for(message.key):
                 self._wait_for_room(message.key)
-            return self._admit(message)
+            return self._admit(message, source)
         except CallbackInterrupted:  # in a recv_async callback, which had the message: it was delivered
             raise
         except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport offers the frame again
@@ -160,16 +168,16 @@ class Intake:
     def release(self, held: Held) -> Delivered | None:
         """A held message offered again: decoded and taken (or turned away, or a duplicate, or refused)
         once it fits; else None (or held again: `Delivered.held`)."""
-        if not self.table.has_room_for(held.key):
+        if not self.table.has_room_for(held.key, held.source):
             return None
         if held.frame is None:
             assert held.message is not None
-            return self._release_decoded(held.message)
+            return self._release_decoded(held.message, held.source)
         with self._lock:
             self._held_bytes -= held.nbytes
             self._unhold()
         try:
-            result = self(held.frame, held.crc, may_hold=True)
+            result = self(held.frame, held.crc, may_hold=True, source=held.source)
         except CallbackInterrupted:  # in a recv_async callback, which had the message: taken
             raise
         except BaseException:  # still held: offered again later (decoded already: see `state.interrupted`)
@@ -179,7 +187,7 @@ class Intake:
             raise
         return result  # (held again, its `held` says how, when the room went meanwhile)
 
-    def _release_decoded(self, message: Message) -> Delivered:
+    def _release_decoded(self, message: Message, source: object) -> Delivered:
         """A held message (decoded: a chunked one) that now fits: taken, turned away, or a duplicate."""
         message_id = message.message_id
         with self._lock:
@@ -189,7 +197,7 @@ class Intake:
             if message_id is not None:
                 self._seen.add(message_id)
         try:
-            result = self._admit(message)
+            result = self._admit(message, source)
         except CallbackInterrupted:  # in a recv_async callback, which had the message: taken
             with self._lock:
                 self._unhold()
@@ -204,6 +212,10 @@ class Intake:
     def is_pending(self, message_id: MessageId | None) -> bool:
         """True while the message still waits for chunks."""
         return self.reassembler.is_pending(message_id)
+
+    def given_up(self) -> int:
+        """Incomplete messages given up so far (expired, or refused part way)."""
+        return self.reassembler.given_up
 
     def none_dropped(self) -> bool:
         """False once an abort or close dropped delivered tensors nobody received."""
@@ -228,20 +240,21 @@ class Intake:
         before asking properly)."""
         return self.table.buffered_bytes + self._held_bytes >= self.table.max_buffered_bytes
 
-    def _held(self, frame: Buffer, crc: int | None) -> Held | None:
-        """Hold a whole message's frame back undecoded while the table has no room for it (caller holds
-        `_lock`): a small compressed frame that expands to gigabytes then costs its size on the wire.
+    def _held(self, frame: Buffer, crc: int | None, source: object) -> Held | None:
+        """Hold a whole message's frame back undecoded while the table (or its source's share of it) has
+        no room for it (caller holds `_lock`): a small compressed frame that expands to gigabytes then
+        costs its size on the wire.
         None to decode it now: a chunk, a frame whose header does not parse, one seen already, or room."""
         peeked = peek_message(frame, self._limits)
         if peeked is None or (peeked[1] is not None and peeked[1] in self._seen):
             return None
         key, message_id = peeked
-        if self.table.has_room_for(key):
+        if self.table.has_room_for(key, source):
             return None
         nbytes = memoryview(frame).nbytes
         self._held_bytes += nbytes
         self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
-        return Held(frame, crc, key, message_id, nbytes)
+        return Held(frame, crc, key, message_id, nbytes, source=source)
 
     def _is_duplicate(self, message_id: MessageId | None) -> bool:
         """Whether this message was seen already (then counted); caller holds `_lock`."""
@@ -262,11 +275,11 @@ class Intake:
             with self._lock:
                 self._seen.persist(message.message_id)
 
-    def _admit(self, message: Message) -> Delivered:
-        """Put a decoded message (already marked as seen) in the table."""
+    def _admit(self, message: Message, source: object) -> Delivered:
+        """Put a decoded message (already marked as seen) in the table, counted against `source`."""
         message_id = message.message_id
         try:
-            self.table.put(message)
+            self.table.put(message, source=source)
         except CallbackInterrupted:  # in a recv_async callback, which had it: received all the same
             self.stats["received"] += 1
             raise

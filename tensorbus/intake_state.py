@@ -47,18 +47,23 @@ class Waiter:
 class PyTableState:
     """The table's queues and counts; all read and written under `_lock`."""
 
-    __slots__ = ("_aborted", "_arrivals", "_by_key", "_counter", "_lock", "_waiters", "buffered_bytes",
-                 "max_buffered_bytes", "stats")  # fmt: skip
+    __slots__ = ("_aborted", "_arrivals", "_by_key", "_by_source", "_counter", "_lock", "_waiters", "buffered_bytes",
+                 "max_buffered_bytes", "max_source_bytes", "stats")  # fmt: skip
     #: guards everything here (an RLock)
     _lock: threading.RLock
     #: receivers waiting, by key (ANY: arrival order), oldest first
     _waiters: dict[object, collections.deque[Waiter]]
     #: buffered messages by arrival number, each with the bytes it counts (as counted when it came)
-    _arrivals: collections.OrderedDict[int, tuple[Message, int]]
+    #: and the source (producer) it counts against, or None
+    _arrivals: collections.OrderedDict[int, tuple[Message, int, object]]
     #: the arrival numbers of each key's buffered messages, oldest first
     _by_key: dict[str | None, collections.deque[int]]
+    #: the bytes each source's buffered messages count (sources with none are not there)
+    _by_source: dict[object, int]
     buffered_bytes: int
     max_buffered_bytes: int
+    #: a source with this many bytes buffered has no room (`max_buffered_bytes_per_producer`)
+    max_source_bytes: int
     #: the last arrival number given
     _counter: int
     #: None, or the error `abort` made (every later call raises its like)

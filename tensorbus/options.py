@@ -47,6 +47,11 @@ def finite_timeout(timeout: object, name: str = "timeout") -> float | None:
     return None if seconds >= threading.TIMEOUT_MAX else seconds
 
 
+def _is_size(name: str) -> bool:
+    """Whether an option counts bytes, by its name (`max_frame_bytes`, `max_buffered_bytes_per_producer`)."""
+    return name.endswith("_bytes") or "_bytes_per_" in name
+
+
 def _coerce(name: str, text: str, default: Any) -> Any:
     """Turn a query-string value into the type of the option's default."""
     try:
@@ -59,7 +64,7 @@ def _coerce(name: str, text: str, default: Any) -> Any:
         if isinstance(default, float):
             return float(text)
         if default is None:  # no default to copy the type from: the unit in the name says (max_frame_bytes)
-            if name.endswith("_bytes"):
+            if _is_size(name):
                 return int(text)
             if name.endswith("_s"):
                 return float(text)
@@ -74,7 +79,7 @@ def _check_type(name: str, value: Any, default: Any) -> Any:
         return value
     if isinstance(default, bool) or (default is None and name.startswith(("use_", "enable_"))):
         wanted: tuple[type, ...] = (bool,)
-    elif isinstance(default, int) or (default is None and name.endswith("_bytes")):
+    elif isinstance(default, int) or (default is None and _is_size(name)):
         wanted = (int,)
     elif isinstance(default, float) or (default is None and name.endswith("_s")):
         wanted = (int, float)
@@ -141,7 +146,7 @@ def _check_value(name: str, value: Any) -> None:
         return
     if name.endswith("_s") and not value >= 0:  # (NaN fails every comparison)
         raise ConfigError(f"option {name} must be a duration of 0 seconds or more, got {value!r}")
-    if name.endswith(("_bytes", "_frames")) and not value > 0:
+    if (_is_size(name) or name.endswith("_frames")) and not value > 0:
         raise ConfigError(f"option {name} must be positive, got {value!r}")
 
 

@@ -45,6 +45,21 @@ def message_nbytes(message: Message) -> int:
     return tensor_nbytes(message.tensor) + message.header_bytes
 
 
+def per_producer_limit(max_buffered_bytes: int, per_producer: int | None) -> int:
+    """The bytes one producer may have buffered: `per_producer`, by default half the table; a
+    `ConfigError` for a limit that is not positive or one above the table's (it would never bind)."""
+    if max_buffered_bytes <= 0:
+        raise ConfigError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
+    if per_producer is None:
+        return max(1, max_buffered_bytes // 2)
+    if per_producer <= 0 or per_producer > max_buffered_bytes:
+        raise ConfigError(
+            f"max_buffered_bytes_per_producer must be positive and at most max_buffered_bytes "
+            f"({max_buffered_bytes}), got {per_producer}"
+        )
+    return per_producer
+
+
 #: `wait_for_room` without a message's key: only room will do
 _ANY_ROOM = object()
 
@@ -65,22 +80,27 @@ class Rendezvous(TableState):
 
     Unmatched messages are buffered up to `max_buffered_bytes`; past it, `send` still succeeds but
     `wait_for_room` blocks, which is how transports stop reading from the network (backpressure).
+    A transport that can stop reading one producer alone names it (`source`) with each message: a
+    producer with `max_buffered_bytes_per_producer` or more buffered has no room, whatever the others have.
     Its queues and counts are its `TableState` (intake_state.py): the intake's C delivery puts
     messages there too, under `_lock`, as `put` does.
     """
 
-    def __init__(self, *, max_buffered_bytes: int = 1 << 30) -> None:
-        if max_buffered_bytes <= 0:
-            raise ConfigError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
+    def __init__(
+        self, *, max_buffered_bytes: int = 1 << 30, max_buffered_bytes_per_producer: int | None = None
+    ) -> None:
         self.max_buffered_bytes = max_buffered_bytes
+        self.max_source_bytes = per_producer_limit(max_buffered_bytes, max_buffered_bytes_per_producer)
         self.buffered_bytes = 0
+        #: source -> bytes its buffered messages count (only sources with some; None is no source)
+        self._by_source: dict[object, int] = {}
         #: guards everything below; `with self._lock` rather than `with self._cond`: a Condition's
         #: `__enter__` is a Python-level call, and this lock is taken twice per tensor
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         #: buffered messages by arrival number, each with the bytes it counts (as counted when it came:
-        #: a dict sent in-process may change later, and the count must come back down to zero)
-        self._arrivals: collections.OrderedDict[int, tuple[Message, int]] = collections.OrderedDict()
+        #: a dict sent in-process may change later, and the count must come back down to zero) and its source
+        self._arrivals: collections.OrderedDict[int, tuple[Message, int, object]] = collections.OrderedDict()
         self._by_key: dict[str | None, collections.deque[int]] = {}
         self._waiters: dict[object, collections.deque[Waiter]] = {}
         #: hash of a source name -> its newest incarnation, newest use last (names come from peers and
@@ -110,8 +130,9 @@ class Rendezvous(TableState):
         check_key(key)
         self.put(Message(key, tensor, dict(metadata or {})))
 
-    def put(self, message: Message, *, first: bool = False) -> None:
-        """Deliver a decoded message (what transports call); never blocks. `first`: ahead of those buffered."""
+    def put(self, message: Message, *, first: bool = False, source: object = None) -> None:
+        """Deliver a decoded message (what transports call); never blocks. `first`: ahead of those buffered;
+        `source`: the producer it counts against while buffered (None: none)."""
         waiter = stale = None
         key = message.key
         with self._lock:
@@ -129,7 +150,7 @@ class Rendezvous(TableState):
             if waiter is None and stale is None:
                 self._counter += 1
                 nbytes = message_nbytes(message)
-                self._arrivals[self._counter] = (message, nbytes)
+                self._arrivals[self._counter] = (message, nbytes, source)
                 numbers = self._by_key.get(key)
                 if numbers is None:
                     numbers = self._by_key[key] = collections.deque()
@@ -139,6 +160,8 @@ class Rendezvous(TableState):
                 else:
                     numbers.append(self._counter)
                 self.buffered_bytes += nbytes
+                if source is not None:
+                    self._by_source[source] = self._by_source.get(source, 0) + nbytes
                 self.stats["buffered"] += 1
                 return
         if stale is not None:  # a receiver of the key fails now: the tensor it waits for will never come
@@ -200,26 +223,41 @@ class Rendezvous(TableState):
         self._waiters.setdefault(waiter.key, collections.deque()).append(waiter)
         if self.buffered_bytes >= self.max_buffered_bytes:
             self._room_opened()
+        elif self._by_source and self.room_opened is not None:  # a producer at its share may hold this key
+            self.room_opened()
 
     def _take(self, key: object) -> Message | None:
         """Pop the oldest buffered message for `key` (ANY: of any key). Caller holds the lock."""
         if key is ANY:
             if not self._arrivals:
                 return None
-            _, (message, nbytes) = self._arrivals.popitem(last=False)
+            _, (message, nbytes, source) = self._arrivals.popitem(last=False)
             numbers = self._by_key[message.key]
             numbers.popleft()
         else:
             numbers = self._by_key.get(key)  # type: ignore[call-overload]  # (key is a str here: not ANY)
             if not numbers:
                 return None
-            message, nbytes = self._arrivals.pop(numbers.popleft())
+            message, nbytes, source = self._arrivals.pop(numbers.popleft())
         if not numbers:
             del self._by_key[message.key]
         self.buffered_bytes -= nbytes
-        if self.buffered_bytes + nbytes >= self.max_buffered_bytes > self.buffered_bytes:
+        opened = self.buffered_bytes + nbytes >= self.max_buffered_bytes > self.buffered_bytes
+        if source is not None:
+            opened = self._uncount(source, nbytes) or opened
+        if opened:
             self._room_opened()
         return message
+
+    def _uncount(self, source: object, nbytes: int) -> bool:
+        """A buffered message of `source` left the table (caller holds the lock); True if that gave the
+        source room again."""
+        left = self._by_source[source] - nbytes
+        if left > 0:
+            self._by_source[source] = left
+        else:
+            del self._by_source[source]
+        return left < self.max_source_bytes <= left + nbytes
 
     def _room_opened(self) -> None:
         """Wake whatever waits for room (a transport in `wait_for_room`, or one holding messages back)."""
@@ -317,13 +355,28 @@ class Rendezvous(TableState):
                 self._cond.wait(remaining)
             return True
 
-    def has_room_for(self, key: str | None) -> bool:
-        """Whether a message of `key` can be put now without going over the limit (or is awaited)."""
+    def has_room_for(self, key: str | None, source: object = None) -> bool:
+        """Whether a message of `key` (from `source`, if named) can be put now without going over the
+        limit or the source's share of it (or is awaited)."""
         with self._lock:
-            return self._has_room_for(key)
+            return self._has_room_for(key, source)
 
-    def _has_room_for(self, key: object) -> bool:
-        if self.buffered_bytes < self.max_buffered_bytes or self._aborted is not None:
+    def at_share(self, source: object) -> bool:
+        """Whether `source` has its share buffered already (read without the lock: a quick look before
+        asking `has_room_for` properly)."""
+        return source is not None and self._by_source.get(source, 0) >= self.max_source_bytes
+
+    def source_bytes(self, source: object) -> int:
+        """The bytes `source`'s buffered messages count."""
+        with self._lock:
+            return self._by_source.get(source, 0)
+
+    def _has_room_for(self, key: object, source: object = None) -> bool:
+        if self._aborted is not None:
+            return True
+        if self.buffered_bytes < self.max_buffered_bytes and (
+            source is None or self._by_source.get(source, 0) < self.max_source_bytes
+        ):
             return True
         return key is not _ANY_ROOM and bool(self._waiters.get(key) or self._waiters.get(ANY))
 
@@ -339,11 +392,14 @@ class Rendezvous(TableState):
             old = [number for number in self._arrivals if number <= cutoff]
             if not old:
                 return []
+            opened = False
             was_full = self.buffered_bytes >= self.max_buffered_bytes
             dropped = []
             for number in old:
-                message, nbytes = self._arrivals.pop(number)
+                message, nbytes, source = self._arrivals.pop(number)
                 self.buffered_bytes -= nbytes
+                if source is not None:
+                    opened = self._uncount(source, nbytes) or opened
                 dropped.append(message)
             for key in {message.key for message in dropped}:
                 numbers = self._by_key[key]
@@ -353,7 +409,7 @@ class Rendezvous(TableState):
                 if not numbers:
                     del self._by_key[key]
             self.stats["unclaimed"] += len(dropped)
-            if was_full and self.buffered_bytes < self.max_buffered_bytes:
+            if opened or (was_full and self.buffered_bytes < self.max_buffered_bytes):
                 self._room_opened()
         return dropped
 
@@ -367,6 +423,7 @@ class Rendezvous(TableState):
             self.dropped += len(self._arrivals)
             self._arrivals.clear()
             self._by_key.clear()
+            self._by_source.clear()
             self.buffered_bytes = 0
             self._room_opened()  # what waits for room is turned away now
         for waiter in waiters:

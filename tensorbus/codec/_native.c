@@ -16,19 +16,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_frame.h"
+
 #if NPY_ABI_VERSION < 0x02000000 /* numpy 1.x headers */
 #define PyDataType_ELSIZE(descr) ((descr)->elsize)
 #endif
 
-#ifndef TENSORBUS_SOURCE_HASH
-#define TENSORBUS_SOURCE_HASH "unknown"
-#endif
-
-#define PREFIX_SIZE 24
-#define CRC_AT 20
-#define FORMAT_VERSION 1
-#define FLAG_CHECKSUM 0x01
-#define ALIGN 64
 #define OBJECT_BYTES 64
 #define MAX_PRODUCER_ID 128
 #define MAX_KEY_CHARS 1024
@@ -63,18 +56,6 @@ align64(uint64_t n)
 }
 
 /* ---- little-endian prefix, big-endian msgpack --------------------------------------------------- */
-
-static inline uint32_t
-le32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static inline uint64_t
-le64(const uint8_t *p)
-{
-    return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32;
-}
 
 static inline void
 put_le32(uint8_t *p, uint32_t v)

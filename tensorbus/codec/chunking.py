@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import struct
 import time
 from collections.abc import Callable
@@ -136,6 +137,7 @@ def encode_chunks(
     checksum: bool = True,
     signing_key: bytes | None = None,
     chunk_signing_key: bytes | None = None,
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes,
 ) -> list[list[Buffer]]:
     """`split(encode(obj, ...))`, but a chunked tensor's bytes are checksummed once, not twice.
 
@@ -150,7 +152,7 @@ def encode_chunks(
     if signing_key is not None:
         stamp(header)
     flags = FLAG_CHECKSUM if checksum else 0
-    head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0))
+    head = frame_head(header, end, flags | (FLAG_SIGNED if signing_key is not None else 0), max_header_bytes)
     total = len(head) + end
     stride = max_chunk_bytes - chunk_overhead(key, message_id, total, signing_key is not None)
     one_pass_anyway = total <= max_chunk_bytes or not checksum or signing_key is not None
@@ -253,6 +255,10 @@ class Reassembler:
         self._done: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._given_up: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._paused_since: float | None = None
+        self._expire_at = math.inf  # no incomplete message can be late before this (see `expire`)
+        #: incomplete messages given up so far (expired, over `max_bytes`, or bad once whole): a transport
+        #: that keeps their frames looks for which ones only when this grew (see `transports.base.GivenUp`)
+        self.given_up = 0
         self.held_bytes = 0
         #: the message id of the last chunk fed (None for whole frames), for transports that ack per message
         self.last_message_id: MessageId | None = None
@@ -265,7 +271,7 @@ class Reassembler:
         `crc` is the frame's CRC32C if the receiver already computed it (see `parse`). `owned`:
         the caller never writes to `data` again, so a chunk may be kept without a copy (as may `bytes`).
         """
-        if self._partials:
+        if self._partials and self.clock() > self._expire_at:
             self.expire()
         self.last_message_id = None
         view = memoryview(data).cast("B")
@@ -334,6 +340,7 @@ class Reassembler:
             )
         except CodecError:
             self._finish(message_id)  # a bad frame: done with it (anything else leaves it to be fed again)
+            self.given_up += 1
             raise
         self._finish(message_id)
         return message
@@ -377,6 +384,7 @@ class Reassembler:
         partial = self._partials.pop(message_id, None)
         if partial is None:  # refused at its first chunk
             return LimitExceeded(why)
+        self.given_up += 1
         self.held_bytes -= partial.charged
         log.error(
             "gave up on message %s (key %r): %d of %d bytes received, %d bytes held for reassembly (limit %d)",
@@ -431,6 +439,7 @@ class Reassembler:
             )
         partial = _Partial(total, count, stride, header.get("key"), self.clock())
         self._partials[message_id] = partial
+        self._expire_at = min(self._expire_at, partial.started + self.timeout_s)
         self._charge(partial, PARTIAL_OVERHEAD)
         return partial
 
@@ -440,12 +449,17 @@ class Reassembler:
         _remember(self._done, message_id)
 
     def expire(self) -> int:
-        """Drop messages incomplete for longer than `timeout_s`; return how many were dropped (none while paused)."""
+        """Drop messages incomplete for longer than `timeout_s`; return how many were dropped (none while paused).
+
+        `feed` calls it once the oldest incomplete message may be late (`_expire_at`), not for every frame.
+        """
         if self._paused_since is not None:
             return 0
         now, stale = self.clock(), []
+        self._expire_at = math.inf
         for mid, p in self._partials.items():  # oldest first (started in insertion order): stop at a fresh one
             if now - p.started <= self.timeout_s:
+                self._expire_at = p.started + self.timeout_s
                 break
             stale.append(mid)
         for mid in stale:
@@ -460,6 +474,7 @@ class Reassembler:
                 self.timeout_s,
             )
         self.stats["expired"] += len(stale)
+        self.given_up += len(stale)
         return len(stale)
 
     def pause(self) -> None:
@@ -474,6 +489,7 @@ class Reassembler:
             self._paused_since = None
             for partial in self._partials.values():
                 partial.started += stood
+            self._expire_at += stood
 
     def is_pending(self, message_id: MessageId | None) -> bool:
         """True while some but not all chunks of `message_id` have arrived."""

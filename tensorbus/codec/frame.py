@@ -124,18 +124,24 @@ def _message_id(value: object) -> MessageId | None:
     raise MalformedHeader(f"message id must be [producer id, sequence], got {brief(value)}")
 
 
-def frame_head(header: dict[str, Any], payload_len: int, flags: int) -> bytearray:
-    """Prefix (CRC still zero) plus the packed header, padded to the 64-byte payload alignment."""
+def frame_head(
+    header: dict[str, Any], payload_len: int, flags: int, max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes
+) -> bytearray:
+    """Prefix (CRC still zero) plus the packed header, padded to the 64-byte payload alignment.
+
+    A header over `max_header_bytes` (what the consumers take) is refused here, before anything is sent.
+    """
     try:
         packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise MalformedHeader(f"metadata must hold only msgpack-able values: {exc}") from None
     if header.get("meta"):  # refused here what every receiver would refuse (map keys, depth): see below
         metadata_objects(header["meta"], containers=(dict, list, tuple))
-    if len(packed) > DEFAULT_LIMITS.max_header_bytes:
+    if len(packed) > max_header_bytes:
         raise LimitExceeded(
-            f"the frame's header (key, metadata, table of tensors) would be {len(packed)} bytes; "
-            f"receivers refuse headers over max_header_bytes={DEFAULT_LIMITS.max_header_bytes} by default"
+            f"the frame's header (key, metadata, table of tensors) would be {len(packed)} bytes, over "
+            f"max_header_bytes={max_header_bytes}: consumers refuse headers over their max_header_bytes "
+            f"({DEFAULT_LIMITS.max_header_bytes} by default; a producer's option says what its consumers take)"
         )
     head = bytearray(align(PREFIX.size + len(packed)))
     PREFIX.pack_into(head, 0, MAGIC, VERSION, flags, 0, len(packed), payload_len, 0)
@@ -216,10 +222,12 @@ def encode_raw(
     checksum: bool = True,
     signing_key: bytes | None = None,
     deferred_checksum: bool = False,
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes,
 ) -> list[Buffer]:
     """Frame an already-laid-out payload under `header`; used for tensors and for chunks."""
     flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
-    return seal(frame_head(header, payload_len, flags), body, checksum, signing_key, deferred=deferred_checksum)
+    head = frame_head(header, payload_len, flags, max_header_bytes)
+    return seal(head, body, checksum, signing_key, deferred=deferred_checksum)
 
 
 def layout(
@@ -283,12 +291,20 @@ def encode(
     message_id: MessageId | None = None,
     signing_key: bytes | None = None,
     deferred_checksum: bool = False,
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes,
 ) -> list[Buffer]:
     """Encode a tensor as scatter-gather buffers; the payload buffers are the arrays' own memory.
 
     `deferred_checksum`: leave the CRC to a transport that computes it while sending (see `seal`).
+    `max_header_bytes`: the largest header the consumers take (`LimitExceeded` for a larger one).
     """
-    if NATIVE is not None and compression is None and signing_key is None and type(obj) is np.ndarray:  # in C
+    if (
+        NATIVE is not None
+        and compression is None
+        and signing_key is None
+        and type(obj) is np.ndarray
+        and max_header_bytes >= DEFAULT_LIMITS.max_header_bytes  # (the C head leaves larger headers to Python)
+    ):  # in C
         flags = (FLAG_CHECKSUM if checksum else 0) | (FLAG_SIGNED if signing_key is not None else 0)
         head = NATIVE.ndarray_head(obj, key, metadata, message_id, flags)
         if head is not None:
@@ -298,7 +314,13 @@ def encode(
     if signing_key is not None:
         stamp(header)
     return encode_raw(
-        header, body, end, checksum=checksum, signing_key=signing_key, deferred_checksum=deferred_checksum
+        header,
+        body,
+        end,
+        checksum=checksum,
+        signing_key=signing_key,
+        deferred_checksum=deferred_checksum,
+        max_header_bytes=max_header_bytes,
     )
 
 

@@ -41,12 +41,16 @@ def enabled() -> bool:
     return os.environ.get("TENSORBUS_NATIVE", "1") != "0"
 
 
+#: the header the C extensions share: part of each one's source, as setup.py hashes it
+SHARED_HEADER = Path(__file__).with_name("_frame.h")
+
+
 def checked(module: ModuleType) -> ModuleType | None:
     """`module` (a C extension of tensorbus) if it was built from the source beside it (or none is there);
     else None, with a warning: a checkout whose C was edited since its last build."""
     built = Path(str(module.__file__))
     source = built.with_name(built.name.split(".", 1)[0] + ".c")
-    if source.exists() and hashlib.sha256(source.read_bytes()).hexdigest() != module.SOURCE_HASH:
+    if source.exists() and _source_hash(source) != module.SOURCE_HASH:
         warnings.warn(
             f"{built} was built from another {source.name}: not used (rebuild: pip install -e .)",
             RuntimeWarning,
@@ -65,6 +69,14 @@ def agrees(module: ModuleType | None, constants: dict[str, int]) -> ModuleType |
         )
         return None
     return module
+
+
+def _source_hash(source: Path) -> str:
+    """What setup.py compiles into an extension: the SHA-256 of its .c followed by the shared header."""
+    digest = hashlib.sha256(source.read_bytes())
+    if SHARED_HEADER.exists():
+        digest.update(SHARED_HEADER.read_bytes())
+    return digest.hexdigest()
 
 
 def load(name: str) -> ModuleType | None:

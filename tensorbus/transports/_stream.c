@@ -23,20 +23,10 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#ifndef TENSORBUS_SOURCE_HASH
-#define TENSORBUS_SOURCE_HASH "unknown"
-#endif
+#include "../codec/_frame.h"
 
-#define PREFIX_SIZE 24
-#define CRC_AT 20
-#define FORMAT_VERSION 1
-#define FLAG_CHECKSUM 0x01
-#define FLAG_SIGNED 0x02
-#define KNOWN_FLAGS (FLAG_CHECKSUM | FLAG_SIGNED)
 #define TRAILING_CRC 0x80
 #define CRC_TRAILER 4
-#define SIGNATURE_BYTES 32
-#define ALIGN 64
 /* bytes read at once while a prefix is wanted: 16 frames of 64 KB (FAIR_SHARE, the most the reactor
  * takes from one connection in a row) per system call, which made a 64 KB stream faster than a
  * smaller read-ahead did (docs/PERFORMANCE.md); a connection holds it only while it holds unread bytes */
@@ -77,18 +67,6 @@ typedef struct {
     Py_ssize_t last_total;
     int recv_lowat, lowat; /* SO_RCVLOWAT for large frames (0: never set), and the socket's now */
 } Reader;
-
-static inline uint32_t
-le32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static inline uint64_t
-le64(const uint8_t *p)
-{
-    return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32;
-}
 
 static void
 give_back_inbox(Reader *self)

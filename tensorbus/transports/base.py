@@ -9,12 +9,12 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 from ..codec import encode, encode_chunks
-from ..codec.frame import FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
+from ..codec.frame import DEFAULT_LIMITS, FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
 from ..codec.signing import frame_key
 from ..errors import ConfigError
 
@@ -26,13 +26,43 @@ class Encoding:
     compression: str | None = None
     checksum: bool = True
     signing_key: bytes | None = None
+    #: the largest header the consumers take: a tensor whose header is larger is refused at `send`
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes
+    #: a whole frame's CRC is left to the transport, which computes it while sending (see `Transport.encoding`)
+    deferred_checksum: bool = False
     #: the flags of its frames when they need nothing but the optional checksum (no compression, no
-    #: signature): what a transport's shortcut for plain frames needs to know; else None
+    #: signature, the default header limit, which the C heads apply): what a transport's shortcut for
+    #: plain frames needs to know; else None
     plain_flags: int | None = field(init=False)
 
     def __post_init__(self) -> None:
-        plain = self.compression is None and self.signing_key is None
+        plain = (
+            self.compression is None
+            and self.signing_key is None
+            and self.max_header_bytes >= DEFAULT_LIMITS.max_header_bytes  # (the C head leaves larger ones to Python)
+        )
         object.__setattr__(self, "plain_flags", (FLAG_CHECKSUM if self.checksum else 0) if plain else None)
+
+    def encode(
+        self,
+        tensor: Any,
+        key: str | None,
+        metadata: dict[str, Any] | None,
+        message_id: MessageId,
+        signing_key: bytes | None,
+    ) -> list[Buffer]:
+        """`tensor` as one whole frame encoded this way, signed with `signing_key` (the key bound to the endpoint)."""
+        return encode(
+            tensor,
+            key=key,
+            metadata=metadata,
+            compression=self.compression,
+            checksum=self.checksum,
+            message_id=message_id,
+            signing_key=signing_key,
+            deferred_checksum=self.deferred_checksum,
+            max_header_bytes=self.max_header_bytes,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +76,8 @@ class TransportOptions:
 class Held(NamedTuple):
     """A message the full table could not take. A whole message's frame is kept as it came (undecoded,
     still compressed) until it is admitted: it costs its size on the wire, not its tensors'. A message
-    its last chunk completed is kept as `message` (the reassembler has paid for it already)."""
+    its last chunk completed is kept as `message` (the reassembler has paid for it already). `source`:
+    the producer it came from, as the transport named it."""
 
     frame: Buffer | None
     crc: int | None
@@ -54,6 +85,7 @@ class Held(NamedTuple):
     message_id: MessageId | None
     nbytes: int = 0
     message: Message | None = None
+    source: object = None
 
 
 class Delivered(NamedTuple):
@@ -79,11 +111,14 @@ class Delivered(NamedTuple):
 class Deliver(Protocol):
     """What a listening transport reports to: called with each received frame (the consumer's intake)."""
 
-    #: the C delivery of a whole plain frame, for transports that read frames in C: the Message it
-    #: delivered, or None when it changed nothing (then call the intake itself); None where there is none
-    fast: Callable[[memoryview, int | None], Message | None] | None
+    #: the C delivery of a whole plain frame, for transports that read frames in C (`fast(frame, crc,
+    #: source)`): the Message it delivered, or None when it changed nothing (then call the intake
+    #: itself); None where there is none
+    fast: Callable[[memoryview, int | None, object], Message | None] | None
 
-    def __call__(self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+    def __call__(
+        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+    ) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
 
         The frame's buffer is handed over: the transport must not write to it again.
@@ -91,6 +126,8 @@ class Deliver(Protocol):
         While the consumer's table is full this waits for room, unless `may_hold`: then a complete
         message that does not fit comes back as `Delivered.held`, for a caller that can stop
         reading just the source it came from (backpressure per producer, not per transport).
+        `source` (hashable, with `may_hold`) names that producer: its tensors count against its share of the
+        table (`max_buffered_bytes_per_producer`), and past it its next one is held the same way.
         """
         ...
 
@@ -103,9 +140,31 @@ class Deliver(Protocol):
         """True while the message still waits for chunks (False once complete, rejected or expired)."""
         ...
 
+    def given_up(self) -> int:
+        """How many incomplete messages were given up so far (expired, or refused part way): whose
+        frames a transport keeps need looking for (`is_pending`) only once this grew (see `GivenUp`)."""
+        ...
+
     def none_dropped(self) -> bool:
         """False once an abort or close dropped delivered tensors nobody received (a last ack must not cover them)."""
         ...
+
+
+class GivenUp:
+    """Finds the incomplete messages the consumer gave up on among those whose frames a transport keeps,
+    looking only when it gave one up since the last look: not on every frame."""
+
+    def __init__(self, deliver: Deliver) -> None:
+        self._deliver = deliver
+        self._looked_at = deliver.given_up()
+
+    def among(self, kept: Iterable[MessageId | None]) -> list[MessageId | None]:
+        """The messages of `kept` no longer pending; [] at once while none was given up since the last look."""
+        count = self._deliver.given_up()  # (read first: one given up while this looks is found by the next look)
+        if count == self._looked_at:
+            return []
+        self._looked_at = count
+        return [message_id for message_id in kept if not self._deliver.is_pending(message_id)]
 
 
 def backoff_s(first_s: float = 0.05, max_s: float = 2.0) -> Iterator[float]:
@@ -122,16 +181,14 @@ class Transport:
     Class attributes declare what the transport can do, so callers branch on data:
     `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart),
     `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
-    The optional methods (`read_while_waiting`, `room_opened`, `forget_last`, `flush`, `wait_for_room`,
-    `abandon`) have a default that is right for a transport without the capability.
+    The optional methods (`encoding`, `read_while_waiting`, `room_opened`, `forget_last`, `flush`,
+    `wait_for_room`, `abandon`) have a default that is right for a transport without the capability.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
     acknowledges: ClassVar[bool] = False
     persists: ClassVar[bool] = False
     reads_while_waiting: ClassVar[bool] = False
-    #: `send` takes frames encoded with `deferred_checksum` and computes their CRC while sending
-    seals_frames: ClassVar[bool] = False
     #: the transport's options (their names, defaults and types)
     Options: ClassVar[type[TransportOptions]] = TransportOptions
     #: a producer's `signing_key` (set by `send_message`), for a transport that signs frames again (sockets)
@@ -172,19 +229,21 @@ class Transport:
         """
         self.wait_for_room()
         bound_key = self._frame_key(encoding.signing_key)
-        options: dict[str, Any] = {
-            "key": key,
-            "metadata": metadata,
-            "compression": encoding.compression,
-            "checksum": encoding.checksum,
-            "message_id": message_id,
-        }
         limit = self.max_frame_bytes
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
-            self.send(encode(tensor, **options, signing_key=bound_key, deferred_checksum=self.seals_frames), key=key)
+            self.send(encoding.encode(tensor, key, metadata, message_id, bound_key), key=key)
             return
         parts = encode_chunks(
-            tensor, max_chunk_bytes=limit, **options, signing_key=encoding.signing_key, chunk_signing_key=bound_key
+            tensor,
+            max_chunk_bytes=limit,
+            key=key,
+            metadata=metadata,
+            compression=encoding.compression,
+            checksum=encoding.checksum,
+            message_id=message_id,
+            signing_key=encoding.signing_key,
+            chunk_signing_key=bound_key,
+            max_header_bytes=encoding.max_header_bytes,
         )
         sent = 0
         try:
@@ -195,6 +254,11 @@ class Transport:
             if sent:  # the chunks that went out can never make a whole tensor: don't resend them
                 self.forget_last(sent)
             raise
+
+    def encoding(self, wanted: Encoding) -> Encoding:
+        """How this transport encodes a producer's tensors (`Producer` asks once): `wanted`, or a variant
+        of it for a transport that finishes frames while it sends them."""
+        return wanted
 
     def _frame_key(self, signing_key: bytes | None) -> bytes | None:
         """The key frames are signed with: `signing_key` bound to the endpoint (and consumer run) now served."""

@@ -36,7 +36,7 @@ with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas w
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import ConfigError, TensorBusError, TransportError
-from .base import Deliver, Delivered, Transport, TransportOptions
+from .base import Deliver, Delivered, GivenUp, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -159,6 +159,7 @@ class _Offsets(AsyncConsumerRebalanceListener):
         self._waiting: dict[TopicPartition, dict[MessageId | None, int]] = {}  # message -> its first offset
         self._refused: dict[TopicPartition, int] = {}  # the first offset of a message the consumer turned away
         self._committed: dict[TopicPartition, int] = {}
+        self._given_up = GivenUp(deliver)
 
     def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
         with self._lock:
@@ -176,10 +177,11 @@ class _Offsets(AsyncConsumerRebalanceListener):
         """Offsets safe to commit that differ from the last commit."""
         offsets = {}
         with self._lock:
+            gone = self._given_up.among(m for waiting in self._waiting.values() for m in waiting)
             for tp, after in self._next.items():
                 waiting = self._waiting[tp]
-                for message_id in [m for m in waiting if not self.deliver.is_pending(m)]:
-                    del waiting[message_id]  # expired (given up on) since: nothing more to wait for
+                for message_id in gone:
+                    waiting.pop(message_id, None)  # expired (given up on) since: nothing more to wait for
                 safe = min(waiting.values(), default=after)
                 safe = min(safe, self._refused.get(tp, safe))
                 if self._committed.get(tp) != safe:
@@ -261,6 +263,25 @@ class KafkaOptions(TransportOptions):
             _check_min_insync(self.min_insync_replicas, self.replication_factor)
         if self.delivery_timeout_s < 1:
             raise ConfigError(f"delivery_timeout_s must be at least 1 second, got {self.delivery_timeout_s!r}")
+        record, fetch = self._record_bytes, self.partition_fetch_bytes
+        if not (record <= self.max_request_size and record <= fetch <= self.fetch_max_bytes):
+            raise ConfigError(
+                f"max_frame_bytes + {RECORD_OVERHEAD} must be at most max_request_size and max_partition_fetch_bytes "
+                f"(at most fetch_max_bytes); got {self.max_frame_bytes}, {self.max_request_size}, {fetch}, "
+                f"{self.fetch_max_bytes}. Raise the broker's message.max.bytes along with max_frame_bytes"
+            )
+
+    @property
+    def _record_bytes(self) -> int:
+        """The most bytes one frame's record takes in a batch."""
+        return (self.max_frame_bytes or 1 << 62) + RECORD_OVERHEAD
+
+    @property
+    def partition_fetch_bytes(self) -> int:
+        """What one fetch may bring per partition: `max_partition_fetch_bytes`, by default FETCH_PER_PARTITION
+        within `fetch_max_bytes`, and never less than one whole record."""
+        fetch = min(FETCH_PER_PARTITION, self.fetch_max_bytes)
+        return self.max_partition_fetch_bytes or max(self._record_bytes, fetch)
 
     @classmethod
     def _text_options(cls) -> list[str]:
@@ -290,16 +311,8 @@ class KafkaTransport(Transport):
         hosts = url.netloc.rpartition("@")[2]
         self.servers = [h if re.search(r":\d+$", h) else f"{h}:9092" for h in hosts.split(",") if h]
         self._shown = f"{url.scheme}://{','.join(self.servers)}/{self.topic}"
-        o, record = options, (options.max_frame_bytes or 1 << 62) + RECORD_OVERHEAD
-        fetch = min(FETCH_PER_PARTITION, o.fetch_max_bytes)
-        self._fetch_bytes = o.max_partition_fetch_bytes or max(record, fetch)  # (one record always fits)
-        if not (record <= o.max_request_size and record <= self._fetch_bytes <= o.fetch_max_bytes):
-            raise ConfigError(
-                f"max_frame_bytes + {RECORD_OVERHEAD} must be at most max_request_size and max_partition_fetch_bytes "
-                f"(at most fetch_max_bytes); got {o.max_frame_bytes}, {o.max_request_size}, {self._fetch_bytes}, "
-                f"{o.fetch_max_bytes}. Raise the broker's message.max.bytes along with max_frame_bytes"
-            )
-        self.group: str = o.group or f"tensorbus-{self.topic}"
+        self._fetch_bytes = options.partition_fetch_bytes
+        self.group: str = options.group or f"tensorbus-{self.topic}"
         self._lock = threading.Lock()
         self._producer: KafkaProducer | None = None
         self._failed = False  # a record failed: kafka-python's idempotent producer is stuck, replace it

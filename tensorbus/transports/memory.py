@@ -8,6 +8,7 @@ All state lives in one `MemoryHub`; `HUB.reset()` clears it between tests.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import urllib.parse
@@ -17,51 +18,106 @@ from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, MessageId, join_into
 from ..errors import ConfigError, TransportError
 from ..options import finite_timeout
-from .base import Deliver, Transport, TransportOptions
+from .base import Deliver, GivenUp, Held, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 
 
-class Frames:
-    """One endpoint's queue of frames; a frame the closing consumer turned away goes back to the front.
+#: `Frames._next_source` when no frame can be read
+_NOTHING = object()
+#: numbers naming producers as the sources of their frames (`MemoryTransport._source`), in this process
+_SOURCES = itertools.count(1)
 
-    It counts the bytes it holds, so that producers can wait for room (backpressure, as a socket's
+
+class Frames:
+    """One endpoint's frames, queued per producer (`source`) and taken oldest first; a frame the
+    closing consumer turned away goes back to the front.
+
+    A producer whose tensor the consumer holds back (`hold`: its share of the table is full) is not
+    read meanwhile, as a socket consumer stops reading one connection; the others are. The bytes each
+    producer has queued are counted, so that it can wait for room (backpressure, as a socket's
     unacknowledged bytes bound a producer there).
     """
 
     def __init__(self) -> None:
-        self._frames: collections.deque[Buffer] = collections.deque()
+        #: source -> its frames, each with its arrival number (lower: older), oldest first
+        self._queues: dict[object, collections.deque[tuple[int, Buffer]]] = {}
+        self._bytes: collections.Counter[object] = collections.Counter()  # queued bytes per source
+        self._newest = self._oldest = 0  # arrival numbers given at the back and at the front
+        self._held: set[object] = set()  # sources not read while the consumer holds their tensor back
+        self._woken = False  # `wake_up` was called: `get` returns (to offer held tensors again)
         lock = threading.Lock()
         self._ready = threading.Condition(lock)  # (a frame came)
         self._room = threading.Condition(lock)  # (a frame went)
-        #: bytes of the frames queued
-        self.nbytes = 0
 
-    def put(self, frame: Buffer, *, front: bool = False) -> None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the frames queued, of every producer."""
+        return self._bytes.total()
+
+    def put(self, frame: Buffer, *, source: object = None, front: bool = False) -> None:
         with self._ready:
+            queue = self._queues.setdefault(source, collections.deque())
             if front:
-                self._frames.appendleft(frame)
+                self._oldest -= 1
+                queue.appendleft((self._oldest, frame))
             else:
-                self._frames.append(frame)
-            self.nbytes += memoryview(frame).nbytes
+                self._newest += 1
+                queue.append((self._newest, frame))
+            self._bytes[source] += memoryview(frame).nbytes
             self._ready.notify()
 
-    def get(self, stop: threading.Event) -> Buffer | None:
-        """The oldest frame, waiting for one; None once `stop` is set (the frames stay queued)."""
+    def get(self, stop: threading.Event) -> tuple[object, Buffer] | None:
+        """The oldest frame of a producer not held back, with its source, waiting for one; None once
+        `stop` is set (the frames stay queued) or `wake_up` was called."""
         with self._ready:
-            while not self._frames and not stop.is_set():
+            while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
                 self._ready.wait()
-            if stop.is_set():
+            self._woken = False
+            if stop.is_set() or source is _NOTHING:
                 return None
-            frame = self._frames.popleft()
-            self.nbytes -= memoryview(frame).nbytes
+            queue = self._queues[source]
+            frame = queue.popleft()[1]
+            if not queue:
+                del self._queues[source]
+            self._bytes[source] -= memoryview(frame).nbytes
+            if not self._bytes[source]:
+                del self._bytes[source]
             self._room.notify_all()
-            return frame
+            return source, frame
 
-    def wait_for_room(self, limit: int, timeout: float | None) -> bool:
-        """Wait while `limit` bytes or more are queued: True once fewer are, False after `timeout` seconds."""
+    def _next_source(self) -> object:
+        """The source of the oldest frame not held back (caller holds the lock), else `_NOTHING`."""
+        oldest, found = None, _NOTHING
+        for source, queue in self._queues.items():
+            if source not in self._held and (oldest is None or queue[0][0] < oldest):
+                oldest, found = queue[0][0], source
+        return found
+
+    def hold(self, source: object, held: bool) -> None:
+        """Stop reading `source` (held: True) or read it again."""
+        with self._ready:
+            if held:
+                self._held.add(source)
+            else:
+                self._held.discard(source)
+
+    def wait_for_room(self, limit: int, timeout: float | None, source: object = None) -> bool:
+        """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds."""
         with self._room:
-            return self._room.wait_for(lambda: self.nbytes < limit, timeout)
+            return self._room.wait_for(lambda: self._bytes[source] < limit, timeout)
+
+    def queued(self, source: object) -> int:
+        """Bytes `source` has queued."""
+        with self._ready:
+            return self._bytes[source]
+
+    def wake_up(self) -> None:
+        """Make a waiting `get` return (None) while a source is held back: the consumer may have room for its tensor."""
+        with self._ready:
+            if self._held:
+                self._woken = True
+                self._ready.notify_all()
 
     def wake(self) -> None:
         with self._ready:
@@ -69,7 +125,7 @@ class Frames:
 
     def __len__(self) -> int:
         """Frames waiting to be delivered."""
-        return len(self._frames)
+        return sum(len(queue) for queue in self._queues.values())
 
 
 class MemoryHub:
@@ -112,8 +168,8 @@ HUB = MemoryHub()
 class MemoryOptions(TransportOptions):
     """The options of memory:// endpoints."""
 
-    #: the bytes sent to the endpoint and not yet taken by its consumer's delivery, at most, before a
-    #: new message waits for room (up to `send_timeout_s`), as on the socket transports
+    #: the bytes a producer sent to the endpoint and its consumer's delivery did not take yet, at most,
+    #: before a new message waits for room (up to `send_timeout_s`), as on the socket transports
     max_unacked_bytes: int = 256 * 1024 * 1024
     send_timeout_s: float = 30.0
 
@@ -132,8 +188,11 @@ class MemoryTransport(Transport):
             raise ConfigError("memory URL needs a name after memory://, e.g. memory://weights")
         self._thread: threading.Thread | None = None
         self._queue: Frames | None = None
+        self._held: dict[object, Held] = {}  # the consumer's: source -> the message held back
         self._stop = threading.Event()
         self._pool = BufferPool(max_buffers=4)
+        #: what the consumer counts this producer's buffered tensors by (its share of the table)
+        self._source = next(_SOURCES)
 
     def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
         """memory://NAME."""
@@ -146,11 +205,11 @@ class MemoryTransport(Transport):
         limit still goes out whole.
         """
         limit, timeout = self.options.max_unacked_bytes, self.options.send_timeout_s
-        queue = HUB.endpoint(self.name)
-        if queue.nbytes < limit or queue.wait_for_room(limit, finite_timeout(timeout, "send_timeout_s")):
+        queue, source = HUB.endpoint(self.name), self._source
+        if queue.wait_for_room(limit, finite_timeout(timeout, "send_timeout_s"), source):
             return
         raise TransportError(
-            f"memory://{self.name} has had {queue.nbytes} bytes waiting for its consumer for {timeout}s "
+            f"memory://{self.name} has had {queue.queued(source)} bytes waiting for its consumer for {timeout}s "
             f"(max_unacked_bytes={limit}): is a consumer listening, and receiving?"
         )
 
@@ -159,7 +218,7 @@ class MemoryTransport(Transport):
         views = [memoryview(b).cast("B") for b in frame]
         total = sum(len(v) for v in views)
         # into a 64-byte aligned buffer (a large one no tensor views any more: fresh pages are slow)
-        HUB.endpoint(self.name).put(join_into(views, self._pool.take(total)))
+        HUB.endpoint(self.name).put(join_into(views, self._pool.take(total)), source=self._source)
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Deliver queued and future frames of this endpoint on a background thread."""
@@ -171,30 +230,82 @@ class MemoryTransport(Transport):
 
     def _run(self, frames: Frames, deliver: Deliver) -> None:
         """Deliver frames until closed or turned away; what this consumer did not finish goes back, in order."""
-        held: dict[MessageId | None, list[Buffer]] = {}  # the frames of messages not complete yet
+        #: the frames (with their sources) of messages not complete yet, or held back
+        incomplete: dict[MessageId | None, list[tuple[object, Buffer]]] = {}
+        held = self._held = {}  # source -> the message the consumer holds back (its share of the table is full)
+        given_up = GivenUp(deliver)
         turned_away: MessageId | None = None
         try:
-            while (frame := frames.get(self._stop)) is not None:
+            while not self._stop.is_set():
+                if held and (turned_away := self._release(frames, deliver, held, incomplete)) is not None:
+                    return
+                item = frames.get(self._stop)
+                if item is None:  # stopped, or room for a message held back
+                    continue
+                source, frame = item
                 try:
-                    result = deliver(frame)
+                    result = deliver(frame, may_hold=True, source=source)
                 except Exception:  # (a callback's own errors, even SystemExit, are caught where it is called)
                     log.exception("memory://%s: delivering a frame failed", self.name)
                     continue
-                if result.done:
-                    held.pop(result.message_id, None)
+                if result.held is not None:
+                    held[source] = result.held
+                    frames.hold(source, True)  # (then offered again at once: the room may have opened meanwhile)
+                elif result.done:
+                    incomplete.pop(result.message_id, None)
                     continue
-                if result.message_id not in held:  # a new incomplete message: forget those given up on
-                    for message_id in [m for m in held if not deliver.is_pending(m)]:
-                        del held[message_id]
-                held.setdefault(result.message_id, []).append(frame)
+                if result.message_id not in incomplete:  # a new incomplete message: forget those given up on
+                    keep = {h.message_id for h in held.values()}
+                    for message_id in [m for m in given_up.among(incomplete) if m not in keep]:
+                        del incomplete[message_id]
+                incomplete.setdefault(result.message_id, []).append((source, frame))
                 if result.turned_away:
                     turned_away = result.message_id
                     return
         finally:
-            back = [f for m, fs in held.items() if m == turned_away or deliver.is_pending(m) for f in fs]
-            for frame in reversed(back):  # first in line for the next consumer of the name
-                frames.put(frame, front=True)
+            keep = {h.message_id for h in held.values()}
+            back = [
+                item
+                for m, items in incomplete.items()
+                if m == turned_away or m in keep or deliver.is_pending(m)
+                for item in items
+            ]
+            for source, frame in reversed(back):  # first in line for the next consumer of the name
+                frames.put(frame, source=source, front=True)
+            for source in held:  # the next consumer reads them all
+                frames.hold(source, False)
             HUB.release(self.name)  # here, not in close: close may run on this very thread (in a callback)
+
+    def _release(
+        self,
+        frames: Frames,
+        deliver: Deliver,
+        held: dict[object, Held],
+        incomplete: dict[MessageId | None, list[tuple[object, Buffer]]],
+    ) -> MessageId | None:
+        """Offer the messages held back again; read their producers again once they are taken. The id
+        of one turned away (the consumer is closing), else None."""
+        for source, message in list(held.items()):
+            try:
+                result = deliver.release(message)
+            except Exception:  # (as in `_run`)
+                log.exception("memory://%s: delivering a frame failed", self.name)
+                continue
+            if result is None or result.held is not None:
+                held[source] = message if result is None else result.held  # type: ignore[assignment]
+                continue
+            del held[source]
+            frames.hold(source, False)
+            if result.turned_away:
+                return message.message_id
+            if result.done:
+                incomplete.pop(message.message_id, None)
+        return None
+
+    def room_opened(self) -> None:
+        """The consumer may have room for a message held back: offer it again (under the table's lock: no waiting)."""
+        if self._held and self._queue is not None:
+            self._queue.wake_up()
 
     def close(self) -> None:
         """Stop delivering; frames not yet delivered, and those sent later, wait for the next consumer.

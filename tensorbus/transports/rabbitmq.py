@@ -32,7 +32,7 @@ from pika.adapters.utils import connection_workflow as workflow
 from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, TransportOptions, backoff_s
-from .rabbitmq_consumer import QueueConsumer, stream_offset
+from .rabbitmq_consumer import QueueConsumer
 from .rabbitmq_publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ CONTENT_TYPE = "application/vnd.tensorbus.frame"
 #: AMQP carries prefetch_count in 16 bits
 MAX_PREFETCH = 65535
 QUEUE_TYPES = ("quorum", "classic", "stream")
+STREAM_OFFSETS = ("first", "next", "last")
 
 
 class _Fatal(TransportError):
@@ -70,11 +71,22 @@ def map_errors(address: str) -> Iterator[None]:
         raise TransportError(f"connection to RabbitMQ at {address} failed: {exc!r}") from None
 
 
+def stream_offset(value: Any) -> str | int:
+    """Where a stream consumer starts: first, next (the default), last, or an offset (a number, 0 or more)."""
+    if value is None:
+        return "next"
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if value in STREAM_OFFSETS or (type(value) is int and value >= 0):
+        return value
+    raise ConfigError(f"offset must be first, next, last or a stream offset (0 or more), got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RabbitMQOptions(TransportOptions):
     """The options of amqp:// and amqps:// endpoints."""
 
-    queue: str | None = None
+    queue: str = ""  # (required)
     queue_type: str = "quorum"
     offset: str | int | None = None
     max_frame_bytes: int | None = 16 * 1024 * 1024 - 4096
@@ -90,6 +102,23 @@ class RabbitMQOptions(TransportOptions):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
 
+    def __post_init__(self) -> None:
+        if not self.queue:
+            raise ConfigError(
+                "an AMQP endpoint needs a queue: add ?queue=NAME to its URL, "
+                "e.g. amqp://guest:guest@127.0.0.1:5672/%2F?queue=tensors (or pass queue=NAME)"
+            )
+        if not 1 <= self.prefetch_count <= MAX_PREFETCH:
+            raise ConfigError(f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {self.prefetch_count}")
+        if self.queue_type not in QUEUE_TYPES:
+            raise ConfigError(f"queue_type must be one of {', '.join(QUEUE_TYPES)}, got {self.queue_type!r}")
+        if self.queue_type != "classic" and not self.durable:
+            raise ConfigError(f"a {self.queue_type} queue is always durable: durable=False needs queue_type=classic")
+        if self.queue_type == "stream":
+            object.__setattr__(self, "offset", stream_offset(self.offset))
+        elif self.offset is not None:
+            raise ConfigError("offset is a position in a stream: it needs queue_type=stream")
+
 
 class RabbitMQTransport(Transport):
     """A durable queue per endpoint; a publisher I/O thread or a consumer I/O thread per instance."""
@@ -102,23 +131,9 @@ class RabbitMQTransport(Transport):
 
     def __init__(self, url: urllib.parse.SplitResult, options: RabbitMQOptions) -> None:
         super().__init__(url, options)
-        if not options.queue:
-            raise ConfigError(
-                f"AMQP URL needs a queue, e.g. amqp://guest:guest@127.0.0.1:5672/%2F?queue=tensors; "
-                f"got {urllib.parse.urlunsplit(url)!r}"
-            )
-        if not 1 <= options.prefetch_count <= MAX_PREFETCH:
-            raise ConfigError(
-                f"prefetch_count must be 1 to {MAX_PREFETCH} (AMQP's limit), got {options.prefetch_count}"
-            )
-        if options.queue_type not in QUEUE_TYPES:
-            raise ConfigError(f"queue_type must be one of {', '.join(QUEUE_TYPES)}, got {options.queue_type!r}")
-        if options.queue_type != "classic" and not options.durable:
-            raise ConfigError(f"a {options.queue_type} queue is always durable: durable=False needs queue_type=classic")
-        if options.offset is not None and options.queue_type != "stream":
-            raise ConfigError("offset is a position in a stream: it needs queue_type=stream")
-        self.offset = stream_offset(options.offset) if options.queue_type == "stream" else None
-        self.queue: str = options.queue
+        #: where a stream consumer starts (first, next, last or an offset); None: not a stream
+        self.offset = options.offset
+        self.queue = options.queue
         self.hosts = _hosts(url)
         self.shown = f"{url.scheme}://{','.join(f'{h}:{p}' for h, p in self.hosts)}{url.path or '/'}?queue={self.queue}"
         self._params = [self._parameters(host, port) for host, port in self.hosts]

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 import pika.exceptions as px
 
 from ..codec.frame import MessageId
-from ..errors import ConfigError, TransportError
-from .base import Deliver
+from ..errors import TransportError
+from .base import Deliver, GivenUp
 
 if TYPE_CHECKING:
     from .rabbitmq import RabbitMQTransport
@@ -37,18 +37,6 @@ log = logging.getLogger(__name__)
 _STOP = object()
 #: (channel generation, delivery tag, consumer tag) of one delivery
 Delivery = tuple[int, int, str]
-STREAM_OFFSETS = ("first", "next", "last")
-
-
-def stream_offset(value: Any) -> str | int:
-    """Where a stream consumer starts: first, next (the default), last, or an offset (a number, 0 or more)."""
-    if value is None:
-        return "next"
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if value in STREAM_OFFSETS or (type(value) is int and value >= 0):
-        return value
-    raise ConfigError(f"offset must be first, next, last or a stream offset (0 or more), got {value!r}")
 
 
 class QueueConsumer:
@@ -157,12 +145,13 @@ class QueueConsumer:
         """Deliver each message; ack every message of a tensor once the tensor is complete."""
         waiting: dict[MessageId | None, list[Delivery]] = {}
         offsets: dict[MessageId | None, int] = {}  # stream: the first offset of each incomplete tensor
+        given_up = GivenUp(self.deliver)
         while True:
             try:
                 item = self._inbox.get(timeout=1.0)
             except queue.Empty:
                 item = None
-            for message_id in [m for m in waiting if not self.deliver.is_pending(m)]:
+            for message_id in given_up.among(waiting):
                 held = waiting.pop(message_id)  # expired: the tensor was given up on, its chunks go
                 offsets.pop(message_id, None)
                 if not self.stream:

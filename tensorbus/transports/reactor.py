@@ -21,6 +21,7 @@ where it can (the intake's `fast`, `_intake.FastDelivery`); the intake's Python 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import platform
@@ -82,6 +83,8 @@ _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 #: delivery took a plain frame (never in `incomplete`), or a recv_async callback had it (a chunked
 #: message's id leaves `incomplete` at the next ack)
 TAKEN_WITHOUT_ID = Delivered(None, True)
+#: numbers naming connections as sources of tensors (`_Peer.source`), in this process
+_SOURCES = itertools.count(1)
 
 
 class IdleClock:
@@ -183,6 +186,9 @@ class _Peer:
     def __init__(self, conn: socket.socket, name: Any, reader: Any) -> None:
         self.conn, self.name = conn, name
         self.fd = conn.fileno()  # (what the poller knows it by, even once the socket is closed)
+        #: what the consumer counts this connection's buffered tensors by (its share of the table): a
+        #: number of its own, never reused, unlike a descriptor
+        self.source = next(_SOURCES)
         self.reader = reader  # the connection's frame reader (reader.py: C, or Python for TLS)
         self.total = 0  # bytes of the frame being booked (what the acks count)
         self.frames = self.acked = self.unacked_bytes = 0
@@ -469,10 +475,11 @@ class Reactor:
             return False
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
-            if self._fast is not None and self._fast(*event) is not None:
+            frame, crc = event
+            if self._fast is not None and self._fast(frame, crc, peer.source) is not None:
                 self._finish(peer, TAKEN_WITHOUT_ID)
             else:
-                self._deliver(peer, *event)
+                self._deliver(peer, frame, crc)
         elif event == ACK_REQUEST:
             self._ack(peer)
         elif event == SKIPPED:
@@ -493,7 +500,7 @@ class Reactor:
         `recv` reading for itself), the frame is kept and delivered again before anything else of
         its producer: it was read off the socket, and the acks count every frame."""
         try:
-            result = self.deliver(frame, crc, may_hold=True)
+            result = self.deliver(frame, crc, may_hold=True, source=peer.source)
         except CallbackInterrupted:  # in a recv_async callback, which had its message: delivered
             self._finish(peer, TAKEN_WITHOUT_ID)
             raise
@@ -590,10 +597,18 @@ class Reactor:
             self._pending.add(peer)
 
     def _ack(self, peer: _Peer) -> None:
-        """Ack the frames before the oldest still-incomplete tensor (cumulative; retried if the socket is full).
+        """Send the refusals queued, then ack the frames before the oldest still-incomplete tensor
+        (cumulative; retried if the socket is full).
 
-        None once an abort or close dropped tensors nobody took: the producer sends those again.
+        No ack once an abort or close dropped tensors nobody took (the producer sends those again);
+        the refusals go all the same, as a refused frame is refused for good.
         """
+        while peer.outbox:  # refusals first: the ack covers their frames
+            try:
+                del peer.outbox[: peer.conn.send(peer.outbox)]
+            except _WOULD_BLOCK:
+                peer.ack_owed = True
+                return
         if not self.deliver.none_dropped():
             peer.ack_owed = False
             return
@@ -606,12 +621,6 @@ class Reactor:
         safe = next(iter(incomplete.values()), peer.frames)
         if peer.turned_away is not None:
             safe = min(safe, peer.turned_away)
-        while peer.outbox:  # refusals first: the ack covers their frames
-            try:
-                del peer.outbox[: peer.conn.send(peer.outbox)]
-            except _WOULD_BLOCK:
-                peer.ack_owed = True
-                return
         try:
             sent = peer.conn.send(ACK.pack(safe))
         except _WOULD_BLOCK:

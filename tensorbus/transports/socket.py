@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -87,7 +88,6 @@ class SocketTransport(Transport):
     """One stream socket per producer; the consumer's `Listener` accepts them and its `Reactor` reads them."""
 
     schemes = ("tcp", "tcps", "unix")
-    seals_frames = True
     acknowledges = True
     reads_while_waiting = True
     Options = SocketOptions
@@ -259,6 +259,10 @@ class SocketTransport(Transport):
             or not self._send_ndarray(tensor, key, metadata, message_id, flags)
         ):
             super().send_message(tensor, key, metadata, message_id, encoding)
+
+    def encoding(self, wanted: Encoding) -> Encoding:
+        """`wanted`, with a whole frame's CRC left to `send_frame`, which computes it while sending."""
+        return dataclasses.replace(wanted, deferred_checksum=True)
 
     def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int

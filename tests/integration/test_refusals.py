@@ -130,3 +130,24 @@ def test_a_message_held_for_room_and_then_refused_is_told_too(ends: Any) -> None
             with pytest.raises(tb.Rejected, match="incarnation 1 of 'worker'") as caught:
                 producer.flush(WAIT_S)
             assert caught.value.message_id == stale_id
+
+
+def test_a_refusal_reaches_the_producer_after_an_abort_dropped_tensors_and_acks_stopped(ends: Any) -> None:
+    url, consumer_options, producer_options = ends
+    consumer = tb.Consumer(url, max_payload_bytes=4096, **consumer_options)
+    with tb.Producer(consumer.address, reconnect_timeout_s=1, **producer_options) as producer:
+        producer.send("unreceived", np.arange(4))
+        producer.flush(WAIT_S)
+        consumer.abort("shutting down")  # drops "unreceived": no frame is acknowledged from now on
+        big_id = producer.send("big", np.zeros(10_000))  # over max_payload_bytes: refused for good all the same
+        wait_for(lambda: consumer.stats["rejected"] == 1, WAIT_S, "the consumer to refuse the frame")
+        consumer.close()
+        raised: list[tb.TransportError] = []
+        for attempt in (lambda: producer.flush(WAIT_S), lambda: producer.send("next", np.ones(1))):
+            try:
+                attempt()
+            except tb.TransportError as exc:  # (the consumer is gone: nothing acknowledges "big" now)
+                raised.append(exc)
+        rejections = [exc for exc in raised if isinstance(exc, tb.Rejected)]
+        assert [(r.key, r.message_id) for r in rejections] == [("big", big_id)], raised
+        assert "max_payload_bytes" in rejections[0].reason

@@ -51,3 +51,30 @@ def test_the_c_head_leaves_what_python_refuses_to_python() -> None:
     assert NATIVE.ndarray_head(array, "k", {"a": 1}, ("p", 1), FLAG_CHECKSUM) is not None
     for key, metadata in [(HUGE, None), ("k", {"notes": HUGE}), ("k", "str"), ("k", [1, 2])]:
         assert NATIVE.ndarray_head(array, key, metadata, ("p", 1), FLAG_CHECKSUM) is None
+
+
+@pytest.mark.parametrize("transport", ["memory", "tcp", "unix"])
+def test_a_producer_checks_headers_against_its_own_max_header_bytes(transport: str) -> None:
+    raised = 4 * DEFAULT_LIMITS.max_header_bytes
+    notes = "x" * (2 * DEFAULT_LIMITS.max_header_bytes)  # between the default limit and the raised one
+    array = np.arange(6.0)
+    with tb.Consumer(endpoint_url(transport), max_header_bytes=raised) as consumer:
+        with tb.Producer(consumer.address) as default:
+            with pytest.raises(tb.LimitExceeded, match=f"max_header_bytes={DEFAULT_LIMITS.max_header_bytes}"):
+                default.send("big", array, metadata={"notes": notes})
+        with tb.Producer(f"{consumer.address}?max_header_bytes={raised}") as producer:  # (as a URL query too)
+            producer.send("big", array, metadata={"notes": notes})
+            with pytest.raises(tb.LimitExceeded, match=f"max_header_bytes={raised}"):
+                producer.send("bigger", array, metadata={"notes": notes * 3})
+        message = consumer.recv_message("big", timeout=30)
+        assert message.metadata["notes"] == notes and message.tensor.tolist() == array.tolist()
+        assert consumer.stats["received"] == 1 and consumer.stats["rejected"] == 0
+
+
+@pytest.mark.parametrize("tensor", [np.ones(4), {"a": np.ones(4)}], ids=["ndarray", "bundle"])
+def test_a_producer_whose_consumers_take_less_refuses_a_header_under_the_default(tensor: Any) -> None:
+    with tb.Consumer(endpoint_url("memory")) as consumer, tb.Producer(consumer.address, max_header_bytes=4096) as p:
+        with pytest.raises(tb.LimitExceeded, match="max_header_bytes=4096"):
+            p.send("k", tensor, metadata={"notes": "x" * 8192})  # (the C head of an ndarray knows only the default)
+        p.send("k", tensor, metadata={"notes": "x" * 100})
+        assert consumer.recv_message("k", timeout=10).metadata["notes"] == "x" * 100

@@ -394,9 +394,9 @@ def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
         take = reactor._fast  # (plain frames are delivered in C, by the intake's FastDelivery)
 
-        def spy_take(frame: Any, crc: Any) -> Any:
+        def spy_take(frame: Any, crc: Any, source: Any) -> Any:
             readers.append(threading.current_thread().name)
-            return take(frame, crc)
+            return take(frame, crc, source)
 
         if take is not None:  # (None with TENSORBUS_NATIVE=0)
             reactor._fast = spy_take
@@ -770,7 +770,7 @@ def test_an_ack_for_frames_never_sent_breaks_the_connection_not_the_producer() -
 def test_a_full_table_holds_up_only_the_producer_that_filled_it(url: str, tmp_path: Any) -> None:
     if url == "unix":
         url = f"unix://{tmp_path}/held.sock"
-    with tb.Consumer(url, max_buffered_bytes=1 << 20) as consumer:
+    with tb.Consumer(url, max_buffered_bytes=1 << 20, max_buffered_bytes_per_producer=1 << 20) as consumer:
         flood = Peer(consumer.address, [(f"a{i}", {"seed": i, "n": 1 << 16}) for i in range(40)])  # 10 MB of "a"
         wait_for(lambda: consumer.table.buffered_bytes >= 1 << 20, 30, "the first producer to fill the table")
         other = Peer(consumer.address, [("b", {"seed": 99, "n": 10})])
@@ -827,10 +827,11 @@ def test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once
     # frame again, and the copy is dropped as a duplicate
     with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+        require_native(reactor._fast is not None, "the C delivery (tensorbus/_intake.c)")
         take, interrupted = reactor._fast, []
 
-        def interrupt_once(frame: Any, crc: Any) -> Any:
-            message = take(frame, crc)
+        def interrupt_once(frame: Any, crc: Any, source: Any) -> Any:
+            message = take(frame, crc, source)
             if message is not None and not interrupted:
                 interrupted.append(message.key)
                 raise KeyboardInterrupt
@@ -1047,7 +1048,7 @@ def test_a_ctrl_c_while_a_reassembled_tensor_enters_the_table_loses_nothing() ->
 
 def test_closing_with_tensors_nobody_took_acknowledges_none_of_them(tmp_path: Any) -> None:
     address = f"unix://{tmp_path}/close.sock"
-    first = tb.Consumer(address, max_buffered_bytes=1 << 20)
+    first = tb.Consumer(address, max_buffered_bytes=1 << 20, max_buffered_bytes_per_producer=1 << 20)
     producer = tb.Producer(address, reconnect_timeout_s=20)
     for i in range(5):  # four fill the table, the fifth is held back behind them
         producer.send(f"a{i}", np.full(1 << 16, i, np.float32))

@@ -191,7 +191,9 @@ def test_frames_a_closing_memory_consumer_never_delivered_wait_for_the_next_one(
 
 
 def test_the_buffer_limit_counts_metadata_too() -> None:
-    with tb.Consumer("memory://metadata", max_buffered_bytes=1 << 20) as consumer:
+    with tb.Consumer(
+        "memory://metadata", max_buffered_bytes=1 << 20, max_buffered_bytes_per_producer=1 << 20
+    ) as consumer:
         with tb.Producer("memory://metadata") as producer:
             for i in range(40):  # empty tensors, 100 KB of metadata each
                 producer.send(f"k{i}", np.zeros(0), metadata={"blob": "x" * 100_000})

@@ -264,3 +264,66 @@ def test_a_message_refused_at_its_first_chunk_is_given_up_so_its_later_chunks_ho
     assert reassembler.feed(first[-1]) is not None
     assert all(reassembler.feed(c) is None for c in second[1:])
     assert reassembler.pending == 0 and reassembler.held_bytes == 0  # not a partial that can never be whole
+
+
+def test_feed_looks_for_late_messages_only_once_the_oldest_can_be_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    reassembler = tb.Reassembler(timeout_s=5, clock=clock)
+    looks: list[float] = []
+    expire = reassembler.expire
+    monkeypatch.setattr(reassembler, "expire", lambda: looks.append(clock.now) or expire())
+    first, second = chunks_of(np.zeros(100_000), 30_000, seq=1), chunks_of(np.ones(100_000), 30_000, seq=2)
+    reassembler.feed(first[0])
+    clock.now = 3
+    reassembler.feed(second[0])  # (due at 8)
+    for c in first[1:-1] + second[1:-1]:
+        reassembler.feed(c)
+    assert looks == []  # none can be late before 5
+    clock.now = 5.5
+    reassembler.feed(tb.dumps(np.ones(2), key="a"))
+    assert looks == [5.5] and reassembler.pending == 1 and reassembler.stats["expired"] == 1
+    reassembler.feed(tb.dumps(np.ones(2), key="b"))
+    assert looks == [5.5]  # the next one is due at 8
+    clock.now = 8.5
+    reassembler.feed(tb.dumps(np.ones(2), key="c"))
+    assert looks == [5.5, 8.5] and reassembler.pending == 0 and reassembler.stats["expired"] == 2
+
+
+def test_given_up_counts_every_incomplete_message_that_stops_being_pending_without_completing() -> None:
+    clock = FakeClock()
+    reassembler = tb.Reassembler(timeout_s=5, clock=clock, max_bytes=1_000_000)
+    done = chunks_of(np.zeros(1000), 3000, seq=1)
+    for c in done:
+        reassembler.feed(c)
+    assert reassembler.given_up == 0  # completed: not given up
+    late = chunks_of(np.zeros(100_000), 100_000, seq=2)
+    reassembler.feed(late[0])
+    clock.now = 6
+    reassembler.expire()
+    assert reassembler.given_up == 1
+    big, other = chunks_of(np.zeros(100_000), 100_000, seq=3), chunks_of(np.ones(100_000), 100_000, seq=4)
+    reassembler.feed(other[0])
+    for c in big[:5]:
+        reassembler.feed(c)
+    with pytest.raises(tb.LimitExceeded):
+        reassembler.feed(other[1])  # over max_bytes: `other` given up part way
+    assert reassembler.given_up == 2 and not reassembler.is_pending(("p", 4))
+
+
+def test_a_paused_reassembler_expires_nothing_and_resumes_its_deadlines() -> None:
+    clock = FakeClock()
+    reassembler = tb.Reassembler(timeout_s=5, clock=clock)
+    chunks = chunks_of(np.zeros(100_000), 30_000)
+    reassembler.feed(chunks[0])
+    clock.now = 1
+    reassembler.pause()
+    clock.now = 10
+    reassembler.feed(chunks[1])
+    assert reassembler.pending == 1  # its reader was held up: not late
+    reassembler.resume()  # (9 s stood still: due at 14 now)
+    clock.now = 13
+    reassembler.feed(chunks[2])
+    assert reassembler.pending == 1
+    clock.now = 14.5
+    reassembler.feed(tb.dumps(np.ones(2)))
+    assert reassembler.pending == 0 and reassembler.stats["expired"] == 1

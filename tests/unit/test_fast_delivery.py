@@ -36,8 +36,8 @@ def state(consumer: tb.Consumer) -> tuple[Any, ...]:
     """Everything a delivery may change, comparable."""
     table = consumer.table
     arrivals = [
-        (n, m.key, m.tensor.tolist(), m.tensor.dtype.str, m.metadata, m.message_id, m.kind, m.header_bytes, size)
-        for n, (m, size) in table._arrivals.items()
+        (n, m.key, m.tensor.tolist(), m.tensor.dtype.str, m.metadata, m.message_id, m.kind, m.header_bytes, size, src)
+        for n, (m, size, src) in table._arrivals.items()
     ]
     by_key = {key: list(numbers) for key, numbers in table._by_key.items()}
     waiting = {str(key): len(queue) for key, queue in table._waiters.items()}
@@ -46,6 +46,7 @@ def state(consumer: tb.Consumer) -> tuple[Any, ...]:
         by_key,
         waiting,
         table.buffered_bytes,
+        dict(table._by_source),
         table._counter,
         dict(table.stats),
         dict(consumer.stats),
@@ -181,6 +182,23 @@ def test_a_full_table_is_left_to_python_unless_a_receiver_waits_for_the_key() ->
         assert consumer.intake.fast(frame_of(np.zeros(2), "other", 3), None) is not None  # handed over: needs no room
         receiver.join(10)
         assert len(consumer.table) == 1
+
+
+def test_a_producer_at_its_share_is_left_to_python_the_others_are_taken() -> None:
+    with tb.Consumer(f"memory://fast-{uuid.uuid4().hex}", max_buffered_bytes_per_producer=1000) as consumer:
+        fast = consumer.intake.fast
+        assert fast is not None
+        assert fast(frame_of(np.zeros(200), "k", 1), None, 7) is not None  # (1600 bytes: source 7 at its share)
+        assert consumer.table._by_source == {7: consumer.table.buffered_bytes}
+        before = state(consumer)
+        assert fast(frame_of(np.zeros(2), "k", 2), None, 7) is None
+        assert state(consumer) == before
+        assert fast(frame_of(np.zeros(2), "k", 3), None, 8) is not None  # another source has room
+        assert fast(frame_of(np.zeros(2), "k", 4), None) is not None  # and so has no source
+        assert consumer.table._by_source[8] < 1000 and len(consumer.table) == 3
+        consumer.recv("k")
+        assert set(consumer.table._by_source) == {8}  # taken: source 7 has room again
+        assert fast(frame_of(np.zeros(2), "k", 2), None, 7) is not None
 
 
 def test_a_callback_first_in_line_is_left_to_python(twins: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import crc32c
@@ -364,6 +365,17 @@ def test_a_stale_build_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("rebuild" in str(w.message) for w in caught)
     monkeypatch.setenv("TENSORBUS_NATIVE", "0")
     assert native._load() is None
+
+
+def test_a_build_from_another_version_of_the_shared_header_is_stale(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert native.checked(NATIVE) is NATIVE  # built from the .c and the header beside it
+    edited = tmp_path / "_frame.h"
+    edited.write_bytes(native.SHARED_HEADER.read_bytes() + b"#define ANOTHER 1\n")
+    monkeypatch.setattr(native, "SHARED_HEADER", edited)
+    with pytest.warns(RuntimeWarning, match="rebuild"):
+        assert native.checked(NATIVE) is None
 
 
 def test_the_python_path_alone_still_round_trips(python_only: None) -> None:

@@ -53,7 +53,9 @@ class Recorder:
     def __init__(self) -> None:
         self.frames: list[tuple[bytes, int | None]] = []
 
-    def __call__(self, data: Any, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+    def __call__(
+        self, data: Any, crc: int | None = None, *, may_hold: bool = False, source: object = None
+    ) -> Delivered:
         self.frames.append((bytes(data), crc))
         return Delivered(None, True)
 
@@ -62,6 +64,9 @@ class Recorder:
 
     def is_pending(self, message_id: MessageId | None) -> bool:
         return False
+
+    def given_up(self) -> int:
+        return 0
 
     def none_dropped(self) -> bool:
         return True

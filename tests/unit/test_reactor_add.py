@@ -17,7 +17,9 @@ class Nowhere:
 
     fast = None
 
-    def __call__(self, frame: Any, crc: int | None = None, *, may_hold: bool = False) -> Delivered:
+    def __call__(
+        self, frame: Any, crc: int | None = None, *, may_hold: bool = False, source: object = None
+    ) -> Delivered:
         return Delivered(None, True)
 
 

@@ -268,3 +268,77 @@ def test_drop_unclaimed_drops_what_waited_longer_than_the_timeout_and_opens_room
     assert table.buffered_keys() == {"new": 1} and table.buffered_bytes == 1
     assert [m.key for m in table.drop_unclaimed(10, now=15.0)] == ["new"]
     assert len(table) == 0 and table.buffered_bytes == 0 and table.buffered_keys() == {}
+
+
+# -- one producer's share of the table (max_buffered_bytes_per_producer) ------------------------------
+
+
+def _message(key: str, nbytes: int) -> tb.Message:
+    return tb.Message(key, np.zeros(nbytes, np.uint8), {})
+
+
+def test_a_source_at_its_share_has_no_room_while_the_others_do() -> None:
+    table = tb.Rendezvous(max_buffered_bytes=1000, max_buffered_bytes_per_producer=300)
+    table.put(_message("a", 2000), source="A")  # larger than both limits: still taken into an empty share
+    assert table.source_bytes("A") == 2000 and table.at_share("A")
+    assert not table.has_room_for("a", "A")  # (the table is full too: nobody has room now)
+    table.recv("a")
+    assert table.source_bytes("A") == 0 and not table._by_source
+    table.put(_message("a", 300), source="A")
+    assert not table.has_room_for("x", "A") and table.has_room_for("x", "B") and table.has_room_for("x")
+    handle = table.recv_async("x", lambda message, error: None)
+    assert table.has_room_for("x", "A")  # someone waits for its key: handed over, it needs no room
+    assert handle.cancel() and not table.has_room_for("x", "A")
+
+
+def test_a_source_s_bytes_are_released_on_every_way_out_of_the_table() -> None:
+    opened: list[int] = []
+    table = tb.Rendezvous(max_buffered_bytes=10_000, max_buffered_bytes_per_producer=100)
+    table.room_opened = lambda: opened.append(1)
+    table.put(_message("a", 150), source="A")
+    assert table.next_message().key == "a" and not table._by_source and opened  # taken in arrival order
+    table.put(_message("a", 150), source="A")
+    table.put(_message("b", 10), source="B")
+    opened.clear()
+    assert len(table.drop_unclaimed(1.0, now=0.0)) == 0
+    assert len(table.drop_unclaimed(1.0, now=2.0)) == 2 and not table._by_source and opened  # unclaimed
+    table.put(_message("a", 150), source="A")
+    with pytest.raises(tb.StaleIncarnation):  # fenced: never counted
+        table.put(_message("w;2;s;k;0:0", 1), source="A")
+        table.put(_message("w;1;s;k;0:0", 1), source="A")
+    assert table._by_source == {"A": table.buffered_bytes} and len(table) == 2
+    table.abort("stop")  # aborted: all dropped
+    assert not table._by_source and table.has_room_for("a", "A")
+
+
+@pytest.mark.parametrize(
+    ("options", "share"),
+    [({}, 1 << 29), ({"max_buffered_bytes": 1000}, 500), ({"max_buffered_bytes_per_producer": 7}, 7)],
+)
+def test_a_producer_s_share_defaults_to_half_the_table(options: dict[str, int], share: int) -> None:
+    with tb.Consumer("memory://share-default", **options) as consumer:
+        assert consumer.table.max_source_bytes == share
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_buffered_bytes_per_producer": 0},
+        {"max_buffered_bytes_per_producer": -5},
+        {"max_buffered_bytes_per_producer": 2.5},
+        {"max_buffered_bytes_per_producer": "100"},
+        {"max_buffered_bytes": 1000, "max_buffered_bytes_per_producer": 1001},
+    ],
+)
+def test_a_bad_share_is_refused_at_construction(options: dict[str, object]) -> None:
+    with pytest.raises(tb.ConfigError, match="max_buffered_bytes_per_producer"):
+        tb.Consumer("memory://share-bad", **options)
+
+
+def test_a_share_is_read_from_the_url_query() -> None:
+    with tb.Consumer("memory://share-url?max_buffered_bytes=4096&max_buffered_bytes_per_producer=1024") as consumer:
+        assert consumer.table.max_source_bytes == 1024
+    with pytest.raises(tb.ConfigError, match="max_buffered_bytes_per_producer"):
+        tb.Consumer("memory://share-url?max_buffered_bytes_per_producer=lots")
+    with pytest.raises(tb.ConfigError, match="max_buffered_bytes_per_producer"):
+        tb.Consumer("memory://share-url?max_buffered_bytes=4096&max_buffered_bytes_per_producer=4097")

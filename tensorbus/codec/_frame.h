@@ -1,0 +1,39 @@
+/* The frame format as the C extensions read and write it: the prefix's layout and flags, and
+ * little-endian loads. Included by codec/_native.c and transports/_stream.c (the codec's format, so
+ * nothing in codec/ depends on a layer above it). Each extension exports the constants it uses, and
+ * the Python beside it refuses a build that disagrees with codec/frame.py (`native.agrees`).
+ * setup.py compiles the hash of the .c and of this header into each extension (see codec/native.py).
+ */
+#ifndef TENSORBUS_FRAME_H
+#define TENSORBUS_FRAME_H
+
+#include <stdint.h>
+
+#ifndef TENSORBUS_SOURCE_HASH
+#define TENSORBUS_SOURCE_HASH "unknown"
+#endif
+
+/* magic "TBUS", version u8, flags u8, reserved u16, header length u32, payload length u64, CRC32C u32 */
+#define PREFIX_SIZE 24
+#define CRC_AT 20
+#define FORMAT_VERSION 1
+#define FLAG_CHECKSUM 0x01
+#define FLAG_SIGNED 0x02
+#define KNOWN_FLAGS (FLAG_CHECKSUM | FLAG_SIGNED)
+#define SIGNATURE_BYTES 32
+/* payloads (and each tensor in them) start at multiples of this */
+#define ALIGN 64
+
+static inline uint32_t
+le32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t
+le64(const uint8_t *p)
+{
+    return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32;
+}
+
+#endif

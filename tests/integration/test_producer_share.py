@@ -1,0 +1,138 @@
+"""One producer cannot occupy the whole table: past its share (`max_buffered_bytes_per_producer`) its
+next tensor is held back, unread, while the other producers' tensors go on being taken.
+
+On sockets a producer is a connection, in memory:// a `Producer`. Each socket test runs with the
+intake's C delivery of plain frames and without it (the Python intake), which must count the same
+bytes against the same producer.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus import intake
+from tests.integration.test_socket import raw_peer
+
+KIB = 1 << 10
+TABLE = 1024 * KIB
+SHARE = 256 * KIB
+TENSOR = 64 * KIB
+#: how long an honest producer's tensors may take to be in the table while another producer floods it
+#: (they take milliseconds; the rest is room for a loaded machine)
+HONEST_BOUND_S = 2.0
+
+
+@pytest.fixture(params=["c", "python"])
+def delivery(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The consumers made in the test deliver plain frames in C (where built) or the Python way."""
+    if request.param == "python":
+        monkeypatch.setattr(intake, "FAST", None)
+    elif intake.FAST is None:
+        pytest.skip("the intake's C delivery is not built (or TENSORBUS_NATIVE=0)")
+    yield request.param
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Return once `condition()` holds (checked every millisecond); fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        threading.Event().wait(0.001)
+
+
+def tensor(i: int) -> np.ndarray:
+    return np.full(TENSOR, i % 251, np.uint8)
+
+
+def test_a_producer_past_its_share_waits_while_another_is_still_served(delivery: str) -> None:
+    consumer = _one_producer_past_its_share("tcp://127.0.0.1:0")
+    fast = consumer.intake.fast_delivery
+    assert (fast is not None and fast.taken > 0) if delivery == "c" else fast is None
+
+
+def test_a_producer_past_its_share_waits_while_another_is_still_served_in_memory() -> None:
+    _one_producer_past_its_share(f"memory://share-{uuid.uuid4().hex}")
+
+
+def _one_producer_past_its_share(url: str) -> tb.Consumer:
+    """A producer sends twice the table, nobody takes its tensors: past its share its next one is held
+    back, while another producer's are taken at once. Then the first one's come, none lost."""
+    with tb.Consumer(url, max_buffered_bytes=TABLE, max_buffered_bytes_per_producer=SHARE) as consumer:
+        many = 2 * TABLE // TENSOR
+        with tb.Producer(consumer.address) as greedy, tb.Producer(consumer.address) as honest:
+            for i in range(many):
+                greedy.send(f"a{i}", tensor(i))
+            admitted = SHARE // TENSOR  # (each also counts its header: the last of these reaches the share)
+            wait_until(lambda: consumer.intake._held_up == 1 and len(consumer.table) == admitted)
+            assert sorted(consumer.table.buffered_keys()) == sorted(f"a{i}" for i in range(admitted))
+            started = time.monotonic()
+            for i in range(4):
+                honest.send(f"b{i}", tensor(100 + i))
+            for i in reversed(range(4)):  # (the last first: all of them were read)
+                assert consumer.recv(f"b{i}", timeout=HONEST_BOUND_S).tolist() == tensor(100 + i).tolist()
+            took = time.monotonic() - started
+            assert took < HONEST_BOUND_S, took
+            assert consumer.intake._held_up == 1  # the greedy producer still waits, and lost nothing:
+            for i in range(many):  # taking its tensors makes room for the next ones
+                assert consumer.recv(f"a{i}", timeout=30).tolist() == tensor(i).tolist()
+            greedy.flush(30)
+        assert consumer.stats["received"] == many + 4 and consumer.stats["duplicates"] == 0
+        assert len(consumer.table) == 0 and not consumer.table._by_source
+    return consumer
+
+
+def test_tensors_dropped_unclaimed_give_their_producer_room_again(delivery: str) -> None:
+    with tb.Consumer(
+        "tcp://127.0.0.1:0", max_buffered_bytes=TABLE, max_buffered_bytes_per_producer=SHARE, unclaimed_timeout_s=0.2
+    ) as consumer:
+        with tb.Producer(consumer.address) as producer:
+            for i in range(8):
+                producer.send(f"a{i}", tensor(i))
+            assert consumer.recv("a7", timeout=30).tolist() == tensor(7).tolist()  # the first ones were dropped
+            producer.flush(30)
+        assert consumer.stats["unclaimed"] > 0
+        wait_until(lambda: len(consumer.table) == 0)
+        assert not consumer.table._by_source
+
+
+def test_one_hostile_connection_flooding_unclaimed_tensors_cannot_delay_an_honest_producer(delivery: str) -> None:
+    frames = [tb.dumps(np.full(4 * KIB, 1, np.uint8), key=f"junk{i}", message_id=("hostile0", i)) for i in range(2000)]
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=4 * TABLE) as consumer:  # (a share: half of it)
+        hostile = raw_peer(consumer.address)
+        flood = threading.Thread(target=_send_all, args=(hostile, frames), daemon=True)
+        flood.start()  # 8 MiB of tensors nobody asks for, at a 4 MiB table: it fills its share, then waits
+        try:
+            wait_until(lambda: consumer.intake._held_up == 1)
+            assert consumer.table.buffered_bytes >= 2 * TABLE  # (its share: half the table)
+            with tb.Producer(consumer.address) as honest:
+                for round_ in range(5):
+                    started = time.monotonic()
+                    for i in range(20):
+                        honest.send(f"h{round_}.{i}", np.full(16 * KIB, i, np.uint8))
+                    honest.flush(10)
+                    took = time.monotonic() - started
+                    assert took < HONEST_BOUND_S, took
+                    for i in range(20):
+                        assert int(consumer.recv(f"h{round_}.{i}", timeout=0)[0]) == i
+            assert consumer.intake._held_up == 1  # still held back, not read: its share is what it costs
+            assert consumer.table.buffered_bytes < consumer.table.max_buffered_bytes
+        finally:
+            hostile.close()
+            flood.join(30)
+
+
+def _send_all(peer: socket.socket, frames: list[bytes]) -> None:
+    """Send the frames until the consumer stops reading them (or the connection is closed)."""
+    try:
+        for frame in frames:
+            peer.sendall(frame)
+    except OSError:
+        pass

@@ -1,0 +1,84 @@
+"""The amqp:// and kafka:// options are checked when they are built (keywords or a URL query), no broker needed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import tensorbus as tb
+from tensorbus.transports.kafka import FETCH_PER_PARTITION, RECORD_OVERHEAD, KafkaOptions
+from tensorbus.transports.rabbitmq import MAX_PREFETCH, RabbitMQOptions
+
+AMQP = "amqp://guest:guest@127.0.0.1:1/%2F"
+KAFKA = "kafka://127.0.0.1:1/tensors"
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({}, r"needs a queue: add \?queue=NAME"),
+        ({"queue": "q", "prefetch_count": 0}, f"prefetch_count must be 1 to {MAX_PREFETCH}"),
+        ({"queue": "q", "prefetch_count": MAX_PREFETCH + 1}, f"prefetch_count must be 1 to {MAX_PREFETCH}"),
+        ({"queue": "q", "queue_type": "mirrored"}, "queue_type must be one of quorum, classic, stream"),
+        ({"queue": "q", "durable": False}, "a quorum queue is always durable: durable=False needs queue_type=classic"),
+        ({"queue": "q", "queue_type": "stream", "durable": False}, "a stream queue is always durable"),
+        ({"queue": "q", "offset": "first"}, "offset is a position in a stream: it needs queue_type=stream"),
+        ({"queue": "q", "queue_type": "stream", "offset": -3}, "offset must be first, next, last"),
+        ({"queue": "q", "queue_type": "stream", "offset": "middle"}, "offset must be first, next, last"),
+    ],
+)
+def test_amqp_option_mistakes_are_config_errors_when_built(options: dict[str, Any], needle: str) -> None:
+    with pytest.raises(tb.ConfigError, match=needle):
+        RabbitMQOptions(**options)
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("", "needs a queue"),
+        ("?queue=q&prefetch_count=70000", "prefetch_count must be 1 to 65535"),
+        ("?queue=q&queue_type=mirrored", "queue_type must be one of"),
+        ("?queue=q&durable=false", "durable=False needs queue_type=classic"),
+        ("?queue=q&offset=first", "needs queue_type=stream"),
+        ("?queue=q&queue_type=stream&offset=-3", "offset must be first, next, last"),
+    ],
+)
+def test_amqp_option_mistakes_in_a_url_are_config_errors_before_any_connection(query: str, needle: str) -> None:
+    with pytest.raises(tb.ConfigError, match=needle):
+        tb.Producer(AMQP + query)  # (port 1: nothing listens, so a connection attempt would be another error)
+
+
+@pytest.mark.parametrize(("given", "kept"), [(None, "next"), ("first", "first"), ("last", "last"), ("12", 12), (0, 0)])
+def test_a_stream_offset_is_read_once_where_the_options_are_built(given: Any, kept: str | int) -> None:
+    assert RabbitMQOptions(queue="q", queue_type="stream", offset=given).offset == kept
+    assert RabbitMQOptions(queue="q", queue_type="classic", durable=False).offset is None
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"max_frame_bytes": 2_000_000}, "max_frame_bytes \\+ 1024 must be at most max_request_size"),
+        ({"max_partition_fetch_bytes": 1 << 19}, "max_partition_fetch_bytes"),  # under a whole record
+        ({"fetch_max_bytes": 1 << 19}, "at most fetch_max_bytes"),  # the default record no longer fits one fetch
+        ({"delivery_timeout_s": 0.5}, "delivery_timeout_s must be at least 1"),
+        ({"replication_factor": 2, "min_insync_replicas": 3}, "min_insync_replicas=3 exceeds the topic's 2 replica"),
+    ],
+)
+def test_kafka_option_mistakes_are_config_errors_when_built(options: dict[str, Any], needle: str) -> None:
+    with pytest.raises(tb.ConfigError, match=needle):
+        KafkaOptions(**options)
+
+
+def test_kafka_size_mistakes_in_a_url_are_config_errors_before_any_connection() -> None:
+    with pytest.raises(tb.ConfigError, match="must be at most max_request_size"):
+        tb.Producer(f"{KAFKA}?max_frame_bytes=2000000")
+    with pytest.raises(tb.ConfigError, match="needs a topic"):  # (the URL's path: checked by the transport)
+        tb.Producer("kafka://127.0.0.1:1")
+
+
+def test_a_kafka_fetch_takes_at_least_one_whole_record() -> None:
+    assert KafkaOptions().partition_fetch_bytes == FETCH_PER_PARTITION
+    big = KafkaOptions(max_frame_bytes=20 << 20, max_request_size=21 << 20, fetch_max_bytes=64 << 20)
+    assert big.partition_fetch_bytes == (20 << 20) + RECORD_OVERHEAD
+    assert KafkaOptions(max_partition_fetch_bytes=2 << 20).partition_fetch_bytes == 2 << 20
