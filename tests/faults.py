@@ -56,17 +56,17 @@ def consume(url: str, log: str, options: dict[str, Any]) -> None:
     def record(message: tb.Message) -> None:
         os.write(fd, f"{message.key} {checksum(message.tensor)} {message.metadata['crc']} {os.getpid()}\n".encode())
 
-    def recording_put(message: tb.Message) -> None:
+    def recording_put(message: tb.Message, **options: Any) -> None:
         record(message)
-        put(message)
+        put(message, **options)
 
     consumer.table.put = recording_put  # type: ignore[method-assign]
     reactor = getattr(consumer.transport, "reactor", None)
     if reactor is not None and reactor._fast is not None:  # plain frames go into the table in C (`FastDelivery`)
         take = reactor._fast
 
-        def recording_take(frame: Any, crc: int | None) -> tb.Message | None:
-            message = take(frame, crc)
+        def recording_take(frame: Any, crc: int | None, source: Any) -> tb.Message | None:
+            message = take(frame, crc, source)
             if message is not None:  # (in the table now, not yet acknowledged)
                 record(message)
             return message

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ import pytest
 import tensorbus as tb
 from tensorbus import intake
 from tests.integration.test_socket import raw_peer
+from tests.waiting import wait_for
 
 KIB = 1 << 10
 TABLE = 1024 * KIB
@@ -38,14 +39,6 @@ def delivery(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     elif intake.FAST is None:
         pytest.skip("the intake's C delivery is not built (or TENSORBUS_NATIVE=0)")
     yield request.param
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Return once `condition()` holds (checked every millisecond); fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        threading.Event().wait(0.001)
 
 
 def tensor(i: int) -> np.ndarray:
@@ -71,7 +64,7 @@ def _one_producer_past_its_share(url: str) -> tb.Consumer:
             for i in range(many):
                 greedy.send(f"a{i}", tensor(i))
             admitted = SHARE // TENSOR  # (each also counts its header: the last of these reaches the share)
-            wait_until(lambda: consumer.intake._held_up == 1 and len(consumer.table) == admitted)
+            wait_for(lambda: consumer.intake._held_up == 1 and len(consumer.table) == admitted, 30, "the table full")
             assert sorted(consumer.table.buffered_keys()) == sorted(f"a{i}" for i in range(admitted))
             started = time.monotonic()
             for i in range(4):
@@ -99,7 +92,7 @@ def test_tensors_dropped_unclaimed_give_their_producer_room_again(delivery: str)
             assert consumer.recv("a7", timeout=30).tolist() == tensor(7).tolist()  # the first ones were dropped
             producer.flush(30)
         assert consumer.stats["unclaimed"] > 0
-        wait_until(lambda: len(consumer.table) == 0)
+        wait_for(lambda: len(consumer.table) == 0, 30, "the table emptied")
         assert not consumer.table._by_source
 
 
@@ -110,7 +103,7 @@ def test_one_hostile_connection_flooding_unclaimed_tensors_cannot_delay_an_hones
         flood = threading.Thread(target=_send_all, args=(hostile, frames), daemon=True)
         flood.start()  # 8 MiB of tensors nobody asks for, at a 4 MiB table: it fills its share, then waits
         try:
-            wait_until(lambda: consumer.intake._held_up == 1)
+            wait_for(lambda: consumer.intake._held_up == 1, 30, "a delivery held up")
             assert consumer.table.buffered_bytes >= 2 * TABLE  # (its share: half the table)
             with tb.Producer(consumer.address) as honest:
                 for round_ in range(5):

@@ -9,7 +9,7 @@ from tensorbus.codec import encode_chunks
 from tensorbus.codec.frame import MessageId
 from tensorbus.transports.base import GivenUp
 from tensorbus.transports.memory import HUB
-from tests.faults import wait_for
+from tests.waiting import wait_for
 
 
 class FakeConsumer:
