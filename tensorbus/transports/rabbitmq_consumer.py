@@ -3,8 +3,9 @@
 A chunk is acked only once its whole tensor reached the rendezvous table, so the chunks of an
 incomplete tensor stay unacked and count against the consumer's prefetch window. Quorum queues
 and streams know only a per-consumer prefetch, which cannot be widened for a consumer that already
-runs: so once the chunks held by the current consumer fill half its window, a fresh consumer (same
-channel, same prefetch) takes over and the old one is cancelled. What the old one holds stays
+runs: so once the chunks held by the current consumer fill its window, a fresh consumer (same
+channel, same prefetch) takes over and the old one is cancelled. (Not sooner: deliveries still on
+their way to a cancelled consumer go back to the queue and travel again.) What the old one holds stays
 unacked on the channel until its tensor completes (or the connection drops and the broker
 redelivers it); the reassembler's byte limit bounds how much that can be. The same works on
 classic queues, so there is one design for every queue type.
@@ -118,12 +119,12 @@ class QueueConsumer:
         return tag
 
     def _hold(self, delivery: Delivery) -> None:
-        """Count a chunk held for its tensor; hand over to a fresh consumer once they fill half the window."""
+        """Count a chunk held for its tensor; hand over to a fresh consumer once they fill the window."""
         generation, _, tag = delivery
         if generation != self.generation:
             return
         self.held[tag] += 1
-        if tag == self._tag and self.held[tag] >= max(1, self.t.options.prefetch_count // 2):
+        if tag == self._tag and self.held[tag] >= self.t.options.prefetch_count:
             old, self._tag = self._tag, self._consume()
             self._channel.basic_cancel(old)  # (pika requeues what reaches it for `old` from now on)
             self.rolls += 1

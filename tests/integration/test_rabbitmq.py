@@ -44,7 +44,7 @@ def test_300_mb_tensor_is_chunked_under_the_default_limit(url: str) -> None:
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])
 def test_tensors_of_many_more_chunks_than_the_prefetch_window_all_arrive(url: str, queue_type: str) -> None:
     # chunks are acked only once their tensor is whole: a fresh consumer takes over each time the held ones
-    # fill half the window (quorum queues have no channel-wide prefetch that could grow instead)
+    # fill the window (quorum queues have no channel-wide prefetch that could grow instead)
     url = f"{url}&queue_type={queue_type}"
     tensors = [np.random.default_rng(i).standard_normal(40_000) for i in range(3)]
     with (
