@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus.transports.socket import PROBE_AFTER_S
 from tests.integration.test_socket import raw_peer
 from tests.integration.test_socket_hostile import _chunk_frames
 from tests.waiting import wait_for
@@ -129,7 +130,11 @@ def test_a_connection_with_a_message_in_flight_is_not_idle() -> None:
 
 
 def test_a_quiet_producer_loses_nothing_when_its_idle_connection_is_closed() -> None:
-    with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.3) as consumer:
+    # idle_timeout_s of at least PROBE_AFTER_S: the producer then always looks at its socket before it
+    # sends again, reads the last acks and the close, and resends nothing (with 0.3 s, a send on a busy
+    # machine could come sooner, into the closed connection, and frames already acked went again)
+    assert PROBE_AFTER_S <= 1.5
+    with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=1.5) as consumer:
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
         with tb.Producer(consumer.address) as producer:
             for round_ in range(3):
