@@ -139,7 +139,14 @@ class MemoryHub:
     def endpoint(self, name: str) -> Frames:
         """The queue for `name`, created on first use."""
         with self._lock:
-            return self._queues.setdefault(name, Frames())
+            return self._endpoint(name)
+
+    def _endpoint(self, name: str) -> Frames:
+        """The queue for `name` (caller holds the lock); a new one is made only when there is none."""
+        queue = self._queues.get(name)
+        if queue is None:
+            queue = self._queues[name] = Frames()
+        return queue
 
     def claim(self, name: str) -> Frames:
         """Register the one consumer of `name`; a second is refused, as a socket address would be."""
@@ -147,7 +154,7 @@ class MemoryHub:
             if name in self._listening:
                 raise TransportError(f"memory://{name} already has a consumer")
             self._listening.add(name)
-            return self._queues.setdefault(name, Frames())
+            return self._endpoint(name)
 
     def release(self, name: str) -> None:
         """Let another consumer take `name` (frames still queued stay for it)."""
