@@ -374,9 +374,7 @@ class Rendezvous(TableState):
     def _has_room_for(self, key: object, source: object = None) -> bool:
         if self._aborted is not None:
             return True
-        if self.buffered_bytes < self.max_buffered_bytes and (
-            source is None or self._by_source.get(source, 0) < self.max_source_bytes
-        ):
+        if self.buffered_bytes < self.max_buffered_bytes and not self.at_share(source):
             return True
         return key is not _ANY_ROOM and bool(self._waiters.get(key) or self._waiters.get(ANY))
 
