@@ -64,6 +64,30 @@ class Encoding:
             max_header_bytes=self.max_header_bytes,
         )
 
+    def encode_chunks(
+        self,
+        tensor: Any,
+        key: str | None,
+        metadata: dict[str, Any] | None,
+        message_id: MessageId,
+        max_chunk_bytes: int,
+        chunk_signing_key: bytes | None,
+    ) -> list[list[Buffer]]:
+        """`tensor` as chunks of at most `max_chunk_bytes` encoded this way: the whole message signed with
+        `signing_key`, each chunk with `chunk_signing_key` (the key bound to the endpoint)."""
+        return encode_chunks(
+            tensor,
+            max_chunk_bytes=max_chunk_bytes,
+            key=key,
+            metadata=metadata,
+            compression=self.compression,
+            checksum=self.checksum,
+            message_id=message_id,
+            signing_key=self.signing_key,
+            chunk_signing_key=chunk_signing_key,
+            max_header_bytes=self.max_header_bytes,
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class TransportOptions:
@@ -233,18 +257,7 @@ class Transport:
         if limit is None:  # one frame: if it fails, nothing of the tensor went out
             self.send(encoding.encode(tensor, key, metadata, message_id, bound_key), key=key)
             return
-        parts = encode_chunks(
-            tensor,
-            max_chunk_bytes=limit,
-            key=key,
-            metadata=metadata,
-            compression=encoding.compression,
-            checksum=encoding.checksum,
-            message_id=message_id,
-            signing_key=encoding.signing_key,
-            chunk_signing_key=bound_key,
-            max_header_bytes=encoding.max_header_bytes,
-        )
+        parts = encoding.encode_chunks(tensor, key, metadata, message_id, limit, bound_key)
         sent = 0
         try:
             for part in parts:
