@@ -298,8 +298,10 @@ class MemoryTransport(Transport):
             except Exception:  # (as in `_run`)
                 log.exception("memory://%s: delivering a frame failed", self.name)
                 continue
-            if result is None or result.held is not None:
-                held[source] = message if result is None else result.held  # type: ignore[assignment]
+            if result is None:  # no room yet
+                continue
+            if result.held is not None:  # held again: the room went meanwhile
+                held[source] = result.held
                 continue
             del held[source]
             frames.hold(source, False)
