@@ -16,6 +16,7 @@ import pika
 import pytest
 
 import tensorbus as tb
+from tensorbus.transports.rabbitmq_consumer import RECV_BYTES, read_in_large_pieces
 from tests.conftest import AMQP_URL, endpoint_url
 from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
@@ -118,6 +119,19 @@ def test_publishing_does_not_wait_for_each_confirm(url: str) -> None:
         assert publisher is not None and publisher.peak_in_flight > 1
     with tb.Consumer(url) as consumer:
         assert [int(consumer.recv("small", timeout=30)[0]) for _ in range(200)] == list(range(200))
+
+
+def test_the_consumer_reads_its_socket_two_frames_at_a_time_not_pikas_4_kib(url: str) -> None:
+    arr = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: some 32 full body frames
+    asked: list[int] = []
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        transport = consumer.transport.consumer._connection._impl._transport
+        recv = transport._sigint_safe_recv
+        transport._sigint_safe_recv = lambda sock, n: (asked.append(n), recv(sock, n))[1]
+        producer.send("big", arr)
+        assert same(consumer.recv("big", timeout=30), arr)
+    assert asked and set(asked) == {RECV_BYTES}
+    assert not read_in_large_pieces(object())  # a pika without the setting is left as it is
 
 
 def test_a_queue_that_exists_is_used_as_it_is(url: str) -> None:
