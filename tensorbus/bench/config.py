@@ -92,8 +92,11 @@ class BenchConfig:
     max_tensors_per_round: int = 100_000
     #: "crc32c": checksum every received tensor; "index": only sequence, size and dtype
     verify: str = "crc32c"
-    #: broker transports and their raw clients: at most this many timed rounds from `broker_cap_from` up
-    broker_max_rounds: int = 5
+    #: broker transports and their raw clients from `broker_cap_from` up: at most this many timed rounds,
+    #: within a budget of their own (a round there is one tensor taking a second or more, and the
+    #: median of the three or four rounds that `budget_s` leaves room for is mostly noise)
+    broker_max_rounds: int = 9
+    broker_budget_s: float = 16.0
     broker_cap_from: int = parse_size("64MB")
     #: hard limit for any one step (a round, a connection); a worker pair that exceeds it is killed
     timeout_s: float = 90.0
@@ -133,7 +136,7 @@ class BenchConfig:
         for name in ("repeats", "max_tensors_per_round", "broker_max_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("budget_s", "round_s", "broker_round_s", "timeout_s"):
+        for name in ("budget_s", "broker_budget_s", "round_s", "broker_round_s", "timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup_s < 0:

@@ -33,6 +33,8 @@ class _CellRun:
     pair: Pair
     cell: Cell
     target: int
+    #: seconds this cell may take, warm-up included
+    budget: float
     #: seconds this cell's own steps took (other cells' interleaved rounds do not count)
     spent: float = 0.0
     wall_per_tensor: float = 0.0
@@ -157,10 +159,13 @@ class Runner:
         return results
 
     def _target(self, method: Method, nbytes: int) -> int:
+        """Timed rounds a throughput cell asks for."""
         cfg = self.config
-        if method.family in ("amqp", "kafka") and nbytes >= cfg.broker_cap_from:
-            return min(cfg.repeats, cfg.broker_max_rounds)
-        return cfg.repeats
+        return min(cfg.repeats, cfg.broker_max_rounds) if self._capped(method, nbytes) else cfg.repeats
+
+    def _capped(self, method: Method, nbytes: int) -> bool:
+        """Whether a cell gets the broker rounds and budget (`broker_max_rounds`, `broker_budget_s`)."""
+        return method.family in ("amqp", "kafka") and nbytes >= self.config.broker_cap_from
 
     def _tick(self, steps: int, text: str) -> None:
         self._done += steps
@@ -187,8 +192,9 @@ class Runner:
         for pair in pairs:
             cell = Cell(pair.method.name, metric, nbytes)
             self.results.cells.append(cell)
+            capped = metric == "throughput" and self._capped(pair.method, nbytes)
             target = self._target(pair.method, nbytes) if metric == "throughput" else cfg.repeats
-            run = _CellRun(pair, cell, target)
+            run = _CellRun(pair, cell, target, cfg.broker_budget_s if capped else cfg.budget_s)
             label = f"{format_size(nbytes)} {metric}: {pair.method.name}"
             if pair.broken:
                 cell.error = f"not measured: {pair.broken}"
@@ -218,7 +224,7 @@ class Runner:
                 if run.done or r >= run.target:
                     continue
                 label = f"{format_size(nbytes)} {metric}: {run.pair.method.name} round {r + 1}/{run.target}"
-                if r >= 1 and run.spent + run.n * run.wall_per_tensor > cfg.budget_s:
+                if r >= 1 and run.spent + run.n * run.wall_per_tensor > run.budget:
                     run.done, run.cell.stopped_by = True, "budget"
                     self._tick(run.target - r, label)
                     continue

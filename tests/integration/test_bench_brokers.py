@@ -1,0 +1,40 @@
+"""`tensorbus bench` against the real brokers: the broker transports and raw clients it compares, and their rounds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tensorbus.cli import main
+from tests.conftest import AMQP_URL, KAFKA_URL, require_broker
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+def test_broker_cells_are_measured_and_large_ones_get_their_own_rounds_and_budget(tmp_path: Path) -> None:
+    require_broker(AMQP_URL)
+    require_broker(KAFKA_URL)
+    settings = tmp_path / "bench.toml"
+    # 64KB counts as large here: its broker cells get 2 rounds within 60 s, the rest `budget_s`
+    settings.write_text(
+        'broker_cap_from = "64KB"\nbroker_max_rounds = 2\nbroker_budget_s = 60.0\n'
+        "repeats = 3\nbudget_s = 0.5\nwarmup_s = 0.05\nround_s = 0.05\nbroker_round_s = 0.05\n"
+    )
+    out = tmp_path / "bench.json"
+    code = main([
+        "bench", "--config", str(settings), "--transports", "amqp-quorum,amqp-classic,kafka",
+        "--baselines", "pika,pika-classic,kafka-python", "--sizes", "4KB,64KB", "--latency-sizes", "4KB",
+        "--amqp-url", AMQP_URL, "--kafka-url", KAFKA_URL, "--timeout-s", "60", "--no-progress", "--json", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    cells = json.loads(out.read_text())["throughput"]
+    methods = {"amqp-quorum", "amqp-classic", "kafka", "pika", "pika-classic", "kafka-python"}
+    assert {c["method"] for c in cells} == methods
+    for cell in cells:
+        assert cell["status"] == "ok" and cell["failures"] == 0 and cell["verified"] > 0, cell
+        if cell["size"] == "64KB":  # the broker budget, not budget_s, bounds them: the cap stops them
+            assert (cell["rounds"], cell["stopped_by"]) == (2, "cap"), cell
+        else:
+            assert cell["rounds"] >= 1 and cell["stopped_by"] in (None, "budget"), cell
