@@ -9,15 +9,23 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from benchmarks import consumer_floor, native_speedup
+from benchmarks import amqp_large, consumer_floor, native_speedup
 from tensorbus.codec import native
 from tensorbus.transports import stream
-from tests.conftest import require_native
+from tests.conftest import AMQP_URL, require_broker, require_native
 
 
 def test_the_consumer_floor_benchmark_reads_a_real_producers_stream() -> None:
     for reader in (consumer_floor.tensorbus_reader, consumer_floor.minimal_reader):
         assert reader(64 << 10, 50) > 0  # each reader takes all 250 tensors, CRC checked, and gets the flush through
+
+
+@pytest.mark.broker
+def test_the_large_amqp_benchmark_runs_each_way_through_the_broker() -> None:
+    require_broker(AMQP_URL)
+    for way in amqp_large.WAYS:  # 17 MiB: two chunks each
+        result = amqp_large.one_run(way, 17 << 20, 3, "quorum")
+        assert result["gbps"] > 0 and result["consumer_cpu_s"] > 0 and result["producer_cpu_s"] > 0, way
 
 
 def test_the_native_speedup_benchmark_runs_both_ways() -> None:
