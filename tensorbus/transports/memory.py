@@ -104,6 +104,8 @@ class Frames:
 
     def wait_for_room(self, limit: int, timeout: float | None, source: object = None) -> bool:
         """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds."""
+        if self._bytes[source] < limit:  # a quick look without the lock first: the common case on every send
+            return True
         with self._room:
             return self._room.wait_for(lambda: self._bytes[source] < limit, timeout)
 
