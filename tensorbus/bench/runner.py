@@ -126,10 +126,8 @@ class Runner:
         try:
             self._start(results.methods)
             live = [m for m in results.methods if m.status == "ok"]
-            self._total = sum(
-                sum(2 + self._target(m, n) for n in cfg.sizes) + len(cfg.latency_sizes) * (2 + cfg.repeats)
-                for m in live
-            )
+            cells = [(n, "throughput") for n in cfg.sizes] + [(n, "latency") for n in cfg.latency_sizes]
+            self._total = sum(2 + self._rounds_and_budget(m, n, metric)[0] for m in live for n, metric in cells)
             for nbytes in sizes:
                 self._restart_broken(results.methods)
                 pairs = [self.pairs[m.name] for m in results.methods if m.status == "ok" and m.name in self.pairs]
@@ -158,14 +156,13 @@ class Runner:
         results.duration_s = time.monotonic() - t0
         return results
 
-    def _target(self, method: Method, nbytes: int) -> int:
-        """Timed rounds a throughput cell asks for."""
+    def _rounds_and_budget(self, method: Method, nbytes: int, metric: str) -> tuple[int, float]:
+        """The timed rounds a cell asks for and its time budget: broker throughput cells from
+        `broker_cap_from` up get `broker_max_rounds` and `broker_budget_s`."""
         cfg = self.config
-        return min(cfg.repeats, cfg.broker_max_rounds) if self._capped(method, nbytes) else cfg.repeats
-
-    def _capped(self, method: Method, nbytes: int) -> bool:
-        """Whether a cell gets the broker rounds and budget (`broker_max_rounds`, `broker_budget_s`)."""
-        return method.family in ("amqp", "kafka") and nbytes >= self.config.broker_cap_from
+        if metric == "throughput" and method.family in ("amqp", "kafka") and nbytes >= cfg.broker_cap_from:
+            return min(cfg.repeats, cfg.broker_max_rounds), cfg.broker_budget_s
+        return cfg.repeats, cfg.budget_s
 
     def _tick(self, steps: int, text: str) -> None:
         self._done += steps
@@ -192,13 +189,11 @@ class Runner:
         for pair in pairs:
             cell = Cell(pair.method.name, metric, nbytes)
             self.results.cells.append(cell)
-            capped = metric == "throughput" and self._capped(pair.method, nbytes)
-            target = self._target(pair.method, nbytes) if metric == "throughput" else cfg.repeats
-            run = _CellRun(pair, cell, target, cfg.broker_budget_s if capped else cfg.budget_s)
+            run = _CellRun(pair, cell, *self._rounds_and_budget(pair.method, nbytes, metric))
             label = f"{format_size(nbytes)} {metric}: {pair.method.name}"
             if pair.broken:
                 cell.error = f"not measured: {pair.broken}"
-                self._tick(2 + target, label)
+                self._tick(2 + run.target, label)
                 continue
             try:
                 n = _probe_count(nbytes, metric)
@@ -213,7 +208,7 @@ class Runner:
             except StepFailed as exc:
                 cell.error = str(exc)
                 self._fail(pair, exc)
-                self._tick(target, label)
+                self._tick(run.target, label)
                 continue
             round_s = cfg.broker_round_s if pair.method.family in ("amqp", "kafka") else cfg.round_s
             run.n = max(1, min(cfg.max_tensors_per_round, round(round_s / max(run.wall_per_tensor, 1e-9))))
