@@ -8,8 +8,8 @@ What it measures
     alternating round by round:
       - tensorbus: `tb.Producer.send` / `tb.Consumer.recv`, chunks acknowledged once the tensor is whole;
       - tensorbus-4k: the same with pika's own 4 KiB socket reads on the consumer's connection;
-      - pika: raw pika as in `tensorbus bench` (a confirm per chunk, each chunk acknowledged as it
-        comes, the transport's chunk size).
+      - pika: `tensorbus bench`'s raw pika baseline (`PikaLink`: a confirm per chunk, each chunk
+        acknowledged as it comes, the transport's chunk size).
     The CPU columns say which side a change relieved; the broker's writes, what acknowledging late costs it.
 
 Run
@@ -28,6 +28,8 @@ import uuid
 from typing import Any
 
 import numpy as np
+
+from tensorbus.bench.brokers import delete_queue
 
 from .common import parse_sizes
 
@@ -69,65 +71,43 @@ def _tensorbus_producer(url: str, n: int, nbytes: int, out: Any) -> None:
         out.put(("producer", time.perf_counter() - t0, _cpu_s() - c0))
 
 
-def _pika_channel(queue: str, arguments: dict[str, Any] | None) -> tuple[Any, Any]:
-    import pika
-
-    from tensorbus.bench.brokers import amqp_parameters
-
-    connection = pika.BlockingConnection(amqp_parameters(AMQP_URL, 30.0))
-    channel = connection.channel()
-    channel.queue_declare(queue, durable=True, arguments=arguments)
-    return connection, channel
-
-
-def _pika_consumer(queue: str, arguments: Any, n: int, ready: Any, out: Any) -> None:
-    from tensorbus.bench.broker_baselines import AMQP_PREFETCH, _Assembler
-
-    connection, channel = _pika_channel(queue, arguments)
-    channel.basic_qos(prefetch_count=AMQP_PREFETCH)
-    assembler, done, started = _Assembler(), [0], [0.0, 0.0]
-
-    def on_message(ch: Any, method: Any, properties: Any, body: bytes) -> None:
-        chunk, count, step = properties.headers["c"], properties.headers["n"], properties.headers["s"]
-        whole = assembler.add(chunk, count, body, step)
-        ch.basic_ack(method.delivery_tag)
-        if whole is not None:
-            done[0] += 1
-            if done[0] == 1:
-                started[:] = [time.perf_counter(), _cpu_s()]
-
-    channel.basic_consume(queue, on_message)
-    ready.set()
-    while done[0] < n:
-        connection.process_data_events(time_limit=1.0)
-    out.put(("consumer", time.perf_counter() - started[0], _cpu_s() - started[1]))
-    connection.close()
-
-
-def _pika_producer(queue: str, arguments: Any, n: int, nbytes: int, out: Any) -> None:
-    import pika
-
+def _pika_link(queue_type: str, tag: str, role: str) -> Any:
+    """The raw pika baseline of `tensorbus bench` (`PikaLink`): role "B" consumes, "A" publishes to it."""
+    from tensorbus.bench.broker_baselines import PikaLink
     from tensorbus.options import defaults
     from tensorbus.transports.rabbitmq import RabbitMQOptions
 
-    step = defaults(RabbitMQOptions)["max_frame_bytes"]  # the chunk size of amqp://
-    view = np.ones(nbytes // 4, np.float32).data.cast("B")
-    connection, channel = _pika_channel(queue, arguments)
-    channel.confirm_delivery()
-    count = -(-nbytes // step)
+    chunk_bytes = defaults(RabbitMQOptions)["max_frame_bytes"]  # the chunk size of amqp://
+    spec = {"tag": tag, "timeout_s": 300.0, "url": f"{AMQP_URL}?queue_type={queue_type}", "chunk_bytes": chunk_bytes}
+    return PikaLink(spec, role)
 
-    def send() -> None:
-        for chunk in range(count):
-            headers = {"c": chunk, "n": count, "s": step}
-            body = bytes(view[chunk * step : (chunk + 1) * step])
-            channel.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2, headers=headers), True)
 
-    send()
-    t0, c0 = time.perf_counter(), _cpu_s()
-    for _ in range(1, n):
-        send()
-    out.put(("producer", time.perf_counter() - t0, _cpu_s() - c0))
-    connection.close()
+def _pika_consumer(queue_type: str, tag: str, n: int, ready: Any, out: Any) -> None:
+    link = _pika_link(queue_type, tag, "B")
+    try:
+        link.open()
+        ready.set()
+        link.recv(300)
+        t0, c0 = time.perf_counter(), _cpu_s()
+        for _ in range(1, n):
+            link.recv(300)
+        out.put(("consumer", time.perf_counter() - t0, _cpu_s() - c0))
+    finally:
+        link.close()  # (deletes the queue)
+
+
+def _pika_producer(queue_type: str, tag: str, n: int, nbytes: int, out: Any) -> None:
+    link = _pika_link(queue_type, tag, "A")
+    array = np.ones(nbytes // 4, np.float32)
+    try:
+        link.connect(f"tbbench-{tag}-fwd")  # the consumer's queue (`Link.name` of role B)
+        link.send(array, 0)
+        t0, c0 = time.perf_counter(), _cpu_s()
+        for i in range(1, n):
+            link.send(array, i)
+        out.put(("producer", time.perf_counter() - t0, _cpu_s() - c0))
+    finally:
+        link.close()
 
 
 def _written(pid: int | None) -> int:
@@ -140,12 +120,11 @@ def _written(pid: int | None) -> int:
 def one_run(way: str, nbytes: int, n: int, queue_type: str, broker_pid: int | None = None) -> dict[str, float]:
     """Move `n` tensors one way; GB/s, CPU seconds per timed tensor on each side, broker MiB written per tensor."""
     queue = f"tb-large-{uuid.uuid4().hex[:8]}"
-    arguments = None if queue_type == "classic" else {"x-queue-type": queue_type}
     context = multiprocessing.get_context("spawn")
     ready, out = context.Event(), context.Queue()
     if way == "pika":
-        consumer = context.Process(target=_pika_consumer, args=(queue, arguments, n, ready, out))
-        producer = context.Process(target=_pika_producer, args=(queue, arguments, n, nbytes, out))
+        consumer = context.Process(target=_pika_consumer, args=(queue_type, queue, n, ready, out))
+        producer = context.Process(target=_pika_producer, args=(queue_type, queue, n, nbytes, out))
     else:
         url = f"{AMQP_URL}?queue={queue}&queue_type={queue_type}"
         consumer = context.Process(target=_tensorbus_consumer, args=(url, n, way == "tensorbus-4k", ready, out))
@@ -160,9 +139,8 @@ def one_run(way: str, nbytes: int, n: int, queue_type: str, broker_pid: int | No
     producer.join(60)
     consumer.join(60)
     out.close()
-    connection, channel = _pika_channel(queue, arguments)
-    channel.queue_delete(queue)
-    connection.close()
+    if way != "pika":  # (the pika link deletes its own)
+        delete_queue(AMQP_URL, queue)
     timed = n - 1
     return {
         "gbps": timed * nbytes / sides["consumer"][0] / 1e9,
