@@ -93,11 +93,15 @@ class BenchConfig:
     #: "crc32c": checksum every received tensor; "index": only sequence, size and dtype
     verify: str = "crc32c"
     #: broker transports and their raw clients from `broker_cap_from` up: at most this many timed rounds,
-    #: within a budget of their own (a round there is one tensor taking a second or more, and the
-    #: median of the three or four rounds that `budget_s` leaves room for is mostly noise)
+    #: within a budget of their own (a round there takes seconds, and the median of the few rounds
+    #: that `budget_s` leaves room for is mostly noise) ...
     broker_max_rounds: int = 9
-    broker_budget_s: float = 16.0
+    broker_budget_s: float = 24.0
     broker_cap_from: int = parse_size("64MB")
+    #: ... and rounds of at least this many bytes: RabbitMQ's quorum queue log rolls over every
+    #: 512 MiB by default (`raft.wal_max_size_bytes`), slowing the round it falls in; rounds of
+    #: one 256 MB tensor took it every other round, always the same method's in a pair of rounds
+    broker_round_bytes: int = parse_size("512MB")
     #: hard limit for any one step (a round, a connection); a worker pair that exceeds it is killed
     timeout_s: float = 90.0
     amqp_url: str = DEFAULT_AMQP_URL
@@ -133,7 +137,7 @@ class BenchConfig:
                 raise ConfigError(f"unknown baseline {name!r}; known: {', '.join(BASELINES)}, auto, none")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}")
-        for name in ("repeats", "max_tensors_per_round", "broker_max_rounds"):
+        for name in ("repeats", "max_tensors_per_round", "broker_max_rounds", "broker_round_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("budget_s", "broker_budget_s", "round_s", "broker_round_s", "timeout_s"):
@@ -171,7 +175,7 @@ def coerce(name: str, value: Any) -> Any:
         raise ConfigError(f"unknown benchmark setting {name!r}; known: {known}")
     if name in _SIZE_FIELDS:
         return [parse_size(item) for item in split_list(value)]
-    if name == "broker_cap_from":
+    if name in ("broker_cap_from", "broker_round_bytes"):
         return parse_size(value)
     if name in _LIST_FIELDS:
         return split_list(value)

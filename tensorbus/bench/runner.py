@@ -156,13 +156,28 @@ class Runner:
         results.duration_s = time.monotonic() - t0
         return results
 
+    def _large_broker_cell(self, method: Method, nbytes: int, metric: str) -> bool:
+        """A broker throughput cell from `broker_cap_from` up: rounds, budget and round size of its own."""
+        return metric == "throughput" and method.family in ("amqp", "kafka") and nbytes >= self.config.broker_cap_from
+
     def _rounds_and_budget(self, method: Method, nbytes: int, metric: str) -> tuple[int, float]:
-        """The timed rounds a cell asks for and its time budget: broker throughput cells from
-        `broker_cap_from` up get `broker_max_rounds` and `broker_budget_s`."""
+        """The timed rounds a cell asks for and its time budget (`broker_max_rounds` and
+        `broker_budget_s` for a large broker cell)."""
         cfg = self.config
-        if metric == "throughput" and method.family in ("amqp", "kafka") and nbytes >= cfg.broker_cap_from:
+        if self._large_broker_cell(method, nbytes, metric):
             return min(cfg.repeats, cfg.broker_max_rounds), cfg.broker_budget_s
         return cfg.repeats, cfg.budget_s
+
+    def _tensors_per_round(self, method: Method, nbytes: int, metric: str, wall_per_tensor: float) -> int:
+        """Enough tensors for a round of about `round_s` (`broker_round_s`); a large broker cell's
+        round carries at least `broker_round_bytes`, so that every round of every method takes its
+        share of the broker's periodic work (a quorum queue's log rolling over) and not every other one."""
+        cfg = self.config
+        round_s = cfg.broker_round_s if method.family in ("amqp", "kafka") else cfg.round_s
+        n = max(1, min(cfg.max_tensors_per_round, round(round_s / max(wall_per_tensor, 1e-9))))
+        if self._large_broker_cell(method, nbytes, metric):
+            n = max(n, -(-cfg.broker_round_bytes // nbytes))
+        return n
 
     def _tick(self, steps: int, text: str) -> None:
         self._done += steps
@@ -210,8 +225,7 @@ class Runner:
                 self._fail(pair, exc)
                 self._tick(run.target, label)
                 continue
-            round_s = cfg.broker_round_s if pair.method.family in ("amqp", "kafka") else cfg.round_s
-            run.n = max(1, min(cfg.max_tensors_per_round, round(round_s / max(run.wall_per_tensor, 1e-9))))
+            run.n = self._tensors_per_round(pair.method, nbytes, metric, run.wall_per_tensor)
             cell.tensors_per_round = run.n
             runs.append(run)
         for r in range(max((run.target for run in runs), default=0)):

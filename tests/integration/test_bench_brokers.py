@@ -13,14 +13,15 @@ from tests.conftest import AMQP_URL, KAFKA_URL, require_broker
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 
-def test_broker_cells_are_measured_and_large_ones_get_their_own_rounds_and_budget(tmp_path: Path) -> None:
+def test_broker_cells_are_measured_and_large_ones_get_their_own_rounds_budget_and_round_size(tmp_path: Path) -> None:
     require_broker(AMQP_URL)
     require_broker(KAFKA_URL)
     settings = tmp_path / "bench.toml"
-    # 64KB counts as large here: its broker cells get 2 rounds within 60 s, the rest `budget_s`
+    # 64KB counts as large here: its broker cells get 2 rounds of 1 MiB (16 tensors, where 1 ms rounds
+    # would have one or two) within 60 s; the rest `budget_s` and rounds of about `broker_round_s`
     settings.write_text(
-        'broker_cap_from = "64KB"\nbroker_max_rounds = 2\nbroker_budget_s = 60.0\n'
-        "repeats = 3\nbudget_s = 0.5\nwarmup_s = 0.05\nround_s = 0.05\nbroker_round_s = 0.05\n"
+        'broker_cap_from = "64KB"\nbroker_max_rounds = 2\nbroker_budget_s = 60.0\nbroker_round_bytes = "1MB"\n'
+        "repeats = 3\nbudget_s = 0.5\nwarmup_s = 0.05\nround_s = 0.05\nbroker_round_s = 0.001\n"
     )
     out = tmp_path / "bench.json"
     code = main([
@@ -36,5 +37,6 @@ def test_broker_cells_are_measured_and_large_ones_get_their_own_rounds_and_budge
         assert cell["status"] == "ok" and cell["failures"] == 0 and cell["verified"] > 0, cell
         if cell["size"] == "64KB":  # the broker budget, not budget_s, bounds them: the cap stops them
             assert (cell["rounds"], cell["stopped_by"]) == (2, "cap"), cell
+            assert cell["tensors_per_round"] == 16, cell
         else:
             assert cell["rounds"] >= 1 and cell["stopped_by"] in (None, "budget"), cell
