@@ -4,13 +4,13 @@ What it measures
     A producer process and a consumer process move `--tensors` tensors of `--size` through one
     queue (quorum unless `--queue-type` says otherwise); the first is untimed. Reported per side:
     GB/s over the timed tensors and the process's CPU (user + system, from getrusage) per tensor,
-    and, given `--broker-pid`, the bytes the broker process wrote to disk meanwhile. Three ways,
+    and, given `--broker-pid`, the broker process's CPU and the bytes it wrote to disk meanwhile. Three ways,
     alternating round by round:
       - tensorbus: `tb.Producer.send` / `tb.Consumer.recv`, chunks acknowledged once the tensor is whole;
       - tensorbus-4k: the same with pika's own 4 KiB socket reads on the consumer's connection;
       - pika: `tensorbus bench`'s raw pika baseline (`PikaLink`: a confirm per chunk, each chunk
         acknowledged as it comes, the transport's chunk size).
-    The CPU columns say which side a change relieved; the broker's writes, what acknowledging late costs it.
+    The CPU columns say which side a change relieved; the broker's CPU and writes, what acknowledging late costs it.
 
 Run
     python -m benchmarks.amqp_large [--size 256MB] [--tensors 6] [--rounds 3] [--broker-pid PID]
@@ -117,6 +117,15 @@ def _written(pid: int | None) -> int:
         return next(int(line.split()[1]) for line in io if line.startswith("write_bytes"))
 
 
+def _broker_cpu_s(pid: int | None) -> float:
+    """CPU seconds the broker process has used (user + system), from /proc/PID/stat."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()  # (the command name may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def one_run(way: str, nbytes: int, n: int, queue_type: str, broker_pid: int | None = None) -> dict[str, float]:
     """Move `n` tensors one way; GB/s, CPU seconds per timed tensor on each side, broker MiB written per tensor."""
     queue = f"tb-large-{uuid.uuid4().hex[:8]}"
@@ -129,7 +138,7 @@ def one_run(way: str, nbytes: int, n: int, queue_type: str, broker_pid: int | No
         url = f"{AMQP_URL}?queue={queue}&queue_type={queue_type}"
         consumer = context.Process(target=_tensorbus_consumer, args=(url, n, way == "tensorbus-4k", ready, out))
         producer = context.Process(target=_tensorbus_producer, args=(url, n, nbytes, out))
-    written = _written(broker_pid)
+    written, broker_cpu = _written(broker_pid), _broker_cpu_s(broker_pid)
     consumer.start()
     if not ready.wait(60):
         consumer.kill()
@@ -147,6 +156,7 @@ def one_run(way: str, nbytes: int, n: int, queue_type: str, broker_pid: int | No
         "consumer_cpu_s": sides["consumer"][1] / timed,
         "producer_cpu_s": sides["producer"][1] / timed,
         "broker_mib": (_written(broker_pid) - written) / n / 2**20,
+        "broker_cpu_s": (_broker_cpu_s(broker_pid) - broker_cpu) / n,
     }
 
 
@@ -156,7 +166,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=6, help="tensors per run, the first untimed (default 6)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each way, alternating (default 3)")
     parser.add_argument("--queue-type", default="quorum", choices=("quorum", "classic"))
-    parser.add_argument("--broker-pid", type=int, help="the RabbitMQ process, to count its disk writes")
+    parser.add_argument("--broker-pid", type=int, help="the RabbitMQ process, to count its CPU and disk writes")
     args = parser.parse_args()
     (nbytes,) = parse_sizes(args.size)
     results: dict[str, list[dict[str, float]]] = {way: [] for way in WAYS}
@@ -164,12 +174,15 @@ def main() -> None:
         for way in WAYS:
             results[way].append(one_run(way, nbytes, args.tensors, args.queue_type, args.broker_pid))
     print(f"{args.size}, {args.tensors - 1} timed tensors per run, {args.queue_type} queue; medians of {args.rounds}")
-    print(f"{'way':14} {'GB/s':>7} {'consumer CPU s':>15} {'producer CPU s':>15} {'broker MiB':>11}  (per tensor)")
+    print(
+        f"{'way':14} {'GB/s':>7} {'consumer CPU s':>15} {'producer CPU s':>15} {'broker CPU s':>13}"
+        f" {'broker MiB':>11}  (per tensor)"
+    )
     for way, runs in results.items():
         median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         print(
             f"{way:14} {median['gbps']:7.3f} {median['consumer_cpu_s']:15.3f} {median['producer_cpu_s']:15.3f}"
-            f" {median['broker_mib']:11.0f}"
+            f" {median['broker_cpu_s']:13.3f} {median['broker_mib']:11.0f}"
         )
 
 

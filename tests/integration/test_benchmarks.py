@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -26,6 +27,7 @@ def test_the_large_amqp_benchmark_runs_each_way_through_the_broker() -> None:
     for way in amqp_large.WAYS:  # 17 MiB: two chunks each
         result = amqp_large.one_run(way, 17 << 20, 3, "quorum")
         assert result["gbps"] > 0 and result["consumer_cpu_s"] > 0 and result["producer_cpu_s"] > 0, way
+    assert amqp_large._broker_cpu_s(os.getpid()) > 0  # (read from /proc as for the broker's PID)
 
 
 def test_the_native_speedup_benchmark_runs_both_ways() -> None:
