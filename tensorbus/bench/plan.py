@@ -66,6 +66,21 @@ def plan(cfg: BenchConfig) -> list[Method]:
     return methods
 
 
+def round_order(methods: list[Method]) -> list[Method]:
+    """The order rounds run in: each transport, then the baselines it is compared with, then the rest.
+
+    A same-round ratio is meant to compare two rounds under the same conditions; with every transport
+    first and every baseline after, amqp:// and raw pika ran rounds apart, with other brokers' disk
+    writes between them that the one met and the other did not.
+    """
+    ordered: list[Method] = []
+    for method in methods:
+        if method.kind == "tensorbus":
+            ordered.append(method)
+            ordered += [b for b in methods if b.name in method.compare and b not in ordered]
+    return ordered + [m for m in methods if m not in ordered]
+
+
 def check(method: Method) -> None:
     """Mark a method skipped when its driver is missing or its broker does not answer."""
     if method.family == "amqp":

@@ -2,7 +2,8 @@
 
 For each tensor size every method first gets a probe and a warm-up (untimed), then the timed rounds
 run interleaved: round 1 of every method, round 2 of every method (in rotated order), ... so that
-a slow spell of the machine hits all methods alike. A cell stops when its next round would overrun
+a slow spell of the machine hits all methods alike; each transport's round is followed by those of
+the baselines it is compared with (`plan.round_order`). A cell stops when its next round would overrun
 its time budget (after at least one timed round). Every wait on a worker has a deadline; a worker
 pair that misses one is killed, its cell marked, and the pair restarted for the next size.
 """
@@ -130,7 +131,8 @@ class Runner:
             self._total = sum(2 + self._rounds_and_budget(m, n, metric)[0] for m in live for n, metric in cells)
             for nbytes in sizes:
                 self._restart_broken(results.methods)
-                pairs = [self.pairs[m.name] for m in results.methods if m.status == "ok" and m.name in self.pairs]
+                order = plan.round_order(results.methods)
+                pairs = [self.pairs[m.name] for m in order if m.status == "ok" and m.name in self.pairs]
                 self._prepare(pairs, nbytes)
                 if nbytes in cfg.sizes:
                     self._measure(pairs, nbytes, "throughput")

@@ -190,3 +190,19 @@ def test_quorum_and_classic_rows_each_have_their_queue_type_and_their_baseline()
     assert methods["amqp-quorum"].compare == ["pika"] and methods["amqp-classic"].compare == ["pika-classic"]
     with pytest.raises(ConfigError, match="amqp-quorum, amqp-classic"):
         config.BenchConfig(transports=["amqp-mirrored"])
+
+
+def test_each_transport_runs_its_rounds_next_to_the_baselines_it_is_compared_with() -> None:
+    from tensorbus.bench.plan import plan, round_order
+
+    cfg = config.BenchConfig(
+        transports=["memory", "tcp", "unix", "amqp-quorum", "amqp-classic", "kafka"],
+        amqp_url="amqp://guest:guest@127.0.0.1:1/%2F",
+        kafka_url="kafka://127.0.0.1:1",
+    )
+    methods = plan(cfg)  # (brokers that do not answer: skipped, still planned)
+    assert [m.name for m in methods].index("pika") > [m.name for m in methods].index("kafka")
+    assert [m.name for m in round_order(methods)] == [
+        "memory", "tcp", "socket", "zmq", "unix", "amqp-quorum", "pika", "amqp-classic", "pika-classic",
+        "kafka", "kafka-python", "pickle",
+    ]  # fmt: skip
