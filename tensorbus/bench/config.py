@@ -99,8 +99,8 @@ class BenchConfig:
     broker_budget_s: float = 24.0
     broker_cap_from: int = parse_size("64MB")
     #: ... and rounds of at least this many bytes: RabbitMQ's quorum queue log rolls over every
-    #: 512 MiB by default (`raft.wal_max_size_bytes`), slowing the round it falls in; rounds of
-    #: one 256 MB tensor took it every other round, always the same method's in a pair of rounds
+    #: 512 MiB by default (`raft.wal_max_size_bytes`), slowing the round it falls in; with rounds of
+    #: one 256 MB tensor every other round took it, in most pairs the same side's
     broker_round_bytes: int = parse_size("512MB")
     #: hard limit for any one step (a round, a connection); a worker pair that exceeds it is killed
     timeout_s: float = 90.0

@@ -69,9 +69,8 @@ def plan(cfg: BenchConfig) -> list[Method]:
 def round_order(methods: list[Method]) -> list[Method]:
     """The order rounds run in: each transport, then the baselines it is compared with, then the rest.
 
-    A same-round ratio is meant to compare two rounds under the same conditions; with every transport
-    first and every baseline after, amqp:// and raw pika ran rounds apart, with other brokers' disk
-    writes between them that the one met and the other did not.
+    A same-round ratio compares two rounds under the same conditions: run one after the other, no
+    other method's round (another broker's disk writes, say) falls between them.
     """
     ordered: list[Method] = []
     for method in methods:

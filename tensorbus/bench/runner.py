@@ -3,7 +3,8 @@
 For each tensor size every method first gets a probe and a warm-up (untimed), then the timed rounds
 run interleaved: round 1 of every method, round 2 of every method (in rotated order), ... so that
 a slow spell of the machine hits all methods alike; each transport's round is followed by those of
-the baselines it is compared with (`plan.round_order`). A cell stops when its next round would overrun
+the baselines it is compared with (`plan.round_order`), except in the round whose rotation starts
+between them. A cell stops when its next round would overrun
 its time budget (after at least one timed round). Every wait on a worker has a deadline; a worker
 pair that misses one is killed, its cell marked, and the pair restarted for the next size.
 """
@@ -178,7 +179,7 @@ class Runner:
         round_s = cfg.broker_round_s if method.family in ("amqp", "kafka") else cfg.round_s
         n = max(1, min(cfg.max_tensors_per_round, round(round_s / max(wall_per_tensor, 1e-9))))
         if self._large_broker_cell(method, nbytes, metric):
-            n = max(n, -(-cfg.broker_round_bytes // nbytes))
+            n = max(n, min(cfg.max_tensors_per_round, -(-cfg.broker_round_bytes // nbytes)))
         return n
 
     def _tick(self, steps: int, text: str) -> None:

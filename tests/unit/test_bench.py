@@ -206,3 +206,21 @@ def test_each_transport_runs_its_rounds_next_to_the_baselines_it_is_compared_wit
         "memory", "tcp", "socket", "zmq", "unix", "amqp-quorum", "pika", "amqp-classic", "pika-classic",
         "kafka", "kafka-python", "pickle",
     ]  # fmt: skip
+
+
+def test_a_large_broker_cells_rounds_carry_broker_round_bytes_and_no_other_cells_do() -> None:
+    from tensorbus.bench.results import Method
+    from tensorbus.bench.runner import Runner
+
+    cfg = config.BenchConfig(broker_cap_from=config.parse_size("64MB"), broker_round_bytes=config.parse_size("512MB"))
+    runner = Runner(cfg)
+    amqp = Method("amqp", "tensorbus", "tensorbus", "amqp", "amqp://h/?queue=q")
+    tcp = Method("tcp", "tensorbus", "tensorbus", "tcp", "tcp://127.0.0.1:0")
+    one_s = 1.0  # seconds per tensor: `broker_round_s` alone would make rounds of one tensor
+    assert runner._tensors_per_round(amqp, 256 << 20, "throughput", one_s) == 2
+    assert runner._tensors_per_round(amqp, 100 << 20, "throughput", one_s) == 6  # (rounded up)
+    assert runner._tensors_per_round(amqp, 16 << 20, "throughput", one_s) == 1  # below broker_cap_from
+    assert runner._tensors_per_round(amqp, 256 << 20, "latency", one_s) == 1
+    assert runner._tensors_per_round(tcp, 256 << 20, "throughput", one_s) == 1
+    small = Runner(config.BenchConfig(broker_cap_from=4096, max_tensors_per_round=1000))
+    assert small._tensors_per_round(amqp, 4096, "throughput", one_s) == 1000  # never past max_tensors_per_round
