@@ -72,12 +72,21 @@ def consume(url: str, log: str, options: dict[str, Any]) -> None:
             return message
 
         reactor._fast = recording_take
-    for message in consumer:  # the application drains the table
+    handed = os.open(f"{log}.handed", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    for message in consumer:  # the application drains the table, noting each tensor it was handed
+        os.write(handed, f"{message.key} {os.getpid()}\n".encode())
         del message
 
 
 def lines(log: Path) -> list[list[str]]:
     return [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def handed_out_twice(log: Path) -> int:
+    """Tensors `consume`'s application was handed more than once, by any of the consumer processes
+    (`log` counts them as they reach the consumer's table, before the application takes them)."""
+    keys = collections.Counter(line.split()[0] for line in Path(f"{log}.handed").read_text().splitlines())
+    return sum(count - 1 for count in keys.values())
 
 
 def report(log: Path, count: int) -> dict[str, int]:
