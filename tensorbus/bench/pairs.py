@@ -91,7 +91,7 @@ class Pair:
 
         for role in ("A", "B"):
             url = inbound_url(self.spec, role)
-            if self.method.family in ("amqp", "kafka"):
+            if self.method.through_broker:
                 brokers.delete_endpoint(url)
             elif self.method.family == "unix" and self.method.kind == "tensorbus":
                 with contextlib.suppress(OSError):

@@ -98,7 +98,7 @@ def check(method: Method) -> None:
     if method.kind == "baseline" and module and importlib.util.find_spec(module) is None:
         method.status, method.reason = "skipped", f"{module} is not installed"
         return
-    if method.family in ("amqp", "kafka"):
+    if method.through_broker:
         reason = brokers.unreachable(method.url)
         if reason is not None:
             method.status, method.reason = "skipped", reason

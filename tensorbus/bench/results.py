@@ -27,6 +27,11 @@ class Method:
     status: str = "ok"  # ok, skipped, failed
     reason: str = ""
 
+    @property
+    def through_broker(self) -> bool:
+        """Whether its tensors go through a broker (amqp, kafka): rounds, budgets and cleanup of their own."""
+        return self.family in ("amqp", "kafka")
+
 
 @dataclass
 class Cell:

@@ -130,9 +130,9 @@ class Runner:
             live = [m for m in results.methods if m.status == "ok"]
             cells = [(n, "throughput") for n in cfg.sizes] + [(n, "latency") for n in cfg.latency_sizes]
             self._total = sum(2 + self._rounds_and_budget(m, n, metric)[0] for m in live for n, metric in cells)
+            order = plan.round_order(results.methods)
             for nbytes in sizes:
                 self._restart_broken(results.methods)
-                order = plan.round_order(results.methods)
                 pairs = [self.pairs[m.name] for m in order if m.status == "ok" and m.name in self.pairs]
                 self._prepare(pairs, nbytes)
                 if nbytes in cfg.sizes:
@@ -161,7 +161,7 @@ class Runner:
 
     def _large_broker_cell(self, method: Method, nbytes: int, metric: str) -> bool:
         """A broker throughput cell from `broker_cap_from` up: rounds, budget and round size of its own."""
-        return metric == "throughput" and method.family in ("amqp", "kafka") and nbytes >= self.config.broker_cap_from
+        return metric == "throughput" and method.through_broker and nbytes >= self.config.broker_cap_from
 
     def _rounds_and_budget(self, method: Method, nbytes: int, metric: str) -> tuple[int, float]:
         """The timed rounds a cell asks for and its time budget (`broker_max_rounds` and
@@ -176,7 +176,7 @@ class Runner:
         round carries at least `broker_round_bytes`, so that every round of every method takes its
         share of the broker's periodic work (a quorum queue's log rolling over) and not every other one."""
         cfg = self.config
-        round_s = cfg.broker_round_s if method.family in ("amqp", "kafka") else cfg.round_s
+        round_s = cfg.broker_round_s if method.through_broker else cfg.round_s
         n = max(1, min(cfg.max_tensors_per_round, round(round_s / max(wall_per_tensor, 1e-9))))
         if self._large_broker_cell(method, nbytes, metric):
             n = max(n, min(cfg.max_tensors_per_round, -(-cfg.broker_round_bytes // nbytes)))
