@@ -117,18 +117,21 @@ def start(target: Any, *args: Any) -> multiprocessing.process.BaseProcess:
     return process
 
 
-def fail_feed_once(monkeypatch: Any, consumer: tb.Consumer, error: BaseException) -> None:
-    """Make the consumer's next `Reassembler.feed` raise `error` (a decoder bug, memory running out)."""
+def fail_feed_once(monkeypatch: Any, consumer: tb.Consumer, error: BaseException) -> list[BaseException]:
+    """Make the consumer's next `Reassembler.feed` raise `error` (a decoder bug, memory running out): the
+    list it is appended to once raised, for the test to check that the fault fired."""
     feed = consumer.intake.reassembler.feed
-    failures = iter([error])
+    failures, raised = iter([error]), []
 
     def failing_once(*args: Any, **kwargs: Any) -> Any:
         pending = next(failures, None)
         if pending is not None:
+            raised.append(pending)
             raise pending
         return feed(*args, **kwargs)
 
     monkeypatch.setattr(consumer.intake.reassembler, "feed", failing_once)
+    return raised
 
 
 def received_by_a_successor_of_an_aborted_consumer(url: str, count: int = 20) -> tuple[list[int], tb.Consumer]:

@@ -538,11 +538,11 @@ def test_running_out_of_memory_for_a_frame_drops_the_connection_and_the_frame_co
 ) -> None:
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
         consumer.transport.reactor._fast = None  # type: ignore[attr-defined]  # (the Python delivery: the C one below)
-        fail_feed_once(monkeypatch, consumer, MemoryError())
+        raised = fail_feed_once(monkeypatch, consumer, MemoryError())
         with tb.Producer(consumer.address, reconnect_timeout_s=5) as producer:
             producer.send("k", np.arange(3))
             producer.flush(timeout=10)  # resent on a new connection, then acknowledged
-        assert consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
+        assert len(raised) == 1 and consumer.recv("k", timeout=5).tolist() == [0, 1, 2]
         assert consumer.stats["rejected"] == 0
 
 

@@ -171,10 +171,10 @@ def test_a_frame_the_decoder_fails_on_costs_that_frame_only(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with tb.Consumer("memory://decoder-bug") as consumer, tb.Producer("memory://decoder-bug") as producer:
-        fail_feed_once(monkeypatch, consumer, RuntimeError("a decoder bug"))
+        raised = fail_feed_once(monkeypatch, consumer, RuntimeError("a decoder bug"))
         producer.send("k", np.array([1]))
         producer.send("k", np.array([2]))
-        assert consumer.recv("k", timeout=5)[0] == 2
+        assert consumer.recv("k", timeout=5)[0] == 2 and len(raised) == 1
         assert consumer.stats["rejected"] == 1
         assert "decoder failed on" in caplog.text
 
