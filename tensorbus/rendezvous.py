@@ -450,3 +450,8 @@ class Rendezvous(TableState):
         """How many buffered (arrived, not yet received) messages each key has."""
         with self._lock:
             return {key: len(numbers) for key, numbers in self._by_key.items()}
+
+    def awaited_keys(self) -> dict[object, int]:
+        """How many receivers (`recv`, `recv_async`, `next_message`: key ANY) wait for each key."""
+        with self._lock:
+            return {key: len(waiters) for key, waiters in self._waiters.items()}

@@ -16,6 +16,7 @@ import pytest
 import tensorbus as tb
 from tests.conftest import endpoint_url
 from tests.peers import Peer, make_tensor, same
+from tests.waiting import wait_for
 
 TRANSPORTS = ["memory", "tcp", "unix", "amqp", "kafka"]
 
@@ -43,7 +44,7 @@ def test_recv_before_send(consumer: tb.Consumer) -> None:
     got: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: got.setdefault("t", consumer.recv("late", timeout=60)))
     waiter.start()
-    time.sleep(0.2)
+    wait_for(lambda: consumer.table.awaited_keys().get("late") == 1, 30, "the recv to wait")  # (else: send first)
     run_peer(consumer, [("late", {"seed": 2})]).join()
     waiter.join(60)
     assert same(got["t"], make_tensor({"seed": 2}))
@@ -97,7 +98,7 @@ def test_abort_fails_pending_and_later_calls(consumer: tb.Consumer) -> None:
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)
+    wait_for(lambda: consumer.table.awaited_keys().get("pending") == 1, 30, "the recv to wait")  # (pending, not later)
     async_errors: list[BaseException | None] = []
     consumer.recv_async("pending2", lambda m, e: async_errors.append(e))
     consumer.abort("shutting down for maintenance")

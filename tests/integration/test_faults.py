@@ -129,13 +129,20 @@ def test_tensors_an_aborted_consumer_turns_away_reach_its_successor(transport: s
         producer.flush(30)
     first.recv("warm", timeout=30)
     first.abort("step failed")
+    read, feed = [], first.intake.reassembler.feed  # the frames the aborted consumer reads (and turns away)
+
+    def counted_feed(*args: Any, **kwargs: Any) -> Any:
+        read.append(1)
+        return feed(*args, **kwargs)
+
+    first.intake.reassembler.feed = counted_feed  # type: ignore[method-assign]
     big = np.arange(500_000, dtype=np.float32)  # 2 MB in 512 KB chunks: some go to the aborted table
     with tb.Producer(url, max_frame_bytes=512 << 10) as producer:
         for i in range(3):
             producer.send(f"k{i}", np.full(3, i))
         producer.send("big", big)
         producer.flush(30)
-    time.sleep(2)  # the aborted consumer reads them meanwhile, and turns them away
+    wait_for(lambda: read, 30, "the aborted consumer to read one of them (and turn it away)")
     first.close()
     with tb.Consumer(url) as successor:
         assert [successor.recv(f"k{i}", timeout=30)[0] for i in range(3)] == [0, 1, 2]

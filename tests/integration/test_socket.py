@@ -332,11 +332,34 @@ def once_leading(consumer: tb.Consumer, action: Any) -> threading.Thread:
     return once(lambda: reactor._leading == me, action, "this thread to lead the reading")
 
 
+class _CountedLooks:
+    """The reactor's idle timer, counting the background reader's looks at it (`wait` with a timeout):
+    each is a chance it had to take the lead and read."""
+
+    def __init__(self, timer: Any) -> None:
+        self.timer, self.looks = timer, 0
+
+    def wait(self, timeout: float) -> bool:
+        if timeout > 0:
+            self.looks += 1
+        return bool(self.timer.wait(timeout))
+
+    def touch(self, linger_s: float) -> None:
+        self.timer.touch(linger_s)
+
+    def wake(self) -> None:
+        self.timer.wake()
+
+
 def _sent_and_left_for_recv(consumer: tb.Consumer, producer: tb.Producer) -> None:
     """Send a small tensor: the background reader, kept out for `linger_s`, must leave it for a recv."""
+    reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+    timer = reactor._idle = _CountedLooks(reactor._idle)
     producer.send("small", np.arange(20))
-    time.sleep(0.5)  # the background reader would have read it by now, were it not kept out
-    assert len(consumer.table) == 0
+    looks = timer.looks
+    # (not a fixed sleep: on a loaded machine the reader may not have run at all, and proved nothing)
+    wait_for(lambda: timer.looks >= looks + 3, 10, "the background reader to look three times after the send")
+    assert len(consumer.table) == 0  # it was kept out each time
     assert same(consumer.recv("small", timeout=10), np.arange(20))
 
 
