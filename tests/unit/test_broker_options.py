@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 import tensorbus as tb
-from tensorbus.transports.kafka import FETCH_PER_PARTITION, RECORD_OVERHEAD, KafkaOptions
+from tensorbus.transports.kafka import FETCH_PER_PARTITION, RECORD_OVERHEAD, KafkaOptions, KafkaTransport
 from tensorbus.transports.rabbitmq import MAX_PREFETCH, RabbitMQOptions
 
 AMQP = "amqp://guest:guest@127.0.0.1:1/%2F"
@@ -82,3 +82,21 @@ def test_a_kafka_fetch_takes_at_least_one_whole_record() -> None:
     big = KafkaOptions(max_frame_bytes=20 << 20, max_request_size=21 << 20, fetch_max_bytes=64 << 20)
     assert big.partition_fetch_bytes == (20 << 20) + RECORD_OVERHEAD
     assert KafkaOptions(max_partition_fetch_bytes=2 << 20).partition_fetch_bytes == 2 << 20
+    assert KafkaOptions(fetch_max_bytes=4 << 20).partition_fetch_bytes == 4 << 20  # within fetch_max_bytes
+
+
+def test_a_kafka_url_gives_the_brokers_the_group_and_the_tls_and_sasl_settings() -> None:
+    """As kafka-python names them; that they reach it, tests/integration/test_broker_tls.py shows (SSL and
+    SASL_SSL round trips, a wrong password refused)."""
+    url = "kafkas://b1:9093,b2/t?group=1234&ssl_cafile=ca.pem&sasl_mechanism=PLAIN&sasl_plain_username=u"
+    with tb.Producer(url, sasl_plain_password=1234) as producer:  # nothing connects before the first send
+        transport = producer.transport
+        assert isinstance(transport, KafkaTransport)
+        assert transport.servers == ["b1:9093", "b2:9092"] and transport.group == "1234"  # (text, not a number)
+        assert transport.options.client_settings() == {
+            **dict.fromkeys(["ssl_certfile", "ssl_keyfile", "ssl_password"]),
+            "ssl_cafile": "ca.pem",
+            "sasl_mechanism": "PLAIN",
+            "sasl_plain_username": "u",
+            "sasl_plain_password": "1234",
+        }
