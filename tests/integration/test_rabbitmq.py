@@ -158,8 +158,11 @@ def test_a_new_queue_is_a_quorum_queue_unless_asked_otherwise(url: str) -> None:
             with tb.Producer(f"{AMQP_URL}?queue={name}{chosen}") as producer:
                 producer.send("k", np.arange(3.0))
                 producer.flush(30)
-            arguments = {"x-queue-type": queue_type or "quorum"} if queue_type != "classic" else None
-            connection.channel().queue_declare(name, durable=True, arguments=arguments)  # 406 for another type
+            made = queue_type or "quorum"
+            other = "quorum" if made == "classic" else "classic"
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="inequivalent arg 'x-queue-type'"):
+                connection.channel().queue_declare(name, durable=True, arguments={"x-queue-type": other})
+            connection.channel().queue_declare(name, durable=True, arguments={"x-queue-type": made})  # its type
             connection.channel().queue_delete(name)
     finally:
         connection.close()

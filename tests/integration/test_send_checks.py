@@ -3,6 +3,7 @@ the C path of a plain ndarray (tcp://, unix://) as on the Python path (memory://
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -35,9 +36,12 @@ CASES: list[tuple[str, dict[str, Any], type, str]] = [
 def test_a_frame_every_consumer_would_drop_is_refused_at_send_and_nothing_is_sent(transport: str) -> None:
     with tb.Consumer(endpoint_url(transport)) as consumer, tb.Producer(consumer.address) as producer:
         for what, case, error, needle in CASES:
-            with pytest.raises(error, match=needle):
+            try:
                 producer.send(case.get("key", "bad"), case.get("tensor", np.ones(4)), metadata=case.get("metadata"))
-            assert what  # (named in the failure above by its parameters)
+            except error as exc:
+                assert re.search(needle, str(exc)), f"{what}: {exc}"
+            else:
+                pytest.fail(f"{what}: sent, not refused")
         producer.send("ok", np.arange(3), metadata={"fine": True})
         message = consumer.recv_message("ok", timeout=30)
         assert message.tensor.tolist() == [0, 1, 2]
