@@ -26,6 +26,8 @@ took "native brokers up"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check tensorbus tests benchmarks examples setup.py
 .venv/bin/python -m mypy tensorbus
+# say in the log what the folding-CRC tests (tests/unit/test_crc_folding.py) skip for on a CPU without it
+.venv/bin/python -c "from tensorbus.codec import native; m = native.load('tensorbus.codec._crc'); print('[test.sh] folding CRC32C:', 'used (AVX2 + VPCLMULQDQ)' if m and m.ACCELERATED else 'this CPU lacks AVX2 + VPCLMULQDQ: its tests skip, and frames are checksummed (and tested) with the crc32c package')"
 .venv/bin/python -m pytest "$@"
 # the Python codec and socket paths alone, as where the C extensions cannot be built (brokers aside:
 # their transports use only the codec, and the unit tests cover its Python path)

@@ -9,6 +9,7 @@ import tempfile
 import urllib.parse
 import uuid
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 
@@ -42,6 +43,18 @@ def require_native(built: bool, what: str) -> None:
     if IN_CI:
         pytest.fail(f"CI=true and {message}", pytrace=False)
     pytest.skip(message, allow_module_level=True)
+
+
+def require_torch() -> ModuleType:
+    """torch: CI installs the `torch` extra, so there its absence fails; elsewhere it skips, saying why."""
+    try:
+        import torch
+    except ImportError:
+        message = "torch is not installed (the `torch` extra: pip install -e '.[torch]')"
+        if IN_CI:
+            pytest.fail(f"CI=true and {message}", pytrace=False)
+        pytest.skip(message, allow_module_level=True)
+    return torch
 
 
 def require_broker(url: str) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus import intake
+from tests.conftest import require_native
 from tests.integration.test_socket import raw_peer
 from tests.waiting import wait_for
 
@@ -36,8 +37,8 @@ def delivery(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     """The consumers made in the test deliver plain frames in C (where built) or the Python way."""
     if request.param == "python":
         monkeypatch.setattr(intake, "FAST", None)
-    elif intake.FAST is None:
-        pytest.skip("the intake's C delivery is not built (or TENSORBUS_NATIVE=0)")
+    else:
+        require_native(intake.FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
     yield request.param
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec.frame import DEFAULT_LIMITS, FLAG_CHECKSUM, NATIVE
-from tests.conftest import endpoint_url
+from tests.conftest import endpoint_url, require_native
 
 HUGE = "x" * (DEFAULT_LIMITS.max_header_bytes + 1)
 
@@ -49,8 +49,8 @@ def test_a_frame_every_consumer_would_drop_is_refused_at_send_and_nothing_is_sen
         assert consumer.stats["received"] == 1  # only the good one came
 
 
-@pytest.mark.skipif(NATIVE is None, reason="the C codec is not built or TENSORBUS_NATIVE=0")
 def test_the_c_head_leaves_what_python_refuses_to_python() -> None:
+    require_native(NATIVE is not None, "the C codec (tensorbus/codec/_native.c)")
     array = np.ones(4)
     assert NATIVE.ndarray_head(array, "k", {"a": 1}, ("p", 1), FLAG_CHECKSUM) is not None
     for key, metadata in [(HUGE, None), ("k", {"notes": HUGE}), ("k", "str"), ("k", [1, 2])]:

@@ -23,6 +23,17 @@ needs_folding = pytest.mark.skipif(
 BLOCK = 1 << 16  # _crc.c's BLOCK: half folded, half in four crc32 streams
 
 
+def test_frames_are_checksummed_by_the_folding_crc_only_where_this_cpu_has_it() -> None:
+    """Not skipped on any CPU: without AVX2 + VPCLMULQDQ the C function refuses and the package serves
+    (every codec test then runs on it; scripts/test.sh says which in the CI log)."""
+    if FOLDING.ACCELERATED:
+        assert native.crc32c is FOLDING.crc32c
+    else:
+        assert native.crc32c is crc32c.crc32c
+        with pytest.raises(RuntimeError):
+            FOLDING.crc32c(b"abc")
+
+
 @needs_folding
 @pytest.mark.parametrize(
     "n",

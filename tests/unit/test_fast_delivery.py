@@ -20,7 +20,7 @@ import tensorbus as tb
 from tensorbus.codec import encode, encode_chunks
 from tensorbus.intake_state import FAST, PyIntakeState, PyTableState
 
-from ..conftest import require_native
+from ..conftest import require_native, require_torch
 
 require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
 
@@ -234,7 +234,7 @@ def test_a_lock_held_by_another_thread_leaves_the_frame_to_python(twins: Any, wh
 def test_consumers_the_c_delivery_cannot_serve_have_none() -> None:
     for options in ({"signing_key": b"s"}, {"like": "torch"}):
         if options.get("like") == "torch":
-            pytest.importorskip("torch")
+            require_torch()
         with tb.Consumer(f"memory://fast-{uuid.uuid4().hex}", **options) as consumer:
             assert consumer.intake.fast is None
 

@@ -25,7 +25,7 @@ from tensorbus.codec.dtypes import DTYPES
 from tensorbus.codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Limits, decode, encode
 from tensorbus.codec.tensors import align
 
-from ..conftest import require_native
+from ..conftest import require_native, require_torch
 
 NATIVE = native.NATIVE
 require_native(NATIVE is not None, "the codec's C fast path (tensorbus/codec/_native.c)")
@@ -141,7 +141,7 @@ def test_decoded_arrays_follow_the_buffer_they_came_in() -> None:
     assert kept is not None
     del view, message
     assert kept.tensor.tolist() == [0, 1, 2, 3, 4]  # it holds the memory alive
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     as_torch = decode(bytearray(data), like="torch")
     assert isinstance(as_torch.tensor, torch.Tensor) and as_torch.tensor.tolist() == [0, 1, 2, 3, 4]
 

@@ -13,6 +13,7 @@ import tensorbus as tb
 from tensorbus.codec.frame import PREFIX, Limits, encode_raw, layout
 from tensorbus.codec.tensors import ALIGN, MAX_TREE_DEPTH, MAX_TREE_ENTRIES
 from tensorbus.rendezvous import tensor_nbytes
+from tests.conftest import require_torch
 from tests.unit import frames_v1
 from tests.waiting import wait_for
 
@@ -72,7 +73,7 @@ def test_each_tensor_of_a_structure_is_aligned_in_the_payload_and_a_view_of_the_
 
 
 def test_an_adam_optimizer_state_dict_travels_as_one_frame() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(5, 4)).sum().backward()

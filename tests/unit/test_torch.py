@@ -3,18 +3,14 @@ libraries included, ~3 GB); outside CI a missing torch skips these tests, in CI 
 
 from __future__ import annotations
 
-import os
-
 import ml_dtypes
 import numpy as np
 import pytest
 
 import tensorbus as tb
+from tests.conftest import require_torch
 
-if os.environ.get("CI") == "true":
-    import torch  # CI installs the torch extra: its absence is a failure, not a skip
-else:
-    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+torch = require_torch()
 
 
 def test_torch_tensors_travel_without_a_copy_and_come_back_as_torch() -> None:
