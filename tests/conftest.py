@@ -113,6 +113,42 @@ def _delete_broker_endpoints() -> Iterator[None]:
                 channel.queue_delete(queue)
 
 
+#: the ports of the brokers scripts/brokers.sh starts (single nodes, their TLS listeners, the clusters)
+BROKER_PORTS = frozenset(
+    {urllib.parse.urlsplit(AMQP_URL).port or 5672, urllib.parse.urlsplit(KAFKA_URL).port or 9092}
+    | {5671, 5672, 9092, 9093, 9094, 5681, 5682, 5683, 9191, 9192, 9193}
+)
+
+
+@pytest.fixture(autouse=True)
+def _broker_marker_kept(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test not marked `broker` that connects to a broker's port (in this process) fails, naming the
+    port: `-m "not broker"` must run nothing that needs one."""
+    if request.node.get_closest_marker("broker") is not None:
+        yield
+        return
+    touched: list[object] = []
+    connect, connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def noted(address: object) -> None:
+        if isinstance(address, tuple) and len(address) >= 2 and address[1] in BROKER_PORTS:
+            touched.append(address[:2])
+
+    def guarded_connect(self: socket.socket, address: object) -> None:
+        noted(address)
+        connect(self, address)  # type: ignore[arg-type]
+
+    def guarded_connect_ex(self: socket.socket, address: object) -> int:
+        noted(address)
+        return connect_ex(self, address)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket.socket, "connect", guarded_connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", guarded_connect_ex)
+    yield
+    if touched:
+        pytest.fail(f"connected to a broker at {touched[0]} but is not marked `broker`", pytrace=False)
+
+
 @pytest.fixture(autouse=True)
 def _reset_memory_hub() -> Iterator[None]:
     yield

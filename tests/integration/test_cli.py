@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 import ml_dtypes
@@ -212,10 +213,23 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
         result = tensorbus("recv", "tcp://127.0.0.1:0", "k", "-o", x, "--timeout", bad)
         assert result.returncode == 2 and "seconds" in result.stderr and "Traceback" not in result.stderr
     one_line_error(tensorbus("demo", "--url", "memory://demo"), "memory://")
-    wrong = "amqp://guest:wrong@127.0.0.1:5672/%2F?queue=q&reconnect_timeout_s=1"
-    one_line_error(tensorbus("send", wrong, "k", x), "TransportError", "refused the credentials")
 
 
+@pytest.mark.broker
+def test_credentials_the_broker_refuses_are_a_one_line_error(tmp_path: Path) -> None:
+    np.save(tmp_path / "x.npy", np.ones(2))
+    parts = urllib.parse.urlsplit(endpoint_url("amqp"))
+    wrong = parts._replace(
+        netloc=f"guest:wrong@{parts.hostname}:{parts.port}", query=f"{parts.query}&reconnect_timeout_s=1"
+    )
+    one_line_error(
+        tensorbus("send", urllib.parse.urlunsplit(wrong), "k", str(tmp_path / "x.npy")),
+        "TransportError",
+        "refused the credentials",
+    )
+
+
+@pytest.mark.broker
 def test_recv_checks_its_output_before_taking_the_tensor_off_a_broker(tmp_path: Path) -> None:
     url = endpoint_url("amqp")
     with tb.Producer(url) as producer:
@@ -295,6 +309,7 @@ def test_save_follow_ended_by_its_timeout_after_saving_succeeds(tmp_path: Path) 
     assert "no new version within 5.0s: stopping after 1 saved" in out and (tmp_path / "p-000001.npz").exists()
 
 
+@pytest.mark.broker
 def test_recv_says_when_tensors_under_other_keys_are_dropped_with_it(tmp_path: Path) -> None:
     url = endpoint_url("amqp")
     with tb.Producer(url) as producer:

@@ -119,7 +119,9 @@ def test_chunked_tensor_missing_its_last_chunk_is_freed_and_later_tensors_flow(
     assert "dropped incomplete message" in caplog.text
 
 
-@pytest.mark.parametrize("transport", ["memory", "amqp", "kafka"])
+@pytest.mark.parametrize(
+    "transport", ["memory", *(pytest.param(t, marks=pytest.mark.broker) for t in ("amqp", "kafka"))]
+)
 def test_tensors_an_aborted_consumer_turns_away_reach_its_successor(transport: str) -> None:
     """Abort fails this consumer's receives; what arrives meanwhile is not acknowledged, so it is not lost."""
     url = endpoint_url(transport)

@@ -23,8 +23,6 @@ from tensorbus.transports.kafka import (
     KafkaTransport,
     TopicPartition,
     _Offsets,
-    _retrying,
-    ke,
 )
 from tests.conftest import KAFKA_URL, endpoint_url
 from tests.faults import received_by_a_successor_of_an_aborted_consumer
@@ -32,6 +30,7 @@ from tests.peers import same
 from tests.waiting import wait_for
 
 BOOTSTRAP = urllib.parse.urlsplit(KAFKA_URL).netloc
+pytestmark = pytest.mark.broker
 
 
 @pytest.fixture
@@ -206,50 +205,6 @@ def test_a_plain_kafka_python_consumer_can_read_tensorbus_records(url: str) -> N
     assert results[-1] is not None and same(results[-1].tensor, np.arange(300_000, dtype=np.float64))
 
 
-def test_configuration_errors_are_clear(url: str) -> None:
-    with pytest.raises(tb.ConfigError, match=r"unknown option.*partition_count"):
-        tb.Consumer(f"{url}?partition_count=3")
-    with pytest.raises(tb.ConfigError, match=r"unknown option.*groupid"):
-        tb.Producer(url, groupid="x")
-    with pytest.raises(tb.ConfigError, match="needs a topic"):
-        tb.Producer(KAFKA_URL)
-    with pytest.raises(tb.ConfigError, match="max_request_size"):
-        tb.Producer(url, max_frame_bytes=2_000_000)  # over kafka-python's default max_request_size
-    with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=3 exceeds the topic's 2 replica"):
-        tb.Producer(f"{url}?replication_factor=2&min_insync_replicas=3")
-    for bad in ("replication_factor=0", "replication_factor=two", "min_insync_replicas=-1"):
-        with pytest.raises(tb.ConfigError, match="whole number of 1 or more"):
-            tb.Producer(f"{url}?{bad}")
-    with pytest.raises(tb.ConfigError, match="delivery_timeout_s must be at least 1"):
-        tb.Producer(url, delivery_timeout_s=0.5)
-
-
-def test_setup_requests_are_made_again_after_a_retriable_error_until_a_deadline() -> None:
-    """As when the cluster still lists a broker killed a moment ago and kafka-python asks it (NodeNotReadyError)."""
-    calls: list[float] = []
-
-    def flaky() -> str:
-        calls.append(time.monotonic())
-        if len(calls) < 3:
-            raise ke.NodeNotReadyError(1)
-        return "answered"
-
-    assert _retrying(flaky, time.monotonic() + 10, "here") == "answered" and len(calls) == 3
-
-    def failing(error: Exception) -> None:
-        calls.append(time.monotonic())
-        raise error
-
-    calls.clear()
-    with pytest.raises(ke.NodeNotReadyError):
-        _retrying(lambda: failing(ke.NodeNotReadyError(1)), time.monotonic() + 0.7, "here")
-    assert 2 <= len(calls) <= 3  # asked again every 0.5 s until the deadline had passed
-    calls.clear()
-    with pytest.raises(ke.TopicAuthorizationFailedError):
-        _retrying(lambda: failing(ke.TopicAuthorizationFailedError()), time.monotonic() + 10, "here")
-    assert len(calls) == 1  # not retriable: raised at once
-
-
 def test_a_new_topic_gets_as_many_replicas_as_live_brokers_and_no_more(url: str) -> None:
     """One broker: one replica and the broker's min.insync.replicas; asking for three is refused, saying why."""
     with tb.Producer(url) as producer:
@@ -289,13 +244,6 @@ def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes(url: str, m
     # kafka-python's own max_partition_fetch_bytes (1 MiB) brings one chunk per fetch
     assert fetches["records-per-request-avg"] > 4, fetches
     assert fetches["fetch-size-max"] <= KafkaOptions().partition_fetch_bytes <= KafkaOptions().fetch_max_bytes
-
-
-def test_no_broker_fails_fast_with_a_tensorbus_error() -> None:
-    started = time.monotonic()
-    with pytest.raises(tb.TransportError):
-        tb.Consumer("kafka://127.0.0.1:1/tb-nobody", connect_timeout_s=2.0)
-    assert time.monotonic() - started < 15
 
 
 def test_an_aborted_consumer_leaves_its_group_so_the_next_gets_everything(url: str) -> None:

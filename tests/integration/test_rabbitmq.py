@@ -22,6 +22,8 @@ from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
 from tests.waiting import wait_for
 
+pytestmark = pytest.mark.broker
+
 
 @pytest.fixture
 def url() -> str:
@@ -168,17 +170,6 @@ def test_a_new_queue_is_a_quorum_queue_unless_asked_otherwise(url: str) -> None:
         connection.close()
 
 
-def test_queue_type_mistakes_are_config_errors() -> None:
-    with pytest.raises(tb.ConfigError, match="queue_type must be one of quorum, classic, stream"):
-        tb.Producer(f"{AMQP_URL}?queue=x&queue_type=mirrored")
-    with pytest.raises(tb.ConfigError, match="durable=False needs queue_type=classic"):
-        tb.Producer(f"{AMQP_URL}?queue=x&durable=false")
-    with pytest.raises(tb.ConfigError, match="needs queue_type=stream"):
-        tb.Consumer(f"{AMQP_URL}?queue=x&offset=first")
-    with pytest.raises(tb.ConfigError, match="offset must be first, next, last"):
-        tb.Consumer(f"{AMQP_URL}?queue=x&queue_type=stream&offset=-3")
-
-
 def test_a_queue_deleted_mid_stream_is_declared_again(url: str) -> None:
     queue = queue_of(url)
     with tb.Producer(url) as producer:
@@ -234,13 +225,6 @@ def test_a_plain_pika_consumer_can_read_tensorbus_messages(url: str) -> None:
         assert same(message.tensor, np.arange(12.0).reshape(3, 4))
     finally:
         connection.close()
-
-
-def test_configuration_errors_are_clear() -> None:
-    with pytest.raises(tb.ConfigError, match="needs a queue"):
-        tb.Producer(AMQP_URL)
-    with pytest.raises(tb.ConfigError, match=r"unknown option.*prefetch"):
-        tb.Consumer(f"{AMQP_URL}?queue=x&prefetch=3")
 
 
 def test_wrong_password_fails_fast_with_a_tensorbus_error() -> None:
@@ -303,12 +287,6 @@ def test_a_consumer_whose_queue_is_deleted_declares_it_again_and_goes_on(url: st
         wait_for(lambda: consumer.transport.consumer.generation >= 2, 20, "the consumer to reconnect")
         producer.send("c", np.arange(4.0))
         assert same(consumer.recv("c", timeout=30), np.arange(4.0))
-
-
-def test_a_prefetch_count_amqp_cannot_carry_is_a_config_error(url: str) -> None:
-    for count in (0, 70000):
-        with pytest.raises(tb.ConfigError, match="prefetch_count must be 1 to 65535"):
-            tb.Consumer(url, prefetch_count=count)
 
 
 def test_an_aborted_consumer_hands_everything_to_the_next_while_still_open(url: str) -> None:

@@ -37,6 +37,7 @@ def test_amqp_option_mistakes_are_config_errors_when_built(options: dict[str, An
     ("query", "needle"),
     [
         ("", "needs a queue"),
+        ("?queue=q&prefetch=3", r"unknown option.*prefetch"),
         ("?queue=q&prefetch_count=70000", "prefetch_count must be 1 to 65535"),
         ("?queue=q&queue_type=mirrored", "queue_type must be one of"),
         ("?queue=q&durable=false", "durable=False needs queue_type=classic"),
@@ -70,11 +71,32 @@ def test_kafka_option_mistakes_are_config_errors_when_built(options: dict[str, A
         KafkaOptions(**options)
 
 
-def test_kafka_size_mistakes_in_a_url_are_config_errors_before_any_connection() -> None:
-    with pytest.raises(tb.ConfigError, match="must be at most max_request_size"):
-        tb.Producer(f"{KAFKA}?max_frame_bytes=2000000")
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        ("?max_frame_bytes=2000000", "must be at most max_request_size"),  # over kafka-python's max_request_size
+        ("?partition_count=3", r"unknown option.*partition_count"),
+        ("?replication_factor=2&min_insync_replicas=3", r"min_insync_replicas=3 exceeds the topic's 2 replica"),
+        ("?replication_factor=0", "whole number of 1 or more"),
+        ("?replication_factor=two", "whole number of 1 or more"),
+        ("?min_insync_replicas=-1", "whole number of 1 or more"),
+        ("?delivery_timeout_s=0.5", "delivery_timeout_s must be at least 1"),
+    ],
+)
+def test_kafka_option_mistakes_in_a_url_are_config_errors_before_any_connection(query: str, needle: str) -> None:
+    with pytest.raises(tb.ConfigError, match=needle):
+        tb.Producer(KAFKA + query)  # (port 1: nothing listens, so a connection attempt would be another error)
+
+
+def test_kafka_url_and_keyword_mistakes_are_config_errors_for_producers_and_consumers() -> None:
     with pytest.raises(tb.ConfigError, match="needs a topic"):  # (the URL's path: checked by the transport)
         tb.Producer("kafka://127.0.0.1:1")
+    with pytest.raises(tb.ConfigError, match=r"unknown option.*groupid"):
+        tb.Producer(KAFKA, groupid="x")
+    with pytest.raises(tb.ConfigError, match=r"unknown option.*partition_count"):
+        tb.Consumer(f"{KAFKA}?partition_count=3")
+    with pytest.raises(tb.ConfigError, match="prefetch_count must be 1 to 65535"):
+        tb.Consumer(f"{AMQP}?queue=q", prefetch_count=0)
 
 
 def test_a_kafka_fetch_takes_at_least_one_whole_record() -> None:
