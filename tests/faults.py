@@ -132,19 +132,3 @@ def fail_feed_once(monkeypatch: Any, consumer: tb.Consumer, error: BaseException
 
     monkeypatch.setattr(consumer.intake.reassembler, "feed", failing_once)
     return raised
-
-
-def received_by_a_successor_of_an_aborted_consumer(url: str, count: int = 20) -> tuple[list[int], tb.Consumer]:
-    """Abort one consumer of a broker endpoint, then send `count` tensors: what a second consumer of
-    the endpoint gets while the aborted one is still open (the caller closes the aborted one)."""
-    aborted = tb.Consumer(url)
-    aborted.abort("step failed")
-    try:
-        with tb.Consumer(url) as successor, tb.Producer(url) as producer:
-            for i in range(count):
-                producer.send("k", np.full(2, i))
-            producer.flush(30)
-            return [int(successor.recv("k", timeout=60)[0]) for _ in range(count)], aborted
-    except BaseException:
-        aborted.close()
-        raise

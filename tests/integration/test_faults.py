@@ -119,38 +119,6 @@ def test_chunked_tensor_missing_its_last_chunk_is_freed_and_later_tensors_flow(
     assert "dropped incomplete message" in caplog.text
 
 
-@pytest.mark.parametrize(
-    "transport", ["memory", *(pytest.param(t, marks=pytest.mark.broker) for t in ("amqp", "kafka"))]
-)
-def test_tensors_an_aborted_consumer_turns_away_reach_its_successor(transport: str) -> None:
-    """Abort fails this consumer's receives; what arrives meanwhile is not acknowledged, so it is not lost."""
-    url = endpoint_url(transport)
-    first = tb.Consumer(url)
-    with tb.Producer(url) as producer:
-        producer.send("warm", np.ones(1))
-        producer.flush(30)
-    first.recv("warm", timeout=30)
-    first.abort("step failed")
-    read, feed = [], first.intake.reassembler.feed  # the frames the aborted consumer reads (and turns away)
-
-    def counted_feed(*args: Any, **kwargs: Any) -> Any:
-        read.append(1)
-        return feed(*args, **kwargs)
-
-    first.intake.reassembler.feed = counted_feed  # type: ignore[method-assign]
-    big = np.arange(500_000, dtype=np.float32)  # 2 MB in 512 KB chunks: some go to the aborted table
-    with tb.Producer(url, max_frame_bytes=512 << 10) as producer:
-        for i in range(3):
-            producer.send(f"k{i}", np.full(3, i))
-        producer.send("big", big)
-        producer.flush(30)
-    wait_for(lambda: read, 30, "the aborted consumer to read one of them (and turn it away)")
-    first.close()
-    with tb.Consumer(url) as successor:
-        assert [successor.recv(f"k{i}", timeout=30)[0] for i in range(3)] == [0, 1, 2]
-        assert np.array_equal(successor.recv("big", timeout=30), big)
-
-
 def _take_one_then_hold(url: str, dedup_file: str, ready: Any) -> None:
     consumer = tb.Consumer(url, dedup_file=dedup_file)
     consumer.recv("k0", timeout=20)  # handed to the application: recorded in the file

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
 import time
 import urllib.parse
 from typing import Any
@@ -25,7 +22,6 @@ from tensorbus.transports.kafka import (
     _Offsets,
 )
 from tests.conftest import KAFKA_URL, endpoint_url
-from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
 from tests.waiting import wait_for
 
@@ -122,48 +118,6 @@ def test_two_consumers_in_one_group_share_partitions_without_duplicates(url: str
     assert got[1], "the second consumer received nothing: the partitions were not shared"
 
 
-def _victim(url: str, ready: Any) -> None:
-    consumer = tb.Consumer(url, session_timeout_s=6.0)
-    wait_for(lambda: consumer.stats["chunks"] >= 5 and consumer.stats["received"] >= 1, 60, "the first chunks")
-    offsets = consumer.transport._offsets  # type: ignore[attr-defined]
-
-    def all_committed() -> bool:  # (a commit interval, then the broker's answer: slow on a loaded machine)
-        return bool(offsets._committed) and not offsets.committable()
-
-    wait_for(all_committed, 60, "its progress committed")  # before it dies
-    ready.set()
-    time.sleep(600)  # killed long before this
-
-
-def test_consumer_killed_with_chunks_pending_hands_its_tensor_to_the_next(url: str) -> None:
-    tensor = np.arange(2_000_000, dtype=np.float32)
-    frame = tb.encode(tensor, key="survivor", message_id=("p", 1))
-    chunks = tb.split(frame, max_chunk_bytes=512 * 1024, message_id=("p", 1), key="survivor")
-    context = multiprocessing.get_context("spawn")
-    with tb.Producer(url) as producer:
-        producer.send("before", np.arange(3))  # offset 0: complete, so committed
-        for chunk in chunks[:5]:  # offsets 1-5: an incomplete tensor, never committed
-            producer.transport.send(chunk, key="survivor")
-        producer.flush(30)
-        ready = context.Event()
-        victim = context.Process(target=_victim, args=(url, ready))
-        victim.start()
-        try:
-            assert ready.wait(60), "the first consumer never received the first chunks"
-        finally:
-            os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            victim.join(10)
-        assert committed(f"tensorbus-{topic_of(url)}", topic_of(url)) == {0: 1}  # up to the first pending chunk
-        for chunk in chunks[5:]:
-            producer.transport.send(chunk, key="survivor")
-        producer.flush(30)
-    with tb.Consumer(url) as successor:
-        assert same(successor.recv("survivor", timeout=60), tensor)
-        with pytest.raises(tb.Timeout):
-            successor.recv("before", timeout=0.5)  # committed by the victim: not read again
-    assert committed(f"tensorbus-{topic_of(url)}", topic_of(url)) == {0: 1 + len(chunks)}  # committed on close
-
-
 def test_broker_side_size_error_is_a_tensorbus_error(url: str) -> None:
     with tb.Producer(url, max_frame_bytes=3_000_000, max_request_size=4_000_000) as producer:
         producer.send("too-big", np.zeros(2_500_000, np.uint8))  # one 2.5 MB record > the broker's ~1 MiB
@@ -244,11 +198,3 @@ def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes(url: str, m
     # kafka-python's own max_partition_fetch_bytes (1 MiB) brings one chunk per fetch
     assert fetches["records-per-request-avg"] > 4, fetches
     assert fetches["fetch-size-max"] <= KafkaOptions().partition_fetch_bytes <= KafkaOptions().fetch_max_bytes
-
-
-def test_an_aborted_consumer_leaves_its_group_so_the_next_gets_everything(url: str) -> None:
-    # it kept its partitions after abort, so the group's other member got nothing until it closed
-    got, aborted = received_by_a_successor_of_an_aborted_consumer(url)
-    left = not owned(aborted)
-    aborted.close()
-    assert got == list(range(20)) and left

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import collections
-import multiprocessing
-import os
-import signal
 import socket
 import threading
 import time
@@ -18,7 +15,6 @@ import pytest
 import tensorbus as tb
 from tensorbus.transports.rabbitmq_consumer import RECV_BYTES, read_in_large_pieces
 from tests.conftest import AMQP_URL, endpoint_url
-from tests.faults import received_by_a_successor_of_an_aborted_consumer
 from tests.peers import same
 from tests.waiting import wait_for
 
@@ -65,35 +61,6 @@ def test_tensors_of_many_more_chunks_than_the_prefetch_window_all_arrive(url: st
         # the last acks run on the connection's thread: then nothing is held, by any consumer
         wait_for(lambda: sum(reader.held.values()) == 0, 10, "the held chunks to be acked")
         assert len(reader.held) <= 1
-
-
-def _partial_consumer(url: str, ready: multiprocessing.synchronize.Event) -> None:
-    consumer = tb.Consumer(url)
-    while consumer.stats["chunks"] < 5:
-        time.sleep(0.01)
-    ready.set()
-    time.sleep(600)  # killed long before this
-
-
-def test_consumer_killed_before_acking_hands_its_tensor_to_the_next(url: str) -> None:
-    tensor = np.arange(2_000_000, dtype=np.float32)
-    frame = tb.encode(tensor, key="survivor", message_id=("p", 1))
-    chunks = tb.split(frame, max_chunk_bytes=512 * 1024, message_id=("p", 1), key="survivor")
-    with tb.Producer(url) as producer:
-        for chunk in chunks[:5]:
-            producer.transport.send(chunk, key="survivor")
-        producer.flush(30)
-        ready = multiprocessing.get_context("spawn").Event()
-        victim = multiprocessing.get_context("spawn").Process(target=_partial_consumer, args=(url, ready))
-        victim.start()
-        assert ready.wait(60), "the first consumer never received the first chunks"
-        os.kill(victim.pid, signal.SIGKILL)  # dies holding 5 unacked chunks
-        victim.join(10)
-        for chunk in chunks[5:]:
-            producer.transport.send(chunk, key="survivor")
-        producer.flush(30)
-    with tb.Consumer(url) as successor:
-        assert same(successor.recv("survivor", timeout=60), tensor)
 
 
 def test_broker_side_size_error_is_a_tensorbus_error(url: str) -> None:
@@ -287,13 +254,6 @@ def test_a_consumer_whose_queue_is_deleted_declares_it_again_and_goes_on(url: st
         wait_for(lambda: consumer.transport.consumer.generation >= 2, 20, "the consumer to reconnect")
         producer.send("c", np.arange(4.0))
         assert same(consumer.recv("c", timeout=30), np.arange(4.0))
-
-
-def test_an_aborted_consumer_hands_everything_to_the_next_while_still_open(url: str) -> None:
-    # it kept consuming after abort and held its share unacknowledged until it was closed
-    got, aborted = received_by_a_successor_of_an_aborted_consumer(url)
-    aborted.close()
-    assert sorted(got) == list(range(20))
 
 
 def test_every_consumer_of_a_stream_gets_every_tensor_from_where_it_starts(url: str) -> None:
