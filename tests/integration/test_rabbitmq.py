@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import socket
 import threading
 import time
 import urllib.parse
@@ -16,6 +15,7 @@ import tensorbus as tb
 from tensorbus.transports.rabbitmq_consumer import RECV_BYTES, read_in_large_pieces
 from tests.conftest import AMQP_URL, endpoint_url
 from tests.peers import same
+from tests.pika_internals import break_connection, pika_transport
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.broker
@@ -94,7 +94,7 @@ def test_the_consumer_reads_its_socket_two_frames_at_a_time_not_pikas_4_kib(url:
     arr = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: some 32 full body frames
     asked: list[int] = []
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
-        transport = consumer.transport.consumer._connection._impl._transport
+        transport = pika_transport(consumer.transport.consumer._connection)
         recv = transport._sigint_safe_recv
         transport._sigint_safe_recv = lambda sock, n: (asked.append(n), recv(sock, n))[1]
         producer.send("big", arr)
@@ -160,11 +160,9 @@ def test_a_lost_connection_is_replaced_and_a_stale_wake_up_stalls_nothing(url: s
         producer.flush(30)
         publisher = producer.transport._publisher
         old = publisher._connection
-        old._transport._sock.shutdown(socket.SHUT_RDWR)  # the connection breaks under the publisher
-        deadline = time.monotonic() + 20
-        while (publisher._connection is old or publisher._channel is None) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert publisher._channel is not None, "no new channel within 20 s"
+        break_connection(old)  # the connection breaks under the publisher
+        replaced = lambda: publisher._connection is not old and publisher._channel is not None  # noqa: E731
+        wait_for(replaced, 20, "a new connection and channel")  # (the old channel, still set, proves nothing)
         # an application thread that read the old connection just before the swap posts its wake-up there
         publisher._wake_posted = old
         old.ioloop.add_callback_threadsafe(publisher._publish)
@@ -216,7 +214,7 @@ def test_a_connection_lost_mid_tensor_leaves_the_held_counts_consistent(url: str
         producer.flush(30)
         wait_for(lambda: consumer.stats["chunks"] >= first, 20, "the first chunks")
         reader = transport.consumer
-        reader._connection._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+        break_connection(reader._connection)
         wait_for(lambda: reader.generation >= 2 and consumer.stats["chunks"] >= 2 * first, 30, "redelivery")
         for chunk in chunks[first:]:
             producer.transport.send(chunk, key="big")
@@ -294,7 +292,7 @@ def test_a_stream_consumer_that_loses_its_connection_goes_on_from_its_position(u
         assert [int(consumer.recv(f"k{i}", timeout=30)[0]) for i in range(10)] == list(range(10))
         # (the worker moves the position on just after it handed the tensor over)
         wait_for(lambda: isinstance(reader.position, int) and reader.position >= 10 * 3, 10, "the position")
-        reader._connection._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+        break_connection(reader._connection)
         wait_for(lambda: reader.generation >= 2, 20, "the consumer to reconnect")
         assert [int(consumer.recv(f"k{i}", timeout=30)[0]) for i in range(10, 20)] == list(range(10, 20))
         with pytest.raises(tb.Timeout):  # the frames read again after the reconnect were dropped as duplicates

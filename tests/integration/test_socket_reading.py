@@ -120,10 +120,10 @@ def test_a_producer_leaving_during_the_busy_poll_ends_it_and_others_are_served()
             consumer.recv("never", timeout=0.5)
         assert time.monotonic() - started < 10  # not held in a 30 s spin on a closed connection
         deadline = time.monotonic() + 10  # (the Timer thread's close may come late on a loaded machine)
-        while consumer.transport.reactor._peers and time.monotonic() < deadline:
+        while consumer.transport.reactor.connections and time.monotonic() < deadline:
             with pytest.raises(tb.Timeout):
                 consumer.recv("never", timeout=0.1)  # this thread leads, and sees the end of the stream
-        assert consumer.transport.reactor._peers == {}
+        assert consumer.transport.reactor.connections == 0
         with tb.Producer(consumer.address) as staying:
             staying.send("after", np.ones(1))
             assert consumer.recv("after", timeout=10)[0] == 1.0

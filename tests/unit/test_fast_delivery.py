@@ -88,7 +88,7 @@ def test_a_waiting_receiver_gets_the_frame_and_nothing_is_buffered(twins: Any) -
     for name, consumer in zip(("c", "python"), twins, strict=True):
         receiver = threading.Thread(target=lambda c=consumer, n=name: got.setdefault(n, c.recv("k", timeout=10)))
         receiver.start()
-        while "k" not in consumer.table._waiters:
+        while "k" not in consumer.table.awaited_keys():
             threading.Event().wait(0.001)
         frame = frame_of(np.arange(7), "k", 1)
         if name == "c":
@@ -106,11 +106,11 @@ def test_an_arrival_order_receiver_gets_a_frame_of_any_key(twins: Any) -> None:
     got: list[tb.Message] = []
     receiver = threading.Thread(target=lambda: got.append(c_side.next_message(timeout=10)))
     receiver.start()
-    while not c_side.table._waiters:
+    while not c_side.table.awaited_keys():
         threading.Event().wait(0.001)
     assert c_side.intake.fast(frame_of(np.arange(2), "z", 1), None) is not None
     receiver.join(10)
-    assert got[0].key == "z" and not c_side.table._waiters
+    assert got[0].key == "z" and not c_side.table.awaited_keys()
 
 
 def _unchanged(consumer: tb.Consumer, frame: memoryview) -> None:
@@ -177,7 +177,7 @@ def test_a_full_table_is_left_to_python_unless_a_receiver_waits_for_the_key() ->
         _unchanged(consumer, frame_of(np.zeros(2), "k", 2))
         receiver = threading.Thread(target=lambda: consumer.recv("other", timeout=10))
         receiver.start()
-        while "other" not in consumer.table._waiters:
+        while "other" not in consumer.table.awaited_keys():
             threading.Event().wait(0.001)
         assert consumer.intake.fast(frame_of(np.zeros(2), "other", 3), None) is not None  # handed over: needs no room
         receiver.join(10)

@@ -86,7 +86,7 @@ def test_every_waiting_thread_gets_its_own_aborted_error_with_the_reason() -> No
     threads = [threading.Thread(target=wait) for _ in range(4)]
     for thread in threads:
         thread.start()
-    while len(table._waiters.get("never", ())) < 4:
+    while table.awaited_keys().get("never", 0) < 4:
         time.sleep(0.01)
     table.abort("bye")
     for thread in threads:
