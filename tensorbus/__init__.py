@@ -15,6 +15,7 @@ from .errors import (
     LimitExceeded,
     MalformedHeader,
     Rejected,
+    Replayed,
     SignatureError,
     StaleIncarnation,
     TensorBusError,
@@ -25,6 +26,7 @@ from .errors import (
     UnsupportedVersion,
 )
 from .keys import ParsedKey, make_key, parse_key
+from .monitoring import serve_metrics
 from .rendezvous import RecvHandle, Rendezvous
 
 __version__ = "0.1.0"
@@ -32,8 +34,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
     "ConfigError", "Consumer", "InvalidTensor", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey",
-    "Producer", "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "SignatureError", "SparseTensor",
+    "Producer", "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "Replayed", "SignatureError", "SparseTensor",
     "StaleIncarnation",
     "TensorBusError", "Timeout", "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion",
-    "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "split",
+    "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "serve_metrics", "split",
 ]  # fmt: skip

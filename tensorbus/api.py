@@ -17,7 +17,8 @@ from .codec.signing import frame_key
 from .codec.torch_bridge import check_like
 from .errors import Aborted, Closed, ConfigError
 from .intake import Intake
-from .options import build, defaults, finite_timeout, load_config, merge, redact
+from .monitoring import Monitor
+from .options import MonitoringOptions, build, defaults, finite_timeout, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle
 from .transports import Encoding, Transport, resolve_transport
 
@@ -38,7 +39,7 @@ if hasattr(os, "register_at_fork"):  # (no fork, nothing to count: Windows)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ProducerOptions:
+class ProducerOptions(MonitoringOptions):
     """A producer's own options (its transport's are the transport's `Options`)."""
 
     compression: str | None = None
@@ -49,7 +50,7 @@ class ProducerOptions:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsumerOptions:
+class ConsumerOptions(MonitoringOptions):
     """A consumer's own options (its transport's are the transport's `Options`)."""
 
     signing_key: bytes | str | None = None
@@ -121,6 +122,7 @@ class Producer:
         self._encoding = self.transport.encoding(wanted)
         self._start_identity()
         self._closed = False
+        self._monitor = Monitor.of("producer", self, opts)  # None unless metrics or tracing are on
 
     def _start_identity(self) -> None:
         """A fresh producer id (message ids are this id and a sequence number), for this process."""
@@ -152,7 +154,10 @@ class Producer:
             raise Closed("send on a closed Producer")
         self._check_fork()
         message_id = (self.producer_id, next(self._sequence))
-        self.transport.send_message(tensor, key, metadata, message_id, self._encoding)
+        if self._monitor is None:
+            self.transport.send_message(tensor, key, metadata, message_id, self._encoding)
+        else:
+            self._monitor.send(self.transport.send_message, tensor, key, metadata, message_id, self._encoding)
         return message_id
 
     def flush(self, timeout: float | None = None) -> None:
@@ -166,6 +171,8 @@ class Producer:
         if not self._closed:
             self._closed = True
             self.transport.close()
+            if self._monitor is not None:
+                self._monitor.close()
 
     def __enter__(self) -> Producer:
         return self
@@ -218,6 +225,7 @@ class Consumer:
         if self.transport.reads_while_waiting:
             self.table.read_while_waiting = self.transport.read_while_waiting  # a waiting recv reads for itself
         self.table.room_opened = self.transport.room_opened
+        self._monitor = Monitor.of("consumer", self, opts)  # None unless metrics or tracing are on
 
     @classmethod
     def from_config(cls, path: str | Path, url: str | None = None, **overrides: Any) -> Consumer:
@@ -232,11 +240,15 @@ class Consumer:
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""
-        return self.table.recv(key, timeout)
+        if self._monitor is None:
+            return self.table.recv(key, timeout)
+        return self._monitor.recv(self.table.recv_message, key, timeout).tensor
 
     def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
-        return self.table.recv_message(key, timeout)
+        if self._monitor is None:
+            return self.table.recv_message(key, timeout)
+        return self._monitor.recv(self.table.recv_message, key, timeout)
 
     def recv_async(self, key: str, callback: Callback) -> RecvHandle:
         """Call `callback(message, error)` once when `key` arrives (or fails); returns a cancel handle.
@@ -248,7 +260,9 @@ class Consumer:
 
     def next_message(self, timeout: float | None = None) -> Message:
         """The oldest message not yet received, of any key (work-queue use)."""
-        return self.table.next_message(timeout)
+        if self._monitor is None:
+            return self.table.next_message(timeout)
+        return self._monitor.recv(self.table.next_message, timeout)
 
     def abort(self, reason: str) -> None:
         """Fail every pending and later receive with `Aborted(reason)`."""
@@ -258,7 +272,7 @@ class Consumer:
         """Yield messages in arrival order until the consumer is closed or aborted."""
         while True:
             try:
-                yield self.table.next_message()
+                yield self.next_message()
             except Aborted:
                 if self._closed:
                     return
@@ -274,6 +288,8 @@ class Consumer:
                 log.warning("%s: closed with %d received tensors nobody took: dropped", self._shown, unreceived)
             self.transport.close()
             self.intake.close()
+            if self._monitor is not None:
+                self._monitor.close()
 
     def __enter__(self) -> Consumer:
         return self

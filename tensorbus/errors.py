@@ -27,6 +27,9 @@ class TensorBusError(Exception):
 class CodecError(TensorBusError, ValueError):
     """A frame, header or object that the codec refuses."""
 
+    #: the `reason` a consumer's metrics count a frame refused with this error under
+    reason_label = "malformed"
+
 
 class TruncatedFrame(CodecError):
     """The buffer ends before the frame it claims to hold."""
@@ -43,13 +46,25 @@ class UnsupportedVersion(CodecError):
 class ChecksumMismatch(CodecError):
     """The CRC32C stored in the frame does not match its bytes."""
 
+    reason_label = "checksum"
+
 
 class SignatureError(CodecError):
     """A frame is unsigned, or its HMAC does not match, where a signature is required."""
 
+    reason_label = "signature"
+
+
+class Replayed(SignatureError):
+    """A signed frame's producer timestamp is further from the consumer's clock than `max_frame_age_s`."""
+
+    reason_label = "replay"
+
 
 class LimitExceeded(CodecError):
     """A size, count or memory limit set for untrusted input would be exceeded."""
+
+    reason_label = "limit"
 
 
 class UnsupportedDtype(CodecError, TypeError):
@@ -118,6 +133,8 @@ class Cancelled(TensorBusError):
 
 class StaleIncarnation(TensorBusError):
     """A key names an older incarnation of a source than one already seen (a restarted producer)."""
+
+    reason_label = "stale"
 
 
 class Closed(TensorBusError):

@@ -129,6 +129,7 @@ class Intake:
                     message = self._feed(frame, crc)
             except CodecError as exc:
                 self.stats["rejected"] += 1
+                self.stats["rejected " + exc.reason_label] += 1  # (by reason: for metrics)
                 self._log_rejection("dropped a bad frame", exc)
                 return Delivered(None, True, refused=str(exc))
             except MemoryError:
@@ -287,6 +288,7 @@ class Intake:
             return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:
             self.stats["refused"] += 1
+            self.stats["rejected " + getattr(exc, "reason_label", "refused")] += 1  # (by reason: for metrics)
             self._log_rejection(f"refused message {message_id}", exc)
             return Delivered(message_id, True, refused=str(exc))
         self.stats["received"] += 1

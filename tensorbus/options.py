@@ -28,6 +28,16 @@ _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 _SECRET_WORDS = ("secret", "key", "password", "token")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MonitoringOptions:
+    """What every Producer and Consumer takes for monitoring (monitoring.py; docs/OPTIONS.md, Monitoring)."""
+
+    metrics: bool = False  # Prometheus metrics (also on with TENSORBUS_METRICS=1)
+    metrics_registry: Any = None  # a prometheus_client CollectorRegistry; None: its default one
+    metrics_key_label: Callable[[str | None], str] | None = None  # key -> a bounded `key` label
+    tracing: bool = False  # OpenTelemetry spans (also on with TENSORBUS_TRACING=1)
+
+
 def finite_timeout(timeout: object, name: str = "timeout") -> float | None:
     """A public method's `timeout` argument, checked: a number of seconds (0 or more) or None (wait forever),
     where one too long for the platform's waits (e.g. `math.inf`) becomes None. Anything else is a

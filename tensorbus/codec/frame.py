@@ -104,6 +104,40 @@ class Message:
     header_bytes: int = 0
 
 
+@dataclass(slots=True)
+class TracedMessage(Message):
+    """A decoded frame whose header carried a W3C trace context (`trace`: traceparent, tracestate)."""
+
+    trace: dict[str, str] = field(default_factory=dict)
+
+
+#: the optional header field of a producer's W3C trace context (docs/FORMAT.md), and the longest values read
+TRACE = "trace"
+_TRACE_FIELDS = {"traceparent": 128, "tracestate": 512}
+
+
+class TraceCarrier(dict[str, Any]):
+    """A message's metadata plus the trace context to put in its frame's header (`TRACE`): what a traced
+    `Producer.send` passes where metadata goes. The C header maker leaves such a frame to `layout`."""
+
+    def __init__(self, metadata: dict[str, Any] | None, trace: dict[str, str]) -> None:
+        super().__init__(metadata or {})
+        self.trace = trace
+
+
+def read_trace(value: object) -> dict[str, str] | None:
+    """The trace context of a header's `trace` field: its traceparent and tracestate when they are strings
+    of a sane length; None for anything else, which is ignored (as W3C Trace Context says), not refused."""
+    if not isinstance(value, dict):
+        return None
+    trace = {
+        name: text
+        for name, longest in _TRACE_FIELDS.items()
+        if isinstance(text := value.get(name), str) and len(text) <= longest
+    }
+    return trace if "traceparent" in trace else None
+
+
 @dataclass
 class Frame:
     """A parsed and verified frame whose payload has not been turned into arrays yet."""
@@ -260,6 +294,8 @@ def layout(
         "comp": None,
         **extra,
     }
+    if isinstance(metadata, TraceCarrier):
+        header[TRACE] = metadata.trace
     if compression is not None:
         packed = compress_if_it_pays(compression, body)
         if packed is not None:
@@ -551,7 +587,9 @@ def message_from_frame(
         max_tree_entries=limits.max_tree_entries,
     )
     overhead = frame.nbytes - len(frame.payload) + OBJECT_BYTES * (metadata_objects(metadata) + entries)
-    return Message(key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"], overhead)
+    fields = (key, to_like(tensor, like), metadata, _message_id(header.get("id")), header["kind"], overhead)
+    trace = read_trace(header.get(TRACE)) if TRACE in header else None
+    return Message(*fields) if trace is None else TracedMessage(*fields, trace)
 
 
 def loads(data: Buffer, *, copy: bool = False, like: str = "numpy", **options: Any) -> Any:

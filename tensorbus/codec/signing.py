@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import SignatureError, brief
+from ..errors import Replayed, SignatureError, brief
 
 _CONTEXT = b"tensorbus-frame-key-v2"
 #: the header field that carries the producer's clock in a signed message
@@ -47,4 +47,4 @@ def check_age(header: dict[str, Any], max_age_s: float | None, clock: Callable[[
     age = clock() - stamp
     if abs(age) > max_age_s:
         when = f"{age:.0f} s old" if age > 0 else f"{-age:.0f} s in the future"
-        raise SignatureError(f"signed message is {when}; max_frame_age_s={max_age_s:g} (a replay, or clocks apart)")
+        raise Replayed(f"signed message is {when}; max_frame_age_s={max_age_s:g} (a replay, or clocks apart)")

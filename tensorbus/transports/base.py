@@ -206,7 +206,7 @@ class Transport:
     `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart),
     `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
     The optional methods (`encoding`, `read_while_waiting`, `room_opened`, `forget_last`, `flush`,
-    `wait_for_room`, `abandon`) have a default that is right for a transport without the capability.
+    `wait_for_room`, `abandon`, `counts`) have a default that is right for a transport without the capability.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ()
@@ -302,6 +302,11 @@ class Transport:
         the receive needs no hand-off from a reading thread; by default this just waits."""
         timeout = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
         return done.acquire(timeout=timeout)
+
+    def counts(self) -> dict[str, int]:
+        """What the transport counts for metrics (tensorbus/metrics.py names them: `unacked_bytes`,
+        `resent_frames`, `reconnects`...), read when they are scraped; none by default."""
+        return {}
 
     def room_opened(self) -> None:
         """The consumer's table has room again, or a receiver started waiting (called under the table's

@@ -127,6 +127,8 @@ class SocketTransport(Transport):
         self._unacked: collections.deque[tuple[list[Buffer], int]] = collections.deque()
         self._unacked_bytes = 0
         self._sent = self._acked = 0
+        #: for metrics (`counts`): connections made after the first, frames sent again on them; under `_lock`
+        self._connects = self._resent = 0
         self._ack_buf = bytearray()
         self._ack_requested = False
         #: the consumer's refusals of this producer's messages, raised one by one by the next sends or flushes
@@ -197,6 +199,8 @@ class SocketTransport(Transport):
                 for frame, _ in self._unacked:
                     send_frame(sock, frame, self._crc_after)
                     self._sent += 1
+                self._connects += 1
+                self._resent += len(self._unacked)
                 return sock
             except (AuthRefused, ssl.SSLCertVerificationError) as exc:
                 sock.close()
@@ -214,6 +218,14 @@ class SocketTransport(Transport):
                 sock.close()
                 raise
         raise AssertionError("unreachable")
+
+    def counts(self) -> dict[str, int]:
+        """A producer's unacknowledged bytes, reconnects and frames resent (written under `_lock`, read
+        without it: each a snapshot of one int, at most one send behind)."""
+        if self._listener is not None:
+            return {}
+        reconnects = max(0, self._connects - 1)
+        return {"unacked_bytes": self._unacked_bytes, "reconnects": reconnects, "resent_frames": self._resent}
 
     def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
         """ "socket" and the consumer's incarnation: a producer connects first, to learn it from the hello."""

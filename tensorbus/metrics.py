@@ -1,0 +1,266 @@
+"""Prometheus metrics of producers and consumers, read when scraped from the counts they keep anyway.
+
+prometheus_client takes a lock in every `inc` and `observe`; at ~10 µs per tensor a few of those would
+cost more than the metrics are worth. So nothing here calls it per tensor: each Producer and Consumer
+with metrics on has a `Meter` of plain integers (what the intake, the table and the transport do not
+count already: tensors and bytes by key label, tensor sizes, recv waits), and one `Collector` per
+registry reads every live meter and the counts beside it (`Consumer.stats`, the C delivery's
+included, the table's, the transport's `counts()`) when Prometheus scrapes. The extra `metrics`
+(`pip install 'tensorbus[metrics]'`) installs prometheus_client; without it nothing here is used.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import urllib.parse
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+from .rendezvous import tensor_nbytes
+
+if TYPE_CHECKING:
+    from .api import Consumer, Producer
+
+try:
+    import prometheus_client
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+except ImportError:  # the extra is not installed: metrics stay off (monitoring.py checks)
+    prometheus_client = None  # type: ignore[assignment]
+
+#: upper bounds of the tensor size histogram (bytes) and of the recv wait one (seconds)
+SIZE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 32, 2))
+WAIT_BUCKETS = (0.0001, 0.001, 0.01, 0.1, 1.0, 10.0, 60.0)
+#: the reasons a consumer counts refused frames under (errors.py's `reason_label`s)
+REJECTION_REASONS = ("checksum", "signature", "replay", "limit", "malformed", "stale", "refused")
+#: what `Consumer.stats` counts, as (metric, help, stats key)
+_CONSUMER_COUNTS = (
+    ("delivered_tensors", "tensors that reached the consumer's table (acknowledged from there)", "received"),
+    ("chunks", "chunk frames received", "chunks"),
+    ("duplicates", "messages dropped as already delivered (dedup)", "duplicates"),
+)
+
+
+def endpoint_label(url: str) -> str:
+    """What the `endpoint` label says: the queue or topic of a broker endpoint, else the URL's place
+    (host:port, socket path, memory name), never credentials or the query."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme in ("amqp", "amqps"):
+        return urllib.parse.parse_qs(parts.query).get("queue", [""])[-1]
+    if parts.scheme in ("kafka", "kafkas"):
+        return parts.path.strip("/")
+    return parts.netloc.rpartition("@")[2] + parts.path
+
+
+class Histogram:
+    """Counts by upper bound, and their sum; the owner's lock guards it."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
+        self.total = 0.0
+
+    def add(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus' buckets: (le, observations at or below it), ending with +Inf."""
+        running, out = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+        return out
+
+
+class Meter:
+    """What one Producer or Consumer counts for the collector beyond what it keeps anyway; every
+    field is written under `lock` (by the threads that send or receive) and read under it (by a scrape)."""
+
+    def __init__(self, role: str, endpoint: Producer | Consumer, key_label: Callable[[str | None], str] | None) -> None:
+        if key_label is not None and not callable(key_label):
+            raise ConfigError(f"metrics_key_label must be a callable (key -> label), got {type(key_label).__name__}")
+        self.role, self.endpoint, self.key_label = role, endpoint, key_label
+        self.transport = endpoint.transport.url.scheme
+        self.where = endpoint_label(endpoint.transport.address)
+        self.lock = threading.Lock()
+        self.by_label: dict[str, list[int]] = {}  # key label ("" without metrics_key_label) -> [tensors, bytes]
+        self.sizes = Histogram(SIZE_BUCKETS)
+        self.waits = Histogram(WAIT_BUCKETS)
+
+    def count(self, key: str | None, tensor: Any, waited_s: float | None = None) -> None:
+        """One tensor sent, or handed to the application (after waiting `waited_s` for it)."""
+        label = "" if self.key_label is None else str(self.key_label(key))
+        nbytes = tensor_nbytes(tensor)
+        with self.lock:
+            counts = self.by_label.get(label)
+            if counts is None:
+                counts = self.by_label[label] = [0, 0]
+            counts[0] += 1
+            counts[1] += nbytes
+            self.sizes.add(nbytes)
+            if waited_s is not None:
+                self.waits.add(waited_s)
+
+
+def attach(role: str, endpoint: Producer | Consumer, registry: Any, key_label: Any) -> Meter:
+    """A meter for `endpoint`, read by the collector of `registry` (None: prometheus_client's default)."""
+    meter = Meter(role, endpoint, key_label)
+    registry = prometheus_client.REGISTRY if registry is None else registry
+    if not hasattr(registry, "register"):
+        raise ConfigError(f"metrics_registry must be a prometheus_client CollectorRegistry, got {registry!r}")
+    with _COLLECTORS_LOCK:
+        collector = _COLLECTORS.get(registry)
+        if collector is None:
+            collector = _COLLECTORS[registry] = Collector()
+            registry.register(collector)
+        collector.meters.add(meter)
+    return meter
+
+
+def detach(meter: Meter) -> None:
+    """A closed endpoint is no longer scraped."""
+    with _COLLECTORS_LOCK:
+        for collector in _COLLECTORS.values():
+            collector.meters.discard(meter)
+
+
+class Collector:
+    """Reads every live meter of one registry, and the counts beside it, when the registry is scraped."""
+
+    def __init__(self) -> None:
+        self.meters: weakref.WeakSet[Meter] = weakref.WeakSet()
+
+    def describe(self) -> list[Any]:
+        return []  # (names vary with the endpoints alive: nothing to check at registration)
+
+    def collect(self) -> Iterator[Any]:
+        with _COLLECTORS_LOCK:
+            meters = list(self.meters)
+        samples = _Samples()
+        for meter in meters:
+            base = (meter.role, meter.transport, meter.where)
+            with meter.lock:
+                by_label = {label: tuple(counts) for label, counts in meter.by_label.items()}
+                sizes, waits = meter.sizes.cumulative(), meter.waits.cumulative()
+                size_sum, wait_sum = meter.sizes.total, meter.waits.total
+            verb, how = (
+                ("sent", "sent") if meter.role == "producer" else ("received", "handed to the application by recv")
+            )
+            for label, (tensors, nbytes) in by_label.items():
+                keyed = (*base, label) if meter.key_label is not None else base
+                samples.counter(f"{verb}_tensors", f"tensors {how}", keyed, tensors)
+                samples.counter(f"{verb}_bytes", f"bytes of the tensors {how}", keyed, nbytes)
+            samples.histogram("tensor_bytes", "size of the tensors sent or handed out", base, sizes, size_sum)
+            if meter.role == "consumer":
+                samples.histogram("recv_wait_seconds", "from a recv call to its tensor", base, waits, wait_sum)
+                _consumer(samples, base, meter.endpoint)  # type: ignore[arg-type]
+            _transport(samples, base, meter.endpoint.transport.counts())
+        yield from samples.families()
+
+
+def _consumer(samples: _Samples, base: tuple[str, ...], consumer: Consumer) -> None:
+    """What a consumer's intake and table count (read key by key: a lookup is one step, a copy is not)."""
+    stats, table, held = consumer.intake.stats, consumer.table, consumer.intake.reassembler.held_bytes
+    rejected, dropped = "frames refused, by reason", "tensors dropped unreceived, by reason"
+    for name, what, stat in _CONSUMER_COUNTS:
+        samples.counter(name, what, base, stats.get(stat, 0))
+    for reason in REJECTION_REASONS:
+        samples.counter("rejected_frames", rejected, (*base, reason), stats.get("rejected " + reason, 0))
+    samples.counter("dropped_tensors", dropped, (*base, "abort"), table.dropped)
+    samples.counter("dropped_tensors", dropped, (*base, "unclaimed"), stats.get("unclaimed", 0))
+    samples.gauge("buffered_bytes", "bytes received and not yet taken, in the table", base, table.buffered_bytes)
+    samples.gauge("reassembly_bytes", "bytes held for tensors part way reassembled", base, held)
+
+
+#: a transport's `counts()`, as (metric, help, kind)
+_TRANSPORT_COUNTS = {
+    "unacked_bytes": ("bytes sent and not yet acknowledged (kept to resend)", "gauge"),
+    "resent_frames": ("frames sent again after a reconnect", "counter"),
+    "reconnects": ("connections made again after one broke", "counter"),
+    "connections": ("open connections", "gauge"),
+    "redeliveries": ("messages the broker delivered again", "counter"),
+}
+
+
+def _transport(samples: _Samples, base: tuple[str, ...], counts: dict[str, int]) -> None:
+    for name, value in counts.items():
+        what, kind = _TRANSPORT_COUNTS[name]
+        (samples.counter if kind == "counter" else samples.gauge)(name, what, base, value)
+
+
+_LABELS = ("role", "transport", "endpoint")
+_EXTRA_LABEL = {"rejected_frames": "reason", "dropped_tensors": "reason", "sent_tensors": "key",
+                "sent_bytes": "key", "received_tensors": "key", "received_bytes": "key"}  # fmt: skip
+
+
+class _Samples:
+    """The samples of one scrape by metric, summed where two endpoints share their labels."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, tuple[str, str]] = {}
+        self.values: dict[str, dict[tuple[str, ...], Any]] = {}
+
+    def _add(self, kind: str, name: str, what: str, labels: tuple[str, ...], value: Any) -> None:
+        self.kinds.setdefault(name, (kind, what))
+        by_labels = self.values.setdefault(name, {})
+        had = by_labels.get(labels)
+        if had is None:
+            by_labels[labels] = value
+        elif kind == "histogram":
+            buckets = [(le, a + b) for (le, a), (_, b) in zip(had[0], value[0], strict=True)]
+            by_labels[labels] = (buckets, had[1] + value[1])
+        else:
+            by_labels[labels] = had + value
+
+    def counter(self, name: str, what: str, labels: tuple[str, ...], value: float) -> None:
+        self._add("counter", name, what, labels, value)
+
+    def gauge(self, name: str, what: str, labels: tuple[str, ...], value: float) -> None:
+        self._add("gauge", name, what, labels, value)
+
+    def histogram(
+        self, name: str, what: str, labels: tuple[str, ...], buckets: list[tuple[str, float]], total: float
+    ) -> None:
+        self._add("histogram", name, what, labels, (buckets, total))
+
+    def families(self) -> Iterator[Any]:
+        for name, (kind, what) in self.kinds.items():
+            by_labels = self.values[name]
+            width = max(len(label_values) for label_values in by_labels)  # (endpoints without a key label: "")
+            labels = [*_LABELS, _EXTRA_LABEL[name]] if width > len(_LABELS) else list(_LABELS)
+            full = f"tensorbus_{name}"
+            family: Any
+            if kind == "counter":
+                family = CounterMetricFamily(full, what, labels=labels)
+            elif kind == "gauge":
+                family = GaugeMetricFamily(full, what, labels=labels)
+            else:
+                family = HistogramMetricFamily(full, what, labels=labels)
+            for label_values, value in by_labels.items():
+                label_values = (*label_values, "")[:width] if len(label_values) < width else label_values
+                if kind == "histogram":
+                    family.add_metric(list(label_values), buckets=value[0], sum_value=value[1])
+                else:
+                    family.add_metric(list(label_values), value)
+            yield family
+
+
+_COLLECTORS_LOCK = threading.Lock()
+#: the collector registered with each registry (a registry refuses a second one with the same names)
+_COLLECTORS: dict[Any, Collector] = {}
+
+
+def serve_metrics(port: int, addr: str = "127.0.0.1", registry: Any = None) -> int:
+    """Serve the Prometheus exposition (`/metrics`) over HTTP on a daemon thread; returns the port bound
+    (0 picks a free one). Needs prometheus_client (`pip install 'tensorbus[metrics]'`)."""
+    if prometheus_client is None:
+        raise ConfigError("serve_metrics needs prometheus_client: pip install 'tensorbus[metrics]'")
+    server, _ = prometheus_client.start_http_server(
+        port, addr=addr, registry=prometheus_client.REGISTRY if registry is None else registry
+    )
+    return int(server.server_port)
