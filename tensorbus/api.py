@@ -218,6 +218,7 @@ class Consumer:
         self.table = self.intake.table
         self.stats = self.intake.stats
         self._closed = False
+        self._monitor = Monitor.of("consumer", self, opts)  # None unless metrics or tracing are on
         self.transport.listen(self.intake, limits)
         self._shown = redact(self.transport.address)  # (with the port a listener bound)
         self.intake.name = self._shown
@@ -225,7 +226,6 @@ class Consumer:
         if self.transport.reads_while_waiting:
             self.table.read_while_waiting = self.transport.read_while_waiting  # a waiting recv reads for itself
         self.table.room_opened = self.transport.room_opened
-        self._monitor = Monitor.of("consumer", self, opts)  # None unless metrics or tracing are on
 
     @classmethod
     def from_config(cls, path: str | Path, url: str | None = None, **overrides: Any) -> Consumer:

@@ -86,7 +86,6 @@ class Meter:
             raise ConfigError(f"metrics_key_label must be a callable (key -> label), got {type(key_label).__name__}")
         self.role, self.endpoint, self.key_label = role, endpoint, key_label
         self.transport = endpoint.transport.url.scheme
-        self.where = endpoint_label(endpoint.transport.address)
         self.lock = threading.Lock()
         self.by_label: dict[str, list[int]] = {}  # key label ("" without metrics_key_label) -> [tensors, bytes]
         self.sizes = Histogram(SIZE_BUCKETS)
@@ -143,7 +142,7 @@ class Collector:
             meters = list(self.meters)
         samples = _Samples()
         for meter in meters:
-            base = (meter.role, meter.transport, meter.where)
+            base = (meter.role, meter.transport, endpoint_label(meter.endpoint.transport.address))
             with meter.lock:
                 by_label = {label: tuple(counts) for label, counts in meter.by_label.items()}
                 sizes, waits = meter.sizes.cumulative(), meter.waits.cumulative()

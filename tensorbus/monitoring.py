@@ -61,7 +61,7 @@ class Monitor:
         if _wanted("tracing", options.tracing):
             from .tracing import Tracing
 
-            tracing = Tracing(endpoint.transport.address)
+            tracing = Tracing(endpoint)
         return None if meter is None and tracing is None else cls(meter, tracing)
 
     def send(self, send: Callable[..., None], tensor: Any, key: str | None, *args: Any) -> None:

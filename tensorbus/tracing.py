@@ -12,15 +12,19 @@ opentelemetry-api; spans go wherever the application's tracer provider sends the
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .codec.frame import Message, TraceCarrier
 from .metrics import endpoint_label
 from .rendezvous import tensor_nbytes
+
+if TYPE_CHECKING:
+    from .api import Consumer, Producer
 
 try:
     from opentelemetry import context as otel_context
@@ -46,22 +50,32 @@ def _tensor_attributes(key: str | None, tensor: Any) -> dict[str, Any]:
 
 
 class Tracing:
-    """The spans of one Producer or Consumer (`url` as its transport serves it)."""
+    """The spans of one Producer or Consumer."""
 
-    def __init__(self, url: str) -> None:
-        parts = urllib.parse.urlsplit(url)
-        self.destination = endpoint_label(url)
-        self.attributes: dict[str, Any] = {
-            "messaging.system": _SYSTEMS.get(parts.scheme, "tensorbus"),
-            "messaging.destination.name": self.destination,
-        }
-        if parts.hostname and "," not in parts.netloc:
-            self.attributes["server.address"] = parts.hostname
-            if parts.port is not None:
-                self.attributes["server.port"] = parts.port
+    def __init__(self, endpoint: Producer | Consumer) -> None:
+        self._endpoint = endpoint
         self.tracer = trace.get_tracer("tensorbus")
         #: the `process` span current on each receiving thread, with its context token, until its next recv
         self._processing = threading.local()
+
+    @functools.cached_property
+    def attributes(self) -> dict[str, Any]:
+        """The endpoint's own attributes (read at the first span: a consumer's port is bound by then)."""
+        address = self._endpoint.transport.address
+        parts = urllib.parse.urlsplit(address)
+        attributes: dict[str, Any] = {
+            "messaging.system": _SYSTEMS.get(parts.scheme, "tensorbus"),
+            "messaging.destination.name": endpoint_label(address),
+        }
+        if parts.hostname and "," not in parts.netloc:
+            attributes["server.address"] = parts.hostname
+            if parts.port is not None:
+                attributes["server.port"] = parts.port
+        return attributes
+
+    @property
+    def destination(self) -> str:
+        return str(self.attributes["messaging.destination.name"])
 
     def send(
         self, send: Callable[..., None], tensor: Any, key: str | None, metadata: Any, message_id: Any, *rest: Any
