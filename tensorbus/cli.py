@@ -44,6 +44,7 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     recv.add_argument("key", help="the key to wait for")
     recv.add_argument("-o", "--output", required=True, help="file to write: .npy, .npz, .safetensors or .tbf")
     recv.add_argument("--timeout", type=seconds, default=None, help="seconds to wait (default: forever)")
+    recv.add_argument("--metrics-port", type=port, default=None, help=METRICS_PORT_HELP)
     recv.set_defaults(run=c.recv)
 
     save = add_parser("save", help="wait for a bundle (e.g. model parameters) and save it atomically")
@@ -59,6 +60,7 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     )
     save.add_argument("--follow", action="store_true", help="keep saving each new version as NAME-000001.EXT, ...")
     save.add_argument("--max-versions", type=count, default=None, help="with --follow: stop after this many")
+    save.add_argument("--metrics-port", type=port, default=None, help=METRICS_PORT_HELP)
     save.set_defaults(run=c.save)
 
     bench = add_parser("bench", help="compare transports and baselines: throughput and latency, table and plot")
@@ -74,6 +76,17 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     )
     inspect.add_argument("file", help="a file of tensorbus frames (.tbf), e.g. written by recv -o OUT.tbf")
     inspect.set_defaults(run=c.inspect)
+
+
+METRICS_PORT_HELP = "serve Prometheus metrics on 127.0.0.1:PORT/metrics (0: any free port; needs tensorbus[metrics])"
+
+
+def port(text: str) -> int:
+    """An argparse type (its name shows in argparse's errors): a TCP port, 0 to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535)")
+    return value
 
 
 def seconds(text: str) -> float:

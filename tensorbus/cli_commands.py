@@ -22,6 +22,7 @@ from .codec.native import crc32c
 from .errors import BadMagic, CodecError, ConfigError, Timeout, TruncatedFrame, brief
 from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
+from .monitoring import serve_metrics
 from .options import defaults, redact
 from .transports import resolve_transport
 
@@ -129,10 +130,19 @@ def send(args: argparse.Namespace) -> int:
     return 0
 
 
+def _monitored(args: argparse.Namespace) -> dict[str, Any]:
+    """With --metrics-port: the exposition served on 127.0.0.1 at that port, and the consumer's metrics on."""
+    if args.metrics_port is None:
+        return {}
+    port = serve_metrics(args.metrics_port)
+    print(f"metrics on http://127.0.0.1:{port}/metrics", flush=True)
+    return {"metrics": True}
+
+
 def recv(args: argparse.Namespace) -> int:
     """Listen at the URL, wait for one tensor under the key, and write it to a file."""
     check_writable(args.output)  # before the tensor is taken from the endpoint, not after
-    with Consumer(args.url) as consumer:
+    with Consumer(args.url, **_monitored(args)) as consumer:
         print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
         try:
             message = consumer.recv_message(args.key, timeout=args.timeout)
@@ -185,7 +195,7 @@ def save(args: argparse.Namespace) -> int:
     output = Path(args.output)
     check_writable(output, bundle=True)
     first = _last_version(output) + 1 if args.follow else 1
-    with Consumer(args.url) as consumer:
+    with Consumer(args.url, **_monitored(args)) as consumer:
         print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
         for version in itertools.count(first):
             try:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -204,3 +207,28 @@ def test_metrics_off_costs_no_monitor_and_bad_monitoring_options_are_refused(mon
         producer.send("k", TENSOR)
         assert value(parse(generate_latest(registry).decode()), "tensorbus_sent_tensors_total") == 1
     assert "tensorbus_sent" not in generate_latest(registry).decode()  # closed: no longer reported
+
+
+def test_save_follow_serves_its_metrics_on_the_port_given(tmp_path: Path) -> None:
+    output = tmp_path / "params.npz"
+    command = ["save", "tcp://127.0.0.1:0", "params", "-o", str(output), "--follow", "--max-versions", "3"]
+    saver = subprocess.Popen(
+        [sys.executable, "-m", "tensorbus", *command, "--timeout", "60", "--metrics-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert saver.stdout is not None
+    metrics_url = saver.stdout.readline().rsplit(" ", 1)[1].strip()
+    address = saver.stdout.readline().rsplit(" on ", 1)[1].strip()
+    with tb.Producer(address) as producer:
+        for version in range(2):
+            producer.send("params", {"w": np.full(1024, version, np.float32)})
+        wait_for(lambda: len(list(tmp_path.glob("params-*.npz"))) == 2, 60, "two versions saved")
+        with urllib.request.urlopen(metrics_url, timeout=30) as response:
+            samples = parse(response.read().decode())
+        producer.send("params", {"w": np.full(1024, 2, np.float32)})  # the third: save stops
+    _, err = saver.communicate(timeout=60)
+    assert saver.returncode == 0, err
+    assert value(samples, "tensorbus_received_tensors_total", role="consumer", transport="tcp") == 2
+    assert value(samples, "tensorbus_received_bytes_total", role="consumer", transport="tcp") == 2 * 4096
