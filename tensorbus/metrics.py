@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from .codec import Message
 from .errors import ConfigError
 from .rendezvous import tensor_nbytes
 
@@ -33,6 +37,7 @@ except ImportError:  # the extra is not installed: metrics stay off (monitoring.
 #: upper bounds of the tensor size histogram (bytes) and of the recv wait one (seconds)
 SIZE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 32, 2))
 WAIT_BUCKETS = (0.0001, 0.001, 0.01, 0.1, 1.0, 10.0, 60.0)
+_clock = time.perf_counter
 #: the reasons a consumer counts refused frames under (errors.py's `reason_label`s)
 REJECTION_REASONS = ("checksum", "signature", "replay", "limit", "malformed", "stale", "refused")
 #: what `Consumer.stats` counts, as (metric, help, stats key)
@@ -54,56 +59,102 @@ def endpoint_label(url: str) -> str:
     return parts.netloc.rpartition("@")[2] + parts.path
 
 
-class Histogram:
-    """Counts by upper bound, and their sum; the owner's lock guards it."""
+def cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+    """Prometheus' buckets of a histogram counted by upper bound (`counts` has one more, above every
+    bound): (le, observations at or below it), ending with +Inf."""
+    running, out = 0, []
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
+    return out
 
-    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound
-        self.total = 0.0
+class _Cell:
+    """One thread's counts of one endpoint: written by that thread alone, read by scrapes (each field a
+    snapshot: a count read while its thread adds to it is the old or the new one, never torn)."""
 
-    def add(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
+    __slots__ = ("by_label", "sizes", "waited_s", "waits")
 
-    def cumulative(self) -> list[tuple[str, float]]:
-        """Prometheus' buckets: (le, observations at or below it), ending with +Inf."""
-        running, out = 0, []
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), float(running)))
-        return out
+    def __init__(self) -> None:
+        self.by_label: dict[str, list[int]] = {}  # key label ("" without metrics_key_label) -> [tensors, bytes]
+        self.sizes = [0] * (len(SIZE_BUCKETS) + 1)  # tensors by size bucket (the sum: the bytes)
+        self.waits = [0] * (len(WAIT_BUCKETS) + 1)  # recvs by wait bucket
+        self.waited_s = 0.0
 
 
 class Meter:
-    """What one Producer or Consumer counts for the collector beyond what it keeps anyway; every
-    field is written under `lock` (by the threads that send or receive) and read under it (by a scrape)."""
+    """What one Producer or Consumer counts for the collector beyond what it keeps anyway: tensors and
+    their bytes (by key label), sizes, recv waits. It is the endpoint's monitor when only metrics are on
+    (`send`, `recv`, `close`, as monitoring.Monitor's), so a tensor costs one call: a few additions to
+    counts of the calling thread's own (no lock), and two bisections."""
 
     def __init__(self, role: str, endpoint: Producer | Consumer, key_label: Callable[[str | None], str] | None) -> None:
         if key_label is not None and not callable(key_label):
             raise ConfigError(f"metrics_key_label must be a callable (key -> label), got {type(key_label).__name__}")
         self.role, self.endpoint, self.key_label = role, endpoint, key_label
         self.transport = endpoint.transport.url.scheme
-        self.lock = threading.Lock()
-        self.by_label: dict[str, list[int]] = {}  # key label ("" without metrics_key_label) -> [tensors, bytes]
-        self.sizes = Histogram(SIZE_BUCKETS)
-        self.waits = Histogram(WAIT_BUCKETS)
+        self.lock = threading.Lock()  # guards `cells`
+        self.cells: list[_Cell] = []  # one per thread that sent or received, kept after it ends (they count)
+        self._local = threading.local()
 
-    def count(self, key: str | None, tensor: Any, waited_s: float | None = None) -> None:
-        """One tensor sent, or handed to the application (after waiting `waited_s` for it)."""
-        label = "" if self.key_label is None else str(self.key_label(key))
-        nbytes = tensor_nbytes(tensor)
+    def _cell(self) -> _Cell:
+        """The calling thread's counts, made on its first tensor."""
+        cell = _Cell()
         with self.lock:
-            counts = self.by_label.get(label)
-            if counts is None:
-                counts = self.by_label[label] = [0, 0]
-            counts[0] += 1
-            counts[1] += nbytes
-            self.sizes.add(nbytes)
-            if waited_s is not None:
-                self.waits.add(waited_s)
+            self.cells.append(cell)
+        self._local.cell = cell
+        return cell
+
+    def count(self, key: str | None, tensor: Any) -> _Cell:
+        """One tensor sent, or handed to the application; the thread's cell."""
+        try:
+            cell: _Cell = self._local.cell
+        except AttributeError:
+            cell = self._cell()
+        nbytes = tensor.nbytes if type(tensor) is np.ndarray else tensor_nbytes(tensor)
+        label = "" if self.key_label is None else str(self.key_label(key))
+        counts = cell.by_label.get(label)
+        if counts is None:
+            counts = cell.by_label[label] = [0, 0]
+        counts[0] += 1
+        counts[1] += nbytes
+        cell.sizes[bisect.bisect_left(SIZE_BUCKETS, nbytes)] += 1
+        return cell
+
+    def send(self, send: Callable[..., None], tensor: Any, key: str | None, *args: Any) -> None:
+        """`send(tensor, key, ...)` (the transport's `send_message`), counted."""
+        send(tensor, key, *args)
+        self.count(key, tensor)
+
+    def recv(self, receive: Callable[..., Message], *args: Any) -> Message:
+        """`receive(*args)` (the table's `recv_message` or `next_message`), counted with its wait."""
+        started = _clock()
+        message = receive(*args)
+        waited_s = _clock() - started
+        cell = self.count(message.key, message.tensor)
+        cell.waits[bisect.bisect_left(WAIT_BUCKETS, waited_s)] += 1
+        cell.waited_s += waited_s
+        return message
+
+    def close(self) -> None:
+        """The endpoint closed: no longer scraped."""
+        detach(self)
+
+    def read(self) -> tuple[dict[str, list[int]], list[int], list[int], float]:
+        """The counts of every thread, summed: by label [tensors, bytes], size and wait buckets, seconds waited."""
+        with self.lock:
+            cells = list(self.cells)
+        by_label: dict[str, list[int]] = {}
+        sizes, waits, waited_s = [0] * (len(SIZE_BUCKETS) + 1), [0] * (len(WAIT_BUCKETS) + 1), 0.0
+        for cell in cells:
+            for label, (tensors, nbytes) in dict(cell.by_label).items():
+                total = by_label.setdefault(label, [0, 0])
+                total[0] += tensors
+                total[1] += nbytes
+            sizes = [a + b for a, b in zip(sizes, cell.sizes, strict=True)]
+            waits = [a + b for a, b in zip(waits, cell.waits, strict=True)]
+            waited_s += cell.waited_s
+        return by_label, sizes, waits, waited_s
 
 
 def attach(role: str, endpoint: Producer | Consumer, registry: Any, key_label: Any) -> Meter:
@@ -143,10 +194,9 @@ class Collector:
         samples = _Samples()
         for meter in meters:
             base = (meter.role, meter.transport, endpoint_label(meter.endpoint.transport.address))
-            with meter.lock:
-                by_label = {label: tuple(counts) for label, counts in meter.by_label.items()}
-                sizes, waits = meter.sizes.cumulative(), meter.waits.cumulative()
-                size_sum, wait_sum = meter.sizes.total, meter.waits.total
+            by_label, size_counts, wait_counts, wait_sum = meter.read()
+            sizes, waits = cumulative(SIZE_BUCKETS, size_counts), cumulative(WAIT_BUCKETS, wait_counts)
+            size_sum = sum(nbytes for _, nbytes in by_label.values())  # (every tensor counts under one label)
             verb, how = (
                 ("sent", "sent") if meter.role == "producer" else ("received", "handed to the application by recv")
             )

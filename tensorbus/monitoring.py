@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,50 +44,43 @@ def _wanted(option: str, value: bool) -> bool:
 
 
 class Monitor:
-    """An endpoint's meter (metrics) and spans (tracing), either of them None when off."""
+    """An endpoint's meter (metrics) and spans (tracing) together: what it calls when tracing is on
+    (with metrics only, the `metrics.Meter` alone is the monitor: one call fewer per tensor)."""
 
-    def __init__(self, meter: Meter | None, tracing: Tracing | None) -> None:
+    def __init__(self, meter: Meter | None, tracing: Tracing) -> None:
         self.meter, self.tracing = meter, tracing
 
-    @classmethod
-    def of(cls, role: str, endpoint: Producer | Consumer, options: MonitoringOptions) -> Monitor | None:
+    @staticmethod
+    def of(role: str, endpoint: Producer | Consumer, options: MonitoringOptions) -> Monitor | Meter | None:
         """The monitor of a new Producer or Consumer, or None with metrics and tracing both off."""
-        meter = tracing = None
+        meter = None
         if _wanted("metrics", options.metrics):
             from . import metrics
 
             meter = metrics.attach(role, endpoint, options.metrics_registry, options.metrics_key_label)
-        if _wanted("tracing", options.tracing):
-            from .tracing import Tracing
+        if not _wanted("tracing", options.tracing):
+            return meter
+        from .tracing import Tracing
 
-            tracing = Tracing(endpoint)
-        return None if meter is None and tracing is None else cls(meter, tracing)
+        return Monitor(meter, Tracing(endpoint))
 
     def send(self, send: Callable[..., None], tensor: Any, key: str | None, *args: Any) -> None:
         """`send(tensor, key, metadata, message_id, encoding)` (the transport's `send_message`), spanned and counted."""
-        if self.tracing is not None:
-            self.tracing.send(send, tensor, key, *args)
-        else:
-            send(tensor, key, *args)
+        self.tracing.send(send, tensor, key, *args)
         if self.meter is not None:
             self.meter.count(key, tensor)
 
     def recv(self, receive: Callable[..., Message], *args: Any) -> Message:
         """`receive(*args)` (the table's `recv_message` or `next_message`), spanned and counted with its wait."""
-        started = time.perf_counter()
-        message = receive(*args) if self.tracing is None else self.tracing.recv(receive, *args)
         if self.meter is not None:
-            self.meter.count(message.key, message.tensor, time.perf_counter() - started)
-        return message
+            return self.meter.recv(self.tracing.recv, receive, *args)
+        return self.tracing.recv(receive, *args)
 
     def close(self) -> None:
         """The endpoint closed: no longer scraped; the closing thread's `process` span ends."""
         if self.meter is not None:
-            from . import metrics
-
-            metrics.detach(self.meter)
-        if self.tracing is not None:
-            self.tracing.done_processing()
+            self.meter.close()
+        self.tracing.done_processing()
 
 
 def serve_metrics(port: int, addr: str = "127.0.0.1", registry: Any = None) -> int:
