@@ -23,7 +23,8 @@ README = ROOT / "README.md"
 BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 EXAMPLE = re.compile(r"\bexamples/\w+\.py\b")
 #: modules of the optional extras (pyproject.toml's optional-dependencies), which the first set-up command leaves out
-EXTRAS = ("lz4", "zstandard", "torch", "pika", "kafka", "rich", "matplotlib", "zmq", "pyarrow", "safetensors")
+EXTRAS = ("lz4", "zstandard", "torch", "pika", "kafka", "rich", "matplotlib", "zmq", "pyarrow", "safetensors",
+          "prometheus_client", "opentelemetry")  # fmt: skip
 HIDE_EXTRAS = f"import sys; sys.modules.update(dict.fromkeys({EXTRAS!r}))\n"
 #: how long a block or an example may take
 BOUND_S = 120
