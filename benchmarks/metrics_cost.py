@@ -11,7 +11,7 @@ What it measures
     per-pair ratios on/off (1.0: free).
 
 Run
-    python -m benchmarks.metrics_cost [--size 4KB] [--tensors 20000] [--pairs 5]
+    python -m benchmarks.metrics_cost [--size 4KB] [--tensors 20000] [--pairs 5] [--control]
 """
 
 from __future__ import annotations
@@ -75,13 +75,14 @@ def main() -> None:
     parser.add_argument("--size", default="4KB")
     parser.add_argument("--tensors", type=int, default=20000)
     parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--control", action="store_true", help="metrics off in both cases (the method's noise)")
     args = parser.parse_args()
     size = parse_size(args.size)
     results: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
     ratios: list[tuple[float, float, float]] = []
     for pair in range(args.pairs):
         order = (False, True) if pair % 2 == 0 else (True, False)
-        got = {metrics: one_round(size, args.tensors, metrics) for metrics in order}
+        got = {metrics: one_round(size, args.tensors, metrics and not args.control) for metrics in order}
         for metrics, result in got.items():
             results[metrics].append(result)
         ratios.append(tuple(on / off for on, off in zip(got[True], got[False], strict=True)))  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ except ImportError:  # the extra is not installed: metrics stay off (monitoring.
 #: upper bounds of the tensor size histogram (bytes) and of the recv wait one (seconds)
 SIZE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 32, 2))
 WAIT_BUCKETS = (0.0001, 0.001, 0.01, 0.1, 1.0, 10.0, 60.0)
-_clock = time.perf_counter
+_clock, _bisect = time.perf_counter, bisect.bisect_left
 #: the reasons a consumer counts refused frames under (errors.py's `reason_label`s)
 REJECTION_REASONS = ("checksum", "signature", "replay", "limit", "malformed", "stale", "refused")
 #: what `Consumer.stats` counts, as (metric, help, stats key)
@@ -73,20 +73,22 @@ class _Cell:
     """One thread's counts of one endpoint: written by that thread alone, read by scrapes (each field a
     snapshot: a count read while its thread adds to it is the old or the new one, never torn)."""
 
-    __slots__ = ("by_label", "sizes", "waited_s", "waits")
+    __slots__ = ("by_label", "bytes", "last_bucket", "last_size", "sizes", "tensors", "waited_s", "waits")
 
     def __init__(self) -> None:
-        self.by_label: dict[str, list[int]] = {}  # key label ("" without metrics_key_label) -> [tensors, bytes]
+        self.tensors = self.bytes = 0
+        self.by_label: dict[str, list[int]] = {}  # with metrics_key_label: label -> [tensors, bytes]
         self.sizes = [0] * (len(SIZE_BUCKETS) + 1)  # tensors by size bucket (the sum: the bytes)
         self.waits = [0] * (len(WAIT_BUCKETS) + 1)  # recvs by wait bucket
         self.waited_s = 0.0
+        self.last_size, self.last_bucket = -1, 0  # the size bucket of the thread's last tensor
 
 
 class Meter:
     """What one Producer or Consumer counts for the collector beyond what it keeps anyway: tensors and
     their bytes (by key label), sizes, recv waits. It is the endpoint's monitor when only metrics are on
     (`send`, `recv`, `close`, as monitoring.Monitor's), so a tensor costs one call: a few additions to
-    counts of the calling thread's own (no lock), and two bisections."""
+    counts of the calling thread's own (no lock), and a bisection or two."""
 
     def __init__(self, role: str, endpoint: Producer | Consumer, key_label: Callable[[str | None], str] | None) -> None:
         if key_label is not None and not callable(key_label):
@@ -112,13 +114,15 @@ class Meter:
         except AttributeError:
             cell = self._cell()
         nbytes = tensor.nbytes if type(tensor) is np.ndarray else tensor_nbytes(tensor)
-        label = "" if self.key_label is None else str(self.key_label(key))
-        counts = cell.by_label.get(label)
-        if counts is None:
-            counts = cell.by_label[label] = [0, 0]
-        counts[0] += 1
-        counts[1] += nbytes
-        cell.sizes[bisect.bisect_left(SIZE_BUCKETS, nbytes)] += 1
+        cell.tensors += 1
+        cell.bytes += nbytes
+        if nbytes != cell.last_size:  # (a stream's tensors are mostly of one size: its bucket is kept)
+            cell.last_size, cell.last_bucket = nbytes, _bisect(SIZE_BUCKETS, nbytes)
+        cell.sizes[cell.last_bucket] += 1
+        if self.key_label is not None:
+            counts = cell.by_label.setdefault(str(self.key_label(key)), [0, 0])
+            counts[0] += 1
+            counts[1] += nbytes
         return cell
 
     def send(self, send: Callable[..., None], tensor: Any, key: str | None, *args: Any) -> None:
@@ -132,7 +136,7 @@ class Meter:
         message = receive(*args)
         waited_s = _clock() - started
         cell = self.count(message.key, message.tensor)
-        cell.waits[bisect.bisect_left(WAIT_BUCKETS, waited_s)] += 1
+        cell.waits[_bisect(WAIT_BUCKETS, waited_s)] += 1
         cell.waited_s += waited_s
         return message
 
@@ -147,7 +151,8 @@ class Meter:
         by_label: dict[str, list[int]] = {}
         sizes, waits, waited_s = [0] * (len(SIZE_BUCKETS) + 1), [0] * (len(WAIT_BUCKETS) + 1), 0.0
         for cell in cells:
-            for label, (tensors, nbytes) in dict(cell.by_label).items():
+            labelled = dict(cell.by_label) if self.key_label is not None else {"": [cell.tensors, cell.bytes]}
+            for label, (tensors, nbytes) in labelled.items():
                 total = by_label.setdefault(label, [0, 0])
                 total[0] += tensors
                 total[1] += nbytes
