@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import tensorbus as tb
 from tensorbus.codec.frame import CRC_AT
-from tensorbus.metrics import Meter
+from tensorbus.metrics import Meter, endpoint_label
 from tests.conftest import endpoint_url
 from tests.integration.test_socket import raw_peer
 from tests.waiting import wait_for
@@ -233,3 +233,17 @@ def test_save_follow_serves_its_metrics_on_the_port_given(tmp_path: Path) -> Non
     assert saver.returncode == 0, err
     assert value(samples, "tensorbus_received_tensors_total", role="consumer", transport="tcp") == 2
     assert value(samples, "tensorbus_received_bytes_total", role="consumer", transport="tcp") == 2 * 4096
+
+
+@pytest.mark.parametrize(
+    ("url", "label"),
+    [
+        ("amqp://user:secret@127.0.0.1:5672/%2F?queue=jobs&heartbeat_s=5", "jobs"),
+        ("kafka://a:9092,b:9092/grads", "grads"),
+        ("tcp://127.0.0.1:5555?auth_secret=hush", "127.0.0.1:5555"),
+        ("unix:///tmp/tb.sock", "/tmp/tb.sock"),
+        ("memory://demo", "demo"),
+    ],
+)
+def test_the_endpoint_label_names_the_queue_topic_or_place_and_never_a_secret(url: str, label: str) -> None:
+    assert endpoint_label(url) == label
