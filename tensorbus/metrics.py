@@ -95,16 +95,19 @@ class Meter:
             raise ConfigError(f"metrics_key_label must be a callable (key -> label), got {type(key_label).__name__}")
         self.role, self.endpoint, self.key_label = role, endpoint, key_label
         self.transport = endpoint.transport.url.scheme
-        self.lock = threading.Lock()  # guards `cells`
-        self.cells: list[_Cell] = []  # one per thread that sent or received, kept after it ends (they count)
+        self.lock = threading.Lock()
+        self.cells: list[_Cell] = []  # one per live thread that sent or received (guarded by `lock`)
+        self.retired = _Cell()  # the counts of threads that ended (guarded by `lock`)
         self._local = threading.local()
 
     def _cell(self) -> _Cell:
-        """The calling thread's counts, made on its first tensor."""
+        """The calling thread's counts, made on its first tensor; folded into `retired` once the thread
+        is gone (so that threads coming and going cost no memory)."""
         cell = _Cell()
         with self.lock:
             self.cells.append(cell)
         self._local.cell = cell
+        weakref.finalize(threading.current_thread(), _retire, weakref.ref(self), cell)
         return cell
 
     def count(self, key: str | None, tensor: Any) -> _Cell:
@@ -146,20 +149,37 @@ class Meter:
 
     def read(self) -> tuple[dict[str, list[int]], list[int], list[int], float]:
         """The counts of every thread, summed: by label [tensors, bytes], size and wait buckets, seconds waited."""
+        total = _Cell()
         with self.lock:
             cells = list(self.cells)
-        by_label: dict[str, list[int]] = {}
-        sizes, waits, waited_s = [0] * (len(SIZE_BUCKETS) + 1), [0] * (len(WAIT_BUCKETS) + 1), 0.0
+            _fold(total, self.retired)
         for cell in cells:
-            labelled = dict(cell.by_label) if self.key_label is not None else {"": [cell.tensors, cell.bytes]}
-            for label, (tensors, nbytes) in labelled.items():
-                total = by_label.setdefault(label, [0, 0])
-                total[0] += tensors
-                total[1] += nbytes
-            sizes = [a + b for a, b in zip(sizes, cell.sizes, strict=True)]
-            waits = [a + b for a, b in zip(waits, cell.waits, strict=True)]
-            waited_s += cell.waited_s
-        return by_label, sizes, waits, waited_s
+            _fold(total, cell)
+        if self.key_label is None:
+            total.by_label = {"": [total.tensors, total.bytes]}
+        return total.by_label, total.sizes, total.waits, total.waited_s
+
+
+def _fold(total: _Cell, cell: _Cell) -> None:
+    """Add a cell's counts to `total` (one the caller owns)."""
+    total.tensors += cell.tensors
+    total.bytes += cell.bytes
+    for label, (tensors, nbytes) in dict(cell.by_label).items():
+        counts = total.by_label.setdefault(label, [0, 0])
+        counts[0] += tensors
+        counts[1] += nbytes
+    total.sizes = [a + b for a, b in zip(total.sizes, cell.sizes, strict=True)]
+    total.waits = [a + b for a, b in zip(total.waits, cell.waits, strict=True)]
+    total.waited_s += cell.waited_s
+
+
+def _retire(meter_ref: weakref.ref[Meter], cell: _Cell) -> None:
+    """A thread that counted is gone: its counts move to the meter's `retired` (written by nobody else now)."""
+    meter = meter_ref()
+    if meter is not None:
+        with meter.lock:
+            meter.cells.remove(cell)
+            _fold(meter.retired, cell)
 
 
 def attach(role: str, endpoint: Producer | Consumer, registry: Any, key_label: Any) -> Meter:

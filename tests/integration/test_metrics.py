@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import struct
 import subprocess
 import sys
@@ -247,3 +248,22 @@ def test_save_follow_serves_its_metrics_on_the_port_given(tmp_path: Path) -> Non
 )
 def test_the_endpoint_label_names_the_queue_topic_or_place_and_never_a_secret(url: str, label: str) -> None:
     assert endpoint_label(url) == label
+
+
+def test_the_counts_of_threads_that_ended_are_kept_and_their_cells_freed() -> None:
+    registry = CollectorRegistry()
+    url = endpoint_url("memory")
+    with tb.Consumer(url) as consumer, tb.Producer(url, metrics=True, metrics_registry=registry) as producer:
+        threads = [threading.Thread(target=producer.send, args=(f"k{i}", TENSOR)) for i in range(20)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        del threads, thread  # (a thread's counts are folded in when its Thread object goes)
+        meter = producer._monitor
+        assert isinstance(meter, Meter)
+        wait_for(lambda: gc.collect() >= 0 and not meter.cells, 30, "the ended threads' cells folded in")
+        samples = parse(generate_latest(registry).decode())
+        assert value(samples, "tensorbus_sent_tensors_total") == 20
+        assert value(samples, "tensorbus_sent_bytes_total") == 20 * 4096
+        assert len(consumer.table) == 20
