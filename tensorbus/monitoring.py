@@ -6,6 +6,7 @@ and opentelemetry are not even imported. On, `metrics.py` counts and `tracing.py
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -64,11 +65,15 @@ class Monitor:
 
         return Monitor(meter, Tracing(endpoint))
 
-    def send(self, send: Callable[..., None], tensor: Any, key: str | None, *args: Any) -> None:
+    def send(
+        self, send: Callable[..., None], tensor: Any, key: str | None, metadata: Any, message_id: Any, encoding: Any
+    ) -> None:
         """`send(tensor, key, metadata, message_id, encoding)` (the transport's `send_message`), spanned and counted."""
-        self.tracing.send(send, tensor, key, *args)
         if self.meter is not None:
-            self.meter.count(key, tensor)
+            traced = functools.partial(self.tracing.send, send)
+            self.meter.send(traced, tensor, key, metadata, message_id, encoding)
+        else:
+            self.tracing.send(send, tensor, key, metadata, message_id, encoding)
 
     def recv(self, receive: Callable[..., Message], *args: Any) -> Message:
         """`receive(*args)` (the table's `recv_message` or `next_message`), spanned and counted with its wait."""

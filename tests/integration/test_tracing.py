@@ -108,3 +108,22 @@ def test_the_trace_header_field_is_optional_and_ignored_by_readers_that_do_not_k
     odd = TraceCarrier({}, {"traceparent": 7})  # type: ignore[dict-item]  # (not a string: ignored, not refused)
     assert not hasattr(tb.decode(tb.dumps(array, metadata=odd)), "trace")
     assert TRACE == "trace"
+
+
+def test_metrics_and_tracing_together_count_and_span_each_tensor(spans: InMemorySpanExporter) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tests.integration.test_metrics import parse, value
+
+    registry = CollectorRegistry()
+    both = {"tracing": True, "metrics": True, "metrics_registry": registry}
+    url = endpoint_url("memory")
+    with tb.Consumer(url, **both) as consumer, tb.Producer(url, **both) as producer:
+        for i in range(2):
+            producer.send("k", np.full(4, i, np.float32))
+        assert [consumer.recv("k", timeout=30)[0] for _ in range(2)] == [0, 1]
+        exposition = generate_latest(registry).decode()
+    assert len(named(spans, "send ")) == len(named(spans, "receive ")) == len(named(spans, "process ")) == 2
+    samples = parse(exposition)
+    assert value(samples, "tensorbus_sent_tensors_total") == value(samples, "tensorbus_received_tensors_total") == 2
+    assert value(samples, "tensorbus_received_bytes_total") == 2 * 16
