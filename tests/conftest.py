@@ -18,6 +18,8 @@ from tensorbus.transports.memory import HUB
 AMQP_URL = os.environ.get("TENSORBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 KAFKA_URL = os.environ.get("TENSORBUS_KAFKA_URL", "kafka://127.0.0.1:9092")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+#: the clients every Kafka suite runs once against (kafka://'s `client` option)
+KAFKA_CLIENTS = ("kafka-python", "confluent")
 
 
 def reachable(url: str) -> bool:
@@ -67,8 +69,19 @@ def require_broker(url: str) -> None:
     pytest.skip(message)
 
 
+def with_query(url: str, query: str) -> str:
+    """`url` with `query` ("name=value&...") added to its query string."""
+    return url + ("&" if "?" in url else "?") + query
+
+
+@pytest.fixture(params=KAFKA_CLIENTS)
+def kafka_client(request: pytest.FixtureRequest) -> str:
+    """Each Kafka client in turn, for the tests of kafka:// that run once per client."""
+    return str(request.param)
+
+
 def endpoint_url(transport: str) -> str:
-    """A consumer URL for a fresh endpoint nobody else uses."""
+    """A consumer URL for a fresh endpoint nobody else uses ("kafka-confluent": kafka:// on confluent-kafka)."""
     name = f"tb-{uuid.uuid4().hex[:12]}"
     if transport == "memory":
         return f"memory://{name}"
@@ -80,10 +93,11 @@ def endpoint_url(transport: str) -> str:
         require_broker(AMQP_URL)
         _CREATED["amqp"].append(name)
         return f"{AMQP_URL}?queue={name}"
-    if transport == "kafka":
+    if transport in ("kafka", "kafka-confluent"):
         require_broker(KAFKA_URL)
         _CREATED["kafka"].append(name)
-        return f"{KAFKA_URL.rstrip('/')}/{name}"
+        url = f"{KAFKA_URL.rstrip('/')}/{name}"
+        return url if transport == "kafka" else with_query(url, "client=confluent")
     raise ValueError(transport)
 
 

@@ -18,6 +18,7 @@ TRANSPORTS = ("memory", "tcp", "unix", "amqp", "kafka")
 VARIANTS: dict[str, tuple[str, str]] = {
     "amqp-quorum": ("amqp", "queue_type=quorum"),
     "amqp-classic": ("amqp", "queue_type=classic"),
+    "kafka-confluent": ("kafka", "client=confluent"),
 }
 #: baseline name -> the transport families it stands in for
 BASELINES: dict[str, tuple[str, ...]] = {
@@ -26,7 +27,8 @@ BASELINES: dict[str, tuple[str, ...]] = {
     "pickle": ("memory", "tcp", "unix"),
     "pika": ("amqp", "amqp-quorum"),
     "pika-classic": ("amqp-classic",),
-    "kafka-python": ("kafka",),
+    "kafka-python": ("kafka", "kafka-confluent"),
+    "confluent-kafka": ("kafka-confluent",),
 }
 #: baselines that are another baseline on a differently declared queue: name -> URL query
 BASELINE_QUERY = {"pika-classic": "queue_type=classic"}

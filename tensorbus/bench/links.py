@@ -160,6 +160,7 @@ IMPLEMENTATIONS = {
     "pika": "tensorbus.bench.broker_baselines:PikaLink",
     "pika-classic": "tensorbus.bench.broker_baselines:PikaLink",
     "kafka-python": "tensorbus.bench.broker_baselines:KafkaLink",
+    "confluent-kafka": "tensorbus.bench.confluent_baseline:ConfluentLink",
 }
 
 

@@ -23,6 +23,7 @@ _COMPARE = {
     "kafka": ["kafka-python"],
     "amqp-quorum": ["pika"],
     "amqp-classic": ["pika-classic"],
+    "kafka-confluent": ["confluent-kafka", "kafka-python"],
 }
 _BASELINE_FAMILY = {
     "socket": "tcp",
@@ -31,8 +32,15 @@ _BASELINE_FAMILY = {
     "pika": "amqp",
     "pika-classic": "amqp",
     "kafka-python": "kafka",
+    "confluent-kafka": "kafka",
 }
-_BASELINE_MODULE = {"zmq": "zmq", "pika": "pika", "pika-classic": "pika", "kafka-python": "kafka"}
+_BASELINE_MODULE = {
+    "zmq": "zmq",
+    "pika": "pika",
+    "pika-classic": "pika",
+    "kafka-python": "kafka",
+    "confluent-kafka": "confluent_kafka",
+}
 
 
 def plan(cfg: BenchConfig) -> list[Method]:
@@ -140,7 +148,7 @@ def environment(cfg: BenchConfig, methods: list[Method]) -> dict[str, Any]:
     from .. import __version__
 
     versions = {"tensorbus": __version__, "python": platform.python_version()}
-    for module in ("numpy", "zmq", "pika", "kafka", "crc32c"):
+    for module in ("numpy", "zmq", "pika", "kafka", "confluent_kafka", "crc32c"):
         if importlib.util.find_spec(module) is not None:
             try:
                 versions[module] = getattr(importlib.import_module(module), "__version__", "?")

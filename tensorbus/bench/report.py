@@ -22,6 +22,7 @@ DISPLAY = {
     "pika": "raw pika (quorum queue)",
     "pika-classic": "raw pika (classic queue)",
     "kafka-python": "raw kafka-python",
+    "confluent-kafka": "raw confluent-kafka",
 }
 
 
@@ -150,6 +151,12 @@ def targets(results: Results) -> list[Target]:
               from_size("1MB"), lambda v: v >= 0.9),
         judge("kafka ≥ 0.9x raw kafka-python from 1MB", "kafka", "kafka-python", "throughput", from_size("1MB"),
               lambda v: v >= 0.9),
+        judge("kafka-confluent ≥ 0.8x raw confluent-kafka at 4KB", "kafka-confluent", "confluent-kafka", "throughput",
+              ["4KB"], lambda v: v >= 0.8),
+        judge("kafka-confluent ≥ 1.0x raw confluent-kafka from 64KB", "kafka-confluent", "confluent-kafka",
+              "throughput", [s for s in from_size("64KB") if parse_size(s) <= parse_size("16MB")], lambda v: v >= 1.0),
+        judge("kafka-confluent ≥ 4x raw kafka-python at 4KB", "kafka-confluent", "kafka-python", "throughput", ["4KB"],
+              lambda v: v >= 4.0),
     ]  # fmt: skip
     return [t for t in found_targets if t is not None]
 
@@ -216,7 +223,8 @@ def _versions(results: Results) -> str:
     env = results.environment
     v = env.get("versions", {})
     parts = [f"{name} {v[key]}" for name, key in (("python", "python"), ("numpy", "numpy"), ("pyzmq", "zmq"),
-             ("libzmq", "libzmq"), ("pika", "pika"), ("kafka-python", "kafka")) if key in v]  # fmt: skip
+             ("libzmq", "libzmq"), ("pika", "pika"), ("kafka-python", "kafka"),
+             ("confluent-kafka", "confluent_kafka")) if key in v]  # fmt: skip
     brokers = "; ".join(env.get("brokers", {}).values()) or "none reached"
     return f"brokers: {brokers} · {', '.join(parts)}"
 

@@ -45,6 +45,8 @@ RECORD_OVERHEAD = 1024
 #: bytes one fetch may bring per partition: 16 records of a 1 MB chunk, not kafka-python's one (1 MiB),
 #: for more throughput from 1 MB tensors up (docs/PERFORMANCE.md)
 FETCH_PER_PARTITION = 16 << 20
+#: the Kafka clients a `client` option may name (the first is the default)
+CLIENTS = ("kafka-python", "confluent")
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 #: what the guarantees above rest on (5 in flight is the most idempotence allows)
 _PRODUCER = {"acks": "all", "enable_idempotence": True, "max_in_flight_requests_per_connection": 5}
@@ -229,6 +231,7 @@ class _Offsets(AsyncConsumerRebalanceListener):
 class KafkaOptions(TransportOptions):
     """The options of kafka:// and kafkas:// endpoints."""
 
+    client: str = "kafka-python"  # or "confluent" (librdkafka, extra kafka-fast): see docs/OPTIONS.md
     max_frame_bytes: int | None = 1_000_000  # chunk size: under max_request_size and the broker's message.max.bytes
     max_request_size: int = 1_048_576
     partitions: int = 1  # for topics this transport creates
@@ -245,6 +248,7 @@ class KafkaOptions(TransportOptions):
     max_poll_interval_s: float = 300.0
     session_timeout_s: float = 10.0
     commit_interval_s: float = 0.5
+    batch_linger_s: float | None = None  # how long the producer waits to batch records; None: the client's default
     ssl_cafile: str | None = None  # kafkas:// (TLS)
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
@@ -254,6 +258,8 @@ class KafkaOptions(TransportOptions):
     sasl_plain_password: str | None = None
 
     def __post_init__(self) -> None:
+        if self.client not in CLIENTS:
+            raise ConfigError(f"option client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
         for name in self._text_options():  # names, secrets: text (a URL query turns "1234" into a number)
             value = getattr(self, name)
             object.__setattr__(self, name, None if value is None else str(value))
@@ -300,6 +306,19 @@ class KafkaTransport(Transport):
     persists = True
     Options = KafkaOptions
     options: KafkaOptions
+
+    def __new__(cls, url: urllib.parse.SplitResult, options: KafkaOptions) -> KafkaTransport:
+        """The transport of the client `options.client` names (kafka_confluent.py for "confluent")."""
+        if cls is KafkaTransport and options.client == "confluent":
+            try:
+                from .kafka_confluent import ConfluentKafkaTransport
+            except ImportError as exc:
+                raise ConfigError(
+                    f"client='confluent' needs confluent-kafka ({exc.name} is not installed): "
+                    "pip install 'tensorbus[kafka-fast]'"
+                ) from None
+            return super().__new__(ConfluentKafkaTransport)
+        return super().__new__(cls)
 
     def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions) -> None:
         super().__init__(url, options)
@@ -460,6 +479,7 @@ class KafkaTransport(Transport):
                         max_block_ms=int(o.connect_timeout_s * 1000),
                         **_delivery(o.delivery_timeout_s),
                         allow_auto_create_topics=False,
+                        **({} if o.batch_linger_s is None else {"linger_ms": int(o.batch_linger_s * 1000)}),
                     )
                     deadline = time.monotonic() + o.connect_timeout_s
                     partitions = _retrying(lambda: producer.partitions_for(self.topic), deadline, self._shown)

@@ -18,7 +18,12 @@ from tests.conftest import endpoint_url
 from tests.peers import Peer, make_tensor, same
 from tests.waiting import wait_for
 
-TRANSPORTS = ["memory", "tcp", "unix", *(pytest.param(t, marks=pytest.mark.broker) for t in ("amqp", "kafka"))]
+TRANSPORTS = [
+    "memory",
+    "tcp",
+    "unix",
+    *(pytest.param(t, marks=pytest.mark.broker) for t in ("amqp", "kafka", "kafka-confluent")),
+]
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -138,8 +138,9 @@ def test_amqp_wrong_password_fails_fast(scheme: str) -> None:
 # ---------------------------------------------------------------------------------------- Kafka
 
 
-def kafka_url(scheme: str, port: int) -> str:
-    return f"{scheme}://{HOST}:{port}/{fresh()}"
+def kafka_url(scheme: str, port: int, client: str) -> str:
+    """A fresh topic's URL at `port`, on the Kafka `client` (each Kafka test here runs once per client)."""
+    return f"{scheme}://{HOST}:{port}/{fresh()}?client={client}"
 
 
 def sasl(mechanism: str = "PLAIN", password: str = SASL_PASSWORD) -> dict[str, str]:
@@ -169,34 +170,34 @@ def kafka_round_trip(url: str, **options: Any) -> None:
         assert consumer.stats["chunks"] >= 3
 
 
-def test_kafka_ssl_round_trip_is_bit_exact(kafka_ssl_ca: str) -> None:
-    kafka_round_trip(kafka_url("kafkas", KAFKA_SSL_PORT), ssl_cafile=kafka_ssl_ca)
+def test_kafka_ssl_round_trip_is_bit_exact(kafka_ssl_ca: str, kafka_client: str) -> None:
+    kafka_round_trip(kafka_url("kafkas", KAFKA_SSL_PORT, kafka_client), ssl_cafile=kafka_ssl_ca)
 
 
 @pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
-def test_kafka_sasl_ssl_round_trip_is_bit_exact(kafka_sasl_ca: str, mechanism: str) -> None:
-    kafka_round_trip(kafka_url("kafkas", KAFKA_SASL_PORT), ssl_cafile=kafka_sasl_ca, **sasl(mechanism))
+def test_kafka_sasl_ssl_round_trip_is_bit_exact(kafka_sasl_ca: str, mechanism: str, kafka_client: str) -> None:
+    kafka_round_trip(kafka_url("kafkas", KAFKA_SASL_PORT, kafka_client), ssl_cafile=kafka_sasl_ca, **sasl(mechanism))
 
 
 @pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256"])
-def test_kafka_sasl_wrong_password_fails_fast(kafka_sasl_ca: str, mechanism: str) -> None:
-    url = kafka_url("kafkas", KAFKA_SASL_PORT)
+def test_kafka_sasl_wrong_password_fails_fast(kafka_sasl_ca: str, mechanism: str, kafka_client: str) -> None:
+    url = kafka_url("kafkas", KAFKA_SASL_PORT, kafka_client)
     options = {"ssl_cafile": kafka_sasl_ca, **sasl(mechanism, "wrong"), **KAFKA_TIMEOUTS}
     producer_and_consumer_fail(url, f"no SASL {mechanism} login succeeded", **options)
 
 
-def test_kafka_with_the_wrong_ca_fails_fast(kafka_ssl_ca: str, other_ca: str) -> None:
-    url = kafka_url("kafkas", KAFKA_SSL_PORT)
+def test_kafka_with_the_wrong_ca_fails_fast(kafka_ssl_ca: str, other_ca: str, kafka_client: str) -> None:
+    url = kafka_url("kafkas", KAFKA_SSL_PORT, kafka_client)
     producer_and_consumer_fail(url, "certificate not trusted", ssl_cafile=other_ca, **KAFKA_TIMEOUTS)
 
 
 @pytest.mark.parametrize("port", [KAFKA_SSL_PORT, KAFKA_SASL_PORT], ids=["ssl", "sasl_ssl"])
-def test_plaintext_kafka_client_at_a_tls_port_fails_fast(port: int) -> None:
+def test_plaintext_kafka_client_at_a_tls_port_fails_fast(port: int, kafka_client: str) -> None:
     require_tls_listener(port, "Kafka TLS")
-    producer_and_consumer_fail(kafka_url("kafka", port), "it speaks TLS", **KAFKA_TIMEOUTS)
+    producer_and_consumer_fail(kafka_url("kafka", port, kafka_client), "it speaks TLS", **KAFKA_TIMEOUTS)
 
 
-def test_kafkas_client_at_the_plaintext_port_fails_fast(kafka_ssl_ca: str) -> None:
+def test_kafkas_client_at_the_plaintext_port_fails_fast(kafka_ssl_ca: str, kafka_client: str) -> None:
     require_broker(KAFKA_URL)
-    url = kafka_url("kafkas", urllib.parse.urlsplit(KAFKA_URL).port or 9092)
+    url = kafka_url("kafkas", urllib.parse.urlsplit(KAFKA_URL).port or 9092, kafka_client)
     producer_and_consumer_fail(url, "TLS handshake failed", ssl_cafile=kafka_ssl_ca, **KAFKA_TIMEOUTS)

@@ -1,5 +1,7 @@
 """kafka:// on a three-broker cluster: a broker killed (SIGKILL) mid-stream loses, repeats and corrupts nothing.
 
+Each test runs once per Kafka client (`kafka_client`: kafka-python, confluent).
+
 Needs the cluster of `bash scripts/brokers.sh cluster up` (kafka1..3 on 127.0.0.1:9191..9193); the
 tests kill and restart its brokers through the same script, and leave all three running.
 """
@@ -20,7 +22,7 @@ import pytest
 import tensorbus as tb
 from tensorbus.transports.kafka import KafkaAdminClient, ke
 from tests import node_loss
-from tests.conftest import IN_CI, reachable
+from tests.conftest import IN_CI, reachable, with_query
 from tests.node_loss import Fault, NodeLossResult, run, table
 
 CLUSTER_URL = os.environ.get(
@@ -143,7 +145,9 @@ def in_child(target: Callable[[str], None], url: str) -> None:
     assert child.exitcode == 0, f"{target.__name__} failed (exit code {child.exitcode}; its traceback is above)"
 
 
-def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_nothing(topic: str) -> None:
+def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_nothing(
+    topic: str, kafka_client: str
+) -> None:
     """kafka1 is first in the URL and coordinates the group, kafka2 leads the partition: kafka1 dies, returns.
 
     The topic exists beforehand (replicas placed so that kafka2 leads), so this also shows an existing topic used.
@@ -155,7 +159,7 @@ def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_not
         client.create_topics({topic: spec}, wait_for_metadata=True)
     finally:
         client.close()
-    url = f"{CLUSTER_URL}/{topic}"
+    url = with_query(f"{CLUSTER_URL}/{topic}", f"client={kafka_client}")
     killed: list[int] = []
 
     def kill() -> None:
@@ -165,7 +169,7 @@ def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_not
 
     result = run(
         url,
-        name="kafka: bootstrap broker + group coordinator killed, restarted",
+        name=f"kafka ({kafka_client}): bootstrap broker + group coordinator killed, restarted",
         faults=[Fault(250, kill, "kill kafka1"), Fault(600, lambda: cluster("start", 1), "start kafka1")],
         consumer_options={"group": group},
     )
@@ -173,8 +177,8 @@ def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_not
     check(result, topic)
 
 
-def test_killing_the_partition_leader_mid_stream_loses_nothing(topic: str) -> None:
-    url = f"{CLUSTER_URL}/{topic}"
+def test_killing_the_partition_leader_mid_stream_loses_nothing(topic: str, kafka_client: str) -> None:
+    url = with_query(f"{CLUSTER_URL}/{topic}", f"client={kafka_client}")
     victim: list[int] = []
 
     def kill_leader() -> None:
@@ -183,22 +187,26 @@ def test_killing_the_partition_leader_mid_stream_loses_nothing(topic: str) -> No
 
     result = run(
         url,
-        name="kafka: partition leader killed, restarted",
+        name=f"kafka ({kafka_client}): partition leader killed, restarted",
         faults=[Fault(250, kill_leader, "kill the leader"), Fault(600, lambda: cluster("start", victim[0]), "start")],
     )
     check(result, topic)
 
 
-def test_a_broker_down_until_the_end_loses_nothing(topic: str) -> None:
+def test_a_broker_down_until_the_end_loses_nothing(topic: str, kafka_client: str) -> None:
     """One follower dies for good: two replicas remain, min.insync.replicas=2 is still met, writes go on."""
-    url = f"{CLUSTER_URL}/{topic}"
+    url = with_query(f"{CLUSTER_URL}/{topic}", f"client={kafka_client}")
     victim: list[int] = []
 
     def kill_follower() -> None:
         victim.append(max(set(BROKERS) - {leader(topic)}))
         cluster("kill", victim[0])
 
-    result = run(url, name="kafka: a broker down until the end", faults=[Fault(250, kill_follower, "kill a follower")])
+    result = run(
+        url,
+        name=f"kafka ({kafka_client}): a broker down until the end",
+        faults=[Fault(250, kill_follower, "kill a follower")],
+    )
     assert victim and not reachable(f"kafka://{BROKERS[victim[0]]}"), "the killed broker came back on its own"
     cluster("start", victim[0])  # before this process's admin client asks the cluster (see `in_child`)
     check(result, topic)
@@ -219,13 +227,13 @@ def _short_of_replicas(url: str) -> None:
         assert time.monotonic() - started < 30
 
 
-def test_a_producer_that_cannot_reach_min_insync_replicas_raises(topic: str) -> None:
+def test_a_producer_that_cannot_reach_min_insync_replicas_raises(topic: str, kafka_client: str) -> None:
     """Two brokers down: no acks=all write can be acknowledged, and the producer says so instead of losing it.
 
     What it had flushed before is still there once the brokers are back. The producer runs in a process of
     its own (see `in_child`).
     """
-    url = f"{CLUSTER_URL}/{topic}"
+    url = with_query(f"{CLUSTER_URL}/{topic}", f"client={kafka_client}")
     in_child(_short_of_replicas, url)
     for broker, server in BROKERS.items():
         if not reachable(f"kafka://{server}"):
@@ -248,9 +256,11 @@ def topic_layout(topic: str) -> tuple[int, str]:
     return len(described["partitions"][0]["replica_nodes"]), configs["min.insync.replicas"]["value"]
 
 
-def test_replication_options_in_the_url_shape_a_new_topic_and_not_an_existing_one(topic: str) -> None:
-    url = f"{CLUSTER_URL}/{topic}"
-    with tb.Producer(f"{url}?replication_factor=2&min_insync_replicas=1") as producer:
+def test_replication_options_in_the_url_shape_a_new_topic_and_not_an_existing_one(
+    topic: str, kafka_client: str
+) -> None:
+    url = with_query(f"{CLUSTER_URL}/{topic}", f"client={kafka_client}")
+    with tb.Producer(with_query(url, "replication_factor=2&min_insync_replicas=1")) as producer:
         producer.send("t", np.arange(3))
         producer.flush(30)
     assert topic_layout(topic) == (2, "1")
@@ -269,9 +279,11 @@ def _round_trip(url: str) -> None:
         assert (consumer.recv("t", timeout=30) == np.arange(5)).all()
 
 
-def test_clients_started_while_the_first_broker_of_the_url_is_down_use_the_others(topic: str) -> None:
+def test_clients_started_while_the_first_broker_of_the_url_is_down_use_the_others(
+    topic: str, kafka_client: str
+) -> None:
     """A new topic then gets as many replicas as the cluster counts live brokers: two once kafka1 is fenced."""
     cluster("kill", 1)
-    in_child(_round_trip, f"{CLUSTER_URL}/{topic}")
+    in_child(_round_trip, with_query(f"{CLUSTER_URL}/{topic}", f"client={kafka_client}"))
     cluster("start", 1)  # (before this process's admin client asks the cluster)
     assert topic_layout(topic) in {(2, "1"), (3, "2")}  # (3 while the controller has not fenced kafka1 yet)

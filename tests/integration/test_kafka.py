@@ -1,4 +1,7 @@
-"""Kafka-specific behaviour against a real broker: chunking, consumer groups, commits after reassembly, layout."""
+"""Kafka-specific behaviour against a real broker: chunking, consumer groups, commits after reassembly, layout.
+
+The tests taking `url` run once per Kafka client (kafka-python, confluent); `kafka_python_url`, kafka-python's own.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ from tensorbus.transports.kafka import (
     TopicPartition,
     _Offsets,
 )
-from tests.conftest import KAFKA_URL, endpoint_url
+from tensorbus.transports.kafka_confluent import _Commits
+from tests.conftest import KAFKA_URL, endpoint_url, with_query
 from tests.peers import same
 from tests.waiting import wait_for
 
@@ -30,8 +34,19 @@ pytestmark = pytest.mark.broker
 
 
 @pytest.fixture
-def url() -> str:
+def url(kafka_client: str) -> str:
+    return endpoint_url("kafka" if kafka_client == "kafka-python" else "kafka-confluent")
+
+
+@pytest.fixture
+def kafka_python_url() -> str:
     return endpoint_url("kafka")
+
+
+def renamed(url: str, suffix: str) -> str:
+    """`url` with `suffix` added to its topic's name."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(path=parts.path + suffix))
 
 
 def topic_of(url: str) -> str:
@@ -71,13 +86,18 @@ def test_a_new_consumer_joins_its_group_once(url: str, monkeypatch: pytest.Monke
     (its join outliving a poll timeout): the partitions then stayed revoked and nothing was read.
     """
     assignments: list[set[TopicPartition]] = []
-    assigned = _Offsets.on_partitions_assigned
+    assigned, on_assign = _Offsets.on_partitions_assigned, _Commits.on_assign
 
     async def counted(self: _Offsets, partitions: set[TopicPartition]) -> None:
         assignments.append(set(partitions))
         await assigned(self, partitions)
 
+    def counted_confluent(self: _Commits, consumer: Any, partitions: list[Any]) -> None:
+        assignments.append({TopicPartition(p.topic, p.partition) for p in partitions})
+        on_assign(self, consumer, partitions)
+
     monkeypatch.setattr(_Offsets, "on_partitions_assigned", counted)
+    monkeypatch.setattr(_Commits, "on_assign", counted_confluent)
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
         producer.send("first", np.arange(10))
         assert same(consumer.recv("first", timeout=30), np.arange(10))
@@ -171,16 +191,20 @@ def test_a_new_topic_gets_as_many_replicas_as_live_brokers_and_no_more(url: str)
     finally:
         admin.close()
     assert described["partitions"][0]["replica_nodes"] == [1]
-    with tb.Producer(f"{url}-rf3?replication_factor=3") as producer:
+    with tb.Producer(with_query(renamed(url, "-rf3"), "replication_factor=3")) as producer:
         with pytest.raises(tb.TransportError, match=r"replication_factor=3: the cluster has 1 live broker") as info:
             producer.send("t", np.arange(3))
         assert not info.value.retriable
-    with tb.Producer(f"{url}-misr2?min_insync_replicas=2") as producer:  # on the one replica a broker allows
+    with tb.Producer(with_query(renamed(url, "-misr2"), "min_insync_replicas=2")) as producer:  # one replica allowed
         with pytest.raises(tb.ConfigError, match=r"min_insync_replicas=2 exceeds the topic's 1 replica"):
             producer.send("t", np.arange(3))
 
 
-def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes(
+    kafka_python_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(kafka-python's fetch metrics: kafka-python only)"""
+    url = kafka_python_url
     made: list[KafkaConsumer] = []
 
     class Recorded(KafkaConsumer):  # the real client, kept for its own fetch metrics

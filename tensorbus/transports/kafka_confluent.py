@@ -1,0 +1,307 @@
+"""kafka:// and kafkas:// on confluent-kafka (librdkafka), chosen with `client="confluent"`.
+
+The same topics, records, options, guarantees and errors as the kafka-python backend (kafka.py), whose
+URL parsing, options, checks, topic creation and commit decision (`_Offsets.committable`) this reuses;
+only the client calls differ. librdkafka batches records (`batch_linger_s`), reports each delivery through a
+callback served by `poll` (no blocking flush per tensor), hands the consumer batches (`consume`), and
+places keyed records with `murmur2_random`: the same partitions as kafka-python's murmur2 partitioner.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import TopicPartition as RdTopicPartition
+
+from ..codec.frame import Buffer, Limits
+from ..errors import TensorBusError, TransportError
+from .base import Deliver
+from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, ke, translate
+
+log = logging.getLogger(__name__)
+#: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
+_ABANDONED: list[Producer] = []
+
+#: what the guarantees rest on, as for kafka-python; murmur2_random hashes keys as kafka-python does
+_PRODUCER = {
+    "acks": "all",
+    "enable.idempotence": True,
+    "max.in.flight.requests.per.connection": 5,
+    "partitioner": "murmur2_random",
+}
+_CONSUMER = {
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "auto.offset.reset": "earliest",
+    "topic.metadata.refresh.interval.ms": 5000,  # as kafka-python's metadata_max_age_ms here
+}
+#: librdkafka's own error codes (negative) that have a kafka-python twin, so `translate` says the same
+_LOCAL = {
+    KafkaError._MSG_TIMED_OUT: ke.KafkaTimeoutError,
+    KafkaError._TIMED_OUT: ke.KafkaTimeoutError,
+    KafkaError._INVALID_ARG: ke.KafkaConfigurationError,
+    KafkaError._AUTHENTICATION: ke.SaslAuthenticationFailedError,
+    KafkaError._UNKNOWN_TOPIC: ke.UnknownTopicOrPartitionError,
+}
+
+
+def translate_error(error: KafkaError, where: str, nbytes: int | None = None) -> TensorBusError:
+    """The tensorbus error for a librdkafka error: the kafka-python error of the same Kafka code, translated."""
+    code = error.code()  # (a record over message.max.bytes is refused locally with the broker's code too)
+    kind = ke.for_code(code) if code >= 0 else _LOCAL.get(code, ke.KafkaError)
+    return translate(kind(error.str()), where, nbytes)
+
+
+def client_config(transport: KafkaTransport) -> dict[str, Any]:
+    """Connection settings shared by the producer and the consumer, named as librdkafka names them."""
+    o = transport.options
+    protocol = ("SASL_" if o.sasl_mechanism else "") + ("SSL" if transport.url.scheme == "kafkas" else "PLAINTEXT")
+    names = {
+        "ssl_cafile": "ssl.ca.location",
+        "ssl_certfile": "ssl.certificate.location",
+        "ssl_keyfile": "ssl.key.location",
+        "ssl_password": "ssl.key.password",
+        "sasl_mechanism": "sasl.mechanism",
+        "sasl_plain_username": "sasl.username",
+        "sasl_plain_password": "sasl.password",
+    }
+    settings = {names[name]: value for name, value in o.client_settings().items() if value is not None}
+    return {
+        "bootstrap.servers": ",".join(transport.servers),
+        "security.protocol": protocol,
+        "socket.connection.setup.timeout.ms": max(1000, int(o.connect_timeout_s * 1000)),
+        "error_cb": _client_error,
+        "logger": logging.getLogger("tensorbus.librdkafka"),  # (served by poll and consume, not written to stderr)
+        **settings,
+    }
+
+
+def _client_error(error: KafkaError) -> None:
+    """librdkafka's reports of trouble it retries by itself (a broker down, a connection refused)."""
+    log.log(logging.WARNING if error.fatal() else logging.INFO, "librdkafka: %s", error.str())
+
+
+class _Commits(_Offsets):
+    """Commits `_Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
+
+    Every method runs on the consumer thread: librdkafka calls the rebalance callbacks inside `consume`.
+    """
+
+    consumer: Consumer
+
+    def _commit(self, offsets: dict[TopicPartition, Any]) -> None:
+        """Commit `offsets` (from `committable`) synchronously; a failure only means records may be read again."""
+        wanted = [RdTopicPartition(tp.topic, tp.partition, meta.offset) for tp, meta in offsets.items()]
+        try:
+            self.consumer.commit(offsets=wanted, asynchronous=False)
+            self._committed_now(offsets)
+        except KafkaException as exc:  # e.g. a rebalance took the partitions: their new owner re-reads
+            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, exc)
+
+    def commit(self, timeout_s: float) -> None:
+        """Commit what is safe (librdkafka bounds the wait by its own request timeout, not `timeout_s`)."""
+        if offsets := self.committable():
+            self._commit(offsets)
+
+    def on_assign(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
+        self.assigned = frozenset(self.assigned | {p.partition for p in partitions})
+
+    def on_revoke(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
+        """Commit the revoked partitions' progress before their new owner starts, then forget them."""
+        revoked = {TopicPartition(p.topic, p.partition) for p in partitions}
+        if offsets := {tp: meta for tp, meta in self.committable().items() if tp in revoked}:
+            self._commit(offsets)
+        self.on_lost(consumer, partitions)
+
+    def on_lost(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
+        lost = {TopicPartition(p.topic, p.partition) for p in partitions}
+        with self._lock:
+            for tp in lost:
+                for table in (self._next, self._waiting, self._refused, self._committed):
+                    table.pop(tp, None)
+        self.assigned -= {tp.partition for tp in lost}
+
+
+class ConfluentKafkaTransport(KafkaTransport):
+    """A topic per endpoint, through librdkafka: an idempotent producer, or a consumer-group member on a thread."""
+
+    def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions) -> None:
+        super().__init__(url, options)
+        self._rd_producer: Producer | None = None
+
+    def _start_rd_producer(self) -> Producer:
+        """Create the topic if needed and the idempotent producer; after a failed record, a fresh producer."""
+        with self._lock:
+            if self._rd_producer is not None and self._failed:
+                self._rd_producer.purge()  # what it still holds fails, and is reported, at once
+                self._rd_producer.poll(0)
+                self._rd_producer = None
+            if self._rd_producer is None:
+                self._ensure_topic()
+                o = self.options
+                delivery_ms = int(o.delivery_timeout_s * 1000)
+                config = {
+                    **client_config(self),
+                    **_PRODUCER,
+                    "message.max.bytes": o.max_request_size,
+                    "delivery.timeout.ms": delivery_ms,
+                    "request.timeout.ms": min(30_000, delivery_ms // 2),
+                    "queue.buffering.max.kbytes": min(
+                        (o.max_pending_bytes + o.max_request_size) // 1024 + 1, 2**31 - 1
+                    ),
+                    **({} if o.batch_linger_s is None else {"linger.ms": o.batch_linger_s * 1000}),
+                }
+                try:
+                    producer = Producer(config)
+                    metadata = producer.list_topics(self.topic, timeout=o.connect_timeout_s)
+                except KafkaException as exc:
+                    raise translate_error(exc.args[0], self._shown) from None
+                partitions = metadata.topics[self.topic].partitions
+                if not partitions:
+                    raise TransportError(f"{self._shown}: no partitions known after {o.connect_timeout_s}s")
+                self._keyless_partition = random.choice(sorted(partitions))
+                self._rd_producer, self._failed = producer, False
+            return self._rd_producer
+
+    def send(self, frame: list[Buffer], *, key: str | None) -> None:
+        """Queue one frame as one record; blocks only while max_pending_bytes are unacknowledged."""
+        producer = self._rd_producer if self._rd_producer is not None and not self._failed else None
+        producer = producer or self._start_rd_producer()
+        value = frame[0] if len(frame) == 1 and isinstance(frame[0], bytes) else b"".join(frame)
+        nbytes = len(value)
+        limit = self.options.max_pending_bytes - nbytes
+        while True:  # delivery reports, which lower the pending bytes, are served by `poll`
+            with self._pending:
+                if self._error or not self._pending_bytes or self._pending_bytes <= limit:
+                    self._raise_error()
+                    self._pending_bytes += nbytes
+                    self._unconfirmed += 1
+                    break
+            producer.poll(0.05)
+        keyless = self._keyless_partition
+        partition = keyless if key is None and keyless is not None else -1  # -1: by the key (murmur2)
+        while True:
+            try:
+                producer.produce(self.topic, value, key, partition=partition, on_delivery=self._delivered)
+                break
+            except BufferError:  # librdkafka's queue is full (its message count): let deliveries drain it
+                producer.poll(0.05)
+            except KafkaException as exc:
+                self._settle(nbytes, None)
+                raise translate_error(exc.args[0], self._shown, nbytes) from None
+        producer.poll(0)
+
+    def _delivered(self, error: KafkaError | None, message: Message) -> None:
+        """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it)."""
+        nbytes = len(message)
+        self._settle(nbytes, None if error is None else translate_error(error, self._shown, nbytes))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the broker has acknowledged every record sent so far; raise the first failure."""
+        producer = self._rd_producer
+        if producer is None:
+            return
+        producer.flush(-1 if timeout is None else timeout)  # serves the delivery reports
+        with self._pending:
+            if self._unconfirmed and not self._error:
+                raise TransportError(f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s")
+            self._raise_error()
+
+    def listen(self, deliver: Deliver, limits: Limits) -> None:
+        """Create the topic if needed, then join the group and deliver records on a background thread."""
+        self._ensure_topic()
+        name = f"kafka-confluent-{self.topic}"
+        self._thread = threading.Thread(target=self._consume, args=(deliver,), daemon=True, name=name)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            self._thread = None
+            self._raise_error()
+
+    def _start_consumer(self, deliver: Deliver) -> tuple[Consumer, _Commits]:
+        o = self.options
+        config = {
+            **client_config(self),
+            **_CONSUMER,
+            "group.id": self.group,
+            "fetch.max.bytes": o.fetch_max_bytes,
+            "max.partition.fetch.bytes": self._fetch_bytes,
+            "receive.message.max.bytes": min(o.fetch_max_bytes + (1 << 20), 2**31 - 1),
+            "max.poll.interval.ms": int(o.max_poll_interval_s * 1000),
+            "session.timeout.ms": int(o.session_timeout_s * 1000),
+            "heartbeat.interval.ms": int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
+        }
+        try:
+            consumer = Consumer(config)
+            commits = _Commits(consumer, deliver, self._shown)
+            callbacks = {"on_assign": commits.on_assign, "on_revoke": commits.on_revoke, "on_lost": commits.on_lost}
+            consumer.subscribe([self.topic], **callbacks)
+        except KafkaException as exc:
+            raise translate_error(exc.args[0], self._shown) from None
+        return consumer, commits
+
+    def _consume(self, deliver: Deliver) -> None:
+        """The consumer thread: consume batches, deliver each record, commit what is complete."""
+        o = self.options
+        try:
+            consumer, commits = self._start_consumer(deliver)
+            self._offsets = commits
+        except TensorBusError as exc:
+            self._error = exc
+            return
+        finally:
+            self._ready.set()
+        last_commit = time.monotonic()
+        turned_away = False
+        while not self._stop.is_set() and not turned_away:
+            try:
+                records = consumer.consume(o.max_poll_records, 0.2)
+            except KafkaException as exc:  # librdkafka reconnects by itself
+                log.warning("%s: %s; consuming again", self._shown, exc)
+                self._stop.wait(1.0)
+                continue
+            for record in records:
+                if self._stop.is_set() or turned_away:
+                    break  # not delivered, so not committed: the group's next consumer reads it
+                if (error := record.error()) is not None:
+                    log.warning("%s: %s", self._shown, error.str())
+                    continue
+                result = deliver(record.value() or b"")  # (an empty record is refused as a frame, and counted)
+                commits.record(TopicPartition(self.topic, record.partition()), record.offset() or 0, result)
+                turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
+            if time.monotonic() - last_commit >= o.commit_interval_s:
+                commits.commit(o.connect_timeout_s)
+                last_commit = time.monotonic()
+        commits.commit(o.close_timeout_s)
+        try:
+            consumer.close()  # leaves the group
+        except (KafkaException, RuntimeError) as exc:
+            log.info("%s: closing the consumer: %s", self._shown, exc)
+
+    def abandon(self) -> None:
+        """In a forked child: librdkafka's threads stayed in the parent, so the producer is kept, never destroyed
+        (destroying it would wait for threads this process does not have)."""
+        if self._rd_producer is not None:
+            _ABANDONED.append(self._rd_producer)
+            self._rd_producer = None
+
+    def close(self) -> None:
+        """Flush the producer, or stop the consumer thread (which commits and leaves the group)."""
+        if self._rd_producer is not None:
+            try:
+                self.flush(self.options.close_timeout_s)
+            except TransportError as exc:
+                log.warning("closing with records not acknowledged: %s", exc)
+                self._rd_producer.purge()
+                self._rd_producer.poll(0)
+            self._rd_producer = None
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=self.options.close_timeout_s)
+            self._thread = None

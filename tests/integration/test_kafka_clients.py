@@ -1,0 +1,138 @@
+"""The two Kafka clients of kafka:// side by side: records from one read by the other, keys on the same
+partitions, settings and errors of librdkafka (confluent) mapped as kafka-python's are."""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from typing import Any
+
+import numpy as np
+import pytest
+from confluent_kafka import KafkaError
+
+import tensorbus as tb
+from tensorbus.transports.kafka import KafkaConsumer, KafkaTransport, TopicPartition
+from tensorbus.transports.kafka_confluent import ConfluentKafkaTransport, client_config, translate_error
+from tests.conftest import KAFKA_URL, endpoint_url, with_query
+from tests.peers import same
+
+BOOTSTRAP = urllib.parse.urlsplit(KAFKA_URL).netloc
+KEYS = [f"key-{i}" for i in range(40)]
+
+
+def on(url: str, client: str) -> str:
+    """`url` (without a query) on the Kafka `client`."""
+    return with_query(url, f"client={client}")
+
+
+@pytest.mark.parametrize(("producing", "consuming"), [("kafka-python", "confluent"), ("confluent", "kafka-python")])
+def test_a_tensor_produced_through_one_client_is_consumed_through_the_other(producing: str, consuming: str) -> None:
+    url = endpoint_url("kafka")
+    big = np.random.default_rng(5).standard_normal(600_000).astype(np.float32)  # 2.4 MB: three chunk records
+    with tb.Producer(on(url, producing)) as producer:
+        producer.send("big", big)
+        producer.send("small", np.arange(7), metadata={"from": producing})
+        producer.flush(30)
+    with tb.Consumer(on(url, consuming)) as consumer:
+        assert same(consumer.recv("big", timeout=60), big)
+        message = consumer.recv_message("small", timeout=30)
+        assert same(message.tensor, np.arange(7)) and message.metadata == {"from": producing}
+        assert consumer.stats["chunks"] >= 2  # it came chunked
+
+
+def partitions_of_keys(topic: str, partitions: int) -> dict[str, int]:
+    """key -> the partition its records are on, read back with a plain kafka-python consumer."""
+    consumer = KafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False, auto_offset_reset="earliest")
+    found: dict[str, int] = {}
+    try:
+        consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+        deadline = time.monotonic() + 30
+        while len(found) < len(KEYS) and time.monotonic() < deadline:
+            for tp, records in consumer.poll(timeout_ms=500).items():
+                found.update((r.key.decode(), tp.partition) for r in records)
+    finally:
+        consumer.close()
+    return found
+
+
+def test_keys_land_on_the_same_partitions_from_either_client() -> None:
+    """librdkafka's murmur2_random places a keyed record where kafka-python's murmur2 does (Java's partitioner)."""
+    from kafka.partitioner.default import murmur2
+
+    placed = {}
+    for client in ("kafka-python", "confluent"):
+        url = on(endpoint_url("kafka"), client)
+        with tb.Producer(url, partitions=8) as producer:
+            for key in KEYS:
+                producer.send(key, np.zeros(1, np.uint8))
+            producer.flush(30)
+        placed[client] = partitions_of_keys(urllib.parse.urlsplit(url).path.strip("/"), 8)
+    expected = {key: (murmur2(key.encode()) & 0x7FFFFFFF) % 8 for key in KEYS}
+    assert placed["kafka-python"] == placed["confluent"] == expected
+    assert len(set(expected.values())) > 1  # the keys spread: a partitioner ignoring them would fail above
+
+
+def test_sends_queue_records_and_delivery_reports_settle_them() -> None:
+    """No blocking flush per tensor: sends return with their records still unacknowledged (batched for
+    `batch_linger_s`), and `flush` serves the delivery reports that settle every one."""
+    url = on(endpoint_url("kafka"), "confluent")
+    with tb.Producer(url, batch_linger_s=1.0) as producer, tb.Consumer(url) as consumer:
+        transport = producer.transport
+        assert isinstance(transport, ConfluentKafkaTransport)
+        for i in range(20):
+            producer.send(f"k{i}", np.full(100, i))
+        assert transport._unconfirmed > 0  # queued, not yet acknowledged
+        producer.flush(30)
+        assert transport._unconfirmed == 0 and transport._pending_bytes == 0
+        for i in range(20):
+            assert same(consumer.recv(f"k{i}", timeout=30), np.full(100, i))
+
+
+def test_an_unknown_client_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(tb.ConfigError, match="client must be one of kafka-python, confluent"):
+        tb.Producer("kafka://127.0.0.1:9092/t?client=librdkafka")
+
+
+def test_the_client_option_picks_the_backend() -> None:
+    def transport(**options: Any) -> KafkaTransport:
+        producer = tb.Producer("kafka://127.0.0.1:9092/t", **options)  # nothing connects before the first send
+        assert isinstance(producer.transport, KafkaTransport)
+        return producer.transport
+
+    assert type(transport()) is KafkaTransport  # kafka-python stays the default
+    assert type(transport(client="kafka-python")) is KafkaTransport
+    assert type(transport(client="confluent")) is ConfluentKafkaTransport
+
+
+def test_tls_and_sasl_options_reach_librdkafka() -> None:
+    def config(url: str, **options: Any) -> dict[str, Any]:
+        producer = tb.Producer(url, client="confluent", **options)
+        assert isinstance(producer.transport, ConfluentKafkaTransport)
+        return client_config(producer.transport)
+
+    plain = config("kafka://127.0.0.1:9092/t")
+    assert plain["security.protocol"] == "PLAINTEXT" and "ssl.ca.location" not in plain
+    tls = config("kafkas://b1:9093,b2/t", ssl_cafile="ca.pem", ssl_certfile="c.pem", ssl_keyfile="k.pem")
+    assert tls["security.protocol"] == "SSL" and tls["bootstrap.servers"] == "b1:9093,b2:9092"
+    assert (tls["ssl.ca.location"], tls["ssl.certificate.location"], tls["ssl.key.location"]) == (
+        "ca.pem",
+        "c.pem",
+        "k.pem",
+    )
+    sasl = config("kafkas://b1/t?sasl_mechanism=PLAIN&sasl_plain_username=u&sasl_plain_password=1234")
+    assert sasl["security.protocol"] == "SASL_SSL" and sasl["sasl.mechanism"] == "PLAIN"
+    assert (sasl["sasl.username"], sasl["sasl.password"]) == ("u", "1234")
+
+
+def test_librdkafka_errors_become_the_tensorbus_errors_kafka_python_ones_do() -> None:
+    too_large = translate_error(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), "here", 2_000_000)
+    assert isinstance(too_large, tb.TransportError) and not too_large.retriable
+    assert "too large" in str(too_large) and "message.max.bytes" in str(too_large)
+    timed_out = translate_error(KafkaError(KafkaError._MSG_TIMED_OUT), "here", 4096)
+    assert "did not acknowledge a record of 4096 bytes" in str(timed_out) and timed_out.retriable
+    refused = translate_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), "here")
+    assert "refused the request" in str(refused) and not refused.retriable
+    assert isinstance(translate_error(KafkaError(KafkaError._INVALID_ARG), "here"), tb.ConfigError)
+    other = translate_error(KafkaError(KafkaError._TRANSPORT), "here")
+    assert type(other) is tb.TransportError and other.retriable
