@@ -22,6 +22,16 @@ from .broker_baselines import _ChunkedLink
 BATCH = 64
 
 
+def batch(consumer: Any, most: int, timeout: float) -> list[Any]:
+    """Up to `most` records: those already fetched, else the first to arrive within `timeout` and those behind it
+    (`consume(most, timeout)` alone waits for `most` records or the timeout: a user batching would do this)."""
+    records = consumer.consume(most, 0)
+    if records:
+        return list(records)
+    first = consumer.poll(timeout)
+    return [] if first is None else [first, *consumer.consume(most - 1, 0)]
+
+
 class ConfluentLink(_ChunkedLink):
     """Raw confluent-kafka: a topic per direction, one partition, chunked records, acks=all (idempotent)."""
 
@@ -48,7 +58,7 @@ class ConfluentLink(_ChunkedLink):
         self.consumer.subscribe([self.name])
         deadline = time.monotonic() + self.timeout_s
         while not self.consumer.assignment() and time.monotonic() < deadline:
-            self.records.extend(self.consumer.consume(BATCH, 0.2))
+            self.records.extend(batch(self.consumer, BATCH, 0.2))
         if not self.consumer.assignment():
             raise TimeoutError(f"kafka consumer got no partition of {self.name} within {self.timeout_s:.0f}s")
         return self.name
@@ -98,7 +108,7 @@ class ConfluentLink(_ChunkedLink):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"no record on {self.name} within {timeout:.1f}s")
-            self.records.extend(self.consumer.consume(BATCH, min(remaining, 1.0)))
+            self.records.extend(batch(self.consumer, BATCH, min(remaining, 1.0)))
 
     def finish(self, timeout: float) -> None:
         left = self.producer.flush(timeout)

@@ -87,6 +87,18 @@ def _client_error(error: KafkaError) -> None:
     log.log(logging.WARNING if error.fatal() else logging.INFO, "librdkafka: %s", error.str())
 
 
+def batch(consumer: Consumer, most: int, timeout: float) -> list[Message]:
+    """Up to `most` records: those already fetched, else the first to arrive within `timeout` and those behind it.
+
+    (`consume(most, timeout)` alone would wait for `most` records, or until `timeout`, before handing any over.)
+    """
+    records = consumer.consume(most, 0)
+    if records:
+        return records
+    first = consumer.poll(timeout)
+    return [] if first is None else [first, *consumer.consume(most - 1, 0)]
+
+
 class _Commits(_Offsets):
     """Commits `_Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
 
@@ -261,7 +273,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         turned_away = False
         while not self._stop.is_set() and not turned_away:
             try:
-                records = consumer.consume(o.max_poll_records, 0.2)
+                records = batch(consumer, o.max_poll_records, 0.2)
             except KafkaException as exc:  # librdkafka reconnects by itself
                 log.warning("%s: %s; consuming again", self._shown, exc)
                 self._stop.wait(1.0)
