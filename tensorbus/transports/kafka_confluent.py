@@ -110,19 +110,35 @@ class _Commits(_Offsets):
 
     consumer: Consumer
 
-    def _commit(self, offsets: dict[TopicPartition, Any]) -> None:
-        """Commit `offsets` (from `committable`) synchronously; a failure only means records may be read again."""
+    def _commit(self, offsets: dict[TopicPartition, Any], wait: bool = True) -> None:
+        """Commit `offsets` (from `committable`), waiting for the broker or not (then `on_commit` reports it);
+        a failure only means records may be read again."""
         wanted = [RdTopicPartition(tp.topic, tp.partition, meta.offset) for tp, meta in offsets.items()]
         try:
-            self.consumer.commit(offsets=wanted, asynchronous=False)
-            self._committed_now(offsets)
+            if wait:
+                self.consumer.commit(offsets=wanted, asynchronous=False)
+                self._committed_now(offsets)
+            else:
+                self.consumer.commit(offsets=wanted, asynchronous=True)
         except KafkaException as exc:  # e.g. a rebalance took the partitions: their new owner re-reads
             log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, exc)
 
     def commit(self, timeout_s: float) -> None:
-        """Commit what is safe (librdkafka bounds the wait by its own request timeout, not `timeout_s`)."""
+        """Commit what is safe and wait (librdkafka bounds the wait by its own request timeout, not `timeout_s`)."""
         if offsets := self.committable():
             self._commit(offsets)
+
+    def commit_soon(self) -> None:
+        """Commit what is safe without waiting for the broker: the consumer goes on reading meanwhile."""
+        if offsets := self.committable():
+            self._commit(offsets, wait=False)
+
+    def on_commit(self, error: KafkaError | None, partitions: list[RdTopicPartition]) -> None:
+        """librdkafka's report of a commit (served by `consume`, on the consumer thread)."""
+        if error is not None:
+            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, error)
+            return
+        self._committed_now({TopicPartition(p.topic, p.partition): p for p in partitions if p.error is None})
 
     def on_assign(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
         self.assigned = frozenset(self.assigned | {p.partition for p in partitions})
@@ -265,9 +281,9 @@ class ConfluentKafkaTransport(KafkaTransport):
             "session.timeout.ms": int(o.session_timeout_s * 1000),
             "heartbeat.interval.ms": int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
         }
+        commits = _Commits(None, deliver, self._shown)  # (its consumer is set below: librdkafka calls it back)
         try:
-            consumer = Consumer(config)
-            commits = _Commits(consumer, deliver, self._shown)
+            commits.consumer = consumer = Consumer({**config, "on_commit": commits.on_commit})
             callbacks = {"on_assign": commits.on_assign, "on_revoke": commits.on_revoke, "on_lost": commits.on_lost}
             consumer.subscribe([self.topic], **callbacks)
         except KafkaException as exc:
@@ -309,7 +325,7 @@ class ConfluentKafkaTransport(KafkaTransport):
                 commits.record(TopicPartition(self.topic, record.partition()), record.offset() or 0, result)
                 turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
             if time.monotonic() - last_commit >= o.commit_interval_s:
-                commits.commit(o.connect_timeout_s)
+                commits.commit_soon()
                 last_commit = time.monotonic()
         commits.commit(o.close_timeout_s)
         try:
