@@ -23,83 +23,14 @@ from confluent_kafka import TopicPartition as RdTopicPartition
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Delivered, Encoding
-from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, ke, translate
+from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets
+from .kafka_rdkafka import CONSUMER, PRODUCER, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
 #: what the C delivery of a whole frame amounts to, for the commit decision
 _TAKEN = Delivered(None, True)
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
 _ABANDONED: list[Producer] = []
-
-#: what the guarantees rest on, as for kafka-python; murmur2_random hashes keys as kafka-python does
-_PRODUCER = {
-    "acks": "all",
-    "enable.idempotence": True,
-    "max.in.flight.requests.per.connection": 5,
-    "partitioner": "murmur2_random",
-}
-_CONSUMER = {
-    "enable.auto.commit": False,
-    "enable.auto.offset.store": False,
-    "auto.offset.reset": "earliest",
-    "topic.metadata.refresh.interval.ms": 5000,  # as kafka-python's metadata_max_age_ms here
-}
-#: librdkafka's own error codes (negative) that have a kafka-python twin, so `translate` says the same
-_LOCAL = {
-    KafkaError._MSG_TIMED_OUT: ke.KafkaTimeoutError,
-    KafkaError._TIMED_OUT: ke.KafkaTimeoutError,
-    KafkaError._INVALID_ARG: ke.KafkaConfigurationError,
-    KafkaError._AUTHENTICATION: ke.SaslAuthenticationFailedError,
-    KafkaError._UNKNOWN_TOPIC: ke.UnknownTopicOrPartitionError,
-}
-
-
-def translate_error(error: KafkaError, where: str, nbytes: int | None = None) -> TensorBusError:
-    """The tensorbus error for a librdkafka error: the kafka-python error of the same Kafka code, translated."""
-    code = error.code()  # (a record over message.max.bytes is refused locally with the broker's code too)
-    kind = ke.for_code(code) if code >= 0 else _LOCAL.get(code, ke.KafkaError)
-    return translate(kind(error.str()), where, nbytes)
-
-
-def client_config(transport: KafkaTransport) -> dict[str, Any]:
-    """Connection settings shared by the producer and the consumer, named as librdkafka names them."""
-    o = transport.options
-    protocol = ("SASL_" if o.sasl_mechanism else "") + ("SSL" if transport.url.scheme == "kafkas" else "PLAINTEXT")
-    names = {
-        "ssl_cafile": "ssl.ca.location",
-        "ssl_certfile": "ssl.certificate.location",
-        "ssl_keyfile": "ssl.key.location",
-        "ssl_password": "ssl.key.password",
-        "sasl_mechanism": "sasl.mechanism",
-        "sasl_plain_username": "sasl.username",
-        "sasl_plain_password": "sasl.password",
-    }
-    settings = {names[name]: value for name, value in o.client_settings().items() if value is not None}
-    return {
-        "bootstrap.servers": ",".join(transport.servers),
-        "security.protocol": protocol,
-        "socket.connection.setup.timeout.ms": max(1000, int(o.connect_timeout_s * 1000)),
-        "error_cb": _client_error,
-        "logger": logging.getLogger("tensorbus.librdkafka"),  # (served by poll and consume, not written to stderr)
-        **settings,
-    }
-
-
-def _client_error(error: KafkaError) -> None:
-    """librdkafka's reports of trouble it retries by itself (a broker down, a connection refused)."""
-    log.log(logging.WARNING if error.fatal() else logging.INFO, "librdkafka: %s", error.str())
-
-
-def batch(consumer: Consumer, most: int, timeout: float) -> list[Message]:
-    """Up to `most` records: those already fetched, else the first to arrive within `timeout` and those behind it.
-
-    (`consume(most, timeout)` alone would wait for `most` records, or until `timeout`, before handing any over.)
-    """
-    records = consumer.consume(most, 0)
-    if records:
-        return records
-    first = consumer.poll(timeout)
-    return [] if first is None else [first, *consumer.consume(most - 1, 0)]
 
 
 class _Commits(_Offsets):
@@ -179,7 +110,7 @@ class ConfluentKafkaTransport(KafkaTransport):
                 delivery_ms = int(o.delivery_timeout_s * 1000)
                 config = {
                     **client_config(self),
-                    **_PRODUCER,
+                    **PRODUCER,
                     "message.max.bytes": o.max_request_size,
                     "delivery.timeout.ms": delivery_ms,
                     "request.timeout.ms": min(30_000, delivery_ms // 2),
@@ -272,7 +203,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         o = self.options
         config = {
             **client_config(self),
-            **_CONSUMER,
+            **CONSUMER,
             "group.id": self.group,
             "fetch.max.bytes": o.fetch_max_bytes,
             "max.partition.fetch.bytes": self._fetch_bytes,

@@ -13,7 +13,8 @@ from confluent_kafka import KafkaError
 
 import tensorbus as tb
 from tensorbus.transports.kafka import KafkaConsumer, KafkaTransport, TopicPartition
-from tensorbus.transports.kafka_confluent import ConfluentKafkaTransport, client_config, translate_error
+from tensorbus.transports.kafka_confluent import ConfluentKafkaTransport
+from tensorbus.transports.kafka_rdkafka import client_config, translate_error
 from tests.conftest import KAFKA_URL, endpoint_url, with_query
 from tests.peers import same
 
