@@ -19,7 +19,7 @@ from tests.integration.test_kafka import committed, topic_of
 from tests.peers import same
 from tests.waiting import wait_for
 
-BROKERS = [pytest.param(transport, marks=pytest.mark.broker) for transport in ("amqp", "kafka")]
+BROKERS = [pytest.param(transport, marks=pytest.mark.broker) for transport in ("amqp", "kafka", "kafka-confluent")]
 
 
 def _victim(url: str, ready: Any) -> None:
@@ -41,7 +41,7 @@ def _victim(url: str, ready: Any) -> None:
 @pytest.mark.parametrize("transport", BROKERS)
 def test_a_killed_consumer_hands_its_chunked_tensor_to_the_next(transport: str) -> None:
     url = endpoint_url(transport)
-    kafka = transport == "kafka"
+    kafka = transport.startswith("kafka")
     tensor = np.arange(2_000_000, dtype=np.float32)
     frame = tb.encode(tensor, key="survivor", message_id=("p", 1))
     chunks = tb.split(frame, max_chunk_bytes=512 * 1024, message_id=("p", 1), key="survivor")

@@ -27,6 +27,7 @@ def on(url: str, client: str) -> str:
     return with_query(url, f"client={client}")
 
 
+@pytest.mark.broker
 @pytest.mark.parametrize(("producing", "consuming"), [("kafka-python", "confluent"), ("confluent", "kafka-python")])
 def test_a_tensor_produced_through_one_client_is_consumed_through_the_other(producing: str, consuming: str) -> None:
     url = endpoint_url("kafka")
@@ -57,6 +58,7 @@ def partitions_of_keys(topic: str, partitions: int) -> dict[str, int]:
     return found
 
 
+@pytest.mark.broker
 def test_keys_land_on_the_same_partitions_from_either_client() -> None:
     """librdkafka's murmur2_random places a keyed record where kafka-python's murmur2 does (Java's partitioner)."""
     from kafka.partitioner.default import murmur2
@@ -74,6 +76,7 @@ def test_keys_land_on_the_same_partitions_from_either_client() -> None:
     assert len(set(expected.values())) > 1  # the keys spread: a partitioner ignoring them would fail above
 
 
+@pytest.mark.broker
 def test_sends_queue_records_and_delivery_reports_settle_them() -> None:
     """No blocking flush per tensor: sends return with their records still unacknowledged (batched for
     `batch_linger_s`), and `flush` serves the delivery reports that settle every one."""

@@ -10,10 +10,10 @@ import tensorbus as tb
 from tensorbus.transports.kafka import _retrying, ke
 
 
-def test_no_broker_fails_fast_with_a_tensorbus_error() -> None:
+def test_no_broker_fails_fast_with_a_tensorbus_error(kafka_client: str) -> None:
     started = time.monotonic()
     with pytest.raises(tb.TransportError):
-        tb.Consumer("kafka://127.0.0.1:1/tb-nobody", connect_timeout_s=2.0)
+        tb.Consumer("kafka://127.0.0.1:1/tb-nobody", connect_timeout_s=2.0, client=kafka_client)
     assert time.monotonic() - started < 15
 
 
