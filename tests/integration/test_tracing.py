@@ -39,12 +39,12 @@ def named(spans: InMemorySpanExporter, prefix: str) -> list[ReadableSpan]:
     return [span for span in spans.get_finished_spans() if span.name.startswith(prefix)]
 
 
-SYSTEMS = {"tcp": "tensorbus", "amqp": "rabbitmq", "kafka": "kafka"}
+SYSTEMS = {"tcp": "tensorbus", "amqp": "rabbitmq", "kafka": "kafka", "kafka-confluent": "kafka"}
 
 
 @pytest.mark.parametrize(
     "transport",
-    ["tcp", pytest.param("amqp", marks=pytest.mark.broker), pytest.param("kafka", marks=pytest.mark.broker)],
+    ["tcp", *(pytest.param(t, marks=pytest.mark.broker) for t in ("amqp", "kafka", "kafka-confluent"))],
 )
 def test_the_consumers_spans_carry_the_producers_trace(transport: str, spans: InMemorySpanExporter) -> None:
     url = endpoint_url(transport)
