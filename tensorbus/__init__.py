@@ -25,6 +25,7 @@ from .errors import (
     UnsupportedDtype,
     UnsupportedVersion,
 )
+from .fanout import Publisher, Subscriber
 from .keys import ParsedKey, make_key, parse_key
 from .monitoring import serve_metrics
 from .rendezvous import RecvHandle, Rendezvous
@@ -34,8 +35,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
     "ConfigError", "Consumer", "InvalidTensor", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey",
-    "Producer", "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "Replayed", "SignatureError", "SparseTensor",
-    "StaleIncarnation",
+    "Producer", "Publisher", "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "Replayed", "SignatureError",
+    "SparseTensor", "StaleIncarnation", "Subscriber",
     "TensorBusError", "Timeout", "TransportError", "TruncatedFrame", "UnsupportedDtype", "UnsupportedVersion",
     "__version__", "decode", "dumps", "encode", "loads", "make_key", "parse_key", "serve_metrics", "split",
 ]  # fmt: skip

@@ -61,6 +61,11 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     save.add_argument("--follow", action="store_true", help="keep saving each new version as NAME-000001.EXT, ...")
     save.add_argument("--max-versions", type=count, default=None, help="with --follow: stop after this many")
     save.add_argument("--metrics-port", type=port, default=None, help=METRICS_PORT_HELP)
+    save.add_argument(
+        "--subscribe",
+        action="store_true",
+        help="URL is a tb.Publisher's: save its newest version (with --follow, each newer one as NAME-VERSION.EXT)",
+    )
     save.set_defaults(run=c.save)
 
     bench = add_parser("bench", help="compare transports and baselines: throughput and latency, table and plot")

@@ -20,6 +20,8 @@ from .codec import SparseTensor
 from .codec.frame import PREFIX, Message, _unpack_header, frame_length, parse
 from .codec.native import crc32c
 from .errors import BadMagic, CodecError, ConfigError, Timeout, TruncatedFrame, brief
+from .fanout import Subscriber
+from .fanout.versions import VERSION_FIELD
 from .files import check_writable, read_tensor, write_tensor
 from .keys import make_key
 from .monitoring import serve_metrics
@@ -194,6 +196,8 @@ def save(args: argparse.Namespace) -> int:
     """Wait for bundles under the key and write each atomically (numbered with --follow)."""
     output = Path(args.output)
     check_writable(output, bundle=True)
+    if args.subscribe:
+        return _save_subscribed(args, output)
     first = _last_version(output) + 1 if args.follow else 1
     with Consumer(args.url, **_monitored(args)) as consumer:
         print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
@@ -214,6 +218,27 @@ def save(args: argparse.Namespace) -> int:
                 _note_dropped(consumer)
                 return 0
     return 0
+
+
+def _save_subscribed(args: argparse.Namespace, output: Path) -> int:
+    """Save the publisher's newest version of the key (with --follow, each newer one, named by its version)."""
+    saved, newer_than = 0, (_last_version(output) or None) if args.follow else None
+    with Subscriber(args.url) as sub:
+        print(f"following {args.key!r} on {redact(args.url)}", flush=True)
+        while True:
+            try:
+                message = sub.latest(args.key, newer_than=newer_than, timeout=args.timeout)
+            except Timeout:
+                if not saved:
+                    raise
+                print(f"no new version within {args.timeout}s: stopping after {saved} saved")
+                return 0
+            kept = Message(message.key, message.tensor, {**message.metadata, VERSION_FIELD: message.version})
+            target = _write(_versioned(output, message.version) if args.follow else output, kept)  # (.tbf: with it)
+            print(f"saved version {message.version}: {_describe(message.tensor)} -> {target}", flush=True)
+            saved, newer_than = saved + 1, message.version
+            if not args.follow or (args.max_versions and saved >= args.max_versions):
+                return 0
 
 
 def inspect(args: argparse.Namespace) -> int:
@@ -246,9 +271,11 @@ def inspect(args: argparse.Namespace) -> int:
             status = "ok" if frame_bytes[5] & 1 else "absent"
         except CodecError as exc:
             status, bad = f"BAD ({exc})", bad + 1
+        meta = header.get("meta")
+        version = f", version={meta[VERSION_FIELD]}" if isinstance(meta, dict) and VERSION_FIELD in meta else ""
         print(
-            f"frame {count} at byte {offset}: {total:,} bytes, kind={header.get('kind')}, key={header.get('key')!r}, "
-            f"id={header.get('id')}, compression={header.get('comp')}, checksum {status}"
+            f"frame {count} at byte {offset}: {total:,} bytes, kind={header.get('kind')}, key={header.get('key')!r}"
+            f"{version}, id={header.get('id')}, compression={header.get('comp')}, checksum {status}"
         )
         if header.get("chunk"):
             print(f"  chunk {header['chunk'][0] + 1} of {header['chunk'][1]}, message of {header['chunk'][2]:,} bytes")

@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--csv", metavar="FILE", help="write one CSV row per (method, metric, size)")
     add("--plot", metavar="FILE.png", help="draw throughput and latency panels (matplotlib)")
     add("--no-progress", action="store_true", help="no progress bar")
+    add(
+        "--fanout",
+        action="store_true",
+        help="the fan-out scenario instead: tb.Publisher to N subscriber processes against pyzmq PUB/SUB (tcp) "
+        "and raw kafka-python (kafka); --transports tcp,kafka, --sizes (16MB,256MB), --repeats (5), --subscribers",
+    )
+    add("--subscribers", metavar="LIST", help="with --fanout: subscriber processes per cell (default: 1,2,4)")
 
 
 _OVERRIDES = (
@@ -67,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from . import config, report
     from .runner import Runner
 
+    if args.fanout:
+        return _run_fanout(args)
     cfg = config.load(args.config, {name: getattr(args, name, None) for name in _OVERRIDES})
     if args.plot:
         _check_plot_path(args.plot)
@@ -90,6 +99,32 @@ def run(args: argparse.Namespace) -> int:
         print("nothing was measured (every method was skipped or failed)", file=sys.stderr)
         return 1
     return 1 if any(c.failures or c.error for c in results.cells) else 0
+
+
+def _run_fanout(args: argparse.Namespace) -> int:
+    """`--fanout`: the table of fan-out cells (and their rounds as JSON with --json)."""
+    import json
+    import os
+
+    from . import config, fanout
+
+    methods = config.split_list(args.transports or "tcp,kafka")
+    unknown = sorted(set(methods) - set(fanout.PAIRS))
+    if unknown:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--fanout compares {', '.join(fanout.PAIRS)}; not {', '.join(unknown)}")
+    cells = fanout.run(
+        methods,
+        [config.parse_size(s) for s in config.split_list(args.sizes or "16MB,256MB")],
+        [int(n) for n in config.split_list(args.subscribers or "1,2,4")],
+        args.repeats or 5,
+        args.kafka_url or os.environ.get("TENSORBUS_KAFKA_URL") or config.DEFAULT_KAFKA_URL,
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(cells, f, indent=1)
+    return 0 if cells else 1
 
 
 def _check_plot_path(path: str) -> None:

@@ -16,13 +16,12 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import TransportError
 from ..logs import LogLimiter
 from .base import backoff_s
 from .greeter import Greeter
-from .reactor import Reactor
 from .stream import SocketOptions
 
 log = logging.getLogger(__name__)
@@ -49,6 +48,16 @@ def connection_cap(asked: int) -> int:
     return max(1, soft // 2)
 
 
+class Admits(Protocol):
+    """What a listener hands accepted connections to: the consumer's `Reactor`, or a fan-out publisher."""
+
+    @property
+    def connections(self) -> int: ...
+
+    def add(self, conn: socket.socket, name: Any) -> None: ...
+    def close(self, timeout: float) -> None: ...
+
+
 class Listener:
     """A bound server socket whose accept thread greets producers (`Greeter`) and hands them to a `Reactor`."""
 
@@ -60,7 +69,7 @@ class Listener:
         self._address = address  # the endpoint URL, for messages (it learns its port only once bound)
         self._server: socket.socket | None = None
         self._socket_file: tuple[int, int] | None = None  # (device, inode) of the unix socket file bound
-        self._reactor: Reactor | None = None
+        self._reactor: Admits | None = None
         self._greeter: Greeter | None = None
         self._closed = threading.Event()
         self.incarnation = incarnation  # (sent in each hello: signed frames are bound to it)
@@ -90,7 +99,7 @@ class Listener:
         self._server = server
         return server.getsockname()
 
-    def start(self, reactor: Reactor, context: ssl.SSLContext | None) -> None:
+    def start(self, reactor: Admits, context: ssl.SSLContext | None) -> None:
         """Accept producers on a background thread; the ones that pass the handshake go to `reactor`."""
         self._reactor = reactor
         self._greeter = Greeter(self.secret, self.incarnation, self.options.connect_timeout_s, self._room, self._admit)
@@ -126,8 +135,14 @@ class Listener:
         """Accept producers and run their handshakes (`Greeter`) until closed."""
         server, greeter = self._server, self._greeter
         assert server is not None and greeter is not None
-        server.setblocking(False)
-        greeter.watch(server, lambda: self._accept(server, context))
+        try:
+            server.setblocking(False)
+            greeter.watch(server, lambda: self._accept(server, context))
+        except OSError:  # closed before this thread began (a listener closed right after it started)
+            if self._closed.is_set():
+                greeter.close()
+                return
+            raise
         paused_until: float | None = None  # accepting failed (e.g. out of descriptors): retry then
         while not self._closed.is_set():
             try:

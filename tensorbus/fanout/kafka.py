@@ -1,0 +1,185 @@
+"""`kafka://HOST:PORT/TOPIC`: a compacted topic keyed by tensor key keeps the latest version of each.
+
+The publisher sends through the Kafka transport's producer (idempotent, `acks=all`); a version too
+large for one record is split into chunk records keyed `KEY#i`, so compaction keeps the chunks of the
+newest version of each key whole (a chunk is only compacted away once the next version's chunk of
+the same index is in the log, and a chunk names its message: never a mix of two versions). On start
+it reads the topic to learn the versions already published, and refuses lower ones.
+
+A subscriber is no group member: it assigns itself every partition and reads from the start (nothing
+committed), keeping the newest of each key; `latest` answers once it has read up to where the topic
+ended when it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import urllib.parse
+import warnings
+from collections.abc import Callable
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from kafka import KafkaAdminClient, KafkaConsumer
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+    from kafka.structs import TopicPartition
+
+from ..codec.chunking import split
+from ..errors import CodecError, TensorBusError, TransportError
+from ..transports.kafka import KafkaOptions, KafkaTransport, map_errors
+from .api import Receiver
+from .retained import Published, Retained
+from .versions import peek_version
+
+log = logging.getLogger(__name__)
+#: the publisher keeps no frames for late joiners: the topic does (`max_retained_bytes` does not apply)
+KEEPS_FRAMES = False
+#: topic settings of a topic the publisher creates: keep the latest record of each key
+COMPACTED = {"cleanup.policy": "compact"}
+
+
+def endpoint(url: urllib.parse.SplitResult) -> str:
+    """What frames are signed for: the topic."""
+    return f"fanout-kafka:{urllib.parse.unquote(url.path.lstrip('/'))}"
+
+
+def _record_key(key: str, index: int, count: int) -> str:
+    """A whole version is keyed by its key; chunk i of one by KEY#i (compaction keeps the newest of each)."""
+    return key if count == 1 else f"{key}#{index}"
+
+
+def _reader(transport: KafkaTransport) -> KafkaConsumer:
+    """A consumer of no group (no commits) assigned every partition of the topic, at its start."""
+    o = transport.options
+    consumer = KafkaConsumer(
+        **transport._client_config(),
+        group_id=None,
+        enable_auto_commit=False,
+        allow_auto_create_topics=False,  # (the publisher creates it, compacted; a deleted one stays deleted)
+        fetch_max_bytes=o.fetch_max_bytes,
+        max_partition_fetch_bytes=transport.options.partition_fetch_bytes,
+    )
+    deadline = time.monotonic() + o.connect_timeout_s
+    while not (partitions := consumer.partitions_for_topic(transport.topic)):
+        if time.monotonic() > deadline:
+            consumer.close()
+            raise TransportError(f"{transport._shown}: the topic's partitions unknown after {o.connect_timeout_s}s")
+        time.sleep(0.1)
+    consumer.assign([TopicPartition(transport.topic, p) for p in sorted(partitions)])
+    consumer.seek_to_beginning()
+    return consumer
+
+
+def _read_to_end(consumer: KafkaConsumer, each: Callable[[bytes], object], stop: threading.Event) -> None:
+    """Read every record up to where the partitions end now."""
+    ends = consumer.end_offsets(list(consumer.assignment()))
+    while not stop.is_set() and any(consumer.position(tp) < end for tp, end in ends.items()):
+        for records in consumer.poll(timeout_ms=200).values():
+            for record in records:
+                if record.value is not None:
+                    each(record.value)
+
+
+class PublishingSide:
+    """Creates the compacted topic if needed, learns the versions in it, and sends each version's records."""
+
+    def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions, retained: Retained) -> None:
+        self._transport = KafkaTransport(url, options)
+        self.address = self._transport.address
+        self._create_compacted()
+        with map_errors(self._transport._shown):
+            reader = _reader(self._transport)
+        try:
+            _read_to_end(reader, self._learn(retained), threading.Event())
+        finally:
+            reader.close()
+        self._max_record = options.max_frame_bytes or 1 << 62
+
+    def _create_compacted(self) -> None:
+        t = self._transport
+        t._probe(t.options.connect_timeout_s)
+        with map_errors(t._shown):
+            admin = KafkaAdminClient(**t._client_config())
+            try:
+                if t.topic not in admin.list_topics():
+                    replicas = min(3, len(admin.describe_cluster()["brokers"]))
+                    with contextlib.suppress(TopicAlreadyExistsError):
+                        admin.create_topics([NewTopic(t.topic, 1, replicas, topic_configs=COMPACTED)])
+                        log.info("created compacted topic %s", t._shown)
+            finally:
+                admin.close()
+
+    @staticmethod
+    def _learn(retained: Retained) -> Callable[[bytes], object]:
+        def learn(value: bytes) -> None:
+            found = peek_version(value)
+            if found is not None:
+                retained.learn(*found)
+
+        return learn
+
+    def publish(self, published: Published) -> None:
+        """Queue the version's records (the producer blocks only while `max_pending_bytes` are unacknowledged)."""
+        chunks = split(
+            published.frame, max_chunk_bytes=self._max_record, message_id=published.message_id, key=published.key
+        )
+        for index, chunk in enumerate(chunks):
+            self._transport.send(chunk, key=_record_key(published.key, index, len(chunks)))
+
+    def flush(self, timeout: float | None) -> None:
+        self._transport.flush(timeout)
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+class SubscribingSide:
+    """Reads the topic from its start on a thread of its own; no group, no commits."""
+
+    def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions, receive: Receiver) -> None:
+        self._transport = KafkaTransport(url, options)
+        self._receive = receive
+        self._stop = threading.Event()
+        receive.latest.hold()  # until the topic is read up to where it ends now
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-fanout-kafka-{url.path}")
+        self._thread.start()
+
+    def _take(self, value: bytes) -> None:
+        try:
+            self._receive(value)
+        except CodecError as exc:
+            log.error("%s: a record failed its checks, skipped: %s", self._transport._shown, exc)
+
+    def _run(self) -> None:
+        consumer = None
+        while consumer is None and not self._stop.is_set():
+            try:
+                with map_errors(self._transport._shown):
+                    consumer = _reader(self._transport)
+            except TensorBusError as exc:  # (no topic yet: the publisher creates it)
+                log.info("%s; trying again", exc)
+                self._stop.wait(1.0)
+        if consumer is None:
+            return
+        try:
+            _read_to_end(consumer, self._take, self._stop)
+            self._receive.latest.release()
+            while not self._stop.is_set():
+                try:
+                    for records in consumer.poll(timeout_ms=200).values():
+                        for record in records:
+                            if record.value is not None:
+                                self._take(record.value)
+                except Exception as exc:  # kafka-python reconnects by itself
+                    log.warning("%s: %s; polling again", self._transport._shown, exc)
+                    self._stop.wait(1.0)
+        finally:
+            consumer.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self._transport.options.close_timeout_s)

@@ -1,0 +1,276 @@
+"""`tcp://`, `tcps://`, `unix://`: the publisher listens, subscribers connect.
+
+The publisher accepts subscribers with the socket consumer's `Listener` (TLS, `auth_secret`,
+`max_connections`), then gives each one a sending thread and a mailbox of at most one version
+per key: a publish replaces the key's version there (conflation) and never waits for a socket; the
+frame being written stays in flight. A subscriber reads frames on a thread of its own and, when the
+connection breaks, reconnects with backoff until closed; the publisher then sends the latest of
+every key again (versions it already holds are dropped).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+import urllib.parse
+from typing import Any
+
+from ..buffers import BufferPool
+from ..codec.frame import PREFIX, frame_length
+from ..errors import CodecError, TransportError
+from ..transports.base import backoff_s
+from ..transports.listener import Listener
+from ..transports.socket import SocketTransport
+from ..transports.stream import (
+    REFUSALS_WANTED,
+    AuthRefused,
+    SocketOptions,
+    handshake_as_producer,
+    recv_exact,
+    sendmsg_all,
+    set_send_timeout,
+)
+from .api import Receiver
+from .retained import Published, Retained
+
+log = logging.getLogger(__name__)
+#: a subscriber's first words after the handshake, and the publisher's answer (frame-sized markers, as
+#: the socket protocol's own): a producer or consumer at the other end is told apart at once
+SUBSCRIBE = b"TBSB" + bytes(20)
+PUBLISHING = b"TBPB" + bytes(20)
+
+
+class _NotAPublisher(TransportError):
+    """What answered is a tensorbus endpoint, but not a publisher: a wrong URL, not worth retrying."""
+
+    retriable = False
+
+
+class _Unanswered(TransportError):
+    """The other end closed the connection instead of answering the subscription (a Consumer does)."""
+
+
+def endpoint(url: urllib.parse.SplitResult) -> str:
+    """What frames are signed for (one name: a publisher and its subscribers may call the host differently)."""
+    return "fanout-socket"
+
+
+class _Mailbox:
+    """One subscriber's connection: the versions not yet written to it, at most one per key (guarded by `_cond`)."""
+
+    def __init__(self, conn: socket.socket, name: str) -> None:
+        self.conn, self.name = conn, name
+        self._cond = threading.Condition()
+        self._pending: collections.OrderedDict[str, Published] = collections.OrderedDict()
+        self._closed = False
+
+    def put(self, published: Published) -> None:
+        """Replace the key's unsent version (if any) with this one, at the end of the line."""
+        with self._cond:
+            self._pending.pop(published.key, None)
+            self._pending[published.key] = published
+            self._cond.notify()
+
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return sum(p.nbytes for p in self._pending.values())
+
+    def run(self) -> None:
+        """Write versions, oldest update first, until closed or the connection fails."""
+        try:
+            while True:
+                with self._cond:
+                    while not self._pending and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    _, published = self._pending.popitem(last=False)
+                sendmsg_all(self.conn, published.frame)
+        except OSError as exc:
+            log.info("subscriber %s dropped: %s", self.name, exc)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._pending.clear()
+            self._cond.notify()
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)
+
+
+class PublishingSide:
+    """Listens; every subscriber that passes the handshake gets the retained versions, then each update."""
+
+    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions, retained: Retained) -> None:
+        self._where = SocketTransport(url, options)  # (the address, TLS and secret, as a socket consumer's)
+        self.options, self.retained = options, retained
+        self._lock = threading.Lock()
+        self._boxes: list[_Mailbox] = []
+        self._closed = False
+        self._listener = Listener(
+            self._where.family, self._where.target, options, self._where.secret, lambda: self.address, b""
+        )
+        bound = self._listener.bind()
+        if self._where.family != socket.AF_UNIX:
+            host, port = bound[:2]
+            self._where.url = self._where.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        self._listener.start(self, self._where._ssl_context(server_side=True))
+
+    @property
+    def address(self) -> str:
+        return self._where.address
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._boxes)
+
+    def add(self, conn: socket.socket, name: Any) -> None:
+        """A connection passed the handshake (on the listener's thread): greet it on a thread of its own."""
+        threading.Thread(target=self._serve, args=(conn, str(name)), daemon=True, name="tensorbus-fanout-send").start()
+
+    def _serve(self, conn: socket.socket, name: str) -> None:
+        try:
+            conn.settimeout(self.options.connect_timeout_s)
+            marker = bytearray(len(SUBSCRIBE))
+            while recv_exact(conn, memoryview(marker)) == len(marker) and bytes(marker) == REFUSALS_WANTED:
+                pass
+            if bytes(marker) != SUBSCRIBE:
+                raise TransportError("not a tensorbus subscriber (a Producer? it sends to a Consumer)")
+            conn.sendall(PUBLISHING)
+            set_send_timeout(conn, self.options.send_timeout_s)
+        except (OSError, TransportError) as exc:
+            log.info("%s: connection from %s closed: %s", self.address, name, exc)
+            conn.close()
+            return
+        box = _Mailbox(conn, name)
+        with self.retained.lock:  # the retained versions, then the updates: none missed, none twice
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._boxes.append(box)
+            for published in self.retained.frames():
+                box.put(published)
+        try:
+            box.run()
+        finally:
+            with self._lock:
+                self._boxes.remove(box)
+            conn.close()
+
+    def publish(self, published: Published) -> None:
+        with self._lock:
+            boxes = list(self._boxes)
+        for box in boxes:
+            box.put(published)
+
+    def mailbox_bytes(self) -> list[int]:
+        """What each subscriber's mailbox holds (at most one version per key; the frames are the retained ones)."""
+        with self._lock:
+            return [box.pending_bytes() for box in self._boxes]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop listening and drop every subscriber (called by the listener too, on its close)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            boxes = list(self._boxes)
+        for box in boxes:
+            box.close()
+        self._listener.close()
+
+
+class SubscribingSide:
+    """Connects (and reconnects) to the publisher on a thread of its own; every frame goes to the `Receiver`."""
+
+    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions, receive: Receiver) -> None:
+        self._where = SocketTransport(url, options)
+        self.options, self._receive = options, receive
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None  # the live connection (closed by `close` to stop a blocked read)
+        self.connects = 0  # connections made so far
+        #: frames are read into reused buffers (the one a held version views, one being read, a spare)
+        self._pool = BufferPool(max_buffers=3)
+        threading.Thread(target=self._run, daemon=True, name="tensorbus-fanout-recv").start()
+
+    def _run(self) -> None:
+        delays = backoff_s()
+        while not self._closed.is_set():
+            try:
+                sock = self._connect()
+                delays = backoff_s()
+                self._read(sock)
+            except (AuthRefused, _NotAPublisher, ssl.SSLCertVerificationError) as exc:
+                self._receive.latest.fail(TransportError(f"{self._where.address}: {exc}"))
+                return
+            except (OSError, TransportError, CodecError) as exc:
+                if self._closed.is_set():
+                    return
+                delay = next(delays)
+                # (a bad frame: a wrong key? no answer: a wrong URL? else the publisher is away, as it may be)
+                level = logging.ERROR if isinstance(exc, CodecError | _Unanswered) else logging.INFO
+                log.log(level, "subscriber of %s: %s; reconnecting in %.2fs", self._where.address, exc, delay)
+                self._closed.wait(delay)
+            finally:
+                with self._lock:
+                    if self._sock is not None:
+                        self._sock.close()
+                    self._sock = None
+
+    def _connect(self) -> socket.socket:
+        where = self._where
+        sock = socket.socket(where.family, socket.SOCK_STREAM)
+        with self._lock:
+            if self._closed.is_set():
+                sock.close()
+                raise TransportError("closed")
+            self._sock = sock
+        sock.settimeout(self.options.connect_timeout_s)
+        sock.connect(where.target)
+        context = where._ssl_context(server_side=False)
+        if context is not None:
+            sock = context.wrap_socket(sock, server_hostname=where.target[0])
+            with self._lock:
+                self._sock = sock
+        handshake_as_producer(sock, where.secret, where.address)
+        sock.sendall(SUBSCRIBE)
+        answer = bytearray(len(PUBLISHING))
+        got = recv_exact(sock, memoryview(answer))
+        if got < len(answer):
+            raise _Unanswered(
+                f"{where.address} closed the connection before it answered (a Consumer, not a Publisher?)"
+            )
+        if bytes(answer) != PUBLISHING:
+            raise _NotAPublisher(f"{where.address} is not a tensorbus Publisher (a Consumer?)")
+        sock.settimeout(None)
+        self.connects += 1
+        return sock
+
+    def _read(self, sock: socket.socket) -> None:
+        """Read frames until the connection ends; a frame that fails its checks ends it too (the stream is suspect)."""
+        limits = self._receive.limits
+        prefix = memoryview(bytearray(PREFIX.size))
+        while True:
+            if recv_exact(sock, prefix) < PREFIX.size:
+                raise TransportError("the publisher closed the connection")
+            frame = self._pool.take(frame_length(prefix, limits))
+            frame[: PREFIX.size] = prefix
+            if recv_exact(sock, frame[PREFIX.size :]) < len(frame) - PREFIX.size:
+                raise TransportError("the publisher closed the connection mid-frame")
+            self._receive(frame)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
