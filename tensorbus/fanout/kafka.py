@@ -29,7 +29,7 @@ with warnings.catch_warnings():
     from kafka.structs import TopicPartition
 
 from ..codec.chunking import split
-from ..errors import CodecError, TensorBusError, TransportError
+from ..errors import CodecError, ConfigError, TensorBusError, TransportError
 from ..transports.kafka import KafkaOptions, KafkaTransport, map_errors
 from .api import Receiver
 from .retained import Published, Retained
@@ -45,6 +45,15 @@ COMPACTED = {"cleanup.policy": "compact"}
 def endpoint(url: urllib.parse.SplitResult) -> str:
     """What frames are signed for: the topic."""
     return f"fanout-kafka:{urllib.parse.unquote(url.path.lstrip('/'))}"
+
+
+def _transport(url: urllib.parse.SplitResult, options: KafkaOptions) -> KafkaTransport:
+    """The Kafka transport whose clients and settings the fan-out uses (kafka-python's only, for now)."""
+    if options.client != "kafka-python":
+        raise ConfigError(
+            f"fan-out over kafka:// runs on the kafka-python client; client={options.client!r} is not supported"
+        )
+    return KafkaTransport(url, options)
 
 
 def _record_key(key: str, index: int, count: int) -> str:
@@ -88,7 +97,7 @@ class PublishingSide:
     """Creates the compacted topic if needed, learns the versions in it, and sends each version's records."""
 
     def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions, retained: Retained) -> None:
-        self._transport = KafkaTransport(url, options)
+        self._transport = _transport(url, options)
         self.address = self._transport.address
         self._create_compacted()
         with map_errors(self._transport._shown):
@@ -141,7 +150,7 @@ class SubscribingSide:
     """Reads the topic from its start on a thread of its own; no group, no commits."""
 
     def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions, receive: Receiver) -> None:
-        self._transport = KafkaTransport(url, options)
+        self._transport = _transport(url, options)
         self._receive = receive
         self._stop = threading.Event()
         receive.latest.hold()  # until the topic is read up to where it ends now

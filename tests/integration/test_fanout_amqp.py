@@ -15,6 +15,7 @@ from tests.conftest import AMQP_URL, require_broker
 from tests.fanout_peers import check_four_subscriber_processes, check_idle_subscriber
 from tests.integration.test_readme import free_port
 
+pytestmark = pytest.mark.broker
 SMALL_FRAMES = {"max_frame_bytes": 256_000}  # a 1.2 MB tensor is five chunk messages
 
 

@@ -24,6 +24,7 @@ with warnings.catch_warnings():
 
 SERVERS = urllib.parse.urlsplit(KAFKA_URL).netloc
 #: chunks of 256 KB: a 1 MB tensor is five records
+pytestmark = pytest.mark.broker
 SMALL_RECORDS = {"max_frame_bytes": 256_000}
 
 
@@ -147,3 +148,8 @@ def test_a_restarted_subscriber_starts_from_the_latest_versions() -> None:
         with tb.Subscriber(url) as sub:  # nothing was committed: it reads the topic again, keeping the newest
             seen = [m.version for m in [sub.next(timeout=60)]]
             assert seen == [2]
+
+
+def test_the_confluent_client_is_refused_for_fan_out() -> None:
+    with pytest.raises(tb.ConfigError, match="kafka-python client"):
+        tb.Publisher(f"{KAFKA_URL.rstrip('/')}/t", client="confluent")
