@@ -126,8 +126,13 @@ class Listener:
         """Accept producers and run their handshakes (`Greeter`) until closed."""
         server, greeter = self._server, self._greeter
         assert server is not None and greeter is not None
-        server.setblocking(False)
-        greeter.watch(server, lambda: self._accept(server, context))
+        try:
+            server.setblocking(False)
+            greeter.watch(server, lambda: self._accept(server, context))
+        except (OSError, ValueError):  # closed before this thread began: nothing to accept
+            if self._closed.is_set():
+                return
+            raise
         paused_until: float | None = None  # accepting failed (e.g. out of descriptors): retry then
         while not self._closed.is_set():
             try:
