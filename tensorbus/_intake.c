@@ -4,7 +4,7 @@
  * their Python twins (one place). The Python intake (intake.py) owns an IntakeState; its `table` is the
  * consumer's Rendezvous, whose queues and counts are its TableState base. FastDelivery.take reads and
  * writes those fields, and nothing else of any Python class: it does, for the common frame, what
- * Intake.deliver, Reassembler.feed and Rendezvous.put do in Python, and leaves every other frame to them.
+ * Intake.__call__, Reassembler.feed and Rendezvous.put do in Python, and leaves every other frame to them.
  *
  * It takes only the case with nothing to decide: a plain ndarray frame (the codec's decode_message says
  * so), its id not seen before, both locks free at once, the table not aborted and not full (nor the

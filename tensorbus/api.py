@@ -17,6 +17,7 @@ from .codec.signing import frame_key
 from .codec.torch_bridge import check_like
 from .errors import Aborted, Closed, ConfigError
 from .intake import Intake
+from .ledger import check_ack
 from .monitoring import Monitor
 from .options import MonitoringOptions, build, defaults, finite_timeout, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle
@@ -71,6 +72,9 @@ class ConsumerOptions(MonitoringOptions):
     dedup_window: int = 100_000
     dedup_file: str | Path | None = None
     like: str = "numpy"
+    #: when a tensor is acknowledged: "take" (once the application has it), "arrival" (once it is in the
+    #: table) or "manual" (once the application calls `Consumer.ack`)
+    ack: str = "take"
 
 
 _Own = TypeVar("_Own", ProducerOptions, ConsumerOptions)
@@ -214,6 +218,7 @@ class Consumer:
             sender=self.transport.sender,
             like=check_like(opts.like),
             name=self._shown,
+            ack=check_ack(opts.ack),
         )
         self.table = self.intake.table
         self.stats = self.intake.stats
@@ -264,6 +269,15 @@ class Consumer:
             return self.table.next_message(timeout)
         return self._monitor.recv(self.table.next_message, timeout)
 
+    def ack(self, message: Message) -> None:
+        """With `ack="manual"`: acknowledge a message the application is done with (until then it counts
+        against `max_buffered_bytes`, and a successor of this consumer is handed it again)."""
+        self.intake.acknowledge(message)
+
+    def reject(self, message: Message) -> None:
+        """With `ack="manual"`: give a message back unacknowledged; it is delivered again, first in line."""
+        self.intake.reject(message)
+
     def abort(self, reason: str) -> None:
         """Fail every pending and later receive with `Aborted(reason)`."""
         self.table.abort(reason)
@@ -284,8 +298,14 @@ class Consumer:
             self._closed = True
             unreceived = len(self.table)
             self.table.abort("consumer closed")  # first: a delivery waiting for room must not hold up close
-            if unreceived:  # acknowledged when they reached the table (most of them): not sent again
+            if unreceived and self.intake.ledger.mode == "arrival":  # acknowledged on arrival: not sent again
                 log.warning("%s: closed with %d received tensors nobody took: dropped", self._shown, unreceived)
+            elif unreceived:  # not acknowledged: the endpoint hands them to the next consumer
+                log.info(
+                    "%s: closed with %d received tensors nobody took: left to the next consumer",
+                    self._shown,
+                    unreceived,
+                )
             self.transport.close()
             self.intake.close()
             if self._monitor is not None:

@@ -22,10 +22,11 @@ from typing import Any
 from .codec import Limits, Message, MessageId, Reassembler
 from .codec.frame import Buffer, peek_message
 from .dedup import SeenIds
-from .errors import Aborted, CallbackInterrupted, CodecError, TensorBusError
+from .errors import Aborted, CallbackInterrupted, CodecError, ConfigError, TensorBusError
 from .intake_state import FAST, IntakeState
+from .ledger import AckMode, Ledger
 from .logs import LogLimiter
-from .rendezvous import Rendezvous
+from .rendezvous import Rendezvous, message_nbytes
 from .transports import Delivered
 from .transports.base import Held
 
@@ -51,6 +52,7 @@ class Intake:
         unclaimed_timeout_s: float | None = None,
         sender: Callable[[], str | None] = lambda: None,
         max_buffered_bytes_per_producer: int | None = None,
+        ack: AckMode = "take",
     ) -> None:
         #: bad frames are logged a few per sender and window, the rest counted in a summary line
         self._rejections = LogLimiter(log, "frames rejected")
@@ -77,8 +79,13 @@ class Intake:
         state.stats = self.stats = collections.Counter[str]()
         state.table = self.table
         self._seen = SeenIds(dedup_window, dedup_file, ids=state.seen)
-        if dedup_file is not None:  # recorded when the application takes a tensor, not on arrival
-            self.table.on_delivered_to_application = self._record_delivered
+        #: what the transport may acknowledge: frames whose tensor was taken (or dropped for a reason)
+        self.ledger = Ledger(ack)
+        self.reassembler.on_given_up = self.ledger.dropped
+        self._dedup_file = dedup_file is not None  # ids recorded when the application takes a tensor, not on arrival
+        self.table.on_delivered_to_application = self._taken
+        #: ack="manual": the bytes each message handed out and not yet acknowledged counts in the table
+        self._unacked: dict[MessageId, int] = {}
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
         self._held_bytes = 0  # the frames held back undecoded (`Held`): they count against max_buffered_bytes
         self._limits = limits
@@ -210,18 +217,6 @@ class Intake:
             self._unhold()
         return result
 
-    def is_pending(self, message_id: MessageId | None) -> bool:
-        """True while the message still waits for chunks."""
-        return self.reassembler.is_pending(message_id)
-
-    def given_up(self) -> int:
-        """Incomplete messages given up so far (expired, or refused part way)."""
-        return self.reassembler.given_up
-
-    def none_dropped(self) -> bool:
-        """False once an abort or close dropped delivered tensors nobody received."""
-        return self.table.dropped == 0
-
     # -- the steps ------------------------------------------------------------------------------------
 
     def _feed(self, data: Buffer, crc: int | None) -> Message | None:
@@ -270,11 +265,47 @@ class Intake:
             with self._lock:
                 self._seen.discard(message_id)
 
-    def _record_delivered(self, message: Message) -> None:
-        """Record a message the application now has in the dedup file: a successor drops its resends."""
-        if message.message_id is not None:
+    def _taken(self, message: Message) -> None:
+        """The application has `message` (on the receiving thread): its frames may be acknowledged, and
+        with a dedup file its id is recorded there, so a successor drops its resends."""
+        message_id = message.message_id
+        if message_id is None:
+            return
+        if self.ledger.mode == "manual":  # it still counts, until the application acknowledges it
+            nbytes = message_nbytes(message)
+            with self._lock:
+                self._unacked[message_id] = self._unacked.get(message_id, 0) + nbytes
+            self.table.charge(nbytes)
+            return
+        if self._dedup_file:
+            with self._lock:
+                self._seen.persist(message_id)
+        self.ledger.taken(message_id)
+
+    def acknowledge(self, message: Message) -> None:
+        """ack="manual": the application is done with `message`: acknowledge it (and record it in the dedup file)."""
+        nbytes = self._settle_unacked(message)
+        if nbytes is None:
+            return  # (acknowledged already, or never handed out: nothing to do)
+        if self._dedup_file and message.message_id is not None:
             with self._lock:
                 self._seen.persist(message.message_id)
+        self.ledger.acked(message.message_id)
+
+    def reject(self, message: Message) -> None:
+        """ack="manual": the application gives `message` back: it is delivered again, first in line."""
+        if self._settle_unacked(message) is not None:
+            self.table.put(message, first=True)  # (not acknowledged: its frames stay unreleased)
+
+    def _settle_unacked(self, message: Message) -> int | None:
+        """Stop counting a message handed out unacknowledged; the bytes it counted, or None if it did not."""
+        if self.ledger.mode != "manual":
+            raise ConfigError(f"ack() and reject() need ack='manual' (this consumer has ack={self.ledger.mode!r})")
+        with self._lock:
+            nbytes = None if message.message_id is None else self._unacked.pop(message.message_id, None)
+        if nbytes is not None:
+            self.table.discharge(nbytes)
+        return nbytes
 
     def _admit(self, message: Message, source: object) -> Delivered:
         """Put a decoded message (already marked as seen) in the table, counted against `source`."""
@@ -292,7 +323,7 @@ class Intake:
             self._log_rejection(f"refused message {message_id}", exc)
             return Delivered(message_id, True, refused=str(exc))
         self.stats["received"] += 1
-        return Delivered(message_id, True)
+        return Delivered(message_id, True, admitted=True)
 
     def _wait_for_room(self, key: str | None) -> None:
         """Backpressure: hold this delivery (so the transport reads no more) until the table has room
@@ -341,6 +372,8 @@ class Intake:
     def _drop_unclaimed(self, timeout_s: float) -> None:
         """Drop the tensors nobody received within `timeout_s` of their arrival (logged and counted)."""
         dropped = self.table.drop_unclaimed(timeout_s)
+        for message in dropped:
+            self.ledger.dropped(message.message_id)
         if dropped:
             self.stats["unclaimed"] += len(dropped)
             keys = sorted({str(message.key) for message in dropped})

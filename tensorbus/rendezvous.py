@@ -378,6 +378,21 @@ class Rendezvous(TableState):
             return True
         return key is not _ANY_ROOM and bool(self._waiters.get(key) or self._waiters.get(ANY))
 
+    def charge(self, nbytes: int) -> None:
+        """Count bytes the application holds unacknowledged (ack="manual") against `max_buffered_bytes`."""
+        with self._lock:
+            if self._aborted is None:
+                self.buffered_bytes += nbytes
+
+    def discharge(self, nbytes: int) -> None:
+        """Bytes `charge` counted are acknowledged (or given back): room may open."""
+        with self._lock:
+            if self._aborted is not None:
+                return
+            self.buffered_bytes -= nbytes
+            if self.buffered_bytes + nbytes >= self.max_buffered_bytes > self.buffered_bytes:
+                self._room_opened()
+
     def drop_unclaimed(self, timeout_s: float, now: float | None = None) -> list[Message]:
         """Drop the buffered messages nobody received for `timeout_s` (measured from one call to the
         next: call it every so often), and return them. Called by a consumer with `unclaimed_timeout_s`."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
+from ..transports import resolve_transport
 from .config import BenchConfig, format_size
 
 
@@ -29,8 +32,9 @@ class Method:
 
     @property
     def through_broker(self) -> bool:
-        """Whether its tensors go through a broker (amqp, kafka): rounds, budgets and cleanup of their own."""
-        return self.family in ("amqp", "kafka")
+        """Whether its tensors go through a broker (its family's transport `persists` them: amqp, kafka):
+        rounds, budgets and cleanup of their own."""
+        return _persists(self.family)
 
 
 @dataclass
@@ -125,3 +129,13 @@ class Results:
     def method(self, name: str) -> Method | None:
         """The method called `name`."""
         return next((m for m in self.methods if m.name == name), None)
+
+
+@functools.cache
+def _persists(family: str) -> bool:
+    """Whether the transport of a method family (its URL scheme) keeps frames in a broker."""
+    try:
+        transport, _ = resolve_transport(f"{family}://bench")
+    except ConfigError:
+        return False
+    return transport.persists

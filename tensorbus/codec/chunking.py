@@ -256,9 +256,10 @@ class Reassembler:
         self._given_up: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self._paused_since: float | None = None
         self._expire_at = math.inf  # no incomplete message can be late before this (see `expire`)
-        #: incomplete messages given up so far (expired, over `max_bytes`, or bad once whole): a transport
-        #: that keeps their frames looks for which ones only when this grew (see `transports.base.GivenUp`)
+        #: incomplete messages given up so far (expired, over `max_bytes`, or bad once whole)
         self.given_up = 0
+        #: called with the id of each message given up on (the consumer's ledger releases its frames)
+        self.on_given_up: Callable[[MessageId], None] | None = None
         self.held_bytes = 0
         #: the message id of the last chunk fed (None for whole frames), for transports that ack per message
         self.last_message_id: MessageId | None = None
@@ -340,7 +341,7 @@ class Reassembler:
             )
         except CodecError:
             self._finish(message_id)  # a bad frame: done with it (anything else leaves it to be fed again)
-            self.given_up += 1
+            self._gave_up(message_id)
             raise
         self._finish(message_id)
         return message
@@ -384,7 +385,7 @@ class Reassembler:
         partial = self._partials.pop(message_id, None)
         if partial is None:  # refused at its first chunk
             return LimitExceeded(why)
-        self.given_up += 1
+        self._gave_up(message_id)
         self.held_bytes -= partial.charged
         log.error(
             "gave up on message %s (key %r): %d of %d bytes received, %d bytes held for reassembly (limit %d)",
@@ -474,8 +475,15 @@ class Reassembler:
                 self.timeout_s,
             )
         self.stats["expired"] += len(stale)
-        self.given_up += len(stale)
+        for mid in stale:
+            self._gave_up(mid)
         return len(stale)
+
+    def _gave_up(self, message_id: MessageId) -> None:
+        """Count a message given up on, and report it (its frames may be acknowledged now)."""
+        self.given_up += 1
+        if self.on_given_up is not None:
+            self.on_given_up(message_id)
 
     def pause(self) -> None:
         """Stop the clocks of incomplete messages: their chunks are not late, their reader is held up."""

@@ -2,7 +2,7 @@
  * the producer's send of one frame (send_frame), and the consumer's background reader's timer (IdleTimer).
  *
  * The reader turns bytes off a non-blocking stream socket into whole frames: the state machine of
- * reactor.py's Python reader (`Reactor._step`), minus its per-frame interpreter work.
+ * reader.py's Python reader (`PyStreamReader.read`), minus its per-frame interpreter work.
  *
  * It reads ahead (one system call for several small frames), sizes each frame from its prefix,
  * receives it into one buffer (large frames straight into place, checksummed slice by slice while

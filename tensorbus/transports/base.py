@@ -9,14 +9,17 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 from ..codec import encode, encode_chunks
 from ..codec.frame import DEFAULT_LIMITS, FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
 from ..codec.signing import frame_key
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..ledger import Ledger
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ class Delivered(NamedTuple):
     stops reading that source and offers it again with `release` until it is taken.
     `refused` is why the consumer refused the frame for good (over a limit, bad signature, stale
     incarnation...), for a transport that can tell its producer; None when it took it.
+    `admitted` is True when the message went into the table (or straight to a receiver): its frames
+    are released once the application took it (see ledger.py); a `done` message not admitted was
+    settled otherwise (a duplicate, refused, given up on).
     """
 
     message_id: MessageId | None
@@ -130,10 +136,26 @@ class Delivered(NamedTuple):
     turned_away: bool = False
     held: Held | None = None
     refused: str | None = None
+    admitted: bool = False
+
+
+def fast_result(
+    fast: Callable[[memoryview, int | None, object], Any], frame: memoryview, crc: int | None, source: object
+) -> Delivered | None:
+    """What the intake's C delivery made of a frame, as the ledger records it (it took a plain tensor
+    into the table, or handed it to a waiting `recv`); None when it left the frame to Python."""
+    message = fast(frame, crc, source)
+    return None if message is None else Delivered(message.message_id, True, admitted=True)
 
 
 class Deliver(Protocol):
-    """What a listening transport reports to: called with each received frame (the consumer's intake)."""
+    """What a listening transport reports to: called with each received frame (the consumer's intake).
+
+    A transport records each received frame's position in `ledger` (ledger.py) with what `__call__`
+    returned, and acknowledges only the positions the ledger released."""
+
+    #: the consumer's acknowledgement ledger
+    ledger: Ledger
 
     #: the C delivery of a whole plain frame, for transports that read frames in C (`fast(frame, crc,
     #: source)`): the Message it delivered, or None when it changed nothing (then call the intake
@@ -160,36 +182,6 @@ class Deliver(Protocol):
         `Delivered` whose `held` replaces it, when the room went while it was being decoded)."""
         ...
 
-    def is_pending(self, message_id: MessageId | None) -> bool:
-        """True while the message still waits for chunks (False once complete, rejected or expired)."""
-        ...
-
-    def given_up(self) -> int:
-        """How many incomplete messages were given up so far (expired, or refused part way): whose
-        frames a transport keeps need looking for (`is_pending`) only once this grew (see `GivenUp`)."""
-        ...
-
-    def none_dropped(self) -> bool:
-        """False once an abort or close dropped delivered tensors nobody received (a last ack must not cover them)."""
-        ...
-
-
-class GivenUp:
-    """Finds the incomplete messages the consumer gave up on among those whose frames a transport keeps,
-    looking only when it gave one up since the last look: not on every frame."""
-
-    def __init__(self, deliver: Deliver) -> None:
-        self._deliver = deliver
-        self._looked_at = deliver.given_up()
-
-    def among(self, kept: Iterable[MessageId | None]) -> list[MessageId | None]:
-        """The messages of `kept` no longer pending; [] at once while none was given up since the last look."""
-        count = self._deliver.given_up()  # (read first: one given up while this looks is found by the next look)
-        if count == self._looked_at:
-            return []
-        self._looked_at = count
-        return [message_id for message_id in kept if not self._deliver.is_pending(message_id)]
-
 
 def backoff_s(first_s: float = 0.05, max_s: float = 2.0) -> Iterator[float]:
     """Exponential backoff delays: first_s, 2*first_s, ... capped at max_s."""
@@ -203,14 +195,12 @@ class Transport:
     """One endpoint connection, used either as a sender (`send_message`) or as a receiver (`listen`).
 
     Class attributes declare what the transport can do, so callers branch on data:
-    `acknowledges` (the receiver confirms frames back), `persists` (frames survive a restart),
-    `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
+    `persists` (frames wait in a broker, and survive a restart of either end: the bench's "through a
+    broker"), `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
     The optional methods (`encoding`, `read_while_waiting`, `room_opened`, `forget_last`, `flush`,
     `wait_for_room`, `abandon`, `counts`) have a default that is right for a transport without the capability.
     """
 
-    schemes: ClassVar[tuple[str, ...]] = ()
-    acknowledges: ClassVar[bool] = False
     persists: ClassVar[bool] = False
     reads_while_waiting: ClassVar[bool] = False
     #: the transport's options (their names, defaults and types)

@@ -20,8 +20,11 @@ SWEEP_S = (0.05, 5.0)
 
 def in_flight(peer: Any) -> bool:
     """Whether the consumer holds anything of this connection's: part of a frame, a held or replayed
-    frame, an incomplete chunked message, an ack or refusal not yet sent."""
-    if peer.held is not None or peer.replay is not None or peer.incomplete or peer.ack_owed or peer.outbox:
+    frame, an incomplete chunked message or a tensor nobody took yet (closed, its producer would send it
+    again), an ack or refusal not yet sent."""
+    if peer.held is not None or peer.replay is not None or peer.ack_owed or peer.outbox:
+        return True
+    if peer.positions.first_open() < peer.frames:
         return True
     return bool(peer.reader.mid_frame or peer.reader.buffered)
 
@@ -44,12 +47,13 @@ class IdleSweep:
         assert self.timeout_s is not None
         self.next_at = now + self.every_s
         quiet: dict[int, tuple[Any, int, float]] = {}
-        for fd, peer in list(reactor._peers.items()):
+        for peer in reactor._peer_list():
+            fd = peer.fd
             if in_flight(peer):
                 continue
             seen = self._quiet.get(fd)
             since = seen[2] if seen is not None and seen[0] is peer and seen[1] == peer.frames else now
-            if peer.frames > peer.acked:
+            if peer.frames > peer.acked or peer.frames > peer.taken:
                 try:
                     reactor._ack(peer)  # (delivered, just not acknowledged yet: the producer may let them go)
                 except Exception as exc:  # (OSError, or an ack cut short)

@@ -4,11 +4,13 @@ Each frame (or chunk frame) is one record keyed by the tensor key (UTF-8), so al
 land in one partition, in order (a producer pins its keyless records to one partition). Records go
 out through the idempotent producer with `acks=all`; `send` only queues them, `flush` waits for the
 acks and raises the first failure. The consumer, a consumer-group member on one thread (kafka-python's
-consumer is not thread-safe), commits a partition only up to the first record of a tensor whose
-chunks are incomplete: a consumer that dies loses nothing, its successor re-reads from there, and
-the duplicates are dropped above this layer. A URL may list several brokers; topics this transport
-creates are replicated (`replication_factor`, `min_insync_replicas`), and a record is retried, across a
-leader election for one, until `delivery_timeout_s`.
+consumer is not thread-safe), commits a partition only up to the oldest record the consumer's ledger
+has not released (a tensor the application has not taken, or one whose chunks are incomplete): a
+consumer that dies or closes loses nothing, its successor re-reads from there, and the duplicates
+(later records that were taken) are dropped above this layer with `dedup_file`. A URL may list
+several brokers; topics this transport creates are replicated (`replication_factor`,
+`min_insync_replicas`), and a record is retried, across a leader election for one, until
+`delivery_timeout_s`.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas w
     from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
     from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from ..codec.frame import Buffer, Limits, MessageId
+from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TensorBusError, TransportError
-from .base import Deliver, Delivered, GivenUp, Transport, TransportOptions
+from ..ledger import Stream
+from .base import Deliver, Delivered, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -147,7 +150,8 @@ def _ask(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -
 
 
 class _Offsets(AsyncConsumerRebalanceListener):
-    """What the group may commit: per partition, up to the first record of a tensor still incomplete.
+    """What the group may commit: per partition, up to the oldest record the ledger has not released
+    (a tensor nobody took yet, or one still missing chunks).
 
     `record` and `commit` run on the consumer thread; the rebalance callbacks on kafka-python's I/O
     thread (while the consumer thread waits in `poll`), hence the lock.
@@ -157,35 +161,22 @@ class _Offsets(AsyncConsumerRebalanceListener):
         self.consumer, self.deliver, self.shown = consumer, deliver, shown
         self.assigned: frozenset[int] = frozenset()
         self._lock = threading.Lock()
-        self._next: dict[TopicPartition, int] = {}  # the offset after the last delivered record
-        self._waiting: dict[TopicPartition, dict[MessageId | None, int]] = {}  # message -> its first offset
-        self._refused: dict[TopicPartition, int] = {}  # the first offset of a message the consumer turned away
+        self._streams: dict[TopicPartition, Stream] = {}  # each partition's offsets in the consumer's ledger
         self._committed: dict[TopicPartition, int] = {}
-        self._given_up = GivenUp(deliver)
 
     def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
         with self._lock:
-            self._next[tp] = offset + 1
-            waiting = self._waiting.setdefault(tp, {})
-            if result.done:
-                waiting.pop(result.message_id, None)
-            elif not result.turned_away:
-                waiting.setdefault(result.message_id, offset)
-            else:  # never committed, so the group's next consumer reads it again
-                first = waiting.pop(result.message_id, offset)
-                self._refused[tp] = min(self._refused.get(tp, first), first)
+            stream = self._streams.get(tp)
+            if stream is None:
+                stream = self._streams[tp] = self.deliver.ledger.stream()
+        stream.record(offset, result)
 
     def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
         """Offsets safe to commit that differ from the last commit."""
         offsets = {}
         with self._lock:
-            gone = self._given_up.among(m for waiting in self._waiting.values() for m in waiting)
-            for tp, after in self._next.items():
-                waiting = self._waiting[tp]
-                for message_id in gone:
-                    waiting.pop(message_id, None)  # expired (given up on) since: nothing more to wait for
-                safe = min(waiting.values(), default=after)
-                safe = min(safe, self._refused.get(tp, safe))
+            for tp, stream in self._streams.items():
+                safe = stream.first_open()
                 if self._committed.get(tp) != safe:
                     offsets[tp] = OffsetAndMetadata(safe, "", -1)
         return offsets
@@ -220,10 +211,16 @@ class _Offsets(AsyncConsumerRebalanceListener):
         self.assigned = frozenset(tp.partition for tp in self.consumer.assignment())
 
     async def on_partitions_lost(self, lost: set[TopicPartition]) -> None:
+        self._forget(lost)
+
+    def _forget(self, lost: set[TopicPartition]) -> None:
+        """The partitions are no longer this consumer's: close their streams in the ledger, forget their commits."""
         with self._lock:
             for tp in lost:
-                for table in (self._next, self._waiting, self._refused, self._committed):
-                    table.pop(tp, None)
+                stream = self._streams.pop(tp, None)
+                if stream is not None:
+                    stream.close()
+                self._committed.pop(tp, None)
         self.assigned -= {tp.partition for tp in lost}
 
 
@@ -301,8 +298,6 @@ class KafkaOptions(TransportOptions):
 class KafkaTransport(Transport):
     """A topic per endpoint: an idempotent producer, or a consumer-group member on a thread of its own."""
 
-    schemes = ("kafka", "kafkas")
-    acknowledges = True
     persists = True
     Options = KafkaOptions
     options: KafkaOptions

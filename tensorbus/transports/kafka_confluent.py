@@ -22,13 +22,11 @@ from confluent_kafka import TopicPartition as RdTopicPartition
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
-from .base import Deliver, Delivered, Encoding
+from .base import Deliver, Encoding, fast_result
 from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets
 from .kafka_rdkafka import CONSUMER, PRODUCER, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
-#: what the C delivery of a whole frame amounts to, for the commit decision
-_TAKEN = Delivered(None, True)
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
 _ABANDONED: list[Producer] = []
 
@@ -82,12 +80,8 @@ class _Commits(_Offsets):
         self.on_lost(consumer, partitions)
 
     def on_lost(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
-        lost = {TopicPartition(p.topic, p.partition) for p in partitions}
-        with self._lock:
-            for tp in lost:
-                for table in (self._next, self._waiting, self._refused, self._committed):
-                    table.pop(tp, None)
-        self.assigned -= {tp.partition for tp in lost}
+        """Forget the lost partitions (their streams in the ledger close: nothing of them is committed here)."""
+        self._forget({TopicPartition(p.topic, p.partition) for p in partitions})
 
 
 class ConfluentKafkaTransport(KafkaTransport):
@@ -249,9 +243,8 @@ class ConfluentKafkaTransport(KafkaTransport):
                     log.warning("%s: %s", self._shown, error.str())
                     continue
                 value = record.value() or b""  # (an empty record is refused as a frame, and counted)
-                if fast is not None and fast(memoryview(value), None, None) is not None:
-                    result = _TAKEN  # a whole plain frame, delivered in C
-                else:
+                result = fast_result(fast, memoryview(value), None, None) if fast is not None else None
+                if result is None:  # not a whole plain frame the C delivery took
                     result = deliver(value)
                 commits.record(TopicPartition(self.topic, record.partition()), record.offset() or 0, result)
                 turned_away = result.turned_away  # aborted: leave the group, its partitions go to others

@@ -138,7 +138,7 @@ class Listener:
         try:
             server.setblocking(False)
             greeter.watch(server, lambda: self._accept(server, context))
-        except OSError:  # closed before this thread began (a listener closed right after it started)
+        except (OSError, ValueError):  # closed before this thread began: nothing to accept
             if self._closed.is_set():
                 greeter.close()
                 return

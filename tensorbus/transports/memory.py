@@ -2,6 +2,8 @@
 
 Frames are copied on send (as a socket would) into the endpoint's queue, which exists as soon as
 either side names it, so a producer may send before the consumer listens, as with a broker queue.
+The consumer keeps each frame it delivered until the ledger releases it (ledger.py); on close, what
+it did not release goes back to the front of the queue, for the next consumer of the name.
 All state lives in one `MemoryHub`; `HUB.reset()` clears it between tests.
 """
 
@@ -15,10 +17,10 @@ import urllib.parse
 from dataclasses import dataclass
 
 from ..buffers import BufferPool
-from ..codec.frame import Buffer, Limits, MessageId, join_into
+from ..codec.frame import Buffer, Limits, join_into
 from ..errors import ConfigError, TransportError
 from ..options import finite_timeout
-from .base import Deliver, GivenUp, Held, Transport, TransportOptions
+from .base import Deliver, Delivered, Held, Transport, TransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +188,6 @@ class MemoryOptions(TransportOptions):
 class MemoryTransport(Transport):
     """Frames through an in-process queue; a background thread delivers them to the consumer."""
 
-    schemes = ("memory",)
     Options = MemoryOptions
     options: MemoryOptions
 
@@ -238,62 +239,53 @@ class MemoryTransport(Transport):
         self._thread.start()
 
     def _run(self, frames: Frames, deliver: Deliver) -> None:
-        """Deliver frames until closed or turned away; what this consumer did not finish goes back, in order."""
-        #: the frames (with their sources) of messages not complete yet, or held back
-        incomplete: dict[MessageId | None, list[tuple[object, Buffer]]] = {}
+        """Deliver frames until closed or turned away; what the ledger did not release goes back, in order."""
         held = self._held = {}  # source -> the message the consumer holds back (its share of the table is full)
-        given_up = GivenUp(deliver)
-        turned_away: MessageId | None = None
+        kept: dict[int, tuple[object, Buffer]] = {}  # position -> (source, frame), until the ledger releases it
+        kept_lock = threading.Lock()  # (released on the thread that took the tensor)
+
+        def released(positions: list[object]) -> None:
+            with kept_lock:
+                for position in positions:
+                    kept.pop(position, None)  # type: ignore[call-overload]
+
+        stream = deliver.ledger.stream(released)
+        position = 0
         try:
             while not self._stop.is_set():
-                if held and (turned_away := self._release(frames, deliver, held, incomplete)) is not None:
+                if held and self._release(frames, deliver, held):
                     return
                 item = frames.get(self._stop)
                 if item is None:  # stopped, or room for a message held back
                     continue
                 source, frame = item
+                position += 1
+                with kept_lock:
+                    kept[position] = item
                 try:
                     result = deliver(frame, may_hold=True, source=source)
                 except Exception:  # (a callback's own errors, even SystemExit, are caught where it is called)
                     log.exception("memory://%s: delivering a frame failed", self.name)
-                    continue
+                    result = Delivered(None, True)
+                stream.record(position, result)
                 if result.held is not None:
                     held[source] = result.held
                     frames.hold(source, True)  # (then offered again at once: the room may have opened meanwhile)
-                elif result.done:
-                    incomplete.pop(result.message_id, None)
-                    continue
-                if result.message_id not in incomplete:  # a new incomplete message: forget those given up on
-                    keep = {h.message_id for h in held.values()}
-                    for message_id in [m for m in given_up.among(incomplete) if m not in keep]:
-                        del incomplete[message_id]
-                incomplete.setdefault(result.message_id, []).append((source, frame))
                 if result.turned_away:
-                    turned_away = result.message_id
                     return
         finally:
-            keep = {h.message_id for h in held.values()}
-            back = [
-                item
-                for m, items in incomplete.items()
-                if m == turned_away or m in keep or deliver.is_pending(m)
-                for item in items
-            ]
+            unreleased = stream.close()
+            with kept_lock:
+                back = [kept.pop(p) for p in unreleased if p in kept]
             for source, frame in reversed(back):  # first in line for the next consumer of the name
                 frames.put(frame, source=source, front=True)
             for source in held:  # the next consumer reads them all
                 frames.hold(source, False)
             HUB.release(self.name)  # here, not in close: close may run on this very thread (in a callback)
 
-    def _release(
-        self,
-        frames: Frames,
-        deliver: Deliver,
-        held: dict[object, Held],
-        incomplete: dict[MessageId | None, list[tuple[object, Buffer]]],
-    ) -> MessageId | None:
-        """Offer the messages held back again; read their producers again once they are taken. The id
-        of one turned away (the consumer is closing), else None."""
+    def _release(self, frames: Frames, deliver: Deliver, held: dict[object, Held]) -> bool:
+        """Offer the messages held back again; read their producers again once they are taken. True when
+        one was turned away (the consumer is closing)."""
         for source, message in list(held.items()):
             try:
                 result = deliver.release(message)
@@ -307,11 +299,10 @@ class MemoryTransport(Transport):
                 continue
             del held[source]
             frames.hold(source, False)
+            deliver.ledger.apply(result)
             if result.turned_away:
-                return message.message_id
-            if result.done:
-                incomplete.pop(message.message_id, None)
-        return None
+                return True
+        return False
 
     def room_opened(self) -> None:
         """The consumer may have room for a message held back: offer it again (under the table's lock: no waiting)."""

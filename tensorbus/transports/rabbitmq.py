@@ -123,8 +123,6 @@ class RabbitMQOptions(TransportOptions):
 class RabbitMQTransport(Transport):
     """A durable queue per endpoint; a publisher I/O thread or a consumer I/O thread per instance."""
 
-    schemes = ("amqp", "amqps")
-    acknowledges = True
     persists = True
     Options = RabbitMQOptions
     options: RabbitMQOptions

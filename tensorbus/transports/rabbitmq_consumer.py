@@ -1,9 +1,10 @@
 """The amqp:// consumer: an I/O thread consumes the queue, a worker thread delivers frames and posts acks.
 
-A chunk is acked only once its whole tensor reached the rendezvous table, so the chunks of an
-incomplete tensor stay unacked and count against the consumer's prefetch window. Quorum queues
+Each delivery is acked once the consumer's ledger releases it (ledger.py): once the application
+took its tensor (by default), or it was settled (a duplicate, refused, dropped). So untaken tensors
+and the chunks of an incomplete one stay unacked and count against the consumer's prefetch window. Quorum queues
 and streams know only a per-consumer prefetch, which cannot be widened for a consumer that already
-runs: so once the chunks held by the current consumer fill its window, a fresh consumer (same
+runs: so once the deliveries held by the current consumer fill its window, a fresh consumer (same
 channel, same prefetch) takes over and the old one is cancelled. (Not sooner: deliveries still on
 their way to a cancelled consumer go back to the queue and travel again.) What the old one holds stays
 unacked on the channel until its tensor completes (or the connection drops and the broker
@@ -28,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 import pika.exceptions as px
 import pika.spec
 
-from ..codec.frame import MessageId
 from ..errors import TransportError
-from .base import Deliver, GivenUp
+from .base import Deliver
 
 if TYPE_CHECKING:
     from .rabbitmq import RabbitMQTransport
@@ -70,8 +70,11 @@ class QueueConsumer:
         self.generation = 0
         #: consumers that took over from one whose window was full of held chunks
         self.rolls = 0
-        #: consumer tag -> chunks it delivered that wait for the rest of their tensor (I/O thread only)
+        #: consumer tag -> deliveries it made that are not acked yet: untaken, or chunks waiting for the rest of
+        #: their tensor (I/O thread only, as are the two sets below)
         self.held = collections.Counter[str]()
+        self._unacked: set[Delivery] = set()  # the deliveries `held` counts
+        self._acked_early: set[Delivery] = set()  # released (and acked) before their `_hold` ran
         #: stream: the offset to consume from after a reconnect
         self.position: str | int | None = transport.offset
         self._tag: str | None = None
@@ -113,6 +116,8 @@ class QueueConsumer:
         self.generation += 1
         self._connection, self._channel = connection, channel
         self.held.clear()
+        self._unacked.clear()
+        self._acked_early.clear()
         self._cancelled = False
         channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
         channel.basic_qos(prefetch_count=self.t.options.prefetch_count)  # per consumer
@@ -137,46 +142,46 @@ class QueueConsumer:
         return tag
 
     def _hold(self, delivery: Delivery) -> None:
-        """Count a chunk held for its tensor; hand over to a fresh consumer once they fill the window."""
+        """Count a delivery left unacked (untaken, or a chunk waiting for its tensor); hand over to a fresh
+        consumer once they fill the window, so they never keep the queue from a tensor a `recv` waits for."""
         generation, _, tag = delivery
         if generation != self.generation:
             return
+        if delivery in self._acked_early:  # released before this was posted (taken at once)
+            self._acked_early.discard(delivery)
+            return
+        self._unacked.add(delivery)
         self.held[tag] += 1
         if tag == self._tag and self.held[tag] >= self.t.options.prefetch_count:
             old, self._tag = self._tag, self._consume()
             self._channel.basic_cancel(old)  # (pika requeues what reaches it for `old` from now on)
             self.rolls += 1
 
-    def _ack(self, deliveries: list[Delivery], released: int) -> None:
-        """Ack the deliveries of the current channel (older ones were requeued); the first `released` were held."""
-        for generation, delivery_tag, _ in deliveries:
-            if generation == self.generation:
-                self._channel.basic_ack(delivery_tag)
-        for generation, _, tag in deliveries[:released]:
-            if generation == self.generation:
-                self.held[tag] -= 1
-                if self.held[tag] <= 0 and tag != self._tag:
-                    del self.held[tag]
+    def _ack(self, deliveries: list[Delivery]) -> None:
+        """Ack the deliveries the ledger released, of the current channel (older ones were requeued)."""
+        for delivery in deliveries:
+            generation, delivery_tag, tag = delivery
+            if generation != self.generation:
+                continue
+            self._channel.basic_ack(delivery_tag)
+            if delivery not in self._unacked:
+                self._acked_early.add(delivery)
+                continue
+            self._unacked.discard(delivery)
+            self.held[tag] -= 1
+            if self.held[tag] <= 0 and tag != self._tag:
+                del self.held[tag]
 
     # -- the worker thread ----------------------------------------------------------------------
 
     def _work(self) -> None:
-        """Deliver each message; ack every message of a tensor once the tensor is complete."""
-        waiting: dict[MessageId | None, list[Delivery]] = {}
-        offsets: dict[MessageId | None, int] = {}  # stream: the first offset of each incomplete tensor
-        given_up = GivenUp(self.deliver)
+        """Deliver each message and record it in the ledger, which acks it (`_ack`) once it is released."""
+        if self.stream:  # streams keep every message: an ack is credit for the next; the ledger keeps the position
+            positions = self.deliver.ledger.stream()
+        else:
+            positions = self.deliver.ledger.stream(lambda released: self._call(self._ack, released))
         while True:
-            try:
-                item = self._inbox.get(timeout=1.0)
-            except queue.Empty:
-                item = None
-            for message_id in given_up.among(waiting):
-                held = waiting.pop(message_id)  # expired: the tensor was given up on, its chunks go
-                offsets.pop(message_id, None)
-                if not self.stream:
-                    self._call(self._ack, held, len(held))
-            if item is None:
-                continue
+            item = self._inbox.get()
             if item is _STOP:
                 return
             delivery, offset, body = item
@@ -185,21 +190,13 @@ class QueueConsumer:
                 self.stop.set()  # the I/O thread closes the connection (after the acks posted before this)
                 return
             if self.stream:
-                self._call(self._ack, [delivery], 0)  # credit for the next message: streams keep them all
-                if result.done:
-                    waiting.pop(result.message_id, None)
-                    offsets.pop(result.message_id, None)
-                elif isinstance(offset, int):
-                    waiting.setdefault(result.message_id, [])
-                    offsets.setdefault(result.message_id, offset)
+                self._call(self._ack, [delivery])
                 if isinstance(offset, int):
-                    self.position = min([offset + 1, *offsets.values()])
-            elif not result.done:
-                waiting.setdefault(result.message_id, []).append(delivery)
+                    positions.record(offset, result)
+                    # (in memory, for this consumer's reconnects only: what is in its table is not read again)
+                    self.position = positions.first_unreceived()
+            elif not positions.record(delivery, result):
                 self._call(self._hold, delivery)
-            else:
-                held = waiting.pop(result.message_id, [])
-                self._call(self._ack, [*held, delivery], len(held))
 
     def _call(self, fn: Any, *args: Any) -> None:
         with contextlib.suppress(Exception):  # connection gone: unacked messages come back anyway

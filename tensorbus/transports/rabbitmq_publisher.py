@@ -44,12 +44,13 @@ class Publisher:
 
     def __init__(self, transport: RabbitMQTransport) -> None:
         self.t = transport  # its connection parameters, options, queue name and error mapping (`as_error`)
+        #: frames waiting to be published: the sending threads append, the I/O thread takes (both under `_pending`)
         self._outbox: collections.deque[tuple[bytes, str | None]] = collections.deque()
         self._in_flight: dict[int, tuple[bytes, str | None]] = {}  # delivery tag -> frame, in publish order
         self._in_flight_bytes = 0
         #: the most messages that were unconfirmed at once (1 would mean one broker round trip per message)
         self.peak_in_flight = 0
-        self._pending = threading.Condition()
+        self._pending = threading.Condition()  # (an RLock underneath: `_confirmed` is called with it held too)
         self._pending_bytes = 0
         self._unconfirmed = 0
         self._progress_at = time.monotonic()  # when the last confirm came (or the first unconfirmed frame went)
@@ -58,7 +59,8 @@ class Publisher:
         self._connection: pika.SelectConnection | None = None
         self._channel: Any = None
         self._next_tag = 1
-        self._wake_posted: pika.SelectConnection | None = None  # the connection a wake-up is posted to
+        #: the connection a wake-up is posted to (set by a sending thread, cleared by the I/O thread: under `_pending`)
+        self._wake_posted: pika.SelectConnection | None = None
         self._open_error: BaseException | None = None  # why the connection ended (or never opened)
         self._refused: BaseException | None = None  # the broker refused to set up the channel
         self._passive: Any = None  # the channel whose passive declare is looking for the queue
@@ -128,10 +130,11 @@ class Publisher:
 
     def _wake(self) -> None:
         """Have the I/O thread publish what is queued (one wake-up at a time)."""
-        connection = self._connection
-        if connection is None or self._wake_posted is connection:
-            return  # connecting: the new channel publishes the outbox once it is ready
-        self._wake_posted = connection  # (one posted to a connection that has since closed does not count)
+        with self._pending:
+            connection = self._connection
+            if connection is None or self._wake_posted is connection:
+                return  # connecting: the new channel publishes the outbox once it is ready
+            self._wake_posted = connection  # (one posted to a connection that has since closed does not count)
         with contextlib.suppress(Exception):  # closing: the reconnect publishes the outbox
             connection.ioloop.add_callback_threadsafe(self._publish)
 
@@ -162,10 +165,12 @@ class Publisher:
             finally:
                 self._connection = self._channel = None
                 connection.ioloop.close()  # its wake-up socket pair
-            self._outbox.extendleft(reversed(self._in_flight.values()))  # published again, in order
+            with self._pending:
+                self._outbox.extendleft(reversed(self._in_flight.values()))  # published again, in order
+                left = bool(self._outbox)
             self._in_flight.clear()
             self._in_flight_bytes = 0
-            if self._stop.is_set() and not self._outbox:
+            if self._stop.is_set() and not left:
                 return
             error = self.t.as_error(self._refused or self._open_error or TransportError("connection lost"))
             first = not self._ready.is_set()
@@ -206,29 +211,39 @@ class Publisher:
 
     def _publish(self) -> None:
         """Publish from the outbox while the in-flight window has room; close once stopping and all is confirmed."""
-        self._wake_posted = None
+        with self._pending:
+            self._wake_posted = None
         channel = self._channel
         if channel is None or not channel.is_open:
             return
         properties = pika.BasicProperties(
             content_type=self.t.content_type, delivery_mode=2 if self.t.options.persistent else 1
         )
-        while self._outbox and (
-            not self._in_flight
-            or (
-                self._in_flight_bytes + len(self._outbox[0][0]) <= IN_FLIGHT_BYTES
-                and len(self._in_flight) < IN_FLIGHT_MESSAGES
-            )
-        ):
-            body, key = self._outbox.popleft()
+        while (item := self._next_to_publish()) is not None:
+            body, key = item
             properties.headers = {"tensorbus-key": key} if key is not None else None
             channel.basic_publish("", self.t.queue, body, properties=properties, mandatory=True)
             self._in_flight[self._next_tag] = (body, key)
             self._in_flight_bytes += len(body)
             self._next_tag += 1
         self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
-        if self._stop.is_set() and not self._outbox and not self._in_flight and self._connection is not None:
+        with self._pending:
+            idle = not self._outbox and not self._in_flight
+        if self._stop.is_set() and idle and self._connection is not None:
             self._connection.close()
+
+    def _next_to_publish(self) -> tuple[bytes, str | None] | None:
+        """The next frame of the outbox, while the in-flight window has room for it (else None)."""
+        with self._pending:
+            if self._outbox and (
+                not self._in_flight
+                or (
+                    self._in_flight_bytes + len(self._outbox[0][0]) <= IN_FLIGHT_BYTES
+                    and len(self._in_flight) < IN_FLIGHT_MESSAGES
+                )
+            ):
+                return self._outbox.popleft()
+        return None
 
     def _on_confirm(self, frame: Any) -> None:
         """Basic.Ack or Basic.Nack for one delivery tag, or (multiple) for every tag up to it."""
@@ -251,7 +266,8 @@ class Publisher:
             # then keeps the dead leader and nacks everything after (RabbitMQ 3.10): a new connection (and
             # channel) publishes them again, with everything else unconfirmed.
             self.nacks += len(refused)
-            self._outbox.extendleft(reversed(refused))
+            with self._pending:
+                self._outbox.extendleft(reversed(refused))
             log.info("RabbitMQ at %s refused %d messages (nack); publishing them again", self.t.shown, len(refused))
             if self._connection is not None and self._connection.is_open:
                 self._channel = None
@@ -290,7 +306,8 @@ class Publisher:
         if culprit is not None:
             body, _ = self._in_flight.pop(culprit)
             self._confirmed(len(body), self.t.as_error(reason))
-        self._outbox.extendleft(reversed(self._in_flight.values()))
+        with self._pending:
+            self._outbox.extendleft(reversed(self._in_flight.values()))
         self._in_flight.clear()
         self._in_flight_bytes = 0
         self._connection.channel(on_open_callback=self._on_channel)
@@ -306,10 +323,10 @@ class Publisher:
 
     def _fail_all(self, error: TransportError) -> None:
         """Give up on every queued frame (flush raises `error`)."""
-        while self._outbox:
-            body, _ = self._outbox.popleft()
-            self._confirmed(len(body), None)
         with self._pending:
+            while self._outbox:
+                body, _ = self._outbox.popleft()
+                self._confirmed(len(body), None)
             if self._error is None:
                 self._error = error
             self._pending.notify_all()

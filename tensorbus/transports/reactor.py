@@ -41,14 +41,14 @@ from ..codec.frame import (
     PREFIX,
     Buffer,
     Limits,
-    MessageId,
     frame_length,
 )
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
-from .base import Deliver, Delivered, Held
+from ..ledger import Stream
+from .base import Deliver, Delivered, Held, fast_result
 from .idle import IdleSweep
 from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
-from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, SocketOptions, refusal
+from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, TAKEN, SocketOptions, refusal
 
 log = logging.getLogger(__name__)
 NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
@@ -74,14 +74,14 @@ OVERLAP_FROM = 4 << 20
 FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
 POLL_S = 0.05
+#: how often the leader acks tensors taken since the last acks (between acks sent with frames read)
+TAKEN_EVERY_S = 0.1
 #: refusals a producer has not taken off its socket, in bytes, at most: past that it is dropped
 MAX_OUTBOX = 1 << 20
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
-#: what `_finish` books for a frame whose message was handed over without its id being needed: the C
-#: delivery took a plain frame (never in `incomplete`), or a recv_async callback had it (a chunked
-#: message's id leaves `incomplete` at the next ack)
+#: what `_finish` books for a frame a recv_async callback had while it was being delivered (it was taken)
 TAKEN_WITHOUT_ID = Delivered(None, True)
 #: numbers naming connections as sources of tensors (`_Peer.source`), in this process
 _SOURCES = itertools.count(1)
@@ -183,7 +183,7 @@ class Poller:
 class _Peer:
     """One producer connection: its reader, and what has been delivered and acknowledged of it."""
 
-    def __init__(self, conn: socket.socket, name: Any, reader: Any) -> None:
+    def __init__(self, conn: socket.socket, name: Any, reader: Any, positions: Stream) -> None:
         self.conn, self.name = conn, name
         self.fd = conn.fileno()  # (what the poller knows it by, even once the socket is closed)
         #: what the consumer counts this connection's buffered tensors by (its share of the table): a
@@ -191,14 +191,15 @@ class _Peer:
         self.source = next(_SOURCES)
         self.reader = reader  # the connection's frame reader (reader.py: C, or Python for TLS)
         self.total = 0  # bytes of the frame being booked (what the acks count)
-        self.frames = self.acked = self.unacked_bytes = 0
+        self.frames = self.acked = self.taken = self.unacked_bytes = 0
         self.ack_owed = False
-        self.incomplete: dict[MessageId | None, int] = {}  # message id -> index of its first frame here
-        self.turned_away: int | None = None  # index of the first frame the consumer refused to take (closing)
+        #: the connection's frames (by index) in the consumer's ledger: what may be acked as received, as taken
+        self.positions = positions
         self.held: Held | None = None  # a message the full table could not take: this peer is not read meanwhile
         self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
         self.refusals = False  # the producer asked to be told which frames were refused (stream.REFUSALS_WANTED)
         self.outbox = bytearray()  # refusals not sent yet (the socket was full): they go before the next ack
+        self.gone = False  # dropped: no longer read
 
 
 class Reactor:
@@ -215,7 +216,10 @@ class Reactor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, None)
+        #: the connections being read, by descriptor: added by the listener's thread, dropped by the leader;
+        #: changed and copied under `_peers_lock` (the leader iterates over copies)
         self._peers: dict[int, _Peer] = {}
+        self._peers_lock = threading.Lock()
         self._pending: set[_Peer] = set()  # peers with bytes read ahead (or decrypted) that the selector cannot see
         self._held: list[_Peer] = []  # peers not read until the table takes the message they hold
         #: held by the thread that leads; an RLock for `_is_owned` (a Ctrl-C may come just after it was taken)
@@ -228,6 +232,7 @@ class Reactor:
         self._idle = NATIVE_STREAM.IdleTimer() if NATIVE_STREAM is not None else IdleClock()
         self._closed = False
         self._largest_read = 0  # the largest frame read since an application thread took the lead
+        self._taken_due = 0.0  # when the leader next acks what was taken meanwhile (`send_taken`)
         self.idle = IdleSweep(options.idle_timeout_s)
         self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
         self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
@@ -238,7 +243,18 @@ class Reactor:
     @property
     def connections(self) -> int:
         """Producer connections being read."""
-        return len(self._peers)
+        with self._peers_lock:
+            return len(self._peers)
+
+    def _peer_list(self) -> list[_Peer]:
+        """The connections being read now (a copy: the listener's thread adds to them meanwhile)."""
+        with self._peers_lock:
+            return list(self._peers.values())
+
+    def _reads(self, peer: _Peer) -> bool:
+        """Whether `peer` is still read (not dropped: its descriptor's number may be another's now)."""
+        with self._peers_lock:
+            return self._peers.get(peer.fd) is peer
 
     def add(self, conn: socket.socket, name: Any) -> None:
         """Start reading a connection that finished its handshake."""
@@ -246,27 +262,34 @@ class Reactor:
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
         lowat = RECV_LOWAT if conn.family in (socket.AF_INET, socket.AF_INET6) else 0
-        peer = _Peer(conn, name, stream_reader(conn, self.limits, self.pool.take, lowat))
-        self._peers[peer.fd] = peer  # (first: a leader that reads it and drops it must find it here)
+        peer = _Peer(conn, name, stream_reader(conn, self.limits, self.pool.take, lowat), self.deliver.ledger.stream())
+        with self._peers_lock:
+            self._peers[peer.fd] = peer  # (first: a leader that reads it and drops it must find it here)
         try:
             if self._closed:
                 raise ValueError("closed")
             # (no TLS bytes can be pending yet: a producer sends nothing until it has read the verdict)
             self._poller.register(peer.fd, peer)
         except (ValueError, KeyError, OSError, RuntimeError):  # the consumer closed during the handshake
-            if self._peers.get(peer.fd) is peer:
-                del self._peers[peer.fd]
+            with self._peers_lock:
+                if self._peers.get(peer.fd) is peer:
+                    del self._peers[peer.fd]
             conn.close()
             return
-        if self._peers.get(peer.fd) is not peer:  # a leader read it (a lone peer is read unpolled) and
+        if not self._reads(peer):  # a leader read it (a lone peer is read unpolled) and
             with contextlib.suppress(KeyError, ValueError, OSError):  # dropped it before it was registered
                 self._poller.unregister(peer.fd, peer)
 
     def _drop(self, peer: _Peer, reason: str, level: int) -> None:
         log.log(level, "producer %s: %s", peer.name, reason)
+        peer.positions.close()  # (what it did not ack, the producer sends again to whoever is there)
         self._pending.discard(peer)
-        if self._peers.get(peer.fd) is peer:  # (not dropped before: its descriptor's number may be another's now)
-            del self._peers[peer.fd]
+        with self._peers_lock:
+            ours = self._peers.get(peer.fd) is peer  # (not dropped before: its number may be another's now)
+            if ours:
+                del self._peers[peer.fd]
+        peer.gone = True
+        if ours:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._poller.unregister(peer.fd, peer)
         peer.conn.close()
@@ -374,6 +397,9 @@ class Reactor:
             now = time.monotonic()
             if self.idle.due(now):
                 self.idle.run(self, now)
+            if now >= self._taken_due:  # tensors taken since: their producers may drop their copies
+                self._taken_due = now + TAKEN_EVERY_S
+                self.send_taken()
             if now >= deadline:
                 return stop()
         return False
@@ -390,12 +416,11 @@ class Reactor:
         poll = self._poller.poll
         if self._pending:  # bytes read ahead wait: only a look at the others, as the fair share's turn
             return poll(0.0)
-        peers = self._peers
         spin_until = min(time.monotonic() + spin_s, deadline)
-        only = tuple(peers.values()) if spin_s > 0 else ()  # (one step: the listener's thread adds peers)
+        only = self._peer_list() if spin_s > 0 else []
         if len(only) == 1:
             lone, fill = only[0], only[0].reader.fill
-            while peers.get(lone.fd) is lone and lone.held is None and time.monotonic() < spin_until:
+            while not lone.gone and lone.held is None and time.monotonic() < spin_until:
                 if fill():  # (a Ctrl-C in here leaves no frame half taken: nothing to drop the connection for)
                     self._read(lone, stop)
                     if self._pending or stop():
@@ -476,8 +501,8 @@ class Reactor:
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
             frame, crc = event
-            if self._fast is not None and self._fast(frame, crc, peer.source) is not None:
-                self._finish(peer, TAKEN_WITHOUT_ID)
+            if self._fast is not None and (taken := fast_result(self._fast, frame, crc, peer.source)) is not None:
+                self._finish(peer, taken)
             else:
                 self._deliver(peer, frame, crc)
         elif event == ACK_REQUEST:
@@ -522,17 +547,12 @@ class Reactor:
         raise PeerGone("dropped: its reader refused a prefix frame_length takes (a bug: please report it)")
 
     def _finish(self, peer: _Peer, result: Delivered) -> None:
-        """Book a delivered frame; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
+        """Book a delivered frame in the ledger; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
         if result.held is not None:
             self._hold(peer, result.held)
-        if result.done:
-            peer.incomplete.pop(result.message_id, None)
-        elif not result.turned_away:
-            peer.incomplete.setdefault(result.message_id, peer.frames)
-        elif peer.turned_away is None:
-            peer.turned_away = peer.frames  # never acknowledged, so the producer sends it again
         if result.refused is not None:
             self._refuse(peer, peer.frames, result.refused)
+        peer.positions.record(peer.frames, result)
         peer.frames += 1
         peer.unacked_bytes += peer.total
         if peer.total > self._largest_read:
@@ -565,7 +585,7 @@ class Reactor:
             try:
                 result = self.deliver.release(peer.held)
             except CallbackInterrupted:  # a recv_async callback had it: taken
-                self._read_again(peer, Delivered(peer.held.message_id, True))
+                self._read_again(peer, Delivered(peer.held.message_id, True, admitted=True))
                 raise
             if result is not None and result.held is not None:
                 peer.held = result.held  # (no room after all: held again)
@@ -582,11 +602,8 @@ class Reactor:
             except PeerGone as exc:
                 self._drop(peer, str(exc), exc.level)
                 return
-        if result.done:
-            peer.incomplete.pop(result.message_id, None)
-        elif result.turned_away and peer.turned_away is None:
-            peer.turned_away = peer.incomplete.get(result.message_id, peer.frames - 1)
-        if self._peers.get(peer.fd) is not peer:  # dropped while held (an ack failed): nothing left to read
+        self.deliver.ledger.apply(result)
+        if not self._reads(peer):  # dropped while held (an ack failed): nothing left to read
             return
         try:
             self._poller.register(peer.fd, peer)
@@ -597,11 +614,13 @@ class Reactor:
             self._pending.add(peer)
 
     def _ack(self, peer: _Peer) -> None:
-        """Send the refusals queued, then ack the frames before the oldest still-incomplete tensor
-        (cumulative; retried if the socket is full).
+        """Send the refusals queued, then the two cumulative counts the ledger allows: ACK (frames
+        received: in the table or settled; the producer's credit and `flush`) and TAKEN (frames
+        released: the producer drops its copies). Retried if the socket is full.
 
-        No ack once an abort or close dropped tensors nobody took (the producer sends those again);
-        the refusals go all the same, as a refused frame is refused for good.
+        Refusals go first (the counts cover their frames); a frame the consumer turned away
+        (aborted or closing), or whose tensor nobody took, is covered by neither, so the producer
+        sends it again to the next consumer.
         """
         while peer.outbox:  # refusals first: the ack covers their frames
             try:
@@ -609,29 +628,33 @@ class Reactor:
             except _WOULD_BLOCK:
                 peer.ack_owed = True
                 return
-        if not self.deliver.none_dropped():
-            peer.ack_owed = False
-            return
-        incomplete = peer.incomplete
-        while incomplete:  # oldest first: only the oldest bounds the ack, so only it is looked at (not all)
-            oldest = next(iter(incomplete))
-            if self.deliver.is_pending(oldest) or (peer.held is not None and oldest == peer.held.message_id):
-                break
-            del incomplete[oldest]  # expired (given up on) since: nothing more to wait for
-        safe = next(iter(incomplete.values()), peer.frames)
-        if peer.turned_away is not None:
-            safe = min(safe, peer.turned_away)
+        received, taken = peer.positions.first_unreceived(), peer.positions.first_open()
+        record = ACK.pack(received) if taken == peer.taken else ACK.pack(received) + ACK.pack(taken | TAKEN)
         try:
-            sent = peer.conn.send(ACK.pack(safe))
+            sent = peer.conn.send(record)
         except _WOULD_BLOCK:
             sent = 0
-        if sent != ACK.size:  # a partial 8-byte send would need the rest sent: the buffer is never that full
+        if sent != len(record):  # a partial send would need the rest sent: the buffer is never that full
             peer.ack_owed = sent == 0
             if sent:
-                raise PeerGone(f"ack cut short ({sent} of {ACK.size} bytes)")
+                raise PeerGone(f"ack cut short ({sent} of {len(record)} bytes)")
             return
         peer.ack_owed = False
-        peer.acked, peer.unacked_bytes = safe, 0
+        peer.acked, peer.taken, peer.unacked_bytes = received, taken, 0
+
+    def send_taken(self) -> None:
+        """Tell every producer what was taken since the last acks, of what they were told was received
+        (the leader calls it now and then: between acks, tensors are taken on other threads)."""
+        for peer in self._peer_list():
+            taken = min(peer.positions.first_open(), peer.acked)
+            if taken != peer.taken and not peer.outbox and not peer.ack_owed:
+                record = ACK.pack(taken | TAKEN)
+                with contextlib.suppress(*_WOULD_BLOCK, OSError):  # (a dead connection is the reader's to drop)
+                    sent = peer.conn.send(record)
+                    peer.taken = taken
+                    if sent < len(record):  # the rest goes first with the next ack
+                        peer.outbox += record[sent:]
+                        peer.ack_owed = True
 
     # -- shutdown -------------------------------------------------------------------------------
 
@@ -657,14 +680,16 @@ class Reactor:
             with self._state:
                 self._state.notify_all()
             self._background.join(timeout)
-            for peer in list(self._peers.values()):
+            for peer in self._peer_list():
                 with contextlib.suppress(OSError, PeerGone, *_WOULD_BLOCK):
-                    if got and peer.frames > peer.acked:
-                        self._ack(peer)  # a producer flushing right now need not resend what was received
+                    if got:
+                        self._ack(peer)  # what was received and taken: the producer sends the rest to the next one
+                peer.positions.close()
                 with contextlib.suppress(OSError):
                     peer.conn.shutdown(socket.SHUT_RDWR)
                 peer.conn.close()
-            self._peers.clear()
+            with self._peers_lock:
+                self._peers.clear()
             self._poller.close()
             wake_r, wake_w, self._wake_r, self._wake_w = self._wake_r, self._wake_w, -1, -1
             os.close(wake_r)

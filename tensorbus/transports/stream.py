@@ -8,8 +8,12 @@ consumer -> producer  VERDICT u8: 1 accepted; 0 refused (the secret), and the co
                       2 refused for another reason, which follows (u16 length, UTF-8), then it closes
 producer -> consumer  REFUSALS WANTED ("TBRF" + 20 zero bytes, a frame-sized marker), first, if HELLO set bit 2;
                       then frames, back to back, and ACK REQUESTs ("TBAK" + 20 zero bytes, also frame-sized)
-consumer -> producer  ACK u64: frames of this connection safely delivered so far (cumulative), sent
-                      on every ACK REQUEST and every `ack_every_frames` frames / `ack_every_bytes` bytes
+consumer -> producer  ACK u64: frames of this connection received so far (cumulative: in the consumer's
+                      table, or settled), sent on every ACK REQUEST and every `ack_every_frames` frames /
+                      `ack_every_bytes` bytes; the producer's credit, and what `flush` waits for
+consumer -> producer  TAKEN u64 (bit 62 set; the rest: a cumulative count of frames whose tensor the
+                      application took, or that were settled: duplicates, refused, dropped), after an ACK
+                      whenever it moved, and every `TAKEN_EVERY_S` or so: the producer drops its copies
 consumer -> producer  REFUSAL u64 (bit 63 set: no ACK count gets there; the rest: the index of the refused
                       frame on this connection, from 0), reason length u16, reason (UTF-8); only to a
                       producer that sent REFUSALS WANTED, and before the ACK that covers that frame
@@ -68,6 +72,9 @@ class SocketOptions(TransportOptions):
     send_timeout_s: float = 30.0
     reconnect_timeout_s: float = 10.0  # all attempts: how long a send retries a consumer that is not (yet) there
     max_unacked_bytes: int = 256 * 1024 * 1024
+    #: copies of tensors a consumer received but did not take yet, kept to send to its successor, at most:
+    #: past it the oldest are let go (counted in `untaken_let_go`, logged), so a send never waits for a `recv`
+    max_untaken_bytes: int = 1024 * 1024 * 1024
     ack_every_frames: int = 256  # (each ack costs the consumer a system call: fewer acks, less time)
     ack_every_bytes: int = 8 * 1024 * 1024
     close_timeout_s: float = 10.0
@@ -110,6 +117,7 @@ HELLO_REFUSALS = 0x04  # in HELLO: this consumer tells the producers that want i
 REFUSALS_WANTED = b"TBRF" + bytes(20)
 REFUSAL = struct.Struct("<QH")
 REFUSED = 1 << 63  # in the first field of a REFUSAL: what tells it from an ACK
+TAKEN = 1 << 62  # in an ACK: the count is of frames the application took (or that were settled), not received
 #: a refusal's reason is cut to this many bytes
 MAX_REASON_BYTES = 1000
 _AUTH_CONTEXT = b"tensorbus-socket-auth-v1"

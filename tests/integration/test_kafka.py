@@ -108,7 +108,9 @@ def test_a_new_consumer_joins_its_group_once(url: str, monkeypatch: pytest.Monke
 
 
 def test_two_consumers_in_one_group_share_partitions_without_duplicates(url: str) -> None:
-    with tb.Consumer(url, partitions=2) as first, tb.Producer(url) as producer:
+    # (ack="arrival": with ack="take", the first's untaken tensors of the partition it gives up are the
+    # second's too: see the next test)
+    with tb.Consumer(url, partitions=2, ack="arrival") as first, tb.Producer(url) as producer:
         for i in range(20):
             producer.send(f"k{i}", np.full(1000, i, np.int32))
         producer.flush(30)
@@ -137,6 +139,20 @@ def test_two_consumers_in_one_group_share_partitions_without_duplicates(url: str
             got = [[str(c.next_message(timeout=1).key) for _ in range(len(c.table))] for c in (first, second)]
     assert sorted(got[0] + got[1]) == sorted([f"k{i}" for i in range(40)] + markers)  # nothing lost, nothing twice
     assert got[1], "the second consumer received nothing: the partitions were not shared"
+
+
+def test_untaken_tensors_of_a_partition_given_up_in_a_rebalance_go_to_its_new_owner(url: str) -> None:
+    with tb.Consumer(url, partitions=2) as first, tb.Producer(url) as producer:
+        for i in range(20):
+            producer.send(f"k{i}", np.full(1000, i, np.int32))
+        producer.flush(30)
+        wait_for(lambda: len(first.table) == 20, 30, "the first consumer to receive 20 tensors")
+        with tb.Consumer(url) as second:  # joins the group: a rebalance hands it one of the two partitions
+            wait_for(lambda: owned(first) and owned(second), 30, "a partition each")
+            # nothing taken, nothing committed: the second reads its partition from the start
+            wait_for(lambda: len(second.table) > 0, 30, "the second to read its partition's untaken tensors")
+            got = {str(second.next_message(timeout=1).key) for _ in range(len(second.table))}
+            assert got and got <= {f"k{i}" for i in range(20)}
 
 
 def test_broker_side_size_error_is_a_tensorbus_error(url: str) -> None:

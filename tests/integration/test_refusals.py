@@ -15,7 +15,7 @@ import trustme
 import tensorbus as tb
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports import socket as socket_transport
-from tensorbus.transports.stream import ACK, ACK_REQUEST_MARKER, HELLO, proof
+from tensorbus.transports.stream import ACK, ACK_REQUEST_MARKER, HELLO, TAKEN, proof
 from tests.conftest import require_native
 from tests.waiting import wait_for
 
@@ -112,6 +112,7 @@ def test_a_producer_that_does_not_ask_for_refusals_gets_none(caplog: pytest.LogC
             assert sock.recv(1) == b"\x01"
             sock.sendall(bytes(tb.dumps(np.zeros(100), key="big")) + ACK_REQUEST_MARKER)
             assert ACK.unpack(sock.recv(ACK.size, socket.MSG_WAITALL)) == (1,)  # an ack, no refusal before it
+            assert ACK.unpack(sock.recv(ACK.size, socket.MSG_WAITALL)) == (1 | TAKEN,)  # (settled: refused)
             sock.settimeout(0.2)
             with pytest.raises(TimeoutError):
                 sock.recv(1)

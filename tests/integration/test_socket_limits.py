@@ -138,16 +138,34 @@ def test_a_quiet_producer_loses_nothing_when_its_idle_connection_is_closed() -> 
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
         with tb.Producer(consumer.address) as producer:
             for round_ in range(3):
-                for i in range(5):  # delivered, and not yet acknowledged when the producer falls quiet
+                for i in range(5):  # delivered, taken, and not yet acknowledged when the producer falls quiet
                     producer.send(f"r{round_}-{i}", np.full(2, i))
+                for i in range(5):  # (a connection with tensors nobody took is not idle: see the next test)
+                    assert consumer.recv(f"r{round_}-{i}", timeout=5).tolist() == [i, i]
                 wait_for(lambda r=round_: reactor.idle.dropped > r, 10, "the idle connection closed")
             producer.send("last", np.ones(2))
             producer.flush(5)
-        for round_ in range(3):
-            for i in range(5):
-                assert consumer.recv(f"r{round_}-{i}", timeout=5).tolist() == [i, i]
         assert consumer.recv("last", timeout=5).tolist() == [1, 1]
         assert consumer.stats["duplicates"] == 0 and consumer.stats["rejected"] == 0
+
+
+def test_a_connection_whose_tensors_nobody_took_is_not_closed_as_idle() -> None:
+    # closed, its producer would send them all again (it keeps copies until they are taken)
+    with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.3) as consumer:
+        reactor = consumer.transport.reactor  # type: ignore[attr-defined]
+        with tb.Producer(consumer.address) as producer:
+            producer.send("untaken", np.ones(2))
+            producer.flush(5)
+            for _ in range(5):  # five sweeps, 0.075 s apart: over idle_timeout_s in all
+                due = reactor.idle.next_at
+                wait_for(lambda d=due: reactor.idle.next_at > d, 5, "the next sweep")
+            assert reactor.idle.dropped == 0 and reactor.connections == 1
+            assert consumer.recv("untaken", timeout=5).tolist() == [1, 1]
+            wait_for(lambda: reactor.idle.dropped == 1, 10, "the connection closed once idle")
+            producer.send("next", np.zeros(2))
+            producer.flush(5)
+        assert consumer.recv("next", timeout=5).tolist() == [0, 0]
+        assert consumer.stats["duplicates"] == 0  # the taken one was not sent again
 
 
 def test_max_connections_stays_under_half_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:

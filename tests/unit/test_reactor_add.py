@@ -7,6 +7,7 @@ from typing import Any
 
 from tensorbus.buffers import BufferPool
 from tensorbus.codec.frame import Limits
+from tensorbus.ledger import Ledger
 from tensorbus.transports import Delivered
 from tensorbus.transports.reactor import Reactor
 from tensorbus.transports.socket import SocketTransport
@@ -16,6 +17,9 @@ class Nowhere:
     """A consumer's intake that takes every frame (none comes here)."""
 
     fast = None
+
+    def __init__(self) -> None:
+        self.ledger = Ledger()
 
     def __call__(
         self, frame: Any, crc: int | None = None, *, may_hold: bool = False, source: object = None

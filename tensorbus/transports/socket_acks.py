@@ -1,0 +1,194 @@
+"""A socket producer's side of the acks: the copies it keeps, and the ACK, TAKEN and REFUSAL records it reads.
+
+The consumer tells a producer, on its connection, how many frames it received (ACK: the credit
+`max_unacked_bytes` counts and what `flush` waits for) and how many it released (TAKEN: the
+producer drops its copies of those), and which frames it refused (REFUSAL, raised by the next
+`send` or `flush`). See stream.py for the records and ledger.py for what the consumer releases.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import select
+import socket
+import ssl
+import threading
+
+from ..codec.frame import Buffer, MessageId
+from ..errors import Rejected
+from .base import Transport
+from .stream import ACK, ACK_REQUEST_MARKER, REFUSAL, REFUSED, TAKEN, SocketOptions, names_in
+
+log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
+#: a producer reads the acks that arrived every this many sends (four times `ack_every_frames` unacked asks for one)
+READ_ACKS_EVERY = 64
+
+
+def _readable(sock: socket.socket, wait_s: float) -> bool:
+    """Whether `sock` has bytes (or an error) to read within `wait_s`; poll, as select() fails on fds >= 1024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(wait_s * 1000))))
+
+
+def _recv_now(sock: socket.socket) -> bytes | None:
+    """What the socket has now; None when that is only part of a TLS record (a blocking read would wait)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return sock.recv(4096)
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        return sock.recv(4096)
+    except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+        return None
+    finally:
+        sock.settimeout(timeout)
+
+
+class ProducerAcks(Transport):
+    """The copies a socket producer keeps and the records it reads; everything here is guarded by `_lock`
+    (the send lock: `SocketProducer` takes it around every use)."""
+
+    options: SocketOptions
+    _lock: threading.Lock
+    _sock: socket.socket | None
+
+    def _init_acks(self) -> None:
+        #: the frames sent on this connection that the consumer has not taken, from frame `_taken` on,
+        #: each with its size: resent on reconnect
+        self._unacked: collections.deque[tuple[list[Buffer], int]] = collections.deque()
+        self._unacked_bytes = 0  # bytes of frames not received (the credit `max_unacked_bytes` bounds)
+        self._untaken_bytes = 0  # bytes of frames received, not taken (the copies `max_untaken_bytes` bounds)
+        self._sent = self._acked = self._taken = 0  # frames sent, received (ACK), taken (TAKEN) on this connection
+        #: copies of received, untaken frames let go at `max_untaken_bytes` (not resent should the consumer die)
+        self.untaken_let_go = 0
+        self._ack_buf = bytearray()
+        self._ack_requested = False
+        #: the consumer's refusals of this producer's messages, raised one by one by the next sends or flushes
+        self._rejections: collections.deque[Rejected] = collections.deque()
+        self._last_refused: MessageId | None = None  # (a message's other chunks are refused too: told once)
+
+    def _drop_connection(self) -> None:
+        raise NotImplementedError
+
+    def _keep_until_acked(self, frame: list[Buffer], nbytes: int) -> None:
+        """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""
+        self._unacked.append((frame, nbytes))
+        self._unacked_bytes += nbytes
+        self._sent += 1
+        if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options.max_unacked_bytes:
+            self._trim_acked()
+
+    def _trim_acked(self) -> None:
+        """Release the frames acks already received cover; never blocks.
+
+        The consumer acks every `ack_every_frames` frames by itself (each ack costs it a system call
+        that also wakes this side): an ack is asked for only when that plainly is not happening.
+        """
+        assert self._sock is not None
+        overdue = (
+            self._sent - self._acked >= 4 * self.options.ack_every_frames
+            or self._unacked_bytes >= self.options.max_unacked_bytes
+        )
+        try:
+            if overdue and not self._ack_requested:
+                self._sock.sendall(ACK_REQUEST_MARKER)
+                self._ack_requested = True
+            self._read_acks(0)
+        except OSError as exc:
+            log.warning("connection to %s broke (%s); frames will be resent on reconnect", self.address, exc)
+            self._drop_connection()
+
+    def _read_acks(self, wait_s: float) -> bool:
+        """Apply the acks that arrive within `wait_s` seconds (0: only those already here); False if none came."""
+        sock = self._sock
+        assert sock is not None
+        pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
+        if not pending and not _readable(sock, wait_s):
+            return False
+        data = _recv_now(sock)
+        if data is None:
+            return False  # part of a TLS record: the rest comes with a later read
+        if not data:
+            raise ConnectionResetError("consumer closed the connection")
+        self._ack_buf += data
+        while len(self._ack_buf) >= ACK.size:
+            (count,) = ACK.unpack_from(self._ack_buf)
+            if count & REFUSED:
+                if not self._take_refusal():
+                    return True  # (the rest of it comes with a later read)
+                continue
+            del self._ack_buf[: ACK.size]
+            if count & TAKEN:
+                self._drop_taken(count & ~TAKEN)
+                continue
+            if not self._acked <= count <= self._sent:
+                raise ConnectionResetError(f"the consumer acked {count} frames; {self._sent} were sent")
+            self._ack_requested = False
+            for index in range(self._acked - self._taken, count - self._taken):
+                n = self._unacked[index][1]
+                self._unacked_bytes -= n
+                self._untaken_bytes += n
+            self._acked = count
+            self._let_go_over(self.options.max_untaken_bytes)
+        return True
+
+    def _drop_taken(self, count: int) -> None:
+        """The consumer took the frames before `count`: drop their copies (caller holds the lock)."""
+        if count > self._acked:
+            raise ConnectionResetError(f"the consumer took {count} frames; it acked {self._acked} as received")
+        for _ in range(count - self._taken):  # (none when copies were let go past it already)
+            _, n = self._unacked.popleft()
+            self._untaken_bytes -= n
+        self._taken = max(self._taken, count)
+
+    def _let_go_over(self, limit: int) -> None:
+        """Let the oldest copies of received, untaken frames go while they hold more than `limit` bytes."""
+        while self._untaken_bytes > limit and self._taken < self._acked:
+            _, n = self._unacked.popleft()
+            self._untaken_bytes -= n
+            self._taken += 1
+            if not self.untaken_let_go:
+                log.warning(
+                    "%s holds over max_untaken_bytes=%d received, untaken: letting the oldest copies go "
+                    "(not resent should it die)", self.address, limit,
+                )  # fmt: skip
+            self.untaken_let_go += 1
+
+    def _take_refusal(self) -> bool:
+        """Take a REFUSAL off the front of the ack buffer (False: not all of it is here yet); a message's
+        first refused frame becomes a `Rejected` for the next send or flush to raise."""
+        if len(self._ack_buf) < REFUSAL.size:
+            return False
+        field, length = REFUSAL.unpack_from(self._ack_buf)
+        if len(self._ack_buf) < REFUSAL.size + length:
+            return False
+        reason = bytes(self._ack_buf[REFUSAL.size : REFUSAL.size + length]).decode("utf-8", "replace")
+        del self._ack_buf[: REFUSAL.size + length]
+        index = field & ~REFUSED
+        if not self._acked <= index < self._sent:
+            raise ConnectionResetError(f"the consumer refused frame {index}; {self._sent} were sent")
+        key, message_id = names_in(self._unacked[index - self._taken][0][0])
+        if message_id is not None and message_id == self._last_refused:
+            return True  # another chunk of a message already refused (and perhaps raised already)
+        self._last_refused = message_id
+        log.warning("%s refused message %s (key %r): %s", self.address, message_id, key, reason)
+        self._rejections.append(
+            Rejected(
+                f"{self.address} refused message {message_id} (key {key!r}): {reason}; it is not sent again",
+                key=key,
+                message_id=message_id,
+                reason=reason,
+            )
+        )
+        return True
+
+    def _raise_rejection(self) -> None:
+        """Raise the consumer's oldest refusal not raised yet, if there is one."""
+        try:
+            rejection = self._rejections.popleft()
+        except IndexError:  # (none; or another thread's send raised the last one just now)
+            return
+        raise rejection

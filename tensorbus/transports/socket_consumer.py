@@ -1,0 +1,66 @@
+"""A socket consumer: a `Listener` accepts producers, a `Reactor` reads them (on the waiting thread, too)."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+
+from ..buffers import BufferPool
+from ..codec.frame import Limits
+from .base import Deliver, Transport
+from .listener import Listener
+from .reactor import Reactor
+from .stream import SocketOptions
+
+
+class SocketConsumer(Transport):
+    """The consumer side of a socket endpoint: `listen`, `read_while_waiting`, `room_opened`, closing."""
+
+    options: SocketOptions
+    family: int
+    target: str | tuple[str, int]
+    secret: bytes | None
+    incarnation: bytes
+    _listener: Listener | None = None
+    reactor: Reactor | None = None
+    _pool: BufferPool
+
+    def _ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
+        raise NotImplementedError
+
+    def listen(self, deliver: Deliver, limits: Limits) -> None:
+        """Bind, then accept producers on a background thread; their frames are read by a `Reactor`."""
+        context = self._ssl_context(server_side=True)
+        self._listener = Listener(
+            self.family, self.target, self.options, self.secret, lambda: self.address, self.incarnation
+        )
+        bound = self._listener.bind()
+        if self.family != socket.AF_UNIX:
+            host, port = bound[:2]
+            self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        self.reactor = Reactor(deliver, limits, self.options, self._pool)
+        self._listener.start(self.reactor, context)
+
+    def sender(self) -> str | None:
+        """The address of the producer connection being read (on the reading thread)."""
+        name = None if self.reactor is None else self.reactor.reading
+        if isinstance(name, tuple) and len(name) >= 2:
+            host, port = name[:2]
+            return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+        return None if name is None else (str(name) or "a unix-socket producer")
+
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
+        """Wait for `done`, reading frames on the calling thread meanwhile (see `Reactor.read_while_waiting`)."""
+        assert self.reactor is not None
+        return self.reactor.read_while_waiting(done, deadline)
+
+    def room_opened(self) -> None:
+        """The consumer's table has room again (or a receiver waits): offer it what is held back."""
+        if self.reactor is not None:
+            self.reactor.room_opened()
+
+    def _close_consumer(self) -> None:
+        """Stop listening and drop every producer (see `Reactor.close`)."""
+        if self._listener is not None:
+            self._listener.close()

@@ -1,0 +1,369 @@
+"""A socket producer: connect (and reconnect, resending what was not taken), send frames, flush.
+
+A frame goes out as one scatter-gather `sendmsg` of header and array memory (built and sent in C
+for a plain ndarray where the extension is built). The producer keeps each frame until the
+consumer took it (by reference: do not modify a sent array before `flush`), and sends those again
+after reconnecting, to a restarted consumer or its successor; the acks are read in socket_acks.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..codec.frame import Buffer, MessageId, flat_bytes
+from ..codec.native import crc32c
+from ..codec.signing import frame_key, resign
+from ..errors import Closed, Rejected, TransportError
+from ..options import finite_timeout
+from .base import Encoding, backoff_s
+from .socket_acks import ProducerAcks
+from .stream import (
+    ACK_REQUEST_MARKER,
+    AuthRefused,
+    c_sends_below,
+    handshake_as_producer,
+    send_frame,
+    set_send_timeout,
+)
+
+log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
+#: a producer waiting for acks asks again this often when the consumer answers without progress
+ACK_POLL_S = 0.02
+#: a producer whose connection was quiet this long looks for a close (e.g. `idle_timeout_s`) before it sends
+PROBE_AFTER_S = 1.0
+
+
+class SocketProducer(ProducerAcks):
+    """The producer side of a socket endpoint: `send`, `send_message`, `flush`, `wait_for_room`, closing."""
+
+    family: int
+    target: str | tuple[str, int]
+    secret: bytes | None
+    incarnation: bytes
+    _crc_after: bool
+    _signed_for: bytes | None
+    _unacked_for: bytes | None
+    _used_at: float
+    _c_sends_below: int
+    _c_head: Callable[..., bytearray | None] | None
+    _c_send: Callable[..., int | None] | None
+    _closed: bool
+    _connects: int
+    _resent: int
+
+    def _ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
+        raise NotImplementedError
+
+    def _connect(self, deadline: float | None = None) -> socket.socket:
+        """Connect, handshake, and send again every frame the last connection left unacknowledged.
+
+        Retries with backoff for `reconnect_timeout_s`, or until `deadline` (a flush's) if sooner;
+        each attempt (connect, TLS, handshake) may take up to `connect_timeout_s`. A consumer that is
+        not there refuses at once, so it is `reconnect_timeout_s` that bounds a send to nobody.
+        """
+        self._raise_if_closed()
+        started = time.monotonic()
+        retry_until = started + self.options.reconnect_timeout_s
+        bound = f"reconnect_timeout_s={self.options.reconnect_timeout_s:g}"
+        if deadline is not None and deadline < retry_until:
+            retry_until, bound = deadline, "the flush's timeout"
+        context = self._ssl_context(server_side=False)
+        for delay in backoff_s():
+            sock = socket.socket(self.family, socket.SOCK_STREAM)
+            try:
+                attempt_s = self.options.connect_timeout_s
+                if deadline is not None:  # a flush's: no attempt outlasts it
+                    left = max(0.05, deadline - time.monotonic())
+                    attempt_s = left if attempt_s is None else min(attempt_s, left)
+                sock.settimeout(attempt_s)
+                sock.connect(self.target)
+                if context is not None:
+                    sock = context.wrap_socket(sock, server_hostname=self.target[0])
+                self._crc_after, self.incarnation = handshake_as_producer(sock, self.secret, self.address)
+                self._sign_unacked_for(self.incarnation)
+                self._c_sends_below = c_sends_below(self._crc_after)
+                set_send_timeout(sock, self.options.send_timeout_s)
+                if self.family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sent = self._acked = self._taken = 0
+                self._unacked_bytes, self._untaken_bytes = sum(n for _, n in self._unacked), 0
+                self._ack_buf.clear()
+                self._ack_requested = False
+                for frame, _ in self._unacked:
+                    send_frame(sock, frame, self._crc_after)
+                    self._sent += 1
+                self._connects += 1
+                self._resent += len(self._unacked)
+                return sock
+            except (AuthRefused, ssl.SSLCertVerificationError) as exc:
+                sock.close()
+                raise TransportError(f"{self.address}: {exc}") if isinstance(exc, ssl.SSLError) else exc from None
+            except (OSError, TransportError) as exc:
+                sock.close()
+                if self._closed or time.monotonic() + delay > retry_until:
+                    raise TransportError(
+                        f"cannot connect to {self.address}: {exc} (gave up after {time.monotonic() - started:.1f}s "
+                        f"of retries, as {bound} bounds them; connect_timeout_s bounds each attempt)"
+                    ) from None
+                log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
+                time.sleep(delay)
+            except BaseException:  # e.g. Ctrl-C while resending: half a frame must not stay on a live socket
+                sock.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _sign_unacked_for(self, incarnation: bytes) -> None:
+        """Sign the frames to be resent for the consumer run just connected to, if another than before.
+
+        The producer vouches for them again: they never reached that run, which refuses frames signed for another.
+        """
+        if self.signing_key is not None and self._unacked_for not in (None, incarnation):
+            key = frame_key(self.signing_key, "socket", incarnation)
+            for frame, _ in self._unacked:
+                resign(frame, key)
+        self._unacked_for = incarnation
+
+    def _signed_for_now(self, frame: list[Buffer]) -> None:
+        """Sign a new frame again if the connection changed consumer runs since the producer signed it."""
+        if self.signing_key is not None and self._signed_for not in (None, self.incarnation):
+            resign(frame, frame_key(self.signing_key, "socket", self.incarnation))
+
+    def send(self, frame: list[Buffer], *, key: str | None) -> None:
+        """Send one frame; after a broken connection, reconnect (resending what is unacked) and retry once."""
+        with self._lock:
+            self._raise_if_closed()  # even while close waits for this lock with the connection still open
+            self._probe_if_quiet()
+            self._keep_until_acked(frame, self._send_retrying(frame))
+
+    def send_message(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
+    ) -> None:
+        """Send one tensor; a plain ndarray (most sends) is built and sent in C where it can be."""
+        flags = encoding.plain_flags
+        if (
+            flags is None
+            or type(tensor) is not np.ndarray
+            or not self._send_ndarray(tensor, key, metadata, message_id, flags)
+        ):
+            super().send_message(tensor, key, metadata, message_id, encoding)
+
+    def encoding(self, wanted: Encoding) -> Encoding:
+        """`wanted`, with a whole frame's CRC left to `send_frame`, which computes it while sending."""
+        return dataclasses.replace(wanted, deferred_checksum=True)
+
+    def _send_ndarray(
+        self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
+    ) -> bool:
+        """`encode` and `send` of one plain ndarray in the fewest steps: the frame built and sent in C.
+
+        A small tensor's time is mostly such steps. False, with nothing sent, where it does not apply
+        (no C extension, TLS, chunked frames, no room, a tensor the C head leaves to `encode`).
+        """
+        c_head, c_send = self._c_head, self._c_send
+        if c_head is None or c_send is None:
+            return False
+        head = c_head(array, key, metadata, message_id, flags)
+        if head is None:
+            return False
+        frame: list[Buffer] = [head, flat_bytes(array)] if array.nbytes else [head]
+        with self._lock:
+            if self._rejections:
+                self._raise_rejection()
+            if self._unacked_bytes >= self.options.max_unacked_bytes:
+                return False  # (the general path waits for room)
+            self._raise_if_closed()
+            self._probe_if_quiet()
+            sock = self._sock
+            sent: int | None = None
+            if sock is not None:
+                try:
+                    sent = c_send(sock.fileno(), frame, self._c_sends_below, crc32c)
+                except BaseException as exc:
+                    sent = self._send_retrying(frame, exc)
+            self._keep_until_acked(frame, self._send_retrying(frame) if sent is None else sent)
+        return True
+
+    def _send_retrying(self, frame: list[Buffer], failed: BaseException | None = None) -> int:
+        """Send `frame` (`failed`: how a first attempt ended), reconnecting once after a broken connection.
+
+        Caller holds the lock. Returns the bytes sent.
+        """
+        for attempt in (1, 2):
+            if failed is None:
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect()
+                    self._signed_for_now(frame)
+                    return send_frame(self._sock, frame, self._crc_after)
+                except BaseException as exc:
+                    failed = exc
+            self._drop_connection()  # a frame cut off part way: the consumer drops what came of it
+            if not isinstance(failed, OSError):  # e.g. Ctrl-C, which would leave the rest unsent
+                raise failed
+            if isinstance(failed, (TimeoutError, BlockingIOError)):  # the consumer stopped reading
+                raise TransportError(
+                    f"sending to {self.address} made no progress for {self.options.send_timeout_s}s"
+                ) from None
+            if attempt == 2:
+                raise TransportError(f"sending to {self.address} failed: {failed}") from None
+            log.warning("connection to %s broke (%s); reconnecting", self.address, failed)
+            failed = None
+        raise AssertionError("unreachable")
+
+    def _probe_if_quiet(self, quiet_s: float = PROBE_AFTER_S) -> None:
+        """After a quiet spell, read what the consumer sent meanwhile: acks, or the end of a connection it
+        closed (e.g. after `idle_timeout_s`), which is then replaced before the frame goes out rather than after."""
+        now = time.monotonic()
+        if self._sock is not None and now - self._used_at >= quiet_s:
+            try:
+                for _ in range(4):  # (acks, then perhaps the end of the connection: a read each)
+                    if not self._read_acks(0):
+                        break
+            except OSError as exc:
+                log.info("connection to %s was closed while quiet (%s); reconnecting", self.address, exc)
+                self._drop_connection()
+        self._used_at = now
+
+    def _raise_if_closed(self) -> None:
+        """Refuse to send or (re)connect once `close` began: the connection would outlive the producer."""
+        if self._closed:
+            raise Closed(f"the producer for {self.address} is closed")
+
+    def forget_last(self, count: int) -> None:
+        """Drop the last `count` frames sent (the chunks of a message that failed part way) from those
+        resent on reconnect: a message that can never complete would hold up the consumer's acks.
+
+        A failed send has dropped the connection already; after an interrupt between two chunks it
+        is dropped here, as its acks would wait for the rest of the message too.
+        """
+        with self._lock:
+            self._drop_connection()
+            for _ in range(min(count, len(self._unacked))):
+                _, n = self._unacked.pop()
+                self._sent -= 1
+                if self._sent < self._acked:  # (received already)
+                    self._acked = self._sent
+                    self._untaken_bytes -= n
+                else:
+                    self._unacked_bytes -= n
+
+    def abandon(self) -> None:
+        """Close this process's descriptor of the connection: the parent's stays open (no shutdown, no FIN)."""
+        self._drop_connection()  # (close, not shutdown)
+        self._unacked.clear()  # the parent's to resend
+        self._unacked_bytes = self._untaken_bytes = 0
+        self._sent = self._acked = self._taken = 0
+
+    def _drop_connection(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._ack_requested = False
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects);
+        `Rejected` if it refused one (for each refused message, a send or flush raises once)."""
+        with self._locked(timeout, "flush"):  # (refused frames are acknowledged too: the wait ends)
+            if self._unacked:  # a consumer that went with untaken tensors: resend them to its successor
+                self._probe_if_quiet(0.0)
+            self._await_acks(
+                lambda: (self._sock is not None and self._acked == self._sent) or not self._unacked,
+                timeout,
+                lambda: f"{self._sent - self._acked} frames unacknowledged by {self.address} after {timeout}s",
+            )
+            self._raise_rejection()
+
+    def wait_for_room(self) -> None:
+        """Before a new message: wait while `max_unacked_bytes` are unacknowledged (up to `send_timeout_s`).
+
+        Called between messages, never between the chunks of one, so a message larger than the
+        limit still goes out whole.
+        """
+        limit, timeout = self.options.max_unacked_bytes, self.options.send_timeout_s
+        with self._locked(timeout, "wait for room"):
+            if self._rejections:
+                self._raise_rejection()
+            if self._unacked_bytes < limit:
+                return
+            self._await_acks(
+                lambda: self._unacked_bytes < limit,
+                finite_timeout(timeout),
+                lambda: (
+                    f"{self.address} left {self._unacked_bytes} bytes unacknowledged for {timeout}s "
+                    f"(max_unacked_bytes={limit}): is the consumer aborted, or not receiving?"
+                ),
+            )
+
+    @contextlib.contextmanager
+    def _locked(self, timeout: float | None, what: str) -> Iterator[None]:
+        """Hold the send lock, waiting at most `timeout` for a send that holds it (None: as long as it takes)."""
+        if not self._acquire(timeout):
+            raise TransportError(f"{what} on {self.address}: a send has held the connection for over {timeout}s")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _acquire(self, timeout: float | None) -> bool:
+        """Take the send lock within `timeout` seconds (None, or too long for the platform: as long as it takes)."""
+        timeout = finite_timeout(timeout)
+        return self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+
+    def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
+        """Read acks (asking for them, reconnecting and resending as needed) until `done()`; caller holds the lock."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransportError(failure())
+            acked = self._acked
+            try:
+                if self._sock is None:
+                    try:
+                        self._sock = self._connect(deadline)
+                    except TransportError as exc:  # the wait's time ran out while reconnecting: say what waited
+                        if deadline is None or time.monotonic() < deadline:
+                            raise
+                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
+                if not self._ack_requested:
+                    self._sock.sendall(ACK_REQUEST_MARKER)
+                    self._ack_requested = True
+                self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
+                if self._acked == acked and not self._ack_requested:  # answered, but nothing new: don't spin
+                    time.sleep(min(ACK_POLL_S, remaining) if remaining is not None else ACK_POLL_S)
+            except OSError as exc:
+                if self._sock is not None:
+                    with contextlib.suppress(OSError):
+                        self._read_acks(0)  # a consumer that closed may have acked everything first
+                self._drop_connection()
+                if not done():
+                    log.warning("connection to %s broke while awaiting acks (%s); reconnecting", self.address, exc)
+
+    def _close_producer(self) -> None:
+        """Flush (up to close_timeout_s) what the consumer has not received, and close the connection."""
+        self._rejections.clear()  # (each was logged as it came: close waits for the acks of what is left)
+        if self._acked < self._sent and not self._closed:  # (not for copies of untaken ones: the producer goes)
+            try:
+                self.flush(self.options.close_timeout_s)
+            except Rejected:
+                pass  # (logged as it came)
+            except TransportError as exc:
+                log.warning("closing with frames not acknowledged: %s", exc)
+        self._closed = True
+        if self._acquire(self.options.close_timeout_s):
+            try:
+                self._drop_connection()
+            finally:
+                self._lock.release()
+        elif (sock := self._sock) is not None:  # a send stuck on a consumer that stopped reading holds the lock:
+            with contextlib.suppress(OSError):  # wake it (it fails, drops the connection, and does not reconnect)
+                sock.shutdown(socket.SHUT_RDWR)

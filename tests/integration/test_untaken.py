@@ -1,0 +1,228 @@
+"""At-least-once to the application: a consumer killed (SIGKILL) or closed with tensors nobody took
+loses none of them; its successor on the same endpoint gets every one, CRC-checked, and with
+`dedup_file` none that the first consumer handed out. A producer that sends, flushes and exits
+before anything is taken still exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trustme
+
+import tensorbus as tb
+from tests import faults
+from tests.conftest import endpoint_url
+from tests.waiting import wait_for
+
+SENT, TAKEN = 60, 10
+#: the producer's reconnect bound, and the waits below: a successor of a killed Kafka member waits for its session
+WAIT_S = 60
+
+
+def tensor(i: int) -> np.ndarray:
+    return (np.arange(256, dtype=np.float32) * (i + 1)) % 251
+
+
+def take_some(url: str, options: dict[str, Any], directory: str) -> None:
+    """The first consumer (a process of its own): take t0..t9, wait until more reach the table, say so, then
+    close (`options["then"] == "close"`) or wait to be killed."""
+    then = options.pop("then")
+    consumer = tb.Consumer(url, **options)
+    Path(directory, "address").write_text(consumer.address)
+    handed = Path(directory, "handed")
+    for i in range(TAKEN):
+        consumer.recv(f"t{i}", timeout=WAIT_S)
+        with handed.open("a") as log:
+            log.write(f"t{i}\n")
+    deadline = time.monotonic() + WAIT_S
+    while len(consumer.table) < 20 and time.monotonic() < deadline:  # (bounded: the parent checks the count)
+        time.sleep(0.01)
+    Path(directory, "table").write_text(str(len(consumer.table)))
+    if then == "close":
+        consumer.close()
+        return
+    time.sleep(WAIT_S * 4)  # until killed
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(directory / "ca.pem")
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(directory / "server.pem")
+    return {"ca": str(directory / "ca.pem"), "cert": str(directory / "server.pem")}
+
+
+def endpoint(transport: str, tmp_path: Path, tls: dict[str, str]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """URL, consumer options, producer options of a fresh endpoint a successor can take over."""
+    if transport in ("tcp", "tcps"):
+        url = f"{transport}://127.0.0.1:{faults.free_port()}"
+        if transport == "tcps":
+            return url, {"ssl_certfile": tls["cert"]}, {"ssl_cafile": tls["ca"], "reconnect_timeout_s": WAIT_S}
+        return url, {}, {"reconnect_timeout_s": WAIT_S}
+    if transport == "unix":
+        return f"unix://{tmp_path}/untaken.sock", {}, {"reconnect_timeout_s": WAIT_S}
+    url = endpoint_url(transport)
+    if transport == "amqp":
+        return url, {}, {}  # (a quorum queue: the default queue_type)
+    return url, {"session_timeout_s": 6}, {}  # kafka: a killed member's partitions move after its session
+
+
+@pytest.mark.parametrize("then", ["kill", "close"])
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "tcp",
+        "unix",
+        "tcps",
+        pytest.param("amqp", marks=pytest.mark.broker),
+        pytest.param("kafka", marks=pytest.mark.broker),
+    ],
+)
+def test_a_consumer_gone_with_untaken_tensors_leaves_every_one_to_its_successor(
+    transport: str, then: str, tmp_path: Path, tls: dict[str, str]
+) -> None:
+    url, consumer_options, producer_options = endpoint(transport, tmp_path, tls)
+    options = {**consumer_options, "dedup_file": str(tmp_path / "ids"), "then": then}
+    first = faults.start(take_some, url, options, str(tmp_path))
+    try:
+        wait_for(lambda: (tmp_path / "address").exists(), WAIT_S, "the first consumer to listen")
+        with tb.Producer(url, **producer_options) as producer:
+            for i in range(SENT):
+                producer.send(f"t{i}", tensor(i), metadata={"crc": faults.checksum(tensor(i))})
+            producer.flush(WAIT_S)
+            wait_for(lambda: (tmp_path / "table").exists(), WAIT_S, "the first consumer to take ten")
+            assert int((tmp_path / "table").read_text()) >= 20  # more reached its table than it took
+            if then == "kill":
+                os.kill(first.pid, signal.SIGKILL)
+            first.join(WAIT_S)
+            assert first.exitcode is not None
+            assert (tmp_path / "handed").read_text().split() == [f"t{i}" for i in range(TAKEN)]
+            successor = tb.Consumer(url, **consumer_options, dedup_file=str(tmp_path / "ids"))
+            try:
+                producer.flush(WAIT_S)  # (a socket producer finds the first gone and resends to the successor)
+                got = {}
+                for _ in range(SENT - TAKEN):
+                    message = successor.next_message(timeout=WAIT_S)
+                    assert faults.checksum(message.tensor) == message.metadata["crc"]
+                    got[message.key] = got.get(message.key, 0) + 1
+                assert got == {f"t{i}": 1 for i in range(TAKEN, SENT)}  # every one of the fifty, once
+                with pytest.raises(tb.Timeout):  # and none the first one handed out
+                    successor.next_message(timeout=1.0)
+            finally:
+                successor.close()
+    finally:
+        if first.is_alive():
+            first.kill()
+
+
+def send_flush_exit(url: str, options: dict[str, Any]) -> None:
+    with tb.Producer(url, **options) as producer:
+        for i in range(5):
+            producer.send(f"t{i}", tensor(i))
+        producer.flush(WAIT_S)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix", pytest.param("amqp", marks=pytest.mark.broker)])
+def test_a_producer_that_exits_before_anything_is_taken_exits_at_once(
+    transport: str, tmp_path: Path, tls: dict[str, str]
+) -> None:
+    url, consumer_options, producer_options = endpoint(transport, tmp_path, tls)
+    with tb.Consumer(url, **consumer_options) as consumer:
+        producer = faults.start(send_flush_exit, consumer.address, producer_options)
+        wait_for(lambda: len(consumer.table) == 5, WAIT_S, "the five in the table, none taken")
+        producer.join(8)  # (under close_timeout_s, 10 s: close does not wait for what is not taken)
+        assert producer.exitcode == 0
+        assert sorted(m.key for m in (consumer.next_message(timeout=1) for _ in range(5))) == [
+            f"t{i}" for i in range(5)
+        ]
+
+
+def test_a_consumer_with_ack_arrival_acknowledges_on_arrival_and_loses_its_untaken_ones_on_close() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", ack="arrival") as first:
+        producer = tb.Producer(first.address, reconnect_timeout_s=1, close_timeout_s=1)
+        for i in range(5):
+            producer.send(f"t{i}", tensor(i))
+        producer.flush(WAIT_S)
+        assert first.recv("t0", timeout=WAIT_S).shape == (256,)
+        wait_for(lambda: len(first.table) == 4, WAIT_S, "the other four in the table")
+    producer.flush(5)  # the close acknowledged the four as taken: nothing kept, nothing to resend to anyone
+    assert not producer.transport._unacked  # type: ignore[attr-defined]
+    producer.close()
+
+
+def test_with_ack_take_a_producer_keeps_the_untaken_ones_for_the_next_consumer() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as first:
+        producer = tb.Producer(first.address, reconnect_timeout_s=1, close_timeout_s=1)
+        for i in range(5):
+            producer.send(f"t{i}", tensor(i))
+        producer.flush(WAIT_S)
+        assert first.recv("t0", timeout=WAIT_S).shape == (256,)
+        wait_for(lambda: len(first.table) == 4, WAIT_S, "the other four in the table")
+    with pytest.raises(tb.TransportError, match="cannot connect"):  # kept: it looks for a consumer to give them
+        producer.flush(5)
+    assert len(producer.transport._unacked) == 4  # type: ignore[attr-defined]
+    producer.close()
+
+
+def test_past_max_untaken_bytes_the_oldest_copies_are_let_go_and_counted() -> None:
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        with tb.Producer(consumer.address, max_untaken_bytes=4 * 1024) as producer:
+            for i in range(20):  # 1 KiB each, none taken: a send never waits for a recv
+                producer.send(f"t{i}", tensor(i))
+            producer.flush(WAIT_S)
+            transport: Any = producer.transport
+            assert transport._untaken_bytes <= 4 * 1024 and transport.untaken_let_go >= 14
+        assert consumer.recv("t19", timeout=WAIT_S)[1] == tensor(19)[1]
+
+
+@pytest.mark.parametrize("transport", ["memory", "tcp", pytest.param("amqp", marks=pytest.mark.broker)])
+def test_with_manual_acks_what_was_taken_but_not_acknowledged_comes_again(
+    transport: str, tmp_path: Path, tls: dict[str, str]
+) -> None:
+    if transport == "memory":
+        url, consumer_options, producer_options = f"memory://manual-{uuid.uuid4().hex}", {}, {}
+    else:
+        url, consumer_options, producer_options = endpoint(transport, tmp_path, tls)
+    ids = str(tmp_path / "ids")
+    first = tb.Consumer(url, **consumer_options, ack="manual", dedup_file=ids)
+    with tb.Producer(first.address, **producer_options) as producer:
+        for i in range(20):
+            producer.send(f"t{i}", tensor(i))
+        producer.flush(WAIT_S)
+        taken = [first.recv_message(f"t{i}", timeout=WAIT_S) for i in range(6)]
+        for message in taken[:3]:
+            first.ack(message)  # t0..t2 done with
+        first.reject(taken[3])  # t3 given back: delivered again
+        assert first.recv_message("t3", timeout=WAIT_S).message_id == taken[3].message_id
+        first.close()  # t3..t5 taken, never acknowledged
+        with tb.Consumer(url, **consumer_options, ack="manual", dedup_file=ids) as successor:
+            producer.flush(WAIT_S)  # (a socket producer resends what was not acknowledged)
+            got = sorted(str(successor.next_message(timeout=WAIT_S).key) for _ in range(17))
+            assert got == sorted(f"t{i}" for i in range(3, 20))
+            with pytest.raises(tb.Timeout):
+                successor.next_message(timeout=0.5)  # not t0..t2
+
+
+def test_messages_taken_and_not_acknowledged_count_against_max_buffered_bytes() -> None:
+    url = f"memory://manual-room-{uuid.uuid4().hex}"
+    with tb.Consumer(url, ack="manual", max_buffered_bytes=3 * 1024 + 100) as consumer, tb.Producer(url) as producer:
+        for i in range(5):
+            producer.send(f"t{i}", tensor(i))  # 1 KiB each
+        held = [consumer.recv_message(f"t{i}", timeout=WAIT_S) for i in range(3)]
+        assert consumer.table.buffered_bytes >= 3 * 1024  # the three, unacknowledged
+        wait_for(lambda: consumer.intake._held_up or consumer.transport._held, WAIT_S, "t3 held back")  # type: ignore[attr-defined]
+        assert len(consumer.table) <= 1  # no room for both of the others while three are unacknowledged
+        for message in held:
+            consumer.ack(message)
+        assert [consumer.recv(f"t{i}", timeout=WAIT_S)[1] for i in (3, 4)] == [tensor(3)[1], tensor(4)[1]]
+        with pytest.raises(tb.ConfigError, match="ack='manual'"):
+            tb.Consumer(f"memory://{uuid.uuid4().hex}").ack(held[0])

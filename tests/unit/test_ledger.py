@@ -1,0 +1,286 @@
+"""The acknowledgement ledger (tensorbus/ledger.py): which received frames a transport may acknowledge.
+
+Rule by rule on a bare ledger, then through real consumers: what the intake reports, the C delivery
+against the Python one, and memory:// handing untaken tensors to the next consumer.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.codec import encode, encode_chunks
+from tensorbus.intake_state import FAST
+from tensorbus.ledger import EARLY_TAKES, Ledger, Stream
+from tensorbus.transports.base import Delivered, Held, fast_result
+from tests.waiting import wait_for
+
+A, B, C = ("p", 1), ("p", 2), ("p", 3)
+ADMITTED = {"done": True, "admitted": True}
+
+
+def recorded(ledger: Ledger) -> tuple[Stream, list[Any]]:
+    """A stream of `ledger`, and the list its released positions are appended to."""
+    released: list[Any] = []
+    return ledger.stream(released.extend), released
+
+
+def test_a_tensor_in_the_table_is_released_once_taken_not_on_arrival() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    assert not stream.record(0, Delivered(A, **ADMITTED))
+    assert stream.first_unreceived() == 1  # received: the producer's credit and flush
+    assert stream.first_open() == 0 and released == []  # not taken: not acknowledged
+    ledger.taken(A)
+    assert released == [0] and stream.first_open() == 1
+
+
+def test_with_ack_arrival_a_tensor_is_released_as_it_reaches_the_table() -> None:
+    ledger = Ledger("arrival")
+    stream, released = recorded(ledger)
+    assert stream.record(0, Delivered(A, **ADMITTED))
+    assert released == [0] and stream.first_open() == 1
+
+
+def test_an_unknown_mode_is_a_config_error() -> None:
+    with pytest.raises(tb.ConfigError, match="ack must be one of take, arrival"):
+        Ledger("later")  # type: ignore[arg-type]
+    with pytest.raises(tb.ConfigError, match="ack must be one of"):
+        tb.Consumer(f"memory://{uuid.uuid4().hex}", ack="manually")
+
+
+def test_a_chunked_tensors_frames_are_released_together_when_it_is_taken() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    stream.record(0, Delivered(A, False))  # chunk 0
+    stream.record(1, Delivered(B, **ADMITTED))  # a whole tensor between the chunks
+    stream.record(2, Delivered(A, False))  # chunk 1
+    assert stream.first_unreceived() == 0  # its chunks are not received as a tensor yet
+    stream.record(3, Delivered(A, **ADMITTED))  # the last chunk completes it
+    assert stream.first_unreceived() == 4
+    ledger.taken(B)
+    assert released == [1] and stream.first_open() == 0  # cumulative: held at A's first chunk
+    ledger.taken(A)
+    assert sorted(released) == [0, 1, 2, 3] and stream.first_open() == 4
+
+
+def test_a_copy_of_a_tensor_still_untaken_is_released_with_it_and_does_not_release_it() -> None:
+    ledger = Ledger()
+    first, released_first = recorded(ledger)
+    second, released_second = recorded(ledger)
+    first.record(0, Delivered(A, **ADMITTED))
+    assert not second.record(0, Delivered(A, True))  # the resent copy, dropped as a duplicate
+    assert released_second == [] and released_first == []  # both wait for the original to be taken
+    assert second.first_unreceived() == 1 and second.first_open() == 0
+    ledger.taken(A)
+    assert released_first == [0] and released_second == [0]
+    assert second.record(1, Delivered(A, True))  # a copy once it was taken: released on its own
+    assert released_second == [0, 1]
+
+
+def test_refused_frames_are_released_with_every_chunk_of_their_tensor() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    stream.record(0, Delivered(A, False))
+    stream.record(1, Delivered(A, True, refused="stale incarnation"))  # refused once whole
+    stream.record(2, Delivered(None, True, refused="bad checksum"))  # a frame that named nothing
+    assert sorted(released) == [0, 1, 2] and stream.first_open() == 3
+
+
+def test_a_tensor_given_up_or_dropped_unclaimed_is_released() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    stream.record(0, Delivered(A, False))
+    stream.record(1, Delivered(B, **ADMITTED))
+    ledger.dropped(A)  # its chunks stopped coming (the reassembler gave up)
+    assert released == [0]
+    stream.record(2, Delivered(A, True))  # a late chunk of it: dropped, released on its own
+    assert released == [0, 2]
+    ledger.dropped(B)  # unclaimed_timeout_s
+    assert released == [0, 2, 1] and stream.first_open() == 3
+
+
+def test_frames_turned_away_are_never_released_and_hold_the_cumulative_count() -> None:
+    ledger = Ledger("arrival")  # (even on arrival)
+    stream, released = recorded(ledger)
+    stream.record(0, Delivered(A, **ADMITTED))
+    stream.record(1, Delivered(B, False, turned_away=True))
+    stream.record(2, Delivered(C, False, turned_away=True))
+    assert released == [0] and stream.first_open() == 1 and stream.first_unreceived() == 1
+    assert stream.unreleased() == [1, 2]
+
+
+def test_a_tensor_taken_before_its_frame_is_recorded_is_released_at_the_record() -> None:
+    # the C delivery hands a tensor to a waiting recv, which may return before the reader records the frame
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    ledger.taken(A)
+    assert stream.record(0, Delivered(A, **ADMITTED)) and released == [0]
+    stream.record(1, Delivered(A, True))  # a copy of it later: on its own, not taken twice
+    assert released == [0, 1]
+    for sequence in range(EARLY_TAKES + 10):  # ids taken and never recorded are forgotten, oldest first
+        ledger.taken(("q", sequence))
+    assert len(ledger._early) == EARLY_TAKES
+
+
+def test_a_held_tensor_is_received_only_once_the_table_takes_it() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    held = Held(b"frame", None, "k", A)
+    stream.record(0, Delivered(A, False, held=held))
+    stream.record(1, Delivered(B, **ADMITTED))
+    assert stream.first_unreceived() == 0
+    ledger.apply(Delivered(A, **ADMITTED))  # room opened: the table took it
+    assert stream.first_unreceived() == 2 and released == []
+    ledger.taken(A)
+    ledger.taken(B)
+    assert sorted(released) == [0, 1]
+
+
+def test_a_closed_stream_releases_nothing_more_and_says_what_it_left() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    stream.record(5, Delivered(A, **ADMITTED))
+    stream.record(6, Delivered(B, **ADMITTED))
+    ledger.taken(A)
+    assert stream.close() == [6]
+    ledger.taken(B)
+    assert released == [5]  # (the connection is gone: its producer sends B again to the next consumer)
+
+
+def test_positions_may_be_any_hashable_amqp_deliveries_for_one() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    deliveries = [(1, tag, "ctag-1") for tag in (1, 2, 3)]
+    for delivery, message_id in zip(deliveries, (A, B, C), strict=True):
+        stream.record(delivery, Delivered(message_id, **ADMITTED))
+    ledger.taken(C)
+    ledger.taken(A)
+    assert released == [deliveries[2], deliveries[0]]  # one by one, in the order taken
+
+
+# -- through real consumers ------------------------------------------------------------------------
+
+
+def frame_of(tensor: Any, key: str, seq: int) -> memoryview:
+    parts = encode(tensor, key=key, message_id=("c" * 16, seq))
+    return memoryview(bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts)))
+
+
+def chunks_of(tensor: Any, key: str, seq: int) -> list[memoryview]:
+    parts = encode_chunks(tensor, max_chunk_bytes=4096, key=key, message_id=("c" * 16, seq))
+    return [memoryview(bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in part))) for part in parts]
+
+
+def frames() -> list[memoryview]:
+    """Plain frames (the C delivery's), a duplicate, a chunked tensor and a bad frame (Python's)."""
+    out = [frame_of(np.arange(4.0) + i, f"k{i % 3}", i) for i in range(8)]
+    out.append(frame_of(np.arange(4.0) + 2, "k2", 2))  # a duplicate of seq 2
+    out.extend(chunks_of(np.arange(3000.0), "big", 100))
+    bad = bytearray(frame_of(np.ones(3), "k0", 200))
+    bad[-1] ^= 0xFF  # fails its checksum
+    out.append(memoryview(bad))
+    out.append(frame_of(np.arange(2.0), "late", 300))
+    return out
+
+
+def release_positions(consumer: tb.Consumer, fast: bool) -> tuple[list[Any], list[Any], int, int]:
+    """Deliver `frames()` as the socket reader does (the C delivery first when `fast`), take some keys,
+    and say what the ledger released: after delivery, after taking, and the two cumulative counts."""
+    intake = consumer.intake
+    stream, released = recorded(intake.ledger)
+    got: list[Any] = []
+    consumer.recv_async("late", lambda message, error: got.append(message))  # served on delivery
+    for position, frame in enumerate(frames()):
+        result = fast_result(intake.fast, frame, None, 1) if fast and intake.fast is not None else None
+        stream.record(position, result if result is not None else intake(frame, None, may_hold=True, source=1))
+    after_delivery = sorted(released)
+    for key in ("k0", "big", "k1", "k0"):
+        consumer.recv(key, timeout=1)
+    assert got and got[0].key == "late"
+    return after_delivery, sorted(released), stream.first_open(), stream.first_unreceived()
+
+
+@pytest.mark.skipif(FAST is None, reason="the intake's C delivery is not built (its Python twin is tested alone)")
+def test_the_c_delivery_and_the_python_delivery_release_the_same_positions() -> None:
+    c_side, python_side = (tb.Consumer(f"memory://ledger-{uuid.uuid4().hex}") for _ in range(2))
+    try:
+        assert c_side.intake.fast is not None
+        in_c = release_positions(c_side, fast=True)
+        assert c_side.intake.fast_delivery.taken >= 7  # (most plain frames went through C)
+        in_python = release_positions(python_side, fast=False)
+        assert in_c == in_python
+        after_delivery, after_taking, first_open, first_unreceived = in_c
+        count = len(frames())
+        assert after_delivery == [count - 2, count - 1]  # the bad frame, "late" (a callback had it)
+        taken = [0, 3, 1, *range(9, count - 2)]  # k0 twice, k1 once, and every chunk of "big"
+        assert after_taking == sorted([*after_delivery, *taken])  # (the copy of k2, at 8, waits with it)
+        assert first_open == 2 and first_unreceived == count  # k2 (seq 2) is in the table, untaken
+    finally:
+        c_side.close()
+        python_side.close()
+
+
+def test_a_closed_memory_consumer_leaves_its_untaken_tensors_to_the_next_one_in_order() -> None:
+    name = f"ledger-close-{uuid.uuid4().hex}"
+    with tb.Producer(f"memory://{name}", max_frame_bytes=4096) as producer:
+        first = tb.Consumer(f"memory://{name}")
+        for i in range(60):
+            producer.send(f"t{i}", np.full(600 if i % 10 == 0 else 3, i, np.float64))  # every tenth chunked
+        for i in range(10):
+            assert first.recv(f"t{i}", timeout=10)[0] == i
+        wait_for(lambda: len(first.table) == 50, 10, "the other 50 in the first consumer's table")
+        first.close()
+        with tb.Consumer(f"memory://{name}") as successor:
+            got = [int(successor.next_message(timeout=10).tensor[0]) for _ in range(50)]
+            assert got == list(range(10, 60))  # every one, in the order sent
+            with pytest.raises(tb.Timeout):
+                successor.next_message(timeout=0.2)  # and none of the ten taken
+
+
+def test_with_ack_arrival_a_closed_memory_consumers_untaken_tensors_are_lost() -> None:
+    name = f"ledger-arrival-{uuid.uuid4().hex}"
+    with tb.Producer(f"memory://{name}") as producer:
+        first = tb.Consumer(f"memory://{name}", ack="arrival")
+        for i in range(5):
+            producer.send(f"t{i}", np.full(3, i))
+        wait_for(lambda: len(first.table) == 5, 10, "the five in the table")
+        first.close()
+        with tb.Consumer(f"memory://{name}") as successor:
+            with pytest.raises(tb.Timeout):
+                successor.next_message(timeout=0.3)
+
+
+def test_unclaimed_tensors_dropped_are_acknowledged() -> None:
+    name = f"ledger-unclaimed-{uuid.uuid4().hex}"
+    with tb.Producer(f"memory://{name}") as producer:
+        first = tb.Consumer(f"memory://{name}", unclaimed_timeout_s=0.2)
+        producer.send("nobody", np.ones(3))
+        wait_for(lambda: first.stats["unclaimed"] == 1, 10, "the unclaimed tensor dropped")
+        first.close()
+        with tb.Consumer(f"memory://{name}") as successor:
+            with pytest.raises(tb.Timeout):  # dropped for a stated reason: not handed on
+                successor.next_message(timeout=0.3)
+
+
+def test_an_incomplete_message_on_memory_expires_and_the_endpoint_goes_on() -> None:
+    name = f"expiring-chunks-{uuid.uuid4().hex}"
+    with tb.Consumer(f"memory://{name}", reassembly_timeout_s=0.3) as consumer:
+        with tb.Producer(f"memory://{name}", max_frame_bytes=16384) as producer:
+            parts = encode_chunks(np.zeros(20_000), max_chunk_bytes=16384, key="lost", message_id=("gone", 1))
+            assert len(parts) > 2
+            for part in parts[:-1]:  # its last chunk never comes
+                producer.transport.send(part, key="lost")
+            reassembler = consumer.intake.reassembler
+            wait_for(lambda: reassembler.stats["expired"] == 1, 30, "the incomplete tensor to expire")
+            assert reassembler.pending == 0 and reassembler.held_bytes == 0 and reassembler.given_up == 1
+            assert consumer.intake.ledger.stats["dropped"] == 1  # its frames released
+            producer.send("whole", np.arange(3))
+            producer.send("chunked", np.arange(5000.0))
+            assert consumer.recv("whole", timeout=30).tolist() == [0, 1, 2]
+            assert np.array_equal(consumer.recv("chunked", timeout=30), np.arange(5000.0))
+            assert "lost" not in consumer.table.buffered_keys()
