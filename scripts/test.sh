@@ -11,7 +11,7 @@ t0=$SECONDS
 
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[rabbitmq,kafka,kafka-fast,compression,bench,cli,dev,torch,metrics,tracing]"
+.venv/bin/python -m pip install -q -e ".[rabbitmq,kafka,kafka-fast,compression,bench,cli,dev,torch,metrics,tracing,aio]"
 
 took "venv"
 native_down() { bash scripts/brokers.sh cluster down; bash scripts/brokers.sh down; }

@@ -75,6 +75,20 @@ class RecvHandle:
         return self._table._fail_waiter(self._waiter, Cancelled(f"recv of {self._waiter.key!r} was cancelled"))
 
 
+class Handoff:
+    """A `recv_async` callback that takes a message without it being handed out: its caller hands it
+    out (`Rendezvous.hand_out`) once its receiver really has it, or puts it back (`Rendezvous.put_back`)
+    when the receiver went away meanwhile (an asyncio task cancelled as the message came)."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callback) -> None:
+        self.callback = callback
+
+    def __call__(self, message: Message | None, error: BaseException | None) -> None:
+        self.callback(message, error)
+
+
 class Rendezvous(TableState):
     """A thread-safe table that matches sent messages with receivers by key.
 
@@ -209,6 +223,10 @@ class Rendezvous(TableState):
     def recv_async(self, key: str, callback: Callback) -> RecvHandle:
         """Call `callback(message, None)` once `key` arrives, or `callback(None, error)`; never blocks."""
         check_key(key)  # (None: the messages sent with no key)
+        return self.wait_async(key, callback)
+
+    def wait_async(self, key: object, callback: Callback) -> RecvHandle:
+        """`recv_async` of a checked key, or of ANY (the oldest message of any key)."""
         waiter = Waiter(key, callback)
         with self._lock:
             message = self._take(key) if self._aborted is None else None
@@ -295,6 +313,15 @@ class Rendezvous(TableState):
         assert waiter.result is not None
         return self._hand_out(waiter.result)
 
+    def hand_out(self, message: Message) -> Message:
+        """A message a `Handoff` callback had is now the application's (recorded as taken)."""
+        return self._hand_out(message)
+
+    def put_back(self, message: Message) -> None:
+        """A message a `Handoff` callback had, whose receiver went away: first in line again, not taken."""
+        with contextlib.suppress(Aborted, StaleIncarnation):  # (an abort dropped what was buffered anyway)
+            self.put(message, first=True)
+
     def _hand_out(self, message: Message) -> Message:
         if self.on_delivered_to_application is not None:
             self.on_delivered_to_application(message)
@@ -329,7 +356,8 @@ class Rendezvous(TableState):
             if isinstance(result, BaseException):
                 waiter.callback(None, result)
             else:
-                waiter.callback(self._hand_out(result), None)  # type: ignore[arg-type]
+                handed = result if isinstance(waiter.callback, Handoff) else self._hand_out(result)  # type: ignore[arg-type]
+                waiter.callback(handed, None)
         except BaseException as exc:  # even SystemExit: the thread delivering is a transport's, not the callback's
             log.exception("recv_async callback for %s raised", brief(waiter.key))
             if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():

@@ -1,4 +1,5 @@
-"""The behaviour suite, written once and run against every transport.
+"""The behaviour suite, written once and run against every transport, through the blocking API and
+through the asyncio one (tensorbus.aio, behind the blocking methods: tests/aio_bridge.py).
 
 Producers run in separate processes for every transport that crosses one (all but memory://).
 Adding a transport is one entry in TRANSPORTS.
@@ -14,21 +15,26 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tests.aio_bridge import AioConsumer
 from tests.conftest import endpoint_url
 from tests.peers import Peer, make_tensor, same
 from tests.waiting import wait_for
 
-TRANSPORTS = [
-    "memory",
-    "tcp",
-    "unix",
-    *(pytest.param(t, marks=pytest.mark.broker) for t in ("amqp", "kafka", "kafka-confluent")),
-]
+TRANSPORTS = ["memory", "tcp", "unix", "amqp", "kafka", "kafka-confluent"]
+BROKERS = {"amqp", "kafka", "kafka-confluent"}
+APIS = {"blocking": tb.Consumer, "aio": AioConsumer}
 
 
-@pytest.fixture(params=TRANSPORTS)
+@pytest.fixture(
+    params=[
+        pytest.param((t, api), id=t if api == "blocking" else f"{t}-{api}", marks=[pytest.mark.broker] * (t in BROKERS))
+        for api in APIS
+        for t in TRANSPORTS
+    ]
+)
 def consumer(request: pytest.FixtureRequest) -> Any:
-    with tb.Consumer(endpoint_url(request.param)) as c:
+    transport, api = request.param
+    with APIS[api](endpoint_url(transport)) as c:
         yield c
 
 

@@ -1,0 +1,103 @@
+"""The asyncio consumer: a `tensorbus.Consumer` whose receives are awaited on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .. import api
+from ..codec import Message
+from ..errors import Aborted, Closed
+from ..intake_state import ANY
+from ..keys import check_key
+from ..options import finite_timeout
+from ..rendezvous import Rendezvous
+from .handoff import wait_message
+
+
+class Consumer:
+    """Receives the tensors sent to `url` (the blocking `Consumer`'s URLs and options), awaiting them.
+
+    Open it with `async with` (or `await consumer.open()`): the transport is set up on a worker thread,
+    so that a broker's connection handshake does not block the loop. The transport's own threads read
+    frames; a receive waits on the loop for its message (see handoff.py).
+    """
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.url = url
+        self._options = options
+        self._blocking: api.Consumer | None = None
+        self._closed = False
+
+    async def open(self) -> Consumer:
+        """Start receiving (idempotent)."""
+        if self._closed:
+            raise Closed("open of a closed Consumer")
+        if self._blocking is None:
+            self._blocking = await asyncio.to_thread(api.Consumer, self.url, **self._options)
+        return self
+
+    @property
+    def blocking(self) -> api.Consumer:
+        """The blocking consumer underneath (its table, stats and transport)."""
+        if self._blocking is None:
+            raise Closed(f"the Consumer of {self.url} is not open: use `async with` or `await consumer.open()`")
+        return self._blocking
+
+    @property
+    def address(self) -> str:
+        """The URL producers should use (for tcp://host:0, with the port actually bound)."""
+        return self.blocking.address
+
+    @property
+    def table(self) -> Rendezvous:
+        """The rendezvous table (what is buffered, by key)."""
+        return self.blocking.table
+
+    @property
+    def stats(self) -> Any:
+        """The consumer's counts (received, duplicates, rejected...)."""
+        return self.blocking.stats
+
+    async def recv(self, key: str, timeout: float | None = None) -> Any:
+        """The next tensor sent under `key`, awaited up to `timeout` seconds (then `tensorbus.Timeout`)."""
+        return (await self.recv_message(key, timeout)).tensor
+
+    async def recv_message(self, key: str, timeout: float | None = None) -> Message:
+        """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
+        check_key(key)
+        return await wait_message(self.blocking.table, key, finite_timeout(timeout))
+
+    async def next_message(self, timeout: float | None = None) -> Message:
+        """The oldest message not yet received, of any key (work-queue use)."""
+        return await wait_message(self.blocking.table, ANY, finite_timeout(timeout))
+
+    def abort(self, reason: str) -> None:
+        """Fail every pending and later receive with `tensorbus.Aborted(reason)`."""
+        self.blocking.abort(reason)
+
+    async def __aiter__(self) -> AsyncIterator[Message]:
+        """Messages in arrival order until the consumer is closed or aborted."""
+        while True:
+            try:
+                yield await self.next_message()
+            except Aborted:
+                if self._closed:
+                    return
+                raise
+
+    async def close(self) -> None:
+        """Stop receiving; pending receives fail with `Aborted("consumer closed")`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._blocking is not None:
+            self._blocking.table.abort("consumer closed")  # at once: pending receives end now
+            await asyncio.to_thread(self._blocking.close)
+
+    async def __aenter__(self) -> Consumer:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,95 @@
+"""Waiting on the event loop for a message of the rendezvous table, without losing one to a cancellation.
+
+The table calls a `Handoff` callback on whichever thread delivered the message (a transport's reading
+thread, or the loop itself when the message was buffered already); the result reaches the loop through
+`call_soon_threadsafe`. The message counts as taken (`Rendezvous.hand_out`: acknowledged on take,
+recorded in the dedup file) only once the awaiting coroutine has it. A message that comes just as its
+task is cancelled, or its wait timed out, goes back to the front of its key's queue (`put_back`), so
+the next receive gets it: nothing is lost, nothing is taken twice, and the key stays first in, first
+out (a message put back by the delivering thread is back before that thread delivers the next one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from ..codec import Message
+from ..errors import Timeout
+from ..intake_state import ANY
+from ..rendezvous import Handoff, Rendezvous
+
+
+class _Receive:
+    """One awaited receive: what the delivering thread handed over, until the loop takes it or gives it back."""
+
+    def __init__(self, table: Rendezvous, loop: asyncio.AbstractEventLoop) -> None:
+        self.table, self.loop = table, loop
+        self.future: asyncio.Future[Message] = loop.create_future()
+        self._lock = threading.Lock()  # guards `_result` and `_withdrawn` (the delivering thread and the loop)
+        self._result: tuple[Message | None, BaseException | None] | None = None
+        self._withdrawn = False
+        self._loop_thread = threading.get_ident()
+
+    def arrived(self, message: Message | None, error: BaseException | None) -> None:
+        """The table's callback, on the delivering thread."""
+        with self._lock:
+            withdrawn = self._withdrawn
+            if not withdrawn:
+                self._result = message, error
+        if withdrawn:  # the receive is gone: the message goes back now, before this thread delivers another
+            if message is not None:
+                self.table.put_back(message)
+        elif threading.get_ident() == self._loop_thread:
+            self._settle()
+        else:
+            try:
+                self.loop.call_soon_threadsafe(self._settle)
+            except RuntimeError:  # the loop is closed: nobody awaits this any more
+                self.withdraw()
+
+    def _settle(self) -> None:
+        """On the loop: the future gets what arrived (unless the receive was withdrawn meanwhile)."""
+        with self._lock:
+            if self.future.done():  # cancelled: `withdraw` (next, in the task) gives it back
+                return
+            result, self._result = self._result, None
+        if result is None:
+            return
+        message, error = result
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(message)  # type: ignore[arg-type]
+
+    def withdraw(self) -> None:
+        """The receive was cancelled (or timed out), its waiter withdrawn or served: a message it had goes back."""
+        with self._lock:
+            self._withdrawn = True
+            result, self._result = self._result, None
+        future = self.future
+        if result is None and future.done() and not future.cancelled() and future.exception() is None:
+            result = future.result(), None  # (settled, but the task was cancelled before it ran on)
+        if result is not None and result[0] is not None:
+            self.table.put_back(result[0])
+
+
+async def wait_message(table: Rendezvous, key: object, timeout: float | None) -> Message:
+    """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever)."""
+    receive = _Receive(table, asyncio.get_running_loop())
+    handle = table.wait_async(key, Handoff(receive.arrived))
+    try:
+        if timeout is None:
+            message = await receive.future
+        else:
+            message = await asyncio.wait_for(receive.future, timeout)
+    except asyncio.TimeoutError:
+        handle.cancel()
+        receive.withdraw()
+        what = "no message" if key is ANY else f"no tensor for key {key!r}"
+        raise Timeout(f"{what} within {timeout}s") from None
+    except BaseException:  # cancelled: withdraw the receive; a message it had goes back
+        handle.cancel()
+        receive.withdraw()
+        raise
+    return table.hand_out(message)
