@@ -140,7 +140,9 @@ def test_a_tensor_arriving_as_its_task_is_cancelled_stays_for_the_next_recv(run:
         async with tba.Consumer(endpoint_url("memory")) as consumer:
             table = consumer.table
             taken: list[tb.Message] = []
-            table.on_delivered_to_application = taken.append
+            record_taken = table.on_delivered_to_application  # (the ledger's: what acknowledges a tensor)
+            assert record_taken is not None
+            table.on_delivered_to_application = lambda message: (taken.append(message), record_taken(message))
             pending = asyncio.create_task(consumer.recv_message("k"))
             await until(lambda: waiting(consumer, "k"), "the receive to wait")
             message = tb.Message("k", np.arange(3), {"n": "raced"})
