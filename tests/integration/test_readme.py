@@ -24,7 +24,7 @@ BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
 EXAMPLE = re.compile(r"\bexamples/\w+\.py\b")
 #: modules of the optional extras (pyproject.toml's optional-dependencies), which the first set-up command leaves out
 EXTRAS = ("lz4", "zstandard", "torch", "pika", "kafka", "rich", "matplotlib", "zmq", "pyarrow", "safetensors",
-          "prometheus_client", "opentelemetry")  # fmt: skip
+          "prometheus_client", "opentelemetry", "uvloop")  # fmt: skip
 HIDE_EXTRAS = f"import sys; sys.modules.update(dict.fromkeys({EXTRAS!r}))\n"
 #: how long a block or an example may take
 BOUND_S = 120
