@@ -10,10 +10,11 @@ from typing import Any
 EPILOG = """\
 Producer and consumer run in separate processes (memory:// in one, it cannot cross processes).
 Every received tensor is checked (order, size, dtype, CRC32C). Baselines: socket (bare TCP
-sendall + recv_into), zmq (pyzmq PUSH/PULL, copy=False), pickle (protocol 5, out-of-band buffers,
-over TCP), pika (raw, confirms + manual acks), kafka-python (raw, acks=all), confluent-kafka (raw
-librdkafka, acks=all, idempotent, batched consume). A broker that does not
-answer is skipped and the table says why. Settings: flags, else the --config file (default
+sendall + recv_into), zmq (pyzmq PUSH/PULL, copy=False), zmq-asyncio (the same on pyzmq's asyncio
+sockets, beside aio-tcp and aio-unix: tensorbus.aio), pickle (protocol 5, out-of-band buffers, over
+TCP), pika (raw, confirms + manual acks), kafka-python (raw, acks=all), confluent-kafka (raw
+librdkafka, acks=all, idempotent, batched consume). A broker that does not answer
+is skipped and the table says why. Settings: flags, else the --config file (default
 config/bench.toml when it exists), else built-in defaults. A quick look:
 
   tensorbus bench --transports tcp,unix --sizes 64KB,16MB --budget-s 2 --plot bench.png
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--transports",
         metavar="LIST",
-        help="names or URLs: memory,tcp,unix,amqp,kafka, amqp-quorum,amqp-classic,kafka-confluent (default: first 5)",
+        help="names or URLs: memory,tcp,unix,amqp,kafka, amqp-quorum,amqp-classic,kafka-confluent, aio-tcp,aio-unix "
+        "(default: the first five)",
     )
     add("--sizes", metavar="LIST", help="tensor sizes, binary units (default: 4KB,64KB,1MB,16MB,256MB)")
     add("--dtype", help="element type of the tensors (default: float32)")
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--baselines",
         metavar="LIST",
-        help="socket,zmq,pickle,pika,pika-classic,kafka-python,confluent-kafka, auto (default) or none",
+        help="socket,zmq,zmq-asyncio,pickle,pika,pika-classic,kafka-python,confluent-kafka, auto (default) or none",
     )
     add("--latency-sizes", metavar="LIST", help="sizes for round trips (default: 4KB)")
     add("--warmup-s", type=float, metavar="S", help="untimed traffic per cell before timing")

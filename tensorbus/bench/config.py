@@ -19,11 +19,16 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "amqp-quorum": ("amqp", "queue_type=quorum"),
     "amqp-classic": ("amqp", "queue_type=classic"),
     "kafka-confluent": ("kafka", "client=confluent"),
+    "aio-tcp": ("tcp", ""),
+    "aio-unix": ("unix", ""),
 }
+#: rows run through tensorbus.aio, one event loop per worker (bench/aio_links.py)
+AIO_VARIANTS = ("aio-tcp", "aio-unix")
 #: baseline name -> the transport families it stands in for
 BASELINES: dict[str, tuple[str, ...]] = {
     "socket": ("memory", "tcp", "unix"),
     "zmq": ("memory", "tcp", "unix"),
+    "zmq-asyncio": AIO_VARIANTS,
     "pickle": ("memory", "tcp", "unix"),
     "pika": ("amqp", "amqp-quorum"),
     "pika-classic": ("amqp-classic",),

@@ -85,7 +85,7 @@ def inbound_url(spec: dict[str, Any], role: str) -> str:
     """The tensorbus endpoint URL this side listens on, derived from the method's base URL."""
     base = urllib.parse.urlsplit(spec["url"])
     name = f"tbbench-{spec['tag']}-{INBOUND[role]}"
-    query = split_query(base.query)[0] if spec["impl"] == "tensorbus" else ""
+    query = split_query(base.query)[0] if spec["impl"].startswith("tensorbus") else ""
     base = base._replace(query=query)
     if base.scheme == "memory":
         return f"memory://{name}" + (f"?{query}" if query else "")
@@ -125,10 +125,12 @@ class TensorbusLink(Link):
     def connect(self, address: str) -> None:
         import tensorbus as tb
 
+        self.producer = tb.Producer(self.outbound_url(address))
+
+    def outbound_url(self, address: str) -> str:
+        """The peer's `address` with the producer's options of the method's URL."""
         options = split_query(urllib.parse.urlsplit(self.spec["url"]).query)[1]
-        if options:
-            address += ("&" if "?" in address else "?") + options
-        self.producer = tb.Producer(address)
+        return address + (("&" if "?" in address else "?") + options if options else "")
 
     def send(self, array: np.ndarray, index: int) -> None:
         self.producer.send(KEY, array, metadata={"i": index})
@@ -156,6 +158,8 @@ IMPLEMENTATIONS = {
     "tensorbus": "tensorbus.bench.links:TensorbusLink",
     "socket": "tensorbus.bench.baselines:SocketLink",
     "zmq": "tensorbus.bench.baselines:ZmqLink",
+    "tensorbus-aio": "tensorbus.bench.aio_links:AioTensorbusLink",
+    "zmq-asyncio": "tensorbus.bench.aio_links:ZmqAsyncioLink",
     "pickle": "tensorbus.bench.baselines:PickleLink",
     "pika": "tensorbus.bench.broker_baselines:PikaLink",
     "pika-classic": "tensorbus.bench.broker_baselines:PikaLink",

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from . import brokers
-from .config import BASELINE_QUERY, VARIANTS, BenchConfig
+from .config import AIO_VARIANTS, BASELINE_QUERY, VARIANTS, BenchConfig
 from .results import Method
 
 AMQP_CHUNK_BYTES = 16 * 1024 * 1024 - 4096  # the tensorbus amqp transport's default max_frame_bytes
@@ -24,10 +24,13 @@ _COMPARE = {
     "amqp-quorum": ["pika"],
     "amqp-classic": ["pika-classic"],
     "kafka-confluent": ["confluent-kafka", "kafka-python"],
+    "aio-tcp": ["zmq-asyncio"],
+    "aio-unix": ["zmq-asyncio"],
 }
 _BASELINE_FAMILY = {
     "socket": "tcp",
     "zmq": "tcp",
+    "zmq-asyncio": "tcp",
     "pickle": "tcp",
     "pika": "amqp",
     "pika-classic": "amqp",
@@ -36,6 +39,7 @@ _BASELINE_FAMILY = {
 }
 _BASELINE_MODULE = {
     "zmq": "zmq",
+    "zmq-asyncio": "zmq",
     "pika": "pika",
     "pika-classic": "pika",
     "kafka-python": "kafka",
@@ -59,7 +63,8 @@ def plan(cfg: BenchConfig) -> list[Method]:
                 urls[family] = entry
         name = entry if entry in VARIANTS else family
         names.append(name)
-        methods.append(Method(name, "tensorbus", "tensorbus", family, url, in_process=family == "memory"))
+        impl = "tensorbus-aio" if name in AIO_VARIANTS else "tensorbus"
+        methods.append(Method(name, "tensorbus", impl, family, url, in_process=family == "memory"))
     for method in methods:  # the same transport twice (two URLs): name them by URL
         if names.count(method.name) > 1:
             method.name = method.url

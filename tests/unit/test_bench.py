@@ -224,3 +224,25 @@ def test_a_large_broker_cells_rounds_carry_broker_round_bytes_and_no_other_cells
     assert runner._tensors_per_round(tcp, 256 << 20, "throughput", one_s) == 1
     small = Runner(config.BenchConfig(broker_cap_from=4096, max_tensors_per_round=1000))
     assert small._tensors_per_round(amqp, 4096, "throughput", one_s) == 1000  # never past max_tensors_per_round
+
+
+def test_asyncio_rows_run_tensorbus_aio_against_pyzmq_asyncio(tmp_path: Path) -> None:
+    from tensorbus.bench.plan import plan
+
+    methods = {m.name: m for m in plan(config.BenchConfig(transports=["tcp", "aio-tcp", "aio-unix"]))}
+    assert methods["aio-tcp"].impl == methods["aio-unix"].impl == "tensorbus-aio"
+    assert methods["aio-unix"].family == "unix" and methods["aio-tcp"].compare == ["zmq-asyncio"]
+    assert "zmq-asyncio" not in {m.name for m in plan(config.BenchConfig(transports=["tcp", "unix"]))}
+    pytest.importorskip("zmq")
+    out = tmp_path / "bench.json"
+    argv = [*TINY, "--json", str(out)]
+    argv[argv.index("memory,tcp,unix")] = "aio-tcp,aio-unix"
+    argv[argv.index("socket")] = "zmq-asyncio"
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {m["name"]: m["status"] for m in data["methods"]} == dict.fromkeys(
+        ("aio-tcp", "aio-unix", "zmq-asyncio"), "ok"
+    )
+    for cell in data["throughput"] + data["latency"]:
+        assert cell["status"] == "ok" and cell["failures"] == 0, cell
+    assert {r["transport"] for r in data["ratios"]} == {"aio-tcp", "aio-unix"}
