@@ -73,6 +73,15 @@ class Consumer:
         """The oldest message not yet received, of any key (work-queue use)."""
         return await wait_message(self.blocking.table, ANY, finite_timeout(timeout))
 
+    def ack(self, message: Message) -> None:
+        """With `ack="manual"`: acknowledge a message the application is done with (a plain call: it
+        records into the consumer's acknowledgement ledger, and never waits)."""
+        self.blocking.ack(message)
+
+    def reject(self, message: Message) -> None:
+        """With `ack="manual"`: give a message back unacknowledged; the next receive of its key gets it."""
+        self.blocking.reject(message)
+
     def abort(self, reason: str) -> None:
         """Fail every pending and later receive with `tensorbus.Aborted(reason)`."""
         self.blocking.abort(reason)

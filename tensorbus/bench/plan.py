@@ -24,8 +24,8 @@ _COMPARE = {
     "amqp-quorum": ["pika"],
     "amqp-classic": ["pika-classic"],
     "kafka-confluent": ["confluent-kafka", "kafka-python"],
-    "aio-tcp": ["zmq-asyncio"],
-    "aio-unix": ["zmq-asyncio"],
+    "aio-tcp": ["tcp", "zmq-asyncio"],  # (its blocking twin too, when it runs)
+    "aio-unix": ["unix", "zmq-asyncio"],
 }
 _BASELINE_FAMILY = {
     "socket": "tcp",
@@ -71,7 +71,7 @@ def plan(cfg: BenchConfig) -> list[Method]:
     for name in cfg.chosen_baselines():
         family = _BASELINE_FAMILY[name]
         methods.append(Method(name, "baseline", name, family, _with_query(urls[family], BASELINE_QUERY.get(name, ""))))
-    chosen = {m.name for m in methods if m.kind == "baseline"}
+    chosen = {m.name for m in methods}
     for method in methods:
         if method.kind == "tensorbus":
             method.compare = [b for b in _COMPARE.get(method.name, _COMPARE.get(method.family, [])) if b in chosen]

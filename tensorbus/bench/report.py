@@ -18,6 +18,7 @@ from .results import Cell, Method, Results
 DISPLAY = {
     "socket": "bare socket",
     "zmq": "pyzmq",
+    "zmq-asyncio": "pyzmq.asyncio",
     "pickle": "pickle5",
     "pika": "raw pika (quorum queue)",
     "pika-classic": "raw pika (classic queue)",
@@ -115,7 +116,7 @@ GOALS_TITLE = "tensorbus's speed goals (from its design issues), judged on this 
 
 
 def targets(results: Results) -> list[Target]:
-    """The targets of issues 3 and 4, judged on this run's medians."""
+    """The targets of issues 3, 4 and 36, judged on this run's medians."""
     found = ratios(results)
     sizes = [format_size(n) for n in results.config.sizes]
 
@@ -144,6 +145,12 @@ def targets(results: Results) -> list[Target]:
         judge("tcp faster than pyzmq at every size from 64KB", "tcp", "zmq", "throughput", from_size("64KB"),
               lambda v: v > 1.0),
         judge("tcp 4KB round trip (p50) ≤ 1.5x bare socket's", "tcp", "socket", "latency", ["4KB"],
+              lambda v: v <= 1.5),
+        judge("aio-tcp ≥ 0.8x tcp from 64KB", "aio-tcp", "tcp", "throughput", from_size("64KB"),
+              lambda v: v >= 0.8),
+        judge("aio-tcp ≥ 1.0x pyzmq.asyncio from 64KB", "aio-tcp", "zmq-asyncio", "throughput", from_size("64KB"),
+              lambda v: v >= 1.0),
+        judge("aio-tcp 4KB round trip (p50) ≤ 1.5x tcp's", "aio-tcp", "tcp", "latency", ["4KB"],
               lambda v: v <= 1.5),
         judge("amqp ≥ 0.9x raw pika on a quorum queue from 1MB", "amqp", "pika", "throughput", from_size("1MB"),
               lambda v: v >= 0.9),

@@ -231,7 +231,7 @@ def test_asyncio_rows_run_tensorbus_aio_against_pyzmq_asyncio(tmp_path: Path) ->
 
     methods = {m.name: m for m in plan(config.BenchConfig(transports=["tcp", "aio-tcp", "aio-unix"]))}
     assert methods["aio-tcp"].impl == methods["aio-unix"].impl == "tensorbus-aio"
-    assert methods["aio-unix"].family == "unix" and methods["aio-tcp"].compare == ["zmq-asyncio"]
+    assert methods["aio-unix"].family == "unix" and methods["aio-tcp"].compare == ["tcp", "zmq-asyncio"]
     assert "zmq-asyncio" not in {m.name for m in plan(config.BenchConfig(transports=["tcp", "unix"]))}
     pytest.importorskip("zmq")
     out = tmp_path / "bench.json"
