@@ -28,14 +28,16 @@ class Consumer:
         self.url = url
         self._options = options
         self._blocking: api.Consumer | None = None
+        self._opening = asyncio.Lock()  # (two tasks opening at once make one consumer)
         self._closed = False
 
     async def open(self) -> Consumer:
         """Start receiving (idempotent)."""
         if self._closed:
             raise Closed("open of a closed Consumer")
-        if self._blocking is None:
-            self._blocking = await asyncio.to_thread(api.Consumer, self.url, **self._options)
+        async with self._opening:
+            if self._blocking is None:
+                self._blocking = await asyncio.to_thread(api.Consumer, self.url, **self._options)
         return self
 
     @property

@@ -40,13 +40,18 @@ class Producer:
         """Connect (idempotent; `send` opens a producer that was not opened)."""
         if self._closed:
             raise Closed("open of a closed Producer")
-        if self._blocking is None:
-            self._blocking = await self._run(api.Producer, self.url, **self._options)
+        await self._run(self._opened)
         return self
+
+    def _opened(self) -> api.Producer:
+        """The blocking producer, made at its first use (on the worker thread, its one owner)."""
+        if self._blocking is None:
+            self._blocking = api.Producer(self.url, **self._options)
+        return self._blocking
 
     @property
     def blocking(self) -> api.Producer:
-        """The blocking producer underneath (used only on the worker thread)."""
+        """The blocking producer underneath (to be used on the worker thread only: `_run`)."""
         if self._blocking is None:
             raise Closed(f"the Producer of {self.url} is not open: use `async with` or `await producer.open()`")
         return self._blocking
@@ -55,14 +60,18 @@ class Producer:
         """Send one tensor under `key`; returns once the transport has taken the frame."""
         if self._closed:
             raise Closed("send on a closed Producer")
-        if self._blocking is None:
-            await self.open()
-        return await self._run(self.blocking.send, key, tensor, metadata=metadata)
+        return await self._run(self._send, key, tensor, metadata)
+
+    def _send(self, key: str | None, tensor: Any, metadata: dict[str, Any] | None) -> MessageId:
+        return self._opened().send(key, tensor, metadata=metadata)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until the transport confirms everything sent so far (where it confirms at all)."""
+        await self._run(self._flush, timeout)
+
+    def _flush(self, timeout: float | None) -> None:
         if self._blocking is not None:
-            await self._run(self._blocking.flush, timeout)
+            self._blocking.flush(timeout)
 
     async def close(self) -> None:
         """Flush what can be flushed and release the connection and the worker thread."""
@@ -70,10 +79,13 @@ class Producer:
             return
         self._closed = True
         try:
-            if self._blocking is not None:
-                await self._run(self._blocking.close)
+            await self._run(self._close)
         finally:
             self._worker.shutdown(wait=False)
+
+    def _close(self) -> None:
+        if self._blocking is not None:
+            self._blocking.close()
 
     async def __aenter__(self) -> Producer:
         return await self.open()

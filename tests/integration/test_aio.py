@@ -253,6 +253,25 @@ def test_manual_acknowledgement_is_the_blocking_consumers(run: Any) -> None:
     run(main())
 
 
+def test_ends_opened_by_several_tasks_at_once_are_opened_once(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+    for kind in ("Consumer", "Producer"):
+        blocking_class = getattr(tb.api, kind)
+        monkeypatch.setattr(tb.api, kind, lambda *a, _c=blocking_class, _k=kind, **o: made.append(_k) or _c(*a, **o))
+
+    async def main() -> None:
+        consumer, producer = tba.Consumer(endpoint_url("tcp")), tba.Producer("memory://unused")
+        await asyncio.gather(*(end.open() for end in (consumer, consumer, producer, producer)))
+        sender = tba.Producer(consumer.address)  # opened by its first sends, several at once
+        await asyncio.gather(*(sender.send("k", np.full(2, i)) for i in range(4)))
+        assert sorted([int((await consumer.recv("k", timeout=30))[0]) for _ in range(4)]) == [0, 1, 2, 3]
+        for end in (sender, producer, consumer):
+            await end.close()
+
+    run(main())
+    assert sorted(made) == ["Consumer", "Producer", "Producer"]
+
+
 def test_errors_are_the_blocking_apis(run: Any) -> None:
     async def main() -> None:
         with pytest.raises(tb.ConfigError, match="unknown transport scheme"):
