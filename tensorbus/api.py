@@ -164,6 +164,23 @@ class Producer:
             self._monitor.send(self.transport.send_message, tensor, key, metadata, message_id, self._encoding)
         return message_id
 
+    def empty(self, shape: Any, dtype: Any = "float32") -> Any:
+        """An uninitialised array in the transport's shared memory (shm://): fill it, then `send` it with
+        no copy of its bytes. It is the consumer's once sent: do not write to it again."""
+        if self._closed:
+            raise Closed("empty on a closed Producer")
+        self._check_fork()
+        make = getattr(self.transport, "empty", None)
+        if make is None:
+            raise ConfigError(f"{self.transport.url.scheme}:// has no shared memory: empty() is for shm:// producers")
+        return make(shape, dtype)
+
+    def zeros(self, shape: Any, dtype: Any = "float32") -> Any:
+        """`empty()` filled with zeros."""
+        array = self.empty(shape, dtype)
+        array.fill(0)
+        return array
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the transport confirms everything sent so far (where it confirms at all)."""
         self._check_fork()

@@ -89,6 +89,8 @@ def endpoint_url(transport: str) -> str:
         return "tcp://127.0.0.1:0"
     if transport == "unix":
         return f"unix://{tempfile.gettempdir()}/{name}.sock"
+    if transport == "shm":
+        return f"shm://{name}"
     if transport == "amqp":
         require_broker(AMQP_URL)
         _CREATED["amqp"].append(name)

@@ -13,7 +13,7 @@ import tomllib
 
 from ..errors import ConfigError
 
-TRANSPORTS = ("memory", "tcp", "unix", "amqp", "kafka")
+TRANSPORTS = ("memory", "tcp", "unix", "shm", "amqp", "kafka")
 #: rows that are a transport with options: name -> (transport, options as a URL query)
 VARIANTS: dict[str, tuple[str, str]] = {
     "amqp-quorum": ("amqp", "queue_type=quorum"),
@@ -21,9 +21,12 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "kafka-confluent": ("kafka", "client=confluent"),
     "aio-tcp": ("tcp", ""),
     "aio-unix": ("unix", ""),
+    "shm-empty": ("shm", ""),
 }
 #: rows run through tensorbus.aio, one event loop per worker (bench/aio_links.py)
 AIO_VARIANTS = ("aio-tcp", "aio-unix")
+#: rows whose sender keeps its tensors in `producer.empty()` arrays (sent with no copy of their bytes)
+IN_PLACE = {"shm-empty"}
 #: baseline name -> the transport families it stands in for
 BASELINES: dict[str, tuple[str, ...]] = {
     "socket": ("memory", "tcp", "unix"),

@@ -40,6 +40,10 @@ class Link:
     def prepare(self, nbytes: int) -> None:
         """Get ready for tensors of `nbytes` (e.g. allocate and touch a receive buffer)."""
 
+    def adopt(self, slots: list[np.ndarray]) -> list[np.ndarray]:
+        """The tensors the sender will send: `slots`, or copies where the link wants them (shared memory)."""
+        return slots
+
     def release(self) -> None:
         """Drop what `prepare` allocated."""
 
@@ -99,6 +103,8 @@ def inbound_url(spec: dict[str, Any], role: str) -> str:
         else:
             path = f"{folder.rstrip('/')}/{name}.sock"
         return urllib.parse.urlunsplit(base._replace(path=path))
+    if base.scheme == "shm":
+        return f"shm://{name}" + (f"?{query}" if query else "")
     if base.scheme in ("amqp", "amqps"):
         query = "&".join(p for p in (f"queue={name}", query) if p)
         return urllib.parse.urlunsplit(base._replace(path=base.path or "/%2F", query=query))
@@ -131,6 +137,19 @@ class TensorbusLink(Link):
         """The peer's `address` with the producer's options of the method's URL."""
         options = split_query(urllib.parse.urlsplit(self.spec["url"]).query)[1]
         return address + (("&" if "?" in address else "?") + options if options else "")
+
+    def adopt(self, slots: list[np.ndarray]) -> list[np.ndarray]:
+        """For the rows of `IN_PLACE`: the slots copied once into `producer.empty()` arrays."""
+        from .config import IN_PLACE
+
+        if self.spec["method"] not in IN_PLACE or self.producer is None:
+            return slots
+        adopted = []
+        for slot in slots:
+            array = self.producer.empty(slot.shape, slot.dtype)
+            array[...] = slot
+            adopted.append(array)
+        return adopted
 
     def send(self, array: np.ndarray, index: int) -> None:
         self.producer.send(KEY, array, metadata={"i": index})

@@ -96,6 +96,11 @@ class Pair:
             elif self.method.family == "unix" and self.method.kind == "tensorbus":
                 with contextlib.suppress(OSError):
                     os.unlink(urllib.parse.urlsplit(url).path)
+            elif self.method.family == "shm":  # (a killed consumer leaves its control socket's file)
+                from ..transports.shm_control import control_path
+
+                with contextlib.suppress(Exception):
+                    os.unlink(control_path(urllib.parse.urlsplit(url).netloc, None))
 
     def request_close(self) -> None:
         """Ask both workers to close their links (deleting broker queues and topics) and exit."""

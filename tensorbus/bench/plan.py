@@ -26,6 +26,7 @@ _COMPARE = {
     "kafka-confluent": ["confluent-kafka", "kafka-python"],
     "aio-tcp": ["tcp", "zmq-asyncio"],  # (its blocking twin too, when it runs)
     "aio-unix": ["unix", "zmq-asyncio"],
+    "shm": ["unix"],  # (a tensorbus row: shm:// is held against unix://, the fastest socket on one host)
 }
 _BASELINE_FAMILY = {
     "socket": "tcp",
@@ -124,6 +125,7 @@ def _default_url(family: str, cfg: BenchConfig) -> str:
         "memory": "memory://bench",
         "tcp": "tcp://127.0.0.1:0",
         "unix": f"unix://{tempfile.gettempdir()}",
+        "shm": "shm://bench",
         "amqp": cfg.amqp_url,
         "kafka": cfg.kafka_url,
     }[family]

@@ -13,6 +13,8 @@ COLORS = {
     "memory": "#7f7f7f",
     "tcp": "#1f77b4",
     "unix": "#2ca02c",
+    "shm": "#000000",
+    "shm-empty": "#393b79",
     "amqp": "#ff7f0e",
     "amqp-quorum": "#ff7f0e",
     "amqp-classic": "#bcbd22",

@@ -116,7 +116,7 @@ GOALS_TITLE = "tensorbus's speed goals (from its design issues), judged on this 
 
 
 def targets(results: Results) -> list[Target]:
-    """The targets of issues 3, 4 and 36, judged on this run's medians."""
+    """The speed goals, judged on this run's medians."""
     found = ratios(results)
     sizes = [format_size(n) for n in results.config.sizes]
 
@@ -164,6 +164,11 @@ def targets(results: Results) -> list[Target]:
               "throughput", [s for s in from_size("64KB") if parse_size(s) <= parse_size("16MB")], lambda v: v >= 1.0),
         judge("kafka-confluent ≥ 4x raw kafka-python at 4KB", "kafka-confluent", "kafka-python", "throughput", ["4KB"],
               lambda v: v >= 4.0),
+        judge("shm ≥ 3x unix at 16MB and 256MB", "shm", "unix", "throughput", ["16MB", "256MB"], lambda v: v >= 3),
+        judge("shm ≥ 1.5x unix at 1MB", "shm", "unix", "throughput", ["1MB"], lambda v: v >= 1.5),
+        judge("shm with producer.empty ≥ 5x unix at 256MB", "shm-empty", "unix", "throughput", ["256MB"],
+              lambda v: v >= 5),
+        judge("shm 4KB round trip (p50) ≤ unix's", "shm", "unix", "latency", ["4KB"], lambda v: v <= 1.0),
     ]  # fmt: skip
     return [t for t in found_targets if t is not None]
 

@@ -105,7 +105,7 @@ class Worker:
         self.do_release()
         self.nbytes = nbytes
         if crcs is None:
-            self.slots = make_slots(nbytes, self.dtype)
+            self.slots = self.link.adopt(make_slots(nbytes, self.dtype))
             self.crcs = [crc32c.crc32c(slot.data) for slot in self.slots]
         else:
             self.crcs = crcs

@@ -15,6 +15,7 @@ TRANSPORTS: dict[str, str] = {
     "tcp": "tensorbus.transports.socket:SocketTransport",
     "tcps": "tensorbus.transports.socket:SocketTransport",
     "unix": "tensorbus.transports.socket:SocketTransport",
+    "shm": "tensorbus.transports.shm:ShmTransport",
     "amqp": "tensorbus.transports.rabbitmq:RabbitMQTransport",
     "amqps": "tensorbus.transports.rabbitmq:RabbitMQTransport",
     "kafka": "tensorbus.transports.kafka:KafkaTransport",

@@ -20,7 +20,7 @@ from tests.conftest import endpoint_url
 from tests.peers import Peer, make_tensor, same
 from tests.waiting import wait_for
 
-TRANSPORTS = ["memory", "tcp", "unix", "amqp", "kafka", "kafka-confluent"]
+TRANSPORTS = ["memory", "tcp", "unix", "shm", "amqp", "kafka", "kafka-confluent"]
 BROKERS = {"amqp", "kafka", "kafka-confluent"}
 APIS = {"blocking": tb.Consumer, "aio": AioConsumer}
 

@@ -1,0 +1,122 @@
+"""`shm://NAME`: producers and a consumer on one host, tensor bytes through shared memory.
+
+Frames are written into memfd segments the producer owns (shm_segments.py) and the consumer maps
+read-only; a Unix control socket (shm_control.py) carries where each frame is, the consumer's acks
+and the "free" that hands a frame's memory back once no array views it. Received arrays are
+read-only views of that memory, never copies (up to `max_pinned_bytes` of them at once).
+`Producer.empty()` gives an array that already lives in a segment: sending it copies no tensor bytes.
+
+Why memfd rather than shm_open: a memfd has no name, so nothing can collide between users, nobody
+else can open it, and nothing is ever left in /dev/shm: the kernel frees it with the last process
+that maps it, whichever side was killed. (Python's multiprocessing.shared_memory is not used: in
+3.11 its resource tracker unlinks segments that a process merely attached to when it exits.)
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..codec.frame import Buffer, Limits, MessageId
+from ..errors import ConfigError
+from ..options import finite_timeout
+from .base import Deliver, Encoding, Transport, TransportOptions
+from .shm_consumer import ShmListener
+from .shm_control import control_path
+from .shm_producer import ShmSender
+from .shm_segments import check_available
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShmOptions(TransportOptions):
+    """The options of shm:// endpoints."""
+
+    shm_dir: str | None = None  # where control sockets live; None: <tmp>/tensorbus-<uid> (0700)
+    auth_secret: str | bytes | None = None
+    connect_timeout_s: float = 5.0
+    reconnect_timeout_s: float = 10.0
+    send_timeout_s: float = 30.0
+    close_timeout_s: float = 10.0
+    max_unacked_bytes: int = 256 * 1024 * 1024
+    max_pinned_bytes: int = 1 << 30  # consumer: bytes of producers' memory its arrays may view at once
+    max_connections: int = 1024
+    backlog: int = 128
+
+
+class ShmTransport(Transport):
+    """Frames through shared memory segments; notifications and acks over a Unix SEQPACKET socket."""
+
+    schemes = ("shm",)
+    acknowledges = True
+    Options = ShmOptions
+    options: ShmOptions
+
+    def __init__(self, url: urllib.parse.SplitResult, options: ShmOptions) -> None:
+        super().__init__(url, options)
+        self.name = url.netloc + url.path
+        if not self.name:
+            raise ConfigError("shm URL needs a name after shm://, e.g. shm://weights")
+        check_available()
+        self.path = control_path(self.name, options.shm_dir)
+        self._sender: ShmSender | None = None
+        self._listener: ShmListener | None = None
+
+    @property
+    def sender_side(self) -> ShmSender:
+        if self._sender is None:
+            self._sender = ShmSender(self.name, self.path, self.options)
+        return self._sender
+
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """shm://NAME."""
+        return f"shm://{self.name}", b""
+
+    def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        """An uninitialised array in shared memory: sent as it is, with no copy of its bytes."""
+        return self.sender_side.empty(shape, dtype)
+
+    def send_message(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
+    ) -> None:
+        """An `empty()` array in place (its header written before it); anything else copied into a slot."""
+        sender = self.sender_side
+        if self.max_frame_bytes is None and type(tensor) is np.ndarray and sender.leased(tensor):
+            self.wait_for_room()
+            buffers = encoding.encode(tensor, key, metadata, message_id, self._frame_key(encoding.signing_key))
+            if not sender.send_in_place(tensor, buffers):
+                sender.send(buffers)
+            return
+        super().send_message(tensor, key, metadata, message_id, encoding)
+
+    def send(self, frame: list[Buffer], *, key: str | None) -> None:
+        self.sender_side.send(frame)
+
+    def wait_for_room(self) -> None:
+        self.sender_side.wait_for_room()
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self._sender is not None:
+            self._sender.flush(timeout)
+
+    def listen(self, deliver: Deliver, limits: Limits) -> None:
+        self._listener = ShmListener(self.name, self.path, self.options, deliver)
+
+    def room_opened(self) -> None:
+        if self._listener is not None:
+            self._listener.room_opened()
+
+    def close(self) -> None:
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            sender.close(finite_timeout(self.options.close_timeout_s, "close_timeout_s"))
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
+
+    def abandon(self) -> None:
+        """In a forked child: the parent's connection and segments are left to the parent."""
+        self._sender = None
+        self._listener = None

@@ -1,0 +1,333 @@
+"""The shm:// consumer: one thread accepts producers, maps their segments read-only and delivers frames.
+
+A received frame is a read-only uint8 array over the producer's segment (`np.frombuffer` of the
+mapping): every array decoded from it is a view that keeps it alive, so a finalizer on it tells the
+producer "free" exactly when the last view is gone. Past `max_pinned_bytes` of frames still viewed,
+a new frame is copied out of shared memory into the consumer's own and freed at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hmac
+import logging
+import mmap
+import os
+import selectors
+import socket
+import struct
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..buffers import aligned_empty
+from ..codec.frame import MessageId
+from ..errors import TransportError
+from . import shm_control as control
+from .base import Deliver, GivenUp, Held
+from .shm_segments import SEALS
+from .stream import proof
+
+if TYPE_CHECKING:
+    from .shm import ShmOptions
+
+log = logging.getLogger(__name__)
+_CREDENTIALS = struct.Struct("3i")
+#: control messages read from one producer before the others get a turn
+BATCH = 64
+
+
+class Peer:
+    """One producer connection: its mappings, its acknowledgement seam, what is held back or incomplete."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.nonce = os.urandom(32)
+        self.authed = False
+        self.open = True
+        self.maps: dict[int, mmap.mmap] = {}
+        self.acks = control.Acknowledgements()
+        self.held: Held | None = None
+        self.incomplete: dict[MessageId | None, list[int]] = {}  # message -> positions of its frames so far
+
+
+class ShmListener:
+    """Serves shm://NAME at `path` on the thread `tensorbus-shm-NAME`, reporting frames to `deliver`."""
+
+    def __init__(self, name: str, path: str, options: ShmOptions, deliver: Deliver) -> None:
+        self.name, self.path, self.options, self.deliver = name, path, options, deliver
+        secret = options.auth_secret
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self._listening = self._bind()
+        self._inode = os.stat(path).st_ino
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listening, selectors.EVENT_READ, None)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._poke_lock = threading.Lock()
+        self._poked = False
+        self._peers: dict[int, Peer] = {}
+        self._stop = threading.Event()
+        self._given_up = GivenUp(deliver)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-shm-{name}")
+        self._thread.start()
+
+    def _bind(self) -> socket.socket:
+        """Listen at `path`; a socket file left by a consumer that died is taken over, a live one refused."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                sock.bind(self.path)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or self._alive():
+                    raise TransportError(f"shm://{self.name} already has a consumer ({self.path})") from None
+                os.unlink(self.path)  # (the consumer that bound it is gone)
+                sock.bind(self.path)
+            sock.listen(self.options.backlog)
+            sock.setblocking(False)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _alive(self) -> bool:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.path)
+            return True
+        except OSError:
+            return False
+        finally:
+            probe.close()
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for selected, _ in self._selector.select():
+                    if selected.data == "wake":
+                        self._woken()
+                    elif selected.data is None:
+                        self._accept()
+                    else:
+                        self._read(selected.data)
+                self._answer()
+        except Exception:
+            log.exception("shm://%s: the consumer's thread failed", self.name)
+        finally:
+            self._answer()
+            for peer in list(self._peers.values()):
+                self._drop(peer)
+            self._selector.close()
+            self._listening.close()
+            os.close(self._wake_r)
+            try:
+                if os.stat(self.path).st_ino == self._inode:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+
+    def poke(self) -> None:
+        """Wake the thread (from any thread): there are frees to send, or room for a held message."""
+        with self._poke_lock:
+            if self._poked:
+                return
+            self._poked = True
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:  # (full: the thread is woken anyway; closed: it stopped)
+            pass
+
+    def _woken(self) -> None:
+        with self._poke_lock:
+            self._poked = False  # (before the frees are gathered: one released after this wakes again)
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        for peer in [p for p in self._peers.values() if p.held is not None]:
+            self._release(peer)
+
+    def _answer(self) -> None:
+        """Send each producer the acks and frees owed to it."""
+        for peer in list(self._peers.values()):
+            if not peer.open:
+                continue
+            try:
+                for message in peer.acks.pending():
+                    control.send(peer.sock, *message)
+            except OSError:
+                self._close(peer)
+
+    # -- producers -------------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listening.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("shm://%s: accept failed: %s", self.name, exc)
+            return
+        if len(self._peers) >= self.options.max_connections:
+            log.warning("shm://%s: refused a producer: max_connections=%d", self.name, self.options.max_connections)
+            sock.close()
+            return
+        sock.setblocking(False)
+        peer = Peer(sock)
+        self._peers[sock.fileno()] = peer
+        self._selector.register(sock, selectors.EVENT_READ, peer)
+        try:
+            control.send(sock, "hello", peer.nonce, self._secret is not None)
+        except OSError:
+            self._close(peer)
+
+    def _read(self, peer: Peer) -> None:
+        for _ in range(BATCH):
+            if not peer.open or peer.held is not None:
+                return
+            try:
+                got = control.receive(peer.sock, blocking=False)
+                if got is None:
+                    return
+                self._handle(peer, *got)
+            except (OSError, TransportError, ValueError, TypeError) as exc:
+                if not isinstance(exc, ConnectionError):
+                    log.warning("shm://%s: dropped a producer: %s", self.name, exc)
+                self._close(peer)
+                return
+
+    def _handle(self, peer: Peer, message: list[Any], fds: list[int]) -> None:
+        kind = message[0]
+        if not peer.authed:
+            for fd in fds:
+                os.close(fd)
+            if kind != "proof" or len(message) != 2 or not isinstance(message[1], bytes):
+                raise TransportError("no proof in the handshake")
+            reason = self._refusal(peer, message[1])
+            if reason is not None:
+                control.send(peer.sock, "refused", reason)
+                raise TransportError(reason)
+            peer.authed = True
+            control.send(peer.sock, "ok")
+        elif kind == "seg":
+            self._map(peer, message, fds)
+        elif kind == "frame" and not fds:
+            self._frame(peer, *message[1:])
+        elif kind == "drop" and not fds:
+            peer.maps.pop(message[1], None)  # (the mapping goes with the last frame viewing it)
+        else:
+            for fd in fds:
+                os.close(fd)
+            raise TransportError(f"unexpected control message {kind!r}")
+
+    def _refusal(self, peer: Peer, answer: bytes) -> str | None:
+        if self._secret is not None:
+            ok = hmac.compare_digest(answer, proof(self._secret, peer.nonce))
+            return None if ok else "wrong auth_secret"
+        raw = peer.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+        uid = _CREDENTIALS.unpack(raw)[1]
+        return None if uid == os.getuid() else f"another user (uid {uid}) needs auth_secret"
+
+    def _map(self, peer: Peer, message: list[Any], fds: list[int]) -> None:
+        """Map a producer's segment read-only, once its seals say its size cannot change under the mapping."""
+        try:
+            _, seg_id, size = message
+            if len(fds) != 1 or type(seg_id) is not int or type(size) is not int or size <= 0:
+                raise TransportError("malformed segment announcement")
+            if fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & SEALS != SEALS or os.fstat(fds[0]).st_size < size:
+                raise TransportError("a segment that is not sealed at its size")
+            peer.maps[seg_id] = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _frame(self, peer: Peer, pos: int, seg_id: int, offset: int, length: int) -> None:
+        mapped = peer.maps.get(seg_id)
+        if mapped is None or not all(type(v) is int for v in (pos, offset, length)):
+            raise TransportError(f"a frame in an unknown segment {seg_id!r}")
+        if offset < 0 or length <= 0 or offset + length > len(mapped):
+            raise TransportError("a frame outside its segment")
+        pinned = sum(p.acks.pinned_bytes for p in self._peers.values())
+        if pinned + length > self.options.max_pinned_bytes:  # copied out, its slot freed at once
+            frame = aligned_empty(length)
+            frame[:] = np.frombuffer(mapped, np.uint8, length, offset)
+            frame.flags.writeable = False
+            peer.acks.released(pos, 0)
+        else:
+            frame = np.frombuffer(mapped, np.uint8, length, offset)
+            peer.acks.received(pos, length)
+            weakref.finalize(frame, self._freed, peer.acks, pos, length).atexit = False
+        result = self.deliver(frame.data, may_hold=True, source=peer)
+        del frame  # (the intake and the arrays it made keep it alive now, or nothing does)
+        positions = [*peer.incomplete.pop(result.message_id, []), pos]
+        if result.held is not None:
+            peer.held = result.held
+            peer.incomplete[result.message_id] = positions
+        elif result.done:
+            peer.acks.delivered(positions)
+        elif not result.turned_away:
+            self._acknowledge_given_up(peer)
+            peer.incomplete[result.message_id] = positions
+
+    def _freed(self, acks: control.Acknowledgements, pos: int, length: int) -> None:
+        acks.released(pos, length)
+        self.poke()
+
+    def _acknowledge_given_up(self, peer: Peer) -> None:
+        for message_id in self._given_up.among(peer.incomplete):
+            peer.acks.delivered(peer.incomplete.pop(message_id))
+
+    def _release(self, peer: Peer) -> None:
+        """Offer a held message again; read its producer again once it is taken."""
+        assert peer.held is not None
+        result = self.deliver.release(peer.held)
+        if result is None:
+            return
+        if result.held is not None:
+            peer.held = result.held
+            return
+        positions = peer.incomplete.pop(peer.held.message_id, [])
+        peer.held = None
+        if result.done:
+            peer.acks.delivered(positions)
+        if not peer.open:
+            self._peers.pop(id(peer), None)
+            return
+        self._read(peer)
+
+    def _close(self, peer: Peer) -> None:
+        """Stop reading a producer; a message held back from it is still offered (it was sent)."""
+        if peer.open:
+            peer.open = False
+            self._selector.unregister(peer.sock)
+            self._peers.pop(peer.sock.fileno(), None)
+            peer.sock.close()
+            if peer.held is not None:
+                self._peers[id(peer)] = peer
+        peer.maps.clear()
+
+    def _drop(self, peer: Peer) -> None:
+        self._close(peer)
+        self._peers.pop(id(peer), None)
+
+    def room_opened(self) -> None:
+        """The table may have room for a held message (under the table's lock: no waiting)."""
+        self.poke()
+
+    def close(self) -> None:
+        """Stop the thread (from a callback on it: once the callback returns)."""
+        self._stop.set()
+        self.poke()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                log.error("shm://%s: the consumer's thread has not stopped", self.name)
+            else:
+                os.close(self._wake_w)

@@ -1,0 +1,150 @@
+"""shm:// control channel: where its socket lives, its messages, and the consumer's acknowledgement seam.
+
+The consumer of `shm://NAME` listens on a SOCK_SEQPACKET Unix socket (message boundaries kept,
+descriptors passed with SCM_RIGHTS) at `<shm_dir>/NAME.sock`; `shm_dir` defaults to a directory of
+the user's own (`<tmp>/tensorbus-<uid>`, mode 0700, refused if anyone else owns it or could enter
+it), so two users' endpoints of the same name never meet and another user cannot reach the socket.
+
+Every message is one msgpack list, its first item the kind:
+
+    consumer -> producer   ["hello", nonce, auth]        on accept (auth: a proof is required)
+    producer -> consumer   ["proof", proof]              HMAC of the nonce with auth_secret (stream.proof)
+    consumer -> producer   ["ok"] | ["refused", reason]
+    producer -> consumer   ["seg", seg_id, size]         with the segment's descriptor
+    producer -> consumer   ["frame", pos, seg_id, offset, length]
+    producer -> consumer   ["drop", seg_id]              the producer will never name this segment again
+    consumer -> producer   ["ack", [pos...]]             in the table (or refused for good): not to be resent
+    consumer -> producer   ["free", [pos...]]            no array views it any more: the producer may reuse it
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import stat
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from ..errors import TransportError
+
+#: the most positions one "ack" or "free" message carries (a SEQPACKET message must fit the socket buffer)
+MAX_POSITIONS = 4096
+#: a control message larger than this is a protocol error
+MAX_MESSAGE = 1 << 16
+_FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # (room for a few: more are a protocol error)
+
+
+def private_dir(shm_dir: str | None) -> Path:
+    """The directory of control sockets: `shm_dir`, or `<tmp>/tensorbus-<uid>` made 0700 and checked."""
+    if shm_dir is not None:
+        return Path(shm_dir)
+    path = Path(tempfile.gettempdir()) / f"tensorbus-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        info = path.lstat()
+    except OSError as exc:
+        raise TransportError(f"shm:// cannot make its socket directory {path}: {exc}") from None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise TransportError(
+            f"{path} is not a directory of this user's alone (owner uid {info.st_uid}, mode {oct(info.st_mode)}): "
+            "shm:// will not put its control socket there; remove it, or set shm_dir"
+        )
+    return path
+
+
+def control_path(name: str, shm_dir: str | None) -> str:
+    """Where the consumer of shm://NAME listens."""
+    if not name or "/" in name or name in (".", ".."):
+        raise TransportError(f"shm:// needs a plain name (no '/'), e.g. shm://weights; got {name!r}")
+    return str(private_dir(shm_dir) / f"{name}.sock")
+
+
+def send(sock: socket.socket, *message: Any, fds: list[int] | None = None) -> None:
+    """Send one control message (with descriptors)."""
+    data = msgpack.packb(list(message), use_bin_type=True)
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def receive(sock: socket.socket, *, blocking: bool = True) -> tuple[list[Any], list[int]] | None:
+    """One control message and the descriptors that came with it; None when none is waiting (not blocking).
+
+    Raises `ConnectionError` when the peer closed, `TransportError` for a malformed message."""
+    flags = 0 if blocking else socket.MSG_DONTWAIT
+    try:  # (not socket.recv_fds: Python 3.11's ignores its flags)
+        data, ancillary, msg_flags, _ = sock.recvmsg(MAX_MESSAGE, _FDS_SPACE, flags)
+    except (BlockingIOError, InterruptedError):
+        return None
+    fds = descriptors(ancillary)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionResetError("the peer closed the control socket")
+    try:
+        message = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=MAX_POSITIONS + 8)
+    except Exception as exc:  # (msgpack raises several kinds for bad input)
+        message = exc
+    if not isinstance(message, list) or not message or msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            os.close(fd)
+        raise TransportError(f"malformed shm:// control message ({message!r:.80})")
+    return message, fds
+
+
+def descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors passed in a message's ancillary data."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
+
+
+def batches(positions: list[int]) -> Iterator[list[int]]:
+    for at in range(0, len(positions), MAX_POSITIONS):
+        yield positions[at : at + MAX_POSITIONS]
+
+
+class Acknowledgements:
+    """The consumer's one seam for acknowledging and releasing frames of one producer connection.
+
+    `received` records a frame's position; `delivered` says the consumer is done with it (in the table,
+    or refused for good: it must not be resent); `released` says no array views its memory any more
+    (called from whichever thread dropped the last reference). `pending` turns them into the control
+    messages "ack" and "free". Released positions are kept under a lock: the finalizer that reports
+    them may run on any thread, even in the middle of this object's own methods (an RLock).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._acks: list[int] = []
+        self._frees: list[int] = []
+        self.pinned_bytes = 0  # bytes of frames still viewed
+
+    def received(self, pos: int, nbytes: int) -> None:
+        with self._lock:
+            self.pinned_bytes += nbytes
+
+    def delivered(self, positions: list[int]) -> None:
+        with self._lock:
+            self._acks.extend(positions)
+
+    def released(self, pos: int, nbytes: int) -> None:
+        with self._lock:
+            self.pinned_bytes -= nbytes
+            self._frees.append(pos)
+
+    def pending(self) -> list[list[Any]]:
+        """The control messages owed to the producer now ("ack" before "free"), emptied."""
+        with self._lock:
+            acks, self._acks = self._acks, []
+            frees, self._frees = self._frees, []
+        return [["ack", batch] for batch in batches(acks)] + [["free", batch] for batch in batches(frees)]

@@ -1,0 +1,318 @@
+"""The shm:// producer: writes each frame into a slot of its segments and tells the consumer where.
+
+A slot is written again only when nothing keeps it (`Slot.busy`): the consumer has acknowledged
+its frame (else it is kept to be resent to the next consumer), no array on the consumer's side
+views it any more ("free"), and no `empty()` array of the producer's own is alive. When the
+consumer goes away, every segment it may still map is retired (never written again, dropped once
+idle): a consumer that closed while the application keeps arrays keeps them unchanged, and one that
+was killed frees them with its mappings.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..buffers import address
+from ..codec.frame import Buffer, join_into
+from ..errors import Timeout, TransportError
+from . import shm_control as control
+from .base import backoff_s
+from .shm_segments import Slot, Slots
+from .stream import proof
+
+if TYPE_CHECKING:
+    from .shm import ShmOptions
+
+log = logging.getLogger(__name__)
+#: room before an `empty()` array for its frame's header (written in place at send)
+HEAD_ROOM = 4096
+#: idle segments a producer keeps for reuse, at most (fresh pages are slow to touch)
+POOLED_BYTES = 1 << 30
+_CREDENTIALS = struct.Struct("3i")
+
+
+class ShmSender:
+    """One producer's segments, slots in flight and control connection (used by one thread at a time)."""
+
+    def __init__(self, name: str, path: str, options: ShmOptions) -> None:
+        self.name, self.path, self.options = name, path, options
+        secret = options.auth_secret
+        self._secret = secret.encode() if isinstance(secret, str) else secret
+        self.slots = Slots(POOLED_BYTES)
+        self._sock: socket.socket | None = None
+        self._announced: set[int] = set()  # segments whose descriptor the current consumer has
+        self._inflight: dict[int, Slot] = {}  # position -> its slot, while busy
+        self._positions = 0
+        self.unacked_bytes = 0
+        self._leases: dict[int, Slot] = {}  # payload address -> the slot of a live `empty()` array
+        self._ended: list[Slot] = []  # slots whose `empty()` array died (appended by finalizers, any thread)
+        self._ended_lock = threading.Lock()
+        self.stats = collections.Counter[str]()  # frames sent "in_place" (from `empty()`) and "copied"
+
+    # -- empty() ---------------------------------------------------------------------------------
+
+    def empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        """A writable array in a slot, with room before it for its frame's header."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self._settle_ended()
+        slot = self.slots.take(HEAD_ROOM + nbytes)
+        slot.leased = True
+        start = slot.offset + HEAD_ROOM
+        base = np.frombuffer(slot.segment.view(start, nbytes), dtype)  # (its views keep it alive)
+        ender = weakref.finalize(base, self._lease_ended, slot)
+        ender.atexit = False
+        self._leases[int(base.__array_interface__["data"][0])] = slot
+        return base.reshape(shape)
+
+    def _lease_ended(self, slot: Slot) -> None:
+        with self._ended_lock:
+            self._ended.append(slot)
+
+    def _settle_ended(self) -> None:
+        if not self._ended:
+            return
+        with self._ended_lock:
+            ended, self._ended = self._ended, []
+        for slot in ended:
+            slot.leased = False
+            self._leases = {a: s for a, s in self._leases.items() if s is not slot}
+            self._settle(slot)
+
+    def leased(self, tensor: np.ndarray) -> bool:
+        """True if `tensor` is an array from `empty()` (whole, as it was made)."""
+        return bool(self._leases) and int(tensor.__array_interface__["data"][0]) in self._leases
+
+    def send_in_place(self, tensor: np.ndarray, buffers: list[Buffer]) -> bool:
+        """Send an `empty()` array's frame where the array is, its header written just before it: True if
+        sent so. False (the caller copies it) while the consumer still has its last send, or when the
+        frame is not one header and the array's bytes (compressed, or a header past `HEAD_ROOM`)."""
+        data = int(tensor.__array_interface__["data"][0])
+        slot = self._leases.get(data)
+        if slot is None or slot.unacked or slot.pinned or not buffers:
+            return False
+        head, payload = buffers[:-1], memoryview(buffers[-1])
+        head_bytes = sum(memoryview(b).nbytes for b in head)
+        if payload.nbytes != tensor.nbytes or head_bytes > HEAD_ROOM or head_bytes % 64 or address(payload) != data:
+            return False
+        start = slot.offset + HEAD_ROOM - head_bytes
+        join_into(head, slot.segment.view(start, head_bytes))
+        self.stats["in_place"] += 1
+        self._notify(slot, start, head_bytes + payload.nbytes)
+        return True
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def send(self, frame: list[Buffer]) -> None:
+        """Copy one frame into a free slot and tell the consumer."""
+        self._settle_ended()
+        total = sum(memoryview(b).nbytes for b in frame)
+        self.poll()  # (slots come back with "free")
+        slot = self.slots.take(total)
+        try:
+            join_into(frame, slot.segment.view(slot.offset, total))
+            self.stats["copied"] += 1
+        except BaseException:
+            self.slots.give_back(slot)
+            raise
+        self._notify(slot, slot.offset, total)
+
+    def _notify(self, slot: Slot, start: int, length: int) -> None:
+        if slot.pos:  # (an `empty()` array sent again: its last send is settled)
+            self._inflight.pop(slot.pos, None)
+        self._positions += 1
+        slot.pos, slot.frame, slot.unacked = self._positions, (start, length), True
+        self._inflight[slot.pos] = slot
+        self.unacked_bytes += length
+        if self._sock is None:
+            self._connect()  # (it sends every unacked frame, this one too)
+            return
+        try:
+            self._tell(slot)
+        except OSError:
+            self._lost()
+            self._connect()
+
+    def _tell(self, slot: Slot) -> None:
+        assert self._sock is not None
+        segment = slot.segment
+        if segment.seg_id not in self._announced:
+            control.send(self._sock, "seg", segment.seg_id, segment.size, fds=[segment.fd])
+            self._announced.add(segment.seg_id)
+        slot.pinned = True
+        control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame)
+
+    def wait_for_room(self) -> None:
+        """Wait while `max_unacked_bytes` are unacknowledged, up to `send_timeout_s`."""
+        limit = self.options.max_unacked_bytes
+        if self._sock is not None and self.unacked_bytes >= limit:
+            self._wait(lambda: self.unacked_bytes < limit, self.options.send_timeout_s, "wait for room")
+
+    def flush(self, timeout: float | None) -> None:
+        """Wait until the consumer has acknowledged every frame sent."""
+        if self.unacked_bytes:
+            if self._sock is None:
+                self._connect()
+            self._wait(lambda: not self.unacked_bytes, timeout, "flush")
+
+    def _wait(self, done: Any, timeout: float | None, what: str) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Timeout(
+                    f"{what}: {self.unacked_bytes} bytes unacknowledged by shm://{self.name} after {timeout}s "
+                    f"(max_unacked_bytes={self.options.max_unacked_bytes}): is its consumer receiving, or aborted?"
+                )
+            if self._sock is None:
+                self._connect()
+            assert self._sock is not None
+            self._sock.settimeout(min(left, 0.5) if left is not None else 0.5)
+            try:
+                self._drain(blocking=True)
+            except TimeoutError:
+                continue
+            except OSError:
+                self._lost()
+
+    # -- what the consumer says ------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Take what the consumer has said so far (acks, frees), without waiting."""
+        if self._sock is not None:
+            try:
+                self._drain(blocking=False)
+            except OSError:
+                self._lost()
+
+    def _drain(self, *, blocking: bool) -> None:
+        """Take the consumer's "ack" and "free" messages: one (waiting for it) if `blocking`, then all waiting."""
+        assert self._sock is not None
+        while True:
+            got = control.receive(self._sock, blocking=blocking)
+            if got is None:
+                return
+            blocking = False
+            message, fds = got
+            for fd in fds:  # (the consumer sends none)
+                os.close(fd)
+            kind, positions = message[0], message[1] if len(message) > 1 else []
+            for pos in positions if isinstance(positions, list) else []:
+                slot = self._inflight.get(pos) if type(pos) is int else None
+                if slot is None:
+                    continue
+                if kind == "ack" and slot.unacked:
+                    slot.unacked = False
+                    self.unacked_bytes -= slot.frame[1]
+                elif kind == "free":
+                    slot.pinned = False
+                self._settle(slot)
+            self._tell_dropped()
+
+    def _settle(self, slot: Slot) -> None:
+        """Give `slot` back once nothing keeps it."""
+        if slot.busy:
+            return
+        if slot.pos:
+            if self._inflight.pop(slot.pos, None) is None:
+                return
+        self.slots.give_back(slot)
+
+    def _tell_dropped(self) -> None:
+        dropped, self.slots.dropped = self.slots.dropped, []
+        for seg_id in dropped:
+            if seg_id in self._announced and self._sock is not None:
+                self._announced.discard(seg_id)
+                try:
+                    control.send(self._sock, "drop", seg_id)
+                except OSError:
+                    pass  # (noticed at the next send)
+
+    # -- the connection --------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Connect (retrying up to `reconnect_timeout_s`) and send every frame not yet acknowledged."""
+        deadline = time.monotonic() + self.options.reconnect_timeout_s
+        delays = backoff_s()
+        while True:
+            try:
+                self._sock = self._handshake()
+                break
+            except (TimeoutError, FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as exc:
+                if time.monotonic() + 0.05 > deadline:
+                    raise TransportError(
+                        f"no consumer answers at shm://{self.name} ({self.path}: {exc}) within "
+                        f"reconnect_timeout_s={self.options.reconnect_timeout_s}s"
+                    ) from None
+                time.sleep(min(next(delays), max(deadline - time.monotonic(), 0.0)))
+        self._announced = set()
+        for pos in sorted(self._inflight):
+            slot = self._inflight[pos]
+            if slot.unacked:
+                try:
+                    self._tell(slot)
+                except OSError:
+                    self._lost()
+                    return self._connect()
+        return None
+
+    def _handshake(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(self.options.connect_timeout_s)
+            sock.connect(self.path)
+            uid = _CREDENTIALS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))[1]
+            if uid != os.getuid() and self._secret is None:
+                raise TransportError(f"shm://{self.name} is served by another user (uid {uid}); set auth_secret")
+            hello = control.receive(sock)
+            assert hello is not None
+            (kind, nonce, *_), _fds = hello
+            if kind != "hello" or not isinstance(nonce, bytes):
+                raise TransportError(f"shm://{self.name}: unexpected greeting {kind!r}")
+            control.send(sock, "proof", proof(self._secret, nonce))
+            verdict = control.receive(sock)
+            assert verdict is not None
+            if verdict[0][0] != "ok":
+                reason = verdict[0][1] if len(verdict[0]) > 1 else "refused"
+                raise TransportError(f"shm://{self.name} refused this producer: {reason}")
+            sock.settimeout(None)
+            return sock
+        except BaseException:
+            sock.close()
+            raise
+
+    def _lost(self) -> None:
+        """The consumer went away: what it may still map is retired; unacknowledged frames wait for the next."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        for slot in list(self._inflight.values()):
+            if slot.pinned:
+                self.slots.retire(slot.segment)
+                slot.pinned = False
+            self._settle(slot)
+        self.slots.dropped.clear()
+
+    def close(self, timeout: float | None) -> None:
+        """Wait up to `timeout` for the consumer's acks (while connected), then let go of the connection and
+        the segments; what is still unacknowledged then is logged, not raised."""
+        try:
+            if self._sock is not None and self.unacked_bytes:
+                self.flush(timeout)
+        except (TransportError, Timeout) as exc:
+            log.warning("shm://%s: closed with frames unacknowledged: %s", self.name, exc)
+        finally:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self.slots.close()

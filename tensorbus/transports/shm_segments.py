@@ -1,0 +1,179 @@
+"""shm:// memory: sealed memfd segments, and the producer's slots in them.
+
+A segment is an anonymous `memfd_create` file, sized once, its pages reserved with
+`posix_fallocate` (a full memory filesystem fails there with a `TransportError`, never with a
+SIGBUS at first touch) and sealed against shrinking, so a consumer that maps it can trust its size.
+Segments have no name: nothing ever appears in /dev/shm, no other user can open one, and the kernel
+frees a segment when the last process that maps it or holds its descriptor lets go, whichever side
+dies first. Its descriptor reaches the consumer over the control socket (SCM_RIGHTS).
+
+Each segment is cut into equal slots of one size class; a frame is written into one slot.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import socket
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import TransportError
+
+#: the seals every segment carries before its descriptor leaves the producer (checked by the consumer)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
+#: slots of a size class are made this many bytes of segment at a time (one slot per segment above it)
+SEGMENT_BYTES = 4 << 20
+#: the smallest slot; slots up to 1 MiB are powers of two, larger ones multiples of 1 MiB
+MIN_SLOT = 4096
+MIB = 1 << 20
+
+
+def check_available() -> None:
+    """Raise a `TransportError` saying what is missing where memfd segments cannot be made."""
+    missing = [
+        name
+        for name, there in [
+            ("os.memfd_create", hasattr(os, "memfd_create")),
+            ("socket.send_fds", hasattr(socket, "send_fds")),
+            ("memfd seals", bool(SEALS)),
+        ]
+        if not there
+    ]
+    if missing:
+        raise TransportError(
+            f"shm:// needs shared memory this system does not offer ({', '.join(missing)}; Linux 3.17 or later, "
+            "Python 3.9 or later): use unix:// instead"
+        )
+
+
+def slot_size(nbytes: int) -> int:
+    """The size class of a frame of `nbytes`: a power of two up to 1 MiB, then a multiple of 1 MiB."""
+    if nbytes <= MIB:
+        return max(MIN_SLOT, 1 << (max(nbytes, 1) - 1).bit_length())
+    return -(-nbytes // MIB) * MIB
+
+
+class Segment:
+    """One sealed memfd of `slots` slots of `slot` bytes, mapped writable by its producer."""
+
+    def __init__(self, seg_id: int, slot: int, slots: int) -> None:
+        self.seg_id, self.slot, self.slots = seg_id, slot, slots
+        self.size = slot * slots
+        check_available()
+        try:
+            fd = os.memfd_create("tensorbus-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise TransportError(f"shm:// cannot create a shared memory segment: {exc}") from None
+        try:
+            os.ftruncate(fd, self.size)
+            os.posix_fallocate(fd, 0, self.size)  # reserved now: no SIGBUS when a page is first touched
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            self._map = mmap.mmap(fd, self.size)
+        except OSError as exc:
+            os.close(fd)
+            raise TransportError(
+                f"shm:// cannot reserve a {self.size}-byte shared memory segment: {exc} (is memory, or the "
+                "memory cgroup, full?)"
+            ) from None
+        self.fd = fd
+        self.array = np.frombuffer(self._map, np.uint8)  # (writable: the producer's side)
+        self.in_use = 0  # slots handed out
+        self.retired = False  # a consumer that went away may still map it: never written again
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """`nbytes` of the segment from `offset`, writable."""
+        return self.array.data[offset : offset + nbytes]
+
+    def close(self) -> None:
+        """Close the producer's descriptor; the mapping goes with the last array viewing it (the
+        consumer's own mapping keeps the memory for as long as it needs it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
+class Slot:
+    """One frame's place: where it is, and what still keeps it from being written again."""
+
+    segment: Segment
+    offset: int
+    #: the frame's position in the producer's stream (0 until sent)
+    pos: int = 0
+    #: the consumer has not acknowledged it (it would be sent again to the next consumer)
+    unacked: bool = False
+    #: the consumer still maps it (arrays viewing it are alive there)
+    pinned: bool = False
+    #: the producer's own array from `empty()` is still alive
+    leased: bool = False
+    #: where the frame starts in the segment, and its length, once sent
+    frame: tuple[int, int] = field(default=(0, 0))
+
+    @property
+    def busy(self) -> bool:
+        return self.unacked or self.pinned or self.leased
+
+
+class Slots:
+    """The producer's slots by size class; segments are made as needed and dropped when retired and idle,
+    or when more than `pooled_bytes` of idle ones are kept."""
+
+    def __init__(self, pooled_bytes: int) -> None:
+        self._free: dict[int, list[Slot]] = {}
+        self.segments: dict[int, Segment] = {}
+        self._next_id = 1
+        self._pooled_bytes = pooled_bytes
+        self.dropped: list[int] = []  # ids of segments dropped since the last look (the consumer is told)
+
+    def take(self, nbytes: int) -> Slot:
+        """A free slot of at least `nbytes` (a new segment when none is free)."""
+        size = slot_size(nbytes)
+        free = self._free.setdefault(size, [])
+        while free:
+            slot = free.pop()
+            if not slot.segment.retired:
+                slot.segment.in_use += 1
+                return slot
+        segment = Segment(self._next_id, size, max(1, SEGMENT_BYTES // size))
+        self._next_id += 1
+        self.segments[segment.seg_id] = segment
+        free.extend(Slot(segment, i * size) for i in reversed(range(1, segment.slots)))
+        segment.in_use += 1
+        return Slot(segment, 0)
+
+    def give_back(self, slot: Slot) -> None:
+        """A slot nothing keeps any more: free for the next frame of its class (or its segment dropped)."""
+        segment = slot.segment
+        segment.in_use -= 1
+        if segment.retired:
+            if segment.in_use == 0:
+                self._drop(segment)
+            return
+        self._free.setdefault(segment.slot, []).append(Slot(segment, slot.offset))
+        if segment.in_use == 0 and self._idle_bytes() > self._pooled_bytes:
+            self._drop(segment)
+
+    def retire(self, segment: Segment) -> None:
+        """Never write into `segment` again; drop it once its last slot is given back."""
+        segment.retired = True
+        if segment.in_use == 0:
+            self._drop(segment)
+
+    def _idle_bytes(self) -> int:
+        return sum(s.size for s in self.segments.values() if s.in_use == 0 and not s.retired)
+
+    def _drop(self, segment: Segment) -> None:
+        del self.segments[segment.seg_id]
+        free = self._free.get(segment.slot, [])
+        free[:] = [slot for slot in free if slot.segment is not segment]
+        segment.close()
+        self.dropped.append(segment.seg_id)
+
+    def close(self) -> None:
+        for segment in list(self.segments.values()):
+            segment.close()
+        self.segments.clear()
+        self._free.clear()

@@ -1,0 +1,269 @@
+"""shm:// beyond the behaviour suite: zero-copy views, memory handed back, empty(), pinning, cleanup, auth."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tests.conftest import endpoint_url
+from tests.peers import make_tensor, same
+from tests.waiting import wait_for
+
+MIB = 1 << 20
+
+
+def shm_files() -> set[str]:
+    """The files of /dev/shm that tensorbus could have made (other processes of the machine make theirs)."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {name for name in names if "tensorbus" in name or name.startswith("tb-")}
+
+
+def mapped_segments(pid: int | str = "self") -> list[tuple[int, int]]:
+    """The address ranges of shm:// segments mapped by process `pid`."""
+    ranges = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if "memfd:tensorbus-shm" in line:
+                start, end = line.split()[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def in_shared_memory(array: np.ndarray) -> bool:
+    address = array.__array_interface__["data"][0]
+    return any(start <= address < end for start, end in mapped_segments())
+
+
+def test_received_arrays_are_read_only_views_of_shared_memory() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("a", np.arange(100_000, dtype=np.float32))
+        got = consumer.recv("a", timeout=10)
+        assert same(got, np.arange(100_000, dtype=np.float32))
+        assert in_shared_memory(got) and not got.flags.writeable
+        with pytest.raises(ValueError):
+            got[0] = 1
+
+
+def test_a_kept_array_is_unchanged_while_more_are_sent_and_memory_comes_back_on_release() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        first = np.full(64 * 1024, 1.0, np.float32)
+        producer.send("k", first)
+        kept = consumer.recv("k", timeout=10)
+        sender = producer.transport.sender_side
+        for i in range(200):  # many more than one segment's slots of this size: free slots are reused
+            producer.send("k", np.full(64 * 1024, float(i + 2), np.float32))
+            assert (consumer.recv("k", timeout=10) == i + 2).all()
+        assert (kept == 1.0).all()  # its slot was never written again
+        slot_of_kept = min(sender._inflight)  # the oldest position still in flight: the kept array's
+        assert sender._inflight[slot_of_kept].pinned
+        del kept
+        gc.collect()
+        producer.send("k", np.zeros(4, np.float32))  # (the producer reads the consumer's "free" as it sends)
+        consumer.recv("k", timeout=10)
+        wait_for(lambda: sender.poll() or slot_of_kept not in sender._inflight, 10, "the kept array's slot freed")
+        assert len(sender.slots.segments) <= 2  # reused, not a segment per tensor
+
+
+def test_empty_is_sent_in_place_without_copying_its_bytes() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        array = producer.empty((512, 256), np.float32)
+        array[...] = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)
+        producer.send("e", array)
+        zeros = producer.zeros((3, 5), np.int64)
+        producer.send("z", zeros)
+        sender = producer.transport.sender_side
+        assert sender.stats["in_place"] == 2 and sender.stats["copied"] == 0
+        got = consumer.recv("e", timeout=10)
+        assert same(got, np.arange(512 * 256, dtype=np.float32).reshape(512, 256))
+        assert same(consumer.recv("z", timeout=10), np.zeros((3, 5), np.int64))
+        producer.send("e", array)  # the consumer still views the first send: this one is a copy
+        assert sender.stats["copied"] == 1
+        assert same(consumer.recv("e", timeout=10), got)
+    with tb.Producer("tcp://127.0.0.1:1") as other, pytest.raises(tb.ConfigError, match="shm://"):
+        other.empty((2,), np.float32)
+
+
+def test_past_max_pinned_bytes_frames_are_copied_out_and_freed_at_once() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url, max_pinned_bytes=3 * MIB) as consumer, tb.Producer(url) as producer:
+        kept = []
+        for i in range(6):
+            producer.send(f"t{i}", np.full(MIB // 4, i, np.float32))  # 1 MiB each
+            kept.append(consumer.recv(f"t{i}", timeout=10))
+        views = [in_shared_memory(a) for a in kept]
+        assert views[:2] == [True, True] and views[3:] == [False, False, False]
+        assert all((a == i).all() and not a.flags.writeable for i, a in enumerate(kept))
+        producer.flush(10)
+        sender = producer.transport.sender_side
+        wait_for(lambda: sender.poll() or len(sender._inflight) <= 3, 10, "copied-out frames freed")
+
+
+def test_backpressure_a_send_waits_for_acks_and_times_out_naming_the_endpoint() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url, max_buffered_bytes=2 * MIB) as consumer:  # takes nothing: holds after 1 MiB
+        with tb.Producer(url, max_unacked_bytes=2 * MIB, send_timeout_s=0.5, close_timeout_s=0.1) as producer:
+            with pytest.raises(tb.Timeout, match="shm://"):
+                for _ in range(20):
+                    producer.send("x", np.zeros(MIB // 4, np.float32))
+            assert len(consumer.table) >= 1
+
+
+def test_auth_secret_guards_the_control_socket() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url, auth_secret="s3cret") as consumer:
+        with pytest.raises(tb.TransportError, match="auth_secret"), tb.Producer(url) as producer:
+            producer.send("a", np.arange(3))
+        with tb.Producer(url, auth_secret="wrong", reconnect_timeout_s=1) as producer:
+            with pytest.raises(tb.TransportError, match="auth_secret"):
+                producer.send("a", np.arange(3))
+        with tb.Producer(url, auth_secret="s3cret") as producer:
+            producer.send("a", np.arange(3))
+        assert same(consumer.recv("a", timeout=10), np.arange(3))
+
+
+def test_a_second_consumer_of_a_name_is_refused_and_the_socket_is_private() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer:
+        with pytest.raises(tb.TransportError, match="already has a consumer"):
+            tb.Consumer(url)
+        path = consumer.transport.path
+        folder = os.stat(os.path.dirname(path))
+        assert folder.st_uid == os.getuid() and folder.st_mode & 0o077 == 0
+    assert not os.path.exists(path)  # removed on close
+
+
+def test_without_memfd_a_clear_transport_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "memfd_create")
+    with pytest.raises(tb.TransportError, match="memfd_create"):
+        tb.Consumer(endpoint_url("shm"))
+    with pytest.raises(tb.TransportError, match="memfd_create"):
+        tb.Producer(endpoint_url("shm"))
+
+
+def test_torch_tensors_come_back_as_views() -> None:
+    torch = pytest.importorskip("torch")
+    url = endpoint_url("shm")
+    with tb.Consumer(url, like="torch") as consumer, tb.Producer(url) as producer:
+        producer.send("t", torch.arange(10, dtype=torch.float32))
+        got = consumer.recv("t", timeout=10)
+        assert isinstance(got, torch.Tensor) and torch.equal(got, torch.arange(10, dtype=torch.float32))
+
+
+def test_after_a_clean_close_nothing_is_left() -> None:
+    before = shm_files()
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        for i in range(20):
+            producer.send("a", make_tensor({"n": 300_000, "seed": i}))
+        got = [consumer.recv("a", timeout=10) for _ in range(20)]
+        path = consumer.transport.path
+    assert same(got[7], make_tensor({"n": 300_000, "seed": 7}))  # kept arrays outlive both ends
+    del got
+    gc.collect()
+    assert mapped_segments() == [] and shm_files() == before and not os.path.exists(path)
+
+
+# -- SIGKILL of either side ------------------------------------------------------------------------
+
+
+def _produce_forever(url: str, sent: Any) -> None:
+    with tb.Producer(url) as producer:
+        for i in range(100_000):
+            producer.send("s", make_tensor({"n": 256 * 1024, "seed": i % 7}), metadata={"i": i})
+            sent.value = i + 1
+
+
+def _consume(url: str, received: Any) -> None:
+    with tb.Consumer(url) as consumer:
+        kept = []
+        for message in consumer:
+            kept.append(message.tensor)  # keeps every array: pins the producer's memory
+            received.value = message.metadata["i"] + 1
+
+
+def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -> None:
+    before = shm_files()
+    url = endpoint_url("shm")
+    ctx = multiprocessing.get_context("spawn")
+    sent = ctx.Value("i", 0)
+    with tb.Consumer(url) as consumer:
+        peer = ctx.Process(target=_produce_forever, args=(url, sent))
+        peer.start()
+        kept = [consumer.recv_message("s", timeout=60) for _ in range(10)]
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(10)
+        for message in kept:  # still there, bit for bit, after their producer died
+            assert same(message.tensor, make_tensor({"n": 256 * 1024, "seed": message.metadata["i"] % 7}))
+        while len(consumer.table):  # what it had sent before dying is still delivered
+            consumer.next_message(timeout=5)
+        del kept, message
+        gc.collect()
+        wait_for(lambda: mapped_segments() == [], 10, "no segment mapped")  # gone with the last view
+        with tb.Producer(url) as producer:  # the consumer serves on
+            producer.send("after", np.arange(5))
+        assert same(consumer.recv("after", timeout=10), np.arange(5))
+    assert shm_files() == before
+
+
+def test_consumer_killed_mid_stream_the_producer_reclaims_and_resends_to_the_next() -> None:
+    before = shm_files()
+    url = endpoint_url("shm")
+    ctx = multiprocessing.get_context("spawn")
+    received = ctx.Value("i", 0)
+    peer = ctx.Process(target=_consume, args=(url, received))
+    peer.start()
+    with tb.Producer(url, reconnect_timeout_s=30) as producer:
+        sender = producer.transport.sender_side
+        for i in range(10):
+            producer.send("s", make_tensor({"n": 256 * 1024, "seed": i}), metadata={"i": i})
+        wait_for(lambda: received.value >= 5, 30, "5 tensors received")
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.join(10)
+        segments_before = len(sender.slots.segments)
+        with tb.Consumer(url) as consumer:  # takes over the dead one's socket
+            for i in range(10, 20):
+                producer.send("s", make_tensor({"n": 256 * 1024, "seed": i}), metadata={"i": i})
+            producer.flush(30)
+            got = {}
+            while len(consumer.table):
+                message = consumer.next_message(timeout=5)
+                got[message.metadata["i"]] = message.tensor
+            assert set(range(10, 20)) <= set(got)  # all sent after, and any the dead one had not acked
+            assert all(same(t, make_tensor({"n": 256 * 1024, "seed": i})) for i, t in got.items())
+            del got, message
+            gc.collect()
+            # the dead consumer's segments were retired and dropped: not one kept per tensor
+            wait_for(lambda: sender.poll() or len(sender.slots.segments) <= segments_before, 10, "segments dropped")
+    gc.collect()
+    assert mapped_segments() == [] and shm_files() == before
+
+
+def test_close_from_another_thread_while_a_recv_waits() -> None:
+    url = endpoint_url("shm")
+    consumer = tb.Consumer(url)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            consumer.recv("never", timeout=30)
+        except tb.TensorBusError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.1)
+    consumer.close()
+    waiter.join(10)
+    assert isinstance(errors[0], tb.Aborted)
