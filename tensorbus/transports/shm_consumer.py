@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers import aligned_empty
-from ..codec.frame import MessageId
 from ..errors import TransportError
 from . import shm_control as control
-from .base import Deliver, GivenUp, Held
+from .base import Deliver, Held
 from .shm_segments import SEALS
 from .stream import proof
 
@@ -41,17 +40,16 @@ BATCH = 64
 
 
 class Peer:
-    """One producer connection: its mappings, its acknowledgement seam, what is held back or incomplete."""
+    """One producer connection: its mappings, its acknowledgement seam, what is held back."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, acks: control.Acknowledgements) -> None:
         self.sock = sock
         self.nonce = os.urandom(32)
         self.authed = False
         self.open = True
         self.maps: dict[int, mmap.mmap] = {}
-        self.acks = control.Acknowledgements()
+        self.acks = acks
         self.held: Held | None = None
-        self.incomplete: dict[MessageId | None, list[int]] = {}  # message -> positions of its frames so far
 
 
 class ShmListener:
@@ -71,7 +69,6 @@ class ShmListener:
         self._poked = False
         self._peers: dict[int, Peer] = {}
         self._stop = threading.Event()
-        self._given_up = GivenUp(deliver)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-shm-{name}")
         self._thread.start()
 
@@ -134,14 +131,16 @@ class ShmListener:
 
     def poke(self) -> None:
         """Wake the thread (from any thread): there are frees to send, or room for a held message."""
-        with self._poke_lock:
-            if self._poked:
+        if threading.current_thread() is self._thread:
+            return  # (it answers every producer before it waits again)
+        with self._poke_lock:  # (also keeps the descriptor from being closed, and reused, under the write)
+            if self._poked or self._wake_w < 0:
                 return
             self._poked = True
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:  # (full: the thread is woken anyway; closed: it stopped)
-            pass
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # (full: the thread is woken anyway; its end closed: it stopped)
+                pass
 
     def _woken(self) -> None:
         with self._poke_lock:
@@ -180,7 +179,7 @@ class ShmListener:
             sock.close()
             return
         sock.setblocking(False)
-        peer = Peer(sock)
+        peer = Peer(sock, control.Acknowledgements(self.deliver.ledger, self.poke))
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
         try:
@@ -259,30 +258,16 @@ class ShmListener:
             frame = aligned_empty(length)
             frame[:] = np.frombuffer(mapped, np.uint8, length, offset)
             frame.flags.writeable = False
-            peer.acks.released(pos, 0)
+            peer.acks.unviewed(pos, 0)
         else:
             frame = np.frombuffer(mapped, np.uint8, length, offset)
-            peer.acks.received(pos, length)
-            weakref.finalize(frame, self._freed, peer.acks, pos, length).atexit = False
+            peer.acks.viewed(length)
+            weakref.finalize(frame, peer.acks.unviewed, pos, length).atexit = False
         result = self.deliver(frame.data, may_hold=True, source=peer)
         del frame  # (the intake and the arrays it made keep it alive now, or nothing does)
-        positions = [*peer.incomplete.pop(result.message_id, []), pos]
+        peer.acks.record(pos, result)
         if result.held is not None:
             peer.held = result.held
-            peer.incomplete[result.message_id] = positions
-        elif result.done:
-            peer.acks.delivered(positions)
-        elif not result.turned_away:
-            self._acknowledge_given_up(peer)
-            peer.incomplete[result.message_id] = positions
-
-    def _freed(self, acks: control.Acknowledgements, pos: int, length: int) -> None:
-        acks.released(pos, length)
-        self.poke()
-
-    def _acknowledge_given_up(self, peer: Peer) -> None:
-        for message_id in self._given_up.among(peer.incomplete):
-            peer.acks.delivered(peer.incomplete.pop(message_id))
 
     def _release(self, peer: Peer) -> None:
         """Offer a held message again; read its producer again once it is taken."""
@@ -293,10 +278,8 @@ class ShmListener:
         if result.held is not None:
             peer.held = result.held
             return
-        positions = peer.incomplete.pop(peer.held.message_id, [])
         peer.held = None
-        if result.done:
-            peer.acks.delivered(positions)
+        self.deliver.ledger.apply(result)
         if not peer.open:
             self._peers.pop(id(peer), None)
             return
@@ -309,6 +292,7 @@ class ShmListener:
             self._selector.unregister(peer.sock)
             self._peers.pop(peer.sock.fileno(), None)
             peer.sock.close()
+            peer.acks.close()
             if peer.held is not None:
                 self._peers[id(peer)] = peer
         peer.maps.clear()
@@ -329,5 +313,8 @@ class ShmListener:
             self._thread.join(timeout=10)
             if self._thread.is_alive():
                 log.error("shm://%s: the consumer's thread has not stopped", self.name)
-            else:
+                return
+        with self._poke_lock:  # (a finalizer may poke long after: an array kept past close)
+            if self._wake_w >= 0:
                 os.close(self._wake_w)
+                self._wake_w = -1

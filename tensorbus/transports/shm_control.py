@@ -13,7 +13,8 @@ Every message is one msgpack list, its first item the kind:
     producer -> consumer   ["seg", seg_id, size]         with the segment's descriptor
     producer -> consumer   ["frame", pos, seg_id, offset, length]
     producer -> consumer   ["drop", seg_id]              the producer will never name this segment again
-    consumer -> producer   ["ack", [pos...]]             in the table (or refused for good): not to be resent
+    consumer -> producer   ["ack", pos]                  every frame before pos is in the table or settled
+    consumer -> producer   ["taken", [pos...]]           released by the ledger: never to be sent again
     consumer -> producer   ["free", [pos...]]            no array views it any more: the producer may reuse it
 """
 
@@ -25,13 +26,17 @@ import socket
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from ..errors import TransportError
+
+if TYPE_CHECKING:
+    from ..ledger import Ledger
+    from .base import Delivered
 
 #: the most positions one "ack" or "free" message carries (a SEQPACKET message must fit the socket buffer)
 MAX_POSITIONS = 4096
@@ -114,37 +119,56 @@ def batches(positions: list[int]) -> Iterator[list[int]]:
 
 
 class Acknowledgements:
-    """The consumer's one seam for acknowledging and releasing frames of one producer connection.
+    """The consumer's one seam between a producer connection and the acknowledgement ledger (ledger.py).
 
-    `received` records a frame's position; `delivered` says the consumer is done with it (in the table,
-    or refused for good: it must not be resent); `released` says no array views its memory any more
-    (called from whichever thread dropped the last reference). `pending` turns them into the control
-    messages "ack" and "free". Released positions are kept under a lock: the finalizer that reports
-    them may run on any thread, even in the middle of this object's own methods (an RLock).
+    `record` enters a received frame's position in the connection's ledger stream with what the
+    intake made of it; the ledger decides when it is *released* (taken by the application, or settled),
+    and `_released` turns that into "taken". `viewed`/`unviewed` count the bytes of the producer's
+    memory that arrays still view, `unviewed` (called from whichever thread dropped the last view)
+    turning into "free". `pending` gathers the control messages owed: "ack" (cumulative: every frame
+    before it is in the table or settled, as `Stream.first_unreceived` says), "taken" and "free".
+    Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: Ledger, poke: Callable[[], None]) -> None:
         self._lock = threading.RLock()
-        self._acks: list[int] = []
+        self._poke = poke
+        self._taken: list[int] = []
         self._frees: list[int] = []
-        self.pinned_bytes = 0  # bytes of frames still viewed
+        self._acked = 0  # the last cumulative "ack" sent
+        self.pinned_bytes = 0  # bytes of the producer's frames still viewed here
+        self.stream = ledger.stream(self._released)
 
-    def received(self, pos: int, nbytes: int) -> None:
+    def record(self, pos: int, result: Delivered) -> None:
+        self.stream.record(pos, result)
+
+    def _released(self, positions: list[Any]) -> None:
+        with self._lock:
+            self._taken.extend(positions)
+        self._poke()
+
+    def viewed(self, nbytes: int) -> None:
         with self._lock:
             self.pinned_bytes += nbytes
 
-    def delivered(self, positions: list[int]) -> None:
-        with self._lock:
-            self._acks.extend(positions)
-
-    def released(self, pos: int, nbytes: int) -> None:
+    def unviewed(self, pos: int, nbytes: int) -> None:
         with self._lock:
             self.pinned_bytes -= nbytes
             self._frees.append(pos)
+        self._poke()
 
     def pending(self) -> list[list[Any]]:
-        """The control messages owed to the producer now ("ack" before "free"), emptied."""
+        """The control messages owed to the producer now, emptied."""
+        received = self.stream.first_unreceived()
         with self._lock:
-            acks, self._acks = self._acks, []
+            taken, self._taken = self._taken, []
             frees, self._frees = self._frees, []
-        return [["ack", batch] for batch in batches(acks)] + [["free", batch] for batch in batches(frees)]
+        messages: list[list[Any]] = []
+        if received > self._acked:
+            self._acked = received
+            messages.append(["ack", received])
+        return messages + [["taken", b] for b in batches(taken)] + [["free", b] for b in batches(frees)]
+
+    def close(self) -> None:
+        """The connection ended: the ledger forgets its stream (what it did not release is sent again)."""
+        self.stream.close()

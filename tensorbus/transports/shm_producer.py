@@ -52,6 +52,7 @@ class ShmSender:
         self._sock: socket.socket | None = None
         self._announced: set[int] = set()  # segments whose descriptor the current consumer has
         self._inflight: dict[int, Slot] = {}  # position -> its slot, while busy
+        self._unacked: collections.deque[Slot] = collections.deque()  # slots not yet acked, oldest first
         self._positions = 0
         self.unacked_bytes = 0
         self._leases: dict[int, Slot] = {}  # payload address -> the slot of a live `empty()` array
@@ -99,7 +100,7 @@ class ShmSender:
         frame is not one header and the array's bytes (compressed, or a header past `HEAD_ROOM`)."""
         data = int(tensor.__array_interface__["data"][0])
         slot = self._leases.get(data)
-        if slot is None or slot.unacked or slot.pinned or not buffers:
+        if slot is None or slot.untaken or slot.pinned or not buffers:
             return False
         head, payload = buffers[:-1], memoryview(buffers[-1])
         head_bytes = sum(memoryview(b).nbytes for b in head)
@@ -131,17 +132,16 @@ class ShmSender:
         if slot.pos:  # (an `empty()` array sent again: its last send is settled)
             self._inflight.pop(slot.pos, None)
         self._positions += 1
-        slot.pos, slot.frame, slot.unacked = self._positions, (start, length), True
+        slot.pos, slot.frame, slot.untaken = self._positions, (start, length), True
         self._inflight[slot.pos] = slot
-        self.unacked_bytes += length
-        if self._sock is None:
-            self._connect()  # (it sends every unacked frame, this one too)
-            return
-        try:
-            self._tell(slot)
-        except OSError:
-            self._lost()
-            self._connect()
+        if self._sock is not None:
+            try:
+                self._owe_ack(slot)
+                self._tell(slot)
+                return
+            except OSError:
+                self._lost()
+        self._connect()  # (it sends every untaken frame, this one too)
 
     def _tell(self, slot: Slot) -> None:
         assert self._sock is not None
@@ -152,6 +152,11 @@ class ShmSender:
         slot.pinned = True
         control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame)
 
+    def _owe_ack(self, slot: Slot) -> None:
+        slot.unacked = True
+        self.unacked_bytes += slot.frame[1]
+        self._unacked.append(slot)
+
     def wait_for_room(self) -> None:
         """Wait while `max_unacked_bytes` are unacknowledged, up to `send_timeout_s`."""
         limit = self.options.max_unacked_bytes
@@ -159,10 +164,12 @@ class ShmSender:
             self._wait(lambda: self.unacked_bytes < limit, self.options.send_timeout_s, "wait for room")
 
     def flush(self, timeout: float | None) -> None:
-        """Wait until the consumer has acknowledged every frame sent."""
+        """Wait until the consumer has every frame sent in its table; one that went away is replaced by
+        the next consumer of the name, which is sent every frame the first did not hand out."""
+        self.poll()  # (finds a consumer gone)
+        if self._sock is None and any(slot.untaken for slot in self._inflight.values()):
+            self._connect()
         if self.unacked_bytes:
-            if self._sock is None:
-                self._connect()
             self._wait(lambda: not self.unacked_bytes, timeout, "flush")
 
     def _wait(self, done: Any, timeout: float | None, what: str) -> None:
@@ -206,18 +213,28 @@ class ShmSender:
             message, fds = got
             for fd in fds:  # (the consumer sends none)
                 os.close(fd)
-            kind, positions = message[0], message[1] if len(message) > 1 else []
-            for pos in positions if isinstance(positions, list) else []:
+            kind, value = message[0], message[1] if len(message) > 1 else None
+            if kind == "ack" and type(value) is int:
+                self._acked_before(value)
+                continue
+            for pos in value if isinstance(value, list) else []:
                 slot = self._inflight.get(pos) if type(pos) is int else None
                 if slot is None:
                     continue
-                if kind == "ack" and slot.unacked:
-                    slot.unacked = False
-                    self.unacked_bytes -= slot.frame[1]
+                if kind == "taken":
+                    slot.untaken = False
                 elif kind == "free":
                     slot.pinned = False
                 self._settle(slot)
             self._tell_dropped()
+
+    def _acked_before(self, pos: int) -> None:
+        """Every frame before `pos` is in the consumer's table (or settled): no longer counted as unacked."""
+        while self._unacked and self._unacked[0].pos < pos:
+            slot = self._unacked.popleft()
+            if slot.unacked:
+                slot.unacked = False
+                self.unacked_bytes -= slot.frame[1]
 
     def _settle(self, slot: Slot) -> None:
         """Give `slot` back once nothing keeps it."""
@@ -258,8 +275,9 @@ class ShmSender:
         self._announced = set()
         for pos in sorted(self._inflight):
             slot = self._inflight[pos]
-            if slot.unacked:
+            if slot.untaken:
                 try:
+                    self._owe_ack(slot)
                     self._tell(slot)
                 except OSError:
                     self._lost()
@@ -292,11 +310,16 @@ class ShmSender:
             raise
 
     def _lost(self) -> None:
-        """The consumer went away: what it may still map is retired; unacknowledged frames wait for the next."""
+        """The consumer went away: what it may still map is retired; untaken frames wait for the next (and
+        are owed acks again once sent to it: a `flush` that saw them acknowledged has returned)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        for slot in list(self._inflight.values()):
+        self._unacked.clear()
+        self.unacked_bytes = 0
+        for pos in sorted(self._inflight):
+            slot = self._inflight[pos]
+            slot.unacked = False
             if slot.pinned:
                 self.slots.retire(slot.segment)
                 slot.pinned = False

@@ -103,8 +103,11 @@ class Slot:
     offset: int
     #: the frame's position in the producer's stream (0 until sent)
     pos: int = 0
-    #: the consumer has not acknowledged it (it would be sent again to the next consumer)
+    #: the consumer has not said it is in its table (or settled) yet: counts against max_unacked_bytes
     unacked: bool = False
+    #: the consumer's ledger has not released it (the application has not taken it): sent again to the
+    #: next consumer if this one goes away
+    untaken: bool = False
     #: the consumer still maps it (arrays viewing it are alive there)
     pinned: bool = False
     #: the producer's own array from `empty()` is still alive
@@ -114,7 +117,7 @@ class Slot:
 
     @property
     def busy(self) -> bool:
-        return self.unacked or self.pinned or self.leased
+        return self.untaken or self.pinned or self.leased
 
 
 class Slots:
