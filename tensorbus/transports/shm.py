@@ -14,6 +14,7 @@ that maps it, whichever side was killed. (Python's multiprocessing.shared_memory
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,11 @@ class ShmTransport(Transport):
     def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
         """shm://NAME."""
         return f"shm://{self.name}", b""
+
+    def encoding(self, wanted: Encoding) -> Encoding:
+        """`wanted` without a CRC32C: the consumer reads the very memory the producer wrote, no wire
+        between them could corrupt it (and a CRC computed before it reads could not catch a later write)."""
+        return dataclasses.replace(wanted, checksum=False)
 
     def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """An uninitialised array in shared memory: sent as it is, with no copy of its bytes."""

@@ -27,7 +27,7 @@ from ..buffers import aligned_empty
 from ..errors import TransportError
 from . import shm_control as control
 from .base import Deliver, Held
-from .shm_segments import SEALS
+from .shm_segments import MAP_POPULATE, SEALS
 from .stream import proof
 
 if TYPE_CHECKING:
@@ -106,7 +106,8 @@ class ShmListener:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                for selected, _ in self._selector.select():
+                owed = any(peer.open and peer.acks.owed() for peer in self._peers.values())
+                for selected, _ in self._selector.select(control.LINGER_S if owed else None):
                     if selected.data == "wake":
                         self._woken()
                     elif selected.data is None:
@@ -242,7 +243,8 @@ class ShmListener:
                 raise TransportError("malformed segment announcement")
             if fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & SEALS != SEALS or os.fstat(fds[0]).st_size < size:
                 raise TransportError("a segment that is not sealed at its size")
-            peer.maps[seg_id] = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
+            flags = mmap.MAP_SHARED | MAP_POPULATE
+            peer.maps[seg_id] = mmap.mmap(fds[0], size, flags=flags, prot=mmap.PROT_READ)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 
 #: the most positions one "ack" or "free" message carries (a SEQPACKET message must fit the socket buffer)
 MAX_POSITIONS = 4096
+#: "taken" and "free" wake the consumer's thread at once when this many wait, or frees of this many bytes;
+#: fewer are sent with its next answer, or after LINGER_S (one wake-up per tensor would cost more than it)
+URGENT_COUNT = 64
+URGENT_BYTES = 1 << 20
+LINGER_S = 0.005
 #: a control message larger than this is a protocol error
 MAX_MESSAGE = 1 << 16
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # (room for a few: more are a protocol error)
@@ -125,7 +130,8 @@ class Acknowledgements:
     intake made of it; the ledger decides when it is *released* (taken by the application, or settled),
     and `_released` turns that into "taken". `viewed`/`unviewed` count the bytes of the producer's
     memory that arrays still view, `unviewed` (called from whichever thread dropped the last view)
-    turning into "free". `pending` gathers the control messages owed: "ack" (cumulative: every frame
+    turning into "free"; both wake the consumer's thread in batches only (`URGENT_COUNT`, `URGENT_BYTES`).
+    `pending` gathers the control messages owed: "ack" (cumulative: every frame
     before it is in the table or settled, as `Stream.first_unreceived` says), "taken" and "free".
     Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
     """
@@ -135,6 +141,7 @@ class Acknowledgements:
         self._poke = poke
         self._taken: list[int] = []
         self._frees: list[int] = []
+        self._freed_bytes = 0  # of the frees not sent yet
         self._acked = 0  # the last cumulative "ack" sent
         self.pinned_bytes = 0  # bytes of the producer's frames still viewed here
         self.stream = ledger.stream(self._released)
@@ -145,7 +152,9 @@ class Acknowledgements:
     def _released(self, positions: list[Any]) -> None:
         with self._lock:
             self._taken.extend(positions)
-        self._poke()
+            urgent = len(self._taken) >= URGENT_COUNT
+        if urgent:
+            self._poke()
 
     def viewed(self, nbytes: int) -> None:
         with self._lock:
@@ -155,7 +164,14 @@ class Acknowledgements:
         with self._lock:
             self.pinned_bytes -= nbytes
             self._frees.append(pos)
-        self._poke()
+            self._freed_bytes += nbytes
+            urgent = self._freed_bytes >= URGENT_BYTES or len(self._frees) >= URGENT_COUNT
+        if urgent:
+            self._poke()
+
+    def owed(self) -> bool:
+        """True while "taken" or "free" messages wait to be sent (the thread answers within `LINGER_S`)."""
+        return bool(self._taken or self._frees)
 
     def pending(self) -> list[list[Any]]:
         """The control messages owed to the producer now, emptied."""
@@ -163,6 +179,7 @@ class Acknowledgements:
         with self._lock:
             taken, self._taken = self._taken, []
             frees, self._frees = self._frees, []
+            self._freed_bytes = 0
         messages: list[list[Any]] = []
         if received > self._acked:
             self._acked = received

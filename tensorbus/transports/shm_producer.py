@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -39,6 +40,8 @@ HEAD_ROOM = 4096
 #: idle segments a producer keeps for reuse, at most (fresh pages are slow to touch)
 POOLED_BYTES = 1 << 30
 _CREDENTIALS = struct.Struct("3i")
+#: slots of one size a producer fills before it waits for the consumer to receive (see `_reclaim`)
+RUN_AHEAD_SLOTS = 4
 
 
 class ShmSender:
@@ -67,7 +70,7 @@ class ShmSender:
         dtype = np.dtype(dtype)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         self._settle_ended()
-        slot = self.slots.take(HEAD_ROOM + nbytes)
+        slot = self.slots.take(HEAD_ROOM + nbytes, self._reclaim)
         slot.leased = True
         start = slot.offset + HEAD_ROOM
         base = np.frombuffer(slot.segment.view(start, nbytes), dtype)  # (its views keep it alive)
@@ -118,8 +121,7 @@ class ShmSender:
         """Copy one frame into a free slot and tell the consumer."""
         self._settle_ended()
         total = sum(memoryview(b).nbytes for b in frame)
-        self.poll()  # (slots come back with "free")
-        slot = self.slots.take(total)
+        slot = self.slots.take(total, self._reclaim)
         try:
             join_into(frame, slot.segment.view(slot.offset, total))
             self.stats["copied"] += 1
@@ -161,6 +163,8 @@ class ShmSender:
         """Wait while `max_unacked_bytes` are unacknowledged, up to `send_timeout_s`."""
         limit = self.options.max_unacked_bytes
         if self._sock is not None and self.unacked_bytes >= limit:
+            self.poll()
+        if self._sock is not None and self.unacked_bytes >= limit:
             self._wait(lambda: self.unacked_bytes < limit, self.options.send_timeout_s, "wait for room")
 
     def flush(self, timeout: float | None) -> None:
@@ -183,16 +187,25 @@ class ShmSender:
                 )
             if self._sock is None:
                 self._connect()
-            assert self._sock is not None
-            self._sock.settimeout(min(left, 0.5) if left is not None else 0.5)
-            try:
-                self._drain(blocking=True)
-            except TimeoutError:
-                continue
-            except OSError:
-                self._lost()
+            sock = self._sock
+            assert sock is not None
+            # (the socket stays blocking without a timeout: Python waits out a socket timeout even with MSG_DONTWAIT)
+            readable, _, _ = select.select([sock], [], [], left)
+            if readable:
+                self.poll()
 
     # -- what the consumer says ------------------------------------------------------------------
+
+    def _reclaim(self, size: int) -> None:
+        """No slot of class `size` is free: take the consumer's frees; while it has not even received
+        what was sent and `RUN_AHEAD_SLOTS` of the class are in use, wait for one rather than make a new
+        segment (reused memory is hot: fresh pages are slow to touch, on the consumer's side too)."""
+        self.poll()
+        if self.slots.has_free(size) or not self.unacked_bytes or self.slots.busy(size) < RUN_AHEAD_SLOTS:
+            return
+        self._wait(
+            lambda: self.slots.has_free(size) or not self.unacked_bytes, self.options.send_timeout_s, "wait for room"
+        )
 
     def poll(self) -> None:
         """Take what the consumer has said so far (acks, frees), without waiting."""

@@ -16,6 +16,7 @@ import fcntl
 import mmap
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,8 @@ from ..errors import TransportError
 
 #: the seals every segment carries before its descriptor leaves the producer (checked by the consumer)
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
+#: map every page at once (fewer page faults than one per page on first touch), where the system has it
+MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: slots of a size class are made this many bytes of segment at a time (one slot per segment above it)
 SEGMENT_BYTES = 4 << 20
 #: the smallest slot; slots up to 1 MiB are powers of two, larger ones multiples of 1 MiB
@@ -71,7 +74,7 @@ class Segment:
             os.ftruncate(fd, self.size)
             os.posix_fallocate(fd, 0, self.size)  # reserved now: no SIGBUS when a page is first touched
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            self._map = mmap.mmap(fd, self.size)
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | MAP_POPULATE)
         except OSError as exc:
             os.close(fd)
             raise TransportError(
@@ -131,10 +134,13 @@ class Slots:
         self._pooled_bytes = pooled_bytes
         self.dropped: list[int] = []  # ids of segments dropped since the last look (the consumer is told)
 
-    def take(self, nbytes: int) -> Slot:
-        """A free slot of at least `nbytes` (a new segment when none is free)."""
+    def take(self, nbytes: int, reclaim: Callable[[int], None]) -> Slot:
+        """A free slot of at least `nbytes`; when none is free, `reclaim(size)` (which may give some back,
+        or wait for them) is called once before a new segment is made."""
         size = slot_size(nbytes)
         free = self._free.setdefault(size, [])
+        if not free:
+            reclaim(size)
         while free:
             slot = free.pop()
             if not slot.segment.retired:
@@ -158,6 +164,14 @@ class Slots:
         self._free.setdefault(segment.slot, []).append(Slot(segment, slot.offset))
         if segment.in_use == 0 and self._idle_bytes() > self._pooled_bytes:
             self._drop(segment)
+
+    def has_free(self, size: int) -> bool:
+        """True if a slot of size class `size` is free."""
+        return any(not slot.segment.retired for slot in self._free.get(size, ()))
+
+    def busy(self, size: int) -> int:
+        """Slots of size class `size` in use."""
+        return sum(s.in_use for s in self.segments.values() if s.slot == size)
 
     def retire(self, segment: Segment) -> None:
         """Never write into `segment` again; drop it once its last slot is given back."""
