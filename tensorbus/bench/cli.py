@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--transports",
         metavar="LIST",
-        help="names or URLs: memory,tcp,unix,amqp,kafka, amqp-quorum,amqp-classic,kafka-confluent, aio-tcp,aio-unix "
-        "(default: the first five)",
+        help="names or URLs: memory,tcp,unix,shm,amqp,kafka, amqp-quorum,amqp-classic,shm-empty,kafka-confluent, "
+        "aio-tcp,aio-unix (default: the first six)",
     )
     add("--sizes", metavar="LIST", help="tensor sizes, binary units (default: 4KB,64KB,1MB,16MB,256MB)")
     add("--dtype", help="element type of the tensors (default: float32)")

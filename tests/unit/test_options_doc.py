@@ -13,6 +13,7 @@ from tensorbus.fanout import PublisherOptions, SubscriberOptions
 from tensorbus.transports.kafka import KafkaOptions
 from tensorbus.transports.memory import MemoryOptions
 from tensorbus.transports.rabbitmq import RabbitMQOptions
+from tensorbus.transports.shm import ShmOptions
 from tensorbus.transports.stream import SocketOptions
 
 OPTIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "OPTIONS.md"
@@ -21,6 +22,7 @@ SECTIONS = {
     "Consumer": ConsumerOptions,
     "`tcp://`, `tcps://`, `unix://`": SocketOptions,
     "`memory://`": MemoryOptions,
+    "`shm://`": ShmOptions,
     "`amqp://`, `amqps://` (RabbitMQ)": RabbitMQOptions,
     "`kafka://`, `kafkas://`": KafkaOptions,
     "Publisher": PublisherOptions,

@@ -1,0 +1,73 @@
+"""shm:// pieces without a consumer: size classes, slot reuse and retirement, the acknowledgement seam."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tensorbus.ledger import Ledger
+from tensorbus.transports.base import Delivered
+from tensorbus.transports.shm_control import URGENT_COUNT, Acknowledgements
+from tensorbus.transports.shm_segments import MIB, MIN_SLOT, Slots, slot_size
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd segments are Linux's")
+
+
+def nothing(size: int) -> None:
+    """A `reclaim` that gives nothing back."""
+
+
+def test_size_classes() -> None:
+    assert slot_size(1) == MIN_SLOT and slot_size(4097) == 8192 and slot_size(MIB) == MIB
+    assert slot_size(MIB + 1) == 2 * MIB and slot_size(256 * MIB + 300) == 257 * MIB
+
+
+def test_a_slot_given_back_is_reused_and_a_retired_segment_is_dropped_once_idle() -> None:
+    slots = Slots(pooled_bytes=1 << 30)
+    first = slots.take(5000, nothing)
+    first.segment.array[first.offset] = 7  # (writable on the producer's side)
+    slots.give_back(first)
+    again = slots.take(5000, nothing)
+    assert (again.segment, again.offset) == (first.segment, first.offset)
+    other = slots.take(5000, nothing)
+    slots.retire(again.segment)
+    assert slots.take(5000, nothing).segment is not again.segment  # never written again
+    slots.give_back(again)
+    assert again.segment.seg_id in slots.segments  # `other` still uses it
+    slots.give_back(other)
+    assert again.segment.seg_id not in slots.segments and again.segment.fd == -1
+    assert slots.dropped == [again.segment.seg_id]
+    slots.close()
+
+
+def test_idle_segments_past_the_pool_bound_are_dropped() -> None:
+    slots = Slots(pooled_bytes=0)
+    big = slots.take(2 * MIB, nothing)
+    slots.give_back(big)
+    assert slots.segments == {} and slots.dropped == [big.segment.seg_id]
+
+
+def test_reclaim_is_asked_before_a_new_segment_is_made() -> None:
+    slots = Slots(pooled_bytes=1 << 30)
+    whole = slots.take(3 * MIB, nothing)  # one slot per segment at this size
+    asked: list[int] = []
+    slots.take(3 * MIB, lambda size: (asked.append(size), slots.give_back(whole)))
+    assert asked == [3 * MIB] and len(slots.segments) == 1  # what reclaim gave back was taken
+    slots.close()
+
+
+def test_acknowledgements_turn_the_ledger_and_the_views_into_control_messages() -> None:
+    pokes: list[int] = []
+    acks = Acknowledgements(Ledger("take"), lambda: pokes.append(1))
+    acks.viewed(100)
+    acks.record(1, Delivered(("p", 1), True, admitted=True))
+    acks.record(2, Delivered(("p", 2), False))  # chunks missing: not received
+    assert acks.pending() == [["ack", 2]]  # cumulative: position 1 is in the table, 2 is not
+    acks.stream._ledger.taken(("p", 1))
+    acks.unviewed(1, 100)
+    assert acks.pinned_bytes == 0 and acks.owed() and pokes == []  # batched: nothing urgent yet
+    assert acks.pending() == [["taken", [1]], ["free", [1]]]
+    for pos in range(3, 3 + URGENT_COUNT):
+        acks.unviewed(pos, 0)
+    assert pokes  # enough frees wake the thread
