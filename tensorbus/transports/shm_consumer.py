@@ -155,13 +155,17 @@ class ShmListener:
             self._release(peer)
 
     def _answer(self) -> None:
-        """Send each producer the acks and frees owed to it."""
+        """Send each producer the acks owed to it (what its full socket cannot take yet: next time)."""
         for peer in list(self._peers.values()):
             if not peer.open:
                 continue
+            messages = peer.acks.pending()
             try:
-                for message in peer.acks.pending():
-                    control.send(peer.sock, *message)
+                while messages:
+                    control.send(peer.sock, *messages[0])
+                    messages.pop(0)
+            except BlockingIOError:  # (a producer that has not read for a while: it will)
+                peer.acks.requeue(messages)
             except OSError:
                 self._close(peer)
 

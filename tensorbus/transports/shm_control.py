@@ -13,9 +13,10 @@ Every message is one msgpack list, its first item the kind:
     producer -> consumer   ["seg", seg_id, size]         with the segment's descriptor
     producer -> consumer   ["frame", pos, seg_id, offset, length]
     producer -> consumer   ["drop", seg_id]              the producer will never name this segment again
-    consumer -> producer   ["ack", pos]                  every frame before pos is in the table or settled
-    consumer -> producer   ["taken", [pos...]]           released by the ledger: never to be sent again
-    consumer -> producer   ["free", [pos...]]            no array views it any more: the producer may reuse it
+    consumer -> producer   ["ack", pos, [taken...], [free...]]
+                           every frame before pos is in the table or settled; "taken" positions were
+                           released by the ledger (never to be sent again); "free" ones are viewed by
+                           no array any more (the producer may reuse their memory)
 """
 
 from __future__ import annotations
@@ -174,17 +175,29 @@ class Acknowledgements:
         return bool(self._taken or self._frees)
 
     def pending(self) -> list[list[Any]]:
-        """The control messages owed to the producer now, emptied."""
+        """The "ack" messages owed to the producer now (none if nothing changed), emptied; `requeue` what
+        could not be sent."""
         received = self.stream.first_unreceived()
         with self._lock:
             taken, self._taken = self._taken, []
             frees, self._frees = self._frees, []
             self._freed_bytes = 0
-        messages: list[list[Any]] = []
-        if received > self._acked:
-            self._acked = received
-            messages.append(["ack", received])
-        return messages + [["taken", b] for b in batches(taken)] + [["free", b] for b in batches(frees)]
+        if received == self._acked and not taken and not frees:
+            return []
+        self._acked = received
+        count = max(len(taken), len(frees), 1)
+        return [
+            ["ack", received, taken[at : at + MAX_POSITIONS], frees[at : at + MAX_POSITIONS]]
+            for at in range(0, count, MAX_POSITIONS)
+        ]
+
+    def requeue(self, messages: list[list[Any]]) -> None:
+        """Messages `pending` gave that could not be sent (the producer's socket is full): sent later."""
+        with self._lock:
+            for _, _, taken, frees in messages:
+                self._taken.extend(taken)
+                self._frees.extend(frees)
+        self._acked = 0  # (the cumulative ack goes again)
 
     def close(self) -> None:
         """The connection ended: the ledger forgets its stream (what it did not release is sent again)."""

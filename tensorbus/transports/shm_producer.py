@@ -40,6 +40,8 @@ HEAD_ROOM = 4096
 #: idle segments a producer keeps for reuse, at most (fresh pages are slow to touch)
 POOLED_BYTES = 1 << 30
 _CREDENTIALS = struct.Struct("3i")
+#: frames sent between two reads of the consumer's acks, at most (more are read whenever a slot is wanted)
+POLL_EVERY = 16
 #: slots of one size a producer fills before it waits for the consumer to receive (see `_reclaim`)
 RUN_AHEAD_SLOTS = 4
 
@@ -131,6 +133,8 @@ class ShmSender:
         self._notify(slot, slot.offset, total)
 
     def _notify(self, slot: Slot, start: int, length: int) -> None:
+        if self._positions % POLL_EVERY == 0:  # (the consumer's acks must not fill the socket)
+            self.poll()
         if slot.pos:  # (an `empty()` array sent again: its last send is settled)
             self._inflight.pop(slot.pos, None)
         self._positions += 1
@@ -226,19 +230,16 @@ class ShmSender:
             message, fds = got
             for fd in fds:  # (the consumer sends none)
                 os.close(fd)
-            kind, value = message[0], message[1] if len(message) > 1 else None
-            if kind == "ack" and type(value) is int:
-                self._acked_before(value)
-                continue
-            for pos in value if isinstance(value, list) else []:
-                slot = self._inflight.get(pos) if type(pos) is int else None
-                if slot is None:
-                    continue
-                if kind == "taken":
-                    slot.untaken = False
-                elif kind == "free":
-                    slot.pinned = False
-                self._settle(slot)
+            if message[0] != "ack" or len(message) != 4 or type(message[1]) is not int:
+                raise TransportError(f"shm://{self.name}: unexpected control message {message[0]!r}")
+            _, received, taken, frees = message
+            self._acked_before(received)
+            for positions, field in ((taken, "untaken"), (frees, "pinned")):
+                for pos in positions if isinstance(positions, list) else []:
+                    slot = self._inflight.get(pos) if type(pos) is int else None
+                    if slot is not None:
+                        setattr(slot, field, False)
+                        self._settle(slot)
             self._tell_dropped()
 
     def _acked_before(self, pos: int) -> None:

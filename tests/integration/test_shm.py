@@ -72,7 +72,8 @@ def test_a_kept_array_is_unchanged_while_more_are_sent_and_memory_comes_back_on_
         producer.send("k", np.zeros(4, np.float32))  # (the producer reads the consumer's "free" as it sends)
         consumer.recv("k", timeout=10)
         wait_for(lambda: sender.poll() or slot_of_kept not in sender._inflight, 10, "the kept array's slot freed")
-        assert len(sender.slots.segments) <= 2  # reused, not a segment per tensor
+        large = [s for s in sender.slots.segments.values() if s.slot >= 256 * 1024]
+        assert len(large) <= 2  # 8 slots each: reused, not a segment per tensor (200 were sent)
 
 
 def test_empty_is_sent_in_place_without_copying_its_bytes() -> None:

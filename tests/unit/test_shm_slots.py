@@ -63,11 +63,15 @@ def test_acknowledgements_turn_the_ledger_and_the_views_into_control_messages() 
     acks.viewed(100)
     acks.record(1, Delivered(("p", 1), True, admitted=True))
     acks.record(2, Delivered(("p", 2), False))  # chunks missing: not received
-    assert acks.pending() == [["ack", 2]]  # cumulative: position 1 is in the table, 2 is not
+    assert acks.pending() == [["ack", 2, [], []]]  # cumulative: position 1 is in the table, 2 is not
+    assert acks.pending() == []  # nothing new
     acks.stream._ledger.taken(("p", 1))
     acks.unviewed(1, 100)
     assert acks.pinned_bytes == 0 and acks.owed() and pokes == []  # batched: nothing urgent yet
-    assert acks.pending() == [["taken", [1]], ["free", [1]]]
+    unsent = acks.pending()
+    assert unsent == [["ack", 2, [1], [1]]]
+    acks.requeue(unsent)  # (the producer's socket was full)
+    assert acks.pending() == unsent
     for pos in range(3, 3 + URGENT_COUNT):
         acks.unviewed(pos, 0)
     assert pokes  # enough frees wake the thread
