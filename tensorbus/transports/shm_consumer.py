@@ -203,7 +203,9 @@ class ShmListener:
                 self._handle(peer, *got)
             except (OSError, TransportError, ValueError, TypeError) as exc:
                 if not isinstance(exc, ConnectionError):
-                    log.warning("shm://%s: dropped a producer: %s", self.name, exc)
+                    log.warning(
+                        "shm://%s: dropped a producer: %s", self.name, str(exc)
+                    )  # (not exc: its frames map memory)
                 self._close(peer)
                 return
 
@@ -293,6 +295,7 @@ class ShmListener:
 
     def _close(self, peer: Peer) -> None:
         """Stop reading a producer; a message held back from it is still offered (it was sent)."""
+        peer.maps.clear()  # (first: whoever sees the socket close sees the mappings gone)
         if peer.open:
             peer.open = False
             self._selector.unregister(peer.sock)

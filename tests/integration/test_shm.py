@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus.transports import shm_control as control
+from tensorbus.transports.shm_segments import SEALS
+from tensorbus.transports.stream import proof
 from tests.conftest import endpoint_url
 from tests.peers import make_tensor, same
 from tests.waiting import wait_for
@@ -270,3 +276,43 @@ def test_close_from_another_thread_while_a_recv_waits() -> None:
     consumer.close()
     waiter.join(10)
     assert isinstance(errors[0], tb.Aborted)
+
+
+def _raw_producer(path: str) -> socket.socket:
+    """A control connection that has passed the handshake, for sending what no honest producer would."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(path)
+    (kind, nonce, _), _ = control.receive(sock)
+    assert kind == "hello"
+    control.send(sock, "proof", proof(None, nonce))
+    assert control.receive(sock)[0] == ["ok"]
+    return sock
+
+
+@pytest.mark.parametrize("attack", ["unknown segment", "outside its segment", "unsealed segment", "garbage"])
+def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer:
+        sock = _raw_producer(consumer.transport.path)
+        if attack == "unknown segment":
+            control.send(sock, "frame", 1, 99, 0, 64)
+        elif attack == "garbage":
+            sock.send(b"\xc1not msgpack")
+        else:  # a segment that is not sealed, or a frame past the end of a sealed one
+            sealed = attack == "outside its segment"
+            fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING if sealed else 0)
+            os.ftruncate(fd, 4096)
+            if sealed:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            control.send(sock, "seg", 1, 4096, fds=[fd])
+            os.close(fd)
+            control.send(sock, "frame", 1, 1, 4000, 200)
+        with pytest.raises((ConnectionError, OSError)):  # dropped: the next receive sees the end
+            while control.receive(sock) is not None:
+                pass
+        sock.close()
+        with tb.Producer(url) as producer:
+            producer.send("after", np.arange(3))
+        assert same(consumer.recv("after", timeout=10), np.arange(3))
+        wait_for(lambda: "memfd:hostile" not in Path("/proc/self/maps").read_text(), 10, "its segment unmapped")
