@@ -50,8 +50,6 @@ class ShmOptions(TransportOptions):
 class ShmTransport(Transport):
     """Frames through shared memory segments; notifications and acks over a Unix SEQPACKET socket."""
 
-    schemes = ("shm",)
-    acknowledges = True
     Options = ShmOptions
     options: ShmOptions
 

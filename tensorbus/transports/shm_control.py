@@ -137,7 +137,7 @@ class Acknowledgements:
     Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
     """
 
-    def __init__(self, ledger: Ledger, poke: Callable[[], None]) -> None:
+    def __init__(self, ledger: Ledger, poke: Callable[[bool], None]) -> None:
         self._lock = threading.RLock()
         self._poke = poke
         self._taken: list[int] = []
@@ -154,8 +154,7 @@ class Acknowledgements:
         with self._lock:
             self._taken.extend(positions)
             urgent = len(self._taken) >= URGENT_COUNT
-        if urgent:
-            self._poke()
+        self._poke(urgent)
 
     def viewed(self, nbytes: int) -> None:
         with self._lock:
@@ -167,8 +166,7 @@ class Acknowledgements:
             self._frees.append(pos)
             self._freed_bytes += nbytes
             urgent = self._freed_bytes >= URGENT_BYTES or len(self._frees) >= URGENT_COUNT
-        if urgent:
-            self._poke()
+        self._poke(urgent)
 
     def owed(self) -> bool:
         """True while "taken" or "free" messages wait to be sent (the thread answers within `LINGER_S`)."""

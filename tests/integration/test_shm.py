@@ -82,6 +82,21 @@ def test_a_kept_array_is_unchanged_while_more_are_sent_and_memory_comes_back_on_
         assert len(large) <= 2  # 8 slots each: reused, not a segment per tensor (200 were sent)
 
 
+@pytest.mark.parametrize("ack", ["take", "manual", "arrival"])
+def test_the_producer_learns_what_was_taken_without_more_traffic(ack: str) -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url, ack=ack) as consumer, tb.Producer(url) as producer:
+        for i in range(5):
+            producer.send(f"t{i}", np.arange(10) * i)
+        producer.flush(10)
+        message = consumer.recv_message("t0", timeout=10)
+        if ack == "manual":
+            consumer.ack(message)
+        sender = producer.transport.sender_side
+        expected = 0 if ack == "arrival" else 4  # (the four in the table are untaken: sent again to a successor)
+        wait_for(lambda: sender.poll() or sum(s.untaken for s in sender._inflight.values()) == expected, 10, "taken")
+
+
 def test_empty_is_sent_in_place_without_copying_its_bytes() -> None:
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
