@@ -67,7 +67,6 @@ class ShmListener:
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._poke_lock = threading.Lock()
         self._poked = False
-        self._idle = False  # the thread waits with nothing owed (a lazy poke must wake it)
         self._peers: dict[int, Peer] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-shm-{name}")
@@ -107,13 +106,9 @@ class ShmListener:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                with self._poke_lock:
-                    self._idle = True  # (first: what is owed from now on pokes, what was owed is seen below)
                 owed = any(peer.open and peer.acks.owed() for peer in self._peers.values())
-                ready = self._selector.select(control.LINGER_S if owed else None)
-                with self._poke_lock:
-                    self._idle = False
-                for selected, _ in ready:
+                wait = control.LINGER_S if owed else control.IDLE_S if self._peers else None
+                for selected, _ in self._selector.select(wait):
                     if selected.data == "wake":
                         self._woken()
                     elif selected.data is None:
@@ -136,13 +131,12 @@ class ShmListener:
             except OSError:
                 pass
 
-    def poke(self, urgent: bool = True) -> None:
-        """Wake the thread (from any thread): there are acks to send, or room for a held message. Not
-        `urgent`: only if it waits with nothing owed (else it answers within `LINGER_S` anyway)."""
+    def poke(self) -> None:
+        """Wake the thread (from any thread): there are acks to send, or room for a held message."""
         if threading.current_thread() is self._thread:
             return  # (it answers every producer before it waits again)
         with self._poke_lock:  # (also keeps the descriptor from being closed, and reused, under the write)
-            if self._poked or self._wake_w < 0 or not (urgent or self._idle):
+            if self._poked or self._wake_w < 0:
                 return
             self._poked = True
             try:

@@ -42,10 +42,12 @@ if TYPE_CHECKING:
 #: the most positions one "ack" or "free" message carries (a SEQPACKET message must fit the socket buffer)
 MAX_POSITIONS = 4096
 #: "taken" and "free" wake the consumer's thread at once when this many wait, or frees of this many bytes;
-#: fewer are sent with its next answer, or after LINGER_S (one wake-up per tensor would cost more than it)
+#: fewer are sent with its next answer, within LINGER_S once it saw them, and within IDLE_S in any case
+#: (its wait while producers are connected): one wake-up per tensor would cost more than it
 URGENT_COUNT = 64
 URGENT_BYTES = 1 << 20
 LINGER_S = 0.005
+IDLE_S = 0.05
 #: a control message larger than this is a protocol error
 MAX_MESSAGE = 1 << 16
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # (room for a few: more are a protocol error)
@@ -137,7 +139,7 @@ class Acknowledgements:
     Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
     """
 
-    def __init__(self, ledger: Ledger, poke: Callable[[bool], None]) -> None:
+    def __init__(self, ledger: Ledger, poke: Callable[[], None]) -> None:
         self._lock = threading.RLock()
         self._poke = poke
         self._taken: list[int] = []
@@ -154,7 +156,8 @@ class Acknowledgements:
         with self._lock:
             self._taken.extend(positions)
             urgent = len(self._taken) >= URGENT_COUNT
-        self._poke(urgent)
+        if urgent:
+            self._poke()
 
     def viewed(self, nbytes: int) -> None:
         with self._lock:
@@ -166,7 +169,8 @@ class Acknowledgements:
             self._frees.append(pos)
             self._freed_bytes += nbytes
             urgent = self._freed_bytes >= URGENT_BYTES or len(self._frees) >= URGENT_COUNT
-        self._poke(urgent)
+        if urgent:
+            self._poke()
 
     def owed(self) -> bool:
         """True while "taken" or "free" messages wait to be sent (the thread answers within `LINGER_S`)."""
