@@ -15,6 +15,7 @@ that maps it, whichever side was killed. (Python's multiprocessing.shared_memory
 from __future__ import annotations
 
 import dataclasses
+import threading
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -62,12 +63,16 @@ class ShmTransport(Transport):
         self.path = control_path(self.name, options.shm_dir)
         self._sender: ShmSender | None = None
         self._listener: ShmListener | None = None
+        #: held by a thread using the producer side (ShmSender is not for two threads at once)
+        self._sending = threading.RLock()
 
     @property
     def sender_side(self) -> ShmSender:
-        if self._sender is None:
-            self._sender = ShmSender(self.name, self.path, self.options)
-        return self._sender
+        """The producer side, made at first use."""
+        with self._sending:
+            if self._sender is None:
+                self._sender = ShmSender(self.name, self.path, self.options)
+            return self._sender
 
     def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
         """shm://NAME."""
@@ -80,30 +85,35 @@ class ShmTransport(Transport):
 
     def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """An uninitialised array in shared memory: sent as it is, with no copy of its bytes."""
-        return self.sender_side.empty(shape, dtype)
+        with self._sending:
+            return self.sender_side.empty(shape, dtype)
 
     def send_message(
         self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
     ) -> None:
         """An `empty()` array in place (its header written before it); anything else copied into a slot."""
-        sender = self.sender_side
-        if self.max_frame_bytes is None and type(tensor) is np.ndarray and sender.leased(tensor):
-            self.wait_for_room()
-            buffers = encoding.encode(tensor, key, metadata, message_id, self._frame_key(encoding.signing_key))
-            if not sender.send_in_place(tensor, buffers):
-                sender.send(buffers)
-            return
-        super().send_message(tensor, key, metadata, message_id, encoding)
+        with self._sending:
+            sender = self.sender_side
+            if self.max_frame_bytes is None and type(tensor) is np.ndarray and sender.leased(tensor):
+                self.wait_for_room()
+                buffers = encoding.encode(tensor, key, metadata, message_id, self._frame_key(encoding.signing_key))
+                if not sender.send_in_place(tensor, buffers):
+                    sender.send(buffers)
+                return
+            super().send_message(tensor, key, metadata, message_id, encoding)
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
-        self.sender_side.send(frame)
+        with self._sending:
+            self.sender_side.send(frame)
 
     def wait_for_room(self) -> None:
-        self.sender_side.wait_for_room()
+        with self._sending:
+            self.sender_side.wait_for_room()
 
     def flush(self, timeout: float | None = None) -> None:
-        if self._sender is not None:
-            self._sender.flush(timeout)
+        with self._sending:
+            if self._sender is not None:
+                self._sender.flush(timeout)
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         self._listener = ShmListener(self.name, self.path, self.options, deliver)
@@ -113,8 +123,9 @@ class ShmTransport(Transport):
             self._listener.room_opened()
 
     def close(self) -> None:
-        if self._sender is not None:
+        with self._sending:
             sender, self._sender = self._sender, None
+        if sender is not None:
             sender.close(finite_timeout(self.options.close_timeout_s, "close_timeout_s"))
         if self._listener is not None:
             listener, self._listener = self._listener, None

@@ -262,7 +262,7 @@ class ShmListener:
             raise TransportError(f"a frame in an unknown segment {seg_id!r}")
         if offset < 0 or length <= 0 or offset + length > len(mapped):
             raise TransportError("a frame outside its segment")
-        pinned = sum(p.acks.pinned_bytes for p in self._peers.values())
+        pinned = sum(p.acks.pinned() for p in self._peers.values())
         if pinned + length > self.options.max_pinned_bytes:  # copied out, its slot freed at once
             frame = aligned_empty(length)
             frame[:] = np.frombuffer(mapped, np.uint8, length, offset)

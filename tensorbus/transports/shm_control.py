@@ -159,6 +159,11 @@ class Acknowledgements:
         if urgent:
             self._poke()
 
+    def pinned(self) -> int:
+        """Bytes of the producer's frames still viewed here."""
+        with self._lock:
+            return self.pinned_bytes
+
     def viewed(self, nbytes: int) -> None:
         with self._lock:
             self.pinned_bytes += nbytes

@@ -331,3 +331,21 @@ def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -
             producer.send("after", np.arange(3))
         assert same(consumer.recv("after", timeout=10), np.arange(3))
         wait_for(lambda: "memfd:hostile" not in Path("/proc/self/maps").read_text(), 10, "its segment unmapped")
+
+
+def test_two_threads_sending_on_one_producer() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+
+        def send(prefix: str) -> None:
+            for i in range(200):
+                producer.send(prefix, np.full(1000 + i, i, np.int32))
+
+        senders = [threading.Thread(target=send, args=(p,)) for p in ("a", "b")]
+        for thread in senders:
+            thread.start()
+        for thread in senders:
+            thread.join(60)
+        for prefix in ("a", "b"):  # in order per key, every one intact
+            for i in range(200):
+                assert same(consumer.recv(prefix, timeout=10), np.full(1000 + i, i, np.int32))
