@@ -37,7 +37,16 @@ class Consumer:
             raise Closed("open of a closed Consumer")
         async with self._opening:
             if self._blocking is None:
-                self._blocking = await asyncio.to_thread(api.Consumer, self.url, **self._options)
+                opening = asyncio.ensure_future(asyncio.to_thread(api.Consumer, self.url, **self._options))
+                try:
+                    made = await asyncio.shield(opening)  # a cancelled open still gets its consumer, to close it
+                except asyncio.CancelledError:
+                    opening.add_done_callback(_close_unused)
+                    raise
+                if self._closed:  # closed while it opened: nobody will use it
+                    await asyncio.to_thread(made.close)
+                    raise Closed("the Consumer was closed while it opened")
+                self._blocking = made
         return self
 
     @property
@@ -112,3 +121,9 @@ class Consumer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _close_unused(opening: asyncio.Future[api.Consumer]) -> None:
+    """Close, off the loop, a consumer whose `open` was cancelled while it was being made."""
+    if not opening.cancelled() and opening.exception() is None:
+        asyncio.get_running_loop().run_in_executor(None, opening.result().close)

@@ -195,7 +195,10 @@ class QueueConsumer:
                     positions.record(offset, result)
                     # (in memory, for this consumer's reconnects only: what is in its table is not read again)
                     self.position = positions.first_unreceived()
-            elif not positions.record(delivery, result):
+            else:
+                # held even when released at once: its `_ack`, posted first, left it in `_acked_early`,
+                # which this hold clears (a hold posted only for unreleased ones let that set grow)
+                positions.record(delivery, result)
                 self._call(self._hold, delivery)
 
     def _call(self, fn: Any, *args: Any) -> None:

@@ -202,7 +202,8 @@ class ShmListener:
                 if got is None:
                     return
                 self._handle(peer, *got)
-            except (OSError, TransportError, ValueError, TypeError) as exc:
+            except (OSError, TransportError, ValueError, TypeError, LookupError, MemoryError) as exc:
+                # a malformed control message, or a frame the intake could not afford: that producer only
                 if not isinstance(exc, ConnectionError):
                     log.warning(
                         "shm://%s: dropped a producer: %s", self.name, str(exc)
@@ -227,7 +228,7 @@ class ShmListener:
             self._map(peer, message, fds)
         elif kind == "frame" and not fds:
             self._frame(peer, *message[1:])
-        elif kind == "drop" and not fds:
+        elif kind == "drop" and not fds and len(message) == 2:
             peer.maps.pop(message[1], None)  # (the mapping goes with the last frame viewing it)
         else:
             for fd in fds:

@@ -272,6 +272,41 @@ def test_ends_opened_by_several_tasks_at_once_are_opened_once(run: Any, monkeypa
     assert sorted(made) == ["Consumer", "Producer", "Producer"]
 
 
+def test_an_open_cancelled_or_closed_midway_closes_the_consumer_it_made(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate, made = threading.Event(), []
+    blocking_class = tb.api.Consumer
+
+    def slow_consumer(*args: Any, **options: Any) -> Any:
+        gate.wait(30)  # (a slow broker handshake)
+        made.append(blocking_class(*args, **options))
+        return made[-1]
+
+    monkeypatch.setattr(tb.api, "Consumer", slow_consumer)
+
+    async def main() -> None:
+        cancelled = tba.Consumer(endpoint_url("tcp"))
+        opening = asyncio.ensure_future(cancelled.open())
+        await asyncio.sleep(0)  # (it has started)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        closed = tba.Consumer(endpoint_url("tcp"))
+        opening = asyncio.ensure_future(closed.open())
+        await asyncio.sleep(0)
+        await closed.close()
+        gate.set()
+        with pytest.raises(tb.Closed):
+            await opening
+        deadline = time.monotonic() + 30  # the cancelled one is closed off the loop, by its done-callback
+        while not (len(made) == 2 and all(c._closed for c in made)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    run(main())
+    assert len(made) == 2 and all(c._closed for c in made), "a consumer made for a cancelled or closed open lives on"
+
+
 def test_errors_are_the_blocking_apis(run: Any) -> None:
     async def main() -> None:
         with pytest.raises(tb.ConfigError, match="unknown transport scheme"):

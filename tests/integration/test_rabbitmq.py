@@ -228,6 +228,19 @@ def test_a_connection_lost_mid_tensor_leaves_the_held_counts_consistent(url: str
             assert same(consumer.recv(f"after{i}", timeout=30), np.full(3, i))
 
 
+@pytest.mark.parametrize("ack", ["arrival", "take"])
+def test_deliveries_acked_as_soon_as_recorded_leave_no_bookkeeping_behind(url: str, ack: str) -> None:
+    # released at once (ack="arrival", or taken by a waiting recv before the worker recorded it): the
+    # delivery's ack runs before its hold, and the hold must still clear what that ack noted
+    with tb.Consumer(url, ack=ack) as consumer, tb.Producer(url) as producer:
+        reader = consumer.transport.consumer
+        for i in range(50):
+            producer.send(f"k{i}", np.full(2, i))
+        for i in range(50):
+            assert same(consumer.recv(f"k{i}", timeout=30), np.full(2, i))
+        wait_for(lambda: not reader._acked_early and sum(reader.held.values()) == 0, 10, "every delivery settled")
+
+
 def test_close_acks_everything_delivered_so_the_next_consumer_gets_no_duplicates(url: str) -> None:
     with tb.Producer(url) as producer:
         for i in range(200):

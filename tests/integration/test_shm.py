@@ -305,7 +305,9 @@ def _raw_producer(path: str) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("attack", ["unknown segment", "outside its segment", "unsealed segment", "garbage"])
+@pytest.mark.parametrize(
+    "attack", ["unknown segment", "outside its segment", "unsealed segment", "garbage", "short drop", "empty"]
+)
 def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -> None:
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer:
@@ -314,6 +316,8 @@ def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -
             control.send(sock, "frame", 1, 99, 0, 64)
         elif attack == "garbage":
             sock.send(b"\xc1not msgpack")
+        elif attack in ("short drop", "empty"):  # well-formed msgpack, too short for its kind
+            control.send(sock, *(["drop"] if attack == "short drop" else []))
         else:  # a segment that is not sealed, or a frame past the end of a sealed one
             sealed = attack == "outside its segment"
             fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING if sealed else 0)
