@@ -84,6 +84,7 @@ class Intake:
         self.reassembler.on_given_up = self.ledger.dropped
         self._dedup_file = dedup_file is not None  # ids recorded when the application takes a tensor, not on arrival
         self.table.on_delivered_to_application = self._taken
+        self.table.on_refused_back = lambda message: self.ledger.dropped(message.message_id)
         #: ack="manual": the bytes each message handed out and not yet acknowledged counts in the table
         self._unacked: dict[MessageId, int] = {}
         self._held_up = 0  # deliveries waiting for room in the table (or held back by the transport)
@@ -295,7 +296,7 @@ class Intake:
     def reject(self, message: Message) -> None:
         """ack="manual": the application gives `message` back: it is delivered again, first in line."""
         if self._settle_unacked(message) is not None:
-            self.table.put(message, first=True)  # (not acknowledged: its frames stay unreleased)
+            self.table.put_back(message)  # (not acknowledged: its frames stay unreleased, unless now stale)
 
     def _settle_unacked(self, message: Message) -> int | None:
         """Stop counting a message handed out unacknowledged; the bytes it counted, or None if it did not."""

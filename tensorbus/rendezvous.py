@@ -8,7 +8,6 @@ everything pending and everything later.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
@@ -136,6 +135,9 @@ class Rendezvous(TableState):
         #: called with each message as it is handed to the application (a recv returning it, a
         #: callback about to get it), on the receiving thread: a consumer records it as delivered
         self.on_delivered_to_application: Callable[[Message], None] | None = None
+        #: called with a message the table refused on its way back in (a newer incarnation arrived
+        #: meanwhile): it was dropped for that reason, so its frames may be acknowledged
+        self.on_refused_back: Callable[[Message], None] | None = None
 
     # -- producing ------------------------------------------------------------------------------
 
@@ -319,8 +321,17 @@ class Rendezvous(TableState):
 
     def put_back(self, message: Message) -> None:
         """A message a `Handoff` callback had, whose receiver went away: first in line again, not taken."""
-        with contextlib.suppress(Aborted, StaleIncarnation):  # (an abort dropped what was buffered anyway)
+        self._put_back(message)
+
+    def _put_back(self, message: Message) -> None:
+        """`message` first in line again; one now stale is dropped (and said so), one after an abort is gone anyway."""
+        try:
             self.put(message, first=True)
+        except StaleIncarnation:
+            if self.on_refused_back is not None:
+                self.on_refused_back(message)
+        except Aborted:
+            pass
 
     def _hand_out(self, message: Message) -> Message:
         if self.on_delivered_to_application is not None:
@@ -332,8 +343,7 @@ class Rendezvous(TableState):
         assert waiter.done is not None
         waiter.done.acquire(timeout=1.0)  # `_complete` sets the result, then releases it (unless we hold it)
         if isinstance(waiter.result, Message):
-            with contextlib.suppress(Aborted, StaleIncarnation):  # the interruption is what the caller hears of
-                self.put(waiter.result, first=True)
+            self._put_back(waiter.result)  # (the interruption is what the caller hears of)
 
     def _fail_waiter(self, waiter: Waiter, error: BaseException) -> bool:
         with self._lock:

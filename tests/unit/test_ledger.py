@@ -16,6 +16,7 @@ import tensorbus as tb
 from tensorbus.codec import encode, encode_chunks
 from tensorbus.intake_state import FAST
 from tensorbus.ledger import EARLY_TAKES, Ledger, Stream
+from tensorbus.rendezvous import Handoff
 from tensorbus.transports.base import Delivered, Held, fast_result
 from tests.waiting import wait_for
 
@@ -284,3 +285,19 @@ def test_an_incomplete_message_on_memory_expires_and_the_endpoint_goes_on() -> N
             assert consumer.recv("whole", timeout=30).tolist() == [0, 1, 2]
             assert np.array_equal(consumer.recv("chunked", timeout=30), np.arange(5000.0))
             assert "lost" not in consumer.table.buffered_keys()
+
+
+def test_a_message_put_back_after_a_newer_incarnation_arrived_is_dropped_and_released() -> None:
+    # a receiver went away as it was handed a message (an asyncio task cancelled just then) while a newer
+    # incarnation of the message's source arrived: the table refuses it back, and its frame is released
+    old, new = tb.make_key("src", 1, "dst", "w"), tb.make_key("src", 2, "dst", "w")
+    with tb.Consumer(f"memory://{uuid.uuid4().hex}") as consumer:
+        intake, table = consumer.intake, consumer.table
+        stream, released = recorded(intake.ledger)
+        had: list[Any] = []
+        table.wait_async(old, Handoff(lambda message, error: had.append(message)))
+        stream.record(0, intake(frame_of(np.ones(3), old, 1), None, may_hold=True, source=1))
+        assert had and had[0].key == old and released == []  # handed to the callback, not taken yet
+        stream.record(1, intake(frame_of(np.ones(3), new, 2), None, may_hold=True, source=1))
+        table.put_back(had[0])  # its receiver went away: back in line, but src is at incarnation 2 now
+        assert released == [0] and stream.first_open() == 1  # dropped for a stated reason: acknowledged
