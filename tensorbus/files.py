@@ -164,7 +164,8 @@ def _safetensors(path: str | Path, arrays: dict[str, np.ndarray]) -> bytes:
     """The bytes of a .safetensors file of `arrays`, or a ConfigError for a dtype it cannot hold."""
     from safetensors.numpy import save
 
-    held = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+    # (not np.ascontiguousarray: it makes a 0-d array 1-d)
+    held = {name: np.require(array, requirements="C") for name, array in arrays.items()}
     for array in held.values():
         if array.dtype.name not in SAFETENSORS_DTYPES.values() and array.dtype != bool:
             raise ConfigError(f"{path}: .safetensors cannot hold dtype {array.dtype}")
