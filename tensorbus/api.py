@@ -262,12 +262,14 @@ class Consumer:
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""
+        self._check_open("recv")
         if self._monitor is None:
             return self.table.recv(key, timeout)
         return self._monitor.recv(self.table.recv_message, key, timeout).tensor
 
     def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
+        self._check_open("recv_message")
         if self._monitor is None:
             return self.table.recv_message(key, timeout)
         return self._monitor.recv(self.table.recv_message, key, timeout)
@@ -278,10 +280,12 @@ class Consumer:
         The callback runs on the thread that delivered the message (a reading thread): it must not
         block, e.g. by calling `recv`, or no frame is read until it returns.
         """
+        self._check_open("recv_async")
         return self.table.recv_async(key, callback)
 
     def next_message(self, timeout: float | None = None) -> Message:
         """The oldest message not yet received, of any key (work-queue use)."""
+        self._check_open("next_message")
         if self._monitor is None:
             return self.table.next_message(timeout)
         return self._monitor.recv(self.table.next_message, timeout)
@@ -295,6 +299,10 @@ class Consumer:
         """With `ack="manual"`: give a message back unacknowledged; it is delivered again, first in line."""
         self.intake.reject(message)
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise Closed(f"{what} on a closed Consumer")
+
     def abort(self, reason: str) -> None:
         """Fail every pending and later receive with `Aborted(reason)`."""
         self.table.abort(reason)
@@ -304,7 +312,7 @@ class Consumer:
         while True:
             try:
                 yield self.next_message()
-            except Aborted:
+            except (Aborted, Closed):  # (Closed: next_message after close)
                 if self._closed:
                     return
                 raise

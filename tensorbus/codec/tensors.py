@@ -116,7 +116,18 @@ def _as_array(obj: Any, where: str = "") -> np.ndarray:
         from .torch_bridge import torch_to_numpy
 
         return torch_to_numpy(obj)
-    raise UnsupportedDtype(f"cannot send a {type(obj).__name__}{where}: what travels is {TRAVELS}")
+    if type(obj) in SCALARS and not where:  # the one rule for scalars: docs/FORMAT.md, "Scalars"
+        raise UnsupportedDtype(
+            f"cannot send {_a(type(obj).__name__)} on its own: a Python scalar travels inside a structure "
+            f"(e.g. {{'value': {brief(obj)}}}, back as itself) or as a numpy scalar (np.asarray(x), back as a "
+            "0-d array)"
+        )
+    raise UnsupportedDtype(f"cannot send {_a(type(obj).__name__)}{where}: what travels is {TRAVELS}")
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article ("an int", "a float")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _from_torch_sparse(obj: Any) -> Any:
@@ -211,7 +222,7 @@ class _TreeWriter:
                 return node
             if kind is not list and kind is not tuple:  # e.g. a namedtuple: its class cannot travel
                 raise InvalidTensor(
-                    f"cannot send a {kind.__name__} at {path or 'the top'}: only plain lists and tuples "
+                    f"cannot send {_a(kind.__name__)} at {path or 'the top'}: only plain lists and tuples "
                     "travel (convert it, e.g. with tuple(x) or x._asdict())"
                 )
             return ["list" if kind is list else "tuple"] + [

@@ -340,9 +340,10 @@ def test_recv_says_when_tensors_under_other_keys_are_dropped_with_it(tmp_path: P
 
 def test_errors_are_named_by_the_class_tensorbus_exports() -> None:
     from tensorbus.cli import _public_name
-    from tensorbus.transports.stream import AuthRefused
+    from tensorbus.transports.stream import Refused
 
-    assert _public_name(AuthRefused("refused")) == "TransportError"  # what a user can catch, not an internal name
+    assert _public_name(Refused("refused")) == "TransportError"  # what a user can catch, not an internal name
+    assert _public_name(tb.AuthRefused("refused")) == "AuthRefused"
     assert _public_name(tb.Timeout("late")) == "Timeout"
 
 

@@ -135,8 +135,34 @@ def test_closing_a_consumer_ends_iteration_and_fails_waiters() -> None:
         seen.append(message.key)
         consumer.close()
     assert seen == ["a"]
-    with pytest.raises(tb.Aborted, match="consumer closed"):
+    with pytest.raises(tb.Closed, match="recv on a closed Consumer"):  # use after close(), as documented
         consumer.recv("b", timeout=1)
+
+
+def test_every_receive_on_a_closed_consumer_raises_closed_and_pending_ones_are_aborted() -> None:
+    consumer = tb.Consumer("memory://closed-consumer")
+    handle_errors: list[BaseException | None] = []
+    consumer.recv_async("pending", lambda message, error: handle_errors.append(error))
+    consumer.close()
+    assert len(handle_errors) == 1 and isinstance(handle_errors[0], tb.Aborted)  # pending at close(): Aborted
+    for call in (
+        lambda: consumer.recv("k", timeout=0),
+        lambda: consumer.recv_message("k", timeout=0),
+        lambda: consumer.next_message(timeout=0),
+        lambda: consumer.recv_async("k", lambda message, error: None),
+    ):
+        with pytest.raises(tb.Closed):
+            call()
+
+
+def test_auth_refused_is_exported_and_documented_in_the_error_tree() -> None:
+    from tensorbus.transports.stream import AuthRefused
+
+    assert tb.AuthRefused is AuthRefused and issubclass(tb.AuthRefused, tb.TransportError)
+    assert "AuthRefused" in tb.__all__
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tree = readme[readme.index("Errors form one tree") :].split("\n\n")[0]
+    assert "`AuthRefused`" in tree
 
 
 def test_producer_sends_before_the_consumer_exists() -> None:
