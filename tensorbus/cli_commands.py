@@ -105,7 +105,7 @@ def demo(args: argparse.Namespace) -> int:
 SEND_TIMEOUTS = ("connect_timeout_s", "reconnect_timeout_s", "send_timeout_s", "confirm_timeout_s")
 
 
-def _bounded_by(url: str, timeout: float | None) -> dict[str, float]:
+def _bounded_by(url: str, timeout: float | None) -> dict[str, Any]:
     """The producer options that keep a send within `timeout` seconds (none lowered that the URL sets lower)."""
     if timeout is None:
         return {}
