@@ -14,7 +14,6 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from ..buffers import aligned
 from ..errors import (
     BadMagic,
     ChecksumMismatch,
@@ -603,7 +602,7 @@ def message_from_frame(
         if type(raw) is not int or raw < 0:
             raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {brief(raw)}")
         most = min(limits.max_payload_bytes, limits.max_decompressed_bytes)
-        payload = aligned(decompress(header["comp"], payload, raw, most))  # (a copy: bytes start 32 bytes in)
+        payload = decompress(header["comp"], payload, raw, most)  # (64-byte aligned, as a received payload is)
     tensor, entries = rebuild(
         header,
         payload,
