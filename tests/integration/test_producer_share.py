@@ -130,3 +130,30 @@ def _send_all(peer: socket.socket, frames: list[bytes]) -> None:
             peer.sendall(frame)
     except OSError:
         pass
+
+
+def test_a_tensor_as_large_as_the_table_delays_an_awaited_tensor_no_longer_than_unclaimed_timeout_s(
+    delivery: str,
+) -> None:
+    """One connection's tensor as large as the whole table, which nobody asks for, fills it; an honest producer's
+    unawaited tensors are then held back, and the tensor a `recv` waits for is behind them on its connection.
+    With `unclaimed_timeout_s` the large one is dropped once that old and the awaited one arrives: the bound
+    docs/SECURITY.md states (without it, the table stays full until someone takes the large tensor)."""
+    unclaimed_s = 1.0
+    big = tb.dumps(np.ones(4 * TABLE, np.uint8), key="big", message_id=("hostile1", 1))
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=4 * TABLE, unclaimed_timeout_s=unclaimed_s) as consumer:
+        hostile = raw_peer(consumer.address)
+        try:
+            hostile.sendall(big)
+            wait_for(lambda: consumer.table.buffered_bytes >= 4 * TABLE, 30, "the large tensor in the table")
+            with tb.Producer(consumer.address) as honest:
+                for i in range(9):
+                    honest.send(f"unawaited{i}", tensor(i))
+                honest.send("awaited", tensor(99))
+                started = time.monotonic()
+                assert int(consumer.recv("awaited", timeout=30)[0]) == 99
+                took = time.monotonic() - started
+            assert took < unclaimed_s + HONEST_BOUND_S + 1.0, took  # (expiry runs every unclaimed_timeout_s / 4)
+            assert consumer.stats["unclaimed"] == 1
+        finally:
+            hostile.close()
