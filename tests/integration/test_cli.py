@@ -431,8 +431,11 @@ def test_inspect_exits_1_on_a_truncated_or_malformed_file_as_documented(tmp_path
     assert "exit 1" in tensorbus("inspect", "--help").stdout
 
 
+@pytest.mark.parametrize("scheme", ["tcp", "amqp"])
 @pytest.mark.parametrize("timeout", [1.0, 3.0])
-def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(tmp_path: Path, timeout: float) -> None:
+def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(
+    tmp_path: Path, timeout: float, scheme: str
+) -> None:
     """`send --timeout T` keeps retrying for T: it gives up within [0.9, 1.5] x T (timed in this process, so that
     the interpreter's start-up is not counted), not a backoff step early."""
     from tensorbus.cli import main
@@ -440,7 +443,8 @@ def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(tmp_path: P
     np.save(tmp_path / "w.npy", np.ones(2))
     with socket.socket() as free:  # a port nobody listens on: every attempt is refused at once
         free.bind(("127.0.0.1", 0))
-        url = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+        port = free.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}" if scheme == "tcp" else f"amqp://guest:guest@127.0.0.1:{port}/%2F?queue=q"
     started = time.monotonic()
     assert main(["send", url, "k", str(tmp_path / "w.npy"), "--timeout", str(timeout)]) == 2
     took = time.monotonic() - started
