@@ -437,6 +437,20 @@ def peek_message(frame: Buffer, limits: Limits = DEFAULT_LIMITS) -> tuple[str | 
         return None
 
 
+def decoded_size(frame: Buffer, limits: Limits = DEFAULT_LIMITS) -> int | None:
+    """The bytes a whole message's frame decodes to (its payload, or the `raw` size it declares when compressed),
+    read from its prefix and header without decoding it; None for a frame that does not parse."""
+    try:
+        view = memoryview(frame).cast("B")
+        frame_length(view, limits)
+        header_len, payload_len = PREFIX.unpack_from(view)[4:6]
+        header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    except (CodecError, TypeError, ValueError):
+        return None
+    raw = header.get("raw") if header.get("comp") is not None else payload_len
+    return raw if type(raw) is int else None
+
+
 def checksum_of(data: Buffer) -> int:
     """CRC32C of what a frame's checksum covers, over the frame (or its head) in `data`: all but bytes 20-23."""
     view = memoryview(data)
