@@ -255,9 +255,9 @@ class Intake:
         return Held(frame, crc, key, message_id, nbytes, source=source)
 
     def _evict_for(self, frame: Buffer, source: object) -> None:
-        """The table is full and `frame` would keep `source` within its share: drop what producers over their
-        share hold (one tensor larger than a share, nobody's yet), so that it cannot keep the others out
-        (logged, counted). A frame that would take its own producer over its share makes no room: it waits."""
+        """The table is full and `frame` would keep `source` within its share: drop the other producers'
+        tensors that are larger than a share on their own (nobody's yet), so that one cannot keep the others
+        out (logged, counted). A frame that would take its own producer over its share makes no room: it waits."""
         size = decoded_size(frame, self._limits)
         if size is None or self.table.source_bytes(source) + size > self.table.max_source_bytes:
             return
@@ -266,7 +266,7 @@ class Intake:
             self.stats["evicted"] += len(dropped)
             keys = ", ".join(sorted({str(message.key) for message in dropped})[:5])
             log.warning(
-                "%s: dropped %d tensors over their producer's share that nobody received, to make room for another "
+                "%s: dropped %d tensors larger than a producer's share that nobody received, to make room for another "
                 "producer (keys %s)", self._name, len(dropped), keys,
             )  # fmt: skip
 

@@ -436,17 +436,16 @@ class Rendezvous(TableState):
 
     def evict_over_share(self, source: object) -> list[Message]:
         """Make room for `source`, a producer under its share, while the table is full: drop the buffered
-        messages of producers over their share (one tensor larger than a share enters when its producer has
-        nothing buffered), oldest first, until there is room. The dropped messages are returned."""
+        messages larger than a producer's share on their own (one enters when its producer has nothing
+        buffered) of other producers, oldest first, until there is room. The dropped messages are returned."""
         with self._lock:
             if source is None or self.at_share(source) or self.buffered_bytes < self.max_buffered_bytes:
                 return []
-            over = {s for s, n in self._by_source.items() if n > self.max_source_bytes and s != source}
             room_after, evict = self.buffered_bytes, []
             for number, (_, nbytes, owner) in self._arrivals.items():
                 if room_after < self.max_buffered_bytes:
                     break
-                if owner in over:
+                if nbytes > self.max_source_bytes and owner is not None and owner != source:
                     evict.append(number)
                     room_after -= nbytes
             dropped = self._drop(evict)
