@@ -18,6 +18,7 @@ UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 #: a default cell that says the value is worked out (or required): the dataclass holds None (or "") for it
 WORKED_OUT = (
     "the transport's",
+    "the client's",
     "(required)",
     "`tensorbus-TOPIC`",
     "3, or the live brokers",
@@ -33,6 +34,8 @@ def value(text: str) -> Any:
         return {"None": None, "True": True, "False": False}[text]
     if re.fullmatch(r'`"[^"]*"`', text):
         return text[2:-2]
+    if re.fullmatch(r"`[\w-]+`", text):  # (a name: `kafka-python`)
+        return text[1:-1]
     terms = [term.strip() for term in text.split("\N{MINUS SIGN}")]
     total = 0.0
     for sign, term in zip([1] + [-1] * (len(terms) - 1), terms, strict=True):
