@@ -117,9 +117,11 @@ TRANSPORT_OPTIONS = """
     Options of the URL's transport, also keyword arguments (docs/OPTIONS.md; checked for the URL's scheme):
 
     - tcp://, tcps://, unix://: connect_timeout_s, reconnect_timeout_s, send_timeout_s, max_unacked_bytes,
-      ack_every_frames, ack_every_bytes, close_timeout_s, backlog, max_connections, idle_timeout_s,
+      max_untaken_bytes, ack_every_frames, ack_every_bytes, close_timeout_s, backlog, max_connections, idle_timeout_s,
       pooled_buffers, linger_s, spin_s, auth_secret, ssl_cafile, ssl_certfile, ssl_keyfile, ssl_context
     - memory://: max_unacked_bytes, send_timeout_s, reconnect_timeout_s
+    - shm://: shm_dir, auth_secret, connect_timeout_s, reconnect_timeout_s, send_timeout_s, close_timeout_s,
+      max_unacked_bytes, max_pinned_bytes, max_connections, backlog
     - amqp://, amqps://: queue, queue_type, offset, durable, persistent, prefetch_count, heartbeat_s,
       connect_timeout_s, reconnect_timeout_s, confirm_timeout_s, max_pending_bytes, ssl_cafile, ssl_certfile,
       ssl_keyfile
@@ -279,6 +281,7 @@ class Consumer:
         dedup_window: int = UNSET,
         dedup_file: str | Path | None = UNSET,
         like: str = UNSET,
+        ack: str = UNSET,
         metrics: bool = UNSET,
         metrics_registry: Any = UNSET,
         metrics_key_label: Callable[[str | None], str] | None = UNSET,

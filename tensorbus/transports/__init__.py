@@ -25,6 +25,7 @@ TRANSPORTS: dict[str, str] = {
 #: the form of each scheme's URLs, for the error that refuses a malformed one
 FORMS: dict[str, str] = {
     "memory": "memory://NAME",
+    "shm": "shm://NAME",
     "tcp": "tcp://HOST:PORT",
     "tcps": "tcps://HOST:PORT",
     "unix": "unix:///path/to.sock",
@@ -51,7 +52,8 @@ def resolve_transport(url: str) -> tuple[type[Transport], urllib.parse.SplitResu
     slashes = url[len(parsed.scheme) : len(parsed.scheme) + 3] == "://" or (
         parsed.scheme == "unix" and not parsed.netloc and parsed.path.startswith("/")
     )
-    if not slashes or (parsed.scheme == "memory" and parsed.path and not parsed.netloc):  # memory:/x, memory:///x
+    named = parsed.scheme in ("memory", "shm")
+    if not slashes or (named and parsed.path and not parsed.netloc):  # memory:/x, memory:///x
         raise ConfigError(f"malformed URL {redact(url)!r}: write it as {FORMS[parsed.scheme]}")
     module_name, _, class_name = target.partition(":")
     try:

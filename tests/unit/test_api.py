@@ -171,6 +171,7 @@ def test_auth_refused_is_exported_and_documented_in_the_error_tree() -> None:
     [
         ("memory:/x", "memory://NAME"),
         ("memory:///x", "memory://NAME"),
+        ("shm:/x", "shm://NAME"),
         ("tcp:/127.0.0.1:5555", "tcp://HOST:PORT"),
         ("unix:tmp/x.sock", "unix:///path/to.sock"),
         ("kafka:127.0.0.1:9092/t", "kafka://HOST:9092/TOPIC"),
@@ -431,3 +432,7 @@ def test_durations_below_zero_and_sizes_below_one_are_config_errors(option: dict
     name, value = next(iter(option.items()))
     with pytest.raises(tb.ConfigError, match=name):
         tb.Producer(f"tcp://127.0.0.1:5555?{name}={value}")
+
+
+def test_every_scheme_has_the_form_its_malformed_urls_are_told() -> None:
+    assert set(tensorbus.transports.FORMS) == set(tensorbus.transports.TRANSPORTS)

@@ -21,6 +21,7 @@ from tensorbus.transports.base import TransportOptions
 from tensorbus.transports.kafka import KafkaOptions
 from tensorbus.transports.memory import MemoryOptions
 from tensorbus.transports.rabbitmq import RabbitMQOptions
+from tensorbus.transports.shm import ShmOptions
 from tensorbus.transports.stream import SocketOptions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,7 @@ def test_help_lists_every_transports_options() -> None:
     for options, heading in (
         (SocketOptions, "tcp://, tcps://, unix://"),
         (MemoryOptions, "memory://"),
+        (ShmOptions, "shm://"),
         (RabbitMQOptions, "amqp://, amqps://"),
         (KafkaOptions, "kafka://, kafkas://"),
     ):
