@@ -4,6 +4,7 @@ from .api import Consumer, Producer
 from .codec import Limits, Message, Reassembler, SparseTensor, decode, dumps, encode, loads, split
 from .errors import (
     Aborted,
+    AuthRefused,
     BadMagic,
     CallbackInterrupted,
     Cancelled,
@@ -33,7 +34,8 @@ from .rendezvous import RecvHandle, Rendezvous
 __version__ = "0.1.0"
 
 __all__ = [
-    "Aborted", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed", "CodecError",
+    "Aborted", "AuthRefused", "BadMagic", "CallbackInterrupted", "Cancelled", "ChecksumMismatch", "Closed",
+    "CodecError",
     "ConfigError", "Consumer", "InvalidTensor", "LimitExceeded", "Limits", "MalformedHeader", "Message", "ParsedKey",
     "Producer", "Publisher", "Reassembler", "RecvHandle", "Rejected", "Rendezvous", "Replayed", "SignatureError",
     "SparseTensor", "StaleIncarnation", "Subscriber",

@@ -6,7 +6,7 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,7 +19,7 @@ from .errors import Aborted, Closed, ConfigError
 from .intake import Intake
 from .ledger import check_ack
 from .monitoring import Monitor
-from .options import MonitoringOptions, build, defaults, finite_timeout, load_config, merge, redact
+from .options import UNSET, MonitoringOptions, build, defaults, finite_timeout, given, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle
 from .transports import Encoding, Transport, resolve_transport
 
@@ -111,10 +111,55 @@ def _config_args(path: str | Path, role: str, url: str | None, overrides: dict[s
     return chosen, {**options, **overrides}
 
 
-class Producer:
-    """Sends tensors to the consumer at `url`; `send` returns once the transport has taken the frame."""
+#: the options of each transport, by scheme, which Producer and Consumer take as further keyword arguments
+#: (checked at run time against the URL's scheme; tests/unit/test_api_signature.py keeps this in step)
+TRANSPORT_OPTIONS = """
+    Options of the URL's transport, also keyword arguments (docs/OPTIONS.md; checked for the URL's scheme):
 
-    def __init__(self, url: str, **options: Any) -> None:
+    - tcp://, tcps://, unix://: connect_timeout_s, reconnect_timeout_s, send_timeout_s, max_unacked_bytes,
+      max_untaken_bytes, ack_every_frames, ack_every_bytes, close_timeout_s, backlog, max_connections, idle_timeout_s,
+      pooled_buffers, linger_s, spin_s, auth_secret, ssl_cafile, ssl_certfile, ssl_keyfile, ssl_context
+    - memory://: max_unacked_bytes, send_timeout_s, reconnect_timeout_s
+    - shm://: shm_dir, auth_secret, connect_timeout_s, reconnect_timeout_s, send_timeout_s, close_timeout_s,
+      max_unacked_bytes, max_pinned_bytes, max_connections, backlog
+    - amqp://, amqps://: queue, queue_type, offset, durable, persistent, prefetch_count, heartbeat_s,
+      connect_timeout_s, reconnect_timeout_s, confirm_timeout_s, max_pending_bytes, ssl_cafile, ssl_certfile,
+      ssl_keyfile
+    - kafka://, kafkas://: client, batch_linger_s, max_request_size, partitions, replication_factor,
+      min_insync_replicas, delivery_timeout_s, group, max_pending_bytes, connect_timeout_s, close_timeout_s,
+      fetch_max_bytes, max_partition_fetch_bytes, max_poll_records, max_poll_interval_s, session_timeout_s,
+      commit_interval_s, ssl_cafile, ssl_certfile, ssl_keyfile, ssl_password, sasl_mechanism,
+      sasl_plain_username, sasl_plain_password
+"""
+
+
+def _state(closed: bool) -> str:
+    return "closed" if closed else "open"
+
+
+class Producer:
+    """Sends tensors to the consumer at `url`; `send` returns once the transport has taken the frame.
+
+    The keyword-only parameters are the producer's own options (docs/OPTIONS.md, "Producer"); one left
+    out keeps the URL's value or the default.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        compression: str | None = UNSET,
+        checksum: bool = UNSET,
+        signing_key: bytes | str | None = UNSET,
+        max_frame_bytes: int | None = UNSET,
+        max_header_bytes: int = UNSET,
+        metrics: bool = UNSET,
+        metrics_registry: Any = UNSET,
+        metrics_key_label: Callable[[str | None], str] | None = UNSET,
+        tracing: bool = UNSET,
+        **transport_options: Any,
+    ) -> None:
+        options = {**given(ProducerOptions, locals()), **transport_options}
         self.url = url
         self._options = options
         self.transport, opts = _open(url, ProducerOptions, options, "Producer")
@@ -195,6 +240,9 @@ class Producer:
             if self._monitor is not None:
                 self._monitor.close()
 
+    def __repr__(self) -> str:
+        return f"<Producer {redact(self.url)} {_state(self._closed)}>"
+
     def __enter__(self) -> Producer:
         return self
 
@@ -202,10 +250,45 @@ class Producer:
         self.close()
 
 
-class Consumer:
-    """Receives the tensors sent to `url` and matches them to receivers by key (or arrival order)."""
+Producer.__doc__ = f"{Producer.__doc__}{TRANSPORT_OPTIONS}"
 
-    def __init__(self, url: str, **options: Any) -> None:
+
+class Consumer:
+    """Receives the tensors sent to `url` and matches them to receivers by key (or arrival order).
+
+    The keyword-only parameters are the consumer's own options (docs/OPTIONS.md, "Consumer"); one left
+    out keeps the URL's value or the default.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        signing_key: bytes | str | None = UNSET,
+        max_frame_bytes: int | None = UNSET,
+        max_buffered_bytes: int = UNSET,
+        max_buffered_bytes_per_producer: int | None = UNSET,
+        max_reassembly_bytes: int = UNSET,
+        reassembly_timeout_s: float = UNSET,
+        max_header_bytes: int = UNSET,
+        max_payload_bytes: int = UNSET,
+        max_decompressed_bytes: int = UNSET,
+        max_ndim: int = UNSET,
+        max_frame_age_s: float | None = UNSET,
+        unclaimed_timeout_s: float | None = UNSET,
+        max_tree_depth: int = UNSET,
+        max_tree_entries: int = UNSET,
+        dedup_window: int = UNSET,
+        dedup_file: str | Path | None = UNSET,
+        like: str = UNSET,
+        ack: str = UNSET,
+        metrics: bool = UNSET,
+        metrics_registry: Any = UNSET,
+        metrics_key_label: Callable[[str | None], str] | None = UNSET,
+        tracing: bool = UNSET,
+        **transport_options: Any,
+    ) -> None:
+        options = {**given(ConsumerOptions, locals()), **transport_options}
         self.url = url
         self._shown = redact(url)  # for logs: no password, no secrets from the query
         self.transport, opts = _open(url, ConsumerOptions, options, "Consumer")
@@ -262,12 +345,14 @@ class Consumer:
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""
+        self._check_open("recv")
         if self._monitor is None:
             return self.table.recv(key, timeout)
         return self._monitor.recv(self.table.recv_message, key, timeout).tensor
 
     def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
+        self._check_open("recv_message")
         if self._monitor is None:
             return self.table.recv_message(key, timeout)
         return self._monitor.recv(self.table.recv_message, key, timeout)
@@ -278,10 +363,12 @@ class Consumer:
         The callback runs on the thread that delivered the message (a reading thread): it must not
         block, e.g. by calling `recv`, or no frame is read until it returns.
         """
+        self._check_open("recv_async")
         return self.table.recv_async(key, callback)
 
     def next_message(self, timeout: float | None = None) -> Message:
         """The oldest message not yet received, of any key (work-queue use)."""
+        self._check_open("next_message")
         if self._monitor is None:
             return self.table.next_message(timeout)
         return self._monitor.recv(self.table.next_message, timeout)
@@ -295,6 +382,10 @@ class Consumer:
         """With `ack="manual"`: give a message back unacknowledged; it is delivered again, first in line."""
         self.intake.reject(message)
 
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise Closed(f"{what} on a closed Consumer")
+
     def abort(self, reason: str) -> None:
         """Fail every pending and later receive with `Aborted(reason)`."""
         self.table.abort(reason)
@@ -304,7 +395,7 @@ class Consumer:
         while True:
             try:
                 yield self.next_message()
-            except Aborted:
+            except (Aborted, Closed):  # (Closed: next_message after close)
                 if self._closed:
                     return
                 raise
@@ -328,8 +419,14 @@ class Consumer:
             if self._monitor is not None:
                 self._monitor.close()
 
+    def __repr__(self) -> str:
+        return f"<Consumer {self._shown} {_state(self._closed)}>"
+
     def __enter__(self) -> Consumer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+Consumer.__doc__ = f"{Consumer.__doc__}{TRANSPORT_OPTIONS}"

@@ -45,6 +45,12 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     recv.add_argument("-o", "--output", required=True, help="file to write: .npy, .npz, .safetensors or .tbf")
     recv.add_argument("--timeout", type=seconds, default=None, help="seconds to wait (default: forever)")
     recv.add_argument("--metrics-port", type=port, default=None, help=METRICS_PORT_HELP)
+    recv.add_argument(
+        "--tbf-fallback",
+        action="store_true",
+        help="a tensor the output format cannot hold is written as a .tbf frame beside it (never replacing a file) "
+        "and that succeeds; without this flag it is written so too, but the exit status is 2",
+    )
     recv.set_defaults(run=c.recv)
 
     save = add_parser("save", help="wait for a bundle (e.g. model parameters) and save it atomically")
@@ -65,6 +71,12 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
         "--subscribe",
         action="store_true",
         help="URL is a tb.Publisher's: save its newest version (with --follow, each newer one as NAME-VERSION.EXT)",
+    )
+    save.add_argument(
+        "--tbf-fallback",
+        action="store_true",
+        help="a tensor the output format cannot hold is written as a .tbf frame beside it (never replacing a file) "
+        "and that succeeds; without this flag it is written so too, but the exit status is 2",
     )
     save.set_defaults(run=c.save)
 

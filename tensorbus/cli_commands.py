@@ -105,7 +105,7 @@ def demo(args: argparse.Namespace) -> int:
 SEND_TIMEOUTS = ("connect_timeout_s", "reconnect_timeout_s", "send_timeout_s", "confirm_timeout_s")
 
 
-def _bounded_by(url: str, timeout: float | None) -> dict[str, float]:
+def _bounded_by(url: str, timeout: float | None) -> dict[str, Any]:
     """The producer options that keep a send within `timeout` seconds (none lowered that the URL sets lower)."""
     if timeout is None:
         return {}
@@ -152,19 +152,38 @@ def recv(args: argparse.Namespace) -> int:
             _note_dropped(consumer)
         target = _write(args.output, message)
     print(f"received {args.key}: {_describe(message.tensor)} -> {target}")
-    return 0
+    return _fell_back(args, target)
+
+
+def _fell_back(args: argparse.Namespace, target: Path) -> int:
+    """0 when `target` is the file asked for, or --tbf-fallback accepts a .tbf beside it; else 2 (stderr said why)."""
+    if target == Path(args.output) or args.tbf_fallback:
+        return 0
+    print(f"exit status 2: {args.output} was not written (--tbf-fallback accepts the .tbf)", file=sys.stderr)
+    return 2
+
+
+#: how many OUTPUT-N.tbf names a fallback tries before giving up
+_FALLBACK_NAMES = 1000
 
 
 def _write(output: str | Path, message: Message) -> Path:
-    """Write a received tensor; one the chosen format cannot hold goes to OUTPUT.tbf rather than being lost."""
+    """Write a received tensor; one the chosen format cannot hold goes to OUTPUT.tbf (or OUTPUT-N.tbf: an
+    existing file is never replaced, as the user did not name it) rather than being lost."""
     try:
         write_tensor(output, message.tensor, key=message.key, metadata=message.metadata)
         return Path(output)
     except ConfigError as exc:
-        fallback = Path(output).with_suffix(".tbf")
-        write_tensor(fallback, message.tensor, key=message.key, metadata=message.metadata)
-        print(f"{exc}; wrote it as a tensorbus frame instead: {fallback}", file=sys.stderr)
-        return fallback
+        base = Path(output)
+        for n in range(_FALLBACK_NAMES):
+            fallback = base.with_suffix(".tbf") if n == 0 else base.with_name(f"{base.stem}-{n}.tbf")
+            try:
+                write_tensor(fallback, message.tensor, key=message.key, metadata=message.metadata, replace=False)
+            except FileExistsError:
+                continue
+            print(f"{exc}; wrote it as a tensorbus frame instead: {fallback}", file=sys.stderr)
+            return fallback
+        raise ConfigError(f"{exc}; and {base.with_suffix('.tbf')} and {_FALLBACK_NAMES - 1} more names exist") from None
 
 
 def _note_dropped(consumer: Consumer) -> None:
@@ -212,8 +231,11 @@ def save(args: argparse.Namespace) -> int:
                 return 0
             target = _versioned(output, version) if args.follow else output
             started = time.perf_counter()
-            target = _write(target, message)
+            asked, target = target, _write(target, message)
             print(f"saved {_describe(message.tensor)} -> {target} ({time.perf_counter() - started:.2f}s)", flush=True)
+            if target != asked and not args.tbf_fallback:
+                _note_dropped(consumer)
+                return _fell_back(argparse.Namespace(output=asked, tbf_fallback=False), target)
             if not args.follow or (args.max_versions and version - first + 1 >= args.max_versions):
                 _note_dropped(consumer)
                 return 0

@@ -117,6 +117,13 @@ def _rejected(args: tuple[Any, ...], key: str | None, message_id: Any, reason: s
     return Rejected(*args, key=key, message_id=message_id, reason=reason)
 
 
+class AuthRefused(TransportError):
+    """A socket consumer refused this producer's `auth_secret` (or the producer has none and one is required);
+    retrying with the same secret cannot succeed."""
+
+    retriable = False
+
+
 class Timeout(TensorBusError, TimeoutError):
     """An operation did not finish within its deadline."""
 

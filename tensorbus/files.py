@@ -37,8 +37,10 @@ def read_tensor(path: str | Path) -> Any:
         from .codec import loads
 
         return loads(Path(path).read_bytes(), copy=True)
-    except (OSError, TensorBusError):
+    except OSError:
         raise
+    except TensorBusError as exc:  # a corrupt or truncated .tbf: say which file (the error alone does not)
+        raise type(exc)(f"cannot read {path} as {suffix}: {exc}") from None
     except ModuleNotFoundError as exc:
         raise _needs_package(suffix, exc.name) from None
     except Exception as exc:  # numpy's and safetensors' errors for a corrupt file or an object array
@@ -104,9 +106,16 @@ def _needs_package(suffix: str, package: str | None) -> ConfigError:
 
 
 def write_tensor(
-    path: str | Path, tensor: Any, *, key: str | None = None, metadata: dict[str, Any] | None = None
+    path: str | Path,
+    tensor: Any,
+    *,
+    key: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    replace: bool = True,
 ) -> None:
-    """Write atomically (temp file in the same directory, then rename); a .tbf frame also keeps key and metadata."""
+    """Write atomically (temp file in the same directory, then rename); a .tbf frame also keeps key and metadata.
+
+    With `replace=False` an existing file is never replaced: FileExistsError instead."""
     suffix = _suffix(path)
     target = Path(path)
     fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=suffix)
@@ -124,7 +133,11 @@ def write_tensor(
                 f.writelines(encode(tensor, key=key, metadata=metadata))  # header, then the arrays' own memory
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        if replace:
+            os.replace(tmp, target)
+        else:  # (a link fails where the name exists: no window in which a check could be outraced)
+            os.link(tmp, target)
+            Path(tmp).unlink()
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -164,7 +177,8 @@ def _safetensors(path: str | Path, arrays: dict[str, np.ndarray]) -> bytes:
     """The bytes of a .safetensors file of `arrays`, or a ConfigError for a dtype it cannot hold."""
     from safetensors.numpy import save
 
-    held = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+    # (not np.ascontiguousarray: it makes a 0-d array 1-d)
+    held = {name: np.require(array, requirements="C") for name, array in arrays.items()}
     for array in held.values():
         if array.dtype.name not in SAFETENSORS_DTYPES.values() and array.dtype != bool:
             raise ConfigError(f"{path}: .safetensors cannot hold dtype {array.dtype}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .codec import Limits, Message, MessageId, Reassembler
-from .codec.frame import Buffer, peek_message
+from .codec.frame import Buffer, decoded_size, peek_message
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, CodecError, ConfigError, TensorBusError
 from .intake_state import FAST, IntakeState
@@ -130,6 +130,8 @@ class Intake:
                 if interrupted is not None and interrupted[0] is frame:  # the same frame again: decoded already
                     message, state.interrupted = interrupted[1], None  # (kept until then: others may come first)
                 else:
+                    if may_hold and source is not None and self._full():
+                        self._evict_for(frame, source)
                     if may_hold and (self._full() or self.table.at_share(source)):
                         held = self._held(frame, crc, source)
                         if held is not None:
@@ -252,6 +254,22 @@ class Intake:
         self._held_bytes += nbytes
         self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
         return Held(frame, crc, key, message_id, nbytes, source=source)
+
+    def _evict_for(self, frame: Buffer, source: object) -> None:
+        """The table is full and `frame` would keep `source` within its share: drop the other producers'
+        tensors that are larger than a share on their own (nobody's yet), so that one cannot keep the others
+        out (logged, counted). A frame that would take its own producer over its share makes no room: it waits."""
+        size = decoded_size(frame, self._limits)
+        if size is None or self.table.source_bytes(source) + size > self.table.max_source_bytes:
+            return
+        dropped = self.table.evict_over_share(source)
+        if dropped:
+            self.stats["evicted"] += len(dropped)
+            keys = ", ".join(sorted({str(message.key) for message in dropped})[:5])
+            log.warning(
+                "%s: dropped %d tensors larger than a producer's share that nobody received, to make room for another "
+                "producer (keys %s)", self._name, len(dropped), keys,
+            )  # fmt: skip
 
     def _is_duplicate(self, message_id: MessageId | None) -> bool:
         """Whether this message was seen already (then counted); caller holds `_lock`."""

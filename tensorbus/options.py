@@ -8,6 +8,7 @@ once, and code reads them as attributes that mypy checks.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import threading
@@ -118,6 +119,22 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=urllib.parse.urlencode(query, safe="*/")))
 
 
+class _Unset:
+    """The default of a keyword-only option parameter: not given, so the URL's value or the option's default holds."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+#: what a keyword-only option parameter of Producer and Consumer defaults to (see `given`)
+UNSET: Any = _Unset()
+
+
+def given(options_type: type[DataclassInstance], arguments: dict[str, Any]) -> dict[str, Any]:
+    """The options of `options_type` among a call's `arguments` (its `locals()`) that the caller passed."""
+    return {f.name: arguments[f.name] for f in dataclasses.fields(options_type) if arguments[f.name] is not UNSET}
+
+
 def defaults(options_type: type[DataclassInstance]) -> dict[str, Any]:
     """Each option of an options dataclass with its default, by name."""
     return {f.name: f.default for f in dataclasses.fields(options_type)}
@@ -138,8 +155,11 @@ def merge(
     for source, values in (("URL query", query), ("keyword arguments", kwargs)):
         unknown = sorted(set(values) - set(known))
         if unknown:
+            near = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+            hints = "".join(f" (did you mean {near[name][0]!r} for {name!r}?)" for name in unknown if near[name])
             raise ConfigError(
-                f"unknown option(s) {', '.join(unknown)} in {source} for {where}; known: {', '.join(sorted(known))}"
+                f"unknown option(s) {', '.join(unknown)} in {source} for {where}{hints}; "
+                f"known: {', '.join(sorted(known))}"
             )
         for name, value in values.items():
             if source == "URL query":

@@ -440,28 +440,49 @@ class Rendezvous(TableState):
             cutoff = 0
             while self._marks and self._marks[0][1] <= now - timeout_s:
                 cutoff = self._marks.popleft()[0]
-            old = [number for number in self._arrivals if number <= cutoff]
-            if not old:
-                return []
-            opened = False
-            was_full = self.buffered_bytes >= self.max_buffered_bytes
-            dropped = []
-            for number in old:
-                message, nbytes, source = self._arrivals.pop(number)
-                self.buffered_bytes -= nbytes
-                if source is not None:
-                    opened = self._uncount(source, nbytes) or opened
-                dropped.append(message)
-            for key in {message.key for message in dropped}:
-                numbers = self._by_key[key]
-                kept = [number for number in numbers if number in self._arrivals]
-                numbers.clear()  # (in place: the C delivery holds these)
-                numbers.extend(kept)
-                if not numbers:
-                    del self._by_key[key]
+            dropped = self._drop([number for number in self._arrivals if number <= cutoff])
             self.stats["unclaimed"] += len(dropped)
-            if opened or (was_full and self.buffered_bytes < self.max_buffered_bytes):
-                self._room_opened()
+        return dropped
+
+    def evict_over_share(self, source: object) -> list[Message]:
+        """Make room for `source`, a producer under its share, while the table is full: drop the buffered
+        messages larger than a producer's share on their own (one enters when its producer has nothing
+        buffered) of other producers, oldest first, until there is room. The dropped messages are returned."""
+        with self._lock:
+            if source is None or self.at_share(source) or self.buffered_bytes < self.max_buffered_bytes:
+                return []
+            room_after, evict = self.buffered_bytes, []
+            for number, (_, nbytes, owner) in self._arrivals.items():
+                if room_after < self.max_buffered_bytes:
+                    break
+                if nbytes > self.max_source_bytes and owner is not None and owner != source:
+                    evict.append(number)
+                    room_after -= nbytes
+            dropped = self._drop(evict)
+            self.stats["evicted"] += len(dropped)
+        return dropped
+
+    def _drop(self, numbers: list[int]) -> list[Message]:
+        """Remove these buffered messages (caller holds the lock), waking what waits for room if that opened some."""
+        if not numbers:
+            return []
+        opened = False
+        was_full = self.buffered_bytes >= self.max_buffered_bytes
+        dropped = []
+        for number in numbers:
+            message, nbytes, source = self._arrivals.pop(number)
+            self.buffered_bytes -= nbytes
+            if source is not None:
+                opened = self._uncount(source, nbytes) or opened
+            dropped.append(message)
+        for key in {message.key for message in dropped}:
+            kept = [number for number in self._by_key[key] if number in self._arrivals]
+            self._by_key[key].clear()  # (in place: the C delivery holds these)
+            self._by_key[key].extend(kept)
+            if not kept:
+                del self._by_key[key]
+        if opened or (was_full and self.buffered_bytes < self.max_buffered_bytes):
+            self._room_opened()
         return dropped
 
     def abort(self, reason: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..buffers import aligned, aligned_empty
 from ..errors import ConfigError, LimitExceeded, MalformedHeader, brief
 
 CODECS = ("lz4", "zstd")
@@ -72,30 +73,62 @@ def _compress(name: str, data: bytes | memoryview) -> bytes:
     raise ConfigError(f"unknown compression {name!r}; known: {', '.join(CODECS)}")
 
 
-def _zstd(zstandard: Any, data: memoryview, raw_len: int) -> bytes:
-    """One zstd frame that declares `raw_len` as its size (libzstd then never writes more) and is
-    the whole payload: unused bytes after it (junk, a second or skippable frame) are refused, as
-    they are in uncompressed payloads."""
+#: zstd block types (RFC 8878, 3.1.1.2): how many bytes of content follow a block header of each
+_RAW, _RLE, _COMPRESSED = 0, 1, 2
+
+
+def _zstd_frame_size(data: memoryview) -> int:
+    """The length of the zstd frame at the start of `data`, read from its headers (RFC 8878, 3.1.1; what
+    libzstd's ZSTD_findFrameCompressedSize does, which python-zstandard does not offer); a frame cut
+    short reports more than `len(data)`. Nothing is decompressed."""
+    if len(data) < 6 or bytes(data[:4]) != b"\x28\xb5\x2f\xfd":
+        raise MalformedHeader("zstd payload does not start with a zstd frame")
+    descriptor = data[4]
+    fcs_flag, single_segment, checksum = descriptor >> 6, (descriptor >> 5) & 1, (descriptor >> 2) & 1
+    at = 5 + (not single_segment) + (0, 1, 2, 4)[descriptor & 3] + (single_segment, 2, 4, 8)[fcs_flag]
+    while at + 3 <= len(data):
+        block = int.from_bytes(data[at : at + 3], "little")
+        kind, size = (block >> 1) & 3, block >> 3
+        if kind not in (_RAW, _RLE, _COMPRESSED):
+            raise MalformedHeader("zstd payload does not decompress: a block of the reserved type")
+        at += 3 + (1 if kind == _RLE else size)
+        if block & 1:  # the last block
+            return at + 4 * checksum
+    return len(data) + 1  # (no last block: cut short)
+
+
+def _zstd(zstandard: Any, data: memoryview, raw_len: int) -> memoryview:
+    """One zstd frame that declares `raw_len` as its size and is the whole payload (unused bytes after it, junk or a
+    second or skippable frame, are refused, as they are in uncompressed payloads), decompressed straight into
+    a 64-byte aligned buffer of `raw_len` bytes: a payload costs its size once, not once more as a copy."""
     declared = zstandard.get_frame_parameters(data).content_size
     if declared != raw_len:
         raise MalformedHeader(f"zstd frame declares {declared} bytes, header says {raw_len}")
-    stream = zstandard.ZstdDecompressor().decompressobj()
-    out: bytes = stream.decompress(data)
-    if not stream.eof or stream.unused_data:
-        what = f"{len(stream.unused_data)} bytes after it" if stream.eof else "it is cut short"
+    size = _zstd_frame_size(data)
+    if size != len(data):
+        what = f"{len(data) - size} bytes after it" if size < len(data) else "it is cut short"
         raise MalformedHeader(f"zstd payload is not exactly one frame: {what}")
+    out = aligned_empty(raw_len).data
+    done = 0
+    with zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False) as reader:
+        while done < raw_len and (got := reader.readinto(out[done:])):
+            done += got
+    if done != raw_len:
+        raise MalformedHeader(f"zstd payload decompressed to {done} bytes, header says {raw_len}")
     return out
 
 
-def decompress(name: object, data: memoryview, raw_len: int, max_bytes: int) -> bytes:
-    """Decompress into exactly `raw_len` bytes, refusing to allocate beyond `max_bytes`."""
+def decompress(name: object, data: memoryview, raw_len: int, max_bytes: int) -> memoryview:
+    """Decompress into exactly `raw_len` bytes at a 64-byte aligned address, refusing to allocate beyond
+    `max_bytes`; zstd is written there directly, lz4 (which has no such call) copied there once."""
     if raw_len > max_bytes:
         raise LimitExceeded(f"compressed payload claims {raw_len} bytes; the limit is {max_bytes}")
     try:
+        out: memoryview
         if name == "lz4":
             import lz4.block
 
-            out = lz4.block.decompress(data, uncompressed_size=raw_len)
+            out = aligned(lz4.block.decompress(data, uncompressed_size=raw_len))
         elif name == "zstd":
             import zstandard
 

@@ -14,7 +14,6 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from ..buffers import aligned
 from ..errors import (
     BadMagic,
     ChecksumMismatch,
@@ -386,6 +385,28 @@ def join_into(buffers: Sequence[Buffer], out: bytearray | memoryview) -> memoryv
     return target[:total]
 
 
+#: the msgpack types of the header fields this build knows (docs/FORMAT.md; `tree` is a node of any type, checked
+#: as it is read): one of another type is `MalformedHeader`; a field not listed is ignored (a newer writer's)
+HEADER_TYPES: dict[str, tuple[type, ...]] = {
+    "kind": (str,), "key": (str, type(None)), "meta": (dict,), "id": (list, type(None)), "comp": (str, type(None)),
+    "raw": (int,), "tensors": (list,), "dense_shape": (list,), "chunk": (list,), TIMESTAMP: (float,),
+}  # fmt: skip
+#: the same for each entry of `tensors`
+ENTRY_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,), "dtype": (str,), "order": (str,), "shape": (list,), "fortran": (bool,), "offset": (int,),
+    "nbytes": (int,),
+}  # fmt: skip
+_MSGPACK_NAMES = {str: "str", type(None): "nil", dict: "map", list: "array", int: "int", float: "float", bool: "bool"}
+
+
+def _check_types(fields: dict[str, Any], known: dict[str, tuple[type, ...]], where: str) -> None:
+    """Refuse a known field whose value is of another msgpack type (exact types: a bool is not an int)."""
+    for name, types in known.items():
+        if name in fields and type(fields[name]) not in types:
+            wanted = " or ".join(_MSGPACK_NAMES[t] for t in types)
+            raise MalformedHeader(f"{where} field {name!r} must be {wanted}, got {brief(fields[name])}")
+
+
 def _unpack_header(raw: memoryview) -> dict[str, Any]:
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
@@ -393,6 +414,10 @@ def _unpack_header(raw: memoryview) -> dict[str, Any]:
         raise MalformedHeader(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
         raise MalformedHeader(f"header must be a msgpack map, got {type(header).__name__}")
+    _check_types(header, HEADER_TYPES, "header")
+    for entry in header.get("tensors", ()):
+        if isinstance(entry, dict):  # (anything else is refused as the table is read)
+            _check_types(entry, ENTRY_TYPES, "tensor entry")
     return header
 
 
@@ -410,6 +435,20 @@ def peek_message(frame: Buffer, limits: Limits = DEFAULT_LIMITS) -> tuple[str | 
         return key, _message_id(header.get("id"))
     except (CodecError, TypeError, ValueError):
         return None
+
+
+def decoded_size(frame: Buffer, limits: Limits = DEFAULT_LIMITS) -> int | None:
+    """The bytes a whole message's frame decodes to (its payload, or the `raw` size it declares when compressed),
+    read from its prefix and header without decoding it; None for a frame that does not parse."""
+    try:
+        view = memoryview(frame).cast("B")
+        frame_length(view, limits)
+        header_len, payload_len = PREFIX.unpack_from(view)[4:6]
+        header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    except (CodecError, TypeError, ValueError):
+        return None
+    raw = header.get("raw") if header.get("comp") is not None else payload_len
+    return raw if type(raw) is int else None
 
 
 def checksum_of(data: Buffer) -> int:
@@ -577,7 +616,7 @@ def message_from_frame(
         if type(raw) is not int or raw < 0:
             raise MalformedHeader(f"compressed frame needs a non-negative 'raw' length, got {brief(raw)}")
         most = min(limits.max_payload_bytes, limits.max_decompressed_bytes)
-        payload = aligned(decompress(header["comp"], payload, raw, most))  # (a copy: bytes start 32 bytes in)
+        payload = decompress(header["comp"], payload, raw, most)  # (64-byte aligned, as a received payload is)
     tensor, entries = rebuild(
         header,
         payload,

@@ -116,13 +116,35 @@ def _as_array(obj: Any, where: str = "") -> np.ndarray:
         from .torch_bridge import torch_to_numpy
 
         return torch_to_numpy(obj)
-    raise UnsupportedDtype(f"cannot send a {type(obj).__name__}{where}: what travels is {TRAVELS}")
+    if type(obj) in SCALARS and not where:  # the one rule for scalars: docs/FORMAT.md, "Scalars"
+        raise UnsupportedDtype(
+            f"cannot send {_a(type(obj).__name__)} on its own: a Python scalar travels inside a structure "
+            f"(e.g. {{'value': {brief(obj)}}}, back as itself) or as a numpy scalar (np.asarray(x), back as a "
+            "0-d array)"
+        )
+    raise UnsupportedDtype(f"cannot send {_a(type(obj).__name__)}{where}: what travels is {TRAVELS}")
+
+
+def _a(noun: str) -> str:
+    """`noun` with its indefinite article ("an int", "a float")."""
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _from_torch_sparse(obj: Any) -> Any:
+    """A torch sparse COO tensor as a SparseTensor; anything else as it is."""
+    if not _is_torch(obj):
+        return obj
+    from .torch_bridge import is_torch_sparse, torch_sparse_parts
+
+    return SparseTensor(*torch_sparse_parts(obj)) if is_torch_sparse(obj) else obj
 
 
 def _is_bundle(obj: dict[Any, Any]) -> bool:
     """A flat dict of str -> array (the common case, kept as the "bundle" kind), not a nested structure."""
     for name, value in obj.items():
         if type(name) is not str or not (isinstance(value, (np.ndarray, np.generic)) or _is_torch(value)):
+            return False
+        if _is_torch(value) and value.layout != sys.modules["torch"].strided:  # sparse: a structure's leaf
             return False
         if isinstance(value, _MASKED):  # (refused, with its place named, by the structure's writer)
             return False
@@ -149,6 +171,7 @@ def _entry(name: str, array: np.ndarray, offset: int) -> tuple[dict[str, Any], n
 def flatten(obj: Any) -> tuple[str, dict[str, Any], list[dict[str, Any]], list[np.ndarray]]:
     """Split an object into (kind, extra header fields, table of entries, arrays in payload order)."""
     named: list[tuple[str, np.ndarray]]
+    obj = _from_torch_sparse(obj)
     if isinstance(obj, SparseTensor):
         kind, extra = "sparse", {"dense_shape": list(obj.dense_shape)}
         named = [("indices", _checked(obj).indices), ("values", obj.values)]
@@ -199,12 +222,13 @@ class _TreeWriter:
                 return node
             if kind is not list and kind is not tuple:  # e.g. a namedtuple: its class cannot travel
                 raise InvalidTensor(
-                    f"cannot send a {kind.__name__} at {path or 'the top'}: only plain lists and tuples "
+                    f"cannot send {_a(kind.__name__)} at {path or 'the top'}: only plain lists and tuples "
                     "travel (convert it, e.g. with tuple(x) or x._asdict())"
                 )
             return ["list" if kind is list else "tuple"] + [
                 self.node(value, f"{path}/{i}", depth + 1) for i, value in enumerate(obj)
             ]
+        obj = _from_torch_sparse(obj)
         if isinstance(obj, SparseTensor):
             self.named += [(f"{path}/indices", _checked(obj, f" at {path}").indices), (f"{path}/values", obj.values)]
             return ["sparse", list(obj.dense_shape)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import ml_dtypes
@@ -23,7 +24,9 @@ def torch_to_numpy(tensor: Any) -> np.ndarray:
     if tensor.device.type != "cpu":
         raise UnsupportedDtype(f"only CPU torch tensors travel; got one on {tensor.device}")
     if tensor.layout != torch.strided:
-        raise UnsupportedDtype(f"only dense torch tensors travel (send a tensorbus.SparseTensor); got {tensor.layout}")
+        raise UnsupportedDtype(
+            f"only dense and sparse COO torch tensors travel (or send a tensorbus.SparseTensor); got {tensor.layout}"
+        )
     tensor = tensor.detach().resolve_conj().resolve_neg()
     name = str(tensor.dtype).removeprefix("torch.")
     if name in _TORCH_FLOATS and hasattr(ml_dtypes, name):
@@ -33,6 +36,21 @@ def torch_to_numpy(tensor: Any) -> np.ndarray:
         return tensor.numpy()
     except (TypeError, RuntimeError) as exc:
         raise UnsupportedDtype(f"cannot send a torch tensor of {tensor.dtype}: {exc}") from None
+
+
+def is_torch_sparse(obj: Any) -> bool:
+    """Whether `obj` is a torch sparse COO tensor (torch need not be installed: then nothing is one)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo
+
+
+def torch_sparse_parts(tensor: Any) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """A torch sparse COO tensor's (indices as (nnz, ndim), values, dense shape): torch keeps its indices as
+    (ndim, nnz), tensorbus.SparseTensor one row per value. Coalesced first (duplicates summed), as torch would."""
+    tensor = tensor.detach().coalesce()
+    if tensor.dense_dim():
+        raise UnsupportedDtype(f"a hybrid sparse torch tensor ({tensor.dense_dim()} dense dims) cannot travel")
+    return tensor.indices().numpy().T, torch_to_numpy(tensor.values()), tuple(tensor.shape)
 
 
 def numpy_to_torch(array: np.ndarray) -> Any:
@@ -80,6 +98,11 @@ def to_like(obj: Any, like: str) -> Any:
         raise ValueError(f"like must be one of {LIKES}, got {like!r}")
     if isinstance(obj, np.ndarray):
         return numpy_to_torch(obj)
+    if hasattr(obj, "dense_shape"):  # a SparseTensor: torch's sparse COO tensor, indices as (ndim, nnz)
+        import torch
+
+        indices = torch.from_numpy(np.array(obj.indices.T, np.int64, order="C"))  # (a copy, writable, native)
+        return torch.sparse_coo_tensor(indices, numpy_to_torch(obj.values), obj.dense_shape, check_invariants=True)
     if isinstance(obj, dict):
         return {name: to_like(value, like) for name, value in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -22,6 +22,19 @@ TRANSPORTS: dict[str, str] = {
     "kafkas": "tensorbus.transports.kafka:KafkaTransport",
 }
 
+#: the form of each scheme's URLs, for the error that refuses a malformed one
+FORMS: dict[str, str] = {
+    "memory": "memory://NAME",
+    "shm": "shm://NAME",
+    "tcp": "tcp://HOST:PORT",
+    "tcps": "tcps://HOST:PORT",
+    "unix": "unix:///path/to.sock",
+    "amqp": "amqp://USER:PASSWORD@HOST:5672/VHOST?queue=NAME",
+    "amqps": "amqps://USER:PASSWORD@HOST:5671/VHOST?queue=NAME",
+    "kafka": "kafka://HOST:9092/TOPIC",
+    "kafkas": "kafkas://HOST:9093/TOPIC",
+}
+
 
 def resolve_transport(url: str) -> tuple[type[Transport], urllib.parse.SplitResult]:
     """Return the transport class for `url`'s scheme and the parsed URL."""
@@ -35,6 +48,13 @@ def resolve_transport(url: str) -> tuple[type[Transport], urllib.parse.SplitResu
         near = difflib.get_close_matches(parsed.scheme, TRANSPORTS, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ConfigError(f"unknown transport scheme {parsed.scheme!r} in {redact(url)!r}{hint}. Known: {known}")
+    # (unix:/path is unix:///path as urlunsplit writes it: the same socket; memory:/x would be another name than x)
+    slashes = url[len(parsed.scheme) : len(parsed.scheme) + 3] == "://" or (
+        parsed.scheme == "unix" and not parsed.netloc and parsed.path.startswith("/")
+    )
+    named = parsed.scheme in ("memory", "shm")
+    if not slashes or (named and parsed.path and not parsed.netloc):  # memory:/x, memory:///x
+        raise ConfigError(f"malformed URL {redact(url)!r}: write it as {FORMS[parsed.scheme]}")
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)

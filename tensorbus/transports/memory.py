@@ -12,7 +12,9 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -165,6 +167,11 @@ class MemoryHub:
         with self._lock:
             self._listening.discard(name)
 
+    def listening(self, name: str) -> bool:
+        """Whether `name` has a consumer."""
+        with self._lock:
+            return name in self._listening
+
     def reset(self) -> None:
         """Forget every endpoint and queued frame."""
         with self._lock:
@@ -183,6 +190,8 @@ class MemoryOptions(TransportOptions):
     #: before a new message waits for room (up to `send_timeout_s`), as on the socket transports
     max_unacked_bytes: int = 256 * 1024 * 1024
     send_timeout_s: float = 30.0
+    #: how long a `flush` waits while no consumer listens (as on tcp://, what ends a flush to nobody)
+    reconnect_timeout_s: float = 10.0
 
 
 class MemoryTransport(Transport):
@@ -222,6 +231,30 @@ class MemoryTransport(Transport):
             f"memory://{self.name} has had {queue.queued(source)} bytes waiting for its consumer for {timeout}s "
             f"(max_unacked_bytes={limit}): is a consumer listening, and receiving?"
         )
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until a consumer's delivery took every frame this producer sent, as a socket producer waits for
+        its acks: up to `timeout`, and up to `reconnect_timeout_s` while no consumer listens."""
+        queue, source = HUB.endpoint(self.name), self._source
+        started = time.monotonic()
+        deadline = math.inf if timeout is None else started + timeout
+        nobody_until = started + self.options.reconnect_timeout_s
+        while True:
+            until = deadline if HUB.listening(self.name) else min(deadline, nobody_until)
+            # (a second at most: a consumer that comes or goes is noticed, as a socket producer's ack wait does)
+            if queue.wait_for_room(1, max(0.0, min(until - time.monotonic(), 1.0)), source):
+                return
+            now, left = time.monotonic(), queue.queued(source)
+            if now >= deadline:
+                raise TransportError(
+                    f"memory://{self.name}: {left} bytes sent were not taken by a consumer within the flush's "
+                    f"timeout ({timeout}s)"
+                )
+            if now >= nobody_until and not HUB.listening(self.name):
+                raise TransportError(
+                    f"memory://{self.name} has no consumer: {left} bytes sent wait for one (gave up after "
+                    f"{now - started:.1f}s, as reconnect_timeout_s={self.options.reconnect_timeout_s:g} bounds it)"
+                )
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Copy the frame into the endpoint's queue (as a wire would); `wait_for_room` bounds the queue."""

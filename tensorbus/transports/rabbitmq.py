@@ -233,8 +233,8 @@ class RabbitMQTransport(Transport):
             except TransportError as exc:
                 if not self.fail_over():
                     continue  # the next node, at once
-                delay = next(delays)
-                if stop.is_set() or time.monotonic() + delay > deadline:
+                delay = min(next(delays), deadline - time.monotonic())  # (the last attempt at the deadline)
+                if stop.is_set() or delay <= 0:
                     raise
                 log.info("%s; retrying in %.1fs", exc, delay)
                 time.sleep(delay)

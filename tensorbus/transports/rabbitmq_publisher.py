@@ -175,7 +175,9 @@ class Publisher:
             error = self.t.as_error(self._refused or self._open_error or TransportError("connection lost"))
             first = not self._ready.is_set()
             delay = next(self._delays) if self.t.fail_over() else 0.0  # the next node at once, then back off
-            if not error.retriable or self._stop.is_set() or (first and time.monotonic() + delay > deadline):
+            if first:  # (the last attempt at the deadline, not a backoff step before it)
+                delay = min(delay, max(0.0, deadline - time.monotonic()))
+            if not error.retriable or self._stop.is_set() or (first and time.monotonic() >= deadline):
                 self._fail_all(error)  # e.g. wrong credentials: nothing will ever be published
                 if first or self._stop.is_set():
                     self._ready.set()

@@ -109,13 +109,14 @@ class SocketProducer(ProducerAcks):
                 raise TransportError(f"{self.address}: {exc}") if isinstance(exc, ssl.SSLError) else exc from None
             except (OSError, TransportError) as exc:
                 sock.close()
-                if self._closed or time.monotonic() + delay > retry_until:
+                left = retry_until - time.monotonic()
+                if self._closed or left <= 0:  # (the last attempt comes at the bound, not a backoff step before it)
                     raise TransportError(
                         f"cannot connect to {self.address}: {exc} (gave up after {time.monotonic() - started:.1f}s "
                         f"of retries, as {bound} bounds them; connect_timeout_s bounds each attempt)"
                     ) from None
-                log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, delay)
-                time.sleep(delay)
+                log.info("connect to %s failed (%s); retrying in %.2fs", self.address, exc, min(delay, left))
+                time.sleep(min(delay, left))
             except BaseException:  # e.g. Ctrl-C while resending: half a frame must not stay on a live socket
                 sock.close()
                 raise

@@ -57,7 +57,7 @@ from ..codec.frame import (
 )
 from ..codec.native import agrees, crc32c, load
 from ..codec.tensors import ALIGN
-from ..errors import TransportError
+from ..errors import AuthRefused, TransportError
 from .base import TransportOptions
 
 #: the C reader and sender (`_stream.c`); None when not built, stale, or TENSORBUS_NATIVE=0
@@ -122,12 +122,6 @@ TAKEN = 1 << 62  # in an ACK: the count is of frames the application took (or th
 MAX_REASON_BYTES = 1000
 _AUTH_CONTEXT = b"tensorbus-socket-auth-v1"
 IOV_MAX = 512
-
-
-class AuthRefused(TransportError):
-    """The consumer refused this producer's proof of the shared secret."""
-
-    retriable = False
 
 
 class Refused(TransportError):

@@ -199,7 +199,9 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "missing.npy")), "missing.npy")
     (tmp_path / "bad.tbf").write_bytes(b"not a frame at all, just text")
     one_line_error(tensorbus("inspect", str(tmp_path / "bad.tbf")), "BadMagic", status=1)
-    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "bad.tbf")), "BadMagic")
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "bad.tbf")), "BadMagic", "bad.tbf")
+    (tmp_path / "cut.tbf").write_bytes(tb.dumps(np.ones(64))[:-8])  # a frame cut short
+    one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "cut.tbf")), "Truncated", "cut.tbf")
     one_line_error(tensorbus("send", "tcp://127.0.0.1:1", "k", str(tmp_path / "x.csv")), "cannot tell the format")
     x = str(tmp_path / "x.npy")
     one_line_error(tensorbus("send", "tcp://127.0.0.1", "k", x), "needs a port")
@@ -251,12 +253,27 @@ def _umask() -> int:
 
 
 def test_a_tensor_the_output_format_cannot_hold_is_written_as_a_frame_not_lost(tmp_path: Path) -> None:
-    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "one.npy"), "--timeout", "30")
+    receiver, address = listen(
+        "recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "one.npy"), "--timeout", "30", "--tbf-fallback"
+    )
     with tb.Producer(address) as producer:
         producer.send("k", {"w": np.ones(3), "b": np.zeros(2)}, metadata={"step": 4})  # a bundle: not for .npy
     assert "one.tbf" in finish(receiver)
     message = tb.decode((tmp_path / "one.tbf").read_bytes())
     assert message.key == "k" and message.metadata == {"step": 4} and set(message.tensor) == {"w", "b"}
+
+
+def test_a_fallback_never_replaces_a_file_and_fails_unless_allowed(tmp_path: Path) -> None:
+    """`recv -o model.npy` of a bundle: an existing model.tbf (the user's, not named) stays as it was, the tensor
+    goes to model-1.tbf, and the exit status is 2 since the file asked for was not written."""
+    (tmp_path / "model.tbf").write_bytes(b"the user's own file")
+    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "model.npy"), "--timeout", "30")
+    with tb.Producer(address) as producer:
+        producer.send("k", {"w": np.ones(3)}, metadata={"step": 4})
+    _, err = receiver.communicate(timeout=60)
+    assert receiver.returncode == 2 and "--tbf-fallback" in err and "model-1.tbf" in err, err
+    assert (tmp_path / "model.tbf").read_bytes() == b"the user's own file" and not (tmp_path / "model.npy").exists()
+    assert tb.decode((tmp_path / "model-1.tbf").read_bytes()).metadata == {"step": 4}
 
 
 def test_a_restarted_save_follow_numbers_on_instead_of_overwriting(tmp_path: Path) -> None:
@@ -323,9 +340,10 @@ def test_recv_says_when_tensors_under_other_keys_are_dropped_with_it(tmp_path: P
 
 def test_errors_are_named_by_the_class_tensorbus_exports() -> None:
     from tensorbus.cli import _public_name
-    from tensorbus.transports.stream import AuthRefused
+    from tensorbus.transports.stream import Refused
 
-    assert _public_name(AuthRefused("refused")) == "TransportError"  # what a user can catch, not an internal name
+    assert _public_name(Refused("refused")) == "TransportError"  # what a user can catch, not an internal name
+    assert _public_name(tb.AuthRefused("refused")) == "AuthRefused"
     assert _public_name(tb.Timeout("late")) == "Timeout"
 
 
@@ -338,7 +356,9 @@ def test_a_dtype_the_file_format_cannot_describe_comes_back_the_same(
     numpy's formats would store bfloat16 as raw |V2, so such a tensor is written as a .tbf instead."""
     tensor = np.arange(-3, 5).astype(getattr(ml_dtypes, dtype))
     output = tmp_path / f"out{suffix}"
-    receiver, address = listen(command, "tcp://127.0.0.1:0", "k", "-o", str(output), "--timeout", "30")
+    receiver, address = listen(
+        command, "tcp://127.0.0.1:0", "k", "-o", str(output), "--timeout", "30", "--tbf-fallback"
+    )
     with tb.Producer(address) as producer:
         producer.send("k", tensor if command == "recv" else {"w": tensor, "b": np.ones(2)})
     _, err = receiver.communicate(timeout=60)
@@ -362,7 +382,9 @@ def test_a_dtype_the_file_format_cannot_describe_comes_back_the_same(
 
 
 def test_a_nested_structure_is_received_as_a_frame_and_sent_on(tmp_path: Path) -> None:
-    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "s.npz"), "--timeout", "30")
+    receiver, address = listen(
+        "recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "s.npz"), "--timeout", "30", "--tbf-fallback"
+    )
     with tb.Producer(address) as producer:
         producer.send("k", {"layers": [np.ones(2), np.zeros(3)], "step": 7})
     out, err = receiver.communicate(timeout=60)
@@ -407,3 +429,23 @@ def test_inspect_exits_1_on_a_truncated_or_malformed_file_as_documented(tmp_path
     assert result.returncode == 1, result
     assert "Traceback" not in result.stderr and result.stderr.strip()
     assert "exit 1" in tensorbus("inspect", "--help").stdout
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "amqp"])
+@pytest.mark.parametrize("timeout", [1.0, 3.0])
+def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(
+    tmp_path: Path, timeout: float, scheme: str
+) -> None:
+    """`send --timeout T` keeps retrying for T: it gives up within [0.9, 1.5] x T (timed in this process, so that
+    the interpreter's start-up is not counted), not a backoff step early."""
+    from tensorbus.cli import main
+
+    np.save(tmp_path / "w.npy", np.ones(2))
+    with socket.socket() as free:  # a port nobody listens on: every attempt is refused at once
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    url = f"tcp://127.0.0.1:{port}" if scheme == "tcp" else f"amqp://guest:guest@127.0.0.1:{port}/%2F?queue=q"
+    started = time.monotonic()
+    assert main(["send", url, "k", str(tmp_path / "w.npy"), "--timeout", str(timeout)]) == 2
+    took = time.monotonic() - started
+    assert 0.9 * timeout <= took <= 1.5 * timeout, took

@@ -86,3 +86,58 @@ def test_compression_bombs_held_while_the_table_is_full_cost_their_size_on_the_w
         child.join(30)
         if child.is_alive():
             child.kill()
+
+
+#: issue 35's flood: as many connections, each with one bomb as large as the table and the decompression limit
+FLOOD_BOMBS = 8
+FLOOD_MIB = 128
+#: what the bound allows over the table and the held frames' wire bytes: the interpreter's own churn
+SMALL_CONSTANT_MIB = 32
+
+
+def _flood_consumer(requests: Any, replies: Any) -> None:
+    """A consumer whose table and decompression limit are both FLOOD_MIB; reports as `_consumer` does."""
+    logging.disable(logging.CRITICAL)
+    limit = FLOOD_MIB * MIB
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=limit, max_decompressed_bytes=limit) as consumer:
+        replies.put((consumer.address, _peak_rss_mib()))
+        while requests.get(timeout=120)[0] != "stop":
+            replies.put((consumer.intake._held_up, consumer.stats["received"], _peak_rss_mib()))
+
+
+def test_eight_bombs_as_large_as_the_table_cost_the_table_plus_their_wire_bytes() -> None:
+    """docs/SECURITY.md's bound: peak = the table + the held frames' size on the wire + a small constant,
+    measured as the consumer process's VmHWM (a zstd payload is decompressed straight into its aligned
+    buffer: before, a second whole copy of the tensor made it 2 x the table)."""
+    spawn = multiprocessing.get_context("spawn")
+    requests, replies = spawn.Queue(), spawn.Queue()
+    child = spawn.Process(target=_flood_consumer, args=(requests, replies), daemon=True)
+    child.start()
+    peers = []
+    try:
+        address, baseline = replies.get(timeout=60)
+        bomb = np.zeros(FLOOD_MIB * MIB, np.uint8)
+        frames = [tb.dumps(bomb, key=f"b{i}", compression="zstd", message_id=("b", i)) for i in range(FLOOD_BOMBS)]
+        del bomb
+        wire_mib = sum(len(f) for f in frames) / MIB
+        assert wire_mib < 1  # ~4 KB each
+        for data in frames:
+            peer = raw_peer(address)
+            peer.sendall(data)
+            peers.append(peer)
+        deadline = time.monotonic() + 60
+        while True:  # until every bomb is in the table or held back
+            requests.put(("status",))
+            held, received, peak = replies.get(timeout=30)
+            if held + received >= FLOOD_BOMBS or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert held + received == FLOOD_BOMBS and received <= 1, (held, received)
+        assert peak - baseline < FLOOD_MIB + wire_mib + SMALL_CONSTANT_MIB, (baseline, peak)
+    finally:
+        for peer in peers:
+            peer.close()
+        requests.put(("stop",))
+        child.join(30)
+        if child.is_alive():
+            child.kill()

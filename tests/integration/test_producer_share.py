@@ -130,3 +130,52 @@ def _send_all(peer: socket.socket, frames: list[bytes]) -> None:
             peer.sendall(frame)
     except OSError:
         pass
+
+
+@pytest.mark.parametrize("share", [None, 2 * TABLE], ids=["default-share", "explicit-share"])
+def test_one_tensor_as_large_as_the_table_cannot_keep_another_producers_tensors_out(
+    delivery: str, share: int | None
+) -> None:
+    """A connection's one tensor as large as the whole table, which nobody asks for, enters (its connection had
+    nothing buffered) and fills the table; an honest producer then sends nine tensors nobody waits for yet and
+    a tenth a `recv` waits for. The large tensor is over its producer's share: it is dropped to make room
+    (logged, counted in stats["evicted"]), and the honest producer's tensors are all taken."""
+    big = tb.dumps(np.ones(4 * TABLE, np.uint8), key="big", message_id=("hostile1", 1))
+    with tb.Consumer(
+        "tcp://127.0.0.1:0", max_buffered_bytes=4 * TABLE, max_buffered_bytes_per_producer=share
+    ) as consumer:
+        hostile = raw_peer(consumer.address)
+        try:
+            hostile.sendall(big)
+            wait_for(lambda: consumer.table.buffered_bytes >= 4 * TABLE, 30, "the large tensor in the table")
+            with tb.Producer(consumer.address) as honest:
+                for i in range(9):
+                    honest.send(f"unawaited{i}", tensor(i))
+                honest.send("awaited", tensor(99))
+                started = time.monotonic()
+                assert int(consumer.recv("awaited", timeout=30)[0]) == 99
+                assert time.monotonic() - started < HONEST_BOUND_S
+                for i in range(9):
+                    assert int(consumer.recv(f"unawaited{i}", timeout=5)[0]) == i % 251
+            assert consumer.stats["evicted"] == 1 and "big" not in consumer.table.buffered_keys()
+        finally:
+            hostile.close()
+
+
+def test_an_awaited_tensor_behind_its_own_producers_held_ones_waits_no_longer_than_unclaimed_timeout_s(
+    delivery: str,
+) -> None:
+    """A producer past its share has its next tensor held back, unread, and the one a `recv` waits for is
+    behind it on the same connection: with `unclaimed_timeout_s` the producer's oldest are dropped once
+    that old, and the awaited one arrives within about that (docs/SECURITY.md)."""
+    unclaimed_s = 1.0
+    with tb.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=TABLE, unclaimed_timeout_s=unclaimed_s) as consumer:
+        with tb.Producer(consumer.address) as producer:
+            for i in range(2 * TABLE // TENSOR):  # twice the table: past its share, the rest waits unread
+                producer.send(f"unawaited{i}", tensor(i))
+            producer.send("awaited", tensor(99))
+            started = time.monotonic()
+            assert int(consumer.recv("awaited", timeout=30)[0]) == 99
+            took = time.monotonic() - started
+        assert took < 3 * unclaimed_s + HONEST_BOUND_S, took  # (dropped in rounds, each unclaimed_timeout_s old)
+        assert consumer.stats["unclaimed"] >= 1

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,3 +125,12 @@ def test_a_shell_block_runs_the_examples_with_this_interpreter_on_the_given_url(
         f"{python} examples/producer.py tcp://127.0.0.1:1234; wait",
         "wait",
     ]
+
+
+def test_the_sparse_example_cannot_be_read_in_the_other_layout() -> None:
+    """SparseTensor's indices are (nnz, ndim), torch's (ndim, nnz): the README's example must say which, and
+    have nnz != ndim so that following it the other way round fails instead of transposing the values."""
+    line = next(line for line in blocks("python")[0].splitlines() if "indices, values =" in line)
+    assert "(nnz, ndim)" in line
+    indices, values = eval(line.split("=", 1)[1].split("#")[0], {"np": np})  # (the README's own code)
+    assert indices.shape == (len(values), 2) and indices.shape[0] != indices.shape[1]

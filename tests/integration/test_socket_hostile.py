@@ -97,7 +97,7 @@ def test_close_called_from_a_recv_async_callback_closes_the_consumer(tmp_path) -
     assert outcome.get("ok") and outcome["took"] < 10, outcome
     wait_for(lambda: not consumer.transport.reactor._peers, 10, "the connections to close")
     assert not os.path.exists(path)
-    with pytest.raises(tb.Aborted):
+    with pytest.raises(tb.Closed):
         consumer.recv("other", timeout=1)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -135,8 +136,78 @@ def test_closing_a_consumer_ends_iteration_and_fails_waiters() -> None:
         seen.append(message.key)
         consumer.close()
     assert seen == ["a"]
-    with pytest.raises(tb.Aborted, match="consumer closed"):
+    with pytest.raises(tb.Closed, match="recv on a closed Consumer"):  # use after close(), as documented
         consumer.recv("b", timeout=1)
+
+
+def test_every_receive_on_a_closed_consumer_raises_closed_and_pending_ones_are_aborted() -> None:
+    consumer = tb.Consumer("memory://closed-consumer")
+    handle_errors: list[BaseException | None] = []
+    consumer.recv_async("pending", lambda message, error: handle_errors.append(error))
+    consumer.close()
+    assert len(handle_errors) == 1 and isinstance(handle_errors[0], tb.Aborted)  # pending at close(): Aborted
+    for call in (
+        lambda: consumer.recv("k", timeout=0),
+        lambda: consumer.recv_message("k", timeout=0),
+        lambda: consumer.next_message(timeout=0),
+        lambda: consumer.recv_async("k", lambda message, error: None),
+    ):
+        with pytest.raises(tb.Closed):
+            call()
+
+
+def test_auth_refused_is_exported_and_documented_in_the_error_tree() -> None:
+    from tensorbus.transports.stream import AuthRefused
+
+    assert tb.AuthRefused is AuthRefused and issubclass(tb.AuthRefused, tb.TransportError)
+    assert "AuthRefused" in tb.__all__
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    tree = readme[readme.index("Errors form one tree") :].split("\n\n")[0]
+    assert "`AuthRefused`" in tree
+
+
+@pytest.mark.parametrize(
+    ("url", "form"),
+    [
+        ("memory:/x", "memory://NAME"),
+        ("memory:///x", "memory://NAME"),
+        ("shm:/x", "shm://NAME"),
+        ("tcp:/127.0.0.1:5555", "tcp://HOST:PORT"),
+        ("unix:tmp/x.sock", "unix:///path/to.sock"),
+        ("kafka:127.0.0.1:9092/t", "kafka://HOST:9092/TOPIC"),
+        ("amqp:/127.0.0.1", "amqp://USER:PASSWORD@HOST:5672/VHOST"),
+    ],
+)
+def test_a_malformed_url_is_refused_with_the_form_expected(url: str, form: str) -> None:
+    for end in (tb.Producer, tb.Consumer):
+        with pytest.raises(tb.ConfigError, match=f"malformed URL.*write it as {re.escape(form)}"):
+            end(url)
+
+
+def test_a_memory_flush_with_no_consumer_fails_naming_the_option_that_bounds_it() -> None:
+    with tb.Producer("memory://nobody-flush", reconnect_timeout_s=0.5) as producer:
+        producer.send("k", np.ones(4))
+        started = time.monotonic()
+        with pytest.raises(tb.TransportError, match=r"no consumer.*reconnect_timeout_s=0\.5 bounds it"):
+            producer.flush(timeout=30)
+        assert time.monotonic() - started < 20
+        with pytest.raises(tb.TransportError, match="flush's timeout"):
+            producer.flush(timeout=0.2)  # (a flush shorter than the bound: named as such)
+        with tb.Consumer("memory://nobody-flush") as consumer:
+            producer.flush(timeout=30)  # a consumer came: everything is taken into its table
+            assert consumer.recv("k", timeout=5).tolist() == [1.0] * 4
+
+
+def test_a_memory_flush_waits_for_a_consumer_that_comes_within_the_bound() -> None:
+    with tb.Producer("memory://late-consumer") as producer:
+        producer.send("k", np.ones(2))
+        consumer: list[tb.Consumer] = []
+        starter = threading.Thread(target=lambda: consumer.append(tb.Consumer("memory://late-consumer")))
+        starter.start()
+        producer.flush(timeout=30)
+        starter.join(30)
+        with consumer[0]:
+            assert consumer[0].recv("k", timeout=5).tolist() == [1.0, 1.0]
 
 
 def test_producer_sends_before_the_consumer_exists() -> None:
@@ -361,3 +432,7 @@ def test_durations_below_zero_and_sizes_below_one_are_config_errors(option: dict
     name, value = next(iter(option.items()))
     with pytest.raises(tb.ConfigError, match=name):
         tb.Producer(f"tcp://127.0.0.1:5555?{name}={value}")
+
+
+def test_every_scheme_has_the_form_its_malformed_urls_are_told() -> None:
+    assert set(tensorbus.transports.FORMS) == set(tensorbus.transports.TRANSPORTS)

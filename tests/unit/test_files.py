@@ -51,3 +51,21 @@ def test_a_nested_structure_is_not_written_as_a_bundle(tmp_path: Path) -> None:
         write_tensor(tmp_path / "x.npz", {"a": [np.ones(2)]})  # (numpy would pickle the list)
     write_tensor(tmp_path / "x.tbf", {"a": [np.ones(2)], "n": None})
     assert read_tensor(tmp_path / "x.tbf")["n"] is None
+
+
+SHAPES = {
+    "0-d": np.array(2.5, np.float32),
+    "empty": np.zeros((0, 3), np.int16),
+    "fortran": np.asfortranarray(np.arange(12, dtype=np.float64).reshape(3, 4)),
+}
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".npz", ".safetensors", ".tbf"])
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_every_format_keeps_the_shape_exactly(tmp_path: Path, suffix: str, name: str) -> None:
+    array = SHAPES[name]
+    write_tensor(tmp_path / f"x{suffix}", array)
+    back = read_tensor(tmp_path / f"x{suffix}")
+    if suffix in (".npz", ".safetensors"):  # (a bundle of one, named "tensor")
+        back = back["tensor"]
+    assert back.shape == array.shape and back.dtype == array.dtype and np.array_equal(back, array)

@@ -102,7 +102,7 @@ def test_a_flat_dict_of_tensors_stays_a_bundle_and_an_ordered_dict_comes_back_a_
     ("obj", "error", "needle"),
     [
         ({"a": {1, 2}}, tb.UnsupportedDtype, r"cannot send a set at /a: what travels is a numpy array"),
-        ([object()], tb.UnsupportedDtype, r"cannot send a object at /0"),
+        ([object()], tb.UnsupportedDtype, r"cannot send an object at /0"),
         ({(1, 2): np.ones(1)}, tb.InvalidTensor, r"dict key \(1, 2\) at the top is a tuple: keys must be str or int"),
         ({True: np.ones(1)}, tb.InvalidTensor, r"dict key True at the top is a bool"),
         ([2**64], tb.InvalidTensor, r"does not fit in 64 bits"),
@@ -245,3 +245,25 @@ def test_a_consumer_takes_its_structure_limits_as_options() -> None:
         producer.send("flat", [[1]])
         assert consumer.recv("flat", timeout=10) == [[1]]
         assert consumer.stats["rejected"] == 1  # the deeper one, dropped as every bad frame is (and logged)
+
+
+@pytest.mark.parametrize("scalar", [3.14, 7, "text", True, None])
+def test_a_python_scalar_travels_in_a_structure_and_is_refused_alone_with_both_ways_named(scalar: object) -> None:
+    assert tb.loads(tb.dumps([scalar])) == [scalar] and type(tb.loads(tb.dumps([scalar]))[0]) is type(scalar)
+    with pytest.raises(tb.UnsupportedDtype, match=r"on its own: a Python scalar travels inside a structure") as refused:
+        tb.dumps(scalar)
+    assert "np.asarray" in str(refused.value)
+
+
+@pytest.mark.parametrize("scalar", [np.float32(1.5), np.int64(-3), np.bool_(True)])
+def test_a_numpy_scalar_travels_as_a_0d_array_alone_and_in_a_structure(scalar: np.generic) -> None:
+    for back in (tb.loads(tb.dumps(scalar)), tb.loads(tb.dumps({"x": scalar}))["x"], tb.loads(tb.dumps([scalar]))[0]):
+        assert isinstance(back, np.ndarray) and back.shape == () and back.dtype == scalar.dtype
+        assert back[()] == scalar
+
+
+def test_refusals_use_the_right_article() -> None:
+    with pytest.raises(tb.UnsupportedDtype, match="cannot send an object:"):
+        tb.dumps(object())
+    with pytest.raises(tb.UnsupportedDtype, match="cannot send an int on its own"):
+        tb.dumps(5)

@@ -3,6 +3,8 @@ libraries included, ~3 GB); outside CI a missing torch skips these tests, in CI 
 
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -52,9 +54,32 @@ def test_conjugate_and_negative_views_are_sent_as_their_values() -> None:
     assert torch.equal(tb.loads(tb.dumps(torch._neg_view(x)), like="torch"), -x)
 
 
-def test_a_torch_sparse_tensor_is_refused_with_the_way_to_send_it() -> None:
+def test_a_torch_sparse_coo_tensor_travels_as_a_sparse_tensor_with_its_layout_kept() -> None:
+    # torch's indices are (ndim, nnz); nnz == ndim here, so a transposed layout would go unnoticed
+    t = torch.sparse_coo_tensor(
+        torch.tensor([[0, 1], [2, 3]]), torch.tensor([0.5, -1.0]), (4, 4), check_invariants=True
+    )
+    back = tb.loads(tb.dumps(t))
+    assert isinstance(back, tb.SparseTensor) and back.dense_shape == (4, 4)
+    assert np.array_equal(back.to_dense(), t.to_dense().numpy())
+    as_torch = tb.loads(tb.dumps(t), like="torch")
+    assert as_torch.layout == torch.sparse_coo and torch.equal(as_torch.to_dense(), t.to_dense())
+    nested = tb.loads(tb.dumps({"grads": [t], "w": torch.zeros(2)}), like="torch")
+    assert torch.equal(nested["grads"][0].to_dense(), t.to_dense())
+
+
+def test_a_sparse_tensor_comes_back_as_torch_sparse_with_like_torch() -> None:
+    sparse = tb.SparseTensor(np.array([[0, 2], [1, 0], [3, 3]]), np.array([1.0, 2.0, 3.0]), (4, 4))
+    back = tb.loads(tb.dumps(sparse), like="torch")
+    assert back.layout == torch.sparse_coo and np.array_equal(back.to_dense().numpy(), sparse.to_dense())
+
+
+def test_other_torch_layouts_are_refused_with_the_way_to_send_them() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("sparse CSR support is in beta")
+        csr = torch.eye(3).to_sparse_csr()
     with pytest.raises(tb.UnsupportedDtype, match="SparseTensor"):
-        tb.dumps(torch.eye(3).to_sparse())
+        tb.dumps(csr)
 
 
 @pytest.mark.parametrize("name", sorted(tb.codec.dtypes.DTYPES))
