@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..codec.frame import Buffer, Limits, MessageId
-from ..errors import ConfigError
+from ..errors import Closed, ConfigError
 from ..options import finite_timeout
 from .base import Deliver, Encoding, Transport, TransportOptions
 from .shm_consumer import ShmListener
@@ -65,12 +65,15 @@ class ShmTransport(Transport):
         self._listener: ShmListener | None = None
         #: held by a thread using the producer side (ShmSender is not for two threads at once)
         self._sending = threading.RLock()
+        self._closed = False  # (under `_sending`: no producer side is made once closed)
 
     @property
     def sender_side(self) -> ShmSender:
         """The producer side, made at first use."""
         with self._sending:
             if self._sender is None:
+                if self._closed:  # (a send that passed the producer's own check as close ran)
+                    raise Closed(f"shm://{self.name}: the producer is closed")
                 self._sender = ShmSender(self.name, self.path, self.options)
             return self._sender
 
@@ -124,7 +127,7 @@ class ShmTransport(Transport):
 
     def close(self) -> None:
         with self._sending:
-            sender, self._sender = self._sender, None
+            sender, self._sender, self._closed = self._sender, None, True
         if sender is not None:
             sender.close(finite_timeout(self.options.close_timeout_s, "close_timeout_s"))
         if self._listener is not None:

@@ -272,31 +272,37 @@ class ShmSender:
     # -- the connection --------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        """Connect (retrying up to `reconnect_timeout_s`) and send every frame not yet acknowledged."""
+        """Connect (retrying up to `reconnect_timeout_s`) and send every frame not yet acknowledged; a
+        consumer that goes away again meanwhile is dialled again, within the same deadline."""
         deadline = time.monotonic() + self.options.reconnect_timeout_s
         delays = backoff_s()
         while True:
-            try:
-                self._sock = self._handshake()
-                break
-            except (TimeoutError, FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as exc:
-                if time.monotonic() + 0.05 > deadline:
-                    raise TransportError(
-                        f"no consumer answers at shm://{self.name} ({self.path}: {exc}) within "
-                        f"reconnect_timeout_s={self.options.reconnect_timeout_s}s"
-                    ) from None
-                time.sleep(min(next(delays), max(deadline - time.monotonic(), 0.0)))
-        self._announced = set()
-        for pos in sorted(self._inflight):
-            slot = self._inflight[pos]
-            if slot.untaken:
+            while True:
                 try:
-                    self._owe_ack(slot)
-                    self._tell(slot)
-                except OSError:
-                    self._lost()
-                    return self._connect()
-        return None
+                    self._sock = self._handshake()
+                    break
+                except (TimeoutError, FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as exc:
+                    if time.monotonic() + 0.05 > deadline:
+                        raise TransportError(
+                            f"no consumer answers at shm://{self.name} ({self.path}: {exc}) within "
+                            f"reconnect_timeout_s={self.options.reconnect_timeout_s}s"
+                        ) from None
+                    time.sleep(min(next(delays), max(deadline - time.monotonic(), 0.0)))
+            self._announced = set()
+            try:
+                for pos in sorted(self._inflight):
+                    slot = self._inflight[pos]
+                    if slot.untaken:
+                        self._owe_ack(slot)
+                        self._tell(slot)
+                return
+            except OSError as exc:
+                self._lost()
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"the consumer at shm://{self.name} keeps dropping the connection ({exc}) "
+                        f"within reconnect_timeout_s={self.options.reconnect_timeout_s}s"
+                    ) from None
 
     def _handshake(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
