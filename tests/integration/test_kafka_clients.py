@@ -79,14 +79,15 @@ def test_keys_land_on_the_same_partitions_from_either_client() -> None:
 @pytest.mark.broker
 def test_sends_queue_records_and_delivery_reports_settle_them() -> None:
     """No blocking flush per tensor: sends return with their records still unacknowledged (batched for
-    `batch_linger_s`), and `flush` serves the delivery reports that settle every one."""
+    `batch_linger_s`), and `flush` (which sends at once, lingering no longer) serves the delivery reports
+    that settle every one."""
     url = on(endpoint_url("kafka"), "confluent")
-    with tb.Producer(url, batch_linger_s=1.0) as producer, tb.Consumer(url) as consumer:
+    with tb.Producer(url, batch_linger_s=60, delivery_timeout_s=300) as producer, tb.Consumer(url) as consumer:
         transport = producer.transport
         assert isinstance(transport, ConfluentKafkaTransport)
         for i in range(20):
             producer.send(f"k{i}", np.full(100, i))
-        assert transport._unconfirmed > 0  # queued, not yet acknowledged
+        assert transport._unconfirmed == 20  # queued for a batch due in a minute: none acknowledged yet
         producer.flush(30)
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0
         for i in range(20):
