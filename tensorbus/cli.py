@@ -150,6 +150,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "save" and args.max_versions is not None and not args.follow:
         command.error("--max-versions goes with --follow (without it, save stops after one version)")
+    if args.command == "save" and args.subscribe and args.metrics_port is not None:
+        command.error("--metrics-port does not go with --subscribe (a subscriber keeps no metrics to serve)")
     return args
 
 

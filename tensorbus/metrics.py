@@ -73,7 +73,17 @@ class _Cell:
     """One thread's counts of one endpoint: written by that thread alone, read by scrapes (each field a
     snapshot: a count read while its thread adds to it is the old or the new one, never torn)."""
 
-    __slots__ = ("by_label", "bytes", "last_bucket", "last_size", "sizes", "tensors", "waited_s", "waits")
+    __slots__ = (
+        "__weakref__",
+        "by_label",
+        "bytes",
+        "last_bucket",
+        "last_size",
+        "sizes",
+        "tensors",
+        "waited_s",
+        "waits",
+    )
 
     def __init__(self) -> None:
         self.tensors = self.bytes = 0
@@ -98,16 +108,19 @@ class Meter:
         self.lock = threading.Lock()
         self.cells: list[_Cell] = []  # one per live thread that sent or received (guarded by `lock`)
         self.retired = _Cell()  # the counts of threads that ended (guarded by `lock`)
+        #: what folds each live thread's cell in when the thread ends (guarded by `lock`; detached at close)
+        self._finalizers: list[weakref.finalize[Any, Any]] = []
         self._local = threading.local()
 
     def _cell(self) -> _Cell:
         """The calling thread's counts, made on its first tensor; folded into `retired` once the thread
         is gone (so that threads coming and going cost no memory)."""
         cell = _Cell()
+        finalizer = weakref.finalize(threading.current_thread(), _retire, weakref.ref(self), cell)
         with self.lock:
             self.cells.append(cell)
+            self._finalizers = [*(f for f in self._finalizers if f.alive), finalizer]
         self._local.cell = cell
-        weakref.finalize(threading.current_thread(), _retire, weakref.ref(self), cell)
         return cell
 
     def _labelled(self, cell: _Cell, key: str | None, nbytes: int) -> None:
@@ -159,8 +172,13 @@ class Meter:
         return message
 
     def close(self) -> None:
-        """The endpoint closed: no longer scraped."""
+        """The endpoint closed: its counts go to the collector's retired totals, and no thread (the main
+        one included, which never ends) keeps a cell of it."""
         detach(self)
+        with self.lock:
+            finalizers, self._finalizers = self._finalizers, []
+        for finalizer in finalizers:
+            finalizer.detach()
 
     def read(self) -> tuple[dict[str, list[int]], list[int], list[int], float]:
         """The counts of every thread, summed: by label [tensors, bytes], size and wait buckets, seconds waited."""
@@ -208,48 +226,69 @@ def attach(role: str, endpoint: Producer | Consumer, registry: Any, key_label: A
         if collector is None:
             collector = _COLLECTORS[registry] = Collector()
             registry.register(collector)
-        collector.meters.add(meter)
+        with collector.lock:
+            collector.meters.add(meter)
     return meter
 
 
 def detach(meter: Meter) -> None:
-    """A closed endpoint is no longer scraped."""
+    """A closed endpoint is no longer read: its counters' last values stay, in its collector's retired totals."""
     with _COLLECTORS_LOCK:
-        for collector in _COLLECTORS.values():
-            collector.meters.discard(meter)
+        collectors = list(_COLLECTORS.values())
+    for collector in collectors:
+        collector.retire(meter)
 
 
 class Collector:
-    """Reads every live meter of one registry, and the counts beside it, when the registry is scraped."""
+    """Reads every live meter of one registry, and the counts beside it, when the registry is scraped.
+
+    A Prometheus counter must never go down (a lower value reads as a reset): when an endpoint closes,
+    its counters' values are added to `retired`, summed by label set with those of endpoints closed
+    before, and every scrape starts from them; its gauges go."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()  # guards `meters` and `retired`, held through a scrape and a retirement
         self.meters: weakref.WeakSet[Meter] = weakref.WeakSet()
+        self.retired = _Samples()  # counters and histograms of the endpoints closed
 
     def describe(self) -> list[Any]:
         return []  # (names vary with the endpoints alive: nothing to check at registration)
 
+    def retire(self, meter: Meter) -> None:
+        """`meter`'s endpoint closed: its counters go to `retired` (in one step with a scrape's reading)."""
+        with self.lock:
+            if meter not in self.meters:
+                return
+            samples = _Samples()
+            _read(samples, meter)
+            self.retired.fold(samples, counters_only=True)
+            self.meters.discard(meter)
+
     def collect(self) -> Iterator[Any]:
-        with _COLLECTORS_LOCK:
-            meters = list(self.meters)
         samples = _Samples()
-        for meter in meters:
-            base = (meter.role, meter.transport, endpoint_label(meter.endpoint.transport.address))
-            by_label, size_counts, wait_counts, wait_sum = meter.read()
-            sizes, waits = cumulative(SIZE_BUCKETS, size_counts), cumulative(WAIT_BUCKETS, wait_counts)
-            size_sum = sum(nbytes for _, nbytes in by_label.values())  # (every tensor counts under one label)
-            verb, how = (
-                ("sent", "sent") if meter.role == "producer" else ("received", "handed to the application by recv")
-            )
-            for label, (tensors, nbytes) in by_label.items():
-                keyed = (*base, label) if meter.key_label is not None else base
-                samples.counter(f"{verb}_tensors", f"tensors {how}", keyed, tensors)
-                samples.counter(f"{verb}_bytes", f"bytes of the tensors {how}", keyed, nbytes)
-            samples.histogram("tensor_bytes", "size of the tensors sent or handed out", base, sizes, size_sum)
-            if meter.role == "consumer":
-                samples.histogram("recv_wait_seconds", "from a recv call to its tensor", base, waits, wait_sum)
-                _consumer(samples, base, meter.endpoint)  # type: ignore[arg-type]
-            _transport(samples, base, meter.endpoint.transport.counts())
+        with self.lock:
+            samples.fold(self.retired)
+            for meter in list(self.meters):
+                _read(samples, meter)
         yield from samples.families()
+
+
+def _read(samples: _Samples, meter: Meter) -> None:
+    """Everything one meter's endpoint counts, added to `samples`."""
+    base = (meter.role, meter.transport, endpoint_label(meter.endpoint.transport.address))
+    by_label, size_counts, wait_counts, wait_sum = meter.read()
+    sizes, waits = cumulative(SIZE_BUCKETS, size_counts), cumulative(WAIT_BUCKETS, wait_counts)
+    size_sum = sum(nbytes for _, nbytes in by_label.values())  # (every tensor counts under one label)
+    verb, how = ("sent", "sent") if meter.role == "producer" else ("received", "handed to the application by recv")
+    for label, (tensors, nbytes) in by_label.items():
+        keyed = (*base, label) if meter.key_label is not None else base
+        samples.counter(f"{verb}_tensors", f"tensors {how}", keyed, tensors)
+        samples.counter(f"{verb}_bytes", f"bytes of the tensors {how}", keyed, nbytes)
+    samples.histogram("tensor_bytes", "size of the tensors sent or handed out", base, sizes, size_sum)
+    if meter.role == "consumer":
+        samples.histogram("recv_wait_seconds", "from a recv call to its tensor", base, waits, wait_sum)
+        _consumer(samples, base, meter.endpoint)  # type: ignore[arg-type]
+    _transport(samples, base, meter.endpoint.transport.counts())
 
 
 def _consumer(samples: _Samples, base: tuple[str, ...], consumer: Consumer) -> None:
@@ -305,6 +344,13 @@ class _Samples:
             by_labels[labels] = (buckets, had[1] + value[1])
         else:
             by_labels[labels] = had + value
+
+    def fold(self, other: _Samples, counters_only: bool = False) -> None:
+        """Add `other`'s samples (without its gauges if `counters_only`)."""
+        for name, (kind, what) in other.kinds.items():
+            if kind != "gauge" or not counters_only:
+                for labels, value in other.values[name].items():
+                    self._add(kind, name, what, labels, value)
 
     def counter(self, name: str, what: str, labels: tuple[str, ...], value: float) -> None:
         self._add("counter", name, what, labels, value)

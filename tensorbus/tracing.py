@@ -98,6 +98,7 @@ class Tracing:
     def recv(self, receive: Callable[..., Message], *args: Any) -> Message:
         """`receive(*args)` in a `receive` span, then a `process` span current on this thread until its next recv."""
         self.done_processing()
+        parent = otel_context.get_current()  # the application's (no longer this thread's `process` span)
         started = time.time_ns()
         message = receive(*args)
         waited_ns = time.time_ns() - started
@@ -112,16 +113,16 @@ class Tracing:
         }
         span = self.tracer.start_span(
             f"receive {self.destination}",
+            context=parent,
             kind=trace.SpanKind.CONSUMER,
             links=links,
             start_time=started,
             attributes={**attributes, "messaging.operation.type": "receive", "messaging.operation.name": "recv"},
         )
         span.end()
-        parent = trace.set_span_in_context(producer) if context.is_valid else None
         process = self.tracer.start_span(
             f"process {self.destination}",
-            context=parent,
+            context=trace.set_span_in_context(producer) if context.is_valid else None,
             kind=trace.SpanKind.CONSUMER,
             links=[trace.Link(span.get_span_context())],
             attributes={**attributes, "messaging.operation.type": "process", "messaging.operation.name": "process"},
@@ -131,9 +132,15 @@ class Tracing:
         return message
 
     def done_processing(self) -> None:
-        """End this thread's `process` span, if it has one (its next recv, or the consumer's close)."""
+        """End this thread's `process` span, if it has one (its next recv, or the consumer's close).
+
+        Its context is detached only while it is still the current one: once the application has
+        left the context it was attached in (`with tracer.start_as_current_span("step"): recv()`),
+        detaching out of order would make that context's ended span current again.
+        """
         span = getattr(self._processing, "span", None)
         if span is not None:
             self._processing.span = None
-            otel_context.detach(self._processing.token)
+            if trace.get_current_span() is span:
+                otel_context.detach(self._processing.token)
             span.end()

@@ -503,13 +503,14 @@ class KafkaTransport(Transport):
         future.add_callback(lambda _, n=nbytes: self._settle(n, None))
         future.add_errback(lambda exc, n=nbytes: self._settle(n, translate(exc, self._shown, n)))
 
-    def _settle(self, nbytes: int, error: TensorBusError | None) -> None:
-        """A record was acknowledged or failed for good (called on kafka-python's sender thread)."""
+    def _settle(self, nbytes: int, error: TensorBusError | None, current: bool = True) -> None:
+        """A record was acknowledged or failed for good (called on kafka-python's sender thread); a failure
+        marks the producer failed, unless the record was a replaced producer's (`current` false)."""
         with self._pending:
             self._pending_bytes -= nbytes
             self._unconfirmed -= 1
             if error is not None:
-                self._failed = True
+                self._failed = self._failed or current
                 self._error = self._error or error
             self._pending.notify_all()
 

@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -89,41 +90,71 @@ class ConfluentKafkaTransport(KafkaTransport):
 
     def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions) -> None:
         super().__init__(url, options)
-        self._rd_producer: Producer | None = None
+        self._rd_producer: Producer | None = None  # (swapped under `_lock`, and records produced under it)
+        #: replaced producers whose purged records' reports were not all served yet (guarded by `_lock`)
+        self._replaced: list[Producer] = []
+        #: the current producer's delivery report callback, and the event set when it is replaced
+        self._on_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
+        self._replaced_now = threading.Event()
+
+    def _current_rd_producer(self) -> Producer:
+        """The producer to produce on (the caller holds `_lock`): made on the first send, and made again
+        after a failed record, once the failed one's records are purged and their reports served, so
+        every record counted in `_pending_bytes` and `_unconfirmed` is settled by some `poll`."""
+        with self._pending:
+            failed = self._failed
+        if self._rd_producer is not None and failed:
+            old, self._rd_producer = self._rd_producer, None
+            self._replaced_now.set()  # (its reports, failures included, no longer mark the next one failed)
+            old.purge()  # what it still holds fails, and is reported, at once
+            deadline = time.monotonic() + self.options.close_timeout_s
+            while len(old) and time.monotonic() < deadline:
+                old.poll(0.05)
+            if len(old):  # (reports still due: served by the next flush or close)
+                self._replaced.append(old)
+        return self._rd_producer or self._start_rd_producer()
+
+    def _serve_replaced(self, timeout: float) -> None:
+        """Serve the delivery reports of replaced producers still holding records (for `timeout` at most)."""
+        with self._lock:
+            replaced = list(self._replaced)
+        deadline = time.monotonic() + timeout
+        for old in replaced:
+            while len(old) and time.monotonic() < deadline:
+                old.poll(0.05)
+        with self._lock:
+            self._replaced = [old for old in self._replaced if len(old)]
 
     def _start_rd_producer(self) -> Producer:
-        """Create the topic if needed and the idempotent producer; after a failed record, a fresh producer."""
-        with self._lock:
-            if self._rd_producer is not None and self._failed:
-                self._rd_producer.purge()  # what it still holds fails, and is reported, at once
-                self._rd_producer.poll(0)
-                self._rd_producer = None
-            if self._rd_producer is None:
-                self._ensure_topic()
-                o = self.options
-                delivery_ms = int(o.delivery_timeout_s * 1000)
-                config = {
-                    **client_config(self),
-                    **PRODUCER,
-                    "message.max.bytes": o.max_request_size,
-                    "delivery.timeout.ms": delivery_ms,
-                    "request.timeout.ms": min(30_000, delivery_ms // 2),
-                    "queue.buffering.max.kbytes": min(
-                        (o.max_pending_bytes + o.max_request_size) // 1024 + 1, 2**31 - 1
-                    ),
-                    **({} if o.batch_linger_s is None else {"linger.ms": o.batch_linger_s * 1000}),
-                }
-                try:
-                    producer = Producer(config)
-                    metadata = producer.list_topics(self.topic, timeout=o.connect_timeout_s)
-                except KafkaException as exc:
-                    raise translate_error(exc.args[0], self._shown) from None
-                partitions = metadata.topics[self.topic].partitions
-                if not partitions:
-                    raise TransportError(f"{self._shown}: no partitions known after {o.connect_timeout_s}s")
-                self._keyless_partition = random.choice(sorted(partitions))
-                self._rd_producer, self._failed = producer, False
-            return self._rd_producer
+        """Create the topic if needed and the idempotent producer (the caller holds `_lock`)."""
+        if self._rd_producer is None:
+            self._ensure_topic()
+            o = self.options
+            delivery_ms = int(o.delivery_timeout_s * 1000)
+            config = {
+                **client_config(self),
+                **PRODUCER,
+                "message.max.bytes": o.max_request_size,
+                "delivery.timeout.ms": delivery_ms,
+                "request.timeout.ms": min(30_000, delivery_ms // 2),
+                "queue.buffering.max.kbytes": min((o.max_pending_bytes + o.max_request_size) // 1024 + 1, 2**31 - 1),
+                **({} if o.batch_linger_s is None else {"linger.ms": o.batch_linger_s * 1000}),
+            }
+            try:
+                producer = Producer(config)
+                metadata = producer.list_topics(self.topic, timeout=o.connect_timeout_s)
+            except KafkaException as exc:
+                raise translate_error(exc.args[0], self._shown) from None
+            partitions = metadata.topics[self.topic].partitions
+            if not partitions:
+                raise TransportError(f"{self._shown}: no partitions known after {o.connect_timeout_s}s")
+            self._keyless_partition = random.choice(sorted(partitions))
+            self._replaced_now = replaced = threading.Event()
+            self._on_delivery = lambda error, message: self._delivered(error, message, not replaced.is_set())
+            with self._pending:
+                self._failed = False
+            self._rd_producer = producer
+        return self._rd_producer
 
     def send_message(
         self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
@@ -140,8 +171,8 @@ class ConfluentKafkaTransport(KafkaTransport):
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Queue one frame as one record; blocks only while max_pending_bytes are unacknowledged."""
-        producer = self._rd_producer if self._rd_producer is not None and not self._failed else None
-        producer = producer or self._start_rd_producer()
+        with self._lock:
+            producer = self._current_rd_producer()
         value = frame[0] if len(frame) == 1 and isinstance(frame[0], bytes) else b"".join(frame)
         nbytes = len(value)
         limit = self.options.max_pending_bytes - nbytes
@@ -152,31 +183,37 @@ class ConfluentKafkaTransport(KafkaTransport):
                     self._pending_bytes += nbytes
                     self._unconfirmed += 1
                     break
+            with self._lock:  # (the current one: a producer replaced meanwhile no longer gets the reports due)
+                producer = self._current_rd_producer()
             producer.poll(0.05)
-        keyless = self._keyless_partition
-        partition = keyless if key is None and keyless is not None else -1  # -1: by the key (murmur2)
-        while True:
-            try:
-                producer.produce(self.topic, value, key, partition=partition, on_delivery=self._delivered)
-                break
-            except BufferError:  # librdkafka's queue is full (its message count): let deliveries drain it
-                producer.poll(0.05)
-            except KafkaException as exc:
-                self._settle(nbytes, None)
-                raise translate_error(exc.args[0], self._shown, nbytes) from None
+        with self._lock:  # (so no other thread purges and replaces the producer between its choice and produce)
+            producer = self._current_rd_producer()
+            keyless = self._keyless_partition
+            partition = keyless if key is None and keyless is not None else -1  # -1: by the key (murmur2)
+            while True:
+                try:
+                    producer.produce(self.topic, value, key, partition=partition, on_delivery=self._on_delivery)
+                    break
+                except BufferError:  # librdkafka's queue is full (its message count): let deliveries drain it
+                    producer.poll(0.05)
+                except KafkaException as exc:
+                    self._settle(nbytes, None)
+                    raise translate_error(exc.args[0], self._shown, nbytes) from None
         producer.poll(0)
 
-    def _delivered(self, error: KafkaError | None, message: Message) -> None:
+    def _delivered(self, error: KafkaError | None, message: Message, current: bool = True) -> None:
         """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it)."""
         nbytes = len(message)
-        self._settle(nbytes, None if error is None else translate_error(error, self._shown, nbytes))
+        self._settle(nbytes, None if error is None else translate_error(error, self._shown, nbytes), current)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker has acknowledged every record sent so far; raise the first failure."""
-        producer = self._rd_producer
+        with self._lock:
+            producer = self._rd_producer
         if producer is None:
             return
         producer.flush(-1 if timeout is None else timeout)  # serves the delivery reports
+        self._serve_replaced(self.options.close_timeout_s if timeout is None else timeout)
         with self._pending:
             if self._unconfirmed and not self._error:
                 raise TransportError(f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s")

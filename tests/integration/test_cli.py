@@ -160,6 +160,9 @@ def test_arguments_are_checked_by_the_command_they_belong_to(tmp_path: Path) -> 
     assert result.returncode == 2 and "invalid seconds value: 'abc'" in result.stderr
     result = tensorbus("save", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "p.npz"), "--max-versions", "2")
     assert result.returncode == 2 and "--max-versions goes with --follow" in result.stderr
+    subscribed = ("save", "tcp://127.0.0.1:1", "k", "-o", str(tmp_path / "p.npz"), "--subscribe", "--timeout", "1")
+    result = tensorbus(*subscribed, "--metrics-port", "0")  # (refused, not accepted and silently not served)
+    assert result.returncode == 2 and "--metrics-port does not go with --subscribe" in result.stderr
     np.save(out, np.ones(2))
     result = tensorbus("send", "-v", "tcp://127.0.0.1:1?reconnect_timeout_s=0.5", "k", out)  # -v after the command
     assert result.returncode == 2 and "INFO connect to tcp://127.0.0.1:1 failed" in result.stderr

@@ -3,6 +3,7 @@ partitions, settings and errors of librdkafka (confluent) mapped as kafka-python
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.parse
 from typing import Any
@@ -79,18 +80,73 @@ def test_keys_land_on_the_same_partitions_from_either_client() -> None:
 @pytest.mark.broker
 def test_sends_queue_records_and_delivery_reports_settle_them() -> None:
     """No blocking flush per tensor: sends return with their records still unacknowledged (batched for
-    `batch_linger_s`), and `flush` serves the delivery reports that settle every one."""
+    `batch_linger_s`), and `flush` (which sends at once, lingering no longer) serves the delivery reports
+    that settle every one."""
     url = on(endpoint_url("kafka"), "confluent")
-    with tb.Producer(url, batch_linger_s=1.0) as producer, tb.Consumer(url) as consumer:
+    with tb.Producer(url, batch_linger_s=60, delivery_timeout_s=300) as producer, tb.Consumer(url) as consumer:
         transport = producer.transport
         assert isinstance(transport, ConfluentKafkaTransport)
         for i in range(20):
             producer.send(f"k{i}", np.full(100, i))
-        assert transport._unconfirmed > 0  # queued, not yet acknowledged
+        assert transport._unconfirmed == 20  # queued for a batch due in a minute: none acknowledged yet
         producer.flush(30)
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0
         for i in range(20):
             assert same(consumer.recv(f"k{i}", timeout=30), np.full(100, i))
+
+
+@pytest.mark.broker
+def test_records_sent_by_several_threads_while_the_producer_is_replaced_are_all_settled() -> None:
+    """A record the broker refuses (over the topic's max.message.bytes) fails the producer, and the next
+    send replaces it, while three other threads keep sending: every record counted as pending is settled
+    (acknowledged, or failed and reported), so nothing stays pending for ever and a flush succeeds."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    url = on(endpoint_url("kafka"), "confluent")
+    topic = urllib.parse.urlsplit(url).path.strip("/")
+    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
+    try:
+        admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "20000"})])
+    finally:
+        admin.close()
+    failures: list[tb.TransportError] = []
+
+    def send_small(name: str) -> None:
+        for i in range(150):
+            try:
+                producer.send(f"{name}-{i}", np.full(16, i))
+            except tb.TransportError as exc:  # a refused record (or one purged with its producer), reported
+                failures.append(exc)
+
+    with tb.Producer(url, batch_linger_s=0.01) as producer:
+        transport = producer.transport
+        assert isinstance(transport, ConfluentKafkaTransport)
+        producer.send("first", np.zeros(4))
+        producer.flush(30)
+        first = transport._rd_producer
+        threads = [threading.Thread(target=send_small, args=(f"t{n}",)) for n in range(3)]
+        for thread in threads:
+            thread.start()
+        for _ in range(3):  # 80 KB records: each refused by the broker
+            try:
+                producer.send("big", np.random.default_rng(1).standard_normal(20_000).astype(np.float32))
+            except tb.TransportError as exc:
+                failures.append(exc)
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads)
+        for _ in range(5):  # (failures reported by flush, one at a time, until none is left)
+            try:
+                producer.flush(30)
+                break
+            except tb.TransportError as exc:
+                assert "unacknowledged" not in str(exc), exc
+                failures.append(exc)
+        assert transport._unconfirmed == 0 and transport._pending_bytes == 0
+        producer.send("after", np.arange(3))
+        producer.flush(30)
+        assert failures and transport._rd_producer is not first  # (refused, and replaced)
 
 
 def test_an_unknown_client_is_refused_naming_the_known_ones() -> None:

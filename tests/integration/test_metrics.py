@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +141,8 @@ def test_a_resend_after_a_consumer_restart_and_the_tensors_an_abort_dropped_are_
     assert value(after, "tensorbus_reconnects_total", role="producer") == 1
     assert value(after, "tensorbus_received_tensors_total", role="consumer") == 5  # the successor's only
     assert (
-        value(after, "tensorbus_dropped_tensors_total", role="consumer", reason="abort") == 0
-    )  # (the closed one: gone)
+        value(after, "tensorbus_dropped_tensors_total", role="consumer", reason="abort") == 5
+    )  # (the closed one's, kept: a counter never goes down)
 
 
 @pytest.mark.broker
@@ -208,7 +209,8 @@ def test_metrics_off_costs_no_monitor_and_bad_monitoring_options_are_refused(mon
         assert isinstance(producer._monitor, Meter)  # (metrics alone: the meter is the monitor)
         producer.send("k", TENSOR)
         assert value(parse(generate_latest(registry).decode()), "tensorbus_sent_tensors_total") == 1
-    assert "tensorbus_sent" not in generate_latest(registry).decode()  # closed: no longer reported
+    closed = parse(generate_latest(registry).decode())  # its counters stay (a counter never goes down)
+    assert value(closed, "tensorbus_sent_tensors_total") == 1
 
 
 def test_save_follow_serves_its_metrics_on_the_port_given(tmp_path: Path) -> None:
@@ -267,3 +269,49 @@ def test_the_counts_of_threads_that_ended_are_kept_and_their_cells_freed() -> No
         assert value(samples, "tensorbus_sent_tensors_total") == 20
         assert value(samples, "tensorbus_sent_bytes_total") == 20 * 4096
         assert len(consumer.table) == 20
+
+
+def test_a_closed_endpoint_leaves_no_cell_on_the_thread_that_counted() -> None:
+    """The main thread never ends: an endpoint it sent on must not stay referenced by it after close."""
+    registry = CollectorRegistry()
+    url = endpoint_url("memory")
+    with tb.Consumer(url) as consumer:
+        producer = tb.Producer(url, metrics=True, metrics_registry=registry)
+        producer.send("k", TENSOR)
+        meter = producer._monitor
+        assert isinstance(meter, Meter) and len(meter.cells) == 1
+        cell = weakref.ref(meter.cells[0])
+        producer.close()
+        del producer, meter
+        gc.collect()
+        assert cell() is None
+        assert value(parse(generate_latest(registry).decode()), "tensorbus_sent_tensors_total") == 1
+        wait_for(lambda: len(consumer.table) == 1, 30, "the tensor in the table")
+
+
+def test_counters_never_go_down_when_an_endpoint_sharing_their_labels_closes() -> None:
+    registry = CollectorRegistry()
+    url = endpoint_url("memory")
+    metered: dict[str, Any] = {"metrics": True, "metrics_registry": registry}
+
+    def scrape() -> tuple[float, float]:
+        samples = parse(generate_latest(registry).decode())
+        return value(samples, "tensorbus_sent_tensors_total"), value(samples, "tensorbus_tensor_bytes_count")
+
+    with tb.Consumer(url) as consumer:
+        first, second = tb.Producer(url, **metered), tb.Producer(url, **metered)
+        for i in range(2):
+            first.send(f"a{i}", TENSOR)
+        for i in range(3):
+            second.send(f"b{i}", TENSOR)
+        assert scrape() == (5, 5)
+        first.close()
+        assert scrape() == (5, 5)  # (the closed producer's 2 are kept)
+        second.send("b3", TENSOR)
+        assert scrape() == (6, 6)
+        second.close()
+        assert scrape() == (6, 6)
+        with tb.Producer(url, **metered) as third:  # a new endpoint with the same labels counts on from there
+            third.send("c", TENSOR)
+            assert scrape() == (7, 7)
+        wait_for(lambda: len(consumer.table) == 7, 30, "the 7 tensors in the table")

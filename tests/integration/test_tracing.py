@@ -92,6 +92,26 @@ def test_a_recv_ends_the_previous_process_span_of_its_thread(spans: InMemorySpan
     assert {span.parent.span_id for span in named(spans, "process ") if span.parent is not None} == sends
 
 
+def test_each_receive_span_is_a_child_of_the_step_span_around_its_recv(spans: InMemorySpanExporter) -> None:
+    """The `process` span left current by one recv does not leak into the next step's spans."""
+    url = endpoint_url("memory")
+    tracer = trace.get_tracer("test")
+    steps = []
+    with tb.Consumer(url, tracing=True) as consumer, tb.Producer(url, tracing=True) as producer:
+        for i in range(4):
+            producer.send("k", np.full(4, i))
+        for _ in range(2):
+            with tracer.start_as_current_span("step") as step:
+                consumer.recv("k", timeout=30)
+            steps.append(step.get_span_context().span_id)
+        for _ in range(2):  # then outside any span: each receive is a root, not the previous process's child
+            consumer.recv("k", timeout=30)
+    assert trace.get_current_span() is trace.INVALID_SPAN  # (no ended span made current again by the close)
+    receives = named(spans, "receive ")
+    assert [span.parent.span_id if span.parent is not None else None for span in receives] == [*steps, None, None]
+    assert len(named(spans, "process ")) == 4
+
+
 def test_the_trace_header_field_is_optional_and_ignored_by_readers_that_do_not_know_it() -> None:
     array = np.arange(16, dtype=np.float32)
     carried = TraceCarrier({"step": 1}, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
