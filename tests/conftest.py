@@ -10,6 +10,7 @@ import urllib.parse
 import uuid
 from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -78,6 +79,11 @@ def with_query(url: str, query: str) -> str:
 def kafka_client(request: pytest.FixtureRequest) -> str:
     """Each Kafka client in turn, for the tests of kafka:// that run once per client."""
     return str(request.param)
+
+
+def transport_params(*transports: str) -> list[Any]:
+    """`transports` as pytest params, those through a broker marked `broker` (so `-m "not broker"` leaves them out)."""
+    return [pytest.param(t, marks=[pytest.mark.broker] * t.startswith(("amqp", "kafka"))) for t in transports]
 
 
 def endpoint_url(transport: str) -> str:

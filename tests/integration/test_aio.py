@@ -20,7 +20,7 @@ import pytest
 
 import tensorbus as tb
 import tensorbus.aio as tba
-from tests.conftest import IN_CI, endpoint_url
+from tests.conftest import IN_CI, endpoint_url, transport_params
 from tests.peers import Peer, make_tensor, same
 
 LOOPS = ["asyncio", "uvloop"]
@@ -84,7 +84,7 @@ def test_recv_before_and_after_send_and_arrival_order(run: Any, transport: str) 
     run(main())
 
 
-@pytest.mark.parametrize("transport", ["memory", "tcp", "unix", "amqp", "kafka"])
+@pytest.mark.parametrize("transport", transport_params("memory", "tcp", "unix", "amqp", "kafka"))
 def test_async_and_blocking_ends_talk_to_each_other(run: Any, transport: str) -> None:
     async def main() -> None:
         with tb.Consumer(endpoint_url(transport)) as blocking_consumer:

@@ -11,7 +11,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec.frame import encode_raw
-from tests.conftest import endpoint_url
+from tests.conftest import endpoint_url, transport_params
 from tests.integration.test_behaviour import TRANSPORTS
 from tests.waiting import wait_for
 
@@ -27,7 +27,7 @@ def flush_refused(producer: tb.Producer, timeout: float) -> list[tb.Rejected]:
             told.append(exc)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", transport_params(*TRANSPORTS))
 def test_signed_endpoint_rejects_unsigned_and_tampered_frames(transport: str) -> None:
     with tb.Consumer(endpoint_url(transport), signing_key=b"team-key") as consumer:
         address = consumer.address
@@ -70,7 +70,7 @@ def test_chunk_flood_claiming_huge_totals_stays_within_the_reassembly_limit() ->
         assert consumer.stats["rejected"] == 2000
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", transport_params(*TRANSPORTS))
 def test_a_tiny_chunk_claiming_gigabytes_does_not_crowd_out_an_honest_chunked_tensor(transport: str) -> None:
     with tb.Consumer(endpoint_url(transport)) as consumer:  # the default budget: 2 GiB
         total, stride = (1 << 31) - (64 << 10), 1024  # leaves less free than the honest tensor needs

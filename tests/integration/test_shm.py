@@ -33,15 +33,18 @@ def shm_files() -> set[str]:
     return {name for name in names if "tensorbus" in name or name.startswith("tb-")}
 
 
-def mapped_segments(pid: int | str = "self") -> list[tuple[int, int]]:
-    """The address ranges of shm:// segments mapped by process `pid`."""
+def mapped_segments(
+    pid: int | str = "self", *, besides: frozenset[tuple[int, int]] = frozenset()
+) -> list[tuple[int, int]]:
+    """The address ranges of shm:// segments mapped by process `pid`, leaving out those of `besides` (mapped
+    before the test began, by endpoints of earlier tests in this process)."""
     ranges = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             if "memfd:tensorbus-shm" in line:
                 start, end = line.split()[0].split("-")
                 ranges.append((int(start, 16), int(end, 16)))
-    return ranges
+    return [r for r in ranges if r not in besides]
 
 
 def in_shared_memory(array: np.ndarray) -> bool:
@@ -184,7 +187,7 @@ def test_torch_tensors_come_back_as_views() -> None:
 
 
 def test_after_a_clean_close_nothing_is_left() -> None:
-    before = shm_files()
+    before, earlier = shm_files(), frozenset(mapped_segments())
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
         for i in range(20):
@@ -194,7 +197,7 @@ def test_after_a_clean_close_nothing_is_left() -> None:
     assert same(got[7], make_tensor({"n": 300_000, "seed": 7}))  # kept arrays outlive both ends
     del got
     gc.collect()
-    assert mapped_segments() == [] and shm_files() == before and not os.path.exists(path)
+    assert mapped_segments(besides=earlier) == [] and shm_files() == before and not os.path.exists(path)
 
 
 # -- SIGKILL of either side ------------------------------------------------------------------------
@@ -216,7 +219,7 @@ def _consume(url: str, received: Any) -> None:
 
 
 def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -> None:
-    before = shm_files()
+    before, earlier = shm_files(), frozenset(mapped_segments())
     url = endpoint_url("shm")
     ctx = multiprocessing.get_context("spawn")
     sent = ctx.Value("i", 0)
@@ -232,7 +235,7 @@ def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -
             consumer.next_message(timeout=5)
         del kept, message
         gc.collect()
-        wait_for(lambda: mapped_segments() == [], 10, "no segment mapped")  # gone with the last view
+        wait_for(lambda: mapped_segments(besides=earlier) == [], 10, "no segment mapped")  # gone with the last view
         with tb.Producer(url) as producer:  # the consumer serves on
             producer.send("after", np.arange(5))
         assert same(consumer.recv("after", timeout=10), np.arange(5))
@@ -240,7 +243,7 @@ def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -
 
 
 def test_consumer_killed_mid_stream_the_producer_reclaims_and_resends_to_the_next() -> None:
-    before = shm_files()
+    before, earlier = shm_files(), frozenset(mapped_segments())
     url = endpoint_url("shm")
     ctx = multiprocessing.get_context("spawn")
     received = ctx.Value("i", 0)
@@ -271,7 +274,7 @@ def test_consumer_killed_mid_stream_the_producer_reclaims_and_resends_to_the_nex
             # the dead consumer's segments were retired and dropped: not one kept per tensor
             wait_for(lambda: sender.poll() or len(sender.slots.segments) <= segments_before, 10, "segments dropped")
     gc.collect()
-    assert mapped_segments() == [] and shm_files() == before
+    assert mapped_segments(besides=earlier) == [] and shm_files() == before
 
 
 def test_close_from_another_thread_while_a_recv_waits() -> None:

@@ -45,7 +45,8 @@ def take_some(url: str, options: dict[str, Any], directory: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while len(consumer.table) < SENT - TAKEN and time.monotonic() < deadline:  # (bounded: the parent checks it)
         time.sleep(0.01)
-    Path(directory, "table").write_text(str(len(consumer.table)))
+    Path(directory, "table.part").write_text(str(len(consumer.table)))
+    os.replace(Path(directory, "table.part"), Path(directory, "table"))  # whole when the parent sees it
     if then == "close":
         consumer.close()
         return
