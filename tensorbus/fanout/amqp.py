@@ -115,8 +115,15 @@ class _StreamReader:
 class PublishingSide:
     """Learns the versions in the stream, then sends each version's frames (chunked past `max_frame_bytes`)."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: RabbitMQOptions, retained: Retained) -> None:
+    def __init__(
+        self,
+        url: urllib.parse.SplitResult,
+        options: RabbitMQOptions,
+        retained: Retained,
+        signing_key: bytes | None = None,
+    ) -> None:
         self._transport = _stream(url, options)
+        self._signing_key = signing_key  # signs each chunk: a subscriber with a key takes only signed ones
         self.address = self._transport.address
         self._max_record = options.max_frame_bytes or 1 << 62
 
@@ -130,7 +137,11 @@ class PublishingSide:
 
     def publish(self, published: Published) -> None:
         chunks = split(
-            published.frame, max_chunk_bytes=self._max_record, message_id=published.message_id, key=published.key
+            published.frame,
+            max_chunk_bytes=self._max_record,
+            message_id=published.message_id,
+            key=published.key,
+            signing_key=self._signing_key,
         )
         for chunk in chunks:
             self._transport.send(chunk, key=published.key)

@@ -132,7 +132,8 @@ class Publisher:
         self._encoder = Encoder(opts.compression, opts.checksum, signing_key)
         self.retained = Retained(opts.max_retained_bytes, keep_frames=getattr(module, "KEEPS_FRAMES", True))
         self._closed = False
-        self.side: PublishingSide = module.PublishingSide(parsed, transport_opts, self.retained)
+        # (a side that chunks versions signs the chunks with it; every side gets it, whether it chunks or not)
+        self.side: PublishingSide = module.PublishingSide(parsed, transport_opts, self.retained, signing_key)
 
     @property
     def address(self) -> str:

@@ -96,9 +96,12 @@ def _read_to_end(consumer: KafkaConsumer, each: Callable[[bytes], object], stop:
 class PublishingSide:
     """Creates the compacted topic if needed, learns the versions in it, and sends each version's records."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions, retained: Retained) -> None:
+    def __init__(
+        self, url: urllib.parse.SplitResult, options: KafkaOptions, retained: Retained, signing_key: bytes | None = None
+    ) -> None:
         self._transport = _transport(url, options)
         self.address = self._transport.address
+        self._signing_key = signing_key  # signs each chunk: a subscriber with a key takes only signed ones
         self._create_compacted()
         with map_errors(self._transport._shown):
             reader = _reader(self._transport)
@@ -134,7 +137,11 @@ class PublishingSide:
     def publish(self, published: Published) -> None:
         """Queue the version's records (the producer blocks only while `max_pending_bytes` are unacknowledged)."""
         chunks = split(
-            published.frame, max_chunk_bytes=self._max_record, message_id=published.message_id, key=published.key
+            published.frame,
+            max_chunk_bytes=self._max_record,
+            message_id=published.message_id,
+            key=published.key,
+            signing_key=self._signing_key,
         )
         for index, chunk in enumerate(chunks):
             self._transport.send(chunk, key=_record_key(published.key, index, len(chunks)))

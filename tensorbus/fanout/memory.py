@@ -65,7 +65,14 @@ def _hand(receive: Receive, published: Published) -> None:
 class PublishingSide:
     """Hands each version to the name's subscribers."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions, retained: Retained) -> None:
+    def __init__(
+        self,
+        url: urllib.parse.SplitResult,
+        options: TransportOptions,
+        retained: Retained,
+        signing_key: bytes | None = None,
+    ) -> None:
+        # (`signing_key` unused: whole frames, signed by the publisher, are sent as they are)
         self.address = f"memory://{_name(url)}"
         self._topic = _topic(_name(url))
         with _TOPICS_LOCK:

@@ -107,7 +107,14 @@ class _Mailbox:
 class PublishingSide:
     """Listens; every subscriber that passes the handshake gets the retained versions, then each update."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions, retained: Retained) -> None:
+    def __init__(
+        self,
+        url: urllib.parse.SplitResult,
+        options: SocketOptions,
+        retained: Retained,
+        signing_key: bytes | None = None,
+    ) -> None:
+        # (`signing_key` unused: whole frames, signed by the publisher, are sent as they are)
         self._where = SocketTransport(url, options)  # (the address, TLS and secret, as a socket consumer's)
         self.options, self.retained = options, retained
         self._lock = threading.Lock()

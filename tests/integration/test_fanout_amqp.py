@@ -73,3 +73,12 @@ def test_a_subscriber_that_never_reads_does_not_slow_the_publisher() -> None:
 def test_a_publisher_with_no_broker_there_fails_at_once() -> None:
     with pytest.raises(tb.TransportError, match="failed"):
         tb.Publisher(f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F?queue=q", reconnect_timeout_s=1)
+
+
+def test_a_signed_version_of_several_messages_reaches_a_signed_subscriber() -> None:
+    with _stream() as url, tb.Publisher(url, signing_key="s3cret", **SMALL_FRAMES) as pub:
+        pub.publish("w", np.full(300_000, 7, np.float32), version=1)  # five chunks, each signed for the queue
+        pub.flush(30)
+        with tb.Subscriber(url, signing_key="s3cret", **SMALL_FRAMES) as sub:
+            message = sub.latest("w", timeout=60)
+            assert message.version == 1 and message.tensor.min() == message.tensor.max() == 7.0

@@ -153,3 +153,13 @@ def test_a_restarted_subscriber_starts_from_the_latest_versions() -> None:
 def test_the_confluent_client_is_refused_for_fan_out() -> None:
     with pytest.raises(tb.ConfigError, match="kafka-python client"):
         tb.Publisher(f"{KAFKA_URL.rstrip('/')}/t", client="confluent")
+
+
+def test_a_signed_version_of_several_records_reaches_a_signed_subscriber() -> None:
+    # 1.2 MB past the default max_frame_bytes (~1 MB): two chunk records, each signed for the topic
+    with _topic() as url, tb.Publisher(url, signing_key="s3cret") as pub:
+        pub.publish("w", np.full(300_000, 7, np.float32), version=1)
+        pub.flush(30)
+        with tb.Subscriber(url, signing_key="s3cret") as sub:
+            message = sub.latest("w", timeout=60)
+            assert message.version == 1 and message.tensor.min() == message.tensor.max() == 7.0
