@@ -171,30 +171,39 @@ class SubscribingSide:
             log.error("%s: a record failed its checks, skipped: %s", self._transport._shown, exc)
 
     def _run(self) -> None:
-        consumer = None
-        while consumer is None and not self._stop.is_set():
+        """Read the topic to where it ends now (then answer `latest`), then follow it; on a failure, read it again."""
+        caught_up = False
+        while not self._stop.is_set():
             try:
                 with map_errors(self._transport._shown):
                     consumer = _reader(self._transport)
             except TensorBusError as exc:  # (no topic yet: the publisher creates it)
                 log.info("%s; trying again", exc)
                 self._stop.wait(1.0)
-        if consumer is None:
-            return
-        try:
-            _read_to_end(consumer, self._take, self._stop)
-            self._receive.latest.release()
-            while not self._stop.is_set():
-                try:
-                    for records in consumer.poll(timeout_ms=200).values():
-                        for record in records:
-                            if record.value is not None:
-                                self._take(record.value)
-                except Exception as exc:  # kafka-python reconnects by itself
-                    log.warning("%s: %s; polling again", self._transport._shown, exc)
-                    self._stop.wait(1.0)
-        finally:
-            consumer.close()
+                continue
+            try:
+                if not caught_up:
+                    with map_errors(self._transport._shown):
+                        _read_to_end(consumer, self._take, self._stop)
+                    caught_up = True
+                    self._receive.latest.release()
+                self._follow(consumer)
+            except TensorBusError as exc:  # (versions already held are not taken twice)
+                log.warning("%s; reading the topic again", exc)
+                self._stop.wait(1.0)
+            finally:
+                consumer.close()
+
+    def _follow(self, consumer: KafkaConsumer) -> None:
+        while not self._stop.is_set():
+            try:
+                for records in consumer.poll(timeout_ms=200).values():
+                    for record in records:
+                        if record.value is not None:
+                            self._take(record.value)
+            except Exception as exc:  # kafka-python reconnects by itself
+                log.warning("%s: %s; polling again", self._transport._shown, exc)
+                self._stop.wait(1.0)
 
     def close(self) -> None:
         self._stop.set()

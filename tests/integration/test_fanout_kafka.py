@@ -163,3 +163,25 @@ def test_a_signed_version_of_several_records_reaches_a_signed_subscriber() -> No
         with tb.Subscriber(url, signing_key="s3cret") as sub:
             message = sub.latest("w", timeout=60)
             assert message.version == 1 and message.tensor.min() == message.tensor.max() == 7.0
+
+
+def test_a_subscriber_whose_first_read_fails_reads_the_topic_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kafka.errors import KafkaTimeoutError
+
+    from tensorbus.fanout import kafka as fanout_kafka
+
+    read_to_end, failures = fanout_kafka._read_to_end, []
+
+    def failing_once(*args: object) -> None:
+        if not failures:
+            failures.append(1)
+            raise KafkaTimeoutError("a broker did not answer in time")  # (as a fetch or offsets request may)
+        read_to_end(*args)  # type: ignore[arg-type]
+
+    with _topic() as url, tb.Publisher(url) as pub:
+        pub.publish("w", np.full(4, 1.0), version=1)
+        pub.flush(30)
+        monkeypatch.setattr(fanout_kafka, "_read_to_end", failing_once)
+        with tb.Subscriber(url) as sub:
+            assert sub.latest("w", timeout=30).version == 1
+        assert failures == [1]
