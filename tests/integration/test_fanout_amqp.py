@@ -82,3 +82,29 @@ def test_a_signed_version_of_several_messages_reaches_a_signed_subscriber() -> N
         with tb.Subscriber(url, signing_key="s3cret", **SMALL_FRAMES) as sub:
             message = sub.latest("w", timeout=60)
             assert message.version == 1 and message.tensor.min() == message.tensor.max() == 7.0
+
+
+def test_fan_out_refuses_a_queue_that_is_not_a_stream_and_leaves_its_messages() -> None:
+    with _stream() as url:
+        name = url.rsplit("=", 1)[1]
+        with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            channel = connection.channel()
+            channel.queue_declare(name, durable=True, arguments={"x-max-length": 1000})  # a classic queue
+            channel.basic_publish("", name, b"someone else's message")
+        with pytest.raises(tb.ConfigError, match="not a stream queue"):
+            tb.Publisher(url)
+        with tb.Subscriber(url) as sub, pytest.raises(tb.ConfigError, match="not a stream queue"):
+            sub.latest("w", timeout=30)
+        with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            assert connection.channel().queue_declare(name, passive=True).method.message_count == 1
+
+
+def test_fan_out_uses_a_stream_declared_with_its_own_retention() -> None:
+    with _stream() as url:
+        name = url.rsplit("=", 1)[1]
+        with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            arguments = {"x-queue-type": "stream", "x-max-age": "1h", "x-max-length-bytes": 50_000_000}
+            connection.channel().queue_declare(name, durable=True, arguments=arguments)
+        with tb.Publisher(url) as pub, tb.Subscriber(url) as sub:
+            pub.publish("w", np.full(4, 2.0), version=2)
+            assert sub.latest("w", timeout=30).version == 2
