@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from typing import Any
 
@@ -119,6 +120,7 @@ class PublishingSide:
         self.options, self.retained = options, retained
         self._lock = threading.Lock()
         self._boxes: list[_Mailbox] = []
+        self._greeting = 0  # connections past the handshake, not yet subscribed (they count for max_connections)
         self._closed = False
         self._listener = Listener(
             self._where.family, self._where.target, options, self._where.secret, lambda: self.address, b""
@@ -135,30 +137,52 @@ class PublishingSide:
 
     @property
     def connections(self) -> int:
+        """Subscribers, and connections still being greeted (what `max_connections` bounds)."""
         with self._lock:
-            return len(self._boxes)
+            return len(self._boxes) + self._greeting
 
     def add(self, conn: socket.socket, name: Any) -> None:
         """A connection passed the handshake (on the listener's thread): greet it on a thread of its own."""
+        with self._lock:
+            self._greeting += 1
         threading.Thread(target=self._serve, args=(conn, str(name)), daemon=True, name="tensorbus-fanout-send").start()
+
+    def _greet(self, conn: socket.socket) -> None:
+        """Read the subscription (after any REFUSALS_WANTED markers) and answer it, all within `connect_timeout_s`."""
+        deadline = time.monotonic() + self.options.connect_timeout_s
+        marker = memoryview(bytearray(len(SUBSCRIBE)))
+        while True:
+            got = 0
+            while got < len(marker):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(f"no subscription within connect_timeout_s={self.options.connect_timeout_s}")
+                conn.settimeout(left)
+                n = conn.recv_into(marker[got:])
+                if n == 0:
+                    raise TransportError("closed before it subscribed")
+                got += n
+            if bytes(marker) != REFUSALS_WANTED:
+                break
+        if bytes(marker) != SUBSCRIBE:
+            raise TransportError("not a tensorbus subscriber (a Producer? it sends to a Consumer)")
+        conn.settimeout(self.options.connect_timeout_s)
+        conn.sendall(PUBLISHING)
+        set_send_timeout(conn, self.options.send_timeout_s)
 
     def _serve(self, conn: socket.socket, name: str) -> None:
         try:
-            conn.settimeout(self.options.connect_timeout_s)
-            marker = bytearray(len(SUBSCRIBE))
-            while recv_exact(conn, memoryview(marker)) == len(marker) and bytes(marker) == REFUSALS_WANTED:
-                pass
-            if bytes(marker) != SUBSCRIBE:
-                raise TransportError("not a tensorbus subscriber (a Producer? it sends to a Consumer)")
-            conn.sendall(PUBLISHING)
-            set_send_timeout(conn, self.options.send_timeout_s)
+            self._greet(conn)
         except (OSError, TransportError) as exc:
             log.info("%s: connection from %s closed: %s", self.address, name, exc)
             conn.close()
+            with self._lock:
+                self._greeting -= 1
             return
         box = _Mailbox(conn, name)
         with self.retained.lock:  # the retained versions, then the updates: none missed, none twice
             with self._lock:
+                self._greeting -= 1
                 if self._closed:
                     conn.close()
                     return

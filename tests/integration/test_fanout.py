@@ -279,3 +279,27 @@ def test_a_subscriber_of_a_consumer_says_so_in_its_log(caplog: pytest.LogCapture
     with caplog.at_level(logging.ERROR, logger="tensorbus.fanout.sockets"):
         with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Subscriber(consumer.address):
             wait_for(lambda: "a Consumer, not a Publisher?" in caplog.text, 30, "the subscriber's error")
+
+
+def test_a_connection_being_greeted_counts_and_must_subscribe_in_connect_timeout_s() -> None:
+    from tensorbus.transports.stream import REFUSALS_WANTED
+
+    with tb.Publisher("tcp://127.0.0.1:0", max_connections=1, connect_timeout_s=1.0) as pub:
+        host, port = pub.address.split("://")[1].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as idle:
+            handshake_as_producer(idle, None, pub.address)  # ...and never subscribes
+            wait_for(lambda: pub.side.connections == 1, 10, "the greeting counted")  # (for max_connections=1)
+            started = time.monotonic()
+            while True:  # it keeps asking for refusals: the greeting still ends at its deadline
+                try:
+                    idle.sendall(REFUSALS_WANTED)
+                except OSError:
+                    break
+                idle.settimeout(0.2)
+                try:
+                    if idle.recv(1) == b"":
+                        break
+                except TimeoutError:
+                    pass
+                assert time.monotonic() - started < 20, "the publisher kept a connection that never subscribed"
+            wait_for(lambda: pub.side.connections == 0, 10, "the greeting given up")
