@@ -163,8 +163,9 @@ class Publisher:
             copy = snapshot and self.retained.keep_frames
             frame, message_id = self._encoder.encode(key, tensor, version, metadata, copy)
             published = Published(key, version, frame, sum(memoryview(b).nbytes for b in frame), message_id)
+            self.retained.check_room(published)
+            self.side.publish(published)  # (a version the transport did not take is not kept: it may be tried again)
             self.retained.keep(published)
-            self.side.publish(published)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker holds every version published so far (a subscriber joining then finds them);

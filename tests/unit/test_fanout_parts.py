@@ -122,3 +122,19 @@ def test_where_a_broker_keeps_the_frames_only_versions_are_tracked() -> None:
     assert retained.frames() == [] and retained.nbytes == 0 and retained.versions() == {"a": 1}
     with pytest.raises(tb.ConfigError, match="not greater"):
         retained.keep(_published("a", 1, 1))
+
+
+def test_a_version_the_transport_refused_is_not_kept_and_may_be_published_again() -> None:
+    with tb.Publisher("memory://refused-once") as pub, tb.Subscriber("memory://refused-once") as sub:
+        side_publish = pub.side.publish
+
+        def failing(published: Published) -> None:
+            raise tb.TransportError("the broker went away")  # (as a broker side's send may)
+
+        pub.side.publish = failing  # type: ignore[method-assign]
+        with pytest.raises(tb.TransportError):
+            pub.publish("w", np.full(4, 1.0), version=1)
+        assert pub.versions() == {} and pub.retained.frames() == []
+        pub.side.publish = side_publish  # type: ignore[method-assign]
+        pub.publish("w", np.full(4, 1.0), version=1)
+        assert sub.latest("w", timeout=10).version == 1 and pub.versions() == {"w": 1}
