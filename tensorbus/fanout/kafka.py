@@ -57,7 +57,8 @@ def _transport(url: urllib.parse.SplitResult, options: KafkaOptions) -> KafkaTra
 
 
 def _record_key(key: str, index: int, count: int) -> str:
-    """A whole version is keyed by its key; chunk i of one by KEY#i (compaction keeps the newest of each)."""
+    """A whole version is keyed by its key; chunk i of one by KEY#i (compaction keeps the newest of each;
+    `PublishingSide.publish` refuses keys with '#', so no key is another's chunk)."""
     return key if count == 1 else f"{key}#{index}"
 
 
@@ -136,6 +137,10 @@ class PublishingSide:
 
     def publish(self, published: Published) -> None:
         """Queue the version's records (the producer blocks only while `max_pending_bytes` are unacknowledged)."""
+        if "#" in published.key:  # chunk records are keyed KEY#i: "w#0" would be compacted with chunk 0 of "w"
+            raise ConfigError(
+                f"a key published on kafka:// may not contain '#' (chunks are keyed KEY#i): {published.key!r}"
+            )
         chunks = split(
             published.frame,
             max_chunk_bytes=self._max_record,

@@ -185,3 +185,15 @@ def test_a_subscriber_whose_first_read_fails_reads_the_topic_again(monkeypatch: 
         with tb.Subscriber(url) as sub:
             assert sub.latest("w", timeout=30).version == 1
         assert failures == [1]
+
+
+def test_a_key_with_a_hash_is_refused_on_kafka_and_changes_nothing() -> None:
+    # chunk i of "w" is keyed "w#i": a key "w#0" would be compacted with it
+    with _topic() as url, tb.Publisher(url, **SMALL_RECORDS) as pub:
+        pub.publish("w", np.full(300_000, 1, np.float32), version=1)  # five chunk records
+        with pytest.raises(tb.ConfigError, match="'#'"):
+            pub.publish("w#0", np.zeros(4), version=1)
+        assert pub.versions() == {"w": 1}
+        pub.flush(30)
+        with tb.Subscriber(url) as sub:
+            assert sub.latest("w", timeout=60).tensor.max() == 1.0
