@@ -175,7 +175,7 @@ class PublishingSide:
         self._max_record = options.max_frame_bytes or 1 << 62
 
         def learn(body: bytes) -> None:
-            found = peek_version(body)
+            found = peek_version(body, signing_key)
             if found is not None:
                 retained.learn(*found)
 

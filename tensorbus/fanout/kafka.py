@@ -107,7 +107,7 @@ class PublishingSide:
         with map_errors(self._transport._shown):
             reader = _reader(self._transport)
         try:
-            _read_to_end(reader, self._learn(retained), threading.Event())
+            _read_to_end(reader, self._learn(retained, signing_key), threading.Event())
         finally:
             reader.close()
         self._max_record = options.max_frame_bytes or 1 << 62
@@ -127,9 +127,9 @@ class PublishingSide:
                 admin.close()
 
     @staticmethod
-    def _learn(retained: Retained) -> Callable[[bytes], object]:
+    def _learn(retained: Retained, signing_key: bytes | None) -> Callable[[bytes], object]:
         def learn(value: bytes) -> None:
-            found = peek_version(value)
+            found = peek_version(value, signing_key)
             if found is not None:
                 retained.learn(*found)
 

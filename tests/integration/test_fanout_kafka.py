@@ -197,3 +197,16 @@ def test_a_key_with_a_hash_is_refused_on_kafka_and_changes_nothing() -> None:
         pub.flush(30)
         with tb.Subscriber(url) as sub:
             assert sub.latest("w", timeout=60).tensor.max() == 1.0
+
+
+def test_a_signed_publisher_learns_versions_only_from_records_that_verify() -> None:
+    with _topic() as url:
+        with tb.Publisher(url) as forger:  # anyone who can write to the topic, without the key
+            forger.publish("w", np.zeros(4), version=1_000_000)
+            forger.flush(30)
+        with tb.Publisher(url, signing_key="s3cret") as pub:
+            assert pub.versions() == {}
+            pub.publish("w", np.ones(4), version=1)
+            pub.flush(30)
+        with tb.Publisher(url, signing_key="s3cret") as pub:
+            assert pub.versions() == {"w": 1}

@@ -138,3 +138,23 @@ def test_a_version_the_transport_refused_is_not_kept_and_may_be_published_again(
         pub.side.publish = side_publish  # type: ignore[method-assign]
         pub.publish("w", np.full(4, 1.0), version=1)
         assert sub.latest("w", timeout=10).version == 1 and pub.versions() == {"w": 1}
+
+
+def test_peek_version_skips_odd_chunk_headers_and_with_a_key_unsigned_or_forged_frames() -> None:
+    from tensorbus.codec.frame import encode_raw
+
+    odd = b"".join(encode_raw({"kind": "chunk", "chunk": {"index": 0}}, [b"x"], 1))  # "chunk" not a list
+    assert peek_version(odd) is None
+    key, other = b"k" * 32, b"o" * 32
+    unsigned, _ = Encoder(None, True, None).encode("w", np.arange(10), 7, None, snapshot=True)
+    signed, message_id = Encoder(None, True, key).encode("w", np.arange(100_000), 8, None, snapshot=True)
+    assert peek_version(unsigned[0], key) is None and peek_version(unsigned[0]) == ("w", 7)
+    assert peek_version(signed[0], other) is None and peek_version(signed[0], key) == ("w", 8)
+    chunks = [
+        b"".join(c) for c in split(signed, max_chunk_bytes=100_000, message_id=message_id, key="w", signing_key=key)
+    ]
+    assert peek_version(chunks[0], key) == ("w", 8)
+    forged = [
+        b"".join(c) for c in split(signed, max_chunk_bytes=100_000, message_id=message_id, key="w", signing_key=other)
+    ]
+    assert peek_version(forged[0], key) is None
