@@ -231,7 +231,8 @@ class SubscribingSide:
         self.connects = 0  # connections made so far
         #: frames are read into reused buffers (the one a held version views, one being read, a spare)
         self._pool = BufferPool(max_buffers=3)
-        threading.Thread(target=self._run, daemon=True, name="tensorbus-fanout-recv").start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tensorbus-fanout-recv")
+        self._thread.start()
 
     def _run(self) -> None:
         delays = backoff_s()
@@ -266,12 +267,14 @@ class SubscribingSide:
                 raise TransportError("closed")
             self._sock = sock
         sock.settimeout(self.options.connect_timeout_s)
-        sock.connect(where.target)
+        sock.connect(where.target)  # (a `close` meanwhile cannot stop it: it is checked below)
         context = where._ssl_context(server_side=False)
         if context is not None:
             sock = context.wrap_socket(sock, server_hostname=where.target[0])
-            with self._lock:
-                self._sock = sock
+        with self._lock:
+            self._sock = sock
+            if self._closed.is_set():  # (`_run` closes the socket)
+                raise TransportError("closed")
         handshake_as_producer(sock, where.secret, where.address)
         sock.sendall(SUBSCRIBE)
         answer = bytearray(len(PUBLISHING))
@@ -300,8 +303,11 @@ class SubscribingSide:
             self._receive(frame)
 
     def close(self) -> None:
+        """Stop receiving: the receiving thread ends (a connect under way is given up) and its socket is closed."""
         self._closed.set()
         with self._lock:
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self.options.connect_timeout_s)

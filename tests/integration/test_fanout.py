@@ -303,3 +303,14 @@ def test_a_connection_being_greeted_counts_and_must_subscribe_in_connect_timeout
                     pass
                 assert time.monotonic() - started < 20, "the publisher kept a connection that never subscribed"
             wait_for(lambda: pub.side.connections == 0, 10, "the greeting given up")
+
+
+def test_closing_a_subscriber_while_it_connects_ends_its_thread_and_socket() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:  # accepts, then never answers the handshake
+        sub = tb.Subscriber(f"tcp://127.0.0.1:{server.getsockname()[1]}", connect_timeout_s=30)
+        peer, _ = server.accept()
+        with peer:
+            sub.close()
+            assert not sub.side._thread.is_alive()  # type: ignore[attr-defined]
+            peer.settimeout(10)
+            assert peer.recv(1) == b""  # the subscriber's end is closed
