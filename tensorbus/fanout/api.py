@@ -62,6 +62,7 @@ class SubscriberOptions:
     max_payload_bytes: int = Limits.max_payload_bytes
     max_decompressed_bytes: int = Limits.max_decompressed_bytes
     max_reassembly_bytes: int = 1 << 31  # chunked versions (Kafka) part way received
+    reassembly_timeout_s: float = 60.0  # ...dropped when their next chunk is this late (e.g. a compacted leftover)
     like: str = "numpy"
 
 
@@ -106,7 +107,11 @@ class Receiver:
         self.latest, self.limits = latest, limits
         self._lock = threading.Lock()
         self._reassembler = Reassembler(
-            max_bytes=opts.max_reassembly_bytes, limits=limits, signing_key=signing_key, like=check_like(opts.like)
+            max_bytes=opts.max_reassembly_bytes,
+            timeout_s=opts.reassembly_timeout_s,
+            limits=limits,
+            signing_key=signing_key,
+            like=check_like(opts.like),
         )
 
     def __call__(self, frame: Buffer) -> bool:

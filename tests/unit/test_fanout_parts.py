@@ -158,3 +158,21 @@ def test_peek_version_skips_odd_chunk_headers_and_with_a_key_unsigned_or_forged_
         b"".join(c) for c in split(signed, max_chunk_bytes=100_000, message_id=message_id, key="w", signing_key=other)
     ]
     assert peek_version(forged[0], key) is None
+
+
+def test_memory_names_are_forgotten_once_unused_and_reassembly_timeout_s_is_the_subscribers() -> None:
+    from tensorbus.fanout import memory
+
+    name = "forgotten-once-unused"
+    sub = tb.Subscriber(f"memory://{name}", reassembly_timeout_s=0.5)
+    assert sub._receiver._reassembler.timeout_s == 0.5
+    with tb.Publisher(f"memory://{name}") as pub:
+        pub.publish("w", np.zeros(4), version=1)
+        assert sub.latest("w", timeout=10).version == 1
+    assert name in memory._TOPICS  # (a subscriber still waits for the next publisher)
+    sub.close()
+    assert name not in memory._TOPICS
+    with tb.Subscriber(f"memory://{name}") as late, tb.Publisher(f"memory://{name}") as pub:
+        pub.publish("w", np.ones(4), version=1)  # a name used again works as a new one
+        assert late.latest("w", timeout=10).tensor[0] == 1.0
+    assert name not in memory._TOPICS
