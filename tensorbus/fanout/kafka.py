@@ -73,14 +73,17 @@ def _reader(transport: KafkaTransport) -> KafkaConsumer:
         fetch_max_bytes=o.fetch_max_bytes,
         max_partition_fetch_bytes=transport.options.partition_fetch_bytes,
     )
-    deadline = time.monotonic() + o.connect_timeout_s
-    while not (partitions := consumer.partitions_for_topic(transport.topic)):
-        if time.monotonic() > deadline:
-            consumer.close()
-            raise TransportError(f"{transport._shown}: the topic's partitions unknown after {o.connect_timeout_s}s")
-        time.sleep(0.1)
-    consumer.assign([TopicPartition(transport.topic, p) for p in sorted(partitions)])
-    consumer.seek_to_beginning()
+    try:
+        deadline = time.monotonic() + o.connect_timeout_s
+        while not (partitions := consumer.partitions_for_topic(transport.topic)):
+            if time.monotonic() > deadline:
+                raise TransportError(f"{transport._shown}: the topic's partitions unknown after {o.connect_timeout_s}s")
+            time.sleep(0.1)
+        consumer.assign([TopicPartition(transport.topic, p) for p in sorted(partitions)])
+        consumer.seek_to_beginning()
+    except BaseException:  # (its connections and fetcher are not left behind)
+        consumer.close()
+        raise
     return consumer
 
 
