@@ -1,7 +1,8 @@
 """`amqp://.../VHOST?queue=NAME` (RabbitMQ): a stream queue, read from its start, keeping the latest of each key.
 
 The publisher sends through the RabbitMQ transport's publisher (confirms), chunked past
-`max_frame_bytes`, into a stream queue (declared as one if missing). The stream's retention
+`max_frame_bytes`, into a stream queue (declared as one if missing; another type of queue is refused,
+see `check_stream`). The stream's retention
 (`x-max-length-bytes`, `x-max-age`, set when the stream is declared) bounds what a new subscriber
 replays; RabbitMQ has no per-key compaction, so keep it above a few versions of every key.
 
