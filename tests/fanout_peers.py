@@ -56,7 +56,12 @@ def check_four_subscriber_processes(pub: Any, url: str, options: dict[str, Any],
 
 
 def check_idle_subscriber(pub: Any, idle: Any) -> None:
-    """A subscriber that is never read neither slows `pub` (no publish over a second) nor holds more than the newest."""
+    """A subscriber that is never read neither slows `pub` nor holds more than the newest.
+
+    The publisher hands versions to the broker and never to a subscriber: every publish returns while
+    the idle one has read none of them (a publish that waited for it would wait for good; the time
+    bound is a generous backstop, not a measurement), and the idle one then holds only the newest.
+    """
     from tests.waiting import wait_for
 
     slowest = 0.0
@@ -64,6 +69,6 @@ def check_idle_subscriber(pub: Any, idle: Any) -> None:
         started = time.monotonic()
         pub.publish("w", np.full(1 << 18, version), version=version)  # 2 MB
         slowest = max(slowest, time.monotonic() - started)
-    assert slowest < 1.0
+    assert slowest < 10.0
     wait_for(lambda: idle.version("w") == 20, 60, "the idle subscriber to hold version 20")
     assert len(idle._latest._latest) == 1  # one version held per key, whatever it did not read

@@ -1,7 +1,8 @@
 """`amqp://.../VHOST?queue=NAME` (RabbitMQ): a stream queue, read from its start, keeping the latest of each key.
 
 The publisher sends through the RabbitMQ transport's publisher (confirms), chunked past
-`max_frame_bytes`, into a stream queue (declared as one if missing). The stream's retention
+`max_frame_bytes`, into a stream queue (declared as one if missing; another type of queue is refused,
+see `check_stream`). The stream's retention
 (`x-max-length-bytes`, `x-max-age`, set when the stream is declared) bounds what a new subscriber
 replays; RabbitMQ has no per-key compaction, so keep it above a few versions of every key.
 
@@ -17,13 +18,16 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import threading
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
+import pika.exceptions as px
+
 from ..codec.chunking import split
-from ..errors import CodecError, TensorBusError
+from ..errors import CodecError, ConfigError, TensorBusError
 from ..transports.rabbitmq import RabbitMQOptions, RabbitMQTransport
 from .api import Receiver
 from .retained import Published, Retained
@@ -47,6 +51,42 @@ def _stream(url: urllib.parse.SplitResult, options: RabbitMQOptions) -> RabbitMQ
     return RabbitMQTransport(url, dataclasses.replace(options, queue_type="stream", offset="first"))
 
 
+#: RabbitMQ's answer to a declare whose argument differs from the queue's: "... inequivalent arg 'NAME' ...
+#: received none but current is the value 'VALUE' of type 'TYPE'"
+_OTHER_ARG = re.compile(r"inequivalent arg '([^']+)'.*received none but current is the value '(.*)' of type '(\w+)'")
+_NUMBERS = {"signedint", "long", "short", "byte", "unsignedbyte", "unsignedshort", "unsignedint"}
+
+
+def check_stream(connection: Any, transport: RabbitMQTransport) -> None:
+    """Make sure the endpoint's queue is a stream (declared as one if missing), else `ConfigError`.
+
+    A fan-out reader acks what it reads: on a stream that is flow-control credit, on any other queue
+    it deletes the messages. AMQP cannot ask a queue's type, so the queue is declared a stream with
+    the arguments RabbitMQ reports it already has (a stream's retention): a queue of another type, or
+    not durable, is refused with 406 PRECONDITION_FAILED naming `x-queue-type` or `durable`.
+    """
+    arguments: dict[str, Any] = {"x-queue-type": "stream"}
+    for _ in range(16):  # (a queue has a few arguments at most)
+        channel = connection.channel()
+        try:
+            channel.queue_declare(transport.queue, durable=True, arguments=arguments)
+            channel.close()
+            return
+        except px.ChannelClosedByBroker as exc:
+            if exc.reply_code != 406:
+                raise
+            found = _OTHER_ARG.search(exc.reply_text)
+            if found is None or found[1] in arguments:
+                raise ConfigError(
+                    f"{transport.shown}: queue {transport.queue!r} exists and is not a stream queue; fan-out needs one "
+                    f"(it reads a stream from its start; on another queue it would consume the messages) "
+                    f"(RabbitMQ: {exc.reply_text})"
+                ) from None
+            name, value, kind = found[1], found[2], found[3]
+            arguments[name] = int(value) if kind in _NUMBERS else value
+    raise ConfigError(f"{transport.shown}: queue {transport.queue!r} has too many arguments to check it is a stream")
+
+
 def _marker() -> bytes:
     """A message that only says "the stream reached here" (not a frame: readers skip it)."""
     return MARKER + os.urandom(16)
@@ -65,8 +105,10 @@ class _StreamReader:
         take: Callable[[bytes], object],
         caught_up: Callable[[], None],
         retry: bool = True,
+        fail: Callable[[TensorBusError], None] | None = None,
     ) -> None:
         self.t, self._take, self._caught_up = transport, take, caught_up
+        self._fail = fail  # told of a `ConfigError` (not a stream), which no retry mends
         self._retry = retry  # False: a failure is raised (a publisher starting), not retried
         self.stop = threading.Event()
         self._marker: bytes | None = None  # ours, until read back
@@ -83,7 +125,13 @@ class _StreamReader:
                 self.stop.wait(1.0)
                 continue
             try:
+                check_stream(connection, self.t)
                 self._consume(connection, channel)
+            except ConfigError as exc:
+                if self._fail is None:
+                    raise
+                self._fail(exc)
+                return
             except Exception as exc:  # pika's connection errors: connect again
                 if not self._retry:
                     raise self.t.as_error(exc) from None
@@ -115,13 +163,20 @@ class _StreamReader:
 class PublishingSide:
     """Learns the versions in the stream, then sends each version's frames (chunked past `max_frame_bytes`)."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: RabbitMQOptions, retained: Retained) -> None:
+    def __init__(
+        self,
+        url: urllib.parse.SplitResult,
+        options: RabbitMQOptions,
+        retained: Retained,
+        signing_key: bytes | None = None,
+    ) -> None:
         self._transport = _stream(url, options)
+        self._signing_key = signing_key  # signs each chunk: a subscriber with a key takes only signed ones
         self.address = self._transport.address
         self._max_record = options.max_frame_bytes or 1 << 62
 
         def learn(body: bytes) -> None:
-            found = peek_version(body)
+            found = peek_version(body, signing_key)
             if found is not None:
                 retained.learn(*found)
 
@@ -130,7 +185,11 @@ class PublishingSide:
 
     def publish(self, published: Published) -> None:
         chunks = split(
-            published.frame, max_chunk_bytes=self._max_record, message_id=published.message_id, key=published.key
+            published.frame,
+            max_chunk_bytes=self._max_record,
+            message_id=published.message_id,
+            key=published.key,
+            signing_key=self._signing_key,
         )
         for chunk in chunks:
             self._transport.send(chunk, key=published.key)
@@ -147,7 +206,9 @@ class SubscribingSide:
 
     def __init__(self, url: urllib.parse.SplitResult, options: RabbitMQOptions, receive: Receiver) -> None:
         self._receive = receive
-        self._reader = _StreamReader(_stream(url, options), self._take, receive.latest.release)
+        self._reader = _StreamReader(
+            _stream(url, options), self._take, receive.latest.release, fail=receive.latest.fail
+        )
         receive.latest.hold()
         self._thread = threading.Thread(target=self._reader.run, daemon=True, name="tensorbus-fanout-amqp")
         self._thread.start()

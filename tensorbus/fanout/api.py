@@ -62,6 +62,7 @@ class SubscriberOptions:
     max_payload_bytes: int = Limits.max_payload_bytes
     max_decompressed_bytes: int = Limits.max_decompressed_bytes
     max_reassembly_bytes: int = 1 << 31  # chunked versions (Kafka) part way received
+    reassembly_timeout_s: float = 60.0  # ...dropped when their next chunk is this late (e.g. a compacted leftover)
     like: str = "numpy"
 
 
@@ -106,7 +107,11 @@ class Receiver:
         self.latest, self.limits = latest, limits
         self._lock = threading.Lock()
         self._reassembler = Reassembler(
-            max_bytes=opts.max_reassembly_bytes, limits=limits, signing_key=signing_key, like=check_like(opts.like)
+            max_bytes=opts.max_reassembly_bytes,
+            timeout_s=opts.reassembly_timeout_s,
+            limits=limits,
+            signing_key=signing_key,
+            like=check_like(opts.like),
         )
 
     def __call__(self, frame: Buffer) -> bool:
@@ -132,7 +137,8 @@ class Publisher:
         self._encoder = Encoder(opts.compression, opts.checksum, signing_key)
         self.retained = Retained(opts.max_retained_bytes, keep_frames=getattr(module, "KEEPS_FRAMES", True))
         self._closed = False
-        self.side: PublishingSide = module.PublishingSide(parsed, transport_opts, self.retained)
+        # (a side that chunks versions signs the chunks with it; every side gets it, whether it chunks or not)
+        self.side: PublishingSide = module.PublishingSide(parsed, transport_opts, self.retained, signing_key)
 
     @property
     def address(self) -> str:
@@ -162,8 +168,9 @@ class Publisher:
             copy = snapshot and self.retained.keep_frames
             frame, message_id = self._encoder.encode(key, tensor, version, metadata, copy)
             published = Published(key, version, frame, sum(memoryview(b).nbytes for b in frame), message_id)
+            self.retained.check_room(published)
+            self.side.publish(published)  # (a version the transport did not take is not kept: it may be tried again)
             self.retained.keep(published)
-            self.side.publish(published)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker holds every version published so far (a subscriber joining then finds them);

@@ -57,7 +57,8 @@ def _transport(url: urllib.parse.SplitResult, options: KafkaOptions) -> KafkaTra
 
 
 def _record_key(key: str, index: int, count: int) -> str:
-    """A whole version is keyed by its key; chunk i of one by KEY#i (compaction keeps the newest of each)."""
+    """A whole version is keyed by its key; chunk i of one by KEY#i (compaction keeps the newest of each;
+    `PublishingSide.publish` refuses keys with '#', so no key is another's chunk)."""
     return key if count == 1 else f"{key}#{index}"
 
 
@@ -72,14 +73,17 @@ def _reader(transport: KafkaTransport) -> KafkaConsumer:
         fetch_max_bytes=o.fetch_max_bytes,
         max_partition_fetch_bytes=transport.options.partition_fetch_bytes,
     )
-    deadline = time.monotonic() + o.connect_timeout_s
-    while not (partitions := consumer.partitions_for_topic(transport.topic)):
-        if time.monotonic() > deadline:
-            consumer.close()
-            raise TransportError(f"{transport._shown}: the topic's partitions unknown after {o.connect_timeout_s}s")
-        time.sleep(0.1)
-    consumer.assign([TopicPartition(transport.topic, p) for p in sorted(partitions)])
-    consumer.seek_to_beginning()
+    try:
+        deadline = time.monotonic() + o.connect_timeout_s
+        while not (partitions := consumer.partitions_for_topic(transport.topic)):
+            if time.monotonic() > deadline:
+                raise TransportError(f"{transport._shown}: the topic's partitions unknown after {o.connect_timeout_s}s")
+            time.sleep(0.1)
+        consumer.assign([TopicPartition(transport.topic, p) for p in sorted(partitions)])
+        consumer.seek_to_beginning()
+    except BaseException:  # (its connections and fetcher are not left behind)
+        consumer.close()
+        raise
     return consumer
 
 
@@ -96,14 +100,17 @@ def _read_to_end(consumer: KafkaConsumer, each: Callable[[bytes], object], stop:
 class PublishingSide:
     """Creates the compacted topic if needed, learns the versions in it, and sends each version's records."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions, retained: Retained) -> None:
+    def __init__(
+        self, url: urllib.parse.SplitResult, options: KafkaOptions, retained: Retained, signing_key: bytes | None = None
+    ) -> None:
         self._transport = _transport(url, options)
         self.address = self._transport.address
+        self._signing_key = signing_key  # signs each chunk: a subscriber with a key takes only signed ones
         self._create_compacted()
         with map_errors(self._transport._shown):
             reader = _reader(self._transport)
         try:
-            _read_to_end(reader, self._learn(retained), threading.Event())
+            _read_to_end(reader, self._learn(retained, signing_key), threading.Event())
         finally:
             reader.close()
         self._max_record = options.max_frame_bytes or 1 << 62
@@ -123,9 +130,9 @@ class PublishingSide:
                 admin.close()
 
     @staticmethod
-    def _learn(retained: Retained) -> Callable[[bytes], object]:
+    def _learn(retained: Retained, signing_key: bytes | None) -> Callable[[bytes], object]:
         def learn(value: bytes) -> None:
-            found = peek_version(value)
+            found = peek_version(value, signing_key)
             if found is not None:
                 retained.learn(*found)
 
@@ -133,8 +140,16 @@ class PublishingSide:
 
     def publish(self, published: Published) -> None:
         """Queue the version's records (the producer blocks only while `max_pending_bytes` are unacknowledged)."""
+        if "#" in published.key:  # chunk records are keyed KEY#i: "w#0" would be compacted with chunk 0 of "w"
+            raise ConfigError(
+                f"a key published on kafka:// may not contain '#' (chunks are keyed KEY#i): {published.key!r}"
+            )
         chunks = split(
-            published.frame, max_chunk_bytes=self._max_record, message_id=published.message_id, key=published.key
+            published.frame,
+            max_chunk_bytes=self._max_record,
+            message_id=published.message_id,
+            key=published.key,
+            signing_key=self._signing_key,
         )
         for index, chunk in enumerate(chunks):
             self._transport.send(chunk, key=_record_key(published.key, index, len(chunks)))
@@ -164,30 +179,39 @@ class SubscribingSide:
             log.error("%s: a record failed its checks, skipped: %s", self._transport._shown, exc)
 
     def _run(self) -> None:
-        consumer = None
-        while consumer is None and not self._stop.is_set():
+        """Read the topic to where it ends now (then answer `latest`), then follow it; on a failure, read it again."""
+        caught_up = False
+        while not self._stop.is_set():
             try:
                 with map_errors(self._transport._shown):
                     consumer = _reader(self._transport)
             except TensorBusError as exc:  # (no topic yet: the publisher creates it)
                 log.info("%s; trying again", exc)
                 self._stop.wait(1.0)
-        if consumer is None:
-            return
-        try:
-            _read_to_end(consumer, self._take, self._stop)
-            self._receive.latest.release()
-            while not self._stop.is_set():
-                try:
-                    for records in consumer.poll(timeout_ms=200).values():
-                        for record in records:
-                            if record.value is not None:
-                                self._take(record.value)
-                except Exception as exc:  # kafka-python reconnects by itself
-                    log.warning("%s: %s; polling again", self._transport._shown, exc)
-                    self._stop.wait(1.0)
-        finally:
-            consumer.close()
+                continue
+            try:
+                if not caught_up:
+                    with map_errors(self._transport._shown):
+                        _read_to_end(consumer, self._take, self._stop)
+                    caught_up = True
+                    self._receive.latest.release()
+                self._follow(consumer)
+            except TensorBusError as exc:  # (versions already held are not taken twice)
+                log.warning("%s; reading the topic again", exc)
+                self._stop.wait(1.0)
+            finally:
+                consumer.close()
+
+    def _follow(self, consumer: KafkaConsumer) -> None:
+        while not self._stop.is_set():
+            try:
+                for records in consumer.poll(timeout_ms=200).values():
+                    for record in records:
+                        if record.value is not None:
+                            self._take(record.value)
+            except Exception as exc:  # kafka-python reconnects by itself
+                log.warning("%s: %s; polling again", self._transport._shown, exc)
+                self._stop.wait(1.0)
 
     def close(self) -> None:
         self._stop.set()

@@ -47,9 +47,10 @@ _TOPICS: dict[str, _Topic] = {}
 _TOPICS_LOCK = threading.Lock()
 
 
-def _topic(name: str) -> _Topic:
-    with _TOPICS_LOCK:
-        return _TOPICS.setdefault(name, _Topic())
+def _forget_if_unused(name: str, topic: _Topic) -> None:
+    """Drop a name with no publisher and no subscribers (called under `_TOPICS_LOCK`): names are not kept forever."""
+    if topic.retained is None and not topic.subscribers and _TOPICS.get(name) is topic:
+        del _TOPICS[name]
 
 
 def _hand(receive: Receive, published: Published) -> None:
@@ -65,10 +66,17 @@ def _hand(receive: Receive, published: Published) -> None:
 class PublishingSide:
     """Hands each version to the name's subscribers."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions, retained: Retained) -> None:
-        self.address = f"memory://{_name(url)}"
-        self._topic = _topic(_name(url))
+    def __init__(
+        self,
+        url: urllib.parse.SplitResult,
+        options: TransportOptions,
+        retained: Retained,
+        signing_key: bytes | None = None,
+    ) -> None:
+        # (`signing_key` unused: whole frames, signed by the publisher, are sent as they are)
+        self.address, self._name = f"memory://{_name(url)}", _name(url)
         with _TOPICS_LOCK:
+            self._topic = _TOPICS.setdefault(self._name, _Topic())
             if self._topic.retained is not None:
                 raise ConfigError(f"{self.address} already has a publisher")
             self._topic.retained = retained
@@ -82,15 +90,17 @@ class PublishingSide:
     def close(self) -> None:
         with _TOPICS_LOCK:
             self._topic.retained = None
+            _forget_if_unused(self._name, self._topic)
 
 
 class SubscribingSide:
     """Joins the name: gets what its publisher retains, then every publish."""
 
     def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions, receive: Receive) -> None:
-        self._topic, self._receive = _topic(_name(url)), receive
+        self._name, self._receive = _name(url), receive
         while True:
-            with _TOPICS_LOCK:
+            with _TOPICS_LOCK:  # (the name's topic, found and joined under one lock: none dropped meanwhile)
+                self._topic = _TOPICS.setdefault(self._name, _Topic())
                 retained = self._topic.retained
                 if retained is None:  # no publisher yet: its first publish comes as an update
                     self._topic.subscribers.append(receive)
@@ -108,3 +118,4 @@ class SubscribingSide:
         with _TOPICS_LOCK:
             if self._receive in self._topic.subscribers:
                 self._topic.subscribers.remove(self._receive)
+            _forget_if_unused(self._name, self._topic)

@@ -41,19 +41,24 @@ class Retained:
         if last is not None and version <= last:
             raise ConfigError(f"version {version} of {key!r} is not greater than its last one, {last}")
 
+    def check_room(self, published: Published) -> int:
+        """The bytes retained once `published` is kept (`LimitExceeded` past `max_bytes`)."""
+        old = self._latest.get(published.key)
+        total = self.nbytes - (old.nbytes if old else 0) + published.nbytes
+        if self.keep_frames and total > self.max_bytes:
+            raise LimitExceeded(
+                f"publishing {published.key!r} ({published.nbytes} bytes) would retain {total} bytes; "
+                f"max_retained_bytes={self.max_bytes}"
+            )
+        return total
+
     def keep(self, published: Published) -> None:
         """Retain `published` in place of its key's older frame (`LimitExceeded` past `max_bytes`: nothing changes)."""
         self.check(published.key, published.version)
         if not self.keep_frames:
             self._versions[published.key] = published.version
             return
-        old = self._latest.get(published.key)
-        total = self.nbytes - (old.nbytes if old else 0) + published.nbytes
-        if total > self.max_bytes:
-            raise LimitExceeded(
-                f"publishing {published.key!r} ({published.nbytes} bytes) would retain {total} bytes; "
-                f"max_retained_bytes={self.max_bytes}"
-            )
+        total = self.check_room(published)
         self._latest.pop(published.key, None)
         self._latest[published.key] = published
         self._versions[published.key] = published.version

@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 from typing import Any
 
@@ -107,11 +108,19 @@ class _Mailbox:
 class PublishingSide:
     """Listens; every subscriber that passes the handshake gets the retained versions, then each update."""
 
-    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions, retained: Retained) -> None:
+    def __init__(
+        self,
+        url: urllib.parse.SplitResult,
+        options: SocketOptions,
+        retained: Retained,
+        signing_key: bytes | None = None,
+    ) -> None:
+        # (`signing_key` unused: whole frames, signed by the publisher, are sent as they are)
         self._where = SocketTransport(url, options)  # (the address, TLS and secret, as a socket consumer's)
         self.options, self.retained = options, retained
         self._lock = threading.Lock()
         self._boxes: list[_Mailbox] = []
+        self._greeting = 0  # connections past the handshake, not yet subscribed (they count for max_connections)
         self._closed = False
         self._listener = Listener(
             self._where.family, self._where.target, options, self._where.secret, lambda: self.address, b""
@@ -128,30 +137,52 @@ class PublishingSide:
 
     @property
     def connections(self) -> int:
+        """Subscribers, and connections still being greeted (what `max_connections` bounds)."""
         with self._lock:
-            return len(self._boxes)
+            return len(self._boxes) + self._greeting
 
     def add(self, conn: socket.socket, name: Any) -> None:
         """A connection passed the handshake (on the listener's thread): greet it on a thread of its own."""
+        with self._lock:
+            self._greeting += 1
         threading.Thread(target=self._serve, args=(conn, str(name)), daemon=True, name="tensorbus-fanout-send").start()
+
+    def _greet(self, conn: socket.socket) -> None:
+        """Read the subscription (after any REFUSALS_WANTED markers) and answer it, all within `connect_timeout_s`."""
+        deadline = time.monotonic() + self.options.connect_timeout_s
+        marker = memoryview(bytearray(len(SUBSCRIBE)))
+        while True:
+            got = 0
+            while got < len(marker):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(f"no subscription within connect_timeout_s={self.options.connect_timeout_s}")
+                conn.settimeout(left)
+                n = conn.recv_into(marker[got:])
+                if n == 0:
+                    raise TransportError("closed before it subscribed")
+                got += n
+            if bytes(marker) != REFUSALS_WANTED:
+                break
+        if bytes(marker) != SUBSCRIBE:
+            raise TransportError("not a tensorbus subscriber (a Producer? it sends to a Consumer)")
+        conn.settimeout(self.options.connect_timeout_s)
+        conn.sendall(PUBLISHING)
+        set_send_timeout(conn, self.options.send_timeout_s)
 
     def _serve(self, conn: socket.socket, name: str) -> None:
         try:
-            conn.settimeout(self.options.connect_timeout_s)
-            marker = bytearray(len(SUBSCRIBE))
-            while recv_exact(conn, memoryview(marker)) == len(marker) and bytes(marker) == REFUSALS_WANTED:
-                pass
-            if bytes(marker) != SUBSCRIBE:
-                raise TransportError("not a tensorbus subscriber (a Producer? it sends to a Consumer)")
-            conn.sendall(PUBLISHING)
-            set_send_timeout(conn, self.options.send_timeout_s)
+            self._greet(conn)
         except (OSError, TransportError) as exc:
             log.info("%s: connection from %s closed: %s", self.address, name, exc)
             conn.close()
+            with self._lock:
+                self._greeting -= 1
             return
         box = _Mailbox(conn, name)
         with self.retained.lock:  # the retained versions, then the updates: none missed, none twice
             with self._lock:
+                self._greeting -= 1
                 if self._closed:
                     conn.close()
                     return
@@ -200,7 +231,8 @@ class SubscribingSide:
         self.connects = 0  # connections made so far
         #: frames are read into reused buffers (the one a held version views, one being read, a spare)
         self._pool = BufferPool(max_buffers=3)
-        threading.Thread(target=self._run, daemon=True, name="tensorbus-fanout-recv").start()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tensorbus-fanout-recv")
+        self._thread.start()
 
     def _run(self) -> None:
         delays = backoff_s()
@@ -235,12 +267,14 @@ class SubscribingSide:
                 raise TransportError("closed")
             self._sock = sock
         sock.settimeout(self.options.connect_timeout_s)
-        sock.connect(where.target)
+        sock.connect(where.target)  # (a `close` meanwhile cannot stop it: it is checked below)
         context = where._ssl_context(server_side=False)
         if context is not None:
             sock = context.wrap_socket(sock, server_hostname=where.target[0])
-            with self._lock:
-                self._sock = sock
+        with self._lock:
+            self._sock = sock
+            if self._closed.is_set():  # (`_run` closes the socket)
+                raise TransportError("closed")
         handshake_as_producer(sock, where.secret, where.address)
         sock.sendall(SUBSCRIBE)
         answer = bytearray(len(PUBLISHING))
@@ -269,8 +303,11 @@ class SubscribingSide:
             self._receive(frame)
 
     def close(self) -> None:
+        """Stop receiving: the receiving thread ends (a connect under way is given up) and its socket is closed."""
         self._closed.set()
         with self._lock:
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self.options.connect_timeout_s)

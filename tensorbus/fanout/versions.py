@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..buffers import BufferPool
-from ..codec.frame import PREFIX, Buffer, Limits, Message, _unpack_header, decode, encode, join_into
+from ..codec.frame import PREFIX, Buffer, Limits, Message, _unpack_header, decode, encode, join_into, parse
 from ..codec.tensors import align
 from ..errors import CodecError, ConfigError, MalformedHeader
 
@@ -90,11 +90,17 @@ def _header(view: memoryview) -> dict[str, Any]:
     return _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
 
 
-def peek_version(frame: Buffer) -> tuple[str, int] | None:
+def peek_version(frame: Buffer, signing_key: bytes | None = None) -> tuple[str, int] | None:
     """The key and version a stored frame carries, read from its header alone (of the message, for the first
-    chunk of one); None for a later chunk or what does not parse. For a publisher learning where versions stand."""
+    chunk of one); None for a later chunk or what does not parse. For a publisher learning where versions stand.
+
+    With a `signing_key`, only a frame (or chunk) whose signature verifies counts: anyone who can write
+    to the topic could otherwise raise a key's version and stop the publisher's next ones.
+    """
     try:
         view = memoryview(frame).cast("B")
+        if signing_key is not None:
+            parse(view, signing_key=signing_key)  # (a version may be old: no age limit)
         header = _header(view)
         if header.get("kind") == "chunk":
             if header.get("chunk", [None])[0] != 0:
@@ -102,5 +108,5 @@ def peek_version(frame: Buffer) -> tuple[str, int] | None:
             header = _header(view[align(PREFIX.size + PREFIX.unpack_from(view)[4]) :])  # the message's own frame
         key, version = header.get("key"), header.get("meta", {}).get(VERSION_FIELD)
         return (key, version) if isinstance(key, str) and type(version) is int else None
-    except (CodecError, TypeError, ValueError, AttributeError, IndexError, struct.error):
+    except (CodecError, TypeError, ValueError, AttributeError, IndexError, KeyError, struct.error):
         return None

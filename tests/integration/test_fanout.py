@@ -169,10 +169,13 @@ def test_a_subscriber_that_never_reads_neither_slows_the_publisher_nor_grows_its
 ) -> None:
     url, _, _ = _ends(scheme, tls)
     frame_bytes = 4 << 20
-    with tb.Publisher(url, max_retained_bytes=3 * frame_bytes) as pub:
+    # (send_timeout_s: the stalled connection is not dropped for being stalled while the test runs)
+    with tb.Publisher(url, max_retained_bytes=3 * frame_bytes, send_timeout_s=300) as pub:
         stalled = _stalled_subscriber(pub.address, {})
         reader = tb.Subscriber(pub.address)
+        mailboxes = pub.side.mailbox_bytes  # type: ignore[attr-defined]
         try:
+            wait_for(lambda: len(mailboxes()) == 2, 30, "both subscribers to have a mailbox")
             slowest = 0.0
             for version in range(1, 61):  # 240 MiB per key through a connection that takes a few KB
                 for key in ("a", "b"):
@@ -180,9 +183,12 @@ def test_a_subscriber_that_never_reads_neither_slows_the_publisher_nor_grows_its
                     pub.publish(key, np.full(frame_bytes // 8, version, np.int64), version=version)
                     slowest = max(slowest, time.monotonic() - started)
                 # bounded: the stalled mailbox holds at most one version per key, retained within the bound
-                assert max(pub.side.mailbox_bytes()) <= 2 * (frame_bytes + 4096)  # type: ignore[attr-defined]
+                assert max(mailboxes()) <= 2 * (frame_bytes + 4096)
                 assert pub.retained.nbytes <= 3 * frame_bytes
-            assert slowest < 1.0
+            # the publisher never waited for the stalled subscriber: every publish returned while versions
+            # still wait in its mailbox (one that waited would wait for good: the bound is only a backstop)
+            assert max(mailboxes()) > 0
+            assert slowest < 10.0
             assert reader.latest("a", newer_than=59, timeout=30).tensor[0] == 60
             assert reader.latest("b", newer_than=59, timeout=30).tensor[0] == 60
         finally:
@@ -279,3 +285,38 @@ def test_a_subscriber_of_a_consumer_says_so_in_its_log(caplog: pytest.LogCapture
     with caplog.at_level(logging.ERROR, logger="tensorbus.fanout.sockets"):
         with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Subscriber(consumer.address):
             wait_for(lambda: "a Consumer, not a Publisher?" in caplog.text, 30, "the subscriber's error")
+
+
+def test_a_connection_being_greeted_counts_and_must_subscribe_in_connect_timeout_s() -> None:
+    from tensorbus.transports.stream import REFUSALS_WANTED
+
+    with tb.Publisher("tcp://127.0.0.1:0", max_connections=1, connect_timeout_s=1.0) as pub:
+        host, port = pub.address.split("://")[1].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as idle:
+            handshake_as_producer(idle, None, pub.address)  # ...and never subscribes
+            wait_for(lambda: pub.side.connections == 1, 10, "the greeting counted")  # (for max_connections=1)
+            started = time.monotonic()
+            while True:  # it keeps asking for refusals: the greeting still ends at its deadline
+                try:
+                    idle.sendall(REFUSALS_WANTED)
+                except OSError:
+                    break
+                idle.settimeout(0.2)
+                try:
+                    if idle.recv(1) == b"":
+                        break
+                except TimeoutError:
+                    pass
+                assert time.monotonic() - started < 20, "the publisher kept a connection that never subscribed"
+            wait_for(lambda: pub.side.connections == 0, 10, "the greeting given up")
+
+
+def test_closing_a_subscriber_while_it_connects_ends_its_thread_and_socket() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:  # accepts, then never answers the handshake
+        sub = tb.Subscriber(f"tcp://127.0.0.1:{server.getsockname()[1]}", connect_timeout_s=30)
+        peer, _ = server.accept()
+        with peer:
+            sub.close()
+            assert not sub.side._thread.is_alive()  # type: ignore[attr-defined]
+            peer.settimeout(10)
+            assert peer.recv(1) == b""  # the subscriber's end is closed

@@ -73,3 +73,38 @@ def test_a_subscriber_that_never_reads_does_not_slow_the_publisher() -> None:
 def test_a_publisher_with_no_broker_there_fails_at_once() -> None:
     with pytest.raises(tb.TransportError, match="failed"):
         tb.Publisher(f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F?queue=q", reconnect_timeout_s=1)
+
+
+def test_a_signed_version_of_several_messages_reaches_a_signed_subscriber() -> None:
+    with _stream() as url, tb.Publisher(url, signing_key="s3cret", **SMALL_FRAMES) as pub:
+        pub.publish("w", np.full(300_000, 7, np.float32), version=1)  # five chunks, each signed for the queue
+        pub.flush(30)
+        with tb.Subscriber(url, signing_key="s3cret", **SMALL_FRAMES) as sub:
+            message = sub.latest("w", timeout=60)
+            assert message.version == 1 and message.tensor.min() == message.tensor.max() == 7.0
+
+
+def test_fan_out_refuses_a_queue_that_is_not_a_stream_and_leaves_its_messages() -> None:
+    with _stream() as url:
+        name = url.rsplit("=", 1)[1]
+        with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            channel = connection.channel()
+            channel.queue_declare(name, durable=True, arguments={"x-max-length": 1000})  # a classic queue
+            channel.basic_publish("", name, b"someone else's message")
+        with pytest.raises(tb.ConfigError, match="not a stream queue"):
+            tb.Publisher(url)
+        with tb.Subscriber(url) as sub, pytest.raises(tb.ConfigError, match="not a stream queue"):
+            sub.latest("w", timeout=30)
+        with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            assert connection.channel().queue_declare(name, passive=True).method.message_count == 1
+
+
+def test_fan_out_uses_a_stream_declared_with_its_own_retention() -> None:
+    with _stream() as url:
+        name = url.rsplit("=", 1)[1]
+        with pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            arguments = {"x-queue-type": "stream", "x-max-age": "1h", "x-max-length-bytes": 50_000_000}
+            connection.channel().queue_declare(name, durable=True, arguments=arguments)
+        with tb.Publisher(url) as pub, tb.Subscriber(url) as sub:
+            pub.publish("w", np.full(4, 2.0), version=2)
+            assert sub.latest("w", timeout=30).version == 2

@@ -153,3 +153,60 @@ def test_a_restarted_subscriber_starts_from_the_latest_versions() -> None:
 def test_the_confluent_client_is_refused_for_fan_out() -> None:
     with pytest.raises(tb.ConfigError, match="kafka-python client"):
         tb.Publisher(f"{KAFKA_URL.rstrip('/')}/t", client="confluent")
+
+
+def test_a_signed_version_of_several_records_reaches_a_signed_subscriber() -> None:
+    # 1.2 MB past the default max_frame_bytes (~1 MB): two chunk records, each signed for the topic
+    with _topic() as url, tb.Publisher(url, signing_key="s3cret") as pub:
+        pub.publish("w", np.full(300_000, 7, np.float32), version=1)
+        pub.flush(30)
+        with tb.Subscriber(url, signing_key="s3cret") as sub:
+            message = sub.latest("w", timeout=60)
+            assert message.version == 1 and message.tensor.min() == message.tensor.max() == 7.0
+
+
+def test_a_subscriber_whose_first_read_fails_reads_the_topic_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kafka.errors import KafkaTimeoutError
+
+    from tensorbus.fanout import kafka as fanout_kafka
+
+    read_to_end, failures = fanout_kafka._read_to_end, []
+
+    def failing_once(*args: object) -> None:
+        if not failures:
+            failures.append(1)
+            raise KafkaTimeoutError("a broker did not answer in time")  # (as a fetch or offsets request may)
+        read_to_end(*args)  # type: ignore[arg-type]
+
+    with _topic() as url, tb.Publisher(url) as pub:
+        pub.publish("w", np.full(4, 1.0), version=1)
+        pub.flush(30)
+        monkeypatch.setattr(fanout_kafka, "_read_to_end", failing_once)
+        with tb.Subscriber(url) as sub:
+            assert sub.latest("w", timeout=30).version == 1
+        assert failures == [1]
+
+
+def test_a_key_with_a_hash_is_refused_on_kafka_and_changes_nothing() -> None:
+    # chunk i of "w" is keyed "w#i": a key "w#0" would be compacted with it
+    with _topic() as url, tb.Publisher(url, **SMALL_RECORDS) as pub:
+        pub.publish("w", np.full(300_000, 1, np.float32), version=1)  # five chunk records
+        with pytest.raises(tb.ConfigError, match="'#'"):
+            pub.publish("w#0", np.zeros(4), version=1)
+        assert pub.versions() == {"w": 1}
+        pub.flush(30)
+        with tb.Subscriber(url) as sub:
+            assert sub.latest("w", timeout=60).tensor.max() == 1.0
+
+
+def test_a_signed_publisher_learns_versions_only_from_records_that_verify() -> None:
+    with _topic() as url:
+        with tb.Publisher(url) as forger:  # anyone who can write to the topic, without the key
+            forger.publish("w", np.zeros(4), version=1_000_000)
+            forger.flush(30)
+        with tb.Publisher(url, signing_key="s3cret") as pub:
+            assert pub.versions() == {}
+            pub.publish("w", np.ones(4), version=1)
+            pub.flush(30)
+        with tb.Publisher(url, signing_key="s3cret") as pub:
+            assert pub.versions() == {"w": 1}

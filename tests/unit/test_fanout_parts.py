@@ -122,3 +122,57 @@ def test_where_a_broker_keeps_the_frames_only_versions_are_tracked() -> None:
     assert retained.frames() == [] and retained.nbytes == 0 and retained.versions() == {"a": 1}
     with pytest.raises(tb.ConfigError, match="not greater"):
         retained.keep(_published("a", 1, 1))
+
+
+def test_a_version_the_transport_refused_is_not_kept_and_may_be_published_again() -> None:
+    with tb.Publisher("memory://refused-once") as pub, tb.Subscriber("memory://refused-once") as sub:
+        side_publish = pub.side.publish
+
+        def failing(published: Published) -> None:
+            raise tb.TransportError("the broker went away")  # (as a broker side's send may)
+
+        pub.side.publish = failing  # type: ignore[method-assign]
+        with pytest.raises(tb.TransportError):
+            pub.publish("w", np.full(4, 1.0), version=1)
+        assert pub.versions() == {} and pub.retained.frames() == []
+        pub.side.publish = side_publish  # type: ignore[method-assign]
+        pub.publish("w", np.full(4, 1.0), version=1)
+        assert sub.latest("w", timeout=10).version == 1 and pub.versions() == {"w": 1}
+
+
+def test_peek_version_skips_odd_chunk_headers_and_with_a_key_unsigned_or_forged_frames() -> None:
+    from tensorbus.codec.frame import encode_raw
+
+    odd = b"".join(encode_raw({"kind": "chunk", "chunk": {"index": 0}}, [b"x"], 1))  # "chunk" not a list
+    assert peek_version(odd) is None
+    key, other = b"k" * 32, b"o" * 32
+    unsigned, _ = Encoder(None, True, None).encode("w", np.arange(10), 7, None, snapshot=True)
+    signed, message_id = Encoder(None, True, key).encode("w", np.arange(100_000), 8, None, snapshot=True)
+    assert peek_version(unsigned[0], key) is None and peek_version(unsigned[0]) == ("w", 7)
+    assert peek_version(signed[0], other) is None and peek_version(signed[0], key) == ("w", 8)
+    chunks = [
+        b"".join(c) for c in split(signed, max_chunk_bytes=100_000, message_id=message_id, key="w", signing_key=key)
+    ]
+    assert peek_version(chunks[0], key) == ("w", 8)
+    forged = [
+        b"".join(c) for c in split(signed, max_chunk_bytes=100_000, message_id=message_id, key="w", signing_key=other)
+    ]
+    assert peek_version(forged[0], key) is None
+
+
+def test_memory_names_are_forgotten_once_unused_and_reassembly_timeout_s_is_the_subscribers() -> None:
+    from tensorbus.fanout import memory
+
+    name = "forgotten-once-unused"
+    sub = tb.Subscriber(f"memory://{name}", reassembly_timeout_s=0.5)
+    assert sub._receiver._reassembler.timeout_s == 0.5
+    with tb.Publisher(f"memory://{name}") as pub:
+        pub.publish("w", np.zeros(4), version=1)
+        assert sub.latest("w", timeout=10).version == 1
+    assert name in memory._TOPICS  # (a subscriber still waits for the next publisher)
+    sub.close()
+    assert name not in memory._TOPICS
+    with tb.Subscriber(f"memory://{name}") as late, tb.Publisher(f"memory://{name}") as pub:
+        pub.publish("w", np.ones(4), version=1)  # a name used again works as a new one
+        assert late.latest("w", timeout=10).tensor[0] == 1.0
+    assert name not in memory._TOPICS
