@@ -25,7 +25,7 @@ What it measures
 
     Methods are interleaved within each round (order rotated per round) after a warm-up, because the
     machine is shared and single rounds vary by about ±30 %. Ratios to pyarrow are medians of per-round
-    ratios. Targets (issue 2): at 16 MB and 256 MB without checksum at least as fast as pyarrow; with
+    ratios. Targets: at 16 MB and 256 MB without checksum at least as fast as pyarrow; with
     CRC32C at least 5 GB/s at 16 MB; header encode + decode under 20 µs.
 
 How to run (from the repository root)
@@ -296,7 +296,7 @@ def report(
         }
     )
     print_table(
-        "Targets (issue 2)",
+        "Targets",
         ["target", "measured", "met"],
         [[t["target"], t["measured"], "yes" if t["met"] else "NO"] for t in targets],
         markdown=markdown,

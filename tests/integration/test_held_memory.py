@@ -88,7 +88,7 @@ def test_compression_bombs_held_while_the_table_is_full_cost_their_size_on_the_w
             child.kill()
 
 
-#: issue 35's flood: as many connections, each with one bomb as large as the table and the decompression limit
+#: a flood of bombs: as many connections, each with one bomb as large as the table and the decompression limit
 FLOOD_BOMBS = 8
 FLOOD_MIB = 128
 #: what the bound allows over the table and the held frames' wire bytes: the interpreter's own churn
