@@ -98,7 +98,8 @@ def test_an_aborted_consumers_tensors_reach_its_successor(transport: str) -> Non
             for i in range(3):
                 producer.send(f"k{i}", np.full(3, i))
             producer.send("big", big)
-            producer.flush(30)
+            if transport != "memory":  # (a memory:// flush waits for a consumer to take them: the successor, below)
+                producer.flush(30)
         wait_for(lambda: read, 30, "the aborted consumer to read one of them (and turn it away)")
         with tb.Consumer(url) as successor:
             assert [successor.recv(f"k{i}", timeout=30)[0] for i in range(3)] == [0, 1, 2]
