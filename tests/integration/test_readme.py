@@ -68,6 +68,20 @@ def run_example(name: str, url: str) -> subprocess.Popen[str]:
     )  # fmt: skip
 
 
+#: the pages of docs/ whose ```python blocks run on their own, as the README's do
+DOC_PAGES = ("FORMAT.md", "DELIVERY.md")
+DOC_BLOCKS = [(page, code) for page in DOC_PAGES for code in blocks("python", (ROOT / "docs" / page).read_text())]
+
+
+@pytest.mark.parametrize("page, code", DOC_BLOCKS, ids=[f"{page}-{i}" for i, (page, _) in enumerate(DOC_BLOCKS)])
+def test_every_python_block_of_the_pages_that_carry_examples_runs(page: str, code: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", HIDE_EXTRAS + code],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=BOUND_S,
+    )  # fmt: skip
+    assert result.returncode == 0, f"docs/{page} python block:\n{code}\n{result.stdout}{result.stderr}"
+
+
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
 def test_every_python_block_of_the_readme_runs_on_its_own(index: int, tmp_path: Path) -> None:
     code = blocks("python")[index]
