@@ -7,6 +7,9 @@
 # The host ports must be free: stop the native brokers first (scripts/test.sh does), or move them with
 # the launcher's variables (TENSORBUS_AMQP_PORT, ...; the tests' URLs follow).
 #
+# `--prepare` only installs and starts the engine and builds the images, and leaves the engine running
+# (scripts/test.sh runs it in the background, at the lowest priority, while the native passes run).
+#
 # Env: TENSORBUS_TEST_PYTHON (.venv/bin/python) and pytest arguments after the script's name.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,16 +21,19 @@ profile=()   # the clusters, once the native launcher has them (scripts/brokers/
 if compgen -G "scripts/brokers/*_cluster.sh" >/dev/null; then profile=(--profile cluster); fi
 compose=(docker compose "${profile[@]}")
 
+prepare_only=0
+if [[ ${1:-} == --prepare ]]; then prepare_only=1; shift; fi
 engine_was_up=0
 timeout 20 docker info >/dev/null 2>&1 && engine_was_up=1
 bash scripts/docker.sh up
-((engine_was_up)) || trap 'bash scripts/docker.sh down' EXIT
+((engine_was_up || prepare_only)) || trap 'bash scripts/docker.sh down' EXIT
 took "engine and Compose"
 bash scripts/docker.sh prepare
 took "base image and Kafka's jars"
 "${compose[@]}" build --quiet
 docker image prune -f >/dev/null   # the untagged images earlier builds left behind (the build cache stays)
 took "images built"
+((prepare_only)) && exit 0
 # `down` before `up`: containers a killed run left behind would hold the ports
 "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
 down() { "${compose[@]}" down -v --timeout 120 || true; ((engine_was_up)) || bash scripts/docker.sh down; }
