@@ -152,14 +152,15 @@ def recv(args: argparse.Namespace) -> int:
             _note_dropped(consumer)
         target = _write(args.output, message)
     print(f"received {args.key}: {_describe(message.tensor)} -> {target}")
-    return _fell_back(args, target)
+    return _fell_back(args.output, target, args.tbf_fallback)
 
 
-def _fell_back(args: argparse.Namespace, target: Path) -> int:
-    """0 when `target` is the file asked for, or --tbf-fallback accepts a .tbf beside it; else 2 (stderr said why)."""
-    if target == Path(args.output) or args.tbf_fallback:
+def _fell_back(asked: str | Path, target: Path, tbf_fallback: bool) -> int:
+    """The exit status of a command that wrote `target` (`_write`) when asked for `asked`: 0 when it is that
+    file, or when --tbf-fallback accepts a .tbf beside it; else 2 (and stderr says why)."""
+    if target == Path(asked) or tbf_fallback:
         return 0
-    print(f"exit status 2: {args.output} was not written (--tbf-fallback accepts the .tbf)", file=sys.stderr)
+    print(f"exit status 2: {asked} was not written (--tbf-fallback accepts the .tbf)", file=sys.stderr)
     return 2
 
 
@@ -233,9 +234,9 @@ def save(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             asked, target = target, _write(target, message)
             print(f"saved {_describe(message.tensor)} -> {target} ({time.perf_counter() - started:.2f}s)", flush=True)
-            if target != asked and not args.tbf_fallback:
+            if status := _fell_back(asked, target, args.tbf_fallback):
                 _note_dropped(consumer)
-                return _fell_back(argparse.Namespace(output=asked, tbf_fallback=False), target)
+                return status
             if not args.follow or (args.max_versions and version - first + 1 >= args.max_versions):
                 _note_dropped(consumer)
                 return 0
@@ -256,8 +257,11 @@ def _save_subscribed(args: argparse.Namespace, output: Path) -> int:
                 print(f"no new version within {args.timeout}s: stopping after {saved} saved")
                 return 0
             kept = Message(message.key, message.tensor, {**message.metadata, VERSION_FIELD: message.version})
-            target = _write(_versioned(output, message.version) if args.follow else output, kept)  # (.tbf: with it)
+            asked = _versioned(output, message.version) if args.follow else output
+            target = _write(asked, kept)  # (a .tbf keeps the version with it)
             print(f"saved version {message.version}: {_describe(message.tensor)} -> {target}", flush=True)
+            if status := _fell_back(asked, target, args.tbf_fallback):
+                return status
             saved, newer_than = saved + 1, message.version
             if not args.follow or (args.max_versions and saved >= args.max_versions):
                 return 0

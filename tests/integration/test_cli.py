@@ -266,17 +266,30 @@ def test_a_tensor_the_output_format_cannot_hold_is_written_as_a_frame_not_lost(t
     assert message.key == "k" and message.metadata == {"step": 4} and set(message.tensor) == {"w", "b"}
 
 
-def test_a_fallback_never_replaces_a_file_and_fails_unless_allowed(tmp_path: Path) -> None:
-    """`recv -o model.npy` of a bundle: an existing model.tbf (the user's, not named) stays as it was, the tensor
-    goes to model-1.tbf, and the exit status is 2 since the file asked for was not written."""
+@pytest.mark.parametrize("command", ["recv", "save", "save --subscribe"])
+def test_a_fallback_never_replaces_a_file_and_fails_unless_allowed(tmp_path: Path, command: str) -> None:
+    """`recv -o model.npz` (or `save`, or `save --subscribe`) of a bfloat16 tensor, which .npz cannot describe: an
+    existing model.tbf (the user's, not named) stays as it was, the tensor goes to model-1.tbf, and the exit status
+    is 2 since the file asked for was not written; with --tbf-fallback, the next goes to model-2.tbf and it is 0."""
     (tmp_path / "model.tbf").write_bytes(b"the user's own file")
-    receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "model.npy"), "--timeout", "30")
-    with tb.Producer(address) as producer:
-        producer.send("k", {"w": np.ones(3)}, metadata={"step": 4})
-    _, err = receiver.communicate(timeout=60)
-    assert receiver.returncode == 2 and "--tbf-fallback" in err and "model-1.tbf" in err, err
-    assert (tmp_path / "model.tbf").read_bytes() == b"the user's own file" and not (tmp_path / "model.npy").exists()
-    assert tb.decode((tmp_path / "model-1.tbf").read_bytes()).metadata == {"step": 4}
+    bundle = {"w": np.arange(4).astype(ml_dtypes.bfloat16)}
+    for n, flags in enumerate([(), ("--tbf-fallback",)], start=1):
+        args = (*command.split(), "k", "-o", str(tmp_path / "model.npz"), "--timeout", "30", *flags)
+        if command == "save --subscribe":
+            with tb.Publisher("tcp://127.0.0.1:0") as pub:
+                pub.publish("k", bundle, version=n, metadata={"step": 4})
+                result = tensorbus(args[0], pub.address, *args[1:])
+            status, err = result.returncode, result.stderr
+        else:
+            receiver, address = listen(args[0], "tcp://127.0.0.1:0", *args[1:])
+            with tb.Producer(address) as producer:
+                producer.send("k", bundle, metadata={"step": 4})
+            _, err = receiver.communicate(timeout=60)
+            status = receiver.returncode
+        assert status == (2 if n == 1 else 0), err
+        assert f"model-{n}.tbf" in err and ("--tbf-fallback" in err) == (n == 1), err
+        assert tb.decode((tmp_path / f"model-{n}.tbf").read_bytes()).metadata["step"] == 4
+    assert (tmp_path / "model.tbf").read_bytes() == b"the user's own file" and not (tmp_path / "model.npz").exists()
 
 
 def test_a_restarted_save_follow_numbers_on_instead_of_overwriting(tmp_path: Path) -> None:
