@@ -150,8 +150,9 @@ class PikaLink(_ChunkedLink):
                 brokers.delete_queue(self.spec["url"], queue)
 
 
-class KafkaLink(_ChunkedLink):
-    """Raw kafka-python: a topic per direction, one partition, chunked records, acks=all."""
+class KafkaClientLink(_ChunkedLink):
+    """A raw Kafka client's link (kafka-python here, confluent-kafka in confluent_baseline.py): the brokers,
+    its producer and consumer, the records fetched and not yet joined, and how each chunk is labelled."""
 
     def __init__(self, spec: dict[str, Any], role: str) -> None:
         super().__init__(spec, role)
@@ -159,6 +160,25 @@ class KafkaLink(_ChunkedLink):
         self.consumer: Any = None
         self.producer: Any = None
         self.records: collections.deque[Any] = collections.deque()
+        #: the largest record, fetch and request: one chunk and its batch's overhead, at least the client's 1 MiB
+        self.record_bytes = max(1 << 20, self.chunk_bytes + 1024)
+
+    @staticmethod
+    def headers(index: int, chunk: int, count: int) -> list[tuple[str, bytes]]:
+        """A chunk record's headers: the tensor's index, the chunk's and how many there are."""
+        return [
+            ("i", index.to_bytes(8, "little")),
+            ("c", chunk.to_bytes(4, "little")),
+            ("n", count.to_bytes(4, "little")),
+        ]
+
+    def delete_topic(self) -> None:
+        """Remove the link's topic (after its consumer closed)."""
+        brokers.delete_endpoint(f"kafka://{self.bootstrap}/{self.name}")
+
+
+class KafkaLink(KafkaClientLink):
+    """Raw kafka-python: a topic per direction, one partition, chunked records, acks=all."""
 
     def open(self) -> str:
         from kafka import KafkaConsumer
@@ -169,7 +189,7 @@ class KafkaLink(_ChunkedLink):
             bootstrap_servers=self.bootstrap,
             group_id=self.name,
             auto_offset_reset="earliest",  # otherwise kafka-python's defaults, as a user would start
-            max_partition_fetch_bytes=max(1 << 20, self.chunk_bytes + 1024),
+            max_partition_fetch_bytes=self.record_bytes,
             request_timeout_ms=int(max(self.timeout_s, 31) * 1000),
         )
         deadline = time.monotonic() + self.timeout_s
@@ -185,16 +205,14 @@ class KafkaLink(_ChunkedLink):
         self.producer = KafkaProducer(
             bootstrap_servers=self.bootstrap,
             acks="all",  # and kafka-python's default: the idempotent producer
-            max_request_size=max(1 << 20, self.chunk_bytes + 1024),
+            max_request_size=self.record_bytes,
             max_block_ms=int(self.timeout_s * 1000),
         )
         self.topic = address
 
     def send(self, array: np.ndarray, index: int) -> None:
         for chunk, count, body in self.chunks(array):
-            headers = [("i", index.to_bytes(8, "little")), ("c", chunk.to_bytes(4, "little"))]
-            headers.append(("n", count.to_bytes(4, "little")))
-            self.producer.send(self.topic, value=body, key=b"t", headers=headers)
+            self.producer.send(self.topic, value=body, key=b"t", headers=self.headers(index, chunk, count))
 
     def recv(self, timeout: float) -> tuple[int, Any]:
         deadline = time.monotonic() + timeout
@@ -222,4 +240,4 @@ class KafkaLink(_ChunkedLink):
         if self.consumer is not None:
             with contextlib.suppress(Exception):
                 self.consumer.close(autocommit=False)
-            brokers.delete_endpoint(f"kafka://{self.bootstrap}/{self.name}")
+            self.delete_topic()

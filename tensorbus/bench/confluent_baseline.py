@@ -8,7 +8,6 @@ consumer taking batches (`consume`); chunks are joined into a reused buffer, so 
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import brokers
-from .broker_baselines import _ChunkedLink
+from .broker_baselines import KafkaClientLink
 
 #: records one `consume` call may return
 BATCH = 64
@@ -32,15 +31,11 @@ def batch(consumer: Any, most: int, timeout: float) -> list[Any]:
     return [] if first is None else [first, *consumer.consume(most - 1, 0)]
 
 
-class ConfluentLink(_ChunkedLink):
+class ConfluentLink(KafkaClientLink):
     """Raw confluent-kafka: a topic per direction, one partition, chunked records, acks=all (idempotent)."""
 
     def __init__(self, spec: dict[str, Any], role: str) -> None:
         super().__init__(spec, role)
-        self.bootstrap = brokers.kafka_bootstrap(spec["url"])
-        self.consumer: Any = None
-        self.producer: Any = None
-        self.records: collections.deque[Any] = collections.deque()
         self.failed: list[Any] = []
 
     def open(self) -> str:
@@ -52,7 +47,7 @@ class ConfluentLink(_ChunkedLink):
                 "bootstrap.servers": self.bootstrap,
                 "group.id": self.name,
                 "auto.offset.reset": "earliest",
-                "max.partition.fetch.bytes": max(1 << 20, self.chunk_bytes + 1024),
+                "max.partition.fetch.bytes": self.record_bytes,
             }
         )
         self.consumer.subscribe([self.name])
@@ -71,7 +66,7 @@ class ConfluentLink(_ChunkedLink):
                 "bootstrap.servers": self.bootstrap,
                 "acks": "all",
                 "enable.idempotence": True,
-                "message.max.bytes": max(1 << 20, self.chunk_bytes + 1024),
+                "message.max.bytes": self.record_bytes,
             }
         )
         self.topic = address
@@ -82,8 +77,7 @@ class ConfluentLink(_ChunkedLink):
 
     def send(self, array: np.ndarray, index: int) -> None:
         for chunk, count, body in self.chunks(array):
-            headers = [("i", index.to_bytes(8, "little")), ("c", chunk.to_bytes(4, "little"))]
-            headers.append(("n", count.to_bytes(4, "little")))
+            headers = self.headers(index, chunk, count)
             while True:
                 try:
                     self.producer.produce(self.topic, body, b"t", headers=headers, on_delivery=self._delivered)
@@ -126,4 +120,4 @@ class ConfluentLink(_ChunkedLink):
         if self.consumer is not None:
             with contextlib.suppress(Exception):
                 self.consumer.close()
-            brokers.delete_endpoint(f"kafka://{self.bootstrap}/{self.name}")
+            self.delete_topic()

@@ -26,12 +26,11 @@ from typing import Any
 
 import pika.exceptions as px
 
-from ..codec.chunking import split
 from ..errors import CodecError, ConfigError, TensorBusError
 from ..transports.rabbitmq import RabbitMQOptions, RabbitMQTransport
 from .api import Receiver
+from .broker import BrokerPublishingSide
 from .retained import Published, Retained
-from .versions import peek_version
 
 log = logging.getLogger(__name__)
 #: the publisher keeps no frames for late joiners: the stream does (`max_retained_bytes` does not apply)
@@ -160,7 +159,7 @@ class _StreamReader:
             connection.process_data_events(time_limit=0.2)
 
 
-class PublishingSide:
+class PublishingSide(BrokerPublishingSide):
     """Learns the versions in the stream, then sends each version's frames (chunked past `max_frame_bytes`)."""
 
     def __init__(
@@ -170,35 +169,14 @@ class PublishingSide:
         retained: Retained,
         signing_key: bytes | None = None,
     ) -> None:
-        self._transport = _stream(url, options)
-        self._signing_key = signing_key  # signs each chunk: a subscriber with a key takes only signed ones
-        self.address = self._transport.address
-        self._max_record = options.max_frame_bytes or 1 << 62
-
-        def learn(body: bytes) -> None:
-            found = peek_version(body, signing_key)
-            if found is not None:
-                retained.learn(*found)
-
+        super().__init__(_stream(url, options), options.max_frame_bytes, signing_key)
+        learn = self.learner(retained, signing_key)
         reader = _StreamReader(_stream(url, options), learn, lambda: reader.stop.set(), retry=False)
         reader.run()
 
     def publish(self, published: Published) -> None:
-        chunks = split(
-            published.frame,
-            max_chunk_bytes=self._max_record,
-            message_id=published.message_id,
-            key=published.key,
-            signing_key=self._signing_key,
-        )
-        for chunk in chunks:
+        for chunk in self.chunks(published):
             self._transport.send(chunk, key=published.key)
-
-    def flush(self, timeout: float | None) -> None:
-        self._transport.flush(timeout)
-
-    def close(self) -> None:
-        self._transport.close()
 
 
 class SubscribingSide:

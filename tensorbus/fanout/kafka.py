@@ -28,12 +28,11 @@ with warnings.catch_warnings():
     from kafka.errors import TopicAlreadyExistsError
     from kafka.structs import TopicPartition
 
-from ..codec.chunking import split
 from ..errors import CodecError, ConfigError, TensorBusError, TransportError
 from ..transports.kafka import KafkaOptions, KafkaTransport, map_errors
 from .api import Receiver
+from .broker import BrokerPublishingSide
 from .retained import Published, Retained
-from .versions import peek_version
 
 log = logging.getLogger(__name__)
 #: the publisher keeps no frames for late joiners: the topic does (`max_retained_bytes` does not apply)
@@ -97,23 +96,22 @@ def _read_to_end(consumer: KafkaConsumer, each: Callable[[bytes], object], stop:
                     each(record.value)
 
 
-class PublishingSide:
+class PublishingSide(BrokerPublishingSide):
     """Creates the compacted topic if needed, learns the versions in it, and sends each version's records."""
+
+    _transport: KafkaTransport
 
     def __init__(
         self, url: urllib.parse.SplitResult, options: KafkaOptions, retained: Retained, signing_key: bytes | None = None
     ) -> None:
-        self._transport = _transport(url, options)
-        self.address = self._transport.address
-        self._signing_key = signing_key  # signs each chunk: a subscriber with a key takes only signed ones
+        super().__init__(_transport(url, options), options.max_frame_bytes, signing_key)
         self._create_compacted()
         with map_errors(self._transport._shown):
             reader = _reader(self._transport)
         try:
-            _read_to_end(reader, self._learn(retained, signing_key), threading.Event())
+            _read_to_end(reader, self.learner(retained, signing_key), threading.Event())
         finally:
             reader.close()
-        self._max_record = options.max_frame_bytes or 1 << 62
 
     def _create_compacted(self) -> None:
         t = self._transport
@@ -129,36 +127,15 @@ class PublishingSide:
             finally:
                 admin.close()
 
-    @staticmethod
-    def _learn(retained: Retained, signing_key: bytes | None) -> Callable[[bytes], object]:
-        def learn(value: bytes) -> None:
-            found = peek_version(value, signing_key)
-            if found is not None:
-                retained.learn(*found)
-
-        return learn
-
     def publish(self, published: Published) -> None:
         """Queue the version's records (the producer blocks only while `max_pending_bytes` are unacknowledged)."""
         if "#" in published.key:  # chunk records are keyed KEY#i: "w#0" would be compacted with chunk 0 of "w"
             raise ConfigError(
                 f"a key published on kafka:// may not contain '#' (chunks are keyed KEY#i): {published.key!r}"
             )
-        chunks = split(
-            published.frame,
-            max_chunk_bytes=self._max_record,
-            message_id=published.message_id,
-            key=published.key,
-            signing_key=self._signing_key,
-        )
+        chunks = self.chunks(published)
         for index, chunk in enumerate(chunks):
             self._transport.send(chunk, key=_record_key(published.key, index, len(chunks)))
-
-    def flush(self, timeout: float | None) -> None:
-        self._transport.flush(timeout)
-
-    def close(self) -> None:
-        self._transport.close()
 
 
 class SubscribingSide:

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, join_into
-from ..errors import ConfigError, TransportError
+from ..errors import TransportError
 from ..options import finite_timeout
-from .base import Deliver, Delivered, Held, Transport, TransportOptions
+from .base import Deliver, Delivered, Held
+from .named import NamedOptions, NamedTransport
 
 log = logging.getLogger(__name__)
 
@@ -183,18 +184,11 @@ HUB = MemoryHub()
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryOptions(TransportOptions):
-    """The options of memory:// endpoints."""
-
-    #: the bytes a producer sent to the endpoint and its consumer's delivery did not take yet, at most,
-    #: before a new message waits for room (up to `send_timeout_s`), as on the socket transports
-    max_unacked_bytes: int = 256 * 1024 * 1024
-    send_timeout_s: float = 30.0
-    #: how long a `flush` waits while no consumer listens (as on tcp://, what ends a flush to nobody)
-    reconnect_timeout_s: float = 10.0
+class MemoryOptions(NamedOptions):
+    """The options of memory:// endpoints (`max_unacked_bytes` counts what its consumer's delivery did not take)."""
 
 
-class MemoryTransport(Transport):
+class MemoryTransport(NamedTransport):
     """Frames through an in-process queue; a background thread delivers them to the consumer."""
 
     Options = MemoryOptions
@@ -202,9 +196,6 @@ class MemoryTransport(Transport):
 
     def __init__(self, url: urllib.parse.SplitResult, options: MemoryOptions) -> None:
         super().__init__(url, options)
-        self.name = url.netloc + url.path
-        if not self.name:
-            raise ConfigError("memory URL needs a name after memory://, e.g. memory://weights")
         self._thread: threading.Thread | None = None
         self._queue: Frames | None = None
         self._held: dict[object, Held] = {}  # the consumer's: source -> the message held back
@@ -212,10 +203,6 @@ class MemoryTransport(Transport):
         self._pool = BufferPool(max_buffers=4)
         #: what the consumer counts this producer's buffered tensors by (its share of the table)
         self._source = next(_SOURCES)
-
-    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
-        """memory://NAME."""
-        return f"memory://{self.name}", b""
 
     def wait_for_room(self) -> None:
         """Before a new message: wait while `max_unacked_bytes` wait for the consumer (up to `send_timeout_s`).

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from ..codec.frame import Buffer, Limits, MessageId
-from ..errors import Closed, ConfigError
+from ..errors import Closed
 from ..options import finite_timeout
-from .base import Deliver, Encoding, Transport, TransportOptions
+from .base import Deliver, Encoding
+from .named import NamedOptions, NamedTransport
 from .shm_consumer import ShmListener
 from .shm_control import control_path
 from .shm_producer import ShmSender
@@ -33,22 +34,19 @@ from .shm_segments import check_available
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShmOptions(TransportOptions):
+class ShmOptions(NamedOptions):
     """The options of shm:// endpoints."""
 
     shm_dir: str | None = None  # where control sockets live; None: <tmp>/tensorbus-<uid> (0700)
     auth_secret: str | bytes | None = None
     connect_timeout_s: float = 5.0
-    reconnect_timeout_s: float = 10.0
-    send_timeout_s: float = 30.0
     close_timeout_s: float = 10.0
-    max_unacked_bytes: int = 256 * 1024 * 1024
     max_pinned_bytes: int = 1 << 30  # consumer: bytes of producers' memory its arrays may view at once
     max_connections: int = 1024
     backlog: int = 128
 
 
-class ShmTransport(Transport):
+class ShmTransport(NamedTransport):
     """Frames through shared memory segments; notifications and acks over a Unix SEQPACKET socket."""
 
     Options = ShmOptions
@@ -56,9 +54,6 @@ class ShmTransport(Transport):
 
     def __init__(self, url: urllib.parse.SplitResult, options: ShmOptions) -> None:
         super().__init__(url, options)
-        self.name = url.netloc + url.path
-        if not self.name:
-            raise ConfigError("shm URL needs a name after shm://, e.g. shm://weights")
         check_available()
         self.path = control_path(self.name, options.shm_dir)
         self._sender: ShmSender | None = None
@@ -76,10 +71,6 @@ class ShmTransport(Transport):
                     raise Closed(f"shm://{self.name}: the producer is closed")
                 self._sender = ShmSender(self.name, self.path, self.options)
             return self._sender
-
-    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
-        """shm://NAME."""
-        return f"shm://{self.name}", b""
 
     def encoding(self, wanted: Encoding) -> Encoding:
         """`wanted` without a CRC32C: the consumer reads the very memory the producer wrote, no wire
