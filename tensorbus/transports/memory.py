@@ -41,13 +41,16 @@ class Frames:
     A producer whose tensor the consumer holds back (`hold`: its share of the table is full) is not
     read meanwhile, as a socket consumer stops reading one connection; the others are. The bytes each
     producer has queued are counted, so that it can wait for room (backpressure, as a socket's
-    unacknowledged bytes bound a producer there).
+    unacknowledged bytes bound a producer there), and so are those the consumer took and its table has
+    not (being delivered, or held back), so that a flush waits for them too.
     """
 
     def __init__(self) -> None:
         #: source -> its frames, each with its arrival number (lower: older), oldest first
         self._queues: dict[object, collections.deque[tuple[int, Buffer]]] = {}
         self._bytes: collections.Counter[object] = collections.Counter()  # queued bytes per source
+        #: bytes per source the consumer took and its table did not yet (being delivered, or held back)
+        self._unreceived: collections.Counter[object] = collections.Counter()
         self._newest = self._oldest = 0  # arrival numbers given at the back and at the front
         self._held: set[object] = set()  # sources not read while the consumer holds their tensor back
         self._woken = False  # `wake_up` was called: `get` returns (to offer held tensors again)
@@ -85,9 +88,11 @@ class Frames:
             frame = queue.popleft()[1]
             if not queue:
                 del self._queues[source]
-            self._bytes[source] -= memoryview(frame).nbytes
+            nbytes = memoryview(frame).nbytes
+            self._bytes[source] -= nbytes
             if not self._bytes[source]:
                 del self._bytes[source]
+            self._unreceived[source] += nbytes
             self._room.notify_all()
             return source, frame
 
@@ -99,13 +104,24 @@ class Frames:
                 oldest, found = queue[0][0], source
         return found
 
-    def hold(self, source: object, held: bool) -> None:
-        """Stop reading `source` (held: True) or read it again."""
+    def hold(self, source: object) -> None:
+        """Stop reading `source`: the consumer holds its tensor back (its bytes stay unreceived)."""
         with self._ready:
-            if held:
-                self._held.add(source)
-            else:
-                self._held.discard(source)
+            self._held.add(source)
+
+    def received(self, source: object) -> None:
+        """The consumer's table took (or settled) what the consumer had taken of `source`: read it again."""
+        with self._ready:
+            self._held.discard(source)
+            del self._unreceived[source]
+            self._room.notify_all()
+
+    def ended(self) -> None:
+        """The consumer stopped, and what it did not release is queued again: nothing is held or taken by it."""
+        with self._ready:
+            self._held.clear()
+            self._unreceived.clear()
+            self._room.notify_all()
 
     def wait_for_room(self, limit: int, timeout: float | None, source: object = None) -> bool:
         """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds."""
@@ -114,10 +130,21 @@ class Frames:
         with self._room:
             return self._room.wait_for(lambda: self._bytes[source] < limit, timeout)
 
+    def wait_until_received(self, timeout: float | None, source: object) -> bool:
+        """Wait until every frame of `source` is in the consumer's table (or settled): True then, False after
+        `timeout` seconds. A frame the consumer holds back (its table is full) is not, as on a socket."""
+        with self._room:
+            return self._room.wait_for(lambda: not self._bytes[source] and not self._unreceived[source], timeout)
+
     def queued(self, source: object) -> int:
         """Bytes `source` has queued."""
         with self._ready:
             return self._bytes[source]
+
+    def unreceived(self, source: object) -> int:
+        """Bytes of `source` not in the consumer's table yet: queued, being delivered, or held back."""
+        with self._ready:
+            return self._bytes[source] + self._unreceived[source]
 
     def wake_up(self) -> None:
         """Make a waiting `get` return (None) while a source is held back: the consumer may have room for its tensor."""
@@ -229,13 +256,13 @@ class MemoryTransport(NamedTransport):
         while True:
             until = deadline if HUB.listening(self.name) else min(deadline, nobody_until)
             # (a second at most: a consumer that comes or goes is noticed, as a socket producer's ack wait does)
-            if queue.wait_for_room(1, max(0.0, min(until - time.monotonic(), 1.0)), source):
+            if queue.wait_until_received(max(0.0, min(until - time.monotonic(), 1.0)), source):
                 return
-            now, left = time.monotonic(), queue.queued(source)
+            now, left = time.monotonic(), queue.unreceived(source)
             if now >= deadline:
                 raise TransportError(
-                    f"memory://{self.name}: {left} bytes sent were not taken by a consumer within the flush's "
-                    f"timeout ({timeout}s)"
+                    f"memory://{self.name}: {left} bytes sent were not taken into a consumer's table within the "
+                    f"flush's timeout ({timeout}s)"
                 )
             if now >= nobody_until and not HUB.listening(self.name):
                 raise TransportError(
@@ -290,7 +317,9 @@ class MemoryTransport(NamedTransport):
                 stream.record(position, result)
                 if result.held is not None:
                     held[source] = result.held
-                    frames.hold(source, True)  # (then offered again at once: the room may have opened meanwhile)
+                    frames.hold(source)  # (then offered again at once: the room may have opened meanwhile)
+                elif not result.turned_away:  # (a frame turned away goes back to the queue, below)
+                    frames.received(source)
                 if result.turned_away:
                     return
         finally:
@@ -299,8 +328,7 @@ class MemoryTransport(NamedTransport):
                 back = [kept.pop(p) for p in unreleased if p in kept]
             for source, frame in reversed(back):  # first in line for the next consumer of the name
                 frames.put(frame, source=source, front=True)
-            for source in held:  # the next consumer reads them all
-                frames.hold(source, False)
+            frames.ended()  # the next consumer reads them all
             HUB.release(self.name)  # here, not in close: close may run on this very thread (in a callback)
 
     def _release(self, frames: Frames, deliver: Deliver, held: dict[object, Held]) -> bool:
@@ -318,7 +346,7 @@ class MemoryTransport(NamedTransport):
                 held[source] = result.held
                 continue
             del held[source]
-            frames.hold(source, False)
+            frames.received(source)
             deliver.ledger.apply(result)
             if result.turned_away:
                 return True

@@ -210,6 +210,23 @@ def test_a_memory_flush_waits_for_a_consumer_that_comes_within_the_bound() -> No
             assert consumer[0].recv("k", timeout=5).tolist() == [1.0, 1.0]
 
 
+def test_a_memory_flush_waits_for_a_tensor_held_back_by_a_full_table_to_enter_it() -> None:
+    """A flush means every tensor is in a consumer's table, as on tcp://: not merely read by its consumer.
+    With room for one 1 MiB tensor per producer, the second is held back until the first is taken."""
+    one = np.zeros(1 << 20, np.uint8)
+    with tb.Consumer("memory://held-flush", max_buffered_bytes=2 << 20) as consumer:
+        with tb.Producer("memory://held-flush") as producer:
+            producer.send("a", one)
+            producer.send("b", one + 1)
+            with pytest.raises(tb.TransportError, match=r"1048\d{3} bytes sent were not taken into .* table"):
+                producer.flush(timeout=0.5)
+            assert consumer.stats["received"] == 1  # "b" is held back, not in the table
+            assert consumer.recv("a", timeout=5).sum() == 0  # room: "b" enters the table
+            producer.flush(timeout=30)
+            assert consumer.stats["received"] == 2
+            assert consumer.recv("b", timeout=5).min() == 1
+
+
 def test_producer_sends_before_the_consumer_exists() -> None:
     with tb.Producer("memory://early") as producer:
         producer.send("early", np.arange(3))
