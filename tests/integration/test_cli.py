@@ -447,21 +447,40 @@ def test_inspect_exits_1_on_a_truncated_or_malformed_file_as_documented(tmp_path
     assert "exit 1" in tensorbus("inspect", "--help").stdout
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "amqp"])
+#: what `send --timeout` meets where it gives up at its timeout: a URL's form, and whether its port takes connections.
+#: A port nobody listens on refuses every attempt at once, and tcp:// and amqp:// try again until the timeout; a
+#: Kafka client fails at once there ("no Kafka broker answers"), so it meets a port that takes connections and never
+#: answers (a hung broker, or a black hole): the timeout ends each client's wait.
+NOBODY = {
+    "tcp": ("tcp://127.0.0.1:{port}", False),
+    "amqp": ("amqp://guest:guest@127.0.0.1:{port}/%2F?queue=q", False),
+    "kafka-python": ("kafka://127.0.0.1:{port}/t?client=kafka-python", True),
+    "confluent": ("kafka://127.0.0.1:{port}/t?client=confluent", True),
+}
+
+
+@pytest.mark.parametrize("endpoint", list(NOBODY))
 @pytest.mark.parametrize("timeout", [1.0, 3.0])
 def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(
-    tmp_path: Path, timeout: float, scheme: str
+    tmp_path: Path, timeout: float, endpoint: str
 ) -> None:
-    """`send --timeout T` keeps retrying for T: it gives up within [0.9, 1.5] x T (timed in this process, so that
-    the interpreter's start-up is not counted), not a backoff step early."""
+    """`send --timeout T` keeps trying for T: it gives up within [0.9, 1.5] x T (timed in this process, with the
+    transport's modules imported first, so that neither the interpreter's start-up nor an import is counted),
+    not a backoff step early."""
     from tensorbus.cli import main
+    from tensorbus.transports import resolve_transport
 
     np.save(tmp_path / "w.npy", np.ones(2))
-    with socket.socket() as free:  # a port nobody listens on: every attempt is refused at once
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    url = f"tcp://127.0.0.1:{port}" if scheme == "tcp" else f"amqp://guest:guest@127.0.0.1:{port}/%2F?queue=q"
-    started = time.monotonic()
-    assert main(["send", url, "k", str(tmp_path / "w.npy"), "--timeout", str(timeout)]) == 2
-    took = time.monotonic() - started
+    form, answers_nothing = NOBODY[endpoint]
+    with socket.socket() as nobody:  # bound: no other test takes the port meanwhile
+        nobody.bind(("127.0.0.1", 0))
+        if answers_nothing:
+            nobody.listen()  # the kernel takes the connections; nobody reads or answers them
+        url = form.format(port=nobody.getsockname()[1])
+        resolve_transport(url)  # (its module imported first)
+        if endpoint == "confluent":
+            import tensorbus.transports.kafka_confluent  # noqa: F401  (what client=confluent imports)
+        started = time.monotonic()
+        assert main(["send", url, "k", str(tmp_path / "w.npy"), "--timeout", str(timeout)]) == 2
+        took = time.monotonic() - started
     assert 0.9 * timeout <= took <= 1.5 * timeout, took
