@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .codec import Limits, Message, MessageId
 from .codec.compression import check_codec
@@ -22,6 +22,9 @@ from .monitoring import Monitor
 from .options import UNSET, MonitoringOptions, build, defaults, finite_timeout, given, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle
 from .transports import Encoding, Transport, resolve_transport
+
+if TYPE_CHECKING:
+    from .metrics import Meter
 
 log = logging.getLogger(__name__)
 
@@ -342,6 +345,11 @@ class Consumer:
     def address(self) -> str:
         """The URL producers should use (for tcp://host:0, with the port actually bound)."""
         return self.transport.address
+
+    @property
+    def monitor(self) -> Monitor | Meter | None:
+        """What counts and spans the receives (None with metrics and tracing off): the asyncio consumer's too."""
+        return self._monitor
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""

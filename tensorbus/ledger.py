@@ -126,6 +126,7 @@ class Ledger:
         #: ids taken (or dropped) before their last frame was recorded, newest last
         self._early: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self.stats = collections.Counter[str]()
+        self.released_frames = 0  # positions released to their transports so far (metrics; under the lock)
 
     def stream(self, on_release: Callable[[list[Position]], None] | None = None) -> Stream:
         """A new stream; `on_release(positions)` is called (without the lock held) as positions are released."""
@@ -184,6 +185,7 @@ class Ledger:
         if message_id is None or (settled and result.refused is None):
             # a duplicate of a message released already, a frame without an id, a chunk of a message done
             # or given up: only this frame goes
+            self.released_frames += 1
             return [(stream, [position])]
         stream._open[position] = None
         if not (result.done and result.admitted):
@@ -223,6 +225,7 @@ class Ledger:
                 stream._open.pop(position, None)
                 stream._waiting.pop(position, None)
                 by_stream.setdefault(stream, []).append(position)
+                self.released_frames += 1
         return list(by_stream.items())
 
     @staticmethod

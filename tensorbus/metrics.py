@@ -24,9 +24,11 @@ import numpy as np
 from .codec import Message
 from .errors import ConfigError
 from .rendezvous import tensor_nbytes
+from .transports.tally import ACK_BUCKETS
 
 if TYPE_CHECKING:
     from .api import Consumer, Producer
+    from .transports.base import Transport
 
 try:
     import prometheus_client
@@ -147,13 +149,17 @@ class Meter:
             self._labelled(cell, key, nbytes)
 
     def recv(self, receive: Callable[..., Message], *args: Any) -> Message:
-        """`receive(*args)` (the table's `recv_message` or `next_message`), counted with its wait.
+        """`receive(*args)` (the table's `recv_message` or `next_message`), counted with its wait."""
+        started = _clock()
+        message = receive(*args)
+        self.received(message, _clock() - started)
+        return message
+
+    def received(self, message: Message, waited_s: float) -> None:
+        """The application has `message`, after waiting `waited_s` (the asyncio consumer's receives come here).
 
         (What it counts is what `send` counts, written out again: a call is a tenth of what metrics may
         cost a 4 KB tensor.)"""
-        started = _clock()
-        message = receive(*args)
-        waited_s = _clock() - started
         try:
             cell: _Cell = self._local.cell
         except AttributeError:
@@ -169,7 +175,6 @@ class Meter:
             self._labelled(cell, message.key, nbytes)
         cell.waits[_bisect(WAIT_BUCKETS, waited_s)] += 1
         cell.waited_s += waited_s
-        return message
 
     def close(self) -> None:
         """The endpoint closed: its counts go to the collector's retired totals, and no thread (the main
@@ -288,7 +293,7 @@ def _read(samples: _Samples, meter: Meter) -> None:
     if meter.role == "consumer":
         samples.histogram("recv_wait_seconds", "from a recv call to its tensor", base, waits, wait_sum)
         _consumer(samples, base, meter.endpoint)  # type: ignore[arg-type]
-    _transport(samples, base, meter.endpoint.transport.counts())
+    _transport(samples, base, meter.role, meter.endpoint.transport)
 
 
 def _consumer(samples: _Samples, base: tuple[str, ...], consumer: Consumer) -> None:
@@ -303,6 +308,8 @@ def _consumer(samples: _Samples, base: tuple[str, ...], consumer: Consumer) -> N
     samples.counter("dropped_tensors", dropped, (*base, "unclaimed"), stats.get("unclaimed", 0))
     samples.gauge("buffered_bytes", "bytes received and not yet taken, in the table", base, table.buffered_bytes)
     samples.gauge("reassembly_bytes", "bytes held for tensors part way reassembled", base, held)
+    acked = consumer.intake.ledger.released_frames
+    samples.counter("acknowledged_frames", _ACKED["consumer"], base, acked)
 
 
 #: a transport's `counts()`, as (metric, help, kind)
@@ -315,10 +322,29 @@ _TRANSPORT_COUNTS = {
 }
 
 
-def _transport(samples: _Samples, base: tuple[str, ...], counts: dict[str, int]) -> None:
+def _transport(samples: _Samples, base: tuple[str, ...], role: str, transport: Transport) -> None:
+    """What the transport counts: its `counts()`, and its tally's (tally.py)."""
+    tally = transport.tally
+    counts = {"reconnects": tally.reconnects, **transport.counts()}
+    if role == "consumer":
+        counts["redeliveries"] = tally.redeliveries
     for name, value in counts.items():
         what, kind = _TRANSPORT_COUNTS[name]
         (samples.counter if kind == "counter" else samples.gauge)(name, what, base, value)
+    if role == "producer":
+        samples.counter("acknowledged_frames", _ACKED[role], base, tally.acked_frames)
+        samples.counter("backpressure_seconds", _BLOCKED, base, tally.blocked_s)
+        acks = cumulative(ACK_BUCKETS, list(tally.ack_waits))
+        samples.histogram("ack_seconds", _ACK_SECONDS, base, acks, tally.ack_wait_s)
+
+
+_BLOCKED = "seconds sends waited for credit (max_unacked_bytes, max_pending_bytes)"
+_ACK_SECONDS = "from a frame's send to its acknowledgement (one frame in flight timed at a time)"
+#: what `acknowledged_frames` counts, by role
+_ACKED = {
+    "producer": "frames the endpoint acknowledged (socket ack, AMQP confirm, Kafka delivery report)",
+    "consumer": "frames the consumer acknowledged as done (released: socket TAKEN, AMQP ack, Kafka commit)",
+}
 
 
 _LABELS = ("role", "transport", "endpoint")

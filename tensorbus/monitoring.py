@@ -81,6 +81,11 @@ class Monitor:
             return self.meter.recv(self.tracing.recv, receive, *args)
         return self.tracing.recv(receive, *args)
 
+    def received(self, message: Message, waited_s: float) -> None:
+        """The asyncio consumer handed out `message` after `waited_s`: counted (its spans are the loop's own)."""
+        if self.meter is not None:
+            self.meter.received(message, waited_s)
+
     def close(self) -> None:
         """The endpoint closed: no longer scraped; the closing thread's `process` span ends."""
         if self.meter is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,11 +79,20 @@ class Consumer:
     async def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
         check_key(key)
-        return await wait_message(self.blocking.table, key, finite_timeout(timeout))
+        return await self._received(key, timeout)
 
     async def next_message(self, timeout: float | None = None) -> Message:
         """The oldest message not yet received, of any key (work-queue use)."""
-        return await wait_message(self.blocking.table, ANY, finite_timeout(timeout))
+        return await self._received(ANY, timeout)
+
+    async def _received(self, key: Any, timeout: float | None) -> Message:
+        """The next message of `key` (or ANY), counted as the blocking consumer's receives are (metrics)."""
+        blocking = self.blocking
+        started = time.perf_counter()
+        message = await wait_message(blocking.table, key, finite_timeout(timeout))
+        if blocking.monitor is not None:
+            blocking.monitor.received(message, time.perf_counter() - started)
+        return message
 
     def ack(self, message: Message) -> None:
         """With `ack="manual"`: acknowledge a message the application is done with (a plain call: it

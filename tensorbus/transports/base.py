@@ -17,6 +17,7 @@ from ..codec import encode, encode_chunks
 from ..codec.frame import DEFAULT_LIMITS, FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
 from ..codec.signing import frame_key
 from ..errors import ConfigError
+from .tally import Tally
 
 if TYPE_CHECKING:
     from ..ledger import Ledger
@@ -214,6 +215,7 @@ class Transport:
         self.options = options
         #: frames larger than this are chunked above the transport; None means no limit
         self.max_frame_bytes: int | None = options.max_frame_bytes
+        self.tally = Tally()  # what metrics read beyond `counts()` (acks, reconnects, waits: tally.py)
 
     @property
     def address(self) -> str:

@@ -494,21 +494,27 @@ class KafkaTransport(Transport):
             self._raise_error()
             self._pending_bytes += nbytes
             self._unconfirmed += 1
+        timed = self if self.tally.timing(self) else None  # (before the send: its callback may come at once)
         try:
             with map_errors(self._shown):
                 future = producer.send(self.topic, value=value, key=kafka_key, partition=partition)
         except TensorBusError:
             self._settle(nbytes, None)
             raise
-        future.add_callback(lambda _, n=nbytes: self._settle(n, None))
+        future.add_callback(lambda _, n=nbytes, t=timed: self._settle(n, None, acked=t))
         future.add_errback(lambda exc, n=nbytes: self._settle(n, translate(exc, self._shown, n)))
 
-    def _settle(self, nbytes: int, error: TensorBusError | None, current: bool = True) -> None:
+    def _settle(self, nbytes: int, error: TensorBusError | None, current: bool = True, acked: Any = False) -> None:
         """A record was acknowledged or failed for good (called on kafka-python's sender thread); a failure
-        marks the producer failed, unless the record was a replaced producer's (`current` false)."""
+        marks the producer failed, unless the record was a replaced producer's (`current` false). `acked`:
+        False unless the broker acknowledged it, then `self` if it is the record timed, else None (tally.py)."""
         with self._pending:
             self._pending_bytes -= nbytes
             self._unconfirmed -= 1
+            if acked is False:
+                self.tally.forget_timing()  # (a record that failed may be the one timed)
+            else:
+                self.tally.acked(1, at=acked)
             if error is not None:
                 self._failed = self._failed or current
                 self._error = self._error or error

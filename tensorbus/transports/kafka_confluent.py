@@ -204,7 +204,8 @@ class ConfluentKafkaTransport(KafkaTransport):
     def _delivered(self, error: KafkaError | None, message: Message, current: bool = True) -> None:
         """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it)."""
         nbytes = len(message)
-        self._settle(nbytes, None if error is None else translate_error(error, self._shown, nbytes), current)
+        failure = None if error is None else translate_error(error, self._shown, nbytes)
+        self._settle(nbytes, failure, current, acked=False if error is not None else None)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker has acknowledged every record sent so far; raise the first failure."""

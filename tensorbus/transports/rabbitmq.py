@@ -137,6 +137,7 @@ class RabbitMQTransport(Transport):
         self._params = [self._parameters(host, port) for host, port in self.hosts]
         self._host = 0  # the node connections go to now
         self._failed = 0  # nodes that failed in a row
+        self._connects = 0  # connections made so far (metrics count those after the first)
         self.content_type = CONTENT_TYPE
         self._publisher: Publisher | None = None
         self.consumer: QueueConsumer | None = None
@@ -157,6 +158,14 @@ class RabbitMQTransport(Transport):
     def connected(self) -> None:
         """A connection to the current node is up: the next failure starts a new round of the nodes."""
         self._failed = 0
+        self.tally.reconnects += self._connects > 0  # (the endpoint's one I/O thread calls this)
+        self._connects += 1
+
+    def counts(self) -> dict[str, int]:
+        """Whether the endpoint's connection is open now (a snapshot of the I/O thread's)."""
+        side: Any = self.consumer if self.consumer is not None else self._publisher
+        connection = None if side is None else side._connection
+        return {"connections": int(connection is not None and connection.is_open)}
 
     def fail_over(self) -> bool:
         """The current node failed: move to the next one; True once every node failed in this round (back off)."""

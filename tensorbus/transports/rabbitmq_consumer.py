@@ -136,6 +136,7 @@ class QueueConsumer:
 
         def on_message(_channel: Any, method: Any, properties: Any, body: bytes) -> None:
             offset = (properties.headers or {}).get("x-stream-offset") if self.stream else None
+            self.t.tally.redeliveries += method.redelivered  # (the I/O thread's count)
             inbox.put(((generation, method.delivery_tag, method.consumer_tag), offset, body))
 
         tag: str = self._channel.basic_consume(self.t.queue, on_message, arguments=arguments)

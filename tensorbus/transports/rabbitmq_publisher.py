@@ -80,9 +80,10 @@ class Publisher:
         """Queue one frame; blocks while max_pending_bytes are queued or unconfirmed."""
         with self._pending:
             self.raise_error()
-            since = time.monotonic()
+            since = waited_from = time.monotonic()
             while self._pending_bytes and self._pending_bytes + len(body) > self.t.options.max_pending_bytes:
                 self._pending.wait(1.0)
+                waited_from = self.t.tally.blocked(waited_from)  # (the seconds waited, counted as they pass)
                 self.raise_error()
                 self._check_progress(since)
             self._pending_bytes += len(body)
@@ -206,6 +207,7 @@ class Publisher:
 
     def _on_ready(self, channel: Any) -> None:
         self._channel, self._next_tag = channel, 1
+        self.t.tally.forget_timing()  # (delivery tags start again)
         self._delays = backoff_s(0.1, 2.0)
         self.t.connected()
         self._ready.set()
@@ -225,6 +227,7 @@ class Publisher:
             body, key = item
             properties.headers = {"tensorbus-key": key} if key is not None else None
             channel.basic_publish("", self.t.queue, body, properties=properties, mandatory=True)
+            self.t.tally.timing(self._next_tag)
             self._in_flight[self._next_tag] = (body, key)
             self._in_flight_bytes += len(body)
             self._next_tag += 1
@@ -276,6 +279,8 @@ class Publisher:
                 self._open_error = TransportError(f"RabbitMQ at {self.t.shown} refused {len(refused)} messages (nack)")
                 self._connection.close()
             return
+        tag = method.delivery_tag
+        self.t.tally.acked(len(tags), through=tag + 1 if method.multiple else None, at=tag)
         self._publish()
 
     def _on_return(self, channel: Any, method: Any, properties: Any, body: bytes) -> None:

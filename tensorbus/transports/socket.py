@@ -99,12 +99,14 @@ class SocketTransport(SocketProducer, SocketConsumer):
         return context
 
     def counts(self) -> dict[str, int]:
-        """A producer's unacknowledged bytes, reconnects and frames resent (written under `_lock`, read
-        without it: each a snapshot of one int, at most one send behind)."""
+        """A consumer's producer connections; a producer's connection, unacknowledged bytes, reconnects and
+        frames resent (written under `_lock`, read without it: each a snapshot of one int, at most one send behind)."""
         if self._listener is not None:
-            return {}
+            return {"connections": 0 if self.reactor is None else self.reactor.connections}
         reconnects = max(0, self._connects - 1)
-        return {"unacked_bytes": self._unacked_bytes, "reconnects": reconnects, "resent_frames": self._resent}
+        connected = int(self._sock is not None)
+        return {"unacked_bytes": self._unacked_bytes, "reconnects": reconnects, "resent_frames": self._resent,
+                "connections": connected}  # fmt: skip
 
     def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
         """ "socket" and the consumer's incarnation: a producer connects first, to learn it from the hello."""

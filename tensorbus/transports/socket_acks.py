@@ -77,6 +77,7 @@ class ProducerAcks(Transport):
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""
         self._unacked.append((frame, nbytes))
         self._unacked_bytes += nbytes
+        self.tally.timing(self._sent)
         self._sent += 1
         if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options.max_unacked_bytes:
             self._trim_acked()
@@ -127,6 +128,7 @@ class ProducerAcks(Transport):
             if not self._acked <= count <= self._sent:
                 raise ConnectionResetError(f"the consumer acked {count} frames; {self._sent} were sent")
             self._ack_requested = False
+            self.tally.acked(count - self._acked, through=count)
             for index in range(self._acked - self._taken, count - self._taken):
                 n = self._unacked[index][1]
                 self._unacked_bytes -= n

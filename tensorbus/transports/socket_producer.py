@@ -95,6 +95,7 @@ class SocketProducer(ProducerAcks):
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._sent = self._acked = self._taken = 0
+                self.tally.forget_timing()
                 self._unacked_bytes, self._untaken_bytes = sum(n for _, n in self._unacked), 0
                 self._ack_buf.clear()
                 self._ack_requested = False
@@ -295,14 +296,18 @@ class SocketProducer(ProducerAcks):
                 self._raise_rejection()
             if self._unacked_bytes < limit:
                 return
-            self._await_acks(
-                lambda: self._unacked_bytes < limit,
-                finite_timeout(timeout),
-                lambda: (
-                    f"{self.address} left {self._unacked_bytes} bytes unacknowledged for {timeout}s "
-                    f"(max_unacked_bytes={limit}): is the consumer aborted, or not receiving?"
-                ),
-            )
+            started = time.monotonic()
+            try:
+                self._await_acks(
+                    lambda: self._unacked_bytes < limit,
+                    finite_timeout(timeout),
+                    lambda: (
+                        f"{self.address} left {self._unacked_bytes} bytes unacknowledged for {timeout}s "
+                        f"(max_unacked_bytes={limit}): is the consumer aborted, or not receiving?"
+                    ),
+                )
+            finally:
+                self.tally.blocked(started)
 
     @contextlib.contextmanager
     def _locked(self, timeout: float | None, what: str) -> Iterator[None]:

@@ -1,0 +1,77 @@
+"""What a transport counts for metrics beyond what it keeps anyway: plain numbers, read when scraped.
+
+Every transport has a `Tally` (`Transport.tally`), whether metrics are on or not: each count is one
+addition where the transport learns the thing counted (a frame acknowledged, a reconnect, a
+redelivery, a wait for credit), so that nothing calls prometheus_client per tensor (metrics.py reads
+these when Prometheus scrapes). Each field has one writer: the thread named beside it, or whoever
+holds the lock the transport already takes there.
+
+Send to acknowledgement is timed for one frame in flight at a time: a send starts a timing when none
+runs (`timing`), and the acknowledgement that covers that frame ends it (`acked`). That costs a
+send one test, samples frames spread over the stream, and makes the count exact for a producer that
+waits for each acknowledgement (send, flush, send...).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Hashable
+
+#: upper bounds (seconds) of the send-to-acknowledgement histogram
+ACK_BUCKETS = (0.0001, 0.001, 0.01, 0.1, 1.0, 10.0, 60.0)
+_clock = time.perf_counter
+
+
+class Tally:
+    """One transport's counts for metrics (see the module). Writers: the thread that learns each thing."""
+
+    def __init__(self) -> None:
+        self.acked_frames = 0  # producer: frames the endpoint acknowledged; consumer: frames it acknowledged
+        self.reconnects = 0  # connections made again after one broke (the connecting thread)
+        self.redeliveries = 0  # messages the broker delivered again (the consumer's I/O thread)
+        self.blocked_s = 0.0  # seconds sends waited for credit (the sending thread, under the send lock)
+        self.ack_waits = [0] * (len(ACK_BUCKETS) + 1)  # timed frames by send-to-ack bucket (the acking thread)
+        self.ack_wait_s = 0.0
+        #: the position of the frame being timed (None: none is) and when it was sent; set by the sender
+        #: when None, cleared by the acknowledger, both under `_timing_lock` (read without it as a hint)
+        self._timed: Hashable | None = None
+        self._started = 0.0
+        self._timing_lock = threading.Lock()
+
+    def timing(self, position: Hashable) -> bool:
+        """A frame at `position` is being sent: time it if no frame is timed now (True: it is)."""
+        if self._timed is not None:  # (the common case, decided without the lock)
+            return False
+        with self._timing_lock:
+            if self._timed is not None:
+                return False
+            self._timed, self._started = position, _clock()
+            return True
+
+    def acked(self, frames: int, *, through: int | None = None, at: Hashable | None = None) -> None:
+        """`frames` frames were acknowledged: every position before `through` (a cumulative ack), or the
+        one at `at`; the timing ends if its frame is among them."""
+        self.acked_frames += frames
+        timed = self._timed
+        if timed is None or not (timed == at if through is None else timed < through):  # type: ignore[operator]
+            return
+        with self._timing_lock:
+            if self._timed is not timed:
+                return
+            waited = _clock() - self._started
+            self._timed = None
+        self.ack_waits[bisect.bisect_left(ACK_BUCKETS, waited)] += 1
+        self.ack_wait_s += waited
+
+    def forget_timing(self) -> None:
+        """The positions start again (a new connection): the frame being timed, if any, is not timed."""
+        with self._timing_lock:
+            self._timed = None
+
+    def blocked(self, started: float) -> float:
+        """A send waited for credit from `started` (a `time.monotonic()`) until now; returns now."""
+        now = time.monotonic()
+        self.blocked_s += now - started
+        return now
