@@ -1,22 +1,23 @@
 """What Prometheus metrics cost a 4 KB tcp:// stream: CPU per tensor with metrics on against off, with an
-A/A control (off against off) in the same run.
+A/A control (off against a second off) in the same run.
 
 What it measures
-    One producer process, started once, streams float32 tensors over tcp:// to a `tb.Consumer` in this
-    process, which takes them with `recv`, round after round; each round opens a new Producer and
-    Consumer, both with metrics on (`metrics=True`, into a registry nothing scrapes during the round:
-    the cost measured is that of the counting) or both off. What is compared is the CPU time per
-    tensor of each process (`time.process_time`: every thread of it, the transport's included) over
-    the round's tensors after a warm-up, not the wall-clock rate: on a shared machine the rate swings
-    with what the other processes do, the CPU a tensor takes much less.
+    Three tcp:// streams are open at once between a producer process and this one (which takes the
+    tensors with `recv`): `off` (metrics off at both ends), `on` (`metrics=True` at both ends, into a
+    registry nothing scrapes: the cost measured is that of the counting) and `off again` (off, the
+    control). They take turns in short blocks of tensors, in an order rotated each triple of blocks,
+    so that what the machine's other jobs do hits the three alike. One block: the producer sends its
+    tensors and flushes (the consumer has them all), then the consumer takes them; a block's cost is
+    the CPU time (`time.process_time`: every thread of the process, the transport's included) each
+    process spent on it, per tensor. CPU time, not the wall-clock rate: on a shared machine the rate
+    swings with what the other processes do, the CPU a tensor takes much less.
 
-    Rounds come in triples, `off`, `on` and `off again` (the control), in an order rotated each
-    triple, so that drift hits the three alike. Reported: each case's median, and the median and
-    quartiles over the triples of the ratios on/off and off-again/off (1.0: free). The control's
-    spread is the method's noise: a cost smaller than it is not shown.
+    Reported: each stream's median, and the median and quartiles over the triples of the ratios
+    on/off and off again/off (1.0: free). The control's ratio is the method's noise: a cost smaller
+    than its spread is not shown.
 
 Run
-    python -m benchmarks.metrics_cost [--size 4KB] [--tensors 10000] [--triples 20]
+    python -m benchmarks.metrics_cost [--size 4KB] [--block 1000] [--triples 200]
 """
 
 from __future__ import annotations
@@ -35,47 +36,45 @@ import tensorbus as tb
 
 from .common import parse_size
 
-WARMUP = 500
 CASES = ("off", "on", "off again")
+WARMUP_BLOCKS = 3  # a few untimed blocks on each stream first
 
 
-def _options(metrics: bool) -> dict[str, Any]:
-    if not metrics:
+def _options(case: str) -> dict[str, Any]:
+    if case != "on":
         return {}
     from prometheus_client import CollectorRegistry
 
     return {"metrics": True, "metrics_registry": CollectorRegistry()}
 
 
-def produce(orders: Connection) -> None:
-    """The producer process: for each order (address, size, count, metrics), send `count` tensors after a
-    warm-up and flush; answer with the CPU seconds that took."""
-    while (order := orders.recv()) is not None:
-        address, size, count, metrics = order
-        array = np.ones(size // 4, np.float32)
-        with tb.Producer(address, **_options(metrics)) as producer:
-            for _ in range(WARMUP):
-                producer.send("bench", array)
+def produce(orders: Connection, addresses: dict[str, str], size: int, block: int) -> None:
+    """The producer process: a Producer per stream; for each order (a stream's name), one block sent and
+    flushed, answered with the CPU seconds it took. None ends it."""
+    array = np.ones(size // 4, np.float32)
+    producers = {case: tb.Producer(address, **_options(case)) for case, address in addresses.items()}
+    try:
+        while (case := orders.recv()) is not None:
+            producer = producers[case]
             started = time.process_time()
-            for _ in range(count):
+            for _ in range(block):
                 producer.send("bench", array)
             producer.flush(120)
             orders.send(time.process_time() - started)
+    finally:
+        for producer in producers.values():
+            producer.close()
 
 
-def one_round(orders: Connection, size: int, count: int, metrics: bool) -> tuple[float, float, float]:
-    """One stream of `count` tensors (after `WARMUP`), metrics on or off at both ends: tensors per second,
-    and the producer's and the consumer's CPU microseconds per tensor."""
-    with tb.Consumer("tcp://127.0.0.1:0", **_options(metrics)) as consumer:
-        orders.send((consumer.address, size, count, metrics))
-        for _ in range(WARMUP):
-            consumer.recv("bench", timeout=120)
-        started, started_cpu = time.perf_counter(), time.process_time()
-        for _ in range(count):
-            consumer.recv("bench", timeout=120)
-        elapsed, spent = time.perf_counter() - started, time.process_time() - started_cpu
-        producer_cpu = orders.recv()
-    return count / elapsed, producer_cpu / count * 1e6, spent / count * 1e6
+def one_block(orders: Connection, consumer: tb.Consumer, case: str, block: int) -> tuple[float, float, float]:
+    """One block on stream `case`: tensors per second, the producer's and the consumer's CPU µs per tensor."""
+    started, started_cpu = time.perf_counter(), time.process_time()
+    orders.send(case)
+    producer_cpu = orders.recv()
+    for _ in range(block):
+        consumer.recv("bench", timeout=120)
+    elapsed, spent = time.perf_counter() - started, time.process_time() - started_cpu
+    return block / elapsed, producer_cpu / block * 1e6, spent / block * 1e6
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -86,26 +85,33 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="4KB")
-    parser.add_argument("--tensors", type=int, default=10000)
-    parser.add_argument("--triples", type=int, default=20)
+    parser.add_argument("--block", type=int, default=1000, help="tensors per block")
+    parser.add_argument("--triples", type=int, default=200, help="timed triples of blocks (off, on, off again)")
     args = parser.parse_args()
     size = parse_size(args.size)
+    consumers = {case: tb.Consumer("tcp://127.0.0.1:0", **_options(case)) for case in CASES}
     context = multiprocessing.get_context("spawn")
     orders, theirs = context.Pipe()
-    producer = context.Process(target=produce, args=(theirs,), daemon=True)
+    addresses = {case: consumer.address for case, consumer in consumers.items()}
+    producer = context.Process(target=produce, args=(theirs, addresses, size, args.block), daemon=True)
     producer.start()
-    load_before = os.getloadavg()
     rows: dict[str, list[tuple[float, float, float]]] = {case: [] for case in CASES}
     try:
+        for _ in range(WARMUP_BLOCKS):
+            for case in CASES:
+                one_block(orders, consumers[case], case, args.block)
+        load_before = os.getloadavg()
         for triple in range(args.triples):
             shift = triple % len(CASES)
             for case in CASES[shift:] + CASES[:shift]:
-                rows[case].append(one_round(orders, size, args.tensors, case == "on"))
+                rows[case].append(one_block(orders, consumers[case], case, args.block))
+        load_after = os.getloadavg()
     finally:
         orders.send(None)
         producer.join(60)
-    load_after = os.getloadavg()
-    print(f"{args.size} tcp://, {args.tensors} tensors a round, {args.triples} triples of rounds")
+        for consumer in consumers.values():
+            consumer.close()
+    print(f"{args.size} tcp://, {args.triples} triples of blocks of {args.block} tensors")
     print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}")
     for case in CASES:
         medians = [statistics.median(column) for column in zip(*rows[case], strict=True)]
