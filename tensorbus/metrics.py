@@ -39,6 +39,7 @@ except ImportError:  # the extra is not installed: metrics stay off (monitoring.
 #: upper bounds of the tensor size histogram (bytes) and of the recv wait one (seconds)
 SIZE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 32, 2))
 WAIT_BUCKETS = (0.0001, 0.001, 0.01, 0.1, 1.0, 10.0, 60.0)
+_FIRST_WAIT = WAIT_BUCKETS[0]
 _clock, _bisect, _ndarray = time.perf_counter, bisect.bisect_left, np.ndarray  # (one lookup fewer each)
 #: the reasons a consumer counts refused frames under (errors.py's `reason_label`s)
 REJECTION_REASONS = ("checksum", "signature", "replay", "limit", "malformed", "stale", "refused")
@@ -170,7 +171,7 @@ class Meter:
         cell.sizes[cell.last_bucket] += 1
         if self.key_label is not None:
             self._labelled(cell, message.key, nbytes)
-        cell.waits[_bisect(WAIT_BUCKETS, waited_s)] += 1
+        cell.waits[0 if waited_s <= _FIRST_WAIT else _bisect(WAIT_BUCKETS, waited_s)] += 1  # (mostly no wait)
         cell.waited_s += waited_s
 
     def close(self) -> None:
