@@ -77,7 +77,8 @@ class ProducerAcks(Transport):
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""
         self._unacked.append((frame, nbytes))
         self._unacked_bytes += nbytes
-        self.tally.timing(self._sent)
+        if self.tally.timed is None:  # (a frame in flight is timed already, mostly: no call)
+            self.tally.timing(self._sent)
         self._sent += 1
         if self._sent % READ_ACKS_EVERY == 0 or self._unacked_bytes >= self.options.max_unacked_bytes:
             self._trim_acked()
