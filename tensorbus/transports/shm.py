@@ -69,7 +69,7 @@ class ShmTransport(NamedTransport):
             if self._sender is None:
                 if self._closed:  # (a send that passed the producer's own check as close ran)
                     raise Closed(f"shm://{self.name}: the producer is closed")
-                self._sender = ShmSender(self.name, self.path, self.options)
+                self._sender = ShmSender(self.name, self.path, self.options, self.tally)
             return self._sender
 
     def encoding(self, wanted: Encoding) -> Encoding:

@@ -30,6 +30,7 @@ from . import shm_control as control
 from .base import backoff_s
 from .shm_segments import Slot, Slots
 from .stream import proof
+from .tally import Tally
 
 if TYPE_CHECKING:
     from .shm import ShmOptions
@@ -49,8 +50,9 @@ RUN_AHEAD_SLOTS = 4
 class ShmSender:
     """One producer's segments, slots in flight and control connection (used by one thread at a time)."""
 
-    def __init__(self, name: str, path: str, options: ShmOptions) -> None:
+    def __init__(self, name: str, path: str, options: ShmOptions, tally: Tally | None = None) -> None:
         self.name, self.path, self.options = name, path, options
+        self.tally = Tally() if tally is None else tally  # (the transport's: metrics read it)
         secret = options.auth_secret
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self.slots = Slots(POOLED_BYTES)
@@ -159,6 +161,8 @@ class ShmSender:
         control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame)
 
     def _owe_ack(self, slot: Slot) -> None:
+        if self.tally.timed is None:  # (a frame in flight is timed already, mostly: no call)
+            self.tally.timing(slot.pos)
         slot.unacked = True
         self.unacked_bytes += slot.frame[1]
         self._unacked.append(slot)
@@ -249,6 +253,7 @@ class ShmSender:
             if slot.unacked:
                 slot.unacked = False
                 self.unacked_bytes -= slot.frame[1]
+                self.tally.acked(1, through=pos)
 
     def _settle(self, slot: Slot) -> None:
         """Give `slot` back once nothing keeps it."""

@@ -58,6 +58,24 @@ def test_tcp_counts_acks_times_send_to_ack_and_gauges_connections() -> None:
     assert {name for name in names if not re.search(rf"\b{name}\b", reference)} == set()  # docs name them all
 
 
+def test_shm_times_send_to_ack_and_counts_the_acks_of_both_ends() -> None:
+    registry = CollectorRegistry()
+    monitored: dict[str, Any] = {"metrics": True, "metrics_registry": registry}
+    with (
+        tb.Consumer(endpoint_url("shm"), **monitored) as consumer,
+        tb.Producer(consumer.address, **monitored) as producer,
+    ):
+        for _ in range(3):  # each acknowledged before the next is sent: each one timed
+            producer.send("t", TENSOR)
+            producer.flush(30)
+        for _ in range(3):
+            consumer.recv("t", timeout=30)
+        samples = scrape(registry)
+    assert value(samples, "tensorbus_acknowledged_frames_total", role="producer") == 3
+    assert value(samples, "tensorbus_ack_seconds_count", role="producer") == 3
+    assert value(samples, "tensorbus_acknowledged_frames_total", role="consumer") == 3
+
+
 def test_tcp_counts_the_seconds_a_send_waited_for_credit() -> None:
     registry = CollectorRegistry()
     monitored: dict[str, Any] = {"metrics": True, "metrics_registry": registry}
