@@ -82,35 +82,43 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
+Rows = dict[str, list[tuple[float, float, float]]]
+
+
+def run(size: int, block: int, triples: int) -> Rows:
+    """`triples` timed triples of blocks of `block` tensors of `size` bytes: each stream's `one_block` results."""
+    consumers = {case: tb.Consumer("tcp://127.0.0.1:0", **_options(case)) for case in CASES}
+    context = multiprocessing.get_context("spawn")
+    orders, theirs = context.Pipe()
+    addresses = {case: consumer.address for case, consumer in consumers.items()}
+    producer = context.Process(target=produce, args=(theirs, addresses, size, block), daemon=True)
+    producer.start()
+    rows: Rows = {case: [] for case in CASES}
+    try:
+        for _ in range(WARMUP_BLOCKS):
+            for case in CASES:
+                one_block(orders, consumers[case], case, block)
+        for triple in range(triples):
+            shift = triple % len(CASES)
+            for case in CASES[shift:] + CASES[:shift]:
+                rows[case].append(one_block(orders, consumers[case], case, block))
+    finally:
+        orders.send(None)
+        producer.join(60)
+        for consumer in consumers.values():
+            consumer.close()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="4KB")
     parser.add_argument("--block", type=int, default=1000, help="tensors per block")
     parser.add_argument("--triples", type=int, default=200, help="timed triples of blocks (off, on, off again)")
     args = parser.parse_args()
-    size = parse_size(args.size)
-    consumers = {case: tb.Consumer("tcp://127.0.0.1:0", **_options(case)) for case in CASES}
-    context = multiprocessing.get_context("spawn")
-    orders, theirs = context.Pipe()
-    addresses = {case: consumer.address for case, consumer in consumers.items()}
-    producer = context.Process(target=produce, args=(theirs, addresses, size, args.block), daemon=True)
-    producer.start()
-    rows: dict[str, list[tuple[float, float, float]]] = {case: [] for case in CASES}
-    try:
-        for _ in range(WARMUP_BLOCKS):
-            for case in CASES:
-                one_block(orders, consumers[case], case, args.block)
-        load_before = os.getloadavg()
-        for triple in range(args.triples):
-            shift = triple % len(CASES)
-            for case in CASES[shift:] + CASES[:shift]:
-                rows[case].append(one_block(orders, consumers[case], case, args.block))
-        load_after = os.getloadavg()
-    finally:
-        orders.send(None)
-        producer.join(60)
-        for consumer in consumers.values():
-            consumer.close()
+    load_before = os.getloadavg()
+    rows = run(parse_size(args.size), args.block, args.triples)
+    load_after = os.getloadavg()
     print(f"{args.size} tcp://, {args.triples} triples of blocks of {args.block} tensors")
     print(f"load average (1, 5, 15 min): before {_load(load_before)}, after {_load(load_after)}")
     for case in CASES:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from benchmarks import amqp_large, consumer_floor, native_speedup
+from benchmarks import amqp_large, consumer_floor, metrics_cost, native_speedup
 from tensorbus.codec import native
 from tensorbus.transports import stream
 from tests.conftest import AMQP_URL, require_broker, require_native
@@ -36,6 +36,12 @@ def test_the_native_speedup_benchmark_runs_both_ways() -> None:
         result = native_speedup.one_run(native_paths, 64 << 10, 50, 20)  # in a fresh interpreter each
         assert result.keys() == {"gbps", "consumer_us", "producer_us", "rtt_us"}
         assert all(value > 0 for value in result.values())
+
+
+def test_the_metrics_cost_benchmark_times_each_stream_in_turn() -> None:
+    rows = metrics_cost.run(4096, 20, 2)  # (with the warm-up blocks: 100 tensors on each stream)
+    assert set(rows) == set(metrics_cost.CASES)
+    assert all(len(results) == 2 and all(x > 0 for result in results for x in result) for results in rows.values())
 
 
 def _producer_that_leaves_at_once(address: str, size: int, count: int) -> threading.Thread:
