@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 _CREDENTIALS = struct.Struct("3i")
 #: control messages read from one producer before the others get a turn
 BATCH = 64
-#: a waiting receive polls the control sockets this long before it sleeps (as `spin_s` on unix://)
-SPIN_S = 0.0001
 #: after a receive read the control sockets itself, how long the background thread waits before it takes over
 LINGER_S = 0.001
 
@@ -137,25 +135,19 @@ class ShmListener:
         return self.leadership.wait(done, deadline, self._step)
 
     def _step(self, deadline: float | None, stop: Callable[[], bool]) -> bool:
-        """One round on the leading thread: wait for control messages (an application thread polls for
-        SPIN_S first: a sleeping thread wakes late), handle them, answer; False once closing."""
+        """One round on the leading thread: wait for control messages until `deadline` (None: a background
+        thread's wait), handle them, answer; False once closing. (No busy-poll before the wait, as unix://
+        has: on the 2-vCPU VM it made the 4 KB round trip slower, 470-560 µs against 310-380 without.)"""
         if self._stop.is_set():
             return False
         for peer in [p for p in self._peers.values() if p.held is not None]:
             self._release(peer)
         owed = any(peer.open and peer.acks.owed() for peer in self._peers.values())
         wait = control.LINGER_S if owed else control.IDLE_S if self._peers else None
-        events: list[tuple[selectors.SelectorKey, int]] = []
         if deadline is not None:
-            now = time.monotonic()
-            left = max(deadline - now, 0.0)
+            left = max(deadline - time.monotonic(), 0.0)
             wait = left if wait is None else min(wait, left)
-            spin_until = min(now + SPIN_S, deadline)
-            while not events and not stop() and time.monotonic() < spin_until:
-                events = self._selector.select(0)
-        if not events and not stop():
-            events = self._selector.select(wait)
-        for selected, _ in events:
+        for selected, _ in self._selector.select(wait) if not stop() else []:
             if selected.data == "wake":
                 self._woken()
             elif selected.data is None:
