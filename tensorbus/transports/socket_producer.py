@@ -94,8 +94,8 @@ class SocketProducer(ProducerAcks):
                 set_send_timeout(sock, self.options.send_timeout_s)
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.tally.renumber(self._taken, len(self._unacked))  # (a frame resent is timed from its first send)
                 self._sent = self._acked = self._taken = 0
-                self.tally.forget_timing()
                 self._unacked_bytes, self._untaken_bytes = sum(n for _, n in self._unacked), 0
                 self._ack_buf.clear()
                 self._ack_requested = False
