@@ -217,7 +217,7 @@ def test_messages_taken_and_not_acknowledged_count_against_max_buffered_bytes() 
             producer.send(f"t{i}", tensor(i))  # 1 KiB each
         held = [consumer.recv_message(f"t{i}", timeout=WAIT_S) for i in range(3)]
         assert consumer.table.buffered_bytes >= 3 * 1024  # the three, unacknowledged
-        wait_for(lambda: consumer.intake._held_up or consumer.transport._held, WAIT_S, "t3 held back")  # type: ignore[attr-defined]
+        wait_for(lambda: consumer.intake._held_up or consumer.transport._reader._held, WAIT_S, "t3 held back")  # type: ignore[attr-defined]
         assert len(consumer.table) <= 1  # no room for both of the others while three are unacknowledged
         for message in held:
             consumer.ack(message)
