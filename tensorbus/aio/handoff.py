@@ -18,6 +18,7 @@ from ..codec import Message
 from ..errors import Timeout
 from ..intake_state import ANY
 from ..rendezvous import Handoff, Rendezvous
+from .turns import Turns
 
 
 class _Receive:
@@ -74,10 +75,13 @@ class _Receive:
             self.table.put_back(result[0])
 
 
-async def wait_message(table: Rendezvous, key: object, timeout: float | None) -> Message:
+async def wait_message(table: Rendezvous, key: object, timeout: float | None, turns: Turns) -> Message:
     """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever)."""
+    await turns.take()
     receive = _Receive(table, asyncio.get_running_loop())
     handle = table.wait_async(key, Handoff(receive.arrived))
+    if not receive.future.done():
+        turns.waited()  # (it will suspend: as good as done now)
     try:
         if timeout is None:
             message = await receive.future
