@@ -27,6 +27,7 @@ class Turns:
 
     async def take(self) -> None:
         """Yield to the loop if this end has run SLICE_S without suspending."""
-        if time.perf_counter() - self._since >= SLICE_S:
+        now = time.perf_counter()
+        if now - self._since >= SLICE_S:
+            self._since = now  # (first: a task cancelled in its turn must not take another at once)
             await asyncio.sleep(0)
-            self._since = time.perf_counter()
