@@ -70,9 +70,9 @@ RECV_LOWAT = 256 << 10 if _lowat_is_safe() else 0
 #: rather than after `linger_s`: the next large tensor then arrives while the application works on
 #: this one, and the hand-off is a few percent of such a frame's time
 OVERLAP_FROM = 4 << 20
-#: the receive buffer of a TCP connection an event loop reads (tensorbus.aio), fixed (the kernel doubles
-#: it): a read drains what is there, so this bounds how long one read holds the loop (a few ms)
-LOOP_RECV_BUFFER = 2 << 20
+#: bytes of a frame one read takes at most on an event loop (tensorbus.aio), whatever pace they come at:
+#: what bounds how long a read holds the loop (1 MiB into fresh pages: 1.5-2.5 ms on the 2-vCPU VM)
+LOOP_READ_BUDGET = 1 << 20
 #: frames read from one connection before the others get a turn
 FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
@@ -274,10 +274,10 @@ class Reactor:
         conn.setblocking(False)
         if conn.family != socket.AF_UNIX:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
-            if self._background is None and LOOP_RECV_BUFFER:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, LOOP_RECV_BUFFER)
         lowat = RECV_LOWAT if conn.family in (socket.AF_INET, socket.AF_INET6) else 0
         peer = _Peer(conn, name, stream_reader(conn, self.limits, self.pool.take, lowat), self.deliver.ledger.stream())
+        if self._background is None:  # read on an event loop: in turns
+            peer.reader.budget = LOOP_READ_BUDGET
         with self._peers_lock:
             self._peers[peer.fd] = peer  # (first: a leader that reads it and drops it must find it here)
         try:
