@@ -79,7 +79,7 @@ class PyStreamReader:
         self._inbox: memoryview | None = None
         self._lo = self._hi = 0
         self.last_total = 0
-        self.budget = 0  # (see the module docstring)
+        self._budget = 0
         self._broken = False  # no buffer for the frame a prefix began: the stream cannot go on
 
     @property
@@ -91,6 +91,17 @@ class PyStreamReader:
     def buffered(self) -> int:
         """Bytes read ahead (or decrypted) and not yet taken."""
         return self._hi - self._lo + (self._tls.pending() if self._tls is not None else 0)
+
+    @property
+    def budget(self) -> int:
+        """Bytes of a frame's body one `read()` takes at most before it returns None (0: no limit)."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        if value < 0:
+            raise ValueError("budget: a count of bytes, 0 or more")
+        self._budget = value
 
     @property
     def mid_frame(self) -> bool:
@@ -170,7 +181,7 @@ class PyStreamReader:
         frame = self._frame
         taken_now = 0
         while self._got < self._total:
-            if self.budget and taken_now >= self.budget:
+            if self._budget and taken_now >= self._budget:
                 return None  # (an event loop's turn is over: the rest comes with the next)
             end = min(self._got + self._crc_slice, self._total) if self._crc is not None else self._total
             n = self._take(frame[self._got : end], end - self._got, straight=True)

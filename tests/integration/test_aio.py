@@ -101,6 +101,31 @@ def test_async_and_blocking_ends_talk_to_each_other(run: Any, transport: str) ->
     run(main())
 
 
+#: the threads of the blocking socket ends, which tcp:// and unix:// ends of tensorbus.aio start none of
+SOCKET_THREADS = ("tensorbus-reader", "tensorbus-accept", "tensorbus-aio-send")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_socket_ends_read_and_write_on_the_loop_and_start_no_thread(run: Any, transport: str) -> None:
+    """tcp:// and unix:// ends read, accept and write on the event loop itself: while small and large
+    tensors cross, in order and whole, no reading, accepting or sending thread of theirs is alive."""
+    big = make_tensor({"seed": 4, "n": 3_000_000})
+
+    async def main() -> None:
+        async with tba.Consumer(endpoint_url(transport)) as consumer, tba.Producer(consumer.address) as producer:
+            for i in range(200):
+                await producer.send("k", np.full(1000 + i, i))
+            await producer.send("big", big)
+            await producer.flush(timeout=30)
+            assert [t.name for t in threading.enumerate() if t.name.startswith(SOCKET_THREADS)] == []
+            for i in range(200):
+                got = await consumer.recv("k", timeout=30)
+                assert got.shape == (1000 + i,) and got[0] == i
+            assert same(await consumer.recv("big", timeout=30), big)
+
+    run(main())
+
+
 def test_tls_round_trip(run: Any, tmp_path: Any) -> None:
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
