@@ -126,6 +126,33 @@ def test_socket_ends_read_and_write_on_the_loop_and_start_no_thread(run: Any, tr
     run(main())
 
 
+def test_a_loop_producer_proves_its_secret_signs_its_frames_and_resends_to_a_successor(run: Any) -> None:
+    """The loop's own handshake and writes, against blocking consumers: a wrong secret is refused at
+    once (AuthRefused), signed frames pass, and what a consumer left untaken goes to its successor on
+    the same address, which the producer reconnects to."""
+    secret, key = "s3cret", b"k" * 32
+
+    async def main() -> None:
+        with tb.Consumer("tcp://127.0.0.1:0", auth_secret=secret, signing_key=key) as first:
+            address = first.address
+            async with tba.Producer(address, auth_secret="wrong") as intruder:
+                with pytest.raises(tb.AuthRefused):
+                    await intruder.send("k", np.arange(3))
+            producer = tba.Producer(address, auth_secret=secret, signing_key=key, reconnect_timeout_s=30)
+            await producer.send("taken", np.arange(4))
+            await producer.send("left", np.arange(5))
+            await producer.flush(timeout=30)
+            assert same(await asyncio.to_thread(first.recv, "taken", 30), np.arange(4))
+        with tb.Consumer(address, auth_secret=secret, signing_key=key) as successor:
+            await producer.flush(timeout=30)  # (the untaken one goes again, on a new connection)
+            await producer.send("after", np.arange(6))
+            assert same(await asyncio.to_thread(successor.recv, "left", 30), np.arange(5))
+            assert same(await asyncio.to_thread(successor.recv, "after", 30), np.arange(6))
+            await producer.close()
+
+    run(main())
+
+
 def test_tls_round_trip(run: Any, tmp_path: Any) -> None:
     trustme = pytest.importorskip("trustme")
     ca = trustme.CA()
