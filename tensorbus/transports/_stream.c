@@ -366,7 +366,7 @@ read_next(Reader *self)
     Py_ssize_t taken_now = 0;
     while (self->got < self->total) {
         if (self->budget > 0 && taken_now >= self->budget) {
-            Py_RETURN_NONE; /* (an event loop's turn is over: the rest comes with the next) */
+            return stopped(self, -2); /* an event loop's turn is over (its next wait set, as for no bytes) */
         }
         Py_ssize_t end = self->crc_on && self->got + self->crc_slice < self->total ? self->got + self->crc_slice
                                                                                    : self->total;

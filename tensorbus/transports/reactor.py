@@ -428,7 +428,10 @@ class Reactor:
     def read_ready(self, ready: list[Any]) -> bool:
         """An event loop's turn, in place of a leading thread: read each connection in `ready` (None: the
         wake-up pipe) and each with bytes read ahead, as far as its bytes go (FAIR_SHARE frames at most),
-        and do the upkeep. True while bytes read ahead wait, which the loop cannot see: call again soon."""
+        and do the upkeep. True while bytes read ahead wait, which the loop cannot see: call again soon.
+
+        A connection read to its last byte is acked at once: a loop may not run again for a while (an
+        application between two `run_until_complete`), and a stopped loop answers no ack request."""
         if not self._leader.acquire(blocking=False):  # (`close` leads)
             return False
         self._leading = threading.get_ident()
@@ -444,6 +447,8 @@ class Reactor:
             for peer in peers:
                 if not peer.gone and peer.held is None:
                     self._read(peer, _never)
+                    if not peer.gone and peer not in self._pending and peer.frames != peer.acked:
+                        self._ack_now(peer)
             self._upkeep(time.monotonic())
         finally:
             self._leading = None
@@ -687,6 +692,15 @@ class Reactor:
             return
         peer.ack_owed = False
         peer.acked, peer.taken, peer.unacked_bytes = received, taken, 0
+
+    def _ack_now(self, peer: _Peer) -> None:
+        """`_ack`, dropping a connection that fails it."""
+        try:
+            self._ack(peer)
+        except PeerGone as exc:
+            self._drop(peer, str(exc), exc.level)
+        except OSError as exc:
+            self._drop(peer, f"connection failed: {exc}", logging.INFO)
 
     def send_taken(self) -> None:
         """Tell every producer what was taken since the last acks, of what they were told was received
