@@ -59,7 +59,7 @@ class Consumer:
                     await asyncio.to_thread(made.close)
                     raise Closed("the Consumer was closed while it opened")
                 self._blocking = made
-                if reading.attach(made.transport, asyncio.get_running_loop()):
+                if reading.attach(made.transport, asyncio.get_running_loop(), made.table):
                     self._reading = reading
         return self
 
@@ -102,10 +102,15 @@ class Consumer:
         """The next message of `key` (or ANY), counted as the blocking consumer's receives are (metrics)."""
         blocking = self.blocking
         started = time.perf_counter()
-        message = await wait_message(blocking.table, key, finite_timeout(timeout), self._turns)
+        message = await wait_message(blocking.table, key, finite_timeout(timeout), self._turns, self._resume)
         if blocking.monitor is not None:
             blocking.monitor.received(message, time.perf_counter() - started)
         return message
+
+    def _resume(self) -> None:
+        """A receive took a tensor or waits: the loop reads again if it had stopped reading ahead."""
+        if self._reading is not None:
+            self._reading.resume()
 
     def ack(self, message: Message) -> None:
         """With `ack="manual"`: acknowledge a message the application is done with (a plain call: it

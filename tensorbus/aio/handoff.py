@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 from ..codec import Message
 from ..errors import Timeout
@@ -75,13 +76,17 @@ class _Receive:
             self.table.put_back(result[0])
 
 
-async def wait_message(table: Rendezvous, key: object, timeout: float | None, turns: Turns) -> Message:
-    """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever)."""
+async def wait_message(
+    table: Rendezvous, key: object, timeout: float | None, turns: Turns, taking: Callable[[], None]
+) -> Message:
+    """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever);
+    `taking()` is called once the receive waits, and once it took its message (the loop may read again)."""
     await turns.take()
     receive = _Receive(table, asyncio.get_running_loop())
     handle = table.wait_async(key, Handoff(receive.arrived))
     if not receive.future.done():
         turns.waited()  # (it will suspend: as good as done now)
+        taking()
     try:
         if timeout is None:
             message = await receive.future
@@ -96,4 +101,6 @@ async def wait_message(table: Rendezvous, key: object, timeout: float | None, tu
         handle.cancel()
         receive.withdraw()
         raise
-    return table.hand_out(message)
+    message = table.hand_out(message)
+    taking()
+    return message

@@ -8,6 +8,11 @@ same C or Python frame reader into the same pooled, aligned buffers, delivers in
 into the ledger and acks, as a reading thread would), the wake-up pipe (room opened in the table) and
 the listener's selector (accepts and handshakes: `Listener.turn`). A timer does the upkeep: acks of
 what was taken, idle connections, handshakes past their deadline.
+
+The loop reads ahead of the receives only up to READ_AHEAD bytes in the table: past that it stops
+watching the connections until a receive takes a tensor or waits (at the latest, the next upkeep).
+Frames read far ahead each land in a freshly allocated buffer, and fresh pages cost 0.4-0.7 GB/s on
+the 2-vCPU VM (docs/PERFORMANCE.md); frames read just ahead reuse the memory of those just taken.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import asyncio
 import logging
 from typing import Any
 
+from ..rendezvous import Rendezvous
 from ..transports.reactor import TAKEN_EVERY_S, Poller
 from ..transports.socket_consumer import SocketConsumer
 
 log = logging.getLogger(__name__)
+#: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module)
+READ_AHEAD = 1 << 20
 
 
 class LoopPoller(Poller):
@@ -33,16 +41,32 @@ class LoopPoller(Poller):
         super().__init__()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: Any = None
+        self.paused = False  # the connections are not watched (the wake-up pipe, data None, always is)
+
+    def _watched(self, data: Any) -> bool:
+        return self._loop is not None and (data is None or not self.paused)
 
     def register(self, fd: int, data: Any) -> None:
         super().register(fd, data)
-        if self._loop is not None:
+        if self._loop is not None and self._watched(data):
             self._loop.add_reader(fd, self._ready, data)
 
     def unregister(self, fd: int, data: Any) -> None:
         super().unregister(fd, data)
-        if self._loop is not None:
+        if self._loop is not None and self._watched(data):
             self._loop.remove_reader(fd)
+
+    def pause(self, paused: bool) -> None:
+        """Stop watching the connections (True), or watch them again (False)."""
+        if paused == self.paused or self._loop is None:
+            return
+        self.paused = paused
+        for fd, data in list(self._data.items()):
+            if data is not None:
+                if paused:
+                    self._loop.remove_reader(fd)
+                else:
+                    self._loop.add_reader(fd, self._ready, data)
 
     def attach(self, loop: asyncio.AbstractEventLoop, ready: Any) -> None:
         """Have `loop` call `ready(data)` whenever a registered descriptor is readable."""
@@ -68,20 +92,21 @@ class LoopReading:
         self._again: asyncio.Handle | None = None  # a turn soon, for bytes read ahead the loop cannot see
         self._timer: asyncio.TimerHandle | None = None
         self._listening: int | None = None  # the listener's selector, watched
+        self._table: Rendezvous | None = None
 
     def make_poller(self) -> LoopPoller:
         """`LOOP_POLLER`'s value: called (once) by the socket consumer as it starts listening."""
         self.poller = LoopPoller()
         return self.poller
 
-    def attach(self, transport: Any, loop: asyncio.AbstractEventLoop) -> bool:
+    def attach(self, transport: Any, loop: asyncio.AbstractEventLoop, table: Rendezvous | None = None) -> bool:
         """Start reading `transport` on `loop` (on the loop's thread); False if it is no socket consumer
         made for the loop (the transport reads on threads of its own, as in the blocking API)."""
         if self.poller is None or not isinstance(transport, SocketConsumer) or transport.reactor is None:
             return False
         listener = transport._listener
         assert listener is not None
-        self._consumer, self._loop = transport, loop
+        self._consumer, self._loop, self._table = transport, loop, table
         self.poller.attach(loop, self._ready)
         self._listening = listener.selector
         loop.add_reader(self._listening, self._turn)
@@ -93,11 +118,28 @@ class LoopReading:
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
         if self._consumer.reactor.read_ready([data]) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
+        if data is not None and not self._wanted():
+            assert self.poller is not None
+            self.poller.pause(True)
+
+    def _wanted(self) -> bool:
+        """Whether the loop should read the connections now: little is buffered, or a receive waits."""
+        table = self._table
+        return table is None or table.buffered_bytes < READ_AHEAD or any(table._waiters.values())
+
+    def resume(self) -> None:
+        """A receive took a tensor or waits: read again if reading stopped (and is wanted)."""
+        if self.poller is not None and self.poller.paused and self._wanted():
+            self.poller.pause(False)
+            if self._again is None and self._loop is not None:  # (bytes read ahead wait too)
+                self._again = self._loop.call_soon(self._read_ahead)
 
     def _read_ahead(self) -> None:
         """Deliver what was read ahead (a fair share per turn: the loop's other tasks run in between)."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
         self._again = None
+        if not self._wanted():  # (`resume` comes back here)
+            return
         if self._consumer.reactor.read_ready([]):
             self._again = self._loop.call_soon(self._read_ahead)
 
@@ -114,6 +156,7 @@ class LoopReading:
         assert self._loop is not None
         self._timer = self._loop.call_later(TAKEN_EVERY_S, self._tick)
         self._ready(None)
+        self.resume()
         self._turn()
 
     def detach(self) -> None:
