@@ -110,7 +110,7 @@ class Consumer:
     def _resume(self) -> None:
         """A receive took a tensor or waits: the loop reads again if it had stopped reading ahead."""
         if self._reading is not None:
-            self._reading.resume()
+            self._reading.taken()
 
     def ack(self, message: Message) -> None:
         """With `ack="manual"`: acknowledge a message the application is done with (a plain call: it

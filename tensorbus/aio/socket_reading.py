@@ -9,10 +9,13 @@ into the ledger and acks, as a reading thread would), the wake-up pipe (room ope
 the listener's selector (accepts and handshakes: `Listener.turn`). A timer does the upkeep: acks of
 what was taken, idle connections, handshakes past their deadline.
 
-The loop reads ahead of the receives only up to READ_AHEAD bytes in the table: past that it stops
-watching the connections until a receive takes a tensor or waits (at the latest, the next upkeep).
-Frames read far ahead each land in a freshly allocated buffer, and fresh pages cost 0.4-0.7 GB/s on
-the 2-vCPU VM (docs/PERFORMANCE.md); frames read just ahead reuse the memory of those just taken.
+While receives come, the loop reads ahead of them only up to READ_AHEAD bytes in the table: past that
+it stops watching the connections until a receive takes a tensor or waits. Frames read far ahead each
+land in a freshly allocated buffer, and fresh pages cost 0.4-0.7 GB/s on the 2-vCPU VM
+(docs/PERFORMANCE.md); frames read just ahead reuse the memory of those just taken. When no receive
+came for `linger_s`, it reads on freely, into the table up to its limits, until one comes (as the
+blocking reactor's background thread takes over after `linger_s`): sends and `flush` never wait for
+a receive.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class LoopReading:
         self._timer: asyncio.TimerHandle | None = None
         self._listening: int | None = None  # the listener's selector, watched
         self._table: Rendezvous | None = None
+        self._free = False  # no receive came for linger_s: read ahead without the READ_AHEAD bound
+        self._idle: asyncio.TimerHandle | None = None  # when reading goes free, while paused
 
     def make_poller(self) -> LoopPoller:
         """`LOOP_POLLER`'s value: called (once) by the socket consumer as it starts listening."""
@@ -121,14 +126,31 @@ class LoopReading:
         if data is not None and not self._wanted():
             assert self.poller is not None
             self.poller.pause(True)
+            if self._idle is None:
+                self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)
 
     def _wanted(self) -> bool:
-        """Whether the loop should read the connections now: little is buffered, or a receive waits."""
+        """Whether the loop should read the connections now: no receive came for a while, little is
+        buffered, or a receive waits."""
         table = self._table
-        return table is None or table.buffered_bytes < READ_AHEAD or any(table._waiters.values())
+        return self._free or table is None or table.buffered_bytes < READ_AHEAD or any(table._waiters.values())
+
+    def _go_free(self) -> None:
+        """No receive came for `linger_s` while reading was paused: read on freely."""
+        self._idle = None
+        self._free = True
+        self.resume()
+
+    def taken(self) -> None:
+        """A receive took a tensor or waits: read ahead only a little again, and now if it had stopped."""
+        self._free = False
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self.resume()
 
     def resume(self) -> None:
-        """A receive took a tensor or waits: read again if reading stopped (and is wanted)."""
+        """Read again if reading stopped and is wanted now."""
         if self.poller is not None and self.poller.paused and self._wanted():
             self.poller.pause(False)
             if self._again is None and self._loop is not None:  # (bytes read ahead wait too)
@@ -161,10 +183,10 @@ class LoopReading:
 
     def detach(self) -> None:
         """Stop reading (on the loop's thread), before the consumer closes."""
-        for handle in (self._again, self._timer):
+        for handle in (self._again, self._timer, self._idle):
             if handle is not None:
                 handle.cancel()
-        self._again = self._timer = None
+        self._again = self._timer = self._idle = None
         if self._loop is not None and self._listening is not None:
             self._loop.remove_reader(self._listening)
         self._listening = None
