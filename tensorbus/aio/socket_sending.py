@@ -262,6 +262,8 @@ class LoopSender:
         # `_room` asks, awaiting room to write)
         t._unacked.append((frame, nbytes))
         t._unacked_bytes += nbytes
+        if t.tally.timed is None:
+            t.tally.timing(t._sent)
         t._sent += 1
         if t._sent % READ_ACKS_EVERY == 0 and t._sock is not None:
             try:
