@@ -5,13 +5,19 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+from collections.abc import Callable
+from contextvars import ContextVar
 
 from ..buffers import BufferPool
 from ..codec.frame import Limits
 from .base import Deliver, Transport
 from .listener import Listener
-from .reactor import Reactor
+from .reactor import Poller, Reactor
 from .stream import SocketOptions
+
+#: set (by tensorbus.aio) while a consumer is made whose connections an event loop reads: what makes the
+#: poller its reactor registers them with; then no thread starts (tensorbus/aio/socket_reading.py)
+LOOP_POLLER: ContextVar[Callable[[], Poller] | None] = ContextVar("tensorbus_loop_poller", default=None)
 
 
 class SocketConsumer(Transport):
@@ -39,8 +45,11 @@ class SocketConsumer(Transport):
         if self.family != socket.AF_UNIX:
             host, port = bound[:2]
             self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        self.reactor = Reactor(deliver, limits, self.options, self._pool)
-        self._listener.start(self.reactor, context)
+        loop_poller = LOOP_POLLER.get()
+        self.reactor = Reactor(
+            deliver, limits, self.options, self._pool, None if loop_poller is None else loop_poller()
+        )
+        self._listener.start(self.reactor, context, thread=loop_poller is None)
 
     def sender(self) -> str | None:
         """The address of the producer connection being read (on the reading thread)."""
