@@ -23,6 +23,15 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 KAFKA_CLIENTS = ("kafka-python", "confluent")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """kafka-python 3.0 leaves failed connection attempts' sockets to the garbage collector: close them
+    (tests/kafka_sockets.py says where, and why only those)."""
+    with contextlib.suppress(ImportError):  # (kafka-python is an extra)
+        from tests.kafka_sockets import close_failed_attempts
+
+        close_failed_attempts()
+
+
 def reachable(url: str) -> bool:
     """True if something accepts TCP connections at the URL's host and port."""
     parts = urllib.parse.urlsplit(url)

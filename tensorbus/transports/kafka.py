@@ -479,8 +479,12 @@ class KafkaTransport(Transport):
                         allow_auto_create_topics=False,
                         **({} if o.batch_linger_s is None else {"linger_ms": int(o.batch_linger_s * 1000)}),
                     )
-                    deadline = time.monotonic() + o.connect_timeout_s
-                    partitions = _retrying(lambda: producer.partitions_for(self.topic), deadline, self._shown)
+                    try:
+                        deadline = time.monotonic() + o.connect_timeout_s
+                        partitions = _retrying(lambda: producer.partitions_for(self.topic), deadline, self._shown)
+                    except BaseException:  # (its I/O thread and connections are not left behind)
+                        producer.close(timeout=0)
+                        raise
                     self._keyless_partition = random.choice(sorted(partitions))
                 self._producer, self._failed = producer, False
             return self._producer
@@ -570,9 +574,13 @@ class KafkaTransport(Transport):
                     session_timeout_ms=int(o.session_timeout_s * 1000),
                     heartbeat_interval_ms=int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
                 )
-                offsets = self._offsets = _Offsets(consumer, deliver, self._shown)
-                consumer.subscribe([self.topic], listener=offsets)
-                self._await_metadata(consumer, o.connect_timeout_s)
+                try:
+                    offsets = self._offsets = _Offsets(consumer, deliver, self._shown)
+                    consumer.subscribe([self.topic], listener=offsets)
+                    self._await_metadata(consumer, o.connect_timeout_s)
+                except BaseException:  # (its I/O thread and connections are not left behind)
+                    consumer.close(autocommit=False, timeout_ms=0)
+                    raise
         except TensorBusError as exc:
             self._error = exc
             return
