@@ -291,6 +291,7 @@ class Intake:
         if message_id is None:
             return
         if self.ledger.mode == "manual":  # it still counts, until the application acknowledges it
+            message.acknowledger = self  # (for `message.ack()` and `message.reject()`)
             nbytes = message_nbytes(message)
             with self._lock:
                 self._unacked[message_id] = self._unacked.get(message_id, 0) + nbytes

@@ -188,9 +188,10 @@ def test_past_max_untaken_bytes_the_oldest_copies_are_let_go_and_counted() -> No
         assert consumer.recv("t19", timeout=WAIT_S)[1] == tensor(19)[1]
 
 
+@pytest.mark.parametrize("spelling", ["consumer.ack", "message.ack"])
 @pytest.mark.parametrize("transport", ["memory", "tcp", pytest.param("amqp", marks=pytest.mark.broker)])
 def test_with_manual_acks_what_was_taken_but_not_acknowledged_comes_again(
-    transport: str, tmp_path: Path, tls: dict[str, str]
+    transport: str, spelling: str, tmp_path: Path, tls: dict[str, str]
 ) -> None:
     if transport == "memory":
         url, consumer_options, producer_options = f"memory://manual-{uuid.uuid4().hex}", {}, {}
@@ -203,9 +204,9 @@ def test_with_manual_acks_what_was_taken_but_not_acknowledged_comes_again(
             producer.send(f"t{i}", tensor(i))
         producer.flush(WAIT_S)
         taken = [first.recv_message(f"t{i}", timeout=WAIT_S) for i in range(6)]
-        for message in taken[:3]:
-            first.ack(message)  # t0..t2 done with
-        first.reject(taken[3])  # t3 given back: delivered again
+        for message in taken[:3]:  # t0..t2 done with; t3 given back: delivered again
+            message.ack() if spelling == "message.ack" else first.ack(message)
+        taken[3].reject() if spelling == "message.ack" else first.reject(taken[3])
         assert first.recv_message("t3", timeout=WAIT_S).message_id == taken[3].message_id
         first.close()  # t3..t5 taken, never acknowledged
         with tb.Consumer(url, **consumer_options, ack="manual", dedup_file=ids) as successor:
@@ -230,3 +231,7 @@ def test_messages_taken_and_not_acknowledged_count_against_max_buffered_bytes() 
         assert [consumer.recv(f"t{i}", timeout=WAIT_S)[1] for i in (3, 4)] == [tensor(3)[1], tensor(4)[1]]
         with pytest.raises(tb.ConfigError, match="ack='manual'"):
             tb.Consumer(f"memory://{uuid.uuid4().hex}").ack(held[0])
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("t", tensor(0))
+        with pytest.raises(tb.ConfigError, match="ack='manual'"):
+            consumer.recv_message("t", timeout=WAIT_S).ack()  # (taken already: there is nothing to acknowledge)
