@@ -338,6 +338,34 @@ def stamp(header: dict[str, Any]) -> None:
     header[TIMESTAMP] = time.time()
 
 
+def restamp(frame: list[Buffer]) -> bool:
+    """Put the producer's clock of now in a signed whole message's frame (its head, `frame[0]`, is
+    replaced and its CRC fixed; the caller signs the frame again): what a producer resending a frame
+    to another consumer run does, vouching for it anew (docs/SECURITY.md, "A redelivery is not a
+    replay"). False, with the frame as it was, for anything else (a chunk: its message's clock is
+    inside the payload, under a signature over the whole message)."""
+    view = memoryview(frame[0]).cast("B")
+    if len(view) < PREFIX.size:
+        return False
+    _, _, flags, _, header_len, _, stored = PREFIX.unpack_from(view)
+    if not flags & FLAG_SIGNED or len(view) < PREFIX.size + header_len:
+        return False
+    header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    if header.get("kind") == "chunk" or TIMESTAMP not in header:
+        return False
+    stamp(header)
+    packed = msgpack.packb(header, use_bin_type=True)
+    if len(packed) != header_len:  # (never: the clock is a float64, 9 bytes, and the rest packs as it did)
+        return False
+    head = bytearray(view)
+    head[PREFIX.size : PREFIX.size + header_len] = packed
+    if flags & FLAG_CHECKSUM:  # the CRC over head and payload, from the payload's (taken out of the old one)
+        body_len = sum(memoryview(part).nbytes for part in frame[1:-1])  # (the last part is the signature)
+        body_crc = uncombine(stored, checksum_of(view), body_len)
+        struct.pack_into("<I", head, CRC_AT, combine(checksum_of(head), body_crc, body_len))
+    frame[0] = bytes(head)
+    return True
+
 
 def flat_bytes(array: np.ndarray) -> memoryview:
     """An array's memory as flat bytes (in its own C or Fortran order), without a copy."""

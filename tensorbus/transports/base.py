@@ -164,9 +164,19 @@ class Deliver(Protocol):
     fast: Callable[[memoryview, int | None, object], Message | None] | None
 
     def __call__(
-        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+        self,
+        frame: Buffer,
+        crc: int | None = None,
+        *,
+        may_hold: bool = False,
+        source: object = None,
+        redelivered: bool = False,
     ) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
+
+        `redelivered`: the transport vouches that the frame is a redelivery of one handed to a consumer
+        of the endpoint before (a broker's own mark, which no publisher can set): a signed message is
+        then not refused for its age alone (docs/SECURITY.md, "A redelivery is not a replay").
 
         The frame's buffer is handed over: the transport must not write to it again.
 

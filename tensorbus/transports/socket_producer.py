@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..codec.frame import Buffer, MessageId, flat_bytes
+from ..codec.frame import Buffer, MessageId, flat_bytes, restamp
 from ..codec.native import crc32c
 from ..codec.signing import frame_key, resign
 from ..errors import Closed, Rejected, TransportError
@@ -126,11 +126,14 @@ class SocketProducer(ProducerAcks):
     def _sign_unacked_for(self, incarnation: bytes) -> None:
         """Sign the frames to be resent for the consumer run just connected to, if another than before.
 
-        The producer vouches for them again: they never reached that run, which refuses frames signed for another.
+        The producer vouches for them again, now: they never reached that run, which refuses frames
+        signed for another, and their clock is set to the resend's, so a tensor that waited untaken in
+        a consumer that then died is not refused by its successor as too old (`max_frame_age_s`).
         """
         if self.signing_key is not None and self._unacked_for not in (None, incarnation):
             key = frame_key(self.signing_key, "socket", incarnation)
             for frame, _ in self._unacked:
+                restamp(frame)
                 resign(frame, key)
         self._unacked_for = incarnation
 
