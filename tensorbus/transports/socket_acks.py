@@ -160,6 +160,18 @@ class ProducerAcks(Transport):
                 )  # fmt: skip
             self.untaken_let_go += 1
 
+    def _own_untaken(self) -> None:
+        """Replace the kept frames' references to the sender's arrays by copies (caller holds the lock).
+
+        What `flush` does once every frame is received: the application may then change an array it
+        sent, and a tensor still untaken, resent to a successor, carries the bytes it had when sent.
+        It copies at most `max_untaken_bytes` (what may be kept once received), and each frame once.
+        """
+        for frame, _ in self._unacked:
+            for index, part in enumerate(frame):
+                if not isinstance(part, (bytes, bytearray)):  # (a view of an array; heads and signatures are owned)
+                    frame[index] = bytes(part)
+
     def _take_refusal(self) -> bool:
         """Take a REFUSAL off the front of the ack buffer (False: not all of it is here yet); a message's
         first refused frame becomes a `Rejected` for the next send or flush to raise."""

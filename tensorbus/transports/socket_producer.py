@@ -276,7 +276,10 @@ class SocketProducer(ProducerAcks):
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects);
-        `Rejected` if it refused one (for each refused message, a send or flush raises once)."""
+        `Rejected` if it refused one (for each refused message, a send or flush raises once).
+
+        Then the copies kept of untaken frames are made the producer's own (`_own_untaken`): from here
+        on the application may change the arrays it sent."""
         with self._locked(timeout, "flush"):  # (refused frames are acknowledged too: the wait ends)
             if self._unacked:  # a consumer that went with untaken tensors: resend them to its successor
                 self._probe_if_quiet(0.0)
@@ -285,6 +288,7 @@ class SocketProducer(ProducerAcks):
                 timeout,
                 lambda: f"{self._sent - self._acked} frames unacknowledged by {self.address} after {timeout}s",
             )
+            self._own_untaken()
             self._raise_rejection()
 
     def wait_for_room(self) -> None:

@@ -235,3 +235,27 @@ def test_messages_taken_and_not_acknowledged_count_against_max_buffered_bytes() 
         producer.send("t", tensor(0))
         with pytest.raises(tb.ConfigError, match="ack='manual'"):
             consumer.recv_message("t", timeout=WAIT_S).ack()  # (taken already: there is nothing to acknowledge)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_an_array_changed_after_flush_reaches_a_successor_as_it_was_sent(
+    transport: str, tmp_path: Path, tls: dict[str, str]
+) -> None:
+    url, consumer_options, producer_options = endpoint(transport, tmp_path, tls)
+    first = tb.Consumer(url, **consumer_options)
+    with tb.Producer(first.address, **producer_options) as producer:
+        arrays = [tensor(i) for i in range(3)]
+        sent = [array.copy() for array in arrays]
+        big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: a frame whose payload is the array's own memory
+        sent.append(big.copy())
+        for i, array in enumerate([*arrays, big]):
+            producer.send(f"t{i}", array)
+        producer.flush(WAIT_S)
+        for array in [*arrays, big]:
+            array[:] = -1  # the application reuses its arrays once flush returned
+        wait_for(lambda: len(first.table) == 4, WAIT_S, "the four in the first consumer's table, untaken")
+        first.close()
+        with tb.Consumer(url, **consumer_options) as successor:
+            producer.flush(WAIT_S)  # (resent to the successor)
+            for i, expected in enumerate(sent):
+                np.testing.assert_array_equal(successor.recv(f"t{i}", timeout=WAIT_S), expected)
