@@ -127,6 +127,8 @@ class QueueConsumer:
             connection.process_data_events(time_limit=0.2)
             if self._cancelled:  # e.g. the queue was deleted: declare it again on a new connection
                 raise TransportError(f"RabbitMQ cancelled the consumer of {self.t.shown}")
+            if channel.is_closed:  # by the broker (e.g. `consumer_timeout`, 406): it requeued what was unacked
+                raise TransportError(f"RabbitMQ closed the channel of {self.t.shown} (pika logged why)")
         connection.process_data_events(time_limit=0)  # the acks `close` waited for go out
 
     def _consume(self) -> str:

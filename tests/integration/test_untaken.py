@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import trustme
 import tensorbus as tb
 from tests import faults
 from tests.conftest import endpoint_url
+from tests.integration.test_kafka import committed
 from tests.waiting import wait_for
 
 SENT, TAKEN = 60, 10
@@ -259,3 +261,54 @@ def test_an_array_changed_after_flush_reaches_a_successor_as_it_was_sent(
             producer.flush(WAIT_S)  # (resent to the successor)
             for i, expected in enumerate(sent):
                 np.testing.assert_array_equal(successor.recv(f"t{i}", timeout=WAIT_S), expected)
+
+
+@pytest.mark.broker
+def test_a_channel_rabbitmq_closes_over_untaken_deliveries_loses_nothing_and_hands_out_each_once() -> None:
+    # What RabbitMQ's consumer_timeout does to a consumer holding untaken tensors past it: it closes the
+    # channel with 406 PRECONDITION_FAILED. RabbitMQ 3.10 (these brokers) sets consumer_timeout for the whole
+    # node only (30 min; the per-queue x-consumer-timeout argument came with 3.12), so the broker is made to
+    # close the channel with that error another way: an ack of a delivery tag it never sent.
+    url = endpoint_url("amqp")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        for i in range(6):
+            producer.send(f"t{i}", tensor(i))
+        producer.flush(WAIT_S)
+        np.testing.assert_array_equal(consumer.recv("t0", timeout=WAIT_S), tensor(0))
+        wait_for(lambda: len(consumer.table) == 5, WAIT_S, "t1..t5 in the table, untaken (unacknowledged)")
+        reader: Any = consumer.transport.consumer  # type: ignore[attr-defined]
+        generation, channel = reader.generation, reader._channel
+        reader._connection.add_callback_threadsafe(lambda: channel.basic_ack(1 << 40))
+        wait_for(lambda: reader.generation > generation, WAIT_S, "the consumer back on a new channel")
+        wait_for(lambda: consumer.stats["duplicates"] == 5, WAIT_S, "t1..t5 redelivered, dropped as duplicates")
+        for i in range(1, 6):  # each handed out once, none lost
+            np.testing.assert_array_equal(consumer.recv(f"t{i}", timeout=WAIT_S), tensor(i))
+        with pytest.raises(tb.Timeout):
+            consumer.next_message(timeout=0.5)
+    with tb.Consumer(url) as successor:  # the redeliveries were acknowledged: nothing is left in the queue
+        with pytest.raises(tb.Timeout):
+            successor.next_message(timeout=2)
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("client", ["kafka", "kafka-confluent"])
+def test_on_kafka_one_untaken_tensor_pins_its_partitions_commit_while_later_ones_are_taken(client: str) -> None:
+    url = endpoint_url(client)
+    topic = urllib.parse.urlsplit(url).path.lstrip("/")
+    with tb.Consumer(url, partitions=1) as consumer, tb.Producer(url, partitions=1) as producer:
+        for i in range(6):
+            producer.send(f"t{i}", tensor(i))  # offsets 0..5 of the one partition
+        producer.flush(WAIT_S)
+        for i in range(1, 6):
+            np.testing.assert_array_equal(consumer.recv(f"t{i}", timeout=WAIT_S), tensor(i))
+        offsets: Any = consumer.transport._offsets  # type: ignore[attr-defined]
+
+        def settled() -> bool:  # the consumer committed all it considers safe
+            return offsets is not None and bool(offsets._committed) and not offsets.committable()
+
+        wait_for(settled, WAIT_S, "the consumer's commit after t1..t5 were taken")
+        assert committed(f"tensorbus-{topic}", topic) == {0: 0}  # t0, untaken, pins it: t1..t5 come again after a crash
+        np.testing.assert_array_equal(consumer.recv("t0", timeout=WAIT_S), tensor(0))
+        wait_for(
+            lambda: committed(f"tensorbus-{topic}", topic) == {0: 6}, WAIT_S, "the commit past t5 once t0 is taken"
+        )
