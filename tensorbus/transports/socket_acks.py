@@ -18,7 +18,7 @@ import threading
 
 from ..codec.frame import Buffer, MessageId
 from ..errors import Rejected
-from .base import Transport
+from .base import ProducerSide
 from .stream import ACK, ACK_REQUEST_MARKER, REFUSAL, REFUSED, TAKEN, SocketOptions, names_in
 
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
@@ -47,7 +47,7 @@ def _recv_now(sock: socket.socket) -> bytes | None:
         sock.settimeout(timeout)
 
 
-class ProducerAcks(Transport):
+class ProducerAcks(ProducerSide):
     """The copies a socket producer keeps and the records it reads; everything here is guarded by `_lock`
     (the send lock: `SocketProducer` takes it around every use)."""
 
@@ -70,8 +70,36 @@ class ProducerAcks(Transport):
         self._rejections: collections.deque[Rejected] = collections.deque()
         self._last_refused: MessageId | None = None  # (a message's other chunks are refused too: told once)
 
+    def forget_last(self, count: int) -> None:
+        """Drop the last `count` frames sent (the chunks of a message that failed part way) from those
+        resent on reconnect: a message that can never complete would hold up the consumer's acks.
+
+        A failed send has dropped the connection already; after an interrupt between two chunks it
+        is dropped here, as its acks would wait for the rest of the message too.
+        """
+        with self._lock:
+            self._drop_connection()
+            for _ in range(min(count, len(self._unacked))):
+                _, n = self._unacked.pop()
+                self._sent -= 1
+                if self._sent < self._acked:  # (received already)
+                    self._acked = self._sent
+                    self._untaken_bytes -= n
+                else:
+                    self._unacked_bytes -= n
+
+    def abandon(self) -> None:
+        """Close this process's descriptor of the connection: the parent's stays open (no shutdown, no FIN)."""
+        self._drop_connection()  # (close, not shutdown)
+        self._unacked.clear()  # the parent's to resend
+        self._unacked_bytes = self._untaken_bytes = 0
+        self._sent = self._acked = self._taken = 0
+
     def _drop_connection(self) -> None:
-        raise NotImplementedError
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._ack_requested = False
 
     def _keep_until_acked(self, frame: list[Buffer], nbytes: int) -> None:
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""

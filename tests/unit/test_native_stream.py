@@ -30,7 +30,7 @@ from tensorbus.transports import reactor
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports import stream as stream_module
 from tensorbus.transports.base import Delivered
-from tensorbus.transports.socket import SocketTransport
+from tensorbus.transports.socket import SocketConsumer
 from tensorbus.transports.stream import ACK_REQUEST_MARKER, TAKEN, TRAILING_CRC
 
 from ..conftest import require_native
@@ -123,7 +123,7 @@ def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytes
     level = logger.level
     logger.setLevel(logging.INFO)  # ("went away" is INFO; setLevel, not the attribute: it clears the logger's cache
     # of isEnabledFor answers, which an earlier test may have filled while INFO was off)
-    options = SocketTransport.Options(linger_s=0.0)
+    options = SocketConsumer.Options(linger_s=0.0)
     reader = reactor.Reactor(recorder, LIMITS, options, BufferPool())  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
     try:
