@@ -34,6 +34,7 @@ from .stream import (
     NATIVE_STREAM,
     AuthRefused,
     SocketOptions,
+    UnreleasedDraft,
     c_sends_below,
     handshake_as_producer,
     send_frame,
@@ -53,13 +54,14 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
     def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions) -> None:
         super().__init__(url, options)
         self._sock: socket.socket | None = None
-        self._crc_after = False  # the consumer takes CRCs after frames (its hello says so)
         #: the consumer's run, from its hello (b"": not connected yet, or it did not say)
         self.incarnation = b""
         self._signed_for: bytes | None = None  # the run the producer signs new frames for
         self._unacked_for: bytes | None = None  # the run the unacknowledged frames are signed for
         self._used_at = 0.0  # when this producer last sent or read acks
-        self._c_sends_below = c_sends_below(False)
+        #: the payload size from which `_stream.send_frame` leaves a frame to `send_frame` (every consumer
+        #: takes CRCs after frames: large ones are checksummed as they go out)
+        self._c_sends_below = c_sends_below(True)
         #: `_send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
         #: (built, not TLS, one frame per tensor)
         self._c_head: Callable[..., bytearray | None] | None = None
@@ -134,9 +136,8 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                self._crc_after, self.incarnation = handshake_as_producer(sock, self.secret, self.address)
+                self.incarnation = handshake_as_producer(sock, self.secret, self.address)
                 self._sign_unacked_for(self.incarnation)
-                self._c_sends_below = c_sends_below(self._crc_after)
                 set_send_timeout(sock, self.options.send_timeout_s)
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -146,12 +147,12 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
                 self._ack_buf.clear()
                 self._ack_requested = False
                 for frame, _ in self._unacked:
-                    send_frame(sock, frame, self._crc_after)
+                    send_frame(sock, frame, True)
                     self._sent += 1
                 self._connects += 1
                 self._resent += len(self._unacked)
                 return sock
-            except (AuthRefused, ssl.SSLCertVerificationError) as exc:
+            except (AuthRefused, UnreleasedDraft, ssl.SSLCertVerificationError) as exc:
                 sock.close()
                 raise TransportError(f"{self.address}: {exc}") if isinstance(exc, ssl.SSLError) else exc from None
             except (OSError, TransportError) as exc:
@@ -254,7 +255,7 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
                     if self._sock is None:
                         self._sock = self._connect()
                     self._signed_for_now(frame)
-                    return send_frame(self._sock, frame, self._crc_after)
+                    return send_frame(self._sock, frame, True)
                 except BaseException as exc:
                     failed = exc
             self._drop_connection()  # a frame cut off part way: the consumer drops what came of it

@@ -18,9 +18,8 @@ import pytest
 import tensorbus as tb
 from tensorbus.codec import frame as frame_module
 from tensorbus.codec.signing import frame_key
-from tensorbus.transports.stream import handshake_as_consumer
 from tests.conftest import endpoint_url, require_broker
-from tests.integration.test_socket import raw_peer
+from tests.integration.test_socket import handshake_as_consumer, raw_peer
 from tests.waiting import wait_for
 
 KEY = b"team-key"
