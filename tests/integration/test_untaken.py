@@ -34,8 +34,8 @@ def tensor(i: int) -> np.ndarray:
 
 
 def take_some(url: str, options: dict[str, Any], directory: str) -> None:
-    """The first consumer (a process of its own): take t0..t9, wait until the others reach the table, say so, then
-    close (`options["then"] == "close"`) or wait to be killed."""
+    """The first consumer (a process of its own): take t0..t9, wait until the others reach the table, say so, and
+    once the producer's flush returned, close (`options["then"] == "close"`) or wait to be killed."""
     then = options.pop("then")
     consumer = tb.Consumer(url, **options)
     Path(directory, "address").write_text(consumer.address)
@@ -49,6 +49,9 @@ def take_some(url: str, options: dict[str, Any], directory: str) -> None:
         time.sleep(0.01)
     Path(directory, "table.part").write_text(str(len(consumer.table)))
     os.replace(Path(directory, "table.part"), Path(directory, "table"))  # whole when the parent sees it
+    deadline = time.monotonic() + WAIT_S
+    while not Path(directory, "flushed").exists() and time.monotonic() < deadline:  # (bounded: the parent checks)
+        time.sleep(0.01)  # the producer's flush saw every frame received: going now cannot race it
     if then == "close":
         consumer.close()
         return
@@ -105,6 +108,7 @@ def test_a_consumer_gone_with_untaken_tensors_leaves_every_one_to_its_successor(
             for i in range(SENT):
                 producer.send(f"t{i}", tensor(i), metadata={"crc": faults.checksum(tensor(i))})
             producer.flush(WAIT_S)
+            (tmp_path / "flushed").write_text("")
             wait_for(lambda: (tmp_path / "table").exists(), WAIT_S, "the first consumer to take ten")
             assert int((tmp_path / "table").read_text()) == SENT - TAKEN  # all the others reached its table
             if then == "kill":
