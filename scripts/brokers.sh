@@ -166,6 +166,21 @@ kafka_install() {
   touch "$KAFKA_LIBS/.complete"
 }
 
+kafka_ready() {  # kafka_ready JAVA... -- ARGS...: the readiness probe, scripts/kafka/KafkaReady.java, compiled once
+  # into $CACHE per version of its source (a source-file launch compiles it on every run: seconds of CPU each
+  # time a node starts on a busy machine)
+  local src=$REPO/scripts/kafka/KafkaReady.java classes tmp java=()
+  while [[ $1 != -- ]]; do java+=("$1"); shift; done; shift
+  classes=$CACHE/kafka-ready-$(sha256sum "$src" | cut -c1-16)
+  if [[ ! -f $classes/KafkaReady.class ]]; then
+    mkdir -p "$CACHE"; tmp=$(mktemp -d "$CACHE/kafka-ready.XXXXXX")
+    javac -nowarn -d "$tmp" -cp "$KAFKA_LIBS/*" "$src" >"$tmp/javac.log" 2>&1 \
+      || fail_with_log "compiling KafkaReady.java failed" "$tmp/javac.log"
+    mv -T "$tmp" "$classes" 2>/dev/null || rm -rf "$tmp"   # (another start compiled it meanwhile)
+  fi
+  "${java[@]}" -cp "$classes:$KAFKA_LIBS/*" KafkaReady "$@"   # (the last -cp is the one java uses)
+}
+
 KAFKA_JAVA=(java -Xms128m -Xmx512m -XX:+UseG1GC -Djava.awt.headless=true -Dlog4j2.shutdownHookEnabled=false
   -Dlog4j2.configurationFile="$REPO/scripts/kafka/log4j2.properties" -cp "$KAFKA_LIBS/*")
 
@@ -195,7 +210,7 @@ kafka_start() {
     ((SECONDS - t0 < 120)) || { kafka_stop; fail_with_log "Kafka not started after 120s" "$KAFKA/kafka.log"; }
     sleep 0.5
   done
-  "${KAFKA_JAVA[@]}" "$REPO/scripts/kafka/KafkaReady.java" "127.0.0.1:$KAFKA_PORT" >"$KAFKA/ready.log" 2>&1 \
+  kafka_ready "${KAFKA_JAVA[@]}" -- "127.0.0.1:$KAFKA_PORT" >"$KAFKA/ready.log" 2>&1 \
     || { kafka_stop; fail_with_log "Kafka does not serve metadata" "$KAFKA/ready.log" "$KAFKA/kafka.log"; }
   for p in "$KAFKA_SSL_PORT" "$KAFKA_SASL_PORT"; do
     tls_probe "$p" "$KAFKA/tls-probe.log" \

@@ -330,7 +330,12 @@ class Consumer:
         self.stats = self.intake.stats
         self._closed = False
         self._monitor = Monitor.of("consumer", self, opts)  # None unless metrics or tracing are on
-        self.transport.listen(self.intake, limits)
+        try:
+            self.transport.listen(self.intake, limits)
+        except BaseException:
+            if self._monitor is not None:  # (never listened: no series of it stays, its gauges least of all)
+                self._monitor.close()
+            raise
         self._shown = redact(self.transport.address)  # (with the port a listener bound)
         self.intake.name = self._shown
         self.intake.start()

@@ -410,8 +410,12 @@ class Intake:
             )  # fmt: skip
 
     def close(self) -> None:
-        """Stop expiring and close the dedup file (after the transport stopped delivering)."""
+        """Stop expiring, let go of incomplete chunked messages and close the dedup file (after the
+        transport stopped delivering)."""
         self._stopping.set()
         self._rejections.flush(final=True)
         with self._lock:
+            self.reassembler.close()
+            self.state.reassembling = False
+            self.state.interrupted = None
             self._seen.close()

@@ -61,6 +61,8 @@ class NodeLossResult:
     producer_error: str | None = None
     consumer_error: str | None = None
     faults: list[str] = dataclasses.field(default_factory=list)
+    #: per fault run, whether it ran mid-stream: the producer not done yet and the consumer short of `count`
+    mid_stream: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -191,6 +193,7 @@ def run(
     times: list[float] = []
     pending = sorted(faults, key=lambda fault: fault.after_received)
     ran: list[str] = []
+    mid_stream: list[bool] = []
     sent, received, producer_error, consumer_error = 0, 0, None, None
     producer_done = consumer_done = False
     try:
@@ -222,6 +225,7 @@ def run(
                 consumer_done, consumer_error = True, event[1]
             while pending and received >= pending[0].after_received:
                 fault = pending.pop(0)
+                mid_stream.append(not producer_done and received < count)
                 fault.action()
                 ran.append(f"{fault.name or fault.action.__name__} after {fault.after_received}")
     finally:
@@ -246,6 +250,7 @@ def run(
         producer_error=producer_error,
         consumer_error=consumer_error,
         faults=ran,
+        mid_stream=mid_stream,
     )
 
 

@@ -35,9 +35,9 @@ kcluster_node() {  # kcluster_node N|kafkaN: prints N, which must be 1, 2 or 3
   echo "$n"
 }
 
-kcluster_ready() {  # kcluster_ready LOG ARGS...: run KafkaReady.java against the cluster
+kcluster_ready() {  # kcluster_ready LOG ARGS...: run KafkaReady.java (kafka_ready) against the cluster
   local out=$1; shift
-  "${KCLUSTER_JAVA[@]}" "$REPO/scripts/kafka/KafkaReady.java" "$(kcluster_bootstrap)" "$@" >"$out" 2>&1
+  kafka_ready "${KCLUSTER_JAVA[@]}" -- "$(kcluster_bootstrap)" "$@" >"$out" 2>&1
 }
 
 kcluster_render() {  # kcluster_render N: write broker N's server.properties, format its storage once

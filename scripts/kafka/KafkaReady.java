@@ -1,4 +1,5 @@
-// Readiness probe used by scripts/brokers.sh (run as a single-file source program):
+// Readiness probe used by scripts/brokers.sh (compiled once into its cache by kafka_ready; also runs as a
+// single-file source program):
 //   java -cp '<kafka libs>/*' KafkaReady.java 127.0.0.1:9092
 //       exits 0 once the broker serves cluster metadata (describeCluster + listTopics);
 //   java -cp '<kafka libs>/*' KafkaReady.java BOOTSTRAP --brokers N [--topic T] [--in-isr ID] [--timeout S]

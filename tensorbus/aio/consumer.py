@@ -14,15 +14,19 @@ from ..intake_state import ANY
 from ..keys import check_key
 from ..options import finite_timeout
 from ..rendezvous import Rendezvous
+from ..transports.socket_consumer import LOOP_POLLER
 from .handoff import wait_message
+from .socket_reading import LoopReading
+from .turns import Turns
 
 
 class Consumer:
     """Receives the tensors sent to `url` (the blocking `Consumer`'s URLs and options), awaiting them.
 
     Open it with `async with` (or `await consumer.open()`): the transport is set up on a worker thread,
-    so that a broker's connection handshake does not block the loop. The transport's own threads read
-    frames; a receive waits on the loop for its message (see handoff.py).
+    so that a broker's connection handshake does not block the loop. The event loop itself reads the
+    producers of a socket consumer (tcp://, unix://, tcps://: socket_reading.py); other transports'
+    own threads read frames. A receive waits on the loop for its message (see handoff.py).
     """
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -31,6 +35,8 @@ class Consumer:
         self._blocking: api.Consumer | None = None
         self._opening = asyncio.Lock()  # (two tasks opening at once make one consumer)
         self._closed = False
+        self._reading: LoopReading | None = None  # the loop's reading of a socket consumer
+        self._turns = Turns()
 
     async def open(self) -> Consumer:
         """Start receiving (idempotent)."""
@@ -38,7 +44,12 @@ class Consumer:
             raise Closed("open of a closed Consumer")
         async with self._opening:
             if self._blocking is None:
-                opening = asyncio.ensure_future(asyncio.to_thread(api.Consumer, self.url, **self._options))
+                reading = LoopReading()
+                made_for_loop = LOOP_POLLER.set(reading.make_poller)  # (to_thread runs in a copy of this context)
+                try:
+                    opening = asyncio.ensure_future(asyncio.to_thread(api.Consumer, self.url, **self._options))
+                finally:
+                    LOOP_POLLER.reset(made_for_loop)
                 try:
                     made = await asyncio.shield(opening)  # a cancelled open still gets its consumer, to close it
                 except asyncio.CancelledError:
@@ -48,6 +59,8 @@ class Consumer:
                     await asyncio.to_thread(made.close)
                     raise Closed("the Consumer was closed while it opened")
                 self._blocking = made
+                if reading.attach(made.transport, asyncio.get_running_loop(), made.table):
+                    self._reading = reading
         return self
 
     @property
@@ -89,10 +102,15 @@ class Consumer:
         """The next message of `key` (or ANY), counted as the blocking consumer's receives are (metrics)."""
         blocking = self.blocking
         started = time.perf_counter()
-        message = await wait_message(blocking.table, key, finite_timeout(timeout))
+        message = await wait_message(blocking.table, key, finite_timeout(timeout), self._turns, self._resume)
         if blocking.monitor is not None:
             blocking.monitor.received(message, time.perf_counter() - started)
         return message
+
+    def _resume(self) -> None:
+        """A receive took a tensor or waits: the loop reads again if it had stopped reading ahead."""
+        if self._reading is not None:
+            self._reading.taken()
 
     def ack(self, message: Message) -> None:
         """With `ack="manual"`: acknowledge a message the application is done with (a plain call: it
@@ -124,6 +142,8 @@ class Consumer:
         self._closed = True
         if self._blocking is not None:
             self._blocking.table.abort("consumer closed")  # at once: pending receives end now
+            if self._reading is not None:
+                self._reading.detach()  # (the close reads what already arrived, off the loop)
             await asyncio.to_thread(self._blocking.close)
 
     async def __aenter__(self) -> Consumer:

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 from ..codec import Message
 from ..errors import Timeout
 from ..intake_state import ANY
 from ..rendezvous import Handoff, Rendezvous
+from .turns import Turns
 
 
 class _Receive:
@@ -74,10 +76,17 @@ class _Receive:
             self.table.put_back(result[0])
 
 
-async def wait_message(table: Rendezvous, key: object, timeout: float | None) -> Message:
-    """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever)."""
+async def wait_message(
+    table: Rendezvous, key: object, timeout: float | None, turns: Turns, taking: Callable[[], None]
+) -> Message:
+    """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever);
+    `taking()` is called once the receive waits, and once it took its message (the loop may read again)."""
+    await turns.take()
     receive = _Receive(table, asyncio.get_running_loop())
     handle = table.wait_async(key, Handoff(receive.arrived))
+    if not receive.future.done():
+        turns.waited()  # (it will suspend: as good as done now)
+        taking()
     try:
         if timeout is None:
             message = await receive.future
@@ -92,4 +101,6 @@ async def wait_message(table: Rendezvous, key: object, timeout: float | None) ->
         handle.cancel()
         receive.withdraw()
         raise
-    return table.hand_out(message)
+    message = table.hand_out(message)
+    taking()
+    return message

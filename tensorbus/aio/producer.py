@@ -1,20 +1,24 @@
-"""The asyncio producer: a `tensorbus.Producer` driven from one thread of its own.
+"""The asyncio producer: a `tensorbus.Producer` whose sends are awaited on the event loop.
 
-Every call of the producer runs, in order, on its one worker thread (`tensorbus-aio-send`), and the
-coroutine awaits its result: a send that waits for the consumer (`max_unacked_bytes`, bounded by
-`send_timeout_s`), for a broker's confirm or for a socket's room waits there, never on the loop.
+tcp:// and unix:// producers send on the loop itself (socket_sending.py: no thread). Every other
+producer (memory://, tcps://, brokers; any with metrics or tracing on) is driven from one worker thread
+of its own (`tensorbus-aio-send`): every call runs there, in order, and the coroutine awaits its result,
+so a send that waits for the consumer (`max_unacked_bytes`, bounded by `send_timeout_s`), for a
+broker's confirm or for a socket's room waits there, never on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import api
 from ..codec import MessageId
 from ..errors import Closed
+from .socket_sending import SCHEMES, LoopSender, sends_on_loop
 
 _T = TypeVar("_T")
 
@@ -22,24 +26,34 @@ _T = TypeVar("_T")
 class Producer:
     """Sends tensors to the consumer at `url` (the blocking `Producer`'s URLs and options), awaiting each send.
 
-    A send whose task is cancelled before its turn on the worker thread is not sent; one already
+    On the worker thread, a send whose task is cancelled before its turn is not sent; one already
     being sent finishes (a frame goes whole or not at all), so the tensor must not change until then.
+    On the loop (tcp://, unix://), see `LoopSender.send`.
     """
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         self._options = options
         self._blocking: api.Producer | None = None
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-send")
+        self._sender: LoopSender | None = None  # sends on the loop (tcp://, unix://)
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # made at its first use
         self._closed = False
 
     async def _run(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-send")
         return await asyncio.wrap_future(self._worker.submit(call, *args, **kwargs))
 
     async def open(self) -> Producer:
-        """Connect (idempotent; `send` opens a producer that was not opened)."""
+        """Make the producer (idempotent; `send` opens a producer not opened). Sockets connect at the first send."""
         if self._closed:
             raise Closed("open of a closed Producer")
+        if self._blocking is None and urllib.parse.urlsplit(self.url).scheme in SCHEMES:
+            made = api.Producer(self.url, **self._options)  # (no I/O: it connects at its first send)
+            if sends_on_loop(made):
+                self._blocking, self._sender = made, LoopSender(made)
+                return self
+            made.close()
         await self._run(self._opened)
         return self
 
@@ -51,7 +65,7 @@ class Producer:
 
     @property
     def blocking(self) -> api.Producer:
-        """The blocking producer underneath (to be used on the worker thread only: `_run`)."""
+        """The blocking producer underneath (to be used on the worker thread only, `_run`, unless the loop sends)."""
         if self._blocking is None:
             raise Closed(f"the Producer of {self.url} is not open: use `async with` or `await producer.open()`")
         return self._blocking
@@ -60,6 +74,10 @@ class Producer:
         """Send one tensor under `key`; returns once the transport has taken the frame."""
         if self._closed:
             raise Closed("send on a closed Producer")
+        if self._blocking is None:
+            await self.open()
+        if self._sender is not None:
+            return await self._sender.send(key, tensor, metadata)
         return await self._run(self._send, key, tensor, metadata)
 
     def _send(self, key: str | None, tensor: Any, metadata: dict[str, Any] | None) -> MessageId:
@@ -67,6 +85,9 @@ class Producer:
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until the transport confirms everything sent so far (where it confirms at all)."""
+        if self._sender is not None:
+            await self._sender.flush(timeout)
+            return
         await self._run(self._flush, timeout)
 
     def _flush(self, timeout: float | None) -> None:
@@ -74,10 +95,15 @@ class Producer:
             self._blocking.flush(timeout)
 
     async def close(self) -> None:
-        """Flush what can be flushed and release the connection and the worker thread."""
+        """Flush what can be flushed and release the connection (and the worker thread)."""
         if self._closed:
             return
         self._closed = True
+        if self._sender is not None:
+            await self._sender.close()
+            return
+        if self._worker is None:
+            return
         try:
             await self._run(self._close)
         finally:

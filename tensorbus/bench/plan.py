@@ -18,7 +18,8 @@ KAFKA_CHUNK_BYTES = 1024 * 1024 - 4096  # used only when the tensorbus kafka tra
 #: by row name first, then by transport family
 _COMPARE = {
     "tcp": ["socket", "zmq"],
-    "unix": ["socket", "zmq"],
+    "unix": ["socket", "zmq", "tcp"],  # (a Unix socket should be the faster of the two)
+    "memory": ["tcp"],  # (in one process: no excuse to be slower than tcp:// between two)
     "amqp": ["pika"],
     "kafka": ["kafka-python"],
     "amqp-quorum": ["pika"],
@@ -89,7 +90,7 @@ def round_order(methods: list[Method]) -> list[Method]:
     ordered: list[Method] = []
     for method in methods:
         if method.kind == "tensorbus":
-            ordered.append(method)
+            ordered += [method] if method not in ordered else []  # (compared with another transport: there)
             ordered += [b for b in methods if b.name in method.compare and b not in ordered]
     return ordered + [m for m in methods if m not in ordered]
 

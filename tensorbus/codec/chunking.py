@@ -511,6 +511,14 @@ class Reassembler:
                 partial.started += stood
             self._expire_at += stood
 
+    def close(self) -> None:
+        """Forget every incomplete message (its consumer closed): the chunks kept for them, and the
+        buffers they came in (an shm:// segment among them), are let go. Not given up on: their frames
+        were never acknowledged, so the endpoint hands them to the next consumer."""
+        self._partials.clear()
+        self.held_bytes = 0
+        self._expire_at = math.inf
+
     def is_pending(self, message_id: MessageId | None) -> bool:
         """True while some but not all chunks of `message_id` have arrived."""
         return message_id in self._partials

@@ -66,6 +66,7 @@ typedef struct {
     uint64_t skip_left;
     Py_ssize_t last_total;
     int recv_lowat, lowat; /* SO_RCVLOWAT for large frames (0: never set), and the socket's now */
+    Py_ssize_t budget;     /* bytes of a frame's body one read() takes at most before it returns None (0: all) */
 } Reader;
 
 static void
@@ -362,7 +363,11 @@ read_next(Reader *self)
         }
     }
     uint8_t *frame = self->buffer.buf;
+    Py_ssize_t taken_now = 0;
     while (self->got < self->total) {
+        if (self->budget > 0 && taken_now >= self->budget) {
+            return stopped(self, -2); /* an event loop's turn is over (its next wait set, as for no bytes) */
+        }
         Py_ssize_t end = self->crc_on && self->got + self->crc_slice < self->total ? self->got + self->crc_slice
                                                                                    : self->total;
         if ((n = take(self, frame + self->got, end - self->got, 1)) <= 0) {
@@ -375,6 +380,7 @@ read_next(Reader *self)
             }
         }
         self->got += n;
+        taken_now += n;
     }
     PyObject *view = self->frame;
     if (self->crc_after) { /* its CRC came after it: put it where `encode` puts it */
@@ -561,6 +567,27 @@ get_last_total(Reader *self, void *closure)
     return PyLong_FromSsize_t(self->last_total);
 }
 
+static PyObject *
+get_budget(Reader *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->budget);
+}
+
+static int
+set_budget(Reader *self, PyObject *value, void *closure)
+{
+    Py_ssize_t budget = value == NULL ? -1 : PyLong_AsSsize_t(value);
+    if (budget == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (budget < 0) {
+        PyErr_SetString(PyExc_ValueError, "budget: a count of bytes, 0 or more");
+        return -1;
+    }
+    self->budget = budget;
+    return 0;
+}
+
 static PyGetSetDef reader_getset[] = {
     {"prefix", (getter)get_prefix, NULL, "the last prefix read (its TRAILING_CRC bit cleared)", NULL},
     {"buffered", (getter)get_buffered, NULL, "bytes read ahead and not yet taken", NULL},
@@ -568,6 +595,8 @@ static PyGetSetDef reader_getset[] = {
     {"crc_after", (getter)get_crc_after, NULL, "whether the last prefix said its CRC follows the frame", NULL},
     {"inbox_held", (getter)get_inbox_held, NULL, "whether it holds a read-ahead buffer now", NULL},
     {"last_total", (getter)get_last_total, NULL, "bytes the last frame (or skipped frame's prefix) took", NULL},
+    {"budget", (getter)get_budget, (setter)set_budget,
+     "bytes of a frame's body one read() takes at most before it returns None (0: no limit)", NULL},
     {NULL},
 };
 

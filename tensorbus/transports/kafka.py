@@ -356,6 +356,9 @@ class KafkaTransport(Transport):
             "bootstrap_servers": self.servers,
             "security_protocol": protocol,
             "bootstrap_timeout_ms": int(o.connect_timeout_s * 1000),
+            # a broker back from a restart (and maybe leading again) is reconnected to within a second, not after
+            # kafka-python 3.0's backoff of up to 30 s per failed attempt
+            "reconnect_backoff_max_ms": 1000,
             **o.client_settings(),
         }
 

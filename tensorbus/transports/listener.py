@@ -74,6 +74,9 @@ class Listener:
         self._closed = threading.Event()
         self.incarnation = incarnation  # (sent in each hello: signed frames are bound to it)
         self._pause_s = 0.0
+        self._paused_until: float | None = None  # accepting failed (e.g. out of descriptors): retry then
+        self._on_server: Callable[[], None] | None = None  # accepts what waits on the server socket
+        self._threaded = True  # accepting on a thread of its own (else an event loop calls `turn`)
         self._failures = backoff_s(0.01, 1.0)
         self._errors = LogLimiter(log)
         self.max_connections = connection_cap(options.max_connections)
@@ -99,13 +102,25 @@ class Listener:
         self._server = server
         return server.getsockname()
 
-    def start(self, reactor: Admits, context: ssl.SSLContext | None) -> None:
-        """Accept producers on a background thread; the ones that pass the handshake go to `reactor`."""
-        self._reactor = reactor
+    def start(self, reactor: Admits, context: ssl.SSLContext | None, thread: bool = True) -> None:
+        """Accept producers on a background thread (`thread`), or whenever an event loop calls `turn`
+        (tensorbus/aio: at `selector`'s readiness, and now and then); those that pass the handshake go to `reactor`."""
+        self._reactor, self._threaded = reactor, thread
         self._greeter = Greeter(self.secret, self.incarnation, self.options.connect_timeout_s, self._room, self._admit)
-        threading.Thread(
-            target=self._serve, args=(context,), daemon=True, name=f"tensorbus-accept-{self._address()}"
-        ).start()
+        server = self._server
+        assert server is not None
+        self._on_server = lambda: self._accept(server, context)
+        if thread:
+            threading.Thread(target=self._serve, daemon=True, name=f"tensorbus-accept-{self._address()}").start()
+        else:
+            server.setblocking(False)
+            self._greeter.watch(server, self._on_server)
+
+    @property
+    def selector(self) -> int:
+        """The descriptor that is readable when `turn` has something to do (an event loop's to watch)."""
+        assert self._greeter is not None
+        return self._greeter.selector.fileno()
 
     def _remove_stale_socket_file(self) -> None:
         """Remove a socket file a dead consumer left behind; a live consumer's is an error, not replaced."""
@@ -131,34 +146,39 @@ class Listener:
         finally:
             probe.close()
 
-    def _serve(self, context: ssl.SSLContext | None) -> None:
+    def _serve(self) -> None:
         """Accept producers and run their handshakes (`Greeter`) until closed."""
         server, greeter = self._server, self._greeter
-        assert server is not None and greeter is not None
+        assert server is not None and greeter is not None and self._on_server is not None
         try:
             server.setblocking(False)
-            greeter.watch(server, lambda: self._accept(server, context))
+            greeter.watch(server, self._on_server)
         except (OSError, ValueError):  # closed before this thread began: nothing to accept
             if self._closed.is_set():
                 greeter.close()
                 return
             raise
-        paused_until: float | None = None  # accepting failed (e.g. out of descriptors): retry then
         while not self._closed.is_set():
             try:
-                if paused_until is None and self._pause_s:
-                    greeter.watch(server, None)
-                    paused_until = time.monotonic() + self._pause_s
-                elif paused_until is not None and time.monotonic() >= paused_until:
-                    greeter.watch(server, lambda: self._accept(server, context))
-                    paused_until, self._pause_s = None, 0.0
-                greeter.run_once(POLL_S)
+                self.turn(POLL_S)
             except Exception:
                 if self._closed.is_set() or server.fileno() < 0:
                     break
                 log.exception("the handshakes on %s failed; going on", self._address())  # (a bug: never stop accepting)
                 time.sleep(POLL_S)
         greeter.close()
+
+    def turn(self, wait_s: float = 0.0) -> None:
+        """Accept, and advance the handshakes, as far as can be done within `wait_s` (an event loop's: 0)."""
+        server, greeter = self._server, self._greeter
+        assert server is not None and greeter is not None
+        if self._paused_until is None and self._pause_s:
+            greeter.watch(server, None)
+            self._paused_until = time.monotonic() + self._pause_s
+        elif self._paused_until is not None and time.monotonic() >= self._paused_until:
+            greeter.watch(server, self._on_server)
+            self._paused_until, self._pause_s = None, 0.0
+        greeter.run_once(wait_s)
 
     def _accept(self, server: socket.socket, context: ssl.SSLContext | None) -> None:
         """Accept every connection waiting and start its handshake."""
@@ -199,6 +219,8 @@ class Listener:
         self._closed.set()
         if self._server is None:
             return
+        if not self._threaded and self._greeter is not None:  # (an accept thread closes its own)
+            self._greeter.close()
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()

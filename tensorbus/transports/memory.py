@@ -2,8 +2,9 @@
 
 Frames are copied on send (as a socket would) into the endpoint's queue, which exists as soon as
 either side names it, so a producer may send before the consumer listens, as with a broker queue.
-The consumer keeps each frame it delivered until the ledger releases it (ledger.py); on close, what
-it did not release goes back to the front of the queue, for the next consumer of the name.
+The consumer's delivery (memory_reading.py) runs on the thread of a waiting `recv`, so a hand-over
+costs one thread wake-up; it keeps each frame it delivered until the ledger releases it (ledger.py),
+and on close what it did not release goes back to the front of the queue, for the next consumer.
 All state lives in one `MemoryHub`; `HUB.reset()` clears it between tests.
 """
 
@@ -22,7 +23,8 @@ from ..buffers import BufferPool
 from ..codec.frame import Buffer, Limits, join_into
 from ..errors import TransportError
 from ..options import finite_timeout
-from .base import Deliver, Delivered, Held
+from .base import Deliver
+from .memory_reading import MemoryReader
 from .named import NamedOptions, NamedTransport
 
 log = logging.getLogger(__name__)
@@ -75,12 +77,16 @@ class Frames:
             self._bytes[source] += memoryview(frame).nbytes
             self._ready.notify()
 
-    def get(self, stop: threading.Event) -> tuple[object, Buffer] | None:
-        """The oldest frame of a producer not held back, with its source, waiting for one; None once
-        `stop` is set (the frames stay queued) or `wake_up` was called."""
+    def get(self, stop: threading.Event, deadline: float | None = None) -> tuple[object, Buffer] | None:
+        """The oldest frame of a producer not held back, with its source, waiting for one until `deadline`
+        (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up` or
+        `step_aside` was called, or the deadline passed."""
         with self._ready:
             while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
-                self._ready.wait()
+                if deadline is None:
+                    self._ready.wait()
+                elif (left := deadline - time.monotonic()) <= 0 or not self._ready.wait(left):
+                    break
             self._woken = False
             if stop.is_set() or source is _NOTHING:
                 return None
@@ -153,8 +159,10 @@ class Frames:
                 self._woken = True
                 self._ready.notify_all()
 
-    def wake(self) -> None:
+    def step_aside(self) -> None:
+        """Make a waiting `get` return (None): another thread is to deliver (leading.py)."""
         with self._ready:
+            self._woken = True
             self._ready.notify_all()
 
     def __len__(self) -> int:
@@ -216,17 +224,15 @@ class MemoryOptions(NamedOptions):
 
 
 class MemoryTransport(NamedTransport):
-    """Frames through an in-process queue; a background thread delivers them to the consumer."""
+    """Frames through an in-process queue, delivered to the consumer on its waiting receive's thread."""
 
     Options = MemoryOptions
     options: MemoryOptions
+    reads_while_waiting = True
 
     def __init__(self, url: urllib.parse.SplitResult, options: MemoryOptions) -> None:
         super().__init__(url, options)
-        self._thread: threading.Thread | None = None
-        self._queue: Frames | None = None
-        self._held: dict[object, Held] = {}  # the consumer's: source -> the message held back
-        self._stop = threading.Event()
+        self._reader: MemoryReader | None = None  # the consumer's
         self._pool = BufferPool(max_buffers=4)
         #: what the consumer counts this producer's buffered tensors by (its share of the table)
         self._source = next(_SOURCES)
@@ -278,98 +284,21 @@ class MemoryTransport(NamedTransport):
         HUB.endpoint(self.name).put(join_into(views, self._pool.take(total)), source=self._source)
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
-        """Deliver queued and future frames of this endpoint on a background thread."""
-        self._queue = HUB.claim(self.name)
-        self._thread = threading.Thread(
-            target=self._run, args=(self._queue, deliver), daemon=True, name=f"tensorbus-memory-{self.name}"
-        )
-        self._thread.start()
+        """Deliver queued and future frames of this endpoint: on a waiting receive's thread, or a background one."""
+        self._reader = MemoryReader(self.name, HUB.claim(self.name), deliver, lambda: HUB.release(self.name))
 
-    def _run(self, frames: Frames, deliver: Deliver) -> None:
-        """Deliver frames until closed or turned away; what the ledger did not release goes back, in order."""
-        held = self._held = {}  # source -> the message the consumer holds back (its share of the table is full)
-        kept: dict[int, tuple[object, Buffer]] = {}  # position -> (source, frame), until the ledger releases it
-        kept_lock = threading.Lock()  # (released on the thread that took the tensor)
-
-        def released(positions: list[object]) -> None:
-            with kept_lock:
-                for position in positions:
-                    kept.pop(position, None)  # type: ignore[call-overload]
-
-        stream = deliver.ledger.stream(released)
-        position = 0
-        try:
-            while not self._stop.is_set():
-                if held and self._release(frames, deliver, held):
-                    return
-                item = frames.get(self._stop)
-                if item is None:  # stopped, or room for a message held back
-                    continue
-                source, frame = item
-                position += 1
-                with kept_lock:
-                    kept[position] = item
-                try:
-                    result = deliver(frame, may_hold=True, source=source)
-                except Exception:  # (a callback's own errors, even SystemExit, are caught where it is called)
-                    log.exception("memory://%s: delivering a frame failed", self.name)
-                    result = Delivered(None, True)
-                stream.record(position, result)
-                if result.held is not None:
-                    held[source] = result.held
-                    frames.hold(source)  # (then offered again at once: the room may have opened meanwhile)
-                elif not result.turned_away:  # (a frame turned away goes back to the queue, below)
-                    frames.received(source)
-                if result.turned_away:
-                    return
-        finally:
-            unreleased = stream.close()
-            with kept_lock:
-                back = [kept.pop(p) for p in unreleased if p in kept]
-            for source, frame in reversed(back):  # first in line for the next consumer of the name
-                frames.put(frame, source=source, front=True)
-            frames.ended()  # the next consumer reads them all
-            HUB.release(self.name)  # here, not in close: close may run on this very thread (in a callback)
-
-    def _release(self, frames: Frames, deliver: Deliver, held: dict[object, Held]) -> bool:
-        """Offer the messages held back again; read their producers again once they are taken. True when
-        one was turned away (the consumer is closing)."""
-        for source, message in list(held.items()):
-            try:
-                result = deliver.release(message)
-            except Exception:  # (as in `_run`)
-                log.exception("memory://%s: delivering a frame failed", self.name)
-                continue
-            if result is None:  # no room yet
-                continue
-            if result.held is not None:  # held again: the room went meanwhile
-                held[source] = result.held
-                continue
-            del held[source]
-            frames.received(source)
-            deliver.ledger.apply(result)
-            if result.turned_away:
-                return True
-        return False
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
+        """Wait for `done`, delivering frames on this thread meanwhile (memory_reading.py)."""
+        if self._reader is None:
+            return super().read_while_waiting(done, deadline)
+        return self._reader.wait(done, deadline)
 
     def room_opened(self) -> None:
         """The consumer may have room for a message held back: offer it again (under the table's lock: no waiting)."""
-        if self._held and self._queue is not None:
-            self._queue.wake_up()
+        if self._reader is not None:
+            self._reader.room_opened()
 
     def close(self) -> None:
-        """Stop delivering; frames not yet delivered, and those sent later, wait for the next consumer.
-
-        Called from a `recv_async` callback (on the delivering thread), it returns at once: the
-        thread stops, and frees the name, once the callback returns.
-        """
-        if self._thread is not None and self._queue is not None:
-            self._stop.set()
-            self._queue.wake()
-            if threading.current_thread() is not self._thread:
-                self._thread.join(timeout=5)
-                if self._thread.is_alive():
-                    log.error(
-                        "memory://%s: the delivering thread has not stopped; the name is taken until it does", self.name
-                    )
-            self._thread = None
+        """Stop delivering; frames not yet delivered, and those sent later, wait for the next consumer."""
+        if self._reader is not None:
+            self._reader.close()

@@ -70,6 +70,9 @@ RECV_LOWAT = 256 << 10 if _lowat_is_safe() else 0
 #: rather than after `linger_s`: the next large tensor then arrives while the application works on
 #: this one, and the hand-off is a few percent of such a frame's time
 OVERLAP_FROM = 4 << 20
+#: bytes of a frame one read takes at most on an event loop (tensorbus.aio), whatever pace they come at:
+#: what bounds how long a read holds the loop (1 MiB into fresh pages: 1.5-2.5 ms on the 2-vCPU VM)
+LOOP_READ_BUDGET = 1 << 20
 #: frames read from one connection before the others get a turn
 FAIR_SHARE = 16
 #: an application leader looks up at least this often (e.g. for an abort)
@@ -85,6 +88,10 @@ _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 TAKEN_WITHOUT_ID = Delivered(None, True)
 #: numbers naming connections as sources of tensors (`_Peer.source`), in this process
 _SOURCES = itertools.count(1)
+
+
+def _never() -> bool:
+    return False
 
 
 class IdleClock:
@@ -205,13 +212,16 @@ class _Peer:
 class Reactor:
     """Reads frames from registered connections on the leading thread and hands them to `deliver`."""
 
-    def __init__(self, deliver: Deliver, limits: Limits, options: SocketOptions, pool: BufferPool) -> None:
+    def __init__(
+        self, deliver: Deliver, limits: Limits, options: SocketOptions, pool: BufferPool, poller: Poller | None = None
+    ) -> None:
+        """`poller`: an event loop's (tensorbus/aio), which then reads through `read_ready`; no thread starts."""
         self.deliver, self.limits, self.options, self.pool = deliver, limits, options, pool
         self._ack_every = (options.ack_every_frames, options.ack_every_bytes)  # (read for every frame)
         self._fast = deliver.fast  # the intake's C delivery of plain frames
         self.linger_s: float = options.linger_s
         self.spin_s: float = options.spin_s
-        self._poller = Poller()
+        self._poller = Poller() if poller is None else poller
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -239,8 +249,11 @@ class Reactor:
         self._taken_due = 0.0  # when the leader next acks what was taken meanwhile (`send_taken`)
         self.idle = IdleSweep(options.idle_timeout_s)
         self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
-        self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
-        self._background.start()
+        #: the background leader; None when an event loop reads the connections instead (`read_ready`)
+        self._background: threading.Thread | None = None
+        if poller is None:
+            self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
+            self._background.start()
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -267,6 +280,8 @@ class Reactor:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
         lowat = RECV_LOWAT if conn.family in (socket.AF_INET, socket.AF_INET6) else 0
         peer = _Peer(conn, name, stream_reader(conn, self.limits, self.pool.take, lowat), self.deliver.ledger.stream())
+        if self._background is None:  # read on an event loop: in turns
+            peer.reader.budget = LOOP_READ_BUDGET
         with self._peers_lock:
             self._peers[peer.fd] = peer  # (first: a leader that reads it and drops it must find it here)
         try:
@@ -304,8 +319,10 @@ class Reactor:
         """Wait for `done` (a waiter's lock) until `deadline`, reading frames on this thread meanwhile.
 
         True once `done` was acquired, False when the deadline passed. When another application
-        thread leads, this just waits for `done`.
+        thread leads, this just waits for `done`; on an event loop's reactor, only the loop reads.
         """
+        if self._background is None:
+            return done.acquire(timeout=-1 if deadline is None else max(deadline - time.monotonic(), 0.0))
         while True:
             if done.acquire(blocking=False):
                 return True
@@ -404,14 +421,48 @@ class Reactor:
             for peer in ready:
                 self._read(peer, stop)
             now = time.monotonic()
-            if self.idle.due(now):
-                self.idle.run(self, now)
-            if now >= self._taken_due:  # tensors taken since: their producers may drop their copies
-                self._taken_due = now + TAKEN_EVERY_S
-                self.send_taken()
+            self._upkeep(now)
             if now >= deadline:
                 return stop()
         return False
+
+    def _upkeep(self, now: float) -> None:
+        """What the leader does now and then: drop idle connections, tell producers what was taken."""
+        if self.idle.due(now):
+            self.idle.run(self, now)
+        if now >= self._taken_due:  # tensors taken since: their producers may drop their copies
+            self._taken_due = now + TAKEN_EVERY_S
+            self.send_taken()
+
+    def read_ready(self, ready: list[Any]) -> bool:
+        """An event loop's turn, in place of a leading thread: read each connection in `ready` (None: the
+        wake-up pipe) and each with bytes read ahead, as far as its bytes go (FAIR_SHARE frames at most),
+        and do the upkeep. True while bytes read ahead wait, which the loop cannot see: call again soon.
+
+        A connection read to its last byte is acked at once: a loop may not run again for a while (an
+        application between two `run_until_complete`), and a stopped loop answers no ack request."""
+        if not self._leader.acquire(blocking=False):  # (`close` leads)
+            return False
+        self._leading = threading.get_ident()
+        try:
+            if self._held:
+                self._release_held()
+            peers, self._pending = self._pending, set()
+            for peer in ready:
+                if peer is None:
+                    self._drain_wake()
+                else:
+                    peers.add(peer)
+            for peer in peers:
+                if not peer.gone and peer.held is None:
+                    self._read(peer, _never)
+                    if not peer.gone and peer not in self._pending and peer.frames != peer.acked:
+                        self._ack_now(peer)
+            self._upkeep(time.monotonic())
+        finally:
+            self._leading = None
+            self._leader.release()
+        return bool(self._pending)
 
     def _ready(self, stop: Callable[[], bool], deadline: float, spin_s: float) -> list[Any]:
         """The peers (None: the wake-up pipe) with bytes to read, waiting for some until `deadline`.
@@ -651,6 +702,15 @@ class Reactor:
         peer.ack_owed = False
         peer.acked, peer.taken, peer.unacked_bytes = received, taken, 0
 
+    def _ack_now(self, peer: _Peer) -> None:
+        """`_ack`, dropping a connection that fails it."""
+        try:
+            self._ack(peer)
+        except PeerGone as exc:
+            self._drop(peer, str(exc), exc.level)
+        except OSError as exc:
+            self._drop(peer, f"connection failed: {exc}", logging.INFO)
+
     def send_taken(self) -> None:
         """Tell every producer what was taken since the last acks, of what they were told was received
         (the leader calls it now and then: between acks, tensors are taken on other threads)."""
@@ -688,7 +748,8 @@ class Reactor:
             self._idle.wake()
             with self._state:
                 self._state.notify_all()
-            self._background.join(timeout)
+            if self._background is not None:
+                self._background.join(timeout)
             for peer in self._peer_list():
                 with contextlib.suppress(OSError, PeerGone, *_WOULD_BLOCK):
                     if got:

@@ -9,6 +9,8 @@ Both turn bytes off a non-blocking stream socket into events, with one interface
 - `fill()`: whether `read()` has anything to look at, found out with one system call that reads ahead
   between frames (a waiting reader's busy-poll, in place of a poll).
 - `skip(n)`, and `prefix`, `buffered`, `mid_frame`, `crc_after`, `inbox_held`, `last_total`.
+- `budget`: bytes of a frame's body one `read()` takes at most before it returns None (0, the default:
+  no limit); an event loop's turn (tensorbus.aio) is bounded so, whatever pace the bytes come at.
 
 It reads ahead (one system call for several small frames), sizes each frame from its prefix, receives
 it into one buffer (large frames straight into place, checksummed slice by slice), and moves a CRC sent
@@ -74,6 +76,7 @@ class PyStreamReader:
         self._inbox: memoryview | None = None
         self._lo = self._hi = 0
         self.last_total = 0
+        self._budget = 0
         self._broken = False  # no buffer for the frame a prefix began: the stream cannot go on
 
     @property
@@ -85,6 +88,17 @@ class PyStreamReader:
     def buffered(self) -> int:
         """Bytes read ahead (or decrypted) and not yet taken."""
         return self._hi - self._lo + (self._tls.pending() if self._tls is not None else 0)
+
+    @property
+    def budget(self) -> int:
+        """Bytes of a frame's body one `read()` takes at most before it returns None (0: no limit)."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        if value < 0:
+            raise ValueError("budget: a count of bytes, 0 or more")
+        self._budget = value
 
     @property
     def mid_frame(self) -> bool:
@@ -162,7 +176,10 @@ class PyStreamReader:
                 return CHECK_PREFIX
             self._start_frame(total)
         frame = self._frame
+        taken_now = 0
         while self._got < self._total:
+            if self._budget and taken_now >= self._budget:
+                return None  # (an event loop's turn is over: the rest comes with the next)
             end = min(self._got + self._crc_slice, self._total) if self._crc is not None else self._total
             n = self._take(frame[self._got : end], end - self._got, straight=True)
             if not n:
@@ -170,6 +187,7 @@ class PyStreamReader:
             if self._crc is not None and self._got < self._crc_end:
                 self._crc = self._crc32c(frame[self._got : min(self._got + n, self._crc_end)], self._crc)
             self._got += n
+            taken_now += n
         if self.crc_after:  # its CRC came after it: put it where `encode` puts it
             end = self._total - CRC_TRAILER.size
             frame[CRC_AT : PREFIX.size] = frame[end:]

@@ -358,7 +358,8 @@ class ShmSender:
             if self._sock is not None and self.unacked_bytes:
                 self.flush(timeout)
         except (TransportError, Timeout) as exc:
-            log.warning("shm://%s: closed with frames unacknowledged: %s", self.name, exc)
+            # (its text, not the error: a kept log record would keep its traceback, this sender and its segments)
+            log.warning("shm://%s: closed with frames unacknowledged: %s", self.name, str(exc))
         finally:
             if self._sock is not None:
                 self._sock.close()

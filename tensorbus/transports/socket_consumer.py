@@ -6,14 +6,20 @@ import os
 import socket
 import threading
 import urllib.parse
+from collections.abc import Callable
+from contextvars import ContextVar
 
 from ..buffers import BufferPool
 from ..codec.frame import Limits
 from .base import ConsumerSide, Deliver
 from .listener import Listener
-from .reactor import Reactor
+from .reactor import Poller, Reactor
 from .socket_endpoint import SocketEndpoint
 from .stream import INCARNATION_BYTES, SocketOptions
+
+#: set (by tensorbus.aio) while a consumer is made whose connections an event loop reads: what makes the
+#: poller its reactor registers them with; then no thread starts (tensorbus/aio/socket_reading.py)
+LOOP_POLLER: ContextVar[Callable[[], Poller] | None] = ContextVar("tensorbus_loop_poller", default=None)
 
 
 class SocketConsumer(SocketEndpoint, ConsumerSide):
@@ -47,8 +53,11 @@ class SocketConsumer(SocketEndpoint, ConsumerSide):
         if self.family != socket.AF_UNIX:
             host, port = bound[:2]
             self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        self.reactor = Reactor(deliver, limits, self.options, self._pool)
-        self._listener.start(self.reactor, context)
+        loop_poller = LOOP_POLLER.get()
+        self.reactor = Reactor(
+            deliver, limits, self.options, self._pool, None if loop_poller is None else loop_poller()
+        )
+        self._listener.start(self.reactor, context, thread=loop_poller is None)
 
     def sender(self) -> str | None:
         """The address of the producer connection being read (on the reading thread)."""

@@ -136,16 +136,10 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                self.incarnation = handshake_as_producer(sock, self.secret, self.address)
-                self._sign_unacked_for(self.incarnation)
+                self._start_connection(handshake_as_producer(sock, self.secret, self.address))
                 set_send_timeout(sock, self.options.send_timeout_s)
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._sent = self._acked = self._taken = 0
-                self.tally.forget_timing()
-                self._unacked_bytes, self._untaken_bytes = sum(n for _, n in self._unacked), 0
-                self._ack_buf.clear()
-                self._ack_requested = False
                 for frame, _ in self._unacked:
                     send_frame(sock, frame, True)
                     self._sent += 1
@@ -169,6 +163,17 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
                 sock.close()
                 raise
         raise AssertionError("unreachable")
+
+    def _start_connection(self, incarnation: bytes) -> None:
+        """A new connection passed its handshake: take the consumer's incarnation, and count every frame
+        kept as not sent on it yet (the caller sends them again first). Also the asyncio producer's."""
+        self.incarnation = incarnation
+        self._sign_unacked_for(incarnation)
+        self.tally.renumber(self._taken, len(self._unacked))  # (a frame resent is timed from its first send)
+        self._sent = self._acked = self._taken = 0
+        self._unacked_bytes, self._untaken_bytes = sum(n for _, n in self._unacked), 0
+        self._ack_buf.clear()
+        self._ack_requested = False
 
     def _sign_unacked_for(self, incarnation: bytes) -> None:
         """Sign the frames to be resent for the consumer run just connected to, if another than before.

@@ -41,6 +41,7 @@ import math
 import socket
 import ssl
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -196,15 +197,26 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int
         sent: int | None = NATIVE_STREAM.send_frame(sock.fileno(), frame, c_sends_below(crc_after), crc32c)
         if sent is not None:
             return sent
-    nbytes = sum(memoryview(b).nbytes for b in frame)
+    for batch in wire_batches(frame, crc_after):
+        sendmsg_all(sock, batch)
+    return sum(memoryview(b).nbytes for b in frame)
+
+
+def wire_batches(frame: list[Buffer], crc_after: bool) -> Iterator[list[Buffer]]:
+    """The buffers one frame goes out as, batch by batch, sealing it if its checksum was deferred: the
+    sans-IO half of `send_frame` (the asyncio producer writes the same batches on its event loop).
+
+    With `crc_after` and a large payload each batch (~1 MiB) is checksummed just before it is yielded,
+    its CRC follows the frame, and the head is sealed once the last batch was taken.
+    """
     head = frame[0]
     if not isinstance(head, bytearray) or not unsealed(head):
-        sendmsg_all(sock, frame)
-        return nbytes
+        yield frame
+        return
     if not crc_after or PREFIX.unpack_from(head)[5] < SEAL_WHILE_SENDING:  # (field 5: the payload's length)
         write_crc(head, frame[1:])
-        sendmsg_all(sock, frame)
-        return nbytes
+        yield frame
+        return
     crc = checksum_of(head)
     wire_head = bytearray(head)
     wire_head[5] |= TRAILING_CRC
@@ -218,11 +230,10 @@ def send_frame(sock: socket.socket, frame: list[Buffer], crc_after: bool) -> int
             batch.append(piece)
             batched += len(piece)
             if batched >= SEAL_SLICE:
-                sendmsg_all(sock, batch)
+                yield batch
                 batch, batched = [], 0
-    sendmsg_all(sock, [*batch, CRC_TRAILER.pack(crc)])
+    yield [*batch, CRC_TRAILER.pack(crc)]
     struct.pack_into("<I", head, CRC_AT, crc)
-    return nbytes
 
 
 def set_send_timeout(sock: socket.socket, seconds: float | None) -> None:
@@ -262,7 +273,20 @@ def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: st
         got = recv_exact(sock, memoryview(hello))
     except TimeoutError:
         raise TransportError(f"{address} sent no tensorbus hello in time (a TLS endpoint? use tcps://)") from None
-    if got < HELLO.size or hello[:4] != HELLO_MAGIC:
+    _, nonce = read_hello(hello[:got], secret, address)
+    sock.sendall(proof(secret, nonce))
+    verdict = sock.recv(1)
+    if verdict == VERDICT_REASON:
+        raise Refused(f"{address} refused the connection: {_reason(sock)}")
+    check_verdict(verdict, address)
+    sock.sendall(REFUSALS_WANTED)
+    return hello_terms(nonce)
+
+
+def read_hello(hello: Buffer, secret: bytes | None, address: str) -> tuple[int, bytes]:
+    """The flags and nonce of a consumer's HELLO (all the bytes that came of it), checked; what the
+    producer answers is `proof(secret, nonce)`."""
+    if len(hello) < HELLO.size or hello[:4] != HELLO_MAGIC:
         raise TransportError(f"{address} is not a tensorbus socket consumer (or speaks TLS: use tcps://)")
     _, version, flags, nonce = HELLO.unpack(hello)
     if version != PROTOCOL_VERSION:
@@ -274,13 +298,19 @@ def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: st
         )
     if flags & HELLO_AUTH and secret is None:
         raise AuthRefused(f"{address} requires a shared secret: set the auth_secret option")
-    sock.sendall(proof(secret, nonce))
-    verdict = sock.recv(1)
-    if verdict == VERDICT_REASON:
-        raise Refused(f"{address} refused the connection: {_reason(sock)}")
+    return flags, nonce
+
+
+def check_verdict(verdict: bytes, address: str) -> None:
+    """Raise `AuthRefused` unless the consumer's VERDICT accepted the producer (VERDICT 2 is the caller's:
+    its reason follows)."""
     if verdict != VERDICT_ACCEPTED:
         raise AuthRefused(f"{address} refused this producer's auth_secret")
-    sock.sendall(REFUSALS_WANTED)
+
+
+def hello_terms(nonce: bytes) -> bytes:
+    """What an accepted producer keeps of the HELLO: the consumer's incarnation (`read_hello` made sure the
+    consumer sets every flag, so CRCs may follow frames and refusals are told)."""
     return bytes(nonce[:INCARNATION_BYTES])
 
 

@@ -66,6 +66,14 @@ class Tally:
         self.ack_waits[bisect.bisect_left(ACK_BUCKETS, waited)] += 1
         self.ack_wait_s += waited
 
+    def renumber(self, first: int, count: int) -> None:
+        """Integer positions start again at 0 from `first`, for the `count` frames there (a new connection
+        resends them): the frame being timed keeps its timing at its new position, or, not among them, ends it."""
+        with self._timing_lock:
+            timed = self.timed
+            if isinstance(timed, int):
+                self.timed = timed - first if first <= timed < first + count else None
+
     def forget_timing(self) -> None:
         """The positions start again (a new connection): the frame being timed, if any, is not timed."""
         with self._timing_lock:

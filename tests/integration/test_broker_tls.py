@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pika
 import pytest
 import trustme
 
@@ -201,3 +202,39 @@ def test_kafkas_client_at_the_plaintext_port_fails_fast(kafka_ssl_ca: str, kafka
     require_broker(KAFKA_URL)
     url = kafka_url("kafkas", urllib.parse.urlsplit(KAFKA_URL).port or 9092, kafka_client)
     producer_and_consumer_fail(url, "TLS handshake failed", ssl_cafile=kafka_ssl_ca, **KAFKA_TIMEOUTS)
+
+
+# ---------------------------------------------------------------------------------------- fan-out
+
+
+def check_fan_out(url: str, **options: Any) -> None:
+    """Fan-out through `url`: a late subscriber gets the latest whole version of a chunked tensor, then a newer one."""
+    with tb.Publisher(url, max_frame_bytes=256_000, **options) as pub:
+        for version in (1, 2):
+            pub.publish("w", np.full(300_000, version, np.float32), version=version)  # 1.2 MB: five chunks
+            pub.publish("b", np.full(4, version), version=version * 10)
+        pub.flush(60)  # the broker holds them all: what a subscriber joining now reads
+        with tb.Subscriber(url, **options) as sub:
+            message = sub.latest("w", timeout=60)
+            assert message.version == 2 and message.tensor.min() == message.tensor.max() == 2.0
+            assert sub.latest("b", timeout=60).version == 20
+            pub.publish("w", np.full(300_000, 3, np.float32), version=3)
+            message = sub.latest("w", newer_than=2, timeout=60)
+            assert message.version == 3 and message.tensor.min() == message.tensor.max() == 3.0
+
+
+def test_fan_out_over_amqps_reaches_a_late_subscriber(amqps_ca: str) -> None:
+    url = amqp_url("amqps", AMQPS_PORT)
+    try:
+        check_fan_out(url, ssl_cafile=amqps_ca)
+    finally:  # (a stream keeps its messages: not left on the shared broker)
+        with contextlib.suppress(Exception), pika.BlockingConnection(pika.URLParameters(AMQP_URL)) as connection:
+            connection.channel().queue_delete(urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["queue"][0])
+
+
+@pytest.mark.parametrize("port", [KAFKA_SSL_PORT, KAFKA_SASL_PORT], ids=["ssl", "sasl_ssl"])
+def test_fan_out_over_kafkas_reaches_a_late_subscriber(port: int) -> None:
+    """On kafka-python, the client fan-out runs on (a compacted topic the publisher creates over TLS)."""
+    ca = require_tls_listener(port, "Kafka TLS")
+    options = {"ssl_cafile": ca, **(sasl() if port == KAFKA_SASL_PORT else {})}
+    check_fan_out(f"kafkas://{HOST}:{port}/{fresh('tb-tls-fanout')}", **options)

@@ -8,6 +8,7 @@ tests kill and restart its brokers through the same script, and leave all three 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import multiprocessing
 import os
@@ -24,6 +25,7 @@ from tensorbus.transports.kafka import KafkaAdminClient, ke
 from tests import node_loss
 from tests.conftest import IN_CI, reachable, with_query
 from tests.node_loss import Fault, NodeLossResult, run, table
+from tests.waiting import wait_for
 
 CLUSTER_URL = os.environ.get(
     "TENSORBUS_KAFKA_CLUSTER_URL", "kafka://127.0.0.1:9191,127.0.0.1:9192,127.0.0.1:9193"
@@ -31,6 +33,10 @@ CLUSTER_URL = os.environ.get(
 SERVERS = urllib.parse.urlsplit(CLUSTER_URL).netloc.split(",")
 #: broker id -> host:port, as `brokers.sh cluster up` numbers them (node ids 1, 2, 3 in URL order)
 BROKERS = {i + 1: server for i, server in enumerate(SERVERS)}
+#: tensors per node-loss case (4 KB..4 MB, three of 24 MB), and after how many received a broker is killed and
+#: started again: the kill lands mid-stream at both ends (`check` asserts it) with a quarter of the stream done
+COUNT = 400
+KILL_AT, START_AT = COUNT // 4, COUNT * 3 // 5
 #: the cluster's __consumer_offsets partitions (scripts/kafka/cluster.properties: offsets.topic.num.partitions)
 OFFSETS_PARTITIONS = 10
 
@@ -49,8 +55,19 @@ def require_cluster() -> None:
 
 
 def cluster(verb: str, broker: int) -> None:
-    """`brokers.sh cluster kill|start kafkaN`: kill is SIGKILL; start returns once the broker is back in sync."""
+    """`brokers.sh cluster kill|start kafkaN`: kill is SIGKILL (and the broker is checked to stop answering);
+    start returns once the broker is back in sync."""
     node_loss.cluster(verb, f"kafka{broker}")
+    if verb == "kill":  # (its listener may take a moment longer than its threads to go)
+        wait_for(lambda: not reachable(f"kafka://{BROKERS[broker]}"), 10, f"killed kafka{broker} to stop answering")
+
+
+def start_the_stopped() -> None:
+    """Start every broker that does not answer, side by side (each start waits for its broker to be back in sync)."""
+    stopped = [broker for broker, server in BROKERS.items() if not reachable(f"kafka://{server}")]
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(stopped))) as pool:
+        for started in [pool.submit(cluster, "start", broker) for broker in stopped]:
+            started.result()
 
 
 def admin() -> KafkaAdminClient:
@@ -110,9 +127,7 @@ def topic() -> Iterator[str]:
         client.close()
     name = f"tb-cluster-{uuid.uuid4().hex[:10]}"
     yield name
-    for broker, server in BROKERS.items():
-        if not reachable(f"kafka://{server}"):
-            cluster("start", broker)
+    start_the_stopped()
     client = admin()
     try:
         if name in client.list_topics():
@@ -122,11 +137,13 @@ def topic() -> Iterator[str]:
 
 
 def check(result: NodeLossResult, topic: str) -> None:
-    """Print the table; require every tensor once, intact, from a topic on 3 replicas needing 2 in sync."""
+    """Print the table; require every tensor once, intact, every fault mid-stream, from a topic on 3 replicas needing
+    2 in sync."""
     print()
     print(table([result]))
     assert result.ok, table([result])
-    assert result.sent == result.received == 1000
+    assert result.sent == result.received == COUNT
+    assert result.mid_stream and all(result.mid_stream), f"a fault ran after an end had finished: {result.faults}"
     assert topic_layout(topic) == (3, "2")  # the transport's defaults on a three-broker cluster
 
 
@@ -170,7 +187,8 @@ def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_not
     result = run(
         url,
         name=f"kafka ({kafka_client}): bootstrap broker + group coordinator killed, restarted",
-        faults=[Fault(250, kill, "kill kafka1"), Fault(600, lambda: cluster("start", 1), "start kafka1")],
+        count=COUNT,
+        faults=[Fault(KILL_AT, kill, "kill kafka1"), Fault(START_AT, lambda: cluster("start", 1), "start kafka1")],
         consumer_options={"group": group},
     )
     assert killed == [1]
@@ -188,7 +206,11 @@ def test_killing_the_partition_leader_mid_stream_loses_nothing(topic: str, kafka
     result = run(
         url,
         name=f"kafka ({kafka_client}): partition leader killed, restarted",
-        faults=[Fault(250, kill_leader, "kill the leader"), Fault(600, lambda: cluster("start", victim[0]), "start")],
+        count=COUNT,
+        faults=[
+            Fault(KILL_AT, kill_leader, "kill the leader"),
+            Fault(START_AT, lambda: cluster("start", victim[0]), "start"),
+        ],
     )
     check(result, topic)
 
@@ -205,7 +227,8 @@ def test_a_broker_down_until_the_end_loses_nothing(topic: str, kafka_client: str
     result = run(
         url,
         name=f"kafka ({kafka_client}): a broker down until the end",
-        faults=[Fault(250, kill_follower, "kill a follower")],
+        count=COUNT,
+        faults=[Fault(KILL_AT, kill_follower, "kill a follower")],
     )
     assert victim and not reachable(f"kafka://{BROKERS[victim[0]]}"), "the killed broker came back on its own"
     cluster("start", victim[0])  # before this process's admin client asks the cluster (see `in_child`)
@@ -235,9 +258,7 @@ def test_a_producer_that_cannot_reach_min_insync_replicas_raises(topic: str, kaf
     """
     url = with_query(f"{CLUSTER_URL}/{topic}", f"client={kafka_client}")
     in_child(_short_of_replicas, url)
-    for broker, server in BROKERS.items():
-        if not reachable(f"kafka://{server}"):
-            cluster("start", broker)
+    start_the_stopped()
     with tb.Consumer(url) as consumer:
         assert (consumer.recv("before", timeout=30) == np.arange(10)).all()
 

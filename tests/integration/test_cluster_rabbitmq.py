@@ -37,6 +37,12 @@ def port_of(node: str) -> int:
     return int(hosts[NODES.index(node)].rpartition(":")[2])
 
 
+#: tensors per node-loss case, and after how many received a node is killed and started again: mid-stream at
+#: both ends (`report` asserts it)
+COUNT = 400
+KILL_AT, START_AT = COUNT // 4, COUNT * 3 // 5
+
+
 @pytest.fixture
 def queue() -> Iterator[str]:
     """A fresh queue name; every node is running again after the test (started here if a test left one down)."""
@@ -52,6 +58,7 @@ def queue() -> Iterator[str]:
 
 def report(result: node_loss.NodeLossResult) -> None:
     print(f"\n{node_loss.table([result])}\nfaults: {', '.join(result.faults)}")
+    assert result.mid_stream and all(result.mid_stream), f"a fault ran after an end had finished: {result.faults}"
 
 
 def test_the_node_both_ends_are_connected_to_is_killed_and_nothing_is_lost(queue: str) -> None:
@@ -60,13 +67,14 @@ def test_the_node_both_ends_are_connected_to_is_killed_and_nothing_is_lost(queue
         f"{CLUSTER_URL}?queue={queue}",
         name="amqp quorum: kill the connected node (rabbit1), start it later",
         faults=[
-            node_loss.Fault(300, lambda: cluster("kill", "rabbit1"), "kill rabbit1"),
-            node_loss.Fault(600, lambda: cluster("start", "rabbit1"), "start rabbit1"),
+            node_loss.Fault(KILL_AT, lambda: cluster("kill", "rabbit1"), "kill rabbit1"),
+            node_loss.Fault(START_AT, lambda: cluster("start", "rabbit1"), "start rabbit1"),
         ],
+        count=COUNT,
     )
     report(result)
     assert result.ok, result
-    assert result.received == result.sent == 1000
+    assert result.received == result.sent == COUNT
 
 
 def test_the_quorum_queues_leader_is_killed_and_nothing_is_lost(queue: str) -> None:
@@ -79,12 +87,14 @@ def test_the_quorum_queues_leader_is_killed_and_nothing_is_lost(queue: str) -> N
         f"{CLUSTER_URL}?queue={queue}",
         name=f"amqp quorum: kill the queue's leader ({leader}), start it later",
         faults=[
-            node_loss.Fault(300, lambda: cluster("kill", leader), f"kill {leader}"),
-            node_loss.Fault(600, lambda: cluster("start", leader), f"start {leader}"),
+            node_loss.Fault(KILL_AT, lambda: cluster("kill", leader), f"kill {leader}"),
+            node_loss.Fault(START_AT, lambda: cluster("start", leader), f"start {leader}"),
         ],
+        count=COUNT,
     )
     report(result)
     assert result.ok, result
+    assert result.received == result.sent == COUNT
     assert cluster("leader", queue) in NODES
 
 

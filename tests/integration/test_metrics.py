@@ -315,3 +315,16 @@ def test_counters_never_go_down_when_an_endpoint_sharing_their_labels_closes() -
             third.send("c", TENSOR)
             assert scrape() == (7, 7)
         wait_for(lambda: len(consumer.table) == 7, 30, "the 7 tensors in the table")
+
+
+def test_a_consumer_that_could_not_listen_leaves_no_series_behind() -> None:
+    """A second consumer of one memory:// name is refused at `listen`: it never ran, so once the first closes
+    no gauge of either is left in the exposition (the refused one's would read a table nobody fills)."""
+    registry = CollectorRegistry()
+    url = endpoint_url("memory")
+    metered: dict[str, Any] = {"metrics": True, "metrics_registry": registry}
+    with tb.Consumer(url, **metered):
+        with pytest.raises(tb.TransportError, match="already has a consumer") as refused:
+            tb.Consumer(url, **metered)
+    gauges = [name for name, _ in parse(generate_latest(registry).decode()) if name == "tensorbus_buffered_bytes"]
+    assert gauges == [], refused  # (`refused` keeps the refused consumer alive, as a caller's traceback would)

@@ -58,6 +58,28 @@ def test_tcp_counts_acks_times_send_to_ack_and_gauges_connections() -> None:
     assert {name for name in names if not re.search(rf"\b{name}\b", reference)} == set()  # docs name them all
 
 
+def test_tcp_times_a_frame_whose_acknowledgement_comes_after_a_reconnect() -> None:
+    """A frame sent just before its consumer restarts is acknowledged by the next one, after the producer
+    reconnects and resends it: its send to acknowledgement is timed too, reconnect included."""
+    registry = CollectorRegistry()
+    monitored: dict[str, Any] = {"metrics": True, "metrics_registry": registry}
+    consumer = tb.Consumer("tcp://127.0.0.1:0")
+    address = consumer.address
+    with tb.Producer(address, reconnect_timeout_s=20, **monitored) as producer:
+        producer.send("t", TENSOR)
+        producer.flush(30)
+        consumer.recv("t", timeout=30)
+        consumer.close()
+        with tb.Consumer(address) as successor:
+            producer.send("t", TENSOR)  # (on the old connection, mostly: the producer learns of it at the flush)
+            producer.flush(30)
+            successor.recv("t", timeout=30)
+            samples = scrape(registry)
+    assert value(samples, "tensorbus_reconnects_total", role="producer") == 1
+    assert value(samples, "tensorbus_acknowledged_frames_total", role="producer") == 2
+    assert value(samples, "tensorbus_ack_seconds_count", role="producer") == 2  # each flushed: each one timed
+
+
 def test_shm_times_send_to_ack_and_counts_the_acks_of_both_ends() -> None:
     registry = CollectorRegistry()
     monitored: dict[str, Any] = {"metrics": True, "metrics_registry": registry}

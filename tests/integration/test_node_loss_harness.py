@@ -30,4 +30,5 @@ def test_the_harness_counts_a_clean_stream_and_runs_each_fault_once_at_its_point
     assert result.ok, result
     assert (result.sent, result.received, result.lost, result.duplicated, result.corrupted) == (120, 120, 0, 0, 0)
     assert ran == ["a", "b"]
+    assert result.mid_stream == [True, True]  # neither end had finished when a fault ran
     assert "| tcp, no fault |" in node_loss.table([result])

@@ -145,11 +145,12 @@ def test_a_ctrl_c_during_the_busy_poll_keeps_the_idle_connection() -> None:
         mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         try:
             for trial in range(5):
-                # to the main thread itself, as a terminal's Ctrl-C reaches a single-threaded program: sent to the
-                # process, the kernel may hand it to any thread, and the waiting one notices only at its next wake-up
-                threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
                 with pytest.raises(KeyboardInterrupt):
-                    consumer.recv("never", timeout=5)
+                    # to the main thread itself, as a terminal's Ctrl-C reaches a single-threaded program: sent to
+                    # the process, the kernel may hand it to any thread, and the waiting one notices only at its next
+                    # wake-up. The recv's 60 s is a backstop: the interrupt ends it (at once on an idle machine)
+                    threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+                    consumer.recv("never", timeout=60)
                 assert list(reader._peers.values()) == [peer]  # not dropped: the producer needs no reconnect
                 producer.send(f"after-{trial}", np.full(1, float(trial)))
                 assert consumer.recv(f"after-{trial}", timeout=10)[0] == float(trial)

@@ -20,7 +20,7 @@ import trustme
 
 import tensorbus as tb
 from tests import faults
-from tests.conftest import endpoint_url
+from tests.conftest import endpoint_url, transport_params
 from tests.integration.test_kafka import committed
 from tests.waiting import wait_for
 
@@ -81,21 +81,15 @@ def endpoint(transport: str, tmp_path: Path, tls: dict[str, str]) -> tuple[str, 
         return url, {}, {"reconnect_timeout_s": WAIT_S}
     if transport == "amqp":
         return url, {}, {}  # (a quorum queue: the default queue_type)
-    return url, {"session_timeout_s": 6}, {}  # kafka: a killed member's partitions move after its session
+    return url, {"session_timeout_s": 6}, {}  # kafka, both clients: a killed member's partitions move after its session
+
+
+#: every scheme a successor can take over; Kafka on both clients ("kafka-confluent": client=confluent)
+SUCCESSIONS = transport_params("tcp", "unix", "tcps", "shm", "amqp", "kafka", "kafka-confluent")
 
 
 @pytest.mark.parametrize("then", ["kill", "close"])
-@pytest.mark.parametrize(
-    "transport",
-    [
-        "tcp",
-        "unix",
-        "tcps",
-        "shm",
-        pytest.param("amqp", marks=pytest.mark.broker),
-        pytest.param("kafka", marks=pytest.mark.broker),
-    ],
-)
+@pytest.mark.parametrize("transport", SUCCESSIONS)
 def test_a_consumer_gone_with_untaken_tensors_leaves_every_one_to_its_successor(
     transport: str, then: str, tmp_path: Path, tls: dict[str, str]
 ) -> None:
@@ -230,7 +224,7 @@ def test_messages_taken_and_not_acknowledged_count_against_max_buffered_bytes() 
             producer.send(f"t{i}", tensor(i))  # 1 KiB each
         held = [consumer.recv_message(f"t{i}", timeout=WAIT_S) for i in range(3)]
         assert consumer.table.buffered_bytes >= 3 * 1024  # the three, unacknowledged
-        wait_for(lambda: consumer.intake._held_up or consumer.transport._held, WAIT_S, "t3 held back")  # type: ignore[attr-defined]
+        wait_for(lambda: consumer.intake._held_up or consumer.transport._reader._held, WAIT_S, "t3 held back")  # type: ignore[attr-defined]
         assert len(consumer.table) <= 1  # no room for both of the others while three are unacknowledged
         for message in held:
             consumer.ack(message)

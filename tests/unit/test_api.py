@@ -259,6 +259,7 @@ def test_a_frame_the_decoder_fails_on_costs_that_frame_only(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with tb.Consumer("memory://decoder-bug") as consumer, tb.Producer("memory://decoder-bug") as producer:
+        monkeypatch.setattr(consumer.intake, "fast", None)  # (the Python delivery, whose decoder fails)
         raised = fail_feed_once(monkeypatch, consumer, RuntimeError("a decoder bug"))
         producer.send("k", np.array([1]))
         producer.send("k", np.array([2]))

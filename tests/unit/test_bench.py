@@ -175,6 +175,29 @@ def test_plain_text_report_without_rich(monkeypatch: pytest.MonkeyPatch, capsys:
     assert "MISSED  tcp 4KB round trip (p50) ≤ 1.5x bare socket's: 4KB 2.00x" in out
 
 
+def test_unix_and_memory_are_held_against_tcp_and_the_small_tensor_goals_judged() -> None:
+    from tensorbus.bench import report
+    from tensorbus.bench.plan import plan
+    from tensorbus.bench.results import Cell, Results
+
+    cfg = config.BenchConfig(transports=["memory", "tcp", "unix"], sizes=[4096, 65536], baselines=["socket", "zmq"])
+    methods = plan(cfg)
+    assert {m.name: m.compare for m in methods if m.kind == "tensorbus"} == {
+        "memory": ["tcp"], "tcp": ["socket", "zmq"], "unix": ["socket", "zmq", "tcp"],
+    }  # fmt: skip
+    gbps = {"memory": 0.3, "tcp": 0.2, "unix": 0.25, "socket": 0.4, "zmq": 0.3}
+    rtt = {"memory": 9e-5, "tcp": 6e-5, "unix": 4e-5, "socket": 3e-5, "zmq": 5e-5}
+    cells = [Cell(name, "throughput", n, rounds=[g, g]) for name, g in gbps.items() for n in (4096, 65536)]
+    cells += [Cell(name, "latency", 4096, rounds=[r], samples=[r] * 10) for name, r in rtt.items()]
+    judged = report.targets(Results(config=cfg, methods=methods, cells=cells))
+    verdicts = {t.name: (t.verdict, t.detail) for t in judged}
+    assert verdicts["tcp ≥ 0.8x bare socket at 4KB and 64KB"] == ("missed", "4KB 0.50x, 64KB 0.50x")
+    assert verdicts["tcp ≥ 0.6x bare pyzmq at 4KB"] == ("met", "4KB 0.67x")
+    assert verdicts["unix ≥ 1.0x tcp at every size"] == ("met", "4KB 1.25x, 64KB 1.25x")
+    assert verdicts["memory ≥ 1.0x tcp at every size"] == ("met", "4KB 1.50x, 64KB 1.50x")
+    assert verdicts["memory 4KB round trip (p50) ≤ tcp's"] == ("missed", "4KB 1.50x")
+
+
 def test_quorum_and_classic_rows_each_have_their_queue_type_and_their_baseline() -> None:
     from tensorbus.bench.plan import plan
 

@@ -512,3 +512,31 @@ def test_a_large_frame_ending_in_one_read_leaves_the_socket_waking_for_any_byte(
 )
 def test_recv_lowat_is_used_only_on_kernels_that_cannot_hang_on_it(system: str, release: str, safe: bool) -> None:
     assert reactor._lowat_is_safe(system, release) is safe
+
+
+@pytest.mark.parametrize("budget", [256 << 10, 0])
+def test_a_budget_bounds_the_bytes_of_a_frame_one_read_takes(make_reader: Any, budget: int) -> None:
+    """An event loop's reader takes a large frame in turns (`budget` bytes each), even with all of it there."""
+    tensor = np.arange(2 << 20, dtype=np.uint8)
+    data = b"".join(bytes(b) for b in encode(tensor))
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        theirs.sendall(data)  # (all of it waits in the socket)
+        ours.setblocking(False)
+        pool = BufferPool()
+        reader = make_reader(ours, 1 << 20, 1 << 30, pool.take, crc32c.crc32c, 1 << 20, 1 << 20, 64 << 10)
+        reader.budget = budget
+        turns = 0
+        event = reader.read()
+        while event is None:
+            turns += 1
+            assert turns < 100
+            event = reader.read()
+        frame_view, crc = event
+        assert bytes(frame_view) == data and crc == native.crc32c(
+            frame_view[PREFIX.size :], native.crc32c(frame_view[:CRC_AT])
+        )
+        assert turns == 0 if budget == 0 else len(data) // budget - 1 <= turns <= len(data) // budget
+        with pytest.raises(ValueError):
+            reader.budget = -1

@@ -1,0 +1,194 @@
+"""A socket consumer (tcp://, unix://, tcps://) read on the event loop itself, with no thread of its own.
+
+The consumer is made as every consumer of tensorbus.aio is (on a worker thread: a broker's handshake
+must not block the loop), with `LOOP_POLLER` set: its `Reactor` then registers its connections with a
+`LoopPoller` and starts no reading thread, and its `Listener` starts no accept thread. `attach` has the
+loop watch each connection (`add_reader`; readiness calls `Reactor.read_ready`, which reads it with the
+same C or Python frame reader into the same pooled, aligned buffers, delivers into the table, records
+into the ledger and acks, as a reading thread would), the wake-up pipe (room opened in the table) and
+the listener's selector (accepts and handshakes: `Listener.turn`). A timer does the upkeep: acks of
+what was taken, idle connections, handshakes past their deadline.
+
+While receives come, the loop reads ahead of them only up to READ_AHEAD bytes in the table: past that
+it stops watching the connections until a receive takes a tensor or waits. Frames read far ahead each
+land in a freshly allocated buffer, and fresh pages cost 0.4-0.7 GB/s on the 2-vCPU VM
+(docs/PERFORMANCE.md); frames read just ahead reuse the memory of those just taken. When no receive
+came for `linger_s`, it reads on freely, into the table up to its limits, until one comes (as the
+blocking reactor's background thread takes over after `linger_s`): sends and `flush` never wait for
+a receive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ..rendezvous import Rendezvous
+from ..transports.reactor import TAKEN_EVERY_S, Poller
+from ..transports.socket_consumer import SocketConsumer
+
+log = logging.getLogger(__name__)
+#: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module)
+READ_AHEAD = 1 << 20
+
+
+class LoopPoller(Poller):
+    """A `Poller` whose descriptors an event loop watches too, once attached: readiness calls `ready(data)`.
+
+    Registering and unregistering happen on the loop's thread once attached (the listener's handshakes
+    and the reactor's reads run there); before `attach` and after `detach` the loop is not involved.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: Any = None
+        self.paused = False  # the connections are not watched (the wake-up pipe, data None, always is)
+
+    def _watched(self, data: Any) -> bool:
+        return self._loop is not None and (data is None or not self.paused)
+
+    def register(self, fd: int, data: Any) -> None:
+        super().register(fd, data)
+        if self._loop is not None and self._watched(data):
+            self._loop.add_reader(fd, self._ready, data)
+
+    def unregister(self, fd: int, data: Any) -> None:
+        super().unregister(fd, data)
+        if self._loop is not None and self._watched(data):
+            self._loop.remove_reader(fd)
+
+    def pause(self, paused: bool) -> None:
+        """Stop watching the connections (True), or watch them again (False)."""
+        if paused == self.paused or self._loop is None:
+            return
+        self.paused = paused
+        for fd, data in list(self._data.items()):
+            if data is not None:
+                if paused:
+                    self._loop.remove_reader(fd)
+                else:
+                    self._loop.add_reader(fd, self._ready, data)
+
+    def attach(self, loop: asyncio.AbstractEventLoop, ready: Any) -> None:
+        """Have `loop` call `ready(data)` whenever a registered descriptor is readable."""
+        self._loop, self._ready = loop, ready
+        for fd, data in list(self._data.items()):
+            loop.add_reader(fd, ready, data)
+
+    def detach(self) -> None:
+        """Stop watching (on the loop's thread)."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            for fd in list(self._data):
+                loop.remove_reader(fd)
+
+
+class LoopReading:
+    """Reads a socket consumer's producers on the running loop (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.poller: LoopPoller | None = None  # made by `make_poller`, when the consumer is a socket one
+        self._consumer: SocketConsumer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._again: asyncio.Handle | None = None  # a turn soon, for bytes read ahead the loop cannot see
+        self._timer: asyncio.TimerHandle | None = None
+        self._listening: int | None = None  # the listener's selector, watched
+        self._table: Rendezvous | None = None
+        self._free = False  # no receive came for linger_s: read ahead without the READ_AHEAD bound
+        self._idle: asyncio.TimerHandle | None = None  # when reading goes free, while paused
+
+    def make_poller(self) -> LoopPoller:
+        """`LOOP_POLLER`'s value: called (once) by the socket consumer as it starts listening."""
+        self.poller = LoopPoller()
+        return self.poller
+
+    def attach(self, transport: Any, loop: asyncio.AbstractEventLoop, table: Rendezvous | None = None) -> bool:
+        """Start reading `transport` on `loop` (on the loop's thread); False if it is no socket consumer
+        made for the loop (the transport reads on threads of its own, as in the blocking API)."""
+        if self.poller is None or not isinstance(transport, SocketConsumer) or transport.reactor is None:
+            return False
+        listener = transport._listener
+        assert listener is not None
+        self._consumer, self._loop, self._table = transport, loop, table
+        self.poller.attach(loop, self._ready)
+        self._listening = listener.selector
+        loop.add_reader(self._listening, self._turn)
+        self._tick()
+        return True
+
+    def _ready(self, data: Any) -> None:
+        """A connection (None: the wake-up pipe) is readable: read it."""
+        assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
+        if self._consumer.reactor.read_ready([data]) and self._again is None:
+            self._again = self._loop.call_soon(self._read_ahead)
+        if data is not None and not self._wanted():
+            assert self.poller is not None
+            self.poller.pause(True)
+            if self._idle is None:
+                self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)
+
+    def _wanted(self) -> bool:
+        """Whether the loop should read the connections now: no receive came for a while, little is
+        buffered, or a receive waits."""
+        table = self._table
+        return self._free or table is None or table.buffered_bytes < READ_AHEAD or any(table._waiters.values())
+
+    def _go_free(self) -> None:
+        """No receive came for `linger_s` while reading was paused: read on freely."""
+        self._idle = None
+        self._free = True
+        self.resume()
+
+    def taken(self) -> None:
+        """A receive took a tensor or waits: read ahead only a little again, and now if it had stopped."""
+        self._free = False
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self.resume()
+
+    def resume(self) -> None:
+        """Read again if reading stopped and is wanted now."""
+        if self.poller is not None and self.poller.paused and self._wanted():
+            self.poller.pause(False)
+            if self._again is None and self._loop is not None:  # (bytes read ahead wait too)
+                self._again = self._loop.call_soon(self._read_ahead)
+
+    def _read_ahead(self) -> None:
+        """Deliver what was read ahead (a fair share per turn: the loop's other tasks run in between)."""
+        assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
+        self._again = None
+        if not self._wanted():  # (`resume` comes back here)
+            return
+        if self._consumer.reactor.read_ready([]):
+            self._again = self._loop.call_soon(self._read_ahead)
+
+    def _turn(self) -> None:
+        """Accept producers and advance their handshakes."""
+        assert self._consumer is not None and self._consumer._listener is not None
+        try:
+            self._consumer._listener.turn(0.0)
+        except Exception:  # (a bug: never stop accepting)
+            log.exception("the handshakes on %s failed; going on", self._consumer.address)
+
+    def _tick(self) -> None:
+        """The upkeep, every TAKEN_EVERY_S: held messages, acks of what was taken, idle connections, deadlines."""
+        assert self._loop is not None
+        self._timer = self._loop.call_later(TAKEN_EVERY_S, self._tick)
+        self._ready(None)
+        self.resume()
+        self._turn()
+
+    def detach(self) -> None:
+        """Stop reading (on the loop's thread), before the consumer closes."""
+        for handle in (self._again, self._timer, self._idle):
+            if handle is not None:
+                handle.cancel()
+        self._again = self._timer = self._idle = None
+        if self._loop is not None and self._listening is not None:
+            self._loop.remove_reader(self._listening)
+        self._listening = None
+        if self.poller is not None:
+            self.poller.detach()

@@ -1,0 +1,366 @@
+"""A socket producer's sends on the event loop: tcp:// and unix:// frames written by the loop itself.
+
+The blocking producer underneath (`tensorbus.Producer`) numbers, encodes and signs as ever, and its
+socket transport keeps the copies and reads the acks (socket_acks.py); what waits moves here: the
+connect and handshake, writing a frame (its buffers by scatter-gather `sendmsg` on a non-blocking
+socket: never joined, never copied into a loop transport's buffer; a large frame's CRC computed slice
+by slice as it goes, `stream.wire_batches`), waiting for room (`max_unacked_bytes`) and for acks.
+Everything runs on the loop's thread, one message at a time (an `asyncio.Lock`); no thread starts.
+
+tcps:// keeps the worker thread (producer.py): TLS writes on a non-blocking socket would need the
+record layer driven here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import api
+from ..codec.frame import Buffer, MessageId, flat_bytes
+from ..errors import Closed, Rejected, TransportError
+from ..options import finite_timeout
+from ..transports.base import backoff_s
+from ..transports.socket import SocketProducer
+from ..transports.socket_acks import READ_ACKS_EVERY
+from ..transports.socket_producer import ACK_POLL_S
+from ..transports.stream import (
+    ACK_REQUEST_MARKER,
+    HELLO,
+    IOV_MAX,
+    REASON,
+    REFUSALS_WANTED,
+    VERDICT_REASON,
+    AuthRefused,
+    Refused,
+    check_verdict,
+    hello_terms,
+    proof,
+    read_hello,
+    wire_batches,
+)
+from .turns import Turns
+
+log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
+#: the schemes whose producers send on the loop
+SCHEMES = ("tcp", "unix")
+
+
+def sends_on_loop(producer: api.Producer) -> bool:
+    """Whether the loop can send this producer's frames itself (tcp://, unix://; no metrics or tracing,
+    whose hooks wrap the blocking send)."""
+    transport = producer.transport
+    return isinstance(transport, SocketProducer) and transport.url.scheme in SCHEMES and producer._monitor is None
+
+
+def _settle(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class LoopSender:
+    """Sends a blocking socket producer's messages on the running loop (see the module docstring)."""
+
+    def __init__(self, producer: api.Producer) -> None:
+        self.producer = producer
+        self.transport: SocketProducer = producer.transport  # type: ignore[assignment]
+        self._turn = asyncio.Lock()  # one message (or flush) at a time on the connection
+        self._turns = Turns()
+
+    # -- waiting on the loop ------------------------------------------------------------------
+
+    async def _ready(self, sock: socket.socket, write: bool, timeout: float | None) -> bool:
+        """Wait until `sock` is writable (`write`) or readable; False if `timeout` seconds passed first."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        fd = sock.fileno()
+        if write:
+            loop.add_writer(fd, _settle, future, True)
+        else:
+            loop.add_reader(fd, _settle, future, True)
+        timer = None if timeout is None else loop.call_later(timeout, _settle, future, False)
+        try:
+            return await future
+        finally:
+            self._turns.waited()
+            (loop.remove_writer if write else loop.remove_reader)(fd)
+            if timer is not None:
+                timer.cancel()
+
+    async def _write(self, sock: socket.socket, buffers: list[Buffer]) -> None:
+        """Write every byte of `buffers`, awaiting room; a TransportError after `send_timeout_s` without progress."""
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        first = 0
+        while first < len(views):
+            try:
+                sent = sock.sendmsg(views[first : first + IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                timeout = finite_timeout(self.transport.options.send_timeout_s)
+                if not await self._ready(sock, True, timeout):
+                    raise TransportError(
+                        f"sending to {self.transport.address} made no progress for {timeout}s"
+                    ) from None
+                continue
+            while sent and sent >= len(views[first]):
+                sent -= len(views[first])
+                first += 1
+            if sent:
+                views[first] = views[first][sent:]
+
+    async def _send_frame(self, sock: socket.socket, frame: list[Buffer]) -> int:
+        """Write one frame as `stream.send_frame` would (sealed, or its CRC after it); the bytes of the frame."""
+        for batch in wire_batches(frame, True):  # (~1 MiB each: the loop's tasks run between)
+            await self._write(sock, batch)
+            await self._turns.take()
+        return sum(memoryview(b).nbytes for b in frame)
+
+    # -- connecting ---------------------------------------------------------------------------
+
+    async def _handshake(self, sock: socket.socket) -> bytes:
+        """The producer's side of the handshake (`stream.handshake_as_producer`), awaited."""
+        loop, t = asyncio.get_running_loop(), self.transport
+        _, nonce = read_hello(await _recv_exactly(sock, HELLO.size), t.secret, t.address)
+        await loop.sock_sendall(sock, proof(t.secret, nonce))
+        verdict = await loop.sock_recv(sock, 1)
+        if verdict == VERDICT_REASON:
+            size = await _recv_exactly(sock, REASON.size)
+            text = await _recv_exactly(sock, REASON.unpack(size)[0]) if len(size) == REASON.size else b""
+            raise Refused(f"{t.address} refused the connection: {text.decode('utf-8', 'replace') or 'no reason given'}")
+        check_verdict(verdict, t.address)
+        await loop.sock_sendall(sock, REFUSALS_WANTED)
+        return hello_terms(nonce)
+
+    async def _connect(self, deadline: float | None = None) -> socket.socket:
+        """Connect, handshake and send again what the last connection left unacknowledged, retrying as
+        `SocketProducer._connect` does (`reconnect_timeout_s`, `connect_timeout_s` per attempt)."""
+        loop, t = asyncio.get_running_loop(), self.transport
+        t._raise_if_closed()
+        started = time.monotonic()
+        retry_until = started + t.options.reconnect_timeout_s
+        bound = f"reconnect_timeout_s={t.options.reconnect_timeout_s:g}"
+        if deadline is not None and deadline < retry_until:
+            retry_until, bound = deadline, "the flush's timeout"
+        for delay in backoff_s():
+            sock = socket.socket(t.family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                attempt_s = t.options.connect_timeout_s
+                if deadline is not None:
+                    left = max(0.05, deadline - time.monotonic())
+                    attempt_s = left if attempt_s is None else min(attempt_s, left)
+                try:
+                    await asyncio.wait_for(self._greet(loop, sock), attempt_s)
+                except asyncio.TimeoutError:
+                    raise TransportError(f"no handshake with {t.address} within {attempt_s:g}s") from None
+                for frame, _ in list(t._unacked):
+                    await self._send_frame(sock, frame)
+                    t._sent += 1
+                t._connects += 1
+                t._resent += len(t._unacked)
+                t._sock = sock
+                return sock
+            except AuthRefused:
+                sock.close()
+                raise
+            except (OSError, TransportError) as exc:
+                sock.close()
+                left = retry_until - time.monotonic()
+                if t._closed or left <= 0:
+                    raise TransportError(
+                        f"cannot connect to {t.address}: {exc} (gave up after {time.monotonic() - started:.1f}s "
+                        f"of retries, as {bound} bounds them; connect_timeout_s bounds each attempt)"
+                    ) from None
+                log.info("connect to %s failed (%s); retrying in %.2fs", t.address, exc, min(delay, left))
+                await asyncio.sleep(min(delay, left))
+            except BaseException:  # e.g. cancelled while resending: half a frame must not stay on a live socket
+                sock.close()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _greet(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        t = self.transport
+        await loop.sock_connect(sock, t.target)
+        t._start_connection(await self._handshake(sock))
+        if t.family != socket.AF_UNIX:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _drop(self) -> None:
+        """Close the connection (a frame cut off part way: the consumer drops what came of it)."""
+        self.transport._drop_connection()
+
+    # -- sending ------------------------------------------------------------------------------
+
+    async def send(self, key: str | None, tensor: Any, metadata: dict[str, Any] | None) -> MessageId:
+        """Send one tensor; returns once its frames are written (kept until taken, as the blocking producer does).
+
+        A send cancelled while its frame is being written drops the connection (the consumer drops the
+        part it got; the frames not acknowledged go again on the next one): a frame goes whole or not at all.
+        """
+        p, t = self.producer, self.transport
+        await self._turns.take()
+        async with self._turn:
+            if p._closed:
+                raise Closed("send on a closed Producer")
+            message_id = (p.producer_id, next(p._sequence))
+            await self._room()
+            t._raise_if_closed()
+            t._probe_if_quiet()  # (a connection the consumer closed while quiet is replaced now)
+            if t._sock is None:
+                await self._connect()
+            frames = self._frames(tensor, key, metadata, message_id)
+            sent = 0
+            try:
+                for frame in frames:
+                    await self._send_retrying(frame)
+                    sent += 1
+            except BaseException:
+                if sent:  # the chunks that went out can never make a whole tensor: don't resend them
+                    t.forget_last(sent)
+                raise
+        return message_id
+
+    def _frames(self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId) -> Any:
+        """The frames of one message: a plain ndarray's head built in C where it can be (as
+        `SocketProducer._send_ndarray`), else the producer's encoding (in chunks past `max_frame_bytes`)."""
+        t, encoding = self.transport, self.producer._encoding
+        if t._c_head is not None and encoding.plain_flags is not None and type(tensor) is np.ndarray:
+            head = t._c_head(tensor, key, metadata, message_id, encoding.plain_flags)
+            if head is not None:
+                return [[head, flat_bytes(tensor)] if tensor.nbytes else [head]]
+        bound_key = t._frame_key(encoding.signing_key)
+        if t.max_frame_bytes is None:
+            return [encoding.encode(tensor, key, metadata, message_id, bound_key)]
+        return encoding.encode_chunks(tensor, key, metadata, message_id, t.max_frame_bytes, bound_key)
+
+    async def _send_retrying(self, frame: list[Buffer]) -> None:
+        """Write `frame`, reconnecting once after a broken connection; keep it until it is taken."""
+        t = self.transport
+        for attempt in (1, 2):
+            try:
+                sock = t._sock if t._sock is not None else await self._connect()
+                t._signed_for_now(frame)
+                nbytes = await self._send_frame(sock, frame)
+                break
+            except OSError as exc:
+                self._drop()
+                if attempt == 2:
+                    raise TransportError(f"sending to {t.address} failed: {exc}") from None
+                log.warning("connection to %s broke (%s); reconnecting", t.address, exc)
+            except BaseException:  # cancelled (or timed out) part way
+                self._drop()
+                raise
+        # `ProducerAcks._keep_until_acked`, less its ack request (a full socket would refuse it here:
+        # `_room` asks, awaiting room to write)
+        t._unacked.append((frame, nbytes))
+        t._unacked_bytes += nbytes
+        if t.tally.timed is None:
+            t.tally.timing(t._sent)
+        t._sent += 1
+        if t._sent % READ_ACKS_EVERY == 0 and t._sock is not None:
+            try:
+                t._read_acks(0)
+            except OSError as exc:
+                log.warning("connection to %s broke (%s); frames will be resent on reconnect", t.address, exc)
+                self._drop()
+
+    async def _room(self) -> None:
+        """Before a new message: await while `max_unacked_bytes` are unacknowledged (up to `send_timeout_s`)."""
+        t = self.transport
+        limit, timeout = t.options.max_unacked_bytes, t.options.send_timeout_s
+        if t._rejections:
+            t._raise_rejection()
+        if t._unacked_bytes < limit:
+            return
+        await self._await_acks(
+            lambda: t._unacked_bytes < limit,
+            finite_timeout(timeout),
+            lambda: (
+                f"{t.address} left {t._unacked_bytes} bytes unacknowledged for {timeout}s "
+                f"(max_unacked_bytes={limit}): is the consumer aborted, or not receiving?"
+            ),
+        )
+
+    async def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
+        """Read acks (asking for them, reconnecting and resending as needed) until `done()` (as
+        `SocketProducer._await_acks`, awaiting the socket instead of polling it)."""
+        t = self.transport
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransportError(failure())
+            acked = t._acked
+            try:
+                if t._sock is None:
+                    try:
+                        await self._connect(deadline)
+                    except TransportError as exc:
+                        if deadline is None or time.monotonic() < deadline:
+                            raise
+                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
+                sock = t._sock
+                assert sock is not None
+                if not t._ack_requested:
+                    await self._write(sock, [ACK_REQUEST_MARKER])
+                    t._ack_requested = True
+                if await self._ready(sock, False, min(remaining, 1.0) if remaining is not None else 1.0):
+                    t._read_acks(0)
+                if t._acked == acked and not t._ack_requested:  # answered, but nothing new: don't spin
+                    await asyncio.sleep(min(ACK_POLL_S, remaining) if remaining is not None else ACK_POLL_S)
+            except OSError as exc:
+                if t._sock is not None:
+                    with contextlib.suppress(OSError):
+                        t._read_acks(0)  # a consumer that closed may have acked everything first
+                self._drop()
+                if not done():
+                    log.warning("connection to %s broke while awaiting acks (%s); reconnecting", t.address, exc)
+
+    async def flush(self, timeout: float | None) -> None:
+        """Await the consumer's acks of every frame sent so far; `Rejected` if it refused one."""
+        t, timeout = self.transport, finite_timeout(timeout)
+        async with self._turn:
+            if t._unacked:  # a consumer that went with untaken tensors: resend them to its successor
+                t._probe_if_quiet(0.0)
+            await self._await_acks(
+                lambda: (t._sock is not None and t._acked == t._sent) or not t._unacked,
+                timeout,
+                lambda: f"{t._sent - t._acked} frames unacknowledged by {t.address} after {timeout}s",
+            )
+            t._raise_rejection()
+
+    async def close(self) -> None:
+        """Flush (up to `close_timeout_s`) what the consumer has not received, and close the connection."""
+        p, t = self.producer, self.transport
+        t._rejections.clear()  # (each was logged as it came)
+        if t._acked < t._sent and not t._closed:
+            try:
+                await self.flush(t.options.close_timeout_s)
+            except Rejected:
+                pass
+            except TransportError as exc:
+                log.warning("closing with frames not acknowledged: %s", exc)
+        t._closed = p._closed = True
+        if self._turn.locked() and t._sock is not None:  # a send awaits a consumer that stopped reading: wake it
+            with contextlib.suppress(OSError):
+                t._sock.shutdown(socket.SHUT_RDWR)
+        async with self._turn:
+            self._drop()
+
+
+async def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """`size` bytes from `sock` (fewer only at the end of the stream), awaited."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    while len(got) < size:
+        data = await loop.sock_recv(sock, size - len(got))
+        if not data:
+            break
+        got += data
+    return bytes(got)

@@ -1,0 +1,123 @@
+"""Who reads an endpoint's frames: the application thread waiting in `recv`, or a background thread.
+
+A thread hand-off costs about as much as a process wake-up, so a frame is best read by the thread
+that wants it (reactor.py does this for the socket transports, with its own poller). This is the same
+rule for the transports that read one queue or one selector (memory://, shm://): one thread at a
+time leads, holding `_lock`, and only the leader reads and delivers, so frames keep their order.
+
+- An application thread waiting in `Consumer.recv` leads until its tensor is in (`wait`).
+- A background thread leads while no application thread has led for `linger_s` (`run_in_background`):
+  acks flow, held tensors are offered again and producers are read while the application is busy
+  elsewhere. It steps aside as soon as an application thread wants to lead: `interrupt` makes its
+  blocking wait return.
+
+A transport's `step(deadline, stop)` reads and delivers what is ready, waiting until `deadline`
+(None: until something comes or `interrupt` is called) and returning early once `stop()`; it returns
+False when the endpoint is done (closed, or turned away by its consumer).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+#: an application leader looks at its waiter at least this often (an abort releases it from elsewhere)
+POLL_S = 0.05
+
+Step = Callable[[float | None, Callable[[], bool]], bool]
+
+
+class Leadership:
+    """The lead over one endpoint's reading, taken by waiting receives and, in between, a background thread."""
+
+    def __init__(self, linger_s: float, interrupt: Callable[[], None]) -> None:
+        self.linger_s, self._interrupt = linger_s, interrupt
+        self._lock = threading.Lock()  # held by the leader
+        self._state = threading.Condition()
+        self._wanted = 0  # application threads leading or asking to (under `_state`; read without it as a hint)
+        self._quiet_from = 0.0  # the background may lead from then on (under `_state`)
+        #: an application thread holds `_lock`, and which thread does: written by the leader only, read by
+        #: others as a hint (a stale one costs a wait of at most POLL_S)
+        self._app_leads = False
+        self._leading: int | None = None
+        self._stopped = threading.Event()  # set once, by `stop` or a step that returned False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def is_leading(self) -> bool:
+        """True on the thread that leads now (e.g. in a callback of a tensor it delivers)."""
+        return self._leading == threading.get_ident()
+
+    def wait(self, done: threading.Lock, deadline: float | None, step: Step) -> bool:
+        """Wait for `done` (a waiting receive's lock) until `deadline`, leading meanwhile where no other
+        application thread does (that one delivers this thread's tensor too): True once acquired."""
+        while True:
+            if done.acquire(blocking=False):
+                return True
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
+            slice_end = now + POLL_S if deadline is None else min(deadline, now + POLL_S)
+            if self.stopped or self._app_leads or self.is_leading():  # (is_leading: a callback's recv)
+                if done.acquire(timeout=slice_end - now):
+                    return True
+                continue
+            self._lead(done, slice_end, step)
+
+    def _lead(self, done: threading.Lock, slice_end: float, step: Step) -> None:
+        with self._state:
+            self._wanted += 1
+        try:
+            if not self._lock.acquire(blocking=False):
+                self._interrupt()  # (the background leader's wait returns, and it lets go)
+                if not self._lock.acquire(timeout=max(slice_end - time.monotonic(), 0.0)):
+                    return
+            try:
+                self._app_leads, self._leading = True, threading.get_ident()
+                waiting = done.locked
+                while not self.stopped and waiting() and time.monotonic() < slice_end:
+                    if not step(slice_end, lambda: not waiting()):
+                        self.stop()
+            finally:
+                self._app_leads, self._leading = False, None
+                self._lock.release()
+        finally:
+            with self._state:
+                self._wanted -= 1
+                self._quiet_from = time.monotonic() + self.linger_s
+
+    def run_in_background(self, step: Step) -> None:
+        """Lead whenever no application thread has for `linger_s`, until stopped (the body of a thread)."""
+        wanted = lambda: self._wanted > 0  # noqa: E731
+        while not self.stopped:
+            with self._state:
+                while not self.stopped:
+                    left = self._quiet_from - time.monotonic()
+                    if not self._wanted and left <= 0:
+                        break
+                    # (a timed wait, not a notify per receive: an application receiving in a loop pays nothing)
+                    self._state.wait(max(left, self.linger_s))
+            if self.stopped or not self._lock.acquire(timeout=POLL_S):
+                continue
+            try:
+                self._leading = threading.get_ident()
+                if not wanted() and not step(None, wanted):
+                    self.stop()
+            finally:
+                self._leading = None
+                self._lock.release()
+
+    def stop(self) -> None:
+        """No thread leads again; the background thread returns (an application leader at its next step)."""
+        self._stopped.set()
+        with self._state:
+            self._state.notify_all()
+        self._interrupt()
+
+    def last_lead(self) -> threading.Lock:
+        """The leader's lock, for the endpoint's wrap-up once stopped (`with leadership.last_lead():`): taken
+        once the last leader let go; a thread that leads already must not ask."""
+        return self._lock
