@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import multiprocessing
+import os
 import socket
 import statistics
 import time
@@ -31,7 +32,17 @@ import numpy as np
 import tensorbus as tb
 from tensorbus.codec.frame import PREFIX, checksum_of
 from tensorbus.codec.tensors import align
-from tensorbus.transports.stream import ACK, ACK_REQUEST_MARKER, TRAILING_CRC, handshake_as_consumer
+from tensorbus.transports.stream import (
+    ACK,
+    ACK_REQUEST_MARKER,
+    HELLO,
+    HELLO_EVERY_CONSUMER,
+    HELLO_MAGIC,
+    PROOF_BYTES,
+    PROTOCOL_VERSION,
+    REFUSALS_WANTED,
+    TRAILING_CRC,
+)
 
 from .common import parse_sizes
 
@@ -62,6 +73,15 @@ def tensorbus_reader(size: int, count: int) -> float:
     return spent / count
 
 
+def _greet(conn: socket.socket) -> None:
+    """The consumer's side of the handshake, the least way (no auth): hello, proof, verdict, then the
+    producer's request to be told of refusals (this reader refuses nothing: it checks CRCs, and raises)."""
+    conn.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, HELLO_EVERY_CONSUMER, os.urandom(32)))
+    conn.recv(PROOF_BYTES, socket.MSG_WAITALL)
+    conn.sendall(b"\x01")
+    assert conn.recv(len(REFUSALS_WANTED), socket.MSG_WAITALL) == REFUSALS_WANTED
+
+
 def minimal_reader(size: int, count: int) -> float:
     """CPU seconds per tensor of the least a Python reader of the same stream does (see the docstring)."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -71,7 +91,7 @@ def minimal_reader(size: int, count: int) -> float:
     listener.close()
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        handshake_as_consumer(conn, None, refusals=False)  # (it refuses nothing: it checks CRCs, and raises)
+        _greet(conn)
         buffer = memoryview(bytearray(READ_BYTES))
         state = {"lo": 0, "hi": 0, "frames": 0}
         table: dict[str, collections.deque] = collections.defaultdict(collections.deque)

@@ -21,7 +21,7 @@ from .ledger import check_ack
 from .monitoring import Monitor
 from .options import UNSET, MonitoringOptions, build, defaults, finite_timeout, given, load_config, merge, redact
 from .rendezvous import Callback, RecvHandle
-from .transports import Encoding, Transport, resolve_transport
+from .transports import ConsumerSide, Encoding, ProducerSide, resolve_transport
 
 if TYPE_CHECKING:
     from .metrics import Meter
@@ -91,9 +91,10 @@ def _key_bytes(value: Any) -> bytes | None:
     raise ConfigError(f"signing_key must be bytes or str, got {type(value).__name__}")
 
 
-def _open(url: str, own: type[_Own], kwargs: dict[str, Any], role: str) -> tuple[Transport, _Own]:
-    """Resolve the transport and split the options into the endpoint's own and the transport's (each checked once)."""
-    cls, parsed = resolve_transport(url)
+def _open(url: str, own: type[_Own], kwargs: dict[str, Any], role: str) -> tuple[Any, _Own]:
+    """Resolve the transport's class for `role` ("Producer" or "Consumer") and split the options into the
+    endpoint's own and the transport's (each checked once)."""
+    cls, parsed = resolve_transport(url, "consumer" if role == "Consumer" else "producer")
     try:
         if "," not in parsed.netloc:  # (kafka:// may list several brokers: its transport parses them)
             parsed.port  # noqa: B018 -- parsing it raises for a port that is not a number in range
@@ -165,6 +166,7 @@ class Producer:
         options = {**given(ProducerOptions, locals()), **transport_options}
         self.url = url
         self._options = options
+        self.transport: ProducerSide
         self.transport, opts = _open(url, ProducerOptions, options, "Producer")
         self.compression, self.checksum = opts.compression, opts.checksum
         if self.compression is not None:
@@ -294,6 +296,7 @@ class Consumer:
         options = {**given(ConsumerOptions, locals()), **transport_options}
         self.url = url
         self._shown = redact(url)  # for logs: no password, no secrets from the query
+        self.transport: ConsumerSide
         self.transport, opts = _open(url, ConsumerOptions, options, "Consumer")
         signing_key = _key_bytes(opts.signing_key)
         identity = self.transport.signing_identity(consumer=True) if signing_key is not None else ("", b"")

@@ -119,9 +119,15 @@ class Intake:
     # -- what transports call (transports.base.Deliver) -------------------------------------------
 
     def __call__(
-        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+        self,
+        frame: Buffer,
+        crc: int | None = None,
+        *,
+        may_hold: bool = False,
+        source: object = None,
+        redelivered: bool = False,
     ) -> Delivered:
-        """One received frame; never raises. See `Deliver` for `may_hold` and `source`."""
+        """One received frame; never raises. See `Deliver` for `may_hold`, `source` and `redelivered`."""
         message: Message | None
         state = self.state
         with self._lock:
@@ -136,7 +142,7 @@ class Intake:
                         held = self._held(frame, crc, source)
                         if held is not None:
                             return Delivered(held.message_id, False, held=held)
-                    message = self._feed(frame, crc)
+                    message = self._feed(frame, crc, redelivered)
             except CodecError as exc:
                 self.stats["rejected"] += 1
                 self.stats["rejected " + exc.reason_label] += 1  # (by reason: for metrics)
@@ -222,11 +228,11 @@ class Intake:
 
     # -- the steps ------------------------------------------------------------------------------------
 
-    def _feed(self, data: Buffer, crc: int | None) -> Message | None:
+    def _feed(self, data: Buffer, crc: int | None, redelivered: bool = False) -> Message | None:
         """The reassembler's answer for a frame (caller holds `_lock`); keeps `state.reassembling` true to it."""
         reassembler, state = self.reassembler, self.state
-        try:
-            message = reassembler.feed(data, crc=crc, owned=True)  # transports hand their buffers over
+        try:  # (transports hand their buffers over)
+            message = reassembler.feed(data, crc=crc, owned=True, redelivered=redelivered)
         except BaseException:
             state.reassembling = reassembler.pending > 0  # (a chunked message may have been given up on)
             raise
@@ -291,6 +297,7 @@ class Intake:
         if message_id is None:
             return
         if self.ledger.mode == "manual":  # it still counts, until the application acknowledges it
+            message.acknowledger = self  # (for `message.ack()` and `message.reject()`)
             nbytes = message_nbytes(message)
             with self._lock:
                 self._unacked[message_id] = self._unacked.get(message_id, 0) + nbytes

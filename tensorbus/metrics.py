@@ -28,7 +28,7 @@ from .transports.tally import ACK_BUCKETS
 
 if TYPE_CHECKING:
     from .api import Consumer, Producer
-    from .transports.base import Transport
+    from .transports.base import Endpoint
 
 try:
     import prometheus_client
@@ -319,7 +319,7 @@ _TRANSPORT_COUNTS = {
 }
 
 
-def _transport(samples: _Samples, base: tuple[str, ...], role: str, transport: Transport) -> None:
+def _transport(samples: _Samples, base: tuple[str, ...], role: str, transport: Endpoint) -> None:
     """What the transport counts: its `counts()`, and its tally's (tally.py)."""
     tally = transport.tally
     counts = {"reconnects": tally.reconnects, **transport.counts()}

@@ -28,13 +28,12 @@ from ..codec.frame import Buffer, MessageId, flat_bytes
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from ..transports.base import backoff_s
-from ..transports.socket import SocketTransport
+from ..transports.socket import SocketProducer
 from ..transports.socket_acks import READ_ACKS_EVERY
 from ..transports.socket_producer import ACK_POLL_S
 from ..transports.stream import (
     ACK_REQUEST_MARKER,
     HELLO,
-    HELLO_REFUSALS,
     IOV_MAX,
     REASON,
     REFUSALS_WANTED,
@@ -58,7 +57,7 @@ def sends_on_loop(producer: api.Producer) -> bool:
     """Whether the loop can send this producer's frames itself (tcp://, unix://; no metrics or tracing,
     whose hooks wrap the blocking send)."""
     transport = producer.transport
-    return isinstance(transport, SocketTransport) and transport.url.scheme in SCHEMES and producer._monitor is None
+    return isinstance(transport, SocketProducer) and transport.url.scheme in SCHEMES and producer._monitor is None
 
 
 def _settle(future: asyncio.Future[bool], value: bool) -> None:
@@ -71,7 +70,7 @@ class LoopSender:
 
     def __init__(self, producer: api.Producer) -> None:
         self.producer = producer
-        self.transport: SocketTransport = producer.transport  # type: ignore[assignment]
+        self.transport: SocketProducer = producer.transport  # type: ignore[assignment]
         self._turn = asyncio.Lock()  # one message (or flush) at a time on the connection
         self._turns = Turns()
 
@@ -117,17 +116,17 @@ class LoopSender:
 
     async def _send_frame(self, sock: socket.socket, frame: list[Buffer]) -> int:
         """Write one frame as `stream.send_frame` would (sealed, or its CRC after it); the bytes of the frame."""
-        for batch in wire_batches(frame, self.transport._crc_after):  # (~1 MiB each: the loop's tasks run between)
+        for batch in wire_batches(frame, True):  # (~1 MiB each: the loop's tasks run between)
             await self._write(sock, batch)
             await self._turns.take()
         return sum(memoryview(b).nbytes for b in frame)
 
     # -- connecting ---------------------------------------------------------------------------
 
-    async def _handshake(self, sock: socket.socket) -> tuple[bool, bytes]:
+    async def _handshake(self, sock: socket.socket) -> bytes:
         """The producer's side of the handshake (`stream.handshake_as_producer`), awaited."""
         loop, t = asyncio.get_running_loop(), self.transport
-        flags, nonce = read_hello(await _recv_exactly(sock, HELLO.size), t.secret, t.address)
+        _, nonce = read_hello(await _recv_exactly(sock, HELLO.size), t.secret, t.address)
         await loop.sock_sendall(sock, proof(t.secret, nonce))
         verdict = await loop.sock_recv(sock, 1)
         if verdict == VERDICT_REASON:
@@ -135,9 +134,8 @@ class LoopSender:
             text = await _recv_exactly(sock, REASON.unpack(size)[0]) if len(size) == REASON.size else b""
             raise Refused(f"{t.address} refused the connection: {text.decode('utf-8', 'replace') or 'no reason given'}")
         check_verdict(verdict, t.address)
-        if flags & HELLO_REFUSALS:
-            await loop.sock_sendall(sock, REFUSALS_WANTED)
-        return hello_terms(flags, nonce)
+        await loop.sock_sendall(sock, REFUSALS_WANTED)
+        return hello_terms(nonce)
 
     async def _connect(self, deadline: float | None = None) -> socket.socket:
         """Connect, handshake and send again what the last connection left unacknowledged, retrying as
@@ -189,7 +187,7 @@ class LoopSender:
     async def _greet(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
         t = self.transport
         await loop.sock_connect(sock, t.target)
-        t._start_connection(*await self._handshake(sock))
+        t._start_connection(await self._handshake(sock))
         if t.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import struct
@@ -266,11 +267,21 @@ class Reassembler:
         self.stats = collections.Counter[str]()
         self._pool = BufferPool(max_buffers=4)  # a consumer holds ~3 in flight: assembling, queued, in use
 
-    def feed(self, data: Buffer, *, copy: bool = False, crc: int | None = None, owned: bool = False) -> Message | None:
+    def feed(
+        self,
+        data: Buffer,
+        *,
+        copy: bool = False,
+        crc: int | None = None,
+        owned: bool = False,
+        redelivered: bool = False,
+    ) -> Message | None:
         """Take one received frame; return the decoded message once it is complete, else None.
 
         `crc` is the frame's CRC32C if the receiver already computed it (see `parse`). `owned`:
         the caller never writes to `data` again, so a chunk may be kept without a copy (as may `bytes`).
+        `redelivered`: the transport vouches that the frame is a redelivery (see `Deliver`): the message
+        it makes (a whole frame, or the one whose last chunk it is) is not refused for its age alone.
         """
         if self._partials and self.clock() > self._expire_at:
             self.expire()
@@ -286,7 +297,8 @@ class Reassembler:
             if message is not None:  # one plain ndarray, decoded in C
                 return message
         crcs = split_checksum(view, crc) if len(view) >= SPLIT_CRC_FROM else None
-        frame = parse(view, limits=self.limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0])
+        limits = self.limits if not redelivered else dataclasses.replace(self.limits, max_frame_age_s=None)
+        frame = parse(view, limits=limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0])
         if frame.header.get("kind") != "chunk":
             return message_from_frame(frame, copy=copy, limits=self.limits, like=self.like)
         message_id = _message_id(frame.header.get("id"))
@@ -331,7 +343,7 @@ class Reassembler:
             message = message_from_frame(
                 parse(
                     partial.buffer,
-                    limits=self.limits,
+                    limits=limits,
                     signing_key=self.whole_signing_key,
                     crc=self._combined_crc(partial),
                 ),

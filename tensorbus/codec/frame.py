@@ -9,7 +9,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgpack
 import numpy as np
@@ -18,6 +18,7 @@ from ..errors import (
     BadMagic,
     ChecksumMismatch,
     CodecError,
+    ConfigError,
     InvalidTensor,
     LimitExceeded,
     MalformedHeader,
@@ -89,6 +90,14 @@ MAX_METADATA_DEPTH = 32
 OBJECT_BYTES = 64
 
 
+class Acknowledger(Protocol):
+    """What settles a message handed out under `ack="manual"` (the consumer's intake)."""
+
+    def acknowledge(self, message: Message) -> None: ...
+
+    def reject(self, message: Message) -> None: ...
+
+
 @dataclass(slots=True)  # (one is made for every tensor received: slots halve that cost)
 class Message:
     """A decoded frame: the tensor plus what travelled with it."""
@@ -101,6 +110,27 @@ class Message:
     #: bytes of the frame outside the payload (mostly the header: key, metadata), plus OBJECT_BYTES
     #: per metadata object, which the consumer's buffer limit counts along with the tensor's own
     header_bytes: int = 0
+    #: set by a consumer with `ack="manual"` as it hands the message out (not a constructor argument:
+    #: the C codec makes Messages without `__init__`, so it may be unset): what `ack` and `reject` call
+    acknowledger: Acknowledger | None = field(default=None, init=False, repr=False, compare=False)
+
+    def ack(self) -> None:
+        """With `ack="manual"`: the application is done with this message (`consumer.ack(message)`)."""
+        self._manual("ack").acknowledge(self)
+
+    def reject(self) -> None:
+        """With `ack="manual"`: give this message back unacknowledged, to be delivered again, first in
+        line (`consumer.reject(message)`)."""
+        self._manual("reject").reject(self)
+
+    def _manual(self, what: str) -> Acknowledger:
+        acknowledger = getattr(self, "acknowledger", None)  # (unset on a Message the C codec made)
+        if acknowledger is None:
+            raise ConfigError(
+                f"message.{what}() needs a message handed out by a Consumer with ack='manual' "
+                f"(this one was not: {brief(self.key)})"
+            )
+        return acknowledger
 
 
 @dataclass(slots=True)
@@ -306,6 +336,35 @@ def layout(
 def stamp(header: dict[str, Any]) -> None:
     """Put the producer's clock in a signed message's header (see `signing.check_age`)."""
     header[TIMESTAMP] = time.time()
+
+
+def restamp(frame: list[Buffer]) -> bool:
+    """Put the producer's clock of now in a signed whole message's frame (its head, `frame[0]`, is
+    replaced and its CRC fixed; the caller signs the frame again): what a producer resending a frame
+    to another consumer run does, vouching for it anew (docs/SECURITY.md, "A redelivery is not a
+    replay"). False, with the frame as it was, for anything else (a chunk: its message's clock is
+    inside the payload, under a signature over the whole message)."""
+    view = memoryview(frame[0]).cast("B")
+    if len(view) < PREFIX.size:
+        return False
+    _, _, flags, _, header_len, _, stored = PREFIX.unpack_from(view)
+    if not flags & FLAG_SIGNED or len(view) < PREFIX.size + header_len:
+        return False
+    header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    if header.get("kind") == "chunk" or TIMESTAMP not in header:
+        return False
+    stamp(header)
+    packed = msgpack.packb(header, use_bin_type=True)
+    if len(packed) != header_len:  # (never: the clock is a float64, 9 bytes, and the rest packs as it did)
+        return False
+    head = bytearray(view)
+    head[PREFIX.size : PREFIX.size + header_len] = packed
+    if flags & FLAG_CHECKSUM:  # the CRC over head and payload, from the payload's (taken out of the old one)
+        body_len = sum(memoryview(part).nbytes for part in frame[1:-1])  # (the last part is the signature)
+        body_crc = uncombine(stored, checksum_of(view), body_len)
+        struct.pack_into("<I", head, CRC_AT, combine(checksum_of(head), body_crc, body_len))
+    frame[0] = bytes(head)
+    return True
 
 
 def flat_bytes(array: np.ndarray) -> memoryview:
@@ -650,4 +709,4 @@ NATIVE_CONSTANTS = {
 }
 NATIVE = agrees(NATIVE, NATIVE_CONSTANTS)
 if NATIVE is not None:  # (`decode_message` builds Messages in C: it checks their fields are the ones it sets)
-    NATIVE.configure_message(Message, tuple(f.name for f in fields(Message)))
+    NATIVE.configure_message(Message, tuple(f.name for f in fields(Message) if f.init))

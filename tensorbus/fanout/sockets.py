@@ -25,7 +25,7 @@ from ..codec.frame import PREFIX, frame_length
 from ..errors import CodecError, TransportError
 from ..transports.base import backoff_s
 from ..transports.listener import Listener
-from ..transports.socket import SocketTransport
+from ..transports.socket_endpoint import SocketEndpoint
 from ..transports.stream import (
     REFUSALS_WANTED,
     AuthRefused,
@@ -116,7 +116,7 @@ class PublishingSide:
         signing_key: bytes | None = None,
     ) -> None:
         # (`signing_key` unused: whole frames, signed by the publisher, are sent as they are)
-        self._where = SocketTransport(url, options)  # (the address, TLS and secret, as a socket consumer's)
+        self._where = SocketEndpoint(url, options)  # (the address, TLS and secret, as a socket consumer's)
         self.options, self.retained = options, retained
         self._lock = threading.Lock()
         self._boxes: list[_Mailbox] = []
@@ -223,7 +223,7 @@ class SubscribingSide:
     """Connects (and reconnects) to the publisher on a thread of its own; every frame goes to the `Receiver`."""
 
     def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions, receive: Receiver) -> None:
-        self._where = SocketTransport(url, options)
+        self._where = SocketEndpoint(url, options)
         self.options, self._receive = options, receive
         self._closed = threading.Event()
         self._lock = threading.Lock()

@@ -5,16 +5,18 @@ from __future__ import annotations
 import difflib
 import importlib
 import urllib.parse
+from typing import Literal, overload
 
 from ..errors import ConfigError
 from ..options import redact
-from .base import Deliver, Delivered, Encoding, Transport
+from .base import ConsumerSide, Deliver, Delivered, Encoding, Endpoint, ProducerSide, Transport
 
+#: the class of each scheme's endpoints: one `Transport` for both roles, or "PRODUCER_CLASS,CONSUMER_CLASS"
 TRANSPORTS: dict[str, str] = {
     "memory": "tensorbus.transports.memory:MemoryTransport",
-    "tcp": "tensorbus.transports.socket:SocketTransport",
-    "tcps": "tensorbus.transports.socket:SocketTransport",
-    "unix": "tensorbus.transports.socket:SocketTransport",
+    "tcp": "tensorbus.transports.socket:SocketProducer,SocketConsumer",
+    "tcps": "tensorbus.transports.socket:SocketProducer,SocketConsumer",
+    "unix": "tensorbus.transports.socket:SocketProducer,SocketConsumer",
     "shm": "tensorbus.transports.shm:ShmTransport",
     "amqp": "tensorbus.transports.rabbitmq:RabbitMQTransport",
     "amqps": "tensorbus.transports.rabbitmq:RabbitMQTransport",
@@ -36,8 +38,15 @@ FORMS: dict[str, str] = {
 }
 
 
-def resolve_transport(url: str) -> tuple[type[Transport], urllib.parse.SplitResult]:
-    """Return the transport class for `url`'s scheme and the parsed URL."""
+@overload
+def resolve_transport(
+    url: str, role: Literal["producer"] = "producer"
+) -> tuple[type[ProducerSide], urllib.parse.SplitResult]: ...
+@overload
+def resolve_transport(url: str, role: Literal["consumer"]) -> tuple[type[ConsumerSide], urllib.parse.SplitResult]: ...
+def resolve_transport(url: str, role: str = "producer") -> tuple[type[Endpoint], urllib.parse.SplitResult]:
+    """Return the class of `url`'s endpoints in `role` ("producer" or "consumer": both have the scheme's
+    `Options` and capabilities) and the parsed URL."""
     parsed = urllib.parse.urlsplit(url)
     target = TRANSPORTS.get(parsed.scheme)
     if target is None:
@@ -63,11 +72,23 @@ def resolve_transport(url: str) -> tuple[type[Transport], urllib.parse.SplitResu
             f"the {parsed.scheme}:// transport needs a package that is not installed ({exc.name}); "
             f"install tensorbus with the matching extra, e.g. pip install 'tensorbus[{_extra(parsed.scheme)}]'"
         ) from None
-    return getattr(module, class_name), parsed
+    producer_class, _, consumer_class = class_name.partition(",")
+    cls: type[Endpoint] = getattr(module, consumer_class if role == "consumer" and consumer_class else producer_class)
+    return cls, parsed
 
 
 def _extra(scheme: str) -> str:
     return {"amqp": "rabbitmq", "amqps": "rabbitmq", "kafka": "kafka", "kafkas": "kafka"}.get(scheme, "dev")
 
 
-__all__ = ["TRANSPORTS", "Deliver", "Delivered", "Encoding", "Transport", "resolve_transport"]
+__all__ = [
+    "TRANSPORTS",
+    "ConsumerSide",
+    "Deliver",
+    "Delivered",
+    "Encoding",
+    "Endpoint",
+    "ProducerSide",
+    "Transport",
+    "resolve_transport",
+]

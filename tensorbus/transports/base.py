@@ -173,9 +173,19 @@ class Deliver(Protocol):
     fast: Callable[[memoryview, int | None, object], Message | None] | None
 
     def __call__(
-        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+        self,
+        frame: Buffer,
+        crc: int | None = None,
+        *,
+        may_hold: bool = False,
+        source: object = None,
+        redelivered: bool = False,
     ) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
+
+        `redelivered`: the transport vouches that the frame is a redelivery of one handed to a consumer
+        of the endpoint before (a broker's own mark, which no publisher can set): a signed message is
+        then not refused for its age alone (docs/SECURITY.md, "A redelivery is not a replay").
 
         The frame's buffer is handed over: the transport must not write to it again.
 
@@ -201,23 +211,19 @@ def backoff_s(first_s: float = 0.05, max_s: float = 2.0) -> Iterator[float]:
         delay = min(delay * 2, max_s)
 
 
-class Transport:
-    """One endpoint connection, used either as a sender (`send_message`) or as a receiver (`listen`).
+class Endpoint:
+    """What either side of an endpoint connection is: its URL, options, signing identity, counts, closing.
 
     Class attributes declare what the transport can do, so callers branch on data:
     `persists` (frames wait in a broker, and survive a restart of either end: the bench's "through a
-    broker"), `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
-    The optional methods (`encoding`, `read_while_waiting`, `room_opened`, `forget_last`, `flush`,
-    `wait_for_room`, `abandon`, `counts`) have a default that is right for a transport without the capability.
+    broker"). A transport is a `ProducerSide` and a `ConsumerSide` in one class (`Transport`), or
+    one class for each (sockets: socket_producer.py, socket_consumer.py); `resolve_transport` says
+    which class serves which role.
     """
 
     persists: ClassVar[bool] = False
-    reads_while_waiting: ClassVar[bool] = False
     #: the transport's options (their names, defaults and types)
     Options: ClassVar[type[TransportOptions]] = TransportOptions
-    #: a producer's `signing_key` (set by `send_message`), for a transport that signs frames again (sockets)
-    signing_key: bytes | None = None
-    _bound: tuple[tuple[bytes, str, bytes], bytes] | None = None  # (key, endpoint, consumer run), its frame key
 
     def __init__(self, url: urllib.parse.SplitResult, options: TransportOptions) -> None:
         self.url = url
@@ -236,9 +242,30 @@ class Transport:
         producers and consumers, and the consumer run's incarnation (b"" where there is none)."""
         raise ConfigError(f"{self.url.scheme}:// endpoints cannot sign frames")
 
-    def sender(self) -> str | None:
-        """Who sent the frame being delivered right now, where the transport knows (a socket peer's address)."""
-        return None
+    def counts(self) -> dict[str, int]:
+        """What the transport counts for metrics (tensorbus/metrics.py names them: `unacked_bytes`,
+        `resent_frames`, `reconnects`...), read when they are scraped; none by default."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections and threads; safe to call twice."""
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """In a forked child: let go of this process's copy of the connection without touching it
+        (it is the parent's too: no flush, no goodbye). By default the objects are just dropped."""
+
+
+class ProducerSide(Endpoint):
+    """What a `Producer` holds: `send_message` (and `send`), `flush`, `wait_for_room`.
+
+    The optional methods (`encoding`, `forget_last`, `flush`, `wait_for_room`) have a default that
+    is right for a transport without the capability.
+    """
+
+    #: a producer's `signing_key` (set by `send_message`), for a transport that signs frames again (sockets)
+    signing_key: bytes | None = None
+    _bound: tuple[tuple[bytes, str, bytes], bytes] | None = None  # (key, endpoint, consumer run), its frame key
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Send one frame (scatter-gather buffers) to the endpoint."""
@@ -293,6 +320,21 @@ class Transport:
     def wait_for_room(self) -> None:
         """Block before a new message while the transport holds as much unconfirmed data as it may."""
 
+
+class ConsumerSide(Endpoint):
+    """What a `Consumer` holds: `listen`, which reports each received frame to a `Deliver`.
+
+    `reads_while_waiting` (a waiting receive reads frames on its own thread: `read_while_waiting`).
+    The optional methods (`read_while_waiting`, `room_opened`, `sender`) have a default that is
+    right for a transport without the capability.
+    """
+
+    reads_while_waiting: ClassVar[bool] = False
+
+    def sender(self) -> str | None:
+        """Who sent the frame being delivered right now, where the transport knows (a socket peer's address)."""
+        return None
+
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Start receiving the endpoint's frames on background threads, calling `deliver` for each."""
         raise NotImplementedError
@@ -304,19 +346,11 @@ class Transport:
         timeout = -1.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
         return done.acquire(timeout=timeout)
 
-    def counts(self) -> dict[str, int]:
-        """What the transport counts for metrics (tensorbus/metrics.py names them: `unacked_bytes`,
-        `resent_frames`, `reconnects`...), read when they are scraped; none by default."""
-        return {}
-
     def room_opened(self) -> None:
         """The consumer's table has room again, or a receiver started waiting (called under the table's
         lock: must not block). A transport that holds messages back offers them again; by default nothing."""
 
-    def close(self) -> None:
-        """Release connections and threads; safe to call twice."""
-        raise NotImplementedError
 
-    def abandon(self) -> None:
-        """In a forked child: let go of this process's copy of the connection without touching it
-        (it is the parent's too: no flush, no goodbye). By default the objects are just dropped."""
+class Transport(ProducerSide, ConsumerSide):
+    """One endpoint connection, used either as a sender (`send_message`) or as a receiver (`listen`):
+    the transports whose two sides are one class."""

@@ -4,7 +4,7 @@ A connection is idle when nothing it sent is in flight on the consumer's side: n
 last look, none part-read, none held back or unacknowledged, no chunked message incomplete. A
 quiet connection with frames delivered but not yet acknowledged is acknowledged first, and is
 idle from then on. The producer keeps nothing unacknowledged then, and notices the closed
-connection before its next send (see `SocketTransport`), so it just connects again.
+connection before its next send (see `SocketProducer`), so it just connects again.
 A connection stalled in the middle of a frame is not idle: `max_connections` bounds those.
 """
 

@@ -127,6 +127,8 @@ class QueueConsumer:
             connection.process_data_events(time_limit=0.2)
             if self._cancelled:  # e.g. the queue was deleted: declare it again on a new connection
                 raise TransportError(f"RabbitMQ cancelled the consumer of {self.t.shown}")
+            if channel.is_closed:  # by the broker (e.g. `consumer_timeout`, 406): it requeued what was unacked
+                raise TransportError(f"RabbitMQ closed the channel of {self.t.shown} (pika logged why)")
         connection.process_data_events(time_limit=0)  # the acks `close` waited for go out
 
     def _consume(self) -> str:
@@ -137,7 +139,7 @@ class QueueConsumer:
         def on_message(_channel: Any, method: Any, properties: Any, body: bytes) -> None:
             offset = (properties.headers or {}).get("x-stream-offset") if self.stream else None
             self.t.tally.redeliveries += method.redelivered  # (the I/O thread's count)
-            inbox.put(((generation, method.delivery_tag, method.consumer_tag), offset, body))
+            inbox.put(((generation, method.delivery_tag, method.consumer_tag), offset, body, method.redelivered))
 
         tag: str = self._channel.basic_consume(self.t.queue, on_message, arguments=arguments)
         return tag
@@ -185,8 +187,8 @@ class QueueConsumer:
             item = self._inbox.get()
             if item is _STOP:
                 return
-            delivery, offset, body = item
-            result = self.deliver(body)
+            delivery, offset, body, redelivered = item
+            result = self.deliver(body, redelivered=bool(redelivered))  # (RabbitMQ's mark: see `Deliver`)
             if result.turned_away:  # aborted: take nothing more; what is unacked goes back to the queue
                 self.stop.set()  # the I/O thread closes the connection (after the acks posted before this)
                 return

@@ -232,10 +232,14 @@ class Reactor:
         self._peers_lock = threading.Lock()
         self._pending: set[_Peer] = set()  # peers with bytes read ahead (or decrypted) that the selector cannot see
         self._held: list[_Peer] = []  # peers not read until the table takes the message they hold
-        #: held by the thread that leads; an RLock for `_is_owned` (a Ctrl-C may come just after it was taken)
+        #: held by the thread that leads; an RLock, which only its owner can release (a Ctrl-C may come
+        #: just after it was taken: `read_while_waiting` then releases it if it is this thread's)
         self._leader = threading.RLock()
-        self._state = threading.Condition()
-        self._wanted = 0  # application threads waiting to lead
+        #: guards `_wanted` (a plain lock, so the leader's check of it on every step is a C call); `_state`
+        #: waits and notifies on it
+        self._wanted_lock = threading.Lock()
+        self._state = threading.Condition(self._wanted_lock)
+        self._wanted = 0  # application threads waiting to lead (and `close`): under `_wanted_lock`
         self._app_leads = False  # an application thread (not the background one) holds `_leader`
         self._leading: int | None = None  # the ident of the thread holding `_leader`
         #: the background thread leaves leadership to the application until it has been idle for `linger_s`
@@ -329,7 +333,7 @@ class Reactor:
             try:
                 led = not self._closed and self._take_lead(slice_s)
             except BaseException:  # a Ctrl-C comes out of the call that took the lock, too: give it back
-                if self._leader._is_owned():  # type: ignore[attr-defined]  # (an RLock's, as Condition uses it)
+                with contextlib.suppress(RuntimeError):  # (not taken: an RLock refuses a release by a non-owner)
                     self._leader.release()
                 raise
             if not led:
@@ -368,7 +372,7 @@ class Reactor:
     def _lead_in_background(self) -> None:
         """Lead while no application thread has led recently; step aside as soon as one wants to."""
         while not self._closed:
-            if self._wanted:  # (an application thread is taking over from this one)
+            if self._someone_wants_to_lead():  # (an application thread is taking over from this one)
                 with self._state:
                     self._state.wait(0.001)
                 continue
@@ -379,12 +383,17 @@ class Reactor:
                 continue
             self._leading = threading.get_ident()
             try:
-                self._lead(lambda: self._wanted > 0, time.monotonic() + 1.0)
+                self._lead(self._someone_wants_to_lead, time.monotonic() + 1.0)
             except Exception:  # a bug here must not silently stop all reading
                 log.exception("the background reader failed; restarting it")
             finally:
                 self._leading = None
                 self._leader.release()
+
+    def _someone_wants_to_lead(self) -> bool:
+        """Whether an application thread (or `close`) waits to take the lead from a background leader."""
+        with self._wanted_lock:
+            return self._wanted > 0
 
     def _lead(self, stop: Callable[[], bool], deadline: float, spin_s: float = 0.0) -> bool:
         """Select and read until `stop()` or the deadline; True if `stop()` ended it. Caller leads.

@@ -31,9 +31,6 @@ from ..codec.native import crc32c
 from ..errors import CodecError
 from .stream import ACK_REQUEST_MARKER, CRC_TRAILER, NATIVE_STREAM, TRAILING_CRC
 
-#: the C reader's module; None when it is not built, is stale, or TENSORBUS_NATIVE=0
-READER: Any = NATIVE_STREAM
-
 #: what `read` returns besides a frame (a tuple) and None (no more bytes for now); the C reader's values
 ACK_REQUEST, SKIPPED, CHECK_PREFIX, END = 1, 2, 3, 4
 #: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
@@ -254,8 +251,12 @@ def stream_reader(
 ) -> Any:
     """The reader of one connection: the C one for a plain socket where it is built and the limits fit
     it, else the Python one (TLS connections always)."""
-    use_c = READER is not None and not isinstance(conn, ssl.SSLSocket) and limits.native
-    make = READER.StreamReader if use_c else PyStreamReader
+    native = NATIVE_STREAM
+    make = (
+        native.StreamReader
+        if native is not None and not isinstance(conn, ssl.SSLSocket) and limits.native
+        else PyStreamReader
+    )
     return make(
         conn,
         limits.max_header_bytes,

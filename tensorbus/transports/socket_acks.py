@@ -18,7 +18,7 @@ import threading
 
 from ..codec.frame import Buffer, MessageId
 from ..errors import Rejected
-from .base import Transport
+from .base import ProducerSide
 from .stream import ACK, ACK_REQUEST_MARKER, REFUSAL, REFUSED, TAKEN, SocketOptions, names_in
 
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
@@ -47,7 +47,7 @@ def _recv_now(sock: socket.socket) -> bytes | None:
         sock.settimeout(timeout)
 
 
-class ProducerAcks(Transport):
+class ProducerAcks(ProducerSide):
     """The copies a socket producer keeps and the records it reads; everything here is guarded by `_lock`
     (the send lock: `SocketProducer` takes it around every use)."""
 
@@ -70,8 +70,36 @@ class ProducerAcks(Transport):
         self._rejections: collections.deque[Rejected] = collections.deque()
         self._last_refused: MessageId | None = None  # (a message's other chunks are refused too: told once)
 
+    def forget_last(self, count: int) -> None:
+        """Drop the last `count` frames sent (the chunks of a message that failed part way) from those
+        resent on reconnect: a message that can never complete would hold up the consumer's acks.
+
+        A failed send has dropped the connection already; after an interrupt between two chunks it
+        is dropped here, as its acks would wait for the rest of the message too.
+        """
+        with self._lock:
+            self._drop_connection()
+            for _ in range(min(count, len(self._unacked))):
+                _, n = self._unacked.pop()
+                self._sent -= 1
+                if self._sent < self._acked:  # (received already)
+                    self._acked = self._sent
+                    self._untaken_bytes -= n
+                else:
+                    self._unacked_bytes -= n
+
+    def abandon(self) -> None:
+        """Close this process's descriptor of the connection: the parent's stays open (no shutdown, no FIN)."""
+        self._drop_connection()  # (close, not shutdown)
+        self._unacked.clear()  # the parent's to resend
+        self._unacked_bytes = self._untaken_bytes = 0
+        self._sent = self._acked = self._taken = 0
+
     def _drop_connection(self) -> None:
-        raise NotImplementedError
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._ack_requested = False
 
     def _keep_until_acked(self, frame: list[Buffer], nbytes: int) -> None:
         """Keep a sent frame until it is acked; read the acks that came every `READ_ACKS_EVERY` sends."""
@@ -159,6 +187,18 @@ class ProducerAcks(Transport):
                     "(not resent should it die)", self.address, limit,
                 )  # fmt: skip
             self.untaken_let_go += 1
+
+    def _own_untaken(self) -> None:
+        """Replace the kept frames' references to the sender's arrays by copies (caller holds the lock).
+
+        What `flush` does once every frame is received: the application may then change an array it
+        sent, and a tensor still untaken, resent to a successor, carries the bytes it had when sent.
+        It copies at most `max_untaken_bytes` (what may be kept once received), and each frame once.
+        """
+        for frame, _ in self._unacked:
+            for index, part in enumerate(frame):
+                if not isinstance(part, (bytes, bytearray)):  # (a view of an array; heads and signatures are owned)
+                    frame[index] = bytes(part)
 
     def _take_refusal(self) -> bool:
         """Take a REFUSAL off the front of the ack buffer (False: not all of it is here yet); a message's

@@ -2,38 +2,46 @@
 
 from __future__ import annotations
 
+import os
 import socket
-import ssl
 import threading
+import urllib.parse
 from collections.abc import Callable
 from contextvars import ContextVar
 
 from ..buffers import BufferPool
 from ..codec.frame import Limits
-from .base import Deliver, Transport
+from .base import ConsumerSide, Deliver
 from .listener import Listener
 from .reactor import Poller, Reactor
-from .stream import SocketOptions
+from .socket_endpoint import SocketEndpoint
+from .stream import INCARNATION_BYTES, SocketOptions
 
 #: set (by tensorbus.aio) while a consumer is made whose connections an event loop reads: what makes the
 #: poller its reactor registers them with; then no thread starts (tensorbus/aio/socket_reading.py)
 LOOP_POLLER: ContextVar[Callable[[], Poller] | None] = ContextVar("tensorbus_loop_poller", default=None)
 
 
-class SocketConsumer(Transport):
+class SocketConsumer(SocketEndpoint, ConsumerSide):
     """The consumer side of a socket endpoint: `listen`, `read_while_waiting`, `room_opened`, closing."""
 
-    options: SocketOptions
-    family: int
-    target: str | tuple[str, int]
-    secret: bytes | None
-    incarnation: bytes
-    _listener: Listener | None = None
-    reactor: Reactor | None = None
-    _pool: BufferPool
+    reads_while_waiting = True
 
-    def _ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
-        raise NotImplementedError
+    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions) -> None:
+        super().__init__(url, options)
+        #: this consumer's run, sent in its hello: what frames signed for it are bound to
+        self.incarnation = os.urandom(INCARNATION_BYTES)
+        self._listener: Listener | None = None
+        self.reactor: Reactor | None = None
+        self._pool = BufferPool(options.pooled_buffers)
+
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """ "socket" and this consumer's incarnation."""
+        return "socket", self.incarnation
+
+    def counts(self) -> dict[str, int]:
+        """The producer connections being read."""
+        return {"connections": 0 if self.reactor is None else self.reactor.connections}
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Bind, then accept producers on a background thread; their frames are read by a `Reactor`."""
@@ -69,7 +77,7 @@ class SocketConsumer(Transport):
         if self.reactor is not None:
             self.reactor.room_opened()
 
-    def _close_consumer(self) -> None:
+    def close(self) -> None:
         """Stop listening and drop every producer (see `Reactor.close`)."""
         if self._listener is not None:
             self._listener.close()

@@ -13,22 +13,28 @@ import dataclasses
 import logging
 import socket
 import ssl
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from ..codec.frame import Buffer, MessageId, flat_bytes
+from ..codec.frame import NATIVE, Buffer, MessageId, flat_bytes, restamp
 from ..codec.native import crc32c
 from ..codec.signing import frame_key, resign
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from .base import Encoding, backoff_s
 from .socket_acks import ProducerAcks
+from .socket_endpoint import SocketEndpoint
 from .stream import (
     ACK_REQUEST_MARKER,
+    NATIVE_STREAM,
     AuthRefused,
+    SocketOptions,
+    UnreleasedDraft,
     c_sends_below,
     handshake_as_producer,
     send_frame,
@@ -42,26 +48,68 @@ ACK_POLL_S = 0.02
 PROBE_AFTER_S = 1.0
 
 
-class SocketProducer(ProducerAcks):
+class SocketProducer(SocketEndpoint, ProducerAcks):
     """The producer side of a socket endpoint: `send`, `send_message`, `flush`, `wait_for_room`, closing."""
 
-    family: int
-    target: str | tuple[str, int]
-    secret: bytes | None
-    incarnation: bytes
-    _crc_after: bool
-    _signed_for: bytes | None
-    _unacked_for: bytes | None
-    _used_at: float
-    _c_sends_below: int
-    _c_head: Callable[..., bytearray | None] | None
-    _c_send: Callable[..., int | None] | None
-    _closed: bool
-    _connects: int
-    _resent: int
+    def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions) -> None:
+        super().__init__(url, options)
+        self._sock: socket.socket | None = None
+        #: the consumer's run, from its hello (b"": not connected yet, or it did not say)
+        self.incarnation = b""
+        self._signed_for: bytes | None = None  # the run the producer signs new frames for
+        self._unacked_for: bytes | None = None  # the run the unacknowledged frames are signed for
+        self._used_at = 0.0  # when this producer last sent or read acks
+        #: the payload size from which `_stream.send_frame` leaves a frame to `send_frame` (every consumer
+        #: takes CRCs after frames: large ones are checksummed as they go out)
+        self._c_sends_below = c_sends_below(True)
+        #: `_send_ndarray`'s steps in C (`_native.ndarray_head`, `_stream.send_frame`), where it applies
+        #: (built, not TLS, one frame per tensor)
+        self._c_head: Callable[..., bytearray | None] | None = None
+        self._c_send: Callable[..., int | None] | None = None
+        if NATIVE is not None and NATIVE_STREAM is not None and url.scheme != "tcps" and self.max_frame_bytes is None:
+            self._c_head, self._c_send = NATIVE.ndarray_head, NATIVE_STREAM.send_frame
+        self._lock = threading.Lock()  # the producer's send lock: its connection, copies and counts
+        self._init_acks()
+        #: for metrics (`counts`): connections made after the first, frames sent again on them; under `_lock`
+        self._connects = self._resent = 0
+        self._closed = False  # close began: no more sends or reconnects
 
-    def _ssl_context(self, server_side: bool) -> ssl.SSLContext | None:
-        raise NotImplementedError
+    def counts(self) -> dict[str, int]:
+        """The connection, unacknowledged bytes, reconnects and frames resent (written under `_lock`, read
+        without it: each a snapshot of one int, at most one send behind)."""
+        reconnects = max(0, self._connects - 1)
+        connected = int(self._sock is not None)
+        return {"unacked_bytes": self._unacked_bytes, "reconnects": reconnects, "resent_frames": self._resent,
+                "connections": connected}  # fmt: skip
+
+    def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
+        """ "socket" and the consumer's incarnation: the producer connects first, to learn it from the hello."""
+        with self._lock:
+            self._raise_if_closed()
+            if self._sock is None:
+                self._sock = self._connect()
+            self._signed_for = self.incarnation
+        return "socket", self.incarnation
+
+    def close(self) -> None:
+        """Flush (up to close_timeout_s) what the consumer has not received, and close the connection."""
+        self._rejections.clear()  # (each was logged as it came: close waits for the acks of what is left)
+        if self._acked < self._sent and not self._closed:  # (not for copies of untaken ones: the producer goes)
+            try:
+                self.flush(self.options.close_timeout_s)
+            except Rejected:
+                pass  # (logged as it came)
+            except TransportError as exc:
+                log.warning("closing with frames not acknowledged: %s", exc)
+        self._closed = True
+        if self._acquire(self.options.close_timeout_s):
+            try:
+                self._drop_connection()
+            finally:
+                self._lock.release()
+        elif (sock := self._sock) is not None:  # a send stuck on a consumer that stopped reading holds the lock:
+            with contextlib.suppress(OSError):  # wake it (it fails, drops the connection, and does not reconnect)
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _connect(self, deadline: float | None = None) -> socket.socket:
         """Connect, handshake, and send again every frame the last connection left unacknowledged.
@@ -88,17 +136,17 @@ class SocketProducer(ProducerAcks):
                 sock.connect(self.target)
                 if context is not None:
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
-                self._start_connection(*handshake_as_producer(sock, self.secret, self.address))
+                self._start_connection(handshake_as_producer(sock, self.secret, self.address))
                 set_send_timeout(sock, self.options.send_timeout_s)
                 if self.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 for frame, _ in self._unacked:
-                    send_frame(sock, frame, self._crc_after)
+                    send_frame(sock, frame, True)
                     self._sent += 1
                 self._connects += 1
                 self._resent += len(self._unacked)
                 return sock
-            except (AuthRefused, ssl.SSLCertVerificationError) as exc:
+            except (AuthRefused, UnreleasedDraft, ssl.SSLCertVerificationError) as exc:
                 sock.close()
                 raise TransportError(f"{self.address}: {exc}") if isinstance(exc, ssl.SSLError) else exc from None
             except (OSError, TransportError) as exc:
@@ -116,12 +164,11 @@ class SocketProducer(ProducerAcks):
                 raise
         raise AssertionError("unreachable")
 
-    def _start_connection(self, crc_after: bool, incarnation: bytes) -> None:
-        """A new connection passed its handshake: take the consumer's terms, and count every frame kept
-        as not sent on it yet (the caller sends them again first). Also the asyncio producer's."""
-        self._crc_after, self.incarnation = crc_after, incarnation
+    def _start_connection(self, incarnation: bytes) -> None:
+        """A new connection passed its handshake: take the consumer's incarnation, and count every frame
+        kept as not sent on it yet (the caller sends them again first). Also the asyncio producer's."""
+        self.incarnation = incarnation
         self._sign_unacked_for(incarnation)
-        self._c_sends_below = c_sends_below(crc_after)
         self.tally.renumber(self._taken, len(self._unacked))  # (a frame resent is timed from its first send)
         self._sent = self._acked = self._taken = 0
         self._unacked_bytes, self._untaken_bytes = sum(n for _, n in self._unacked), 0
@@ -131,11 +178,14 @@ class SocketProducer(ProducerAcks):
     def _sign_unacked_for(self, incarnation: bytes) -> None:
         """Sign the frames to be resent for the consumer run just connected to, if another than before.
 
-        The producer vouches for them again: they never reached that run, which refuses frames signed for another.
+        The producer vouches for them again, now: they never reached that run, which refuses frames
+        signed for another, and their clock is set to the resend's, so a tensor that waited untaken in
+        a consumer that then died is not refused by its successor as too old (`max_frame_age_s`).
         """
         if self.signing_key is not None and self._unacked_for not in (None, incarnation):
             key = frame_key(self.signing_key, "socket", incarnation)
             for frame, _ in self._unacked:
+                restamp(frame)
                 resign(frame, key)
         self._unacked_for = incarnation
 
@@ -210,7 +260,7 @@ class SocketProducer(ProducerAcks):
                     if self._sock is None:
                         self._sock = self._connect()
                     self._signed_for_now(frame)
-                    return send_frame(self._sock, frame, self._crc_after)
+                    return send_frame(self._sock, frame, True)
                 except BaseException as exc:
                     failed = exc
             self._drop_connection()  # a frame cut off part way: the consumer drops what came of it
@@ -245,40 +295,12 @@ class SocketProducer(ProducerAcks):
         if self._closed:
             raise Closed(f"the producer for {self.address} is closed")
 
-    def forget_last(self, count: int) -> None:
-        """Drop the last `count` frames sent (the chunks of a message that failed part way) from those
-        resent on reconnect: a message that can never complete would hold up the consumer's acks.
-
-        A failed send has dropped the connection already; after an interrupt between two chunks it
-        is dropped here, as its acks would wait for the rest of the message too.
-        """
-        with self._lock:
-            self._drop_connection()
-            for _ in range(min(count, len(self._unacked))):
-                _, n = self._unacked.pop()
-                self._sent -= 1
-                if self._sent < self._acked:  # (received already)
-                    self._acked = self._sent
-                    self._untaken_bytes -= n
-                else:
-                    self._unacked_bytes -= n
-
-    def abandon(self) -> None:
-        """Close this process's descriptor of the connection: the parent's stays open (no shutdown, no FIN)."""
-        self._drop_connection()  # (close, not shutdown)
-        self._unacked.clear()  # the parent's to resend
-        self._unacked_bytes = self._untaken_bytes = 0
-        self._sent = self._acked = self._taken = 0
-
-    def _drop_connection(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._ack_requested = False
-
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the consumer has acknowledged every frame sent so far (resending after reconnects);
-        `Rejected` if it refused one (for each refused message, a send or flush raises once)."""
+        `Rejected` if it refused one (for each refused message, a send or flush raises once).
+
+        Then the copies kept of untaken frames are made the producer's own (`_own_untaken`): from here
+        on the application may change the arrays it sent."""
         with self._locked(timeout, "flush"):  # (refused frames are acknowledged too: the wait ends)
             if self._unacked:  # a consumer that went with untaken tensors: resend them to its successor
                 self._probe_if_quiet(0.0)
@@ -287,6 +309,7 @@ class SocketProducer(ProducerAcks):
                 timeout,
                 lambda: f"{self._sent - self._acked} frames unacknowledged by {self.address} after {timeout}s",
             )
+            self._own_untaken()
             self._raise_rejection()
 
     def wait_for_room(self) -> None:
@@ -358,23 +381,3 @@ class SocketProducer(ProducerAcks):
                 self._drop_connection()
                 if not done():
                     log.warning("connection to %s broke while awaiting acks (%s); reconnecting", self.address, exc)
-
-    def _close_producer(self) -> None:
-        """Flush (up to close_timeout_s) what the consumer has not received, and close the connection."""
-        self._rejections.clear()  # (each was logged as it came: close waits for the acks of what is left)
-        if self._acked < self._sent and not self._closed:  # (not for copies of untaken ones: the producer goes)
-            try:
-                self.flush(self.options.close_timeout_s)
-            except Rejected:
-                pass  # (logged as it came)
-            except TransportError as exc:
-                log.warning("closing with frames not acknowledged: %s", exc)
-        self._closed = True
-        if self._acquire(self.options.close_timeout_s):
-            try:
-                self._drop_connection()
-            finally:
-                self._lock.release()
-        elif (sock := self._sock) is not None:  # a send stuck on a consumer that stopped reading holds the lock:
-            with contextlib.suppress(OSError):  # wake it (it fails, drops the connection, and does not reconnect)
-                sock.shutdown(socket.SHUT_RDWR)

@@ -26,8 +26,11 @@ producer checksums each slice just before sending it (in cache, while the consum
 instead of reading the whole tensor once more first. Such a frame has bit 7 (`TRAILING_CRC`) set in
 its flags byte and a zero CRC field, and its CRC follows it as 4 more bytes (u32). The consumer
 clears the bit and writes the CRC into the field: the frame it decodes is the frame as `encode`
-would have sealed it. Only sent to consumers whose HELLO sets bit 1, so older consumers get sealed
-frames.
+would have sealed it.
+
+Every consumer of this protocol version sets HELLO bits 1, 2 and 3 (the protocol was never released
+without them), and a producer refuses a hello that lacks one. Bit 2 stays an offer: a hand-driven
+peer that sends no REFUSALS WANTED is told of no refusal.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-import os
 import socket
 import ssl
 import struct
@@ -114,6 +116,8 @@ ACK = struct.Struct("<Q")
 #: sent by a producer in place of a frame to ask for an ack (a frame-sized marker: "TBAK", 20 zero bytes)
 ACK_REQUEST_MARKER = b"TBAK" + bytes(20)
 HELLO_REFUSALS = 0x04  # in HELLO: this consumer tells the producers that want it which frames it refused
+#: the HELLO flags every consumer of this protocol sets (a producer refuses a hello without them)
+HELLO_EVERY_CONSUMER = HELLO_TRAILING_CRC | HELLO_REFUSALS | HELLO_INCARNATION
 #: sent by a producer first, where HELLO offers it, to be told which frames were refused (a frame-sized marker)
 REFUSALS_WANTED = b"TBRF" + bytes(20)
 REFUSAL = struct.Struct("<QH")
@@ -127,6 +131,12 @@ IOV_MAX = 512
 
 class Refused(TransportError):
     """The consumer refused this connection for a reason it gave (e.g. its `max_connections`)."""
+
+
+class UnreleasedDraft(TransportError):
+    """The consumer speaks a draft of the protocol that was never released: connecting again cannot help."""
+
+    retriable = False
 
 
 def turned_down(reason: str) -> bytes:
@@ -253,45 +263,24 @@ def recv_exact(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
-def handshake_as_consumer(sock: socket.socket, secret: bytes | None, *, refusals: bool = True) -> bool:
-    """Consumer side of the handshake: send a nonce, check the proof, send the verdict.
+def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: str) -> bytes:
+    """Producer side of the handshake (asking for refusals): the consumer's incarnation.
 
-    `refusals`: offer to tell refused frames (a producer that wants that then sends REFUSALS WANTED first).
-    """
-    nonce = os.urandom(32)
-    flags = HELLO_TRAILING_CRC | (HELLO_REFUSALS if refusals else 0) | (HELLO_AUTH if secret else 0)
-    sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
-    answer = bytearray(PROOF_BYTES)
-    got = recv_exact(sock, memoryview(answer))
-    if got == 0:
-        raise ConnectionResetError("it closed the connection without answering")
-    if got < PROOF_BYTES:
-        return False
-    accepted = secret is None or hmac.compare_digest(bytes(answer), proof(secret, nonce))
-    sock.sendall(b"\x01" if accepted else b"\x00")
-    return accepted
-
-
-def handshake_as_producer(sock: socket.socket, secret: bytes | None, address: str) -> tuple[bool, bytes]:
-    """Producer side of the handshake (asking for refusals where the consumer tells them): whether the
-    consumer takes CRCs after frames, and its incarnation (b"" from a consumer that does not say).
-
-    Raises `AuthRefused`, `Refused` or `TransportError` with the reason.
+    Raises `AuthRefused`, `Refused`, `UnreleasedDraft` or `TransportError` with the reason.
     """
     hello = bytearray(HELLO.size)
     try:
         got = recv_exact(sock, memoryview(hello))
     except TimeoutError:
         raise TransportError(f"{address} sent no tensorbus hello in time (a TLS endpoint? use tcps://)") from None
-    flags, nonce = read_hello(hello[:got], secret, address)
+    _, nonce = read_hello(hello[:got], secret, address)
     sock.sendall(proof(secret, nonce))
     verdict = sock.recv(1)
     if verdict == VERDICT_REASON:
         raise Refused(f"{address} refused the connection: {_reason(sock)}")
     check_verdict(verdict, address)
-    if flags & HELLO_REFUSALS:
-        sock.sendall(REFUSALS_WANTED)
-    return hello_terms(flags, nonce)
+    sock.sendall(REFUSALS_WANTED)
+    return hello_terms(nonce)
 
 
 def read_hello(hello: Buffer, secret: bytes | None, address: str) -> tuple[int, bytes]:
@@ -302,6 +291,11 @@ def read_hello(hello: Buffer, secret: bytes | None, address: str) -> tuple[int, 
     _, version, flags, nonce = HELLO.unpack(hello)
     if version != PROTOCOL_VERSION:
         raise TransportError(f"{address} speaks socket protocol {version}, this build speaks {PROTOCOL_VERSION}")
+    if flags & HELLO_EVERY_CONSUMER != HELLO_EVERY_CONSUMER:
+        raise UnreleasedDraft(
+            f"{address} speaks a draft of socket protocol {version} that was never released (its hello lacks "
+            f"flags {HELLO_EVERY_CONSUMER & ~flags:#x}): run the same tensorbus on both ends"
+        )
     if flags & HELLO_AUTH and secret is None:
         raise AuthRefused(f"{address} requires a shared secret: set the auth_secret option")
     return flags, nonce
@@ -314,9 +308,10 @@ def check_verdict(verdict: bytes, address: str) -> None:
         raise AuthRefused(f"{address} refused this producer's auth_secret")
 
 
-def hello_terms(flags: int, nonce: bytes) -> tuple[bool, bytes]:
-    """What an accepted producer keeps of the HELLO: CRCs may follow frames, and the consumer's incarnation."""
-    return bool(flags & HELLO_TRAILING_CRC), nonce[:INCARNATION_BYTES] if flags & HELLO_INCARNATION else b""
+def hello_terms(nonce: bytes) -> bytes:
+    """What an accepted producer keeps of the HELLO: the consumer's incarnation (`read_hello` made sure the
+    consumer sets every flag, so CRCs may follow frames and refusals are told)."""
+    return bytes(nonce[:INCARNATION_BYTES])
 
 
 def _reason(sock: socket.socket) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from tensorbus.transports.socket import READ_ACKS_EVERY, SocketTransport
+from tensorbus.transports.socket import READ_ACKS_EVERY, SocketProducer
 from tests import faults, node_loss
 from tests.conftest import endpoint_url
 from tests.waiting import wait_for
@@ -68,7 +68,7 @@ def test_tcp_consumer_killed_and_restarted_mid_stream(tmp_path: Path) -> None:
     # the killed process handed some tensors to its application whose acks the producer had not read
     # yet; those are sent again, and the new process has no memory of them. The producer reads acks
     # every READ_ACKS_EVERY frames and the consumer sends them every ack_every_frames, which bounds the repeats:
-    assert result["duplicated"] <= READ_ACKS_EVERY + SocketTransport.Options().ack_every_frames
+    assert result["duplicated"] <= READ_ACKS_EVERY + SocketProducer.Options().ack_every_frames
 
 
 def test_tcp_consumer_restarted_on_its_dedup_file_drops_what_its_predecessor_delivered(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_tcp_consumer_restarted_on_its_dedup_file_drops_what_its_predecessor_del
     # notes it: no tensor the application noted is handed to it again by the successor
     assert faults.handed_out_twice(tmp_path / "received.log") == 0
     # (tensors that were in the killed consumer's table but not yet handed over are taken again)
-    assert result["duplicated"] <= READ_ACKS_EVERY + SocketTransport.Options().ack_every_frames
+    assert result["duplicated"] <= READ_ACKS_EVERY + SocketProducer.Options().ack_every_frames
 
 
 @pytest.mark.broker

@@ -23,9 +23,9 @@ WAIT_S = 60.0
 def url(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> Iterator[str]:
     """A consumer URL, read by the C stream reader (and the C delivery) or by the Python one."""
     if request.param.endswith("c-reader"):
-        require_native(reader_module.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
+        require_native(reader_module.NATIVE_STREAM is not None, "the C stream reader (tensorbus/transports/_stream.c)")
     elif request.param.endswith("python-reader"):
-        monkeypatch.setattr(reader_module, "READER", None)
+        monkeypatch.setattr(reader_module, "NATIVE_STREAM", None)
     scheme = request.param.split("-")[0]
     yield {"memory": "memory://fencing", "tcp": "tcp://127.0.0.1:0", "unix": f"unix://{tmp_path}/fencing.sock"}[scheme]
 

@@ -39,9 +39,9 @@ def ends(
     """A consumer URL with its options and the producer's, read by the C stream reader or by the Python one."""
     scheme, reader = request.param.split("-")
     if reader == "c":
-        require_native(reader_module.READER is not None, "the C stream reader (tensorbus/transports/_stream.c)")
+        require_native(reader_module.NATIVE_STREAM is not None, "the C stream reader (tensorbus/transports/_stream.c)")
     else:
-        monkeypatch.setattr(reader_module, "READER", None)
+        monkeypatch.setattr(reader_module, "NATIVE_STREAM", None)
     if scheme == "tcps":
         yield "tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]}, {"ssl_cafile": tls["ca"]}
     elif scheme == "unix":

@@ -18,9 +18,8 @@ import pytest
 import tensorbus as tb
 from tensorbus.codec import frame as frame_module
 from tensorbus.codec.signing import frame_key
-from tensorbus.transports.stream import handshake_as_consumer
 from tests.conftest import endpoint_url, require_broker
-from tests.integration.test_socket import raw_peer
+from tests.integration.test_socket import handshake_as_consumer, raw_peer
 from tests.waiting import wait_for
 
 KEY = b"team-key"
@@ -167,3 +166,71 @@ def test_a_stream_replayed_to_another_rabbitmq_queue_with_the_same_key_is_refuse
                 raw.transport.send([frame], key=None)
             raw.flush(30)
         _replayed_none(other, other.address)
+
+
+def _frames(kept: Any) -> list[bytes]:
+    """The frames a socket producer keeps for resending, as they would go out (what an eavesdropper captures)."""
+    return [b"".join(bytes(memoryview(b).cast("B")) for b in frame) for frame, _ in kept]
+
+
+def test_a_signed_tensor_resent_to_a_successor_after_max_frame_age_s_is_taken_and_a_replay_of_it_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the first consumer took nothing for an hour and closed: the producer resends to its successor,
+    # signed for the successor's run and stamped with the resend's time (a redelivery, not a replay)
+    first = tb.Consumer("tcp://127.0.0.1:0", signing_key=KEY, max_frame_age_s=None)
+    address = first.address
+    producer = tb.Producer(address, signing_key=KEY, reconnect_timeout_s=10)
+    with producer:
+        now = time.time()
+        monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)  # sent an hour ago
+        for i in range(3):
+            producer.send(f"k{i}", np.full(2, i))
+        monkeypatch.undo()
+        producer.flush(10)
+        first_sent = _frames(producer.transport._unacked)  # type: ignore[attr-defined]
+        first.close()
+        with tb.Consumer(address, signing_key=KEY, max_frame_age_s=2) as successor:
+            producer.flush(15)
+            resent = _frames(producer.transport._unacked)  # type: ignore[attr-defined]
+            too_old_after = time.time() + 2.1  # (each was stamped before the flush returned)
+            for i in range(3):
+                assert successor.recv(f"k{i}", timeout=10).tolist() == [i, i]
+            assert successor.stats["rejected"] == 0
+            # a third party replays what it captured: the first sends (signed for the first run) and,
+            # once they are older than max_frame_age_s, the resends (signed for this run)
+            _replay_on_socket(address, first_sent)
+            wait_for(lambda: successor.stats["rejected signature"] == 3, 10, "the first sends refused")
+            wait_for(lambda: time.time() > too_old_after, 10, "the resends older than max_frame_age_s")
+            _replay_on_socket(address, resent)
+            wait_for(lambda: successor.stats["rejected replay"] == 3, 10, "the resends replayed late refused")
+            assert successor.stats["received"] == 3
+
+
+@pytest.mark.broker
+def test_a_signed_tensor_rabbitmq_redelivers_after_max_frame_age_s_is_taken_and_a_replay_of_it_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = endpoint_url("amqp")
+    require_broker(url)
+    first = tb.Consumer(url, signing_key=KEY, max_frame_age_s=None)
+    with tb.Producer(first.address, signing_key=KEY) as producer:
+        captured = _tap(producer)
+        now = time.time()
+        monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)  # sent an hour ago
+        for i in range(3):
+            producer.send(f"k{i}", np.full(2, i))
+        monkeypatch.undo()
+        producer.flush(30)
+    wait_for(lambda: len(first.table) == 3, 30, "the three in the first consumer's table, untaken")
+    first.close()  # RabbitMQ redelivers them, marked as redelivered
+    with tb.Consumer(first.address, signing_key=KEY, max_frame_age_s=60) as successor:
+        for i in range(3):
+            assert successor.recv(f"k{i}", timeout=30).tolist() == [i, i]
+        assert successor.stats["rejected"] == 0
+        with tb.Producer(successor.address) as raw:  # a third party publishes the captured frames again
+            for frame in captured:
+                raw.transport.send([frame], key=None)
+            raw.flush(30)
+        wait_for(lambda: successor.stats["rejected replay"] == 3, 30, "the replayed frames refused as too old")
+        assert successor.stats["received"] == 3

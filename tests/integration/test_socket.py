@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import multiprocessing
 import os
@@ -19,11 +20,38 @@ import trustme
 import tensorbus as tb
 from tensorbus.transports import reactor
 from tensorbus.transports import reader as reader_module
-from tensorbus.transports.stream import ACK, HELLO, handshake_as_consumer, proof
+from tensorbus.transports.stream import (
+    ACK,
+    HELLO,
+    HELLO_AUTH,
+    HELLO_EVERY_CONSUMER,
+    HELLO_MAGIC,
+    PROOF_BYTES,
+    PROTOCOL_VERSION,
+    proof,
+    recv_exact,
+)
 from tests.conftest import require_native
 from tests.faults import fail_feed_once
 from tests.peers import Peer, make_tensor, same
 from tests.waiting import once, wait_for
+
+
+def handshake_as_consumer(sock: socket.socket, secret: bytes | None) -> bool:
+    """A hand-driven consumer's side of the handshake (greeter.py is the real one, without blocking): send a
+    nonce, check the proof, send the verdict. (The producer then sends REFUSALS WANTED first.)"""
+    nonce = os.urandom(32)
+    flags = HELLO_EVERY_CONSUMER | (HELLO_AUTH if secret else 0)
+    sock.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, flags, nonce))
+    answer = bytearray(PROOF_BYTES)
+    got = recv_exact(sock, memoryview(answer))
+    if got == 0:
+        raise ConnectionResetError("it closed the connection without answering")
+    if got < PROOF_BYTES:
+        return False
+    accepted = secret is None or hmac.compare_digest(bytes(answer), proof(secret, nonce))
+    sock.sendall(b"\x01" if accepted else b"\x00")
+    return accepted
 
 
 def raw_peer(address: str, secret: bytes | None = None) -> socket.socket:
@@ -100,7 +128,7 @@ def test_tls_round_trip(tls: dict[str, str]) -> None:
 
 
 def test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python(tls: dict[str, str]) -> None:
-    require_native(reader_module.READER is not None, "the C reader (tensorbus/transports/_stream.c)")
+    require_native(reader_module.NATIVE_STREAM is not None, "the C reader (tensorbus/transports/_stream.c)")
     readers = {}
     for url, options in (("tcp://127.0.0.1:0", {}), ("tcps://127.0.0.1:0", {"ssl_certfile": tls["cert"]})):
         with tb.Consumer(url, **options) as consumer:
@@ -634,7 +662,7 @@ def test_half_a_tls_ack_record_does_not_block_a_flush_past_its_timeout(tls: dict
                 raw.sendall(outgoing.read())
                 incoming.write(raw.recv(65536))
         raw.sendall(outgoing.read())
-        tls_object.write(HELLO.pack(b"TBSK", 1, 0, bytes(32)) + b"\x01")  # no secret: any proof, then "accepted"
+        tls_object.write(HELLO.pack(b"TBSK", 1, HELLO_EVERY_CONSUMER, bytes(32)) + b"\x01")  # then "accepted"
         raw.sendall(outgoing.read())
 
     thread = threading.Thread(target=consumer_side, daemon=True)

@@ -16,15 +16,18 @@ from tensorbus.transports import stream
 from tensorbus.transports.stream import (
     CRC_TRAILER,
     HELLO,
+    HELLO_EVERY_CONSUMER,
+    HELLO_INCARNATION,
     HELLO_MAGIC,
+    HELLO_REFUSALS,
+    HELLO_TRAILING_CRC,
     PROTOCOL_VERSION,
     REFUSALS_WANTED,
     SEAL_WHILE_SENDING,
     TRAILING_CRC,
-    handshake_as_consumer,
     recv_exact,
 )
-from tests.integration.test_socket import raw_peer
+from tests.integration.test_socket import handshake_as_consumer, raw_peer
 from tests.waiting import wait_for
 
 BIG = np.arange(SEAL_WHILE_SENDING // 4 + 1000, dtype=np.float32)  # just over the threshold
@@ -44,7 +47,7 @@ def _read_frame(conn: socket.socket) -> tuple[bytes, bytes]:
 
 
 def _fake_consumer(hello_flags: int | None) -> tuple[socket.socket, list[Any]]:
-    """One connection that gets `handshake_as_consumer`'s hello (None) or an older one's with `hello_flags`."""
+    """One connection that gets `handshake_as_consumer`'s hello (None), or one with `hello_flags`."""
     server = socket.create_server(("127.0.0.1", 0))
     got: list[Any] = []
 
@@ -53,35 +56,45 @@ def _fake_consumer(hello_flags: int | None) -> tuple[socket.socket, list[Any]]:
         with conn:
             if hello_flags is None:
                 handshake_as_consumer(conn, None)
-                assert conn.recv(len(REFUSALS_WANTED), socket.MSG_WAITALL) == REFUSALS_WANTED  # (it offers them)
+                assert conn.recv(len(REFUSALS_WANTED), socket.MSG_WAITALL) == REFUSALS_WANTED  # (it asks for them)
+                got.append(_read_frame(conn))
             else:
                 conn.sendall(HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, hello_flags, bytes(32)))
-                conn.recv(32, socket.MSG_WAITALL)
-                conn.sendall(b"\x01")
-            got.append(_read_frame(conn))
+                got.append(conn.recv(1))  # (b"": the producer went without answering)
 
     threading.Thread(target=serve, daemon=True).start()
     return server, got
 
 
-@pytest.mark.parametrize("hello_flags", [None, 0], ids=["current-consumer", "older-consumer"])
-def test_a_large_frame_carries_its_crc_after_it_only_to_a_consumer_that_takes_that(hello_flags: int | None) -> None:
-    server, got = _fake_consumer(hello_flags)
+def test_a_large_frame_carries_its_crc_after_it() -> None:
+    server, got = _fake_consumer(None)
     producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}", send_timeout_s=10)
     producer.send("big", BIG)
     wait_for(lambda: got, 30, "the frame at the fake consumer")
     frame, trailer = got[0]
-    (sent, _), *_ = producer.transport._unacked  # kept for a resend
+    (sent, _), *_ = producer.transport._unacked  # type: ignore[attr-defined]  # kept for a resend
     producer.transport.abandon()
     server.close()
-    (stored,) = struct.unpack_from("<I", frame, CRC_AT)
-    if hello_flags is None:  # checksummed while sent: a zero CRC field, the CRC right after the frame
-        assert stored == 0 and trailer == CRC_TRAILER.pack(checksum_of(frame))
-        frame = frame[:CRC_AT] + trailer + frame[PREFIX.size :]
-    else:  # a consumer from before TRAILING_CRC gets frames sealed up front
-        assert trailer == b"" and stored == checksum_of(frame)
-    np.testing.assert_array_equal(tb.loads(frame), BIG)  # sealed now, either way:
+    (stored,) = struct.unpack_from("<I", frame, CRC_AT)  # checksummed while sent: a zero CRC field, the CRC after
+    assert stored == 0 and trailer == CRC_TRAILER.pack(checksum_of(frame))
+    frame = frame[:CRC_AT] + trailer + frame[PREFIX.size :]
+    np.testing.assert_array_equal(tb.loads(frame), BIG)  # sealed now:
     assert struct.unpack_from("<I", sent[0], CRC_AT)[0] == checksum_of(frame)
+
+
+@pytest.mark.parametrize("missing", [HELLO_TRAILING_CRC, HELLO_REFUSALS, HELLO_INCARNATION])
+def test_a_producer_refuses_a_hello_without_the_flags_every_consumer_sets(missing: int) -> None:
+    # (the protocol was never released without them: no path for consumers that do not set them)
+    server, got = _fake_consumer(HELLO_EVERY_CONSUMER & ~missing)
+    producer = tb.Producer(f"tcp://127.0.0.1:{server.getsockname()[1]}")
+    try:
+        with pytest.raises(tb.TransportError, match="never released"):  # at once: connecting again cannot help
+            producer.send("t", np.arange(3))
+        wait_for(lambda: got, 10, "the producer gone without a proof")
+        assert got == [b""]
+    finally:
+        producer.close()
+        server.close()
 
 
 def _wire(tensor: np.ndarray, key: str, *, flip: int | None = None) -> bytes:

@@ -1,4 +1,4 @@
-"""The producer's C send of a plain ndarray (`SocketTransport._send_ndarray`) against the general path.
+"""The producer's C send of a plain ndarray (`SocketProducer._send_ndarray`) against the general path.
 
 What it puts on the wire must be byte for byte what `encode` makes; what it does not take must go
 the general way unchanged; and a send that fails in it must end as one in the general path does.
@@ -16,10 +16,10 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec import frame
-from tensorbus.transports import socket as socket_transport
+from tensorbus.transports import socket_producer
 from tests.conftest import require_native
 
-require_native(socket_transport.NATIVE_STREAM is not None, "the C stream extension (tensorbus/transports/_stream.c)")
+require_native(socket_producer.NATIVE_STREAM is not None, "the C stream extension (tensorbus/transports/_stream.c)")
 
 
 class Recorder:
@@ -48,8 +48,8 @@ def connected(producer: tb.Producer, consumer: tb.Consumer, recorder: Recorder) 
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
-    spy = Recorder(socket_transport.NATIVE_STREAM)
-    monkeypatch.setattr(socket_transport, "NATIVE_STREAM", spy)
+    spy = Recorder(socket_producer.NATIVE_STREAM)
+    monkeypatch.setattr(socket_producer, "NATIVE_STREAM", spy)
     yield spy
 
 
@@ -116,7 +116,7 @@ def test_what_the_c_send_leaves_goes_the_general_way(recorder: Recorder, tmp_pat
 def test_a_connection_broken_under_the_c_send_reconnects_and_every_tensor_arrives_once(
     recorder: Recorder, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger=socket_transport.__name__)
+    caplog.set_level(logging.WARNING, logger=socket_producer.log.name)
     with tb.Consumer("tcp://127.0.0.1:0") as consumer, tb.Producer(consumer.address) as producer:
         connected(producer, consumer, recorder)
 

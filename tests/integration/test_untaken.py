@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import trustme
 import tensorbus as tb
 from tests import faults
 from tests.conftest import endpoint_url, transport_params
+from tests.integration.test_kafka import committed
 from tests.waiting import wait_for
 
 SENT, TAKEN = 60, 10
@@ -32,8 +34,8 @@ def tensor(i: int) -> np.ndarray:
 
 
 def take_some(url: str, options: dict[str, Any], directory: str) -> None:
-    """The first consumer (a process of its own): take t0..t9, wait until the others reach the table, say so, then
-    close (`options["then"] == "close"`) or wait to be killed."""
+    """The first consumer (a process of its own): take t0..t9, wait until the others reach the table, say so, and
+    once the producer's flush returned, close (`options["then"] == "close"`) or wait to be killed."""
     then = options.pop("then")
     consumer = tb.Consumer(url, **options)
     Path(directory, "address").write_text(consumer.address)
@@ -47,6 +49,9 @@ def take_some(url: str, options: dict[str, Any], directory: str) -> None:
         time.sleep(0.01)
     Path(directory, "table.part").write_text(str(len(consumer.table)))
     os.replace(Path(directory, "table.part"), Path(directory, "table"))  # whole when the parent sees it
+    deadline = time.monotonic() + WAIT_S
+    while not Path(directory, "flushed").exists() and time.monotonic() < deadline:  # (bounded: the parent checks)
+        time.sleep(0.01)  # the producer's flush saw every frame received: going now cannot race it
     if then == "close":
         consumer.close()
         return
@@ -97,6 +102,7 @@ def test_a_consumer_gone_with_untaken_tensors_leaves_every_one_to_its_successor(
             for i in range(SENT):
                 producer.send(f"t{i}", tensor(i), metadata={"crc": faults.checksum(tensor(i))})
             producer.flush(WAIT_S)
+            (tmp_path / "flushed").write_text("")
             wait_for(lambda: (tmp_path / "table").exists(), WAIT_S, "the first consumer to take ten")
             assert int((tmp_path / "table").read_text()) == SENT - TAKEN  # all the others reached its table
             if then == "kill":
@@ -182,9 +188,10 @@ def test_past_max_untaken_bytes_the_oldest_copies_are_let_go_and_counted() -> No
         assert consumer.recv("t19", timeout=WAIT_S)[1] == tensor(19)[1]
 
 
+@pytest.mark.parametrize("spelling", ["consumer.ack", "message.ack"])
 @pytest.mark.parametrize("transport", ["memory", "tcp", pytest.param("amqp", marks=pytest.mark.broker)])
 def test_with_manual_acks_what_was_taken_but_not_acknowledged_comes_again(
-    transport: str, tmp_path: Path, tls: dict[str, str]
+    transport: str, spelling: str, tmp_path: Path, tls: dict[str, str]
 ) -> None:
     if transport == "memory":
         url, consumer_options, producer_options = f"memory://manual-{uuid.uuid4().hex}", {}, {}
@@ -197,9 +204,9 @@ def test_with_manual_acks_what_was_taken_but_not_acknowledged_comes_again(
             producer.send(f"t{i}", tensor(i))
         producer.flush(WAIT_S)
         taken = [first.recv_message(f"t{i}", timeout=WAIT_S) for i in range(6)]
-        for message in taken[:3]:
-            first.ack(message)  # t0..t2 done with
-        first.reject(taken[3])  # t3 given back: delivered again
+        for message in taken[:3]:  # t0..t2 done with; t3 given back: delivered again
+            message.ack() if spelling == "message.ack" else first.ack(message)
+        taken[3].reject() if spelling == "message.ack" else first.reject(taken[3])
         assert first.recv_message("t3", timeout=WAIT_S).message_id == taken[3].message_id
         first.close()  # t3..t5 taken, never acknowledged
         with tb.Consumer(url, **consumer_options, ack="manual", dedup_file=ids) as successor:
@@ -224,3 +231,82 @@ def test_messages_taken_and_not_acknowledged_count_against_max_buffered_bytes() 
         assert [consumer.recv(f"t{i}", timeout=WAIT_S)[1] for i in (3, 4)] == [tensor(3)[1], tensor(4)[1]]
         with pytest.raises(tb.ConfigError, match="ack='manual'"):
             tb.Consumer(f"memory://{uuid.uuid4().hex}").ack(held[0])
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("t", tensor(0))
+        with pytest.raises(tb.ConfigError, match="ack='manual'"):
+            consumer.recv_message("t", timeout=WAIT_S).ack()  # (taken already: there is nothing to acknowledge)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_an_array_changed_after_flush_reaches_a_successor_as_it_was_sent(
+    transport: str, tmp_path: Path, tls: dict[str, str]
+) -> None:
+    url, consumer_options, producer_options = endpoint(transport, tmp_path, tls)
+    first = tb.Consumer(url, **consumer_options)
+    with tb.Producer(first.address, **producer_options) as producer:
+        arrays = [tensor(i) for i in range(3)]
+        sent = [array.copy() for array in arrays]
+        big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: a frame whose payload is the array's own memory
+        sent.append(big.copy())
+        for i, array in enumerate([*arrays, big]):
+            producer.send(f"t{i}", array)
+        producer.flush(WAIT_S)
+        for array in [*arrays, big]:
+            array[:] = -1  # the application reuses its arrays once flush returned
+        wait_for(lambda: len(first.table) == 4, WAIT_S, "the four in the first consumer's table, untaken")
+        first.close()
+        with tb.Consumer(url, **consumer_options) as successor:
+            producer.flush(WAIT_S)  # (resent to the successor)
+            for i, expected in enumerate(sent):
+                np.testing.assert_array_equal(successor.recv(f"t{i}", timeout=WAIT_S), expected)
+
+
+@pytest.mark.broker
+def test_a_channel_rabbitmq_closes_over_untaken_deliveries_loses_nothing_and_hands_out_each_once() -> None:
+    # What RabbitMQ's consumer_timeout does to a consumer holding untaken tensors past it: it closes the
+    # channel with 406 PRECONDITION_FAILED. RabbitMQ 3.10 (these brokers) sets consumer_timeout for the whole
+    # node only (30 min; the per-queue x-consumer-timeout argument came with 3.12), so the broker is made to
+    # close the channel with that error another way: an ack of a delivery tag it never sent.
+    url = endpoint_url("amqp")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        for i in range(6):
+            producer.send(f"t{i}", tensor(i))
+        producer.flush(WAIT_S)
+        np.testing.assert_array_equal(consumer.recv("t0", timeout=WAIT_S), tensor(0))
+        wait_for(lambda: len(consumer.table) == 5, WAIT_S, "t1..t5 in the table, untaken (unacknowledged)")
+        reader: Any = consumer.transport.consumer  # type: ignore[attr-defined]
+        generation, channel = reader.generation, reader._channel
+        reader._connection.add_callback_threadsafe(lambda: channel.basic_ack(1 << 40))
+        wait_for(lambda: reader.generation > generation, WAIT_S, "the consumer back on a new channel")
+        wait_for(lambda: consumer.stats["duplicates"] == 5, WAIT_S, "t1..t5 redelivered, dropped as duplicates")
+        for i in range(1, 6):  # each handed out once, none lost
+            np.testing.assert_array_equal(consumer.recv(f"t{i}", timeout=WAIT_S), tensor(i))
+        with pytest.raises(tb.Timeout):
+            consumer.next_message(timeout=0.5)
+    with tb.Consumer(url) as successor:  # the redeliveries were acknowledged: nothing is left in the queue
+        with pytest.raises(tb.Timeout):
+            successor.next_message(timeout=2)
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("client", ["kafka", "kafka-confluent"])
+def test_on_kafka_one_untaken_tensor_pins_its_partitions_commit_while_later_ones_are_taken(client: str) -> None:
+    url = endpoint_url(client)
+    topic = urllib.parse.urlsplit(url).path.lstrip("/")
+    with tb.Consumer(url, partitions=1) as consumer, tb.Producer(url, partitions=1) as producer:
+        for i in range(6):
+            producer.send(f"t{i}", tensor(i))  # offsets 0..5 of the one partition
+        producer.flush(WAIT_S)
+        for i in range(1, 6):
+            np.testing.assert_array_equal(consumer.recv(f"t{i}", timeout=WAIT_S), tensor(i))
+        offsets: Any = consumer.transport._offsets  # type: ignore[attr-defined]
+
+        def settled() -> bool:  # the consumer committed all it considers safe
+            return offsets is not None and bool(offsets._committed) and not offsets.committable()
+
+        wait_for(settled, WAIT_S, "the consumer's commit after t1..t5 were taken")
+        assert committed(f"tensorbus-{topic}", topic) == {0: 0}  # t0, untaken, pins it: t1..t5 come again after a crash
+        np.testing.assert_array_equal(consumer.recv("t0", timeout=WAIT_S), tensor(0))
+        wait_for(
+            lambda: committed(f"tensorbus-{topic}", topic) == {0: 6}, WAIT_S, "the commit past t5 once t0 is taken"
+        )

@@ -30,12 +30,12 @@ from tensorbus.transports import reactor
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports import stream as stream_module
 from tensorbus.transports.base import Delivered
-from tensorbus.transports.socket import SocketTransport
+from tensorbus.transports.socket import SocketConsumer
 from tensorbus.transports.stream import ACK_REQUEST_MARKER, TAKEN, TRAILING_CRC
 
 from ..conftest import require_native
 
-require_native(reader_module.READER is not None, "the C reader and sender (tensorbus/transports/_stream.c)")
+require_native(reader_module.NATIVE_STREAM is not None, "the C reader and sender (tensorbus/transports/_stream.c)")
 
 LIMITS = Limits(max_payload_bytes=6 << 20)
 
@@ -43,7 +43,7 @@ LIMITS = Limits(max_payload_bytes=6 << 20)
 @pytest.fixture(params=["c", "python"])
 def make_reader(request: pytest.FixtureRequest) -> Any:
     """Each reader's class: the tests that take this run against both."""
-    return reader_module.READER.StreamReader if request.param == "c" else reader_module.PyStreamReader
+    return reader_module.NATIVE_STREAM.StreamReader if request.param == "c" else reader_module.PyStreamReader
 
 
 class Recorder:
@@ -116,14 +116,14 @@ def stream(seed: int) -> bytes:
 
 
 def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
-    monkeypatch.setattr(reader_module, "READER", reader_module.READER if use_c else None)
+    monkeypatch.setattr(reader_module, "NATIVE_STREAM", reader_module.NATIVE_STREAM if use_c else None)
     recorder, reasons, acks = Recorder(), Reasons(), bytearray()
     logger = logging.getLogger(reactor.__name__)
     logger.addHandler(reasons)
     level = logger.level
     logger.setLevel(logging.INFO)  # ("went away" is INFO; setLevel, not the attribute: it clears the logger's cache
     # of isEnabledFor answers, which an earlier test may have filled while INFO was off)
-    options = SocketTransport.Options(linger_s=0.0)
+    options = SocketConsumer.Options(linger_s=0.0)
     reader = reactor.Reactor(recorder, LIMITS, options, BufferPool())  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
     try:
@@ -263,15 +263,15 @@ def test_the_c_sender_leaves_a_large_unsealed_frame_to_python_and_counts_what_it
     small = encode(np.zeros(10, np.uint8), deferred_checksum=True)
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        assert reader_module.READER.send_frame(ours.fileno(), large, 4 << 20, crc32c.crc32c) is None
+        assert reader_module.NATIVE_STREAM.send_frame(ours.fileno(), large, 4 << 20, crc32c.crc32c) is None
         assert large[0][CRC_AT : PREFIX.size] == bytes(4)  # untouched: Python checksums it as it sends it
-        assert reader_module.READER.send_frame(ours.fileno(), small, 4 << 20, crc32c.crc32c) == sum(
+        assert reader_module.NATIVE_STREAM.send_frame(ours.fileno(), small, 4 << 20, crc32c.crc32c) == sum(
             len(b) for b in small
         )
         assert frame.decode(theirs.recv(1 << 16)).tensor.tolist() == [0] * 10
         theirs.close()
         with pytest.raises(BrokenPipeError):
-            reader_module.READER.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
+            reader_module.NATIVE_STREAM.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
 
 
 def test_a_frame_claiming_2_to_the_64_bytes_is_skipped_not_raised_into_recv() -> None:
@@ -294,7 +294,7 @@ def test_a_frame_claiming_2_to_the_64_bytes_is_skipped_not_raised_into_recv() ->
 def test_the_reader_refuses_misuse_rather_than_reading_the_wrong_file() -> None:
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
-    make = reader_module.READER.StreamReader
+    make = reader_module.NATIVE_STREAM.StreamReader
     args = (BufferPool().take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20)
     for header_limit, payload_limit in ((-1, 1 << 20), (1 << 20, 1 << 64), (1 << 20, (1 << 62) + 1)):
         with pytest.raises(ValueError, match="out of range"):
@@ -315,7 +315,7 @@ def test_the_reader_refuses_misuse_rather_than_reading_the_wrong_file() -> None:
 
 
 def test_a_stale_or_disagreeing_build_of_the_stream_paths_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    built = reader_module.READER
+    built = reader_module.NATIVE_STREAM
     assert native.agrees(built, stream_module.NATIVE_CONSTANTS) is built
     monkeypatch.setattr(built, "CRC_TRAILER", 8)
     with pytest.warns(RuntimeWarning, match="constants"):
@@ -358,12 +358,12 @@ def test_a_frame_without_memory_leaves_the_reader_refusing_to_go_on(make_reader:
 def test_idle_timer_behaves_like_the_python_one() -> None:
     from .test_idle import check_timer
 
-    check_timer(reader_module.READER.IdleTimer)
+    check_timer(reader_module.NATIVE_STREAM.IdleTimer)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), "1", None])
 def test_idle_timer_refuses_what_is_not_a_number_of_seconds(bad: Any) -> None:
-    timer = reader_module.READER.IdleTimer()
+    timer = reader_module.NATIVE_STREAM.IdleTimer()
     with pytest.raises((ValueError, TypeError)):
         timer.touch(bad)
     with pytest.raises((ValueError, TypeError)):
@@ -371,7 +371,7 @@ def test_idle_timer_refuses_what_is_not_a_number_of_seconds(bad: Any) -> None:
 
 
 def test_idle_timer_takes_huge_and_negative_seconds() -> None:
-    timer = reader_module.READER.IdleTimer()
+    timer = reader_module.NATIVE_STREAM.IdleTimer()
     timer.touch(1e300)  # a linger of "forever"
     assert timer.wait(-1) is False  # a timeout already past: one look, not idle
     timer.touch(-5)
@@ -382,7 +382,7 @@ def _reader(sock: socket.socket, recv_lowat: int, make: Any = None) -> Any:
     """A reader of `sock` (C unless `make` says): 1 MiB headers, 1 GiB payloads, pooled from 1 MiB, checksummed
     while received from 4 MiB."""
     take = BufferPool(2).take
-    return (make or reader_module.READER.StreamReader)(
+    return (make or reader_module.NATIVE_STREAM.StreamReader)(
         sock, 1 << 20, 1 << 30, take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20, recv_lowat=recv_lowat
     )
 

@@ -10,7 +10,7 @@ from tensorbus.codec.frame import Limits
 from tensorbus.ledger import Ledger
 from tensorbus.transports import Delivered
 from tensorbus.transports.reactor import Reactor
-from tensorbus.transports.socket import SocketTransport
+from tensorbus.transports.socket import SocketConsumer
 
 
 class Nowhere:
@@ -30,7 +30,7 @@ class Nowhere:
 def test_a_connection_a_leader_drops_before_it_is_registered_leaves_its_descriptor_to_the_next() -> None:
     """A lone connection is read without the poller, so a leader may read it, find it closed and drop
     it before `add` registered it: the next connection given that descriptor number must be read all the same."""
-    reader = Reactor(Nowhere(), Limits(), SocketTransport.Options(linger_s=0.0), BufferPool())  # type: ignore[arg-type]
+    reader = Reactor(Nowhere(), Limits(), SocketConsumer.Options(linger_s=0.0), BufferPool())  # type: ignore[arg-type]
     register = reader._poller.register
 
     def dropped_meanwhile(fd: int, data: Any) -> None:
