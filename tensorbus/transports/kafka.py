@@ -39,7 +39,7 @@ with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas w
 from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TensorBusError, TransportError
 from ..ledger import Stream
-from .base import Deliver, Delivered, Transport, TransportOptions
+from .base import Deliver, Delivered, Transport, TransportOptions, backoff_s
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -367,8 +367,23 @@ class KafkaTransport(Transport):
 
         kafka-python 3.0 leaks sockets and threads when no broker answers, and reports an untrusted certificate or
         a listener of the other protocol (TLS or not) only as "Unable to bootstrap", after its timeout: here each
-        of those fails at once, saying why.
+        of those fails at once, saying why. Brokers that refuse or time out are asked again, with backoff, until
+        `timeout` has passed (as a socket producer retries a consumer that is not there yet).
         """
+        deadline = time.monotonic() + timeout
+        for delay in backoff_s():
+            try:
+                return self._probe_once(max(0.05, deadline - time.monotonic()))
+            except _Fatal:
+                raise
+            except TransportError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(delay, left))
+
+    def _probe_once(self, timeout: float) -> None:
+        """One round of `_probe`: every server asked once."""
         context = self._ssl_context()
         error: TransportError = TransportError(f"no Kafka broker answers at {self._shown}")
         for host, _, port in (server.rpartition(":") for server in self.servers):
