@@ -19,10 +19,11 @@ native=0 compose=0 prep=0 engine_was_up=0
 [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && native=1
 ((native)) && [ "${TENSORBUS_COMPOSE:-1}" != 0 ] && compose=1
 native_down() { bash scripts/brokers.sh cluster down; bash scripts/brokers.sh down; }
-cleanup() {
-  ((prep)) && kill -- -"$prep" 2>/dev/null
-  ((native)) && native_down
-  ((compose && !engine_was_up)) && bash scripts/docker.sh down
+cleanup() {  # (errexit is off here: one failing step must not skip the others)
+  set +e
+  if ((prep)); then kill -- -"$prep" 2>/dev/null; fi
+  if ((native)); then native_down; fi
+  if ((compose && !engine_was_up)); then bash scripts/docker.sh down; fi
   return 0
 }
 trap cleanup EXIT
