@@ -457,9 +457,9 @@ def test_a_waiting_recv_reads_its_frame_on_its_own_thread() -> None:
     with tb.Consumer("tcp://127.0.0.1:0?linger_s=2") as consumer, tb.Producer(consumer.address) as producer:
         feed = consumer.intake._feed
 
-        def spy(frame: Any, crc: Any) -> Any:
+        def spy(frame: Any, crc: Any, *more: Any) -> Any:
             readers.append(threading.current_thread().name)
-            return feed(frame, crc)
+            return feed(frame, crc, *more)
 
         consumer.intake._feed = spy  # type: ignore[method-assign]
         reactor = consumer.transport.reactor  # type: ignore[attr-defined]
