@@ -45,7 +45,7 @@ from ..codec.frame import (
 )
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from ..ledger import Stream
-from .base import Deliver, Delivered, Held, fast_result
+from .base import Deliver, Delivered, Held
 from .idle import IdleSweep
 from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
 from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, TAKEN, SocketOptions, refusal
@@ -586,8 +586,9 @@ class Reactor:
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
             frame, crc = event
-            if self._fast is not None and (taken := fast_result(self._fast, frame, crc, peer.source)) is not None:
-                self._finish(peer, taken)
+            if self._fast is not None and (taken := self._fast(frame, crc, peer.source)) is not None:
+                peer.positions.record_admitted(peer.frames, taken.message_id)  # (`_finish` of a plain tensor)
+                self._booked(peer)
             else:
                 self._deliver(peer, frame, crc)
         elif event == ACK_REQUEST:
@@ -638,6 +639,10 @@ class Reactor:
         if result.refused is not None:
             self._refuse(peer, peer.frames, result.refused)
         peer.positions.record(peer.frames, result)
+        self._booked(peer)
+
+    def _booked(self, peer: _Peer) -> None:
+        """Count a frame booked in the ledger; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
         peer.frames += 1
         peer.unacked_bytes += peer.total
         if peer.total > self._largest_read:
