@@ -3,8 +3,10 @@
 A transport numbers the frames it receives on each of its streams (`Stream`: a socket connection
 and its frame index, a Kafka partition and its offsets, an AMQP channel and its delivery tags, a
 memory endpoint and its slots) and records each one here with what the consumer made of it (the
-intake's `Delivered`). The ledger says which positions are *released*: the transport turns those,
-and only those, into its own ack or commit. The rule, in one place:
+intake's `Delivered`; a plain tensor the C delivery took, with `record_admitted`: the same record in
+the fewest steps, a small tensor's time being mostly such steps). The ledger says which positions
+are *released*: the transport turns those, and only those, into its own ack or commit. The rule,
+in one place:
 
 - a frame is released once the application has its tensor (`recv`, `recv_message`, iteration, a
   `recv_async` callback), or once its tensor was dropped for a stated reason (a duplicate, a refusal,
