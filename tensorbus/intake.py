@@ -126,8 +126,10 @@ class Intake:
         may_hold: bool = False,
         source: object = None,
         redelivered: bool = False,
+        appended_at: float | None = None,
     ) -> Delivered:
-        """One received frame; never raises. See `Deliver` for `may_hold`, `source` and `redelivered`."""
+        """One received frame; never raises. See `Deliver` for `may_hold`, `source`, `redelivered` and
+        `appended_at`."""
         message: Message | None
         state = self.state
         with self._lock:
@@ -142,7 +144,7 @@ class Intake:
                         held = self._held(frame, crc, source)
                         if held is not None:
                             return Delivered(held.message_id, False, held=held)
-                    message = self._feed(frame, crc, redelivered)
+                    message = self._feed(frame, crc, redelivered, appended_at)
             except CodecError as exc:
                 self.stats["rejected"] += 1
                 self.stats["rejected " + exc.reason_label] += 1  # (by reason: for metrics)
@@ -228,11 +230,13 @@ class Intake:
 
     # -- the steps ------------------------------------------------------------------------------------
 
-    def _feed(self, data: Buffer, crc: int | None, redelivered: bool = False) -> Message | None:
+    def _feed(
+        self, data: Buffer, crc: int | None, redelivered: bool = False, appended_at: float | None = None
+    ) -> Message | None:
         """The reassembler's answer for a frame (caller holds `_lock`); keeps `state.reassembling` true to it."""
         reassembler, state = self.reassembler, self.state
         try:  # (transports hand their buffers over)
-            message = reassembler.feed(data, crc=crc, owned=True, redelivered=redelivered)
+            message = reassembler.feed(data, crc=crc, owned=True, redelivered=redelivered, appended_at=appended_at)
         except BaseException:
             state.reassembling = reassembler.pending > 0  # (a chunked message may have been given up on)
             raise

@@ -3,8 +3,10 @@
 A transport numbers the frames it receives on each of its streams (`Stream`: a socket connection
 and its frame index, a Kafka partition and its offsets, an AMQP channel and its delivery tags, a
 memory endpoint and its slots) and records each one here with what the consumer made of it (the
-intake's `Delivered`). The ledger says which positions are *released*: the transport turns those,
-and only those, into its own ack or commit. The rule, in one place:
+intake's `Delivered`; a plain tensor the C delivery took, with `record_admitted`: the same record in
+the fewest steps, a small tensor's time being mostly such steps). The ledger says which positions
+are *released*: the transport turns those, and only those, into its own ack or commit. The rule,
+in one place:
 
 - a frame is released once the application has its tensor (`recv`, `recv_message`, iteration, a
   `recv_async` callback), or once its tensor was dropped for a stated reason (a duplicate, a refusal,
@@ -90,6 +92,28 @@ class Stream:
         ledger._notify(released)
         return any(stream is self and position in positions for stream, positions in released)
 
+    def record_admitted(self, position: int, message_id: MessageId | None) -> None:
+        """`record(position, Delivered(message_id, True, admitted=True))` of the commonest frame, in the
+        fewest steps: a whole tensor that went into the table (or straight to a waiting `recv`), its id
+        not open here (the C delivery's frames; a small tensor's time is mostly such steps)."""
+        ledger = self._ledger
+        with ledger._lock:
+            self._next = position + 1
+            if self.closed:
+                return
+            if (
+                ledger.mode == "take"
+                and message_id is not None
+                and message_id not in ledger._messages
+                and message_id not in ledger._singles
+                and message_id not in ledger._early
+            ):
+                self._open[position] = None
+                ledger._singles[message_id] = (self, position)
+                return
+            released = ledger._record(self, position, Delivered(message_id, True, admitted=True))
+        ledger._notify(released)
+
     def first_open(self) -> int:
         """The first position not released (every one before it is): a cumulative ack's count, a commit's offset."""
         with self._ledger._lock:
@@ -123,6 +147,9 @@ class Ledger:
         self._lock = threading.Lock()
         #: message id -> its open positions (chunks waiting, held back, or in the table untaken)
         self._messages: dict[MessageId, _Message] = {}
+        #: message id -> the one position of a whole tensor in the table untaken (`record_admitted`): a
+        #: `_Message` in fewer steps, made one (`_promote`) when anything but its take comes for it
+        self._singles: dict[MessageId, tuple[Stream, Position]] = {}
         #: ids taken (or dropped) before their last frame was recorded, newest last
         self._early: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
         self.stats = collections.Counter[str]()
@@ -138,7 +165,22 @@ class Ledger:
         """The application has the message: its frames are released (ack="take")."""
         if message_id is None or self.mode != "take":
             return
-        self._settle(message_id, "taken")
+        with self._lock:
+            single = self._singles.pop(message_id, None)
+            if single is None:
+                on_release = None
+            else:  # (the commonest take: one whole frame, recorded by `record_admitted`)
+                self.stats["taken"] += 1
+                stream, position = single
+                if stream.closed:
+                    return
+                del stream._open[position]
+                self.released_frames += 1
+                on_release = stream._on_release
+        if single is None:
+            self._settle(message_id, "taken")
+        elif on_release is not None:
+            on_release([position])
 
     def acked(self, message_id: MessageId | None) -> None:
         """The application acknowledged the message itself (ack="manual"): its frames are released."""
@@ -158,8 +200,17 @@ class Ledger:
 
     # -- inside (caller holds the lock) --------------------------------------------------------------
 
+    def _promote(self, message_id: MessageId | None) -> None:
+        """Make a single (`_singles`) a `_Message`, for the steps that handle every case."""
+        single = self._singles.pop(message_id, None) if message_id is not None else None
+        if single is not None:
+            message = self._messages[message_id] = _Message()  # type: ignore[index]
+            message.positions.append(single)
+            message.admitted = True
+
     def _settle(self, message_id: MessageId, how: str) -> None:
         with self._lock:
+            self._promote(message_id)
             message = self._messages.get(message_id)
             if message is None or not message.admitted:
                 # its last frame is being recorded right now (the C delivery handed it to a waiting recv,
@@ -175,6 +226,7 @@ class Ledger:
         if stream.closed:
             return []
         message_id = result.message_id
+        self._promote(message_id)
         settled = result.done and not result.admitted and not result.turned_away
         if settled and result.refused is None and message_id in self._messages:
             # a copy of a message still open here (in the table untaken, say, and sent again on a new
@@ -200,6 +252,7 @@ class Ledger:
         message_id = result.message_id
         if message_id is None:
             return []
+        self._promote(message_id)
         message = self._messages.get(message_id)
         if message is None:
             return []

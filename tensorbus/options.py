@@ -48,9 +48,12 @@ def finite_timeout(timeout: object, name: str = "timeout") -> float | None:
     """
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+    if type(timeout) is float or type(timeout) is int:  # (first: the ABC check costs a small tensor's `recv` 7 %)
+        seconds = float(timeout)
+    elif isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise ConfigError(f"{name} must be a number of seconds or None, got {timeout!r} ({type(timeout).__name__})")
-    seconds = float(timeout)
+    else:
+        seconds = float(timeout)
     if math.isnan(seconds):
         raise ConfigError(f"{name} cannot be NaN")
     if seconds < 0:

@@ -29,6 +29,7 @@ from .frame import (
     Message,
     MessageId,
     _message_id,
+    _unpack_header,
     checksum_of,
     decode_native,
     encode_raw,
@@ -38,12 +39,14 @@ from .frame import (
     message_from_frame,
     parse,
     payload_crcs,
+    restamp,
     seal,
     seal_with_crc,
     split_checksum,
     stamp,
 )
 from .native import crc32c
+from .signing import resign
 from .tensors import align
 
 log = logging.getLogger(__name__)
@@ -189,6 +192,79 @@ def encode_chunks(
     return chunks
 
 
+def _cut(parts: list[memoryview], n: int) -> tuple[bytes, list[memoryview]]:
+    """The first `n` bytes of `parts` (copied), and views of the rest."""
+    first, rest = bytearray(), list(parts)
+    while len(first) < n and rest:
+        take = rest[0][: n - len(first)]
+        first += take
+        rest[0] = rest[0][len(take) :]
+        if not len(rest[0]):
+            rest.pop(0)
+    return bytes(first), rest
+
+
+def _cut_end(parts: list[memoryview], n: int) -> tuple[list[memoryview], bytes]:
+    """Views of all but the last `n` bytes of `parts`, and those bytes (copied)."""
+    keep = sum(len(part) for part in parts) - n
+    body, last = [], bytearray()
+    for part in parts:
+        head, tail = part[: max(keep, 0)], part[max(keep, 0) :]
+        if len(head):
+            body.append(head)
+        last += tail
+        keep -= len(head)
+    return body, bytes(last)
+
+
+def restamp_chunks(chunks: list[list[Buffer]], whole_key: bytes, chunk_key: bytes) -> list[list[Buffer]] | None:
+    """The signed chunk frames of one message (any order), with the message's clock set to now and
+    signed again with `whole_key`, each chunk signed with `chunk_key`: what `frame.restamp` and
+    `signing.resign` do for a whole frame that a producer resends to another consumer run. None when
+    they are not every chunk of one signed, stamped message (then nothing changed)."""
+    placed: dict[int, tuple[dict[str, Any], int, list[Buffer]]] = {}
+    order = []  # the chunks' indexes, as given
+    for chunk in chunks:
+        view = memoryview(chunk[0]).cast("B")
+        _, _, flags, _, header_len, _, _ = PREFIX.unpack_from(view)
+        header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+        if header.get("kind") != "chunk" or not flags & FLAG_SIGNED:
+            return None
+        placed[header["chunk"][0]] = (header, flags, chunk)
+        order.append(header["chunk"][0])
+    if not placed:
+        return None
+    _, count, total, stride = placed[min(placed)][0]["chunk"]
+    if sorted(placed) != list(range(count)):
+        return None
+    parts = [memoryview(part).cast("B") for index in range(count) for part in placed[index][2][1:-1]]
+    if sum(len(part) for part in parts) != total:
+        return None
+    prefix, _ = _cut(parts, PREFIX.size)
+    head, rest = _cut(parts, align(PREFIX.size + PREFIX.unpack_from(prefix)[4]))
+    if total - len(head) < SIGNATURE_BYTES:
+        return None
+    body, mac = _cut_end(rest, SIGNATURE_BYTES)  # the message's payload, then its own MAC
+    message: list[Buffer] = [head, *body, mac]
+    if not restamp(message):
+        return None
+    resign(message, whole_key)
+    runs = _slices(message, stride)
+    if len(runs) != count:
+        return None
+    resealed = {
+        index: encode_raw(
+            placed[index][0],
+            run,
+            sum(len(part) for part in run),
+            checksum=bool(placed[index][1] & FLAG_CHECKSUM),
+            signing_key=chunk_key,
+        )
+        for index, run in enumerate(runs)
+    }
+    return [resealed[index] for index in order]
+
+
 #: message ids remembered as done or given up (later chunks of them are dropped)
 REMEMBERED_IDS = 4096
 
@@ -275,6 +351,7 @@ class Reassembler:
         crc: int | None = None,
         owned: bool = False,
         redelivered: bool = False,
+        appended_at: float | None = None,
     ) -> Message | None:
         """Take one received frame; return the decoded message once it is complete, else None.
 
@@ -282,6 +359,8 @@ class Reassembler:
         the caller never writes to `data` again, so a chunk may be kept without a copy (as may `bytes`).
         `redelivered`: the transport vouches that the frame is a redelivery (see `Deliver`): the message
         it makes (a whole frame, or the one whose last chunk it is) is not refused for its age alone.
+        `appended_at`: the broker's clock when it stored the frame (see `Deliver`): that message's age
+        is measured to it.
         """
         if self._partials and self.clock() > self._expire_at:
             self.expire()
@@ -298,7 +377,9 @@ class Reassembler:
                 return message
         crcs = split_checksum(view, crc) if len(view) >= SPLIT_CRC_FROM else None
         limits = self.limits if not redelivered else dataclasses.replace(self.limits, max_frame_age_s=None)
-        frame = parse(view, limits=limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0])
+        frame = parse(
+            view, limits=limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0], aged_at=appended_at
+        )
         if frame.header.get("kind") != "chunk":
             return message_from_frame(frame, copy=copy, limits=self.limits, like=self.like)
         message_id = _message_id(frame.header.get("id"))
@@ -346,6 +427,7 @@ class Reassembler:
                     limits=limits,
                     signing_key=self.whole_signing_key,
                     crc=self._combined_crc(partial),
+                    aged_at=appended_at,
                 ),
                 copy=copy,
                 limits=self.limits,

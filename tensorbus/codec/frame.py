@@ -592,8 +592,11 @@ def parse(
     limits: Limits = DEFAULT_LIMITS,
     signing_key: bytes | None = None,
     crc: int | None = None,
+    aged_at: float | None = None,
 ) -> Frame:
     """Check a frame's prefix, lengths, checksum and signature; return its header and payload view.
+
+    A signed message's age is its clock's distance from now, or from `aged_at` (a broker's append time).
 
     `crc` is the CRC32C of the checksummed bytes when the caller already computed it (a stream
     reader does, slice by slice while the bytes are still in cache); it is compared, not trusted.
@@ -619,7 +622,7 @@ def parse(
             raise ChecksumMismatch(f"CRC32C stored {stored:#010x}, computed {actual:#010x}")
     header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
     if signing_key is not None and header.get("kind") != "chunk":
-        check_age(header, limits.max_frame_age_s)
+        check_age(header, limits.max_frame_age_s, time.time if aged_at is None else lambda: aged_at)
     tensors = header.get("tensors", [])
     if isinstance(tensors, list) and len(tensors) > limits.max_tensors:
         raise LimitExceeded(f"frame holds {len(tensors)} tensors; the limit is max_tensors={limits.max_tensors}")

@@ -180,12 +180,16 @@ class Deliver(Protocol):
         may_hold: bool = False,
         source: object = None,
         redelivered: bool = False,
+        appended_at: float | None = None,
     ) -> Delivered:
         """Hand one frame to the consumer (with its CRC32C if the transport computed it); never raises.
 
         `redelivered`: the transport vouches that the frame is a redelivery of one handed to a consumer
         of the endpoint before (a broker's own mark, which no publisher can set): a signed message is
         then not refused for its age alone (docs/SECURITY.md, "A redelivery is not a replay").
+        `appended_at`: the broker's own clock when it stored the frame (Kafka's LogAppendTime, which
+        no producer can set): a signed message's age is measured to it rather than to now, so a
+        record read again later is not refused while one appended again late (a replay) is.
 
         The frame's buffer is handed over: the transport must not write to it again.
 

@@ -57,6 +57,17 @@ _PRODUCER = {"acks": "all", "enable_idempotence": True, "max_in_flight_requests_
 #: was incomplete (a topic just created) is assigned nothing until a refresh triggers a rejoin
 _CONSUMER = {"enable_auto_commit": False, "auto_offset_reset": "earliest", "metadata_max_age_ms": 5000}
 #: ApiVersions v0 (api key 18, correlation id 1, no client id): every Kafka listener answers it before any login
+#: the topic setting under which the broker stamps each record with its own clock when it stores it,
+#: and that setting (tensorbus creates its topics so): a signed tensor's age is then measured to that
+#: time, which a producer (or a third party replaying a captured frame) cannot set
+TIMESTAMP_TYPE, LOG_APPEND_TIME = "message.timestamp.type", "LogAppendTime"
+
+
+def appended_at(timestamp_type: int | None, timestamp_ms: int | None) -> float | None:
+    """A record's append time in seconds, if the broker set it (type 1, LogAppendTime; 0 is the producer's)."""
+    return timestamp_ms / 1000 if timestamp_type == 1 and timestamp_ms is not None and timestamp_ms >= 0 else None
+
+
 _API_VERSIONS = struct.pack(">ihhih", 10, 18, 0, 1, -1)
 
 
@@ -461,7 +472,9 @@ class KafkaTransport(Transport):
                 "broker(s)"
             )
         _check_min_insync(min_insync, replicas)
-        configs = {} if min_insync is None else {"min.insync.replicas": str(min_insync)}
+        configs = {TIMESTAMP_TYPE: LOG_APPEND_TIME}  # (the broker's clock vouches for a record's age: `appended_at`)
+        if min_insync is not None:
+            configs["min.insync.replicas"] = str(min_insync)
         spec = {"num_partitions": o.partitions, "replication_factor": replicas, "configs": configs}
         admin.create_topics({self.topic: spec})
         admin.wait_for_topics([self.topic], timeout_ms=int(timeout * 1000))
@@ -615,7 +628,7 @@ class KafkaTransport(Transport):
                 for record in records:
                     if self._stop.is_set() or turned_away:
                         break  # not delivered, so not committed: the group's next consumer reads it
-                    result = deliver(record.value)
+                    result = deliver(record.value, appended_at=appended_at(record.timestamp_type, record.timestamp))
                     offsets.record(tp, record.offset, result)
                     turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
             if time.monotonic() - last_commit >= o.commit_interval_s:

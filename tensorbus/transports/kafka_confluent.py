@@ -18,13 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka import TopicPartition as RdTopicPartition
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding, fast_result
-from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets
+from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, appended_at
 from .kafka_rdkafka import CONSUMER, PRODUCER, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
@@ -283,7 +283,8 @@ class ConfluentKafkaTransport(KafkaTransport):
                 value = record.value() or b""  # (an empty record is refused as a frame, and counted)
                 result = fast_result(fast, memoryview(value), None, None) if fast is not None else None
                 if result is None:  # not a whole plain frame the C delivery took
-                    result = deliver(value)
+                    kind, stamp = record.timestamp()
+                    result = deliver(value, appended_at=appended_at(int(kind == TIMESTAMP_LOG_APPEND_TIME), stamp))
                 commits.record(TopicPartition(self.topic, record.partition()), record.offset() or 0, result)
                 turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
             if time.monotonic() - last_commit >= o.commit_interval_s:

@@ -35,10 +35,10 @@ class Leadership:
         self.linger_s, self._interrupt = linger_s, interrupt
         self._lock = threading.Lock()  # held by the leader
         self._state = threading.Condition()
-        self._wanted = 0  # application threads leading or asking to (under `_state`; read without it as a hint)
+        self._wanted = 0  # application threads leading or asking to (under `_state`)
         self._quiet_from = 0.0  # the background may lead from then on (under `_state`)
-        #: an application thread holds `_lock`, and which thread does: written by the leader only, read by
-        #: others as a hint (a stale one costs a wait of at most POLL_S)
+        #: whether an application thread holds `_lock`, and which thread does: written by the leader, read
+        #: by threads deciding whether to wait for it, both under `_state`
         self._app_leads = False
         self._leading: int | None = None
         self._stopped = threading.Event()  # set once, by `stop` or a step that returned False
@@ -49,7 +49,24 @@ class Leadership:
 
     def is_leading(self) -> bool:
         """True on the thread that leads now (e.g. in a callback of a tensor it delivers)."""
-        return self._leading == threading.get_ident()
+        with self._state:
+            return self._leading == threading.get_ident()
+
+    def _waits_for_another(self) -> bool:
+        """Whether this thread should just wait: stopped, or an application thread leads (maybe this one,
+        in a callback's recv) and delivers this thread's tensor too."""
+        with self._state:
+            return self.stopped or self._app_leads or self._leading == threading.get_ident()
+
+    def _lead_as(self, ident: int | None, application: bool = False) -> None:
+        """Say who holds `_lock` now (None: about to let it go); the holder alone calls it."""
+        with self._state:
+            self._leading, self._app_leads = ident, application
+
+    def _wants(self) -> bool:
+        """Whether an application thread leads or asks to (a background leader then steps aside)."""
+        with self._state:
+            return self._wanted > 0
 
     def wait(self, done: threading.Lock, deadline: float | None, step: Step) -> bool:
         """Wait for `done` (a waiting receive's lock) until `deadline`, leading meanwhile where no other
@@ -61,7 +78,7 @@ class Leadership:
             if deadline is not None and now >= deadline:
                 return False
             slice_end = now + POLL_S if deadline is None else min(deadline, now + POLL_S)
-            if self.stopped or self._app_leads or self.is_leading():  # (is_leading: a callback's recv)
+            if self._waits_for_another():
                 if done.acquire(timeout=slice_end - now):
                     return True
                 continue
@@ -76,14 +93,16 @@ class Leadership:
                 if not self._lock.acquire(timeout=max(slice_end - time.monotonic(), 0.0)):
                     return
             try:
-                self._app_leads, self._leading = True, threading.get_ident()
+                self._lead_as(threading.get_ident(), application=True)
                 waiting = done.locked
                 while not self.stopped and waiting() and time.monotonic() < slice_end:
                     if not step(slice_end, lambda: not waiting()):
                         self.stop()
             finally:
-                self._app_leads, self._leading = False, None
-                self._lock.release()
+                try:
+                    self._lead_as(None)
+                finally:
+                    self._lock.release()
         finally:
             with self._state:
                 self._wanted -= 1
@@ -91,7 +110,6 @@ class Leadership:
 
     def run_in_background(self, step: Step) -> None:
         """Lead whenever no application thread has for `linger_s`, until stopped (the body of a thread)."""
-        wanted = lambda: self._wanted > 0  # noqa: E731
         while not self.stopped:
             with self._state:
                 while not self.stopped:
@@ -103,12 +121,14 @@ class Leadership:
             if self.stopped or not self._lock.acquire(timeout=POLL_S):
                 continue
             try:
-                self._leading = threading.get_ident()
-                if not wanted() and not step(None, wanted):
+                self._lead_as(threading.get_ident())
+                if not self._wants() and not step(None, self._wants):
                     self.stop()
             finally:
-                self._leading = None
-                self._lock.release()
+                try:
+                    self._lead_as(None)
+                finally:
+                    self._lock.release()
 
     def stop(self) -> None:
         """No thread leads again; the background thread returns (an application leader at its next step)."""

@@ -17,6 +17,7 @@ import math
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..buffers import BufferPool
@@ -59,6 +60,9 @@ class Frames:
         lock = threading.Lock()
         self._ready = threading.Condition(lock)  # (a frame came)
         self._room = threading.Condition(lock)  # (a frame went)
+        #: threads waiting on `_ready` and on `_room` (under the lock): a notify with nobody waiting is
+        #: skipped (it costs a small tensor's delivery as much as a third of its other steps)
+        self._getting = self._wanting_room = 0
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +79,8 @@ class Frames:
                 self._newest += 1
                 queue.append((self._newest, frame))
             self._bytes[source] += memoryview(frame).nbytes
-            self._ready.notify()
+            if self._getting:
+                self._ready.notify()
 
     def get(self, stop: threading.Event, deadline: float | None = None) -> tuple[object, Buffer] | None:
         """The oldest frame of a producer not held back, with its source, waiting for one until `deadline`
@@ -83,9 +88,14 @@ class Frames:
         `step_aside` was called, or the deadline passed."""
         with self._ready:
             while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
-                if deadline is None:
-                    self._ready.wait()
-                elif (left := deadline - time.monotonic()) <= 0 or not self._ready.wait(left):
+                if deadline is not None and (left := deadline - time.monotonic()) <= 0:
+                    break
+                self._getting += 1
+                try:
+                    came = self._ready.wait(None if deadline is None else left)
+                finally:
+                    self._getting -= 1
+                if not came:
                     break
             self._woken = False
             if stop.is_set() or source is _NOTHING:
@@ -99,7 +109,7 @@ class Frames:
             if not self._bytes[source]:
                 del self._bytes[source]
             self._unreceived[source] += nbytes
-            self._room.notify_all()
+            self._room_went()
             return source, frame
 
     def _next_source(self) -> object:
@@ -120,6 +130,11 @@ class Frames:
         with self._ready:
             self._held.discard(source)
             del self._unreceived[source]
+            self._room_went()
+
+    def _room_went(self) -> None:
+        """Wake the threads waiting for room or for their frames to be received (caller holds the lock)."""
+        if self._wanting_room:
             self._room.notify_all()
 
     def ended(self) -> None:
@@ -127,20 +142,26 @@ class Frames:
         with self._ready:
             self._held.clear()
             self._unreceived.clear()
-            self._room.notify_all()
+            self._room_went()
 
     def wait_for_room(self, limit: int, timeout: float | None, source: object = None) -> bool:
         """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds."""
         if self._bytes[source] < limit:  # a quick look without the lock first: the common case on every send
             return True
-        with self._room:
-            return self._room.wait_for(lambda: self._bytes[source] < limit, timeout)
+        return self._wait_for_room(lambda: self._bytes[source] < limit, timeout)
 
     def wait_until_received(self, timeout: float | None, source: object) -> bool:
         """Wait until every frame of `source` is in the consumer's table (or settled): True then, False after
         `timeout` seconds. A frame the consumer holds back (its table is full) is not, as on a socket."""
+        return self._wait_for_room(lambda: not self._bytes[source] and not self._unreceived[source], timeout)
+
+    def _wait_for_room(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
         with self._room:
-            return self._room.wait_for(lambda: not self._bytes[source] and not self._unreceived[source], timeout)
+            self._wanting_room += 1
+            try:
+                return self._room.wait_for(predicate, timeout)
+            finally:
+                self._wanting_room -= 1
 
     def queued(self, source: object) -> int:
         """Bytes `source` has queued."""

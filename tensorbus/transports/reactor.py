@@ -45,7 +45,7 @@ from ..codec.frame import (
 )
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from ..ledger import Stream
-from .base import Deliver, Delivered, Held, fast_result
+from .base import Deliver, Delivered, Held
 from .idle import IdleSweep
 from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED, stream_reader
 from .stream import ACK, CRC_TRAILER, NATIVE_STREAM, REFUSALS_WANTED, TAKEN, SocketOptions, refusal
@@ -235,13 +235,15 @@ class Reactor:
         #: held by the thread that leads; an RLock, which only its owner can release (a Ctrl-C may come
         #: just after it was taken: `read_while_waiting` then releases it if it is this thread's)
         self._leader = threading.RLock()
-        #: guards `_wanted` (a plain lock, so the leader's check of it on every step is a C call); `_state`
-        #: waits and notifies on it
+        #: guards `_wanted`, `_app_leads` and `_leading` (a plain lock, so the leader's check of `_wanted` on
+        #: every step is a C call); `_state` waits and notifies on it
         self._wanted_lock = threading.Lock()
         self._state = threading.Condition(self._wanted_lock)
         self._wanted = 0  # application threads waiting to lead (and `close`): under `_wanted_lock`
-        self._app_leads = False  # an application thread (not the background one) holds `_leader`
-        self._leading: int | None = None  # the ident of the thread holding `_leader`
+        #: who holds `_leader`: whether an application thread (not the background one) does, and its ident;
+        #: written by the leader, read by threads deciding whether to wait for it, all under `_wanted_lock`
+        self._app_leads = False
+        self._leading: int | None = None
         #: the background thread leaves leadership to the application until it has been idle for `linger_s`
         self._idle = NATIVE_STREAM.IdleTimer() if NATIVE_STREAM is not None else IdleClock()
         self._closed = False
@@ -321,7 +323,9 @@ class Reactor:
         True once `done` was acquired, False when the deadline passed. When another application
         thread leads, this just waits for `done`; on an event loop's reactor, only the loop reads.
         """
-        if self._background is None:
+        me = threading.get_ident()
+        if self._background is None or self.leading_thread() == me:  # (the loop reads; or this thread leads
+            #                                   already, and is in a recv_async callback's recv: it cannot read)
             return done.acquire(timeout=-1 if deadline is None else max(deadline - time.monotonic(), 0.0))
         while True:
             if done.acquire(blocking=False):
@@ -333,41 +337,62 @@ class Reactor:
             try:
                 led = not self._closed and self._take_lead(slice_s)
             except BaseException:  # a Ctrl-C comes out of the call that took the lock, too: give it back
-                with contextlib.suppress(RuntimeError):  # (not taken: an RLock refuses a release by a non-owner)
-                    self._leader.release()
+                self._let_go_if_taken(me)
                 raise
             if not led:
                 if done.acquire(timeout=slice_s):
                     return True
                 continue
             try:  # (straight after taking the lead: no call in between, so no Ctrl-C)
-                self._app_leads, self._leading = True, threading.get_ident()
                 self._largest_read = 0
                 self._lead(lambda: not done.locked(), time.monotonic() + slice_s, self.spin_s)
             finally:
-                self._app_leads, self._leading = False, None
-                self._idle.touch(0.0 if self._largest_read >= OVERLAP_FROM else self.linger_s)
-                self._leader.release()
+                try:
+                    self._lead_as(None)
+                    self._idle.touch(0.0 if self._largest_read >= OVERLAP_FROM else self.linger_s)
+                finally:
+                    self._leader.release()
+
+    def _let_go_if_taken(self, me: int) -> None:
+        """Give the lead back if this thread (not leading before) was interrupted while taking it."""
+        with self._state:
+            if self._leading == me:
+                self._leading, self._app_leads = None, False
+        with contextlib.suppress(RuntimeError):  # (not taken: an RLock refuses a release by a non-owner)
+            self._leader.release()
+
+    def _lead_as(self, ident: int | None, application: bool = False) -> None:
+        """Say who holds `_leader` now (None: about to let it go); the holder alone calls it."""
+        with self._wanted_lock:
+            self._leading, self._app_leads = ident, application
+
+    def leading_thread(self) -> int | None:
+        """The ident of the thread that leads now, if any (for a thread deciding whether to wait)."""
+        with self._wanted_lock:
+            return self._leading
 
     def _take_lead(self, wait_s: float) -> bool:
-        """Become the leader: at once if nobody leads, else by asking a background leader to step aside.
-
-        False when another application thread leads: it delivers this thread's tensor too.
+        """Become the application leader: at once if nobody leads, else by asking a background leader to
+        step aside. False when another application thread leads: it delivers this thread's tensor too.
         """
-        if self._leading == threading.get_ident():  # (a recv_async callback's recv: the reading thread is busy)
-            return False
-        if self._leader.acquire(blocking=False):
-            return True
-        if self._app_leads:
-            return False
-        with self._state:
+        me = threading.get_ident()
+        with self._state:  # (`_app_leads` is read under the lock its leader writes it under)
+            if self._leader.acquire(blocking=False):
+                self._leading, self._app_leads = me, True
+                return True
+            if self._app_leads:
+                return False
             self._wanted += 1
+        taken = False
         try:
             self._wake()
-            return self._leader.acquire(timeout=wait_s)
+            taken = self._leader.acquire(timeout=wait_s)
+            return taken
         finally:
             with self._state:
                 self._wanted -= 1
+                if taken:
+                    self._leading, self._app_leads = me, True
 
     def _lead_in_background(self) -> None:
         """Lead while no application thread has led recently; step aside as soon as one wants to."""
@@ -381,13 +406,13 @@ class Reactor:
             if not self._idle.wait(0):  # an application thread led meanwhile (and just let go)
                 self._leader.release()
                 continue
-            self._leading = threading.get_ident()
             try:
+                self._lead_as(threading.get_ident())
                 self._lead(self._someone_wants_to_lead, time.monotonic() + 1.0)
             except Exception:  # a bug here must not silently stop all reading
                 log.exception("the background reader failed; restarting it")
             finally:
-                self._leading = None
+                self._lead_as(None)
                 self._leader.release()
 
     def _someone_wants_to_lead(self) -> bool:
@@ -443,8 +468,8 @@ class Reactor:
         application between two `run_until_complete`), and a stopped loop answers no ack request."""
         if not self._leader.acquire(blocking=False):  # (`close` leads)
             return False
-        self._leading = threading.get_ident()
         try:
+            self._lead_as(threading.get_ident())
             if self._held:
                 self._release_held()
             peers, self._pending = self._pending, set()
@@ -460,7 +485,7 @@ class Reactor:
                         self._ack_now(peer)
             self._upkeep(time.monotonic())
         finally:
-            self._leading = None
+            self._lead_as(None)
             self._leader.release()
         return bool(self._pending)
 
@@ -561,8 +586,9 @@ class Reactor:
         if type(event) is tuple:
             peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
             frame, crc = event
-            if self._fast is not None and (taken := fast_result(self._fast, frame, crc, peer.source)) is not None:
-                self._finish(peer, taken)
+            if self._fast is not None and (taken := self._fast(frame, crc, peer.source)) is not None:
+                peer.positions.record_admitted(peer.frames, taken.message_id)  # (`_finish` of a plain tensor)
+                self._booked(peer)
             else:
                 self._deliver(peer, frame, crc)
         elif event == ACK_REQUEST:
@@ -613,6 +639,10 @@ class Reactor:
         if result.refused is not None:
             self._refuse(peer, peer.frames, result.refused)
         peer.positions.record(peer.frames, result)
+        self._booked(peer)
+
+    def _booked(self, peer: _Peer) -> None:
+        """Count a frame booked in the ledger; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
         peer.frames += 1
         peer.unacked_bytes += peer.total
         if peer.total > self._largest_read:
@@ -733,7 +763,7 @@ class Reactor:
         Called on the reading thread itself (from a `recv_async` callback), it finishes on a thread of
         its own once that thread stops leading: it cannot wait for a lock its own caller holds.
         """
-        if threading.get_ident() == self._leading:
+        if threading.get_ident() == self.leading_thread():
             threading.Thread(target=self.close, args=(timeout,), daemon=True, name="tensorbus-close").start()
             return
         with self._state:

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..codec.frame import NATIVE, Buffer, MessageId, flat_bytes, restamp
+from ..codec.chunking import restamp_chunks
+from ..codec.frame import NATIVE, Buffer, MessageId, flat_bytes, is_chunk, restamp
 from ..codec.native import crc32c
 from ..codec.signing import frame_key, resign
 from ..errors import Closed, Rejected, TransportError
@@ -37,6 +38,7 @@ from .stream import (
     UnreleasedDraft,
     c_sends_below,
     handshake_as_producer,
+    names_in,
     send_frame,
     set_send_timeout,
 )
@@ -180,13 +182,24 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
 
         The producer vouches for them again, now: they never reached that run, which refuses frames
         signed for another, and their clock is set to the resend's, so a tensor that waited untaken in
-        a consumer that then died is not refused by its successor as too old (`max_frame_age_s`).
+        a consumer that then died is not refused by its successor as too old (`max_frame_age_s`). A
+        chunked tensor's clock and signature are inside the message its chunks carry: set anew the same way.
         """
         if self.signing_key is not None and self._unacked_for not in (None, incarnation):
             key = frame_key(self.signing_key, "socket", incarnation)
-            for frame, _ in self._unacked:
-                restamp(frame)
-                resign(frame, key)
+            chunked: dict[MessageId | None, list[int]] = {}  # a chunked message's chunks, by where they are kept
+            for index, (frame, _) in enumerate(self._unacked):
+                if restamp(frame) or not is_chunk(memoryview(frame[0]).cast("B")):
+                    resign(frame, key)
+                else:  # (its clock is inside the message the chunks carry: restamped whole, below)
+                    chunked.setdefault(names_in(frame[0])[1], []).append(index)
+            for places in chunked.values():
+                chunks = [self._unacked[index][0] for index in places]
+                again = restamp_chunks(chunks, self.signing_key, key)
+                for index, chunk in zip(places, again or chunks, strict=True):
+                    if again is None:  # (not every chunk of it is kept: only signed for this run)
+                        resign(chunk, key)
+                    self._unacked[index] = (chunk, self._unacked[index][1])
         self._unacked_for = incarnation
 
     def _signed_for_now(self, frame: list[Buffer]) -> None:

@@ -234,3 +234,61 @@ def test_a_signed_tensor_rabbitmq_redelivers_after_max_frame_age_s_is_taken_and_
             raw.flush(30)
         wait_for(lambda: successor.stats["rejected replay"] == 3, 30, "the replayed frames refused as too old")
         assert successor.stats["received"] == 3
+
+
+def test_a_signed_chunked_tensor_resent_to_a_successor_after_max_frame_age_s_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # chunked by max_frame_bytes, a tensor's clock and signature are inside the message its chunks
+    # carry: the producer resending it sets that clock anew and signs the message again
+    tensors = [np.arange(20_000, dtype=np.float64) + i for i in range(3)]  # 160 KB each: five chunks or more
+    first = tb.Consumer("tcp://127.0.0.1:0", signing_key=KEY, max_frame_age_s=None)
+    address = first.address
+    with tb.Producer(address, signing_key=KEY, reconnect_timeout_s=10, max_frame_bytes=32 << 10) as producer:
+        now = time.time()
+        monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)  # sent an hour ago
+        for i, tensor in enumerate(tensors):
+            producer.send(f"k{i}", tensor)
+        monkeypatch.undo()
+        producer.flush(10)
+        first_sent = _frames(producer.transport._unacked)  # type: ignore[attr-defined]
+        assert len(first_sent) >= 15
+        first.close()
+        with tb.Consumer(address, signing_key=KEY, max_frame_age_s=2) as successor:
+            producer.flush(15)
+            for i, tensor in enumerate(tensors):
+                assert np.array_equal(successor.recv(f"k{i}", timeout=10), tensor)
+            assert successor.stats["rejected"] == 0
+            _replay_on_socket(address, first_sent)  # a third party replays the first sends: another run's
+            wait_for(lambda: successor.stats["rejected signature"] == len(first_sent), 10, "the first sends refused")
+            assert successor.stats["received"] == 3
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("client", ["kafka", "kafka-confluent"])
+def test_a_signed_tensor_kafka_reads_again_after_max_frame_age_s_is_taken_and_a_replay_of_it_refused(
+    client: str,
+) -> None:
+    # the first consumer held them untaken past max_frame_age_s and closed: its successor in the group
+    # reads the records again, aged by the broker's append time; a third party appending them again is refused
+    url, age_s = endpoint_url(client), 1.0
+    first = tb.Consumer(url, signing_key=KEY, max_frame_age_s=age_s)
+    with tb.Producer(url, signing_key=KEY) as producer:
+        captured = _tap(producer)
+        for i in range(3):
+            producer.send(f"k{i}", np.full(2, i))
+        producer.flush(30)
+        too_old_after = time.time() + age_s + 0.1
+    wait_for(lambda: len(first.table) == 3, 60, "the three in the first consumer's table, untaken")
+    wait_for(lambda: time.time() > too_old_after, 10, "the tensors older than max_frame_age_s")
+    first.close()  # nothing taken, nothing committed: the group's next consumer reads them again
+    with tb.Consumer(url, signing_key=KEY, max_frame_age_s=age_s) as successor:
+        for i in range(3):
+            assert successor.recv(f"k{i}", timeout=60).tolist() == [i, i]
+        assert successor.stats["rejected"] == 0
+        with tb.Producer(url) as raw:  # a third party appends the captured frames again
+            for frame in captured:
+                raw.transport.send([frame], key=None)
+            raw.flush(30)
+        wait_for(lambda: successor.stats["rejected replay"] == 3, 30, "the appended-again frames refused as too old")
+        assert successor.stats["received"] == 3

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import tensorbus as tb
-from tensorbus.codec.chunking import frame_size
+from tensorbus.codec import frame as frame_module
+from tensorbus.codec.chunking import encode_chunks, frame_size, restamp_chunks
 
 
 class FakeClock:
@@ -327,3 +330,55 @@ def test_a_paused_reassembler_expires_nothing_and_resumes_its_deadlines() -> Non
     clock.now = 14.5
     reassembler.feed(tb.dumps(np.ones(2)))
     assert reassembler.pending == 0 and reassembler.stats["expired"] == 1
+
+
+@pytest.mark.parametrize("max_chunk_bytes", [4_136, 8_229])  # (the second: the last chunk carries 17 bytes of the MAC)
+def test_restamped_chunks_carry_a_message_stamped_now_and_signed_again(
+    max_chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what a socket producer resends to another consumer run: the chunks of a message signed an hour ago
+    whole_key, old_key, new_key = b"team", b"run-1", b"run-2"
+    array = np.arange(6_000, dtype=np.float32)
+    now = time.time()
+    monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)
+    chunks = encode_chunks(
+        array,
+        max_chunk_bytes=max_chunk_bytes,
+        message_id=("p", 1),
+        key="k",
+        signing_key=whole_key,
+        chunk_signing_key=old_key,
+    )
+    monkeypatch.undo()
+    assert len(chunks) > 2
+    limits = tb.Limits(max_frame_age_s=60)
+
+    def reassembled(parts: list[list[Any]], run_key: bytes) -> Any:
+        reassembler = tb.Reassembler(signing_key=run_key, whole_signing_key=whole_key, limits=limits)
+        message = None
+        for part in parts:
+            message = reassembler.feed(b"".join(bytes(memoryview(b).cast("B")) for b in part)) or message
+        return message
+
+    with pytest.raises(tb.Replayed):  # as sent: too old
+        reassembled(chunks, old_key)
+    given = chunks[::-1]  # (any order)
+    again = restamp_chunks(given, whole_key, new_key)
+    assert again is not None and len(again) == len(chunks)
+    assert frame_size(again[0]) == frame_size(given[0])
+    message = reassembled(again[::-1], new_key)
+    assert message is not None and np.array_equal(message.tensor, array) and message.key == "k"
+    with pytest.raises(tb.SignatureError):  # signed for the new run only
+        reassembled(again[::-1], old_key)
+    monkeypatch.setattr(frame_module.time, "time", lambda: now + 61)  # replayed later than max_frame_age_s
+    with pytest.raises(tb.Replayed):
+        reassembled(again[::-1], new_key)
+
+
+def test_restamp_chunks_leaves_what_is_not_every_chunk_of_one_signed_message() -> None:
+    chunks = encode_chunks(
+        np.zeros(4_000), max_chunk_bytes=8_192, message_id=("p", 2), signing_key=b"k", chunk_signing_key=b"r"
+    )
+    assert restamp_chunks(chunks[1:], b"k", b"r2") is None  # one missing
+    unsigned = encode_chunks(np.zeros(4_000), max_chunk_bytes=8_192, message_id=("p", 3))
+    assert restamp_chunks(unsigned, b"k", b"r2") is None

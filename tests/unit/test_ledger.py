@@ -17,7 +17,7 @@ from tensorbus.codec import encode, encode_chunks
 from tensorbus.intake_state import FAST
 from tensorbus.ledger import EARLY_TAKES, Ledger, Stream
 from tensorbus.rendezvous import Handoff
-from tensorbus.transports.base import Delivered, Held, fast_result
+from tensorbus.transports.base import Delivered, Held
 from tests.waiting import wait_for
 
 A, B, C = ("p", 1), ("p", 2), ("p", 3)
@@ -164,6 +164,58 @@ def test_positions_may_be_any_hashable_amqp_deliveries_for_one() -> None:
     assert released == [deliveries[2], deliveries[0]]  # one by one, in the order taken
 
 
+#: steps on one stream: ("admit", position, id) is the commonest frame (`record_admitted` on one side)
+STEPS: list[tuple[Any, ...]] = [
+    ("admit", 0, A),
+    ("admit", 1, B),
+    ("taken", B),
+    ("copy", 2, A),  # a copy of A, untaken: waits with it
+    ("taken", C),  # taken before its frame is recorded (the C delivery handed it to a waiting recv)
+    ("admit", 3, C),
+    ("admit", 4, ("p", 4)),
+    ("dropped", ("p", 4)),
+    ("admit", 5, ("p", 5)),
+    ("acked", ("p", 5)),
+    ("admit", 6, ("p", 6)),
+    ("admit", 7, ("p", 6)),  # the same id admitted again (a resend after a reconnect)
+    ("admit", 8, None),
+    ("taken", A),
+    ("taken", ("p", 6)),
+    ("admit", 9, ("p", 9)),
+    ("close",),
+    ("taken", ("p", 9)),
+    ("admit", 10, ("p", 10)),
+]
+
+
+def booked(mode: str, lean: bool) -> tuple[Any, ...]:
+    """`STEPS` through a ledger, the commonest frames booked by `record_admitted` if `lean`: what it released."""
+    ledger = Ledger(mode)  # type: ignore[arg-type]
+    stream, released = recorded(ledger)
+    counts = []
+    for step in STEPS:
+        if step[0] == "admit" and lean:
+            stream.record_admitted(step[1], step[2])
+        elif step[0] == "admit":
+            stream.record(step[1], Delivered(step[2], **ADMITTED))
+        elif step[0] == "copy":
+            stream.record(step[1], Delivered(step[2], True))
+        elif step[0] == "close":
+            released.append(("closed", stream.close()))
+        else:
+            getattr(ledger, step[0])(step[1])
+        counts.append((stream.first_open(), stream.first_unreceived(), list(released)))
+    return counts, dict(ledger.stats), ledger.released_frames
+
+
+@pytest.mark.parametrize("mode", ["take", "arrival", "manual"])
+def test_record_admitted_books_a_frame_as_record_does(mode: str) -> None:
+    lean, full = booked(mode, lean=True), booked(mode, lean=False)
+    assert lean == full
+    if mode == "take":  # (the steps do what they say: A with its copy once taken, C at its record)
+        assert lean[0][-6][2] == [1, 3, 4, 5, 8, 0, 2]
+
+
 # -- through real consumers ------------------------------------------------------------------------
 
 
@@ -196,9 +248,12 @@ def release_positions(consumer: tb.Consumer, fast: bool) -> tuple[list[Any], lis
     stream, released = recorded(intake.ledger)
     got: list[Any] = []
     consumer.recv_async("late", lambda message, error: got.append(message))  # served on delivery
-    for position, frame in enumerate(frames()):
-        result = fast_result(intake.fast, frame, None, 1) if fast and intake.fast is not None else None
-        stream.record(position, result if result is not None else intake(frame, None, may_hold=True, source=1))
+    for position, frame in enumerate(frames()):  # (the C delivery's frames booked as the reactor books them)
+        message = intake.fast(frame, None, 1) if fast and intake.fast is not None else None
+        if message is not None:
+            stream.record_admitted(position, message.message_id)
+        else:
+            stream.record(position, intake(frame, None, may_hold=True, source=1))
     after_delivery = sorted(released)
     for key in ("k0", "big", "k1", "k0"):
         consumer.recv(key, timeout=1)
