@@ -29,8 +29,7 @@ from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from ..transports.base import backoff_s
 from ..transports.socket import SocketProducer
-from ..transports.socket_acks import READ_ACKS_EVERY
-from ..transports.socket_producer import ACK_POLL_S
+from ..transports.socket_acks import READ_ACKS_EVERY, AckIO, next_step
 from ..transports.stream import (
     ACK_REQUEST_MARKER,
     HELLO,
@@ -288,39 +287,27 @@ class LoopSender:
         )
 
     async def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
-        """Read acks (asking for them, reconnecting and resending as needed) until `done()` (as
-        `SocketProducer._await_acks`, awaiting the socket instead of polling it)."""
+        """Read acks (asking for them, reconnecting and resending as needed) until `done()`, for at most
+        `timeout` seconds: `SocketProducer._ack_steps`, each step awaited (the socket, not polled)."""
         t = self.transport
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not done():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TransportError(failure())
-            acked = t._acked
+        steps, error = t._ack_steps(done, timeout, failure), None
+        while (step := next_step(steps, error)) is not None:
+            error = None
+            kind, value = step
             try:
-                if t._sock is None:
-                    try:
-                        await self._connect(deadline)
-                    except TransportError as exc:
-                        if deadline is None or time.monotonic() < deadline:
-                            raise
-                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
-                sock = t._sock
-                assert sock is not None
-                if not t._ack_requested:
-                    await self._write(sock, [ACK_REQUEST_MARKER])
-                    t._ack_requested = True
-                if await self._ready(sock, False, min(remaining, 1.0) if remaining is not None else 1.0):
-                    t._read_acks(0)
-                if t._acked == acked and not t._ack_requested:  # answered, but nothing new: don't spin
-                    await asyncio.sleep(min(ACK_POLL_S, remaining) if remaining is not None else ACK_POLL_S)
-            except OSError as exc:
-                if t._sock is not None:
-                    with contextlib.suppress(OSError):
-                        t._read_acks(0)  # a consumer that closed may have acked everything first
-                self._drop()
-                if not done():
-                    log.warning("connection to %s broke while awaiting acks (%s); reconnecting", t.address, exc)
+                if kind is AckIO.CONNECT:
+                    await self._connect(value)
+                elif kind is AckIO.ASK:
+                    assert t._sock is not None
+                    await self._write(t._sock, [ACK_REQUEST_MARKER])
+                elif kind is AckIO.READ:
+                    assert t._sock is not None
+                    if await self._ready(t._sock, False, value):
+                        t._read_acks(0)
+                else:
+                    await asyncio.sleep(value or 0.0)
+            except BaseException as exc:  # (thrown back: the steps handle a broken connection; the rest ends the wait)
+                error = exc
 
     async def flush(self, timeout: float | None) -> None:
         """Await the consumer's acks of every frame sent so far; `Rejected` if it refused one."""
