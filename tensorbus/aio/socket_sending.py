@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import api
 from ..codec.frame import Buffer, MessageId, flat_bytes
+from ..codec.native import crc32c
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from ..transports.base import backoff_s
@@ -34,11 +35,13 @@ from ..transports.stream import (
     ACK_REQUEST_MARKER,
     HELLO,
     IOV_MAX,
+    NATIVE_STREAM,
     REASON,
     REFUSALS_WANTED,
     VERDICT_REASON,
     AuthRefused,
     Refused,
+    c_sends_below,
     check_verdict,
     hello_terms,
     proof,
@@ -50,6 +53,10 @@ from .turns import Turns
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
 #: the schemes whose producers send on the loop
 SCHEMES = ("tcp", "unix")
+#: `_stream.send_frame_from` where the C extension is built (None: the Python path), and the payload size
+#: from which it leaves an unsealed frame to that path (checksummed slice by slice as it goes)
+SEND_FROM: Callable[..., tuple[int, int] | None] | None = getattr(NATIVE_STREAM, "send_frame_from", None)
+C_SENDS_BELOW = c_sends_below(True)
 
 
 def sends_on_loop(producer: api.Producer) -> bool:
@@ -101,11 +108,7 @@ class LoopSender:
             try:
                 sent = sock.sendmsg(views[first : first + IOV_MAX])
             except (BlockingIOError, InterruptedError):
-                timeout = finite_timeout(self.transport.options.send_timeout_s)
-                if not await self._ready(sock, True, timeout):
-                    raise TransportError(
-                        f"sending to {self.transport.address} made no progress for {timeout}s"
-                    ) from None
+                await self._room_to_write(sock)
                 continue
             while sent and sent >= len(views[first]):
                 sent -= len(views[first])
@@ -113,8 +116,27 @@ class LoopSender:
             if sent:
                 views[first] = views[first][sent:]
 
+    async def _room_to_write(self, sock: socket.socket) -> None:
+        """Await room in the socket; a TransportError after `send_timeout_s` without it."""
+        timeout = finite_timeout(self.transport.options.send_timeout_s)
+        if not await self._ready(sock, True, timeout):
+            raise TransportError(f"sending to {self.transport.address} made no progress for {timeout}s") from None
+
     async def _send_frame(self, sock: socket.socket, frame: list[Buffer]) -> int:
-        """Write one frame as `stream.send_frame` would (sealed, or its CRC after it); the bytes of the frame."""
+        """Write one frame as `stream.send_frame` would (sealed, or its CRC after it); the bytes of the frame.
+
+        In C where it is built (`_stream.send_frame_from`: as far as the socket takes, each call), but for
+        a large frame to checksum as it goes; else, and for that one, batch by batch (`stream.wire_batches`).
+        """
+        if SEND_FROM is not None:
+            progress = SEND_FROM(sock.fileno(), frame, 0, C_SENDS_BELOW, crc32c)
+            if progress is not None:
+                sent, total = progress
+                while sent < total:
+                    await self._room_to_write(sock)
+                    sent = SEND_FROM(sock.fileno(), frame, sent, C_SENDS_BELOW, crc32c)[0]  # type: ignore[index]  # (None only from byte 0)
+                await self._turns.take()
+                return int(total)
         for batch in wire_batches(frame, True):  # (~1 MiB each: the loop's tasks run between)
             await self._write(sock, batch)
             await self._turns.take()
