@@ -124,10 +124,16 @@ class LoopReading:
         if self._consumer.reactor.read_ready([data]) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
         if data is not None and not self._wanted():
-            assert self.poller is not None
-            self.poller.pause(True)
-            if self._idle is None:
-                self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        """Read ahead no further: stop watching the connections until a receive takes a tensor or waits
+        (`taken`), or none came for `linger_s` (`_go_free`)."""
+        assert self.poller is not None and self._loop is not None and self._consumer is not None
+        assert self._consumer.reactor is not None
+        self.poller.pause(True)
+        if self._idle is None:
+            self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)
 
     def _wanted(self) -> bool:
         """Whether the loop should read the connections now: no receive came for a while, little is
@@ -160,7 +166,8 @@ class LoopReading:
         """Deliver what was read ahead (a fair share per turn: the loop's other tasks run in between)."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
         self._again = None
-        if not self._wanted():  # (`resume` comes back here)
+        if not self._wanted():  # (bytes read ahead wait too: `resume` comes back here)
+            self._stop_reading()
             return
         if self._consumer.reactor.read_ready([]):
             self._again = self._loop.call_soon(self._read_ahead)

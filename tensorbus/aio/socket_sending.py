@@ -25,21 +25,23 @@ import numpy as np
 
 from .. import api
 from ..codec.frame import Buffer, MessageId, flat_bytes
+from ..codec.native import crc32c
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from ..transports.base import backoff_s
 from ..transports.socket import SocketProducer
-from ..transports.socket_acks import READ_ACKS_EVERY
-from ..transports.socket_producer import ACK_POLL_S
+from ..transports.socket_acks import READ_ACKS_EVERY, AckIO, next_step
 from ..transports.stream import (
     ACK_REQUEST_MARKER,
     HELLO,
     IOV_MAX,
+    NATIVE_STREAM,
     REASON,
     REFUSALS_WANTED,
     VERDICT_REASON,
     AuthRefused,
     Refused,
+    c_sends_below,
     check_verdict,
     hello_terms,
     proof,
@@ -51,6 +53,10 @@ from .turns import Turns
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
 #: the schemes whose producers send on the loop
 SCHEMES = ("tcp", "unix")
+#: `_stream.send_frame_from` where the C extension is built (None: the Python path), and the payload size
+#: from which it leaves an unsealed frame to that path (checksummed slice by slice as it goes)
+SEND_FROM: Callable[..., tuple[int, int] | None] | None = getattr(NATIVE_STREAM, "send_frame_from", None)
+C_SENDS_BELOW = c_sends_below(True)
 
 
 def sends_on_loop(producer: api.Producer) -> bool:
@@ -102,11 +108,7 @@ class LoopSender:
             try:
                 sent = sock.sendmsg(views[first : first + IOV_MAX])
             except (BlockingIOError, InterruptedError):
-                timeout = finite_timeout(self.transport.options.send_timeout_s)
-                if not await self._ready(sock, True, timeout):
-                    raise TransportError(
-                        f"sending to {self.transport.address} made no progress for {timeout}s"
-                    ) from None
+                await self._room_to_write(sock)
                 continue
             while sent and sent >= len(views[first]):
                 sent -= len(views[first])
@@ -114,8 +116,27 @@ class LoopSender:
             if sent:
                 views[first] = views[first][sent:]
 
+    async def _room_to_write(self, sock: socket.socket) -> None:
+        """Await room in the socket; a TransportError after `send_timeout_s` without it."""
+        timeout = finite_timeout(self.transport.options.send_timeout_s)
+        if not await self._ready(sock, True, timeout):
+            raise TransportError(f"sending to {self.transport.address} made no progress for {timeout}s") from None
+
     async def _send_frame(self, sock: socket.socket, frame: list[Buffer]) -> int:
-        """Write one frame as `stream.send_frame` would (sealed, or its CRC after it); the bytes of the frame."""
+        """Write one frame as `stream.send_frame` would (sealed, or its CRC after it); the bytes of the frame.
+
+        In C where it is built (`_stream.send_frame_from`: as far as the socket takes, each call), but for
+        a large frame to checksum as it goes; else, and for that one, batch by batch (`stream.wire_batches`).
+        """
+        if SEND_FROM is not None:
+            progress = SEND_FROM(sock.fileno(), frame, 0, C_SENDS_BELOW, crc32c)
+            if progress is not None:
+                sent, total = progress
+                while sent < total:
+                    await self._room_to_write(sock)
+                    sent = SEND_FROM(sock.fileno(), frame, sent, C_SENDS_BELOW, crc32c)[0]  # type: ignore[index]  # (None only from byte 0)
+                await self._turns.take()
+                return int(total)
         for batch in wire_batches(frame, True):  # (~1 MiB each: the loop's tasks run between)
             await self._write(sock, batch)
             await self._turns.take()
@@ -288,39 +309,27 @@ class LoopSender:
         )
 
     async def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
-        """Read acks (asking for them, reconnecting and resending as needed) until `done()` (as
-        `SocketProducer._await_acks`, awaiting the socket instead of polling it)."""
+        """Read acks (asking for them, reconnecting and resending as needed) until `done()`, for at most
+        `timeout` seconds: `SocketProducer._ack_steps`, each step awaited (the socket, not polled)."""
         t = self.transport
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not done():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TransportError(failure())
-            acked = t._acked
+        steps, error = t._ack_steps(done, timeout, failure), None
+        while (step := next_step(steps, error)) is not None:
+            error = None
+            kind, value = step
             try:
-                if t._sock is None:
-                    try:
-                        await self._connect(deadline)
-                    except TransportError as exc:
-                        if deadline is None or time.monotonic() < deadline:
-                            raise
-                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
-                sock = t._sock
-                assert sock is not None
-                if not t._ack_requested:
-                    await self._write(sock, [ACK_REQUEST_MARKER])
-                    t._ack_requested = True
-                if await self._ready(sock, False, min(remaining, 1.0) if remaining is not None else 1.0):
-                    t._read_acks(0)
-                if t._acked == acked and not t._ack_requested:  # answered, but nothing new: don't spin
-                    await asyncio.sleep(min(ACK_POLL_S, remaining) if remaining is not None else ACK_POLL_S)
-            except OSError as exc:
-                if t._sock is not None:
-                    with contextlib.suppress(OSError):
-                        t._read_acks(0)  # a consumer that closed may have acked everything first
-                self._drop()
-                if not done():
-                    log.warning("connection to %s broke while awaiting acks (%s); reconnecting", t.address, exc)
+                if kind is AckIO.CONNECT:
+                    await self._connect(value)
+                elif kind is AckIO.ASK:
+                    assert t._sock is not None
+                    await self._write(t._sock, [ACK_REQUEST_MARKER])
+                elif kind is AckIO.READ:
+                    assert t._sock is not None
+                    if await self._ready(t._sock, False, value):
+                        t._read_acks(0)
+                else:
+                    await asyncio.sleep(value or 0.0)
+            except BaseException as exc:  # (thrown back: the steps handle a broken connection; the rest ends the wait)
+                error = exc
 
     async def flush(self, timeout: float | None) -> None:
         """Await the consumer's acks of every frame sent so far; `Rejected` if it refused one."""

@@ -653,12 +653,17 @@ seal_head(PyObject *crc32c, Py_buffer *views, Py_ssize_t count)
     return 1;
 }
 
-/* sendmsg() every byte of `views` (a blocking socket, whose SO_SNDTIMEO makes it give up). */
+/* sendmsg() the bytes of `views` from byte `*done` on, `*done` counting those sent. A blocking socket (whose
+ * SO_SNDTIMEO makes it give up) sends every byte; a non-blocking one (`partial`) stops where it is full. */
 static int
-send_views(int fd, Py_buffer *views, Py_ssize_t count)
+send_views(int fd, Py_buffer *views, Py_ssize_t count, Py_ssize_t *done, int partial)
 {
     struct iovec iov[IOV_BATCH];
-    Py_ssize_t first = 0, offset = 0; /* the first buffer not wholly sent, and how much of it is */
+    Py_ssize_t first = 0, offset = *done; /* the first buffer not wholly sent, and how much of it is */
+    while (first < count && offset >= views[first].len) {
+        offset -= views[first].len;
+        first++;
+    }
     while (first < count) {
         int n = 0;
         for (Py_ssize_t i = first; i < count && n < IOV_BATCH; i++) {
@@ -684,9 +689,13 @@ send_views(int fd, Py_buffer *views, Py_ssize_t count)
                 }
                 continue;
             }
+            if (partial && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                return 1;
+            }
             PyErr_SetFromErrno(PyExc_OSError);
             return 0;
         }
+        *done += sent;
         while (first < count && sent >= views[first].len - offset) {
             sent -= views[first].len - offset;
             first++, offset = 0;
@@ -703,15 +712,16 @@ PyDoc_STRVAR(send_frame_doc,
 "the bytes sent. None, sending nothing, when such an unsealed frame's payload is large_from bytes or\n"
 "more (stream.send_frame checksums those slice by slice as it sends them). Errors are socket.sendmsg's.");
 
+PyDoc_STRVAR(send_frame_from_doc,
+"send_frame_from(fd, frame, done, large_from, crc32c)\n--\n\n"
+"send_frame's twin for a non-blocking socket (an event loop's): send the frame from byte `done` on, as far\n"
+"as the socket takes; (bytes of the frame sent in all, its bytes). From byte 0 it seals an unsealed head\n"
+"first, as send_frame does (None when send_frame would leave the frame to stream.send_frame).");
+
+/* send_frame and send_frame_from: from byte `done` (-1: send_frame, a blocking socket, every byte) */
 static PyObject *
-send_frame(PyObject *module, PyObject *args)
+send_some(int fd, PyObject *buffers, Py_ssize_t done, unsigned long long large_from, PyObject *crc32c)
 {
-    int fd;
-    PyObject *buffers, *crc32c;
-    unsigned long long large_from;
-    if (!PyArg_ParseTuple(args, "iOKO:send_frame", &fd, &buffers, &large_from, &crc32c)) {
-        return NULL;
-    }
     PyObject *frame = PySequence_Fast(buffers, "send_frame: a frame is a sequence of buffers");
     if (frame == NULL) {
         return NULL;
@@ -723,13 +733,20 @@ send_frame(PyObject *module, PyObject *args)
         return PyErr_NoMemory();
     }
     PyObject *result = NULL;
+    int partial = done >= 0;
+    Py_ssize_t sent = partial ? done : 0;
     for (; got < count; got++) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(frame, got), &views[got], PyBUF_SIMPLE) < 0) {
             goto done;
         }
         total += views[got].len;
     }
-    if (count && PyByteArray_Check(PySequence_Fast_GET_ITEM(frame, 0)) && is_unsealed(views[0].buf, views[0].len)) {
+    if (sent > total) {
+        PyErr_Format(PyExc_ValueError, "send_frame_from: %zd bytes done of a frame of %zd", sent, total);
+        goto done;
+    }
+    if (sent == 0 && count && PyByteArray_Check(PySequence_Fast_GET_ITEM(frame, 0)) &&
+        is_unsealed(views[0].buf, views[0].len)) {
         if (le64((const uint8_t *)views[0].buf + 12) >= large_from) {
             result = Py_NewRef(Py_None);
             goto done;
@@ -738,8 +755,8 @@ send_frame(PyObject *module, PyObject *args)
             goto done;
         }
     }
-    if (send_views(fd, views, count)) {
-        result = PyLong_FromSsize_t(total);
+    if (send_views(fd, views, count, &sent, partial)) {
+        result = partial ? Py_BuildValue("(nn)", sent, total) : PyLong_FromSsize_t(total);
     }
 done:
     for (Py_ssize_t i = 0; i < got; i++) {
@@ -748,6 +765,35 @@ done:
     PyMem_Free(views);
     Py_DECREF(frame);
     return result;
+}
+
+static PyObject *
+send_frame(PyObject *module, PyObject *args)
+{
+    int fd;
+    PyObject *buffers, *crc32c;
+    unsigned long long large_from;
+    if (!PyArg_ParseTuple(args, "iOKO:send_frame", &fd, &buffers, &large_from, &crc32c)) {
+        return NULL;
+    }
+    return send_some(fd, buffers, -1, large_from, crc32c);
+}
+
+static PyObject *
+send_frame_from(PyObject *module, PyObject *args)
+{
+    int fd;
+    PyObject *buffers, *crc32c;
+    Py_ssize_t done;
+    unsigned long long large_from;
+    if (!PyArg_ParseTuple(args, "iOnKO:send_frame_from", &fd, &buffers, &done, &large_from, &crc32c)) {
+        return NULL;
+    }
+    if (done < 0) {
+        PyErr_SetString(PyExc_ValueError, "send_frame_from: a negative count of bytes done");
+        return NULL;
+    }
+    return send_some(fd, buffers, done, large_from, crc32c);
 }
 
 /* ---- the background reader's timer ------------------------------------------------------------------ */
@@ -867,6 +913,7 @@ static PyTypeObject IdleTimerType = {
 
 static PyMethodDef module_methods[] = {
     {"send_frame", send_frame, METH_VARARGS, send_frame_doc},
+    {"send_frame_from", send_frame_from, METH_VARARGS, send_frame_from_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -464,15 +464,18 @@ class Reactor:
         wake-up pipe) and each with bytes read ahead, as far as its bytes go (FAIR_SHARE frames at most),
         and do the upkeep. True while bytes read ahead wait, which the loop cannot see: call again soon.
 
-        A connection read to its last byte is acked at once: a loop may not run again for a while (an
-        application between two `run_until_complete`), and a stopped loop answers no ack request."""
+        Every frame a turn delivered is acked before it ends, whether or not bytes wait read ahead: the
+        loop may not run again for a while (an application between two `run_until_complete`), and a
+        stopped loop answers no ack request (the producer's `flush` would wait for it in vain)."""
         if not self._leader.acquire(blocking=False):  # (`close` leads)
             return False
         try:
             self._lead_as(threading.get_ident())
-            if self._held:
+            held = list(self._held)
+            if held:
                 self._release_held()
             peers, self._pending = self._pending, set()
+            peers.update(held)  # (a held message the table took now was delivered this turn: acked with it)
             for peer in ready:
                 if peer is None:
                     self._drain_wake()
@@ -481,7 +484,7 @@ class Reactor:
             for peer in peers:
                 if not peer.gone and peer.held is None:
                     self._read(peer, _never)
-                    if not peer.gone and peer not in self._pending and peer.frames != peer.acked:
+                    if not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
                         self._ack_now(peer)
             self._upkeep(time.monotonic())
         finally:

@@ -9,21 +9,47 @@ producer drops its copies of those), and which frames it refused (REFUSAL, raise
 from __future__ import annotations
 
 import collections
+import contextlib
+import enum
 import logging
 import math
 import select
 import socket
 import ssl
 import threading
+import time
+from collections.abc import Callable, Generator
 
 from ..codec.frame import Buffer, MessageId
-from ..errors import Rejected
+from ..errors import Rejected, TransportError
 from .base import ProducerSide
 from .stream import ACK, ACK_REQUEST_MARKER, REFUSAL, REFUSED, TAKEN, SocketOptions, names_in
 
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
 #: a producer reads the acks that arrived every this many sends (four times `ack_every_frames` unacked asks for one)
 READ_ACKS_EVERY = 64
+#: a producer waiting for acks asks again this often when the consumer answers without progress
+ACK_POLL_S = 0.02
+
+
+class AckIO(enum.Enum):
+    """What a wait for acks (`ProducerAcks._ack_steps`) asks its driver to do, with the step's number."""
+
+    CONNECT = "connect"  # (re)connect, sending the unacknowledged frames again, by the deadline given (None: none)
+    ASK = "ask"  # write ACK_REQUEST_MARKER on the connection
+    READ = "read"  # wait up to the seconds given for the connection to be readable, and apply the acks there
+    PAUSE = "pause"  # sleep the seconds given
+
+
+AckStep = tuple[AckIO, "float | None"]
+
+
+def next_step(steps: Generator[AckStep, None, None], error: BaseException | None) -> AckStep | None:
+    """A driver's next step of `steps`, after throwing in what the last one raised (`error`); None once done."""
+    try:
+        return steps.throw(error) if error is not None else next(steps)
+    except StopIteration:
+        return None
 
 
 def _readable(sock: socket.socket, wait_s: float) -> bool:
@@ -199,6 +225,43 @@ class ProducerAcks(ProducerSide):
             for index, part in enumerate(frame):
                 if not isinstance(part, (bytes, bytearray)):  # (a view of an array; heads and signatures are owned)
                     frame[index] = bytes(part)
+
+    def _ack_steps(
+        self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]
+    ) -> Generator[AckStep, None, None]:
+        """Wait for acks until `done()`: ask for them, read them, reconnect (resending) when the connection
+        breaks, for at most `timeout` seconds (then a TransportError saying `failure()`).
+
+        The rule, with its waiting left to a driver: the blocking `SocketProducer._await_acks` and the event
+        loop's `LoopSender._await_acks` perform each step (`AckIO`) and throw back what it raised (`next_step`).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TransportError(failure())
+            acked = self._acked
+            try:
+                if self._sock is None:
+                    try:
+                        yield AckIO.CONNECT, deadline
+                    except TransportError as exc:  # the wait's time ran out while reconnecting: say what waited
+                        if deadline is None or time.monotonic() < deadline:
+                            raise
+                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
+                if not self._ack_requested:
+                    yield AckIO.ASK, None
+                    self._ack_requested = True
+                yield AckIO.READ, 1.0 if remaining is None else min(remaining, 1.0)
+                if self._acked == acked and not self._ack_requested:  # answered, but nothing new: don't spin
+                    yield AckIO.PAUSE, ACK_POLL_S if remaining is None else min(ACK_POLL_S, remaining)
+            except OSError as exc:
+                if self._sock is not None:
+                    with contextlib.suppress(OSError):
+                        self._read_acks(0)  # a consumer that closed may have acked everything first
+                self._drop_connection()
+                if not done():
+                    log.warning("connection to %s broke while awaiting acks (%s); reconnecting", self.address, exc)
 
     def _take_refusal(self) -> bool:
         """Take a REFUSAL off the front of the ack buffer (False: not all of it is here yet); a message's

@@ -28,7 +28,7 @@ from ..codec.signing import frame_key, resign
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from .base import Encoding, backoff_s
-from .socket_acks import ProducerAcks
+from .socket_acks import AckIO, ProducerAcks, next_step
 from .socket_endpoint import SocketEndpoint
 from .stream import (
     ACK_REQUEST_MARKER,
@@ -44,8 +44,6 @@ from .stream import (
 )
 
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
-#: a producer waiting for acks asks again this often when the consumer answers without progress
-ACK_POLL_S = 0.02
 #: a producer whose connection was quiet this long looks for a close (e.g. `idle_timeout_s`) before it sends
 PROBE_AFTER_S = 1.0
 
@@ -366,31 +364,21 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
         return self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0))
 
     def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
-        """Read acks (asking for them, reconnecting and resending as needed) until `done()`; caller holds the lock."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not done():
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TransportError(failure())
-            acked = self._acked
+        """Read acks (asking for them, reconnecting and resending as needed) until `done()`, for at most
+        `timeout` seconds (`_ack_steps`, performed blocking); caller holds the lock."""
+        steps, error = self._ack_steps(done, timeout, failure), None
+        while (step := next_step(steps, error)) is not None:
+            error = None
+            kind, value = step
             try:
-                if self._sock is None:
-                    try:
-                        self._sock = self._connect(deadline)
-                    except TransportError as exc:  # the wait's time ran out while reconnecting: say what waited
-                        if deadline is None or time.monotonic() < deadline:
-                            raise
-                        raise TransportError(f"{failure()}; the last reconnect: {exc}") from None
-                if not self._ack_requested:
+                if kind is AckIO.CONNECT:
+                    self._sock = self._connect(value)
+                elif kind is AckIO.ASK:
+                    assert self._sock is not None
                     self._sock.sendall(ACK_REQUEST_MARKER)
-                    self._ack_requested = True
-                self._read_acks(min(remaining, 1.0) if remaining is not None else 1.0)
-                if self._acked == acked and not self._ack_requested:  # answered, but nothing new: don't spin
-                    time.sleep(min(ACK_POLL_S, remaining) if remaining is not None else ACK_POLL_S)
-            except OSError as exc:
-                if self._sock is not None:
-                    with contextlib.suppress(OSError):
-                        self._read_acks(0)  # a consumer that closed may have acked everything first
-                self._drop_connection()
-                if not done():
-                    log.warning("connection to %s broke while awaiting acks (%s); reconnecting", self.address, exc)
+                elif kind is AckIO.READ:
+                    self._read_acks(value or 0.0)
+                else:
+                    time.sleep(value or 0.0)
+            except BaseException as exc:  # (thrown back: the steps handle a broken connection; the rest ends the wait)
+                error = exc

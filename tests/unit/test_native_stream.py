@@ -274,6 +274,41 @@ def test_the_c_sender_leaves_a_large_unsealed_frame_to_python_and_counts_what_it
             reader_module.NATIVE_STREAM.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
 
 
+def test_the_c_sender_on_a_full_non_blocking_socket_says_how_far_it_got_and_goes_on_from_there() -> None:
+    """`send_frame_from` (the event loop producer's): what a partial send wrote is never lost nor written twice,
+    and the frame is sealed once, before its first byte."""
+    send_from = reader_module.NATIVE_STREAM.send_frame_from
+    rng = np.random.default_rng(5)
+    frames = [encode(rng.integers(0, 255, n, dtype=np.uint8), key="k", deferred_checksum=True) for n in (3 << 20, 10)]
+    frames.append(encode({f"p{i}": np.full(10, i) for i in range(700)}, deferred_checksum=True))  # > 512 buffers
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        chunks: list[bytes] = []
+        partial = 0
+        for buffers in frames:
+            sent, total = send_from(ours.fileno(), buffers, 0, 4 << 20, crc32c.crc32c)
+            assert total == sum(memoryview(b).nbytes for b in buffers) and 0 < sent <= total
+            while sent < total:  # the socket is full: read some, then send on
+                partial += 1
+                chunks.append(theirs.recv(1 << 20))
+                sent = send_from(ours.fileno(), buffers, sent, 4 << 20, crc32c.crc32c)[0]
+            assert send_from(ours.fileno(), buffers, total, 4 << 20, crc32c.crc32c) == (total, total)  # (nothing left)
+        ours.shutdown(socket.SHUT_WR)
+        theirs.setblocking(True)
+        chunks.extend(iter(lambda: theirs.recv(1 << 20), b""))
+        assert partial > 0  # (the 3 MiB frame filled the socket: the case under test)
+        sealed = [b"".join(bytes(b) for b in frame.seal(f[0], f[1:], True, None)) for f in frames]
+        assert b"".join(chunks) == b"".join(sealed)
+        with pytest.raises(ValueError, match="bytes done"):
+            send_from(ours.fileno(), frames[1], 10**6, 4 << 20, crc32c.crc32c)
+        with pytest.raises(ValueError, match="negative"):
+            send_from(ours.fileno(), frames[1], -1, 4 << 20, crc32c.crc32c)
+    large = encode(np.zeros(5 << 20, np.uint8), deferred_checksum=True)
+    assert send_from(ours.fileno(), large, 0, 4 << 20, crc32c.crc32c) is None  # (left to Python, as send_frame does)
+
+
 def test_a_frame_claiming_2_to_the_64_bytes_is_skipped_not_raised_into_recv() -> None:
     """Past what the C reader can count: it skips "forever", as the Python reader would, and others go on."""
     import tensorbus as tb

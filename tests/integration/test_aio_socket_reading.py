@@ -1,0 +1,113 @@
+"""A socket consumer read on the event loop (tensorbus/aio/socket_reading.py): what it owes its producers
+when the loop stops between two turns, and how reading ahead of the receives stops and starts again.
+
+These drive the loop as an application between two `run_until_complete` calls does (the benchmark's
+workers do): the loop runs only while a receive is awaited, so nothing may be left for "the next turn".
+FAIR_SHARE (frames per turn) is made 1, so a handful of small frames spans as many turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import termios
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+import tensorbus.aio as tba
+from tensorbus.aio import socket_reading
+from tensorbus.transports import reactor
+from tests.waiting import wait_for
+
+FRAMES = 20
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _queued(sock: Any) -> int:
+    """Bytes in the socket's receive queue."""
+    count = bytearray(4)
+    fcntl.ioctl(sock.fileno(), termios.FIONREAD, count)
+    return int.from_bytes(count, "little")
+
+
+def _connected(loop: asyncio.AbstractEventLoop) -> tuple[tba.Consumer, tb.Producer]:
+    """An asyncio consumer on `loop` and a blocking producer connected to it (one tensor across)."""
+    consumer = loop.run_until_complete(tba.Consumer("tcp://127.0.0.1:0").open())
+    producer = tb.Producer(consumer.address)
+    loop.run_until_complete(asyncio.to_thread(producer.send, "k", np.zeros(4, np.float32)))
+    assert loop.run_until_complete(consumer.recv("k", timeout=30)).shape == (4,)
+    wait_for(lambda: _acks_read(producer) == 1, 30, "the producer to read the first tensor's ack")
+    return consumer, producer
+
+
+def _acks_read(producer: tb.Producer) -> int:
+    """The frames the producer has read acks for (it reads what came within a moment)."""
+    transport = producer.transport
+    with transport._lock:
+        transport._read_acks(0.05)
+        return transport._acked
+
+
+def _send_while_the_loop_stands(consumer: tba.Consumer, producer: tb.Producer) -> None:
+    """Send FRAMES small tensors and wait until they are all in the consumer's socket (its loop is stopped)."""
+    for i in range(FRAMES):
+        producer.send("k", np.full(512, i, np.float32))
+    transport, (peer,) = producer.transport, consumer.blocking.transport.reactor._peer_list()
+    wait_for(lambda: _queued(peer.conn) >= transport._unacked_bytes, 30, "the frames to reach the consumer's socket")
+
+
+async def _receive(consumer: tba.Consumer, count: int) -> list[int]:
+    """The numbers of the next `count` tensors."""
+    return [int((await consumer.recv("k", timeout=10))[0]) for _ in range(count)]
+
+
+def _close(loop: asyncio.AbstractEventLoop, consumer: tba.Consumer, producer: tb.Producer) -> None:
+    producer.close()
+    loop.run_until_complete(consumer.close())
+
+
+def test_a_loop_that_stops_with_bytes_read_ahead_has_acked_every_frame_it_delivered(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer's `flush` waits for acks, which a stopped loop never sends: each turn acks what it delivered."""
+    monkeypatch.setattr(reactor, "FAIR_SHARE", 1)
+    consumer, producer = _connected(loop)
+    try:
+        _send_while_the_loop_stands(consumer, producer)
+        assert int(loop.run_until_complete(consumer.recv("k", timeout=30))[0]) == 0  # a few turns, then it stops
+        delivered = 1 + consumer.table.buffered_keys().get("k", 0)
+        assert 1 < delivered < FRAMES, delivered  # (stopped with frames read ahead: the case under test)
+        wait_for(
+            lambda: _acks_read(producer) == 1 + delivered,  # (the first tensor, then these)
+            10,
+            f"the producer to see the {delivered} frames delivered acknowledged",
+        )
+        assert loop.run_until_complete(_receive(consumer, FRAMES - 1)) == list(range(1, FRAMES))
+    finally:
+        _close(loop, consumer, producer)
+
+
+def test_reading_stopped_ahead_of_the_receives_goes_on_when_a_receive_takes(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past READ_AHEAD the loop stops reading, bytes read ahead waiting; the next receive starts it again
+    (not the upkeep timer, put out of reach here, nor new bytes on the socket: none come)."""
+    monkeypatch.setattr(reactor, "FAIR_SHARE", 1)
+    monkeypatch.setattr(socket_reading, "READ_AHEAD", 1)  # (one tensor in the table is enough)
+    monkeypatch.setattr(socket_reading, "TAKEN_EVERY_S", 3600.0)
+    consumer, producer = _connected(loop)
+    try:
+        _send_while_the_loop_stands(consumer, producer)
+        assert loop.run_until_complete(_receive(consumer, FRAMES)) == list(range(FRAMES))
+    finally:
+        _close(loop, consumer, producer)
