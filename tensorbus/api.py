@@ -338,7 +338,8 @@ class Consumer:
             raise
         self._shown = redact(self.transport.address)  # (with the port a listener bound)
         self.intake.name = self._shown
-        self.intake.start()
+        if not self.transport.runs_on_loop:  # (on a loop, the loop's reading runs the expiry)
+            self.intake.start()
         if self.transport.reads_while_waiting:
             self.table.read_while_waiting = self.transport.read_while_waiting  # a waiting recv reads for itself
         self.table.room_opened = self.transport.room_opened

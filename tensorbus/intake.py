@@ -387,17 +387,27 @@ class Intake:
         self._rejections.error("%s: %s%s: %s", self._name, what, where, exc, source=sender or "")
 
     def _expire_loop(self) -> None:
-        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives,
-        and (with `unclaimed_timeout_s`) received ones nobody takes."""
+        """Run `expire` every `expiry_interval_s` until the intake closes."""
+        while not self._stopping.wait(self.expiry_interval_s):
+            self.expire()
+
+    @property
+    def expiry_interval_s(self) -> float:
+        """How often `expire` runs: often enough for the reassembly and unclaimed timeouts it enforces."""
         unclaimed_s = self._unclaimed_timeout_s
-        interval = max(0.05, min(self.reassembler.timeout_s / 4, 5.0, unclaimed_s / 4 if unclaimed_s else 5.0))
-        while not self._stopping.wait(interval):
-            with self._lock:
-                self.reassembler.expire()  # (nothing while a delivery is held up: see `_hold`)
-                self.state.reassembling = self.reassembler.pending > 0
-            self._rejections.flush()
-            if unclaimed_s is not None:
-                self._drop_unclaimed(unclaimed_s)
+        return max(0.05, min(self.reassembler.timeout_s / 4, 5.0, unclaimed_s / 4 if unclaimed_s else 5.0))
+
+    def expire(self) -> None:
+        """Free partly received tensors whose chunks stopped coming, even when no other frame arrives,
+        and (with `unclaimed_timeout_s`) received ones nobody takes; log the rejections counted since."""
+        if self._stopping.is_set():
+            return
+        with self._lock:
+            self.reassembler.expire()  # (nothing while a delivery is held up: see `_hold`)
+            self.state.reassembling = self.reassembler.pending > 0
+        self._rejections.flush()
+        if self._unclaimed_timeout_s is not None:
+            self._drop_unclaimed(self._unclaimed_timeout_s)
 
     def _drop_unclaimed(self, timeout_s: float) -> None:
         """Drop the tensors nobody received within `timeout_s` of their arrival (logged and counted)."""

@@ -59,7 +59,7 @@ class Consumer:
                     await asyncio.to_thread(made.close)
                     raise Closed("the Consumer was closed while it opened")
                 self._blocking = made
-                if reading.attach(made.transport, asyncio.get_running_loop(), made.table):
+                if reading.attach(made.transport, asyncio.get_running_loop(), made.table, made.intake):
                     self._reading = reading
         return self
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ..rendezvous import Rendezvous
@@ -98,15 +99,20 @@ class LoopReading:
         self._table: Rendezvous | None = None
         self._free = False  # no receive came for linger_s: read ahead without the READ_AHEAD bound
         self._idle: asyncio.TimerHandle | None = None  # when reading goes free, while paused
+        self._expire: Callable[[], None] | None = None  # the intake's expiry, run here rather than on a thread
+        self._expiring: asyncio.TimerHandle | None = None
 
     def make_poller(self) -> LoopPoller:
         """`LOOP_POLLER`'s value: called (once) by the socket consumer as it starts listening."""
         self.poller = LoopPoller()
         return self.poller
 
-    def attach(self, transport: Any, loop: asyncio.AbstractEventLoop, table: Rendezvous | None = None) -> bool:
-        """Start reading `transport` on `loop` (on the loop's thread); False if it is no socket consumer
-        made for the loop (the transport reads on threads of its own, as in the blocking API)."""
+    def attach(
+        self, transport: Any, loop: asyncio.AbstractEventLoop, table: Rendezvous | None = None, intake: Any = None
+    ) -> bool:
+        """Start reading `transport` on `loop` (on the loop's thread), and running `intake`'s expiry there
+        (a thread would make the loop wait for the GIL whenever the kernel makes it wait for a CPU);
+        False if it is no socket consumer made for the loop (it reads on threads of its own)."""
         if self.poller is None or not isinstance(transport, SocketConsumer) or transport.reactor is None:
             return False
         listener = transport._listener
@@ -116,7 +122,19 @@ class LoopReading:
         self._listening = listener.selector
         loop.add_reader(self._listening, self._turn)
         self._tick()
+        if intake is not None:
+            self._expire, every_s = intake.expire, intake.expiry_interval_s
+            self._expiring = loop.call_later(every_s, self._expiry, every_s)
         return True
+
+    def _expiry(self, every_s: float) -> None:
+        """The intake's expiry (`Intake.expire`), every `every_s`."""
+        assert self._loop is not None and self._expire is not None
+        self._expiring = self._loop.call_later(every_s, self._expiry, every_s)
+        try:
+            self._expire()
+        except Exception:  # (a bug: never stop expiring)
+            log.exception("expiring on %s failed; going on", self._consumer and self._consumer.address)
 
     def _ready(self, data: Any) -> None:
         """A connection (None: the wake-up pipe) is readable: read it."""
@@ -190,10 +208,10 @@ class LoopReading:
 
     def detach(self) -> None:
         """Stop reading (on the loop's thread), before the consumer closes."""
-        for handle in (self._again, self._timer, self._idle):
+        for handle in (self._again, self._timer, self._idle, self._expiring):
             if handle is not None:
                 handle.cancel()
-        self._again = self._timer = self._idle = None
+        self._again = self._timer = self._idle = self._expiring = None
         if self._loop is not None and self._listening is not None:
             self._loop.remove_reader(self._listening)
         self._listening = None

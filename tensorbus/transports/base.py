@@ -334,6 +334,9 @@ class ConsumerSide(Endpoint):
     """
 
     reads_while_waiting: ClassVar[bool] = False
+    #: its frames are read on an asyncio loop (the aio API's socket consumers): the consumer starts no
+    #: thread of its own, and the loop's reading runs the intake's expiry (`Intake.expire`)
+    runs_on_loop: bool = False
 
     def sender(self) -> str | None:
         """Who sent the frame being delivered right now, where the transport knows (a socket peer's address)."""

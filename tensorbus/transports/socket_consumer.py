@@ -54,6 +54,7 @@ class SocketConsumer(SocketEndpoint, ConsumerSide):
             host, port = bound[:2]
             self.url = self.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         loop_poller = LOOP_POLLER.get()
+        self.runs_on_loop = loop_poller is not None
         self.reactor = Reactor(
             deliver, limits, self.options, self._pool, None if loop_poller is None else loop_poller()
         )

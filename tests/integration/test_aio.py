@@ -103,13 +103,14 @@ def test_async_and_blocking_ends_talk_to_each_other(run: Any, transport: str) ->
 
 
 #: the threads of the blocking socket ends, which tcp:// and unix:// ends of tensorbus.aio start none of
-SOCKET_THREADS = ("tensorbus-reader", "tensorbus-accept", "tensorbus-aio-send")
+SOCKET_THREADS = ("tensorbus-reader", "tensorbus-accept", "tensorbus-aio-send", "tensorbus-expiry")
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
 def test_socket_ends_read_and_write_on_the_loop_and_start_no_thread(run: Any, transport: str) -> None:
-    """tcp:// and unix:// ends read, accept and write on the event loop itself: while small and large
-    tensors cross, in order and whole, no reading, accepting or sending thread of theirs is alive."""
+    """tcp:// and unix:// ends read, accept, write and expire on the event loop itself: while small and
+    large tensors cross, in order and whole, no reading, accepting, sending or expiring thread of theirs
+    is alive (a thread would make the loop wait for the GIL whenever the kernel kept it off a CPU)."""
     big = make_tensor({"seed": 4, "n": 3_000_000})
 
     async def main() -> None:
@@ -123,6 +124,31 @@ def test_socket_ends_read_and_write_on_the_loop_and_start_no_thread(run: Any, tr
                 got = await consumer.recv("k", timeout=30)
                 assert got.shape == (1000 + i,) and got[0] == i
             assert same(await consumer.recv("big", timeout=30), big)
+
+    run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_a_loop_consumer_expires_on_the_loop_what_nobody_took(run: Any, transport: str) -> None:
+    """With no expiry thread, the loop drops a tensor nobody took within `unclaimed_timeout_s` (counted)
+    and keeps serving: a later tensor is received."""
+
+    async def main() -> None:
+        async with (
+            tba.Consumer(endpoint_url(transport), unclaimed_timeout_s=0.2) as consumer,
+            tba.Producer(consumer.address) as producer,
+        ):
+            await producer.send("nobody", np.arange(10))
+            await producer.flush(timeout=30)
+            deadline = asyncio.get_running_loop().time() + 30
+            while consumer.blocking.stats["unclaimed"] == 0:
+                assert asyncio.get_running_loop().time() < deadline, "never expired"
+                await asyncio.sleep(0.02)
+            assert consumer.blocking.stats["unclaimed"] == 1
+            await producer.send("later", np.arange(3))
+            assert (await consumer.recv("later", timeout=30)).tolist() == [0, 1, 2]
+            with pytest.raises(tb.Timeout):
+                await consumer.recv("nobody", timeout=0)
 
     run(main())
 
