@@ -524,8 +524,12 @@ class KafkaTransport(Transport):
         nbytes = len(value)
         kafka_key, partition = (None, self._keyless_partition) if key is None else (key.encode(), None)
         limit = self.options.max_pending_bytes - nbytes
+        room = lambda: self._error or not self._pending_bytes or self._pending_bytes <= limit  # noqa: E731
         with self._pending:
-            self._pending.wait_for(lambda: self._error or not self._pending_bytes or self._pending_bytes <= limit)
+            if not room():  # backpressure: its seconds counted under `_pending` (tally.py)
+                started = time.monotonic()
+                self._pending.wait_for(room)
+                self.tally.blocked(started)
             self._raise_error()
             self._pending_bytes += nbytes
             self._unconfirmed += 1
