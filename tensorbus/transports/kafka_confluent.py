@@ -256,7 +256,9 @@ class ConfluentKafkaTransport(KafkaTransport):
             "session.timeout.ms": int(o.session_timeout_s * 1000),
             "heartbeat.interval.ms": int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
         }
-        commits = _Commits(None, deliver, self._shown)  # (its consumer is set below: librdkafka calls it back)
+        commits = _Commits(
+            None, deliver, self._shown, self.tally
+        )  # (its consumer is set below: librdkafka calls it back)
         try:
             commits.consumer = consumer = Consumer({**config, "on_commit": commits.on_commit})
             callbacks = {"on_assign": commits.on_assign, "on_revoke": commits.on_revoke, "on_lost": commits.on_lost}
