@@ -242,6 +242,7 @@ def _retire(meter_ref: weakref.ref[Meter], cell: _Cell) -> None:
 def attach(role: str, endpoint: Producer | Consumer, registry: Any, key_label: Any) -> Meter:
     """A meter for `endpoint`, read by the collector of `registry` (None: prometheus_client's default)."""
     meter = Meter(role, endpoint, key_label)
+    endpoint.transport.tally.metered = True
     registry = prometheus_client.REGISTRY if registry is None else registry
     if not hasattr(registry, "register"):
         raise ConfigError(f"metrics_registry must be a prometheus_client CollectorRegistry, got {registry!r}")

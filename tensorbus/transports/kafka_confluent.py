@@ -25,7 +25,7 @@ from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding, fast_result
 from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, appended_at
-from .kafka_rdkafka import CONSUMER, PRODUCER, batch, client_config, translate_error
+from .kafka_rdkafka import CONSUMER, PRODUCER, Reconnects, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
@@ -98,6 +98,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         self._on_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
         self._on_timed_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
         self._replaced_now = threading.Event()
+        self._reconnects = Reconnects(self)  # (its clients' statistics, with metrics on)
 
     def _current_rd_producer(self) -> Producer:
         """The producer to produce on (the caller holds `_lock`): made on the first send, and made again
@@ -135,6 +136,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             delivery_ms = int(o.delivery_timeout_s * 1000)
             config = {
                 **client_config(self),
+                **self._reconnects.config(),
                 **PRODUCER,
                 "message.max.bytes": o.max_request_size,
                 "delivery.timeout.ms": delivery_ms,
@@ -247,6 +249,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         o = self.options
         config = {
             **client_config(self),
+            **self._reconnects.config(),
             **CONSUMER,
             "group.id": self.group,
             "fetch.max.bytes": o.fetch_max_bytes,

@@ -28,6 +28,9 @@ class Tally:
     """One transport's counts for metrics (see the module). Writers: the thread that learns each thing."""
 
     def __init__(self) -> None:
+        #: metrics read this tally (set when an endpoint with metrics on is made, before it connects): a count
+        #: that costs something to gather even off the hot path (librdkafka's statistics) is gathered only then
+        self.metered = False
         self.acked_frames = 0  # producer: frames the endpoint acknowledged; consumer: frames it acknowledged
         self.reconnects = 0  # connections made again after one broke (the connecting thread)
         self.redeliveries = 0  # messages the broker delivered again (the consumer's I/O thread)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import urllib.parse
 from typing import Any
 
 import pytest
@@ -53,3 +56,43 @@ def test_kafka_counts_the_records_a_rebalance_delivers_again(kafka_client: str) 
         same = lambda: redeliveries(first_registry) == consumer_count(first_registry, "duplicates")  # noqa: E731
         wait_for(same, 30, "every record read again dropped as a duplicate")
         assert len(first.table) == len(KEYS)
+
+
+def cut_connections(opened_before: set[str], port: int) -> int:
+    """Shut down every TCP connection to `port` this process opened since `opened_before` (its fds then):
+    the client holding it sees its broker hang up, as when a network path breaks. Returns how many."""
+    cut = 0
+    for fd in set(os.listdir("/proc/self/fd")) - opened_before:
+        try:
+            sock = socket.socket(fileno=os.dup(int(fd)))  # (a duplicate: shutting it down ends the connection)
+        except OSError:  # not a socket (or gone meanwhile)
+            continue
+        with sock:
+            try:
+                if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getpeername()[1] == port:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+            except OSError:  # not connected
+                pass
+    return cut
+
+
+def test_kafka_confluent_counts_the_broker_connections_that_broke() -> None:
+    """librdkafka's statistics count each broker connection that broke: the consumer's are cut under it (the
+    broker stays up), it connects again by itself, and a tensor sent after the cut still arrives."""
+    url = endpoint_url("kafka")
+    options: dict[str, Any] = {"client": "confluent"}
+    registry = CollectorRegistry()
+    with tb.Producer(url, **options) as producer:
+        producer.send("before", TENSOR)
+        producer.flush(60)  # (its connections are open before those counted)
+        opened_before = set(os.listdir("/proc/self/fd"))
+        with tb.Consumer(url, metrics=True, metrics_registry=registry, **options) as consumer:
+            consumer.recv("before", timeout=60)
+            assert consumer_count(registry, "reconnects") == 0
+            cut = cut_connections(opened_before, urllib.parse.urlsplit(url).port or 9092)
+            assert cut >= 1
+            wait_for(lambda: consumer_count(registry, "reconnects") >= cut, 60, f"{cut} broken connections counted")
+            producer.send("after", TENSOR)
+            consumer.recv("after", timeout=60)
+            assert consumer_count(registry, "reconnects") == cut
