@@ -103,8 +103,8 @@ class _Cell:
 
     __slots__ = ("__weakref__", "by_label", "run", "waited_s", "waits")
 
-    def __init__(self, run: _Run | None = None) -> None:
-        self.run = _empty_run() if run is None else run  # the tensors, by size (replaced, never changed but its count)
+    def __init__(self) -> None:
+        self.run = _empty_run()  # the tensors, by size (replaced by the next run, never changed but its count)
         self.by_label: dict[str, list[int]] = {}  # with metrics_key_label: label -> [tensors, bytes]
         self.waits = [0] * (len(WAIT_BUCKETS) + 1)  # recvs by wait bucket
         self.waited_s = 0.0
