@@ -91,8 +91,10 @@ def test_kafka_confluent_counts_the_broker_connections_that_broke() -> None:
             consumer.recv("before", timeout=60)
             assert consumer_count(registry, "reconnects") == 0
             cut = cut_connections(opened_before, urllib.parse.urlsplit(url).port or 9092)
-            assert cut >= 1
-            wait_for(lambda: consumer_count(registry, "reconnects") >= cut, 60, f"{cut} broken connections counted")
+            assert cut >= 1  # (the consumer's, and any another client of this process opened meanwhile)
+            wait_for(
+                lambda: consumer_count(registry, "reconnects") >= 1, 60, "the consumer's broken connections counted"
+            )
             producer.send("after", TENSOR)
             consumer.recv("after", timeout=60)
-            assert consumer_count(registry, "reconnects") == cut
+            assert 1 <= consumer_count(registry, "reconnects") <= cut
