@@ -168,6 +168,7 @@ class Producer:
         self._options = options
         self.transport: ProducerSide
         self.transport, opts = _open(url, ProducerOptions, options, "Producer")
+        self._send_message = self.transport.send_message  # (bound once: a monitored send passes it on)
         self.compression, self.checksum = opts.compression, opts.checksum
         if self.compression is not None:
             check_codec(self.compression)
@@ -194,6 +195,7 @@ class Producer:
             return
         self.transport.abandon()
         self.transport, _ = _open(self.url, ProducerOptions, self._options, "Producer")
+        self._send_message = self.transport.send_message
         self._start_identity()
 
     @classmethod
@@ -211,7 +213,7 @@ class Producer:
         if self._monitor is None:
             self.transport.send_message(tensor, key, metadata, message_id, self._encoding)
         else:
-            self._monitor.send(self.transport.send_message, tensor, key, metadata, message_id, self._encoding)
+            self._monitor.send(self._send_message, tensor, key, metadata, message_id, self._encoding)
         return message_id
 
     def empty(self, shape: Any, dtype: Any = "float32") -> Any:

@@ -72,35 +72,49 @@ def cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, 
     return out
 
 
+class _Run:
+    """A thread's tensors since the size of its tensors last changed: `count` tensors of `size` bytes (counted
+    by that thread alone), on top of the tensors before the run (`sizes` by bucket, `bytes`: fixed).
+
+    A stream's tensors are mostly of one size: a tensor costs one addition, and a new size a new run
+    (so that a scrape, which reads `count` once, never sees a tensor twice or a counter go down)."""
+
+    __slots__ = ("bucket", "bytes", "count", "size", "sizes")
+
+    def __init__(self, size: int, sizes: list[int], nbytes: int, count: int = 0) -> None:
+        self.size, self.bucket, self.count = size, _bisect(SIZE_BUCKETS, size), count
+        self.sizes, self.bytes = sizes, nbytes
+
+    def totals(self) -> tuple[list[int], int]:
+        """The tensors by size bucket, and their bytes, this run's included."""
+        count = self.count  # (read once: the writer may add to it meanwhile)
+        sizes = list(self.sizes)
+        sizes[self.bucket] += count
+        return sizes, self.bytes + count * self.size
+
+
+def _empty_run() -> _Run:
+    return _Run(0, [0] * (len(SIZE_BUCKETS) + 1), 0)
+
+
 class _Cell:
     """One thread's counts of one endpoint: written by that thread alone, read by scrapes (each field a
     snapshot: a count read while its thread adds to it is the old or the new one, never torn)."""
 
-    __slots__ = (
-        "__weakref__",
-        "by_label",
-        "bytes",
-        "last_bucket",
-        "last_size",
-        "sizes",
-        "waited_s",
-        "waits",
-    )
+    __slots__ = ("__weakref__", "by_label", "run", "waited_s", "waits")
 
     def __init__(self) -> None:
-        self.bytes = 0  # (the tensors: the sum of `sizes`)
+        self.run = _empty_run()  # the tensors, by size (replaced by the next run, never changed but its count)
         self.by_label: dict[str, list[int]] = {}  # with metrics_key_label: label -> [tensors, bytes]
-        self.sizes = [0] * (len(SIZE_BUCKETS) + 1)  # tensors by size bucket (the sum: the bytes)
         self.waits = [0] * (len(WAIT_BUCKETS) + 1)  # recvs by wait bucket
         self.waited_s = 0.0
-        self.last_size, self.last_bucket = -1, 0  # the size bucket of the thread's last tensor
 
 
 class Meter:
     """What one Producer or Consumer counts for the collector beyond what it keeps anyway: tensors and
     their bytes (by key label), sizes, recv waits. It is the endpoint's monitor when only metrics are on
-    (`send`, `recv`, `close`, as monitoring.Monitor's), so a tensor costs one call: a few additions to
-    counts of the calling thread's own (no lock), and a bisection or two."""
+    (`send`, `recv`, `close`, as monitoring.Monitor's), so a tensor costs one call: a comparison and an
+    addition in a run of the calling thread's own (no lock)."""
 
     def __init__(self, role: str, endpoint: Producer | Consumer, key_label: Callable[[str | None], str] | None) -> None:
         if key_label is not None and not callable(key_label):
@@ -112,7 +126,7 @@ class Meter:
         self.retired = _Cell()  # the counts of threads that ended (guarded by `lock`)
         #: what folds each live thread's cell in when the thread ends (guarded by `lock`; detached at close)
         self._finalizers: list[weakref.finalize[Any, Any]] = []
-        self._local = threading.local()
+        self._local = threading.local()  # the thread's `cell`, and its cell's `run`
 
     def _cell(self) -> _Cell:
         """The calling thread's counts, made on its first tensor; folded into `retired` once the thread
@@ -122,8 +136,14 @@ class Meter:
         with self.lock:
             self.cells.append(cell)
             self._finalizers = [*(f for f in self._finalizers if f.alive), finalizer]
-        self._local.cell = cell
+        self._local.cell, self._local.run = cell, cell.run
         return cell
+
+    def _new_size(self, nbytes: int) -> None:
+        """The calling thread's tensor of `nbytes` bytes starts a new run (its last one's sizes before it)."""
+        cell: _Cell = self._local.cell
+        sizes, total = cell.run.totals()
+        cell.run = self._local.run = _Run(nbytes, sizes, total, 1)
 
     def _labelled(self, cell: _Cell, key: str | None, nbytes: int) -> None:
         counts = cell.by_label.setdefault(str(self.key_label(key)), [0, 0])  # type: ignore[misc]
@@ -135,17 +155,17 @@ class Meter:
     ) -> None:
         """`send(tensor, key, metadata, message_id, encoding)` (the transport's `send_message`), counted."""
         send(tensor, key, metadata, message_id, encoding)
-        try:  # (the thread's cell, made on its first tensor)
-            cell: _Cell = self._local.cell
+        try:  # (the thread's run, made on its first tensor)
+            run: _Run = self._local.run
         except AttributeError:
-            cell = self._cell()
+            run = self._cell().run
         nbytes = tensor.nbytes if type(tensor) is _ndarray else tensor_nbytes(tensor)
-        cell.bytes += nbytes
-        if nbytes != cell.last_size:  # (a stream's tensors are mostly of one size: its bucket is kept)
-            cell.last_size, cell.last_bucket = nbytes, _bisect(SIZE_BUCKETS, nbytes)
-        cell.sizes[cell.last_bucket] += 1
+        if nbytes == run.size:
+            run.count += 1
+        else:
+            self._new_size(nbytes)
         if self.key_label is not None:
-            self._labelled(cell, key, nbytes)
+            self._labelled(self._local.cell, key, nbytes)
 
     def recv(self, receive: Callable[..., Message], *args: Any) -> Message:
         """`receive(*args)` (the table's `recv_message` or `next_message`), counted with its wait."""
@@ -165,10 +185,11 @@ class Meter:
             cell = self._cell()
         tensor = message.tensor
         nbytes = tensor.nbytes if type(tensor) is _ndarray else tensor_nbytes(tensor)
-        cell.bytes += nbytes
-        if nbytes != cell.last_size:
-            cell.last_size, cell.last_bucket = nbytes, _bisect(SIZE_BUCKETS, nbytes)
-        cell.sizes[cell.last_bucket] += 1
+        run = cell.run
+        if nbytes == run.size:
+            run.count += 1
+        else:
+            self._new_size(nbytes)
         if self.key_label is not None:
             self._labelled(cell, message.key, nbytes)
         cell.waits[0 if waited_s <= _FIRST_WAIT else _bisect(WAIT_BUCKETS, waited_s)] += 1  # (mostly no wait)
@@ -191,19 +212,20 @@ class Meter:
             _fold(total, self.retired)
         for cell in cells:
             _fold(total, cell)
+        sizes, nbytes = total.run.totals()
         if self.key_label is None:
-            total.by_label = {"": [sum(total.sizes), total.bytes]}  # (every tensor is in one size bucket)
-        return total.by_label, total.sizes, total.waits, total.waited_s
+            total.by_label = {"": [sum(sizes), nbytes]}  # (every tensor is in one size bucket)
+        return total.by_label, sizes, total.waits, total.waited_s
 
 
 def _fold(total: _Cell, cell: _Cell) -> None:
     """Add a cell's counts to `total` (one the caller owns)."""
-    total.bytes += cell.bytes
     for label, (tensors, nbytes) in dict(cell.by_label).items():
         counts = total.by_label.setdefault(label, [0, 0])
         counts[0] += tensors
         counts[1] += nbytes
-    total.sizes = [a + b for a, b in zip(total.sizes, cell.sizes, strict=True)]
+    (sizes, nbytes), (more, more_bytes) = total.run.totals(), cell.run.totals()
+    total.run = _Run(0, [a + b for a, b in zip(sizes, more, strict=True)], nbytes + more_bytes)
     total.waits = [a + b for a, b in zip(total.waits, cell.waits, strict=True)]
     total.waited_s += cell.waited_s
 
@@ -220,6 +242,7 @@ def _retire(meter_ref: weakref.ref[Meter], cell: _Cell) -> None:
 def attach(role: str, endpoint: Producer | Consumer, registry: Any, key_label: Any) -> Meter:
     """A meter for `endpoint`, read by the collector of `registry` (None: prometheus_client's default)."""
     meter = Meter(role, endpoint, key_label)
+    endpoint.transport.tally.metered = True
     registry = prometheus_client.REGISTRY if registry is None else registry
     if not hasattr(registry, "register"):
         raise ConfigError(f"metrics_registry must be a prometheus_client CollectorRegistry, got {registry!r}")
@@ -335,7 +358,7 @@ def _transport(samples: _Samples, base: tuple[str, ...], role: str, transport: E
         samples.histogram("ack_seconds", _ACK_SECONDS, base, acks, tally.ack_wait_s)
 
 
-_BLOCKED = "seconds sends waited for credit (max_unacked_bytes, max_pending_bytes)"
+_BLOCKED = "seconds sends waited for credit or room (max_unacked_bytes, max_pending_bytes)"
 _ACK_SECONDS = "from a frame's send to its acknowledgement (one frame in flight timed at a time)"
 #: what `acknowledged_frames` counts, by role
 _ACKED = {

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .baselines import HEADER, ZmqLink
-from .links import KEY, TensorbusLink
+from .links import KEY, TensorbusLink, monitoring
 
 _T = TypeVar("_T")
 
@@ -33,14 +33,14 @@ class AioTensorbusLink(TensorbusLink):
     def open(self) -> str:
         import tensorbus.aio as tba
 
-        self.consumer = tba.Consumer(self.url)
+        self.consumer = tba.Consumer(self.url, **monitoring(self.spec))
         self._run(self.consumer.open())
         return str(self.consumer.address)
 
     def connect(self, address: str) -> None:
         import tensorbus.aio as tba
 
-        self.producer = tba.Producer(self.outbound_url(address))
+        self.producer = tba.Producer(self.outbound_url(address), **monitoring(self.spec))
         self._run(self.producer.open())
 
     def send(self, array: np.ndarray, index: int) -> None:

@@ -55,6 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--csv", metavar="FILE", help="write one CSV row per (method, metric, size)")
     add("--plot", metavar="FILE.png", help="draw throughput and latency panels (matplotlib)")
     add("--no-progress", action="store_true", help="no progress bar")
+    from ..cli import port  # (loaded already: its parser is being built)
+
+    add(
+        "--metrics-port",
+        type=port,
+        metavar="PORT",
+        help="turn metrics on in the tensorbus endpoints measured and serve their Prometheus exposition on "
+        "127.0.0.1:PORT/metrics while the bench runs (each sample labelled with its row, `method`); "
+        "what is measured then includes the metrics' cost",
+    )
     add(
         "--fanout",
         action="store_true",
@@ -77,14 +87,19 @@ def run(args: argparse.Namespace) -> int:
     from .runner import Runner
 
     if args.fanout:
+        if args.metrics_port is not None:
+            from ..errors import ConfigError
+
+            raise ConfigError("--metrics-port is for the transport table, not --fanout")
         return _run_fanout(args)
     cfg = config.load(args.config, {name: getattr(args, name, None) for name in _OVERRIDES})
     if args.plot:
         _check_plot_path(args.plot)
     for path in filter(None, (args.json, args.csv, args.plot)):
         check_directory(path)  # before minutes of measuring, not after
+    exposition = _serve_metrics(args.metrics_port)
     with _Progress(enabled=not args.no_progress) as progress:
-        results = Runner(cfg, progress, verbose=getattr(args, "verbose", False)).run()
+        results = Runner(cfg, progress, verbose=getattr(args, "verbose", False), exposition=exposition).run()
     report.print_report(results)
     if args.json:
         report.write_json(results, args.json)
@@ -101,6 +116,18 @@ def run(args: argparse.Namespace) -> int:
         print("nothing was measured (every method was skipped or failed)", file=sys.stderr)
         return 1
     return 1 if any(c.failures or c.error for c in results.cells) else 0
+
+
+def _serve_metrics(port: int | None) -> Any:
+    """With `--metrics-port`: the bench's exposition (exposition.py), served from now on; else None."""
+    if port is None:
+        return None
+    from .exposition import BenchExposition
+
+    exposition = BenchExposition()
+    exposition.serve(port)
+    print(f"metrics of the tensorbus endpoints measured: {exposition.url}", file=sys.stderr)
+    return exposition
 
 
 def _run_fanout(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import tempfile
+import threading
 import urllib.parse
 from typing import Any
 
@@ -18,6 +19,26 @@ import numpy as np
 #: role -> the direction it receives on
 INBOUND = {"A": "bwd", "B": "fwd"}
 KEY = "bench"
+
+
+_REGISTRY_LOCK = threading.Lock()
+_REGISTRY: list[Any] = []  # this worker process's metrics registry, once made (guarded by the lock)
+
+
+def worker_registry() -> Any:
+    """The registry this worker process's endpoints count into with `--metrics-port` (exposition.py)."""
+    with _REGISTRY_LOCK:
+        if not _REGISTRY:
+            from prometheus_client import CollectorRegistry
+
+            _REGISTRY.append(CollectorRegistry())
+        return _REGISTRY[0]
+
+
+def monitoring(spec: dict[str, Any]) -> dict[str, Any]:
+    """The options of a tensorbus endpoint of this worker: metrics on into `worker_registry` with
+    `--metrics-port`, else none."""
+    return {"metrics": True, "metrics_registry": worker_registry()} if spec.get("metrics") else {}
 
 
 class Link:
@@ -125,13 +146,13 @@ class TensorbusLink(Link):
     def open(self) -> str:
         import tensorbus as tb
 
-        self.consumer = tb.Consumer(self.url)
+        self.consumer = tb.Consumer(self.url, **monitoring(self.spec))
         return self.consumer.address
 
     def connect(self, address: str) -> None:
         import tensorbus as tb
 
-        self.producer = tb.Producer(self.outbound_url(address))
+        self.producer = tb.Producer(self.outbound_url(address), **monitoring(self.spec))
 
     def outbound_url(self, address: str) -> str:
         """The peer's `address` with the producer's options of the method's URL."""

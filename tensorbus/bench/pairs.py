@@ -8,10 +8,13 @@ import os
 import time
 import urllib.parse
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import brokers, workers
 from .results import Method
+
+if TYPE_CHECKING:
+    from .exposition import BenchExposition
 
 
 class StepFailed(Exception):
@@ -21,8 +24,8 @@ class StepFailed(Exception):
 class Pair:
     """A method's two worker processes (one process with two threads for memory://) and their pipes."""
 
-    def __init__(self, method: Method, spec: dict[str, Any]) -> None:
-        self.method, self.spec = method, spec
+    def __init__(self, method: Method, spec: dict[str, Any], exposition: BenchExposition | None = None) -> None:
+        self.method, self.spec, self.exposition = method, spec, exposition
         ctx = multiprocessing.get_context("spawn")
         a_here, a_there = ctx.Pipe()
         b_here, b_there = ctx.Pipe()
@@ -61,13 +64,19 @@ class Pair:
         try:
             if not conn.poll(timeout):
                 raise StepFailed(f"{command} on side {role} did not finish within {timeout:.0f}s")
-            status, value = conn.recv()
+            status, value, metrics = conn.recv()
         except (EOFError, OSError):
             codes = [p.exitcode for p in self.procs]
             raise StepFailed(f"worker {role} died during {command} (exit codes {codes})") from None
+        self._keep(metrics)
         if status == "error":
             raise StepFailed(value)
         return value
+
+    def _keep(self, metrics: tuple[int, str] | None) -> None:
+        """A worker's metrics, sent with its reply (`--metrics-port`): to the bench's exposition."""
+        if metrics is not None and self.exposition is not None:
+            self.exposition.update(self.method.name, self.spec["tag"], *metrics)
 
     def call(self, role: str, command: str, timeout: float, **args: Any) -> Any:
         """Post a command and wait for its reply."""
@@ -76,6 +85,8 @@ class Pair:
 
     def kill(self) -> None:
         """Stop both workers now; delete the broker queues/topics they could not delete themselves."""
+        if self.exposition is not None:
+            self.exposition.ended(self.spec["tag"])
         killed = False
         for proc in self.procs:
             if proc.is_alive():
@@ -115,6 +126,11 @@ class Pair:
     def finish_close(self, timeout: float) -> None:
         """Wait up to `timeout` seconds for the workers to exit (unless broken), then kill what is left."""
         deadline = time.monotonic() + timeout
+        if self.exposition is not None and not self.broken:  # the workers' last metrics, endpoints closed
+            for conn in self.conns.values():
+                with contextlib.suppress(EOFError, OSError, ValueError):
+                    if conn.poll(max(deadline - time.monotonic(), 0.1)):
+                        self._keep(conn.recv()[2])
         for proc in self.procs:
             if not self.broken:
                 proc.join(max(deadline - time.monotonic(), 0.1))

@@ -231,9 +231,10 @@ def table_rows(results: Results) -> tuple[list[str], list[tuple[Method, list[str
 
 def _title(results: Results) -> str:
     cfg, env = results.config, results.environment
+    metrics = " · metrics on (their cost included)" if env.get("metrics") else ""
     return (
         f"tensorbus bench · {cfg.dtype} · {env.get('machine', '')} · loopback · "
-        f"GB/s (tensors/s), median of up to {cfg.repeats} rounds · {results.duration_s:.0f} s"
+        f"GB/s (tensors/s), median of up to {cfg.repeats} rounds · {results.duration_s:.0f} s{metrics}"
     )
 
 

@@ -17,12 +17,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import plan
 from .config import BenchConfig, format_size
 from .pairs import Pair, StepFailed
 from .results import Cell, Method, Results
+
+if TYPE_CHECKING:
+    from .exposition import BenchExposition
 
 Progress = Callable[[int, int, str], None]
 _GRACE_S = 5.0
@@ -51,8 +54,15 @@ def _probe_count(nbytes: int, metric: str) -> int:
 class Runner:
     """Runs a `BenchConfig`, reporting progress as (steps done, steps planned, what is running)."""
 
-    def __init__(self, config: BenchConfig, progress: Progress | None = None, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        config: BenchConfig,
+        progress: Progress | None = None,
+        verbose: bool = False,
+        exposition: BenchExposition | None = None,
+    ) -> None:
         self.config = config
+        self.exposition = exposition  # with `--metrics-port`: the endpoints' metrics on, served from here
         self.progress = progress or (lambda done, total, text: None)
         self.verbose = verbose
         self.run_id = uuid.uuid4().hex[:8]
@@ -75,6 +85,7 @@ class Runner:
             "timeout_s": self.config.timeout_s,
             "chunk_bytes": method.chunk_bytes,
             "verbose": self.verbose,
+            "metrics": self.exposition is not None,
         }
 
     def _start(self, methods: list[Method]) -> None:
@@ -82,7 +93,7 @@ class Runner:
         fresh = []
         for method in methods:
             if method.status == "ok" and method.name not in self.pairs:
-                pair = Pair(method, self._spec(method))
+                pair = Pair(method, self._spec(method), self.exposition)
                 pair.start()
                 self.pairs[method.name] = pair
                 fresh.append(pair)
@@ -124,6 +135,8 @@ class Runner:
         t0 = time.monotonic()
         results.methods = plan.plan(cfg)
         results.environment = plan.environment(cfg, results.methods)
+        if self.exposition is not None:
+            results.environment["metrics"] = self.exposition.url
         sizes = sorted(set(cfg.sizes) | set(cfg.latency_sizes))
         try:
             self._start(results.methods)

@@ -1,9 +1,10 @@
 """Worker processes: each serves one side (A sends, B receives) of a method, driven over a pipe.
 
-The runner sends `(command, arguments)` and gets `("ok", result)` or `("error", "Type: text")`
-back. Tensors come from a few immutable "slots" per size (random bytes whose CRC32C both sides
-know); tensor `i` is slot `i % len(slots)` and carries `i` in its metadata, so the receiver checks
-order, size, dtype and checksum of every tensor without the sender touching memory in flight.
+The runner sends `(command, arguments)` and gets `("ok", result, metrics)` or `("error", "Type: text",
+metrics)` back (`metrics`: None, or with `--metrics-port` the process's exposition: exposition.py).
+Tensors come from a few immutable "slots" per size (random bytes whose CRC32C both sides know);
+tensor `i` is slot `i % len(slots)` and carries `i` in its metadata, so the receiver checks order,
+size, dtype and checksum of every tensor without the sender touching memory in flight.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 import resource
 import signal
 import threading
@@ -22,7 +24,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from .links import Link, make_link
+from .links import Link, make_link, worker_registry
 
 SLOT_BYTES = 64 << 20  # small tensors get up to 16 distinct slots, large ones 2
 
@@ -81,13 +83,22 @@ class Worker:
                 except BaseException as exc:
                     reply = ("error", f"{type(exc).__name__}: {exc}".strip())
                 try:
-                    self.conn.send(reply)
+                    self.conn.send((*reply, self.exposition()))
                 except (OSError, ValueError):
                     return
                 if command == "close":
                     return
         finally:
             self.do_close()
+
+    def exposition(self) -> tuple[int, str] | None:
+        """With `--metrics-port`: this process's metrics now, and its pid (two workers of one process
+        share them); sent back with every reply, after the command (never inside a timed step)."""
+        if not self.spec.get("metrics"):
+            return None
+        from prometheus_client import generate_latest
+
+        return os.getpid(), generate_latest(worker_registry()).decode()
 
     # -- setup ----------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from ..codec.frame import Buffer, Limits
 from ..errors import ConfigError, TensorBusError, TransportError
 from ..ledger import Stream
 from .base import Deliver, Delivered, Transport, TransportOptions, backoff_s
+from .tally import Tally
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -168,14 +169,23 @@ class _Offsets(AsyncConsumerRebalanceListener):
     thread (while the consumer thread waits in `poll`), hence the lock.
     """
 
-    def __init__(self, consumer: KafkaConsumer, deliver: Deliver, shown: str) -> None:
-        self.consumer, self.deliver, self.shown = consumer, deliver, shown
+    def __init__(self, consumer: KafkaConsumer, deliver: Deliver, shown: str, tally: Tally) -> None:
+        self.consumer, self.deliver, self.shown, self.tally = consumer, deliver, shown, tally
         self.assigned: frozenset[int] = frozenset()
         self._lock = threading.Lock()
         self._streams: dict[TopicPartition, Stream] = {}  # each partition's offsets in the consumer's ledger
         self._committed: dict[TopicPartition, int] = {}
+        #: the next offset of each partition this consumer has not had yet, kept across rebalances (the
+        #: consumer thread's): a record below it is one the group delivers to it again
+        self._unseen: dict[TopicPartition, int] = {}
 
     def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
+        """The consumer thread delivered the record at `offset` of `tp` (`result`): its ledger stream
+        follows it; a record this consumer had before (re-read after a rebalance) counts as a redelivery."""
+        if offset < self._unseen.get(tp, 0):
+            self.tally.redeliveries += 1
+        else:
+            self._unseen[tp] = offset + 1
         with self._lock:
             stream = self._streams.get(tp)
             if stream is None:
@@ -524,8 +534,12 @@ class KafkaTransport(Transport):
         nbytes = len(value)
         kafka_key, partition = (None, self._keyless_partition) if key is None else (key.encode(), None)
         limit = self.options.max_pending_bytes - nbytes
+        room = lambda: self._error or not self._pending_bytes or self._pending_bytes <= limit  # noqa: E731
         with self._pending:
-            self._pending.wait_for(lambda: self._error or not self._pending_bytes or self._pending_bytes <= limit)
+            if not room():  # backpressure: its seconds counted under `_pending` (tally.py)
+                started = time.monotonic()
+                self._pending.wait_for(room)
+                self.tally.blocked(started)
             self._raise_error()
             self._pending_bytes += nbytes
             self._unconfirmed += 1
@@ -603,7 +617,7 @@ class KafkaTransport(Transport):
                     heartbeat_interval_ms=int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
                 )
                 try:
-                    offsets = self._offsets = _Offsets(consumer, deliver, self._shown)
+                    offsets = self._offsets = _Offsets(consumer, deliver, self._shown, self.tally)
                     consumer.subscribe([self.topic], listener=offsets)
                     self._await_metadata(consumer, o.connect_timeout_s)
                 except BaseException:  # (its I/O thread and connections are not left behind)

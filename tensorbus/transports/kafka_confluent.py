@@ -25,7 +25,7 @@ from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding, fast_result
 from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, appended_at
-from .kafka_rdkafka import CONSUMER, PRODUCER, batch, client_config, translate_error
+from .kafka_rdkafka import CONSUMER, PRODUCER, Reconnects, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
@@ -93,9 +93,12 @@ class ConfluentKafkaTransport(KafkaTransport):
         self._rd_producer: Producer | None = None  # (swapped under `_lock`, and records produced under it)
         #: replaced producers whose purged records' reports were not all served yet (guarded by `_lock`)
         self._replaced: list[Producer] = []
-        #: the current producer's delivery report callback, and the event set when it is replaced
+        #: the current producer's delivery report callbacks (for a record timed to its ack, and for the
+        #: others: tally.py), and the event set when it is replaced
         self._on_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
+        self._on_timed_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
         self._replaced_now = threading.Event()
+        self._reconnects = Reconnects(self)  # (its clients' statistics, with metrics on)
 
     def _current_rd_producer(self) -> Producer:
         """The producer to produce on (the caller holds `_lock`): made on the first send, and made again
@@ -133,6 +136,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             delivery_ms = int(o.delivery_timeout_s * 1000)
             config = {
                 **client_config(self),
+                **self._reconnects.config(),
                 **PRODUCER,
                 "message.max.bytes": o.max_request_size,
                 "delivery.timeout.ms": delivery_ms,
@@ -151,6 +155,9 @@ class ConfluentKafkaTransport(KafkaTransport):
             self._keyless_partition = random.choice(sorted(partitions))
             self._replaced_now = replaced = threading.Event()
             self._on_delivery = lambda error, message: self._delivered(error, message, not replaced.is_set())
+            self._on_timed_delivery = lambda error, message: self._delivered(
+                error, message, not replaced.is_set(), timed=True
+            )
             with self._pending:
                 self._failed = False
             self._rd_producer = producer
@@ -176,13 +183,17 @@ class ConfluentKafkaTransport(KafkaTransport):
         value = frame[0] if len(frame) == 1 and isinstance(frame[0], bytes) else b"".join(frame)
         nbytes = len(value)
         limit = self.options.max_pending_bytes - nbytes
+        waiting_since = None  # (backpressure: its seconds counted under `_pending`, as kafka-python's are)
         while True:  # delivery reports, which lower the pending bytes, are served by `poll`
             with self._pending:
                 if self._error or not self._pending_bytes or self._pending_bytes <= limit:
+                    if waiting_since is not None:
+                        self.tally.blocked(waiting_since)
                     self._raise_error()
                     self._pending_bytes += nbytes
                     self._unconfirmed += 1
                     break
+                waiting_since = waiting_since or time.monotonic()
             with self._lock:  # (the current one: a producer replaced meanwhile no longer gets the reports due)
                 producer = self._current_rd_producer()
             producer.poll(0.05)
@@ -190,9 +201,11 @@ class ConfluentKafkaTransport(KafkaTransport):
             producer = self._current_rd_producer()
             keyless = self._keyless_partition
             partition = keyless if key is None and keyless is not None else -1  # -1: by the key (murmur2)
+            timed = self.tally.timed is None and self.tally.timing(self)  # (one record in flight timed: tally.py)
+            reported = self._on_timed_delivery if timed else self._on_delivery
             while True:
                 try:
-                    producer.produce(self.topic, value, key, partition=partition, on_delivery=self._on_delivery)
+                    producer.produce(self.topic, value, key, partition=partition, on_delivery=reported)
                     break
                 except BufferError:  # librdkafka's queue is full (its message count): let deliveries drain it
                     producer.poll(0.05)
@@ -201,11 +214,12 @@ class ConfluentKafkaTransport(KafkaTransport):
                     raise translate_error(exc.args[0], self._shown, nbytes) from None
         producer.poll(0)
 
-    def _delivered(self, error: KafkaError | None, message: Message, current: bool = True) -> None:
-        """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it)."""
+    def _delivered(self, error: KafkaError | None, message: Message, current: bool = True, timed: bool = False) -> None:
+        """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it); `timed`:
+        the record is the one timed from its send to its acknowledgement."""
         nbytes = len(message)
         failure = None if error is None else translate_error(error, self._shown, nbytes)
-        self._settle(nbytes, failure, current, acked=False if error is not None else None)
+        self._settle(nbytes, failure, current, acked=False if error is not None else self if timed else None)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker has acknowledged every record sent so far; raise the first failure."""
@@ -235,6 +249,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         o = self.options
         config = {
             **client_config(self),
+            **self._reconnects.config(),
             **CONSUMER,
             "group.id": self.group,
             "fetch.max.bytes": o.fetch_max_bytes,
@@ -244,7 +259,9 @@ class ConfluentKafkaTransport(KafkaTransport):
             "session.timeout.ms": int(o.session_timeout_s * 1000),
             "heartbeat.interval.ms": int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
         }
-        commits = _Commits(None, deliver, self._shown)  # (its consumer is set below: librdkafka calls it back)
+        commits = _Commits(
+            None, deliver, self._shown, self.tally
+        )  # (its consumer is set below: librdkafka calls it back)
         try:
             commits.consumer = consumer = Consumer({**config, "on_commit": commits.on_commit})
             callbacks = {"on_assign": commits.on_assign, "on_revoke": commits.on_revoke, "on_lost": commits.on_lost}

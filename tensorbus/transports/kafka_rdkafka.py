@@ -3,6 +3,7 @@ them, its errors translated as kafka-python's are, and the consumer's batches.""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -65,6 +66,42 @@ def client_config(transport: KafkaTransport) -> dict[str, Any]:
         "logger": logging.getLogger("tensorbus.librdkafka"),  # (served by poll and consume, not written to stderr)
         **settings,
     }
+
+
+class Reconnects:
+    """Counts a transport's reconnects (`tally.reconnects`) from librdkafka's statistics: each broker
+    connection that broke (a broker's `disconnects`; librdkafka connects again by itself, at once where it
+    needs the broker). Served every `STATISTICS_MS` by `poll` or `consume`, never per record.
+
+    The statistics of every client the transport makes (a producer replaced after a failure is a new
+    one) are summed by client and broker, each the most it said: a counter that never goes down."""
+
+    STATISTICS_MS = 1000
+
+    def __init__(self, transport: KafkaTransport) -> None:
+        self.tally = transport.tally
+        self._lock = transport._pending  # (whichever thread polls, they count under one lock)
+        self._broke: dict[tuple[str, str], int] = {}  # (client, broker) -> its disconnects (guarded by `_lock`)
+
+    def config(self) -> dict[str, Any]:
+        """A client's settings for its statistics: none unless metrics are on (`tally.metered`)."""
+        if not self.tally.metered:
+            return {}
+        return {"statistics.interval.ms": self.STATISTICS_MS, "stats_cb": self.statistics}
+
+    def statistics(self, text: str) -> None:
+        """librdkafka's statistics (JSON), on the thread that called `poll` or `consume`."""
+        try:
+            stats = json.loads(text)
+            client, brokers = str(stats["name"]), stats["brokers"]
+            said = {(client, str(name)): int(broker["disconnects"]) for name, broker in brokers.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # (not what librdkafka documents)
+            log.debug("librdkafka statistics not read: %r", exc)
+            return
+        with self._lock:
+            for where, count in said.items():
+                self._broke[where] = max(count, self._broke.get(where, 0))
+            self.tally.reconnects = sum(self._broke.values())
 
 
 def _client_error(error: KafkaError) -> None:

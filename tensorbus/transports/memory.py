@@ -27,6 +27,7 @@ from ..options import finite_timeout
 from .base import Deliver
 from .memory_reading import MemoryReader
 from .named import NamedOptions, NamedTransport
+from .tally import Tally
 
 log = logging.getLogger(__name__)
 
@@ -144,24 +145,30 @@ class Frames:
             self._unreceived.clear()
             self._room_went()
 
-    def wait_for_room(self, limit: int, timeout: float | None, source: object = None) -> bool:
-        """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds."""
+    def wait_for_room(
+        self, limit: int, timeout: float | None, source: object = None, tally: Tally | None = None
+    ) -> bool:
+        """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds.
+        The seconds waited go to `tally` (its `blocked_s` is written under this queue's lock)."""
         if self._bytes[source] < limit:  # a quick look without the lock first: the common case on every send
             return True
-        return self._wait_for_room(lambda: self._bytes[source] < limit, timeout)
+        return self._wait_for_room(lambda: self._bytes[source] < limit, timeout, tally)
 
     def wait_until_received(self, timeout: float | None, source: object) -> bool:
         """Wait until every frame of `source` is in the consumer's table (or settled): True then, False after
         `timeout` seconds. A frame the consumer holds back (its table is full) is not, as on a socket."""
         return self._wait_for_room(lambda: not self._bytes[source] and not self._unreceived[source], timeout)
 
-    def _wait_for_room(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+    def _wait_for_room(self, predicate: Callable[[], bool], timeout: float | None, tally: Tally | None = None) -> bool:
         with self._room:
             self._wanting_room += 1
+            started = time.monotonic()
             try:
                 return self._room.wait_for(predicate, timeout)
             finally:
                 self._wanting_room -= 1
+                if tally is not None:  # (backpressure: the seconds waited, counted under this lock)
+                    tally.blocked(started)
 
     def queued(self, source: object) -> int:
         """Bytes `source` has queued."""
@@ -266,7 +273,7 @@ class MemoryTransport(NamedTransport):
         """
         limit, timeout = self.options.max_unacked_bytes, self.options.send_timeout_s
         queue, source = HUB.endpoint(self.name), self._source
-        if queue.wait_for_room(limit, finite_timeout(timeout, "send_timeout_s"), source):
+        if queue.wait_for_room(limit, finite_timeout(timeout, "send_timeout_s"), source, self.tally):
             return
         raise TransportError(
             f"memory://{self.name} has had {queue.queued(source)} bytes waiting for its consumer for {timeout}s "

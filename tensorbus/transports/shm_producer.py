@@ -173,7 +173,7 @@ class ShmSender:
         if self._sock is not None and self.unacked_bytes >= limit:
             self.poll()
         if self._sock is not None and self.unacked_bytes >= limit:
-            self._wait(lambda: self.unacked_bytes < limit, self.options.send_timeout_s, "wait for room")
+            self._wait_for_room(lambda: self.unacked_bytes < limit)
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the consumer has every frame sent in its table; one that went away is replaced by
@@ -211,9 +211,16 @@ class ShmSender:
         self.poll()
         if self.slots.has_free(size) or not self.unacked_bytes or self.slots.busy(size) < RUN_AHEAD_SLOTS:
             return
-        self._wait(
-            lambda: self.slots.has_free(size) or not self.unacked_bytes, self.options.send_timeout_s, "wait for room"
-        )
+        self._wait_for_room(lambda: self.slots.has_free(size) or not self.unacked_bytes)
+
+    def _wait_for_room(self, done: Any) -> None:
+        """Wait until `done()` for up to `send_timeout_s`, the seconds waited counted as backpressure (the
+        tally's `blocked_s`: written by the sending thread, under the transport's send lock)."""
+        started = time.monotonic()
+        try:
+            self._wait(done, self.options.send_timeout_s, "wait for room")
+        finally:
+            self.tally.blocked(started)
 
     def poll(self) -> None:
         """Take what the consumer has said so far (acks, frees), without waiting."""

@@ -28,10 +28,13 @@ class Tally:
     """One transport's counts for metrics (see the module). Writers: the thread that learns each thing."""
 
     def __init__(self) -> None:
+        #: metrics read this tally (set when an endpoint with metrics on is made, before it connects): a count
+        #: that costs something to gather even off the hot path (librdkafka's statistics) is gathered only then
+        self.metered = False
         self.acked_frames = 0  # producer: frames the endpoint acknowledged; consumer: frames it acknowledged
         self.reconnects = 0  # connections made again after one broke (the connecting thread)
         self.redeliveries = 0  # messages the broker delivered again (the consumer's I/O thread)
-        self.blocked_s = 0.0  # seconds sends waited for credit (the sending thread, under the send lock)
+        self.blocked_s = 0.0  # seconds sends waited for credit or room (the sending thread, under a lock: `blocked`)
         self.ack_waits = [0] * (len(ACK_BUCKETS) + 1)  # timed frames by send-to-ack bucket (the acking thread)
         self.ack_wait_s = 0.0
         #: the position of the frame being timed (None: none is) and when it was sent; set by the sender
@@ -80,7 +83,8 @@ class Tally:
             self.timed = None
 
     def blocked(self, started: float) -> float:
-        """A send waited for credit from `started` (a `time.monotonic()`) until now; returns now."""
+        """A send waited for credit or room from `started` (a `time.monotonic()`) until now; returns now.
+        Every caller of one transport holds the same lock (its send lock, or the one its wait is under)."""
         now = time.monotonic()
         self.blocked_s += now - started
         return now
