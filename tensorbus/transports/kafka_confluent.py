@@ -242,7 +242,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             "receive.message.max.bytes": min(o.fetch_max_bytes + (1 << 20), 2**31 - 1),
             "max.poll.interval.ms": int(o.max_poll_interval_s * 1000),
             "session.timeout.ms": int(o.session_timeout_s * 1000),
-            "heartbeat.interval.ms": int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
+            "heartbeat.interval.ms": o.heartbeat_interval_ms,
         }
         commits = _Commits(None, deliver, self._shown)  # (its consumer is set below: librdkafka calls it back)
         try:
