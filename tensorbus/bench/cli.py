@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fanout",
         action="store_true",
         help="the fan-out scenario instead: tb.Publisher to N subscriber processes against pyzmq PUB/SUB (tcp) "
-        "and raw kafka-python (kafka); --transports tcp,kafka, --sizes (16MB,256MB), --repeats (5), --subscribers",
+        "and raw kafka-python (kafka, kafka-confluent); --transports tcp,kafka, --sizes (16MB,256MB), --repeats (5), "
+        "--subscribers",
     )
     add("--subscribers", metavar="LIST", help="with --fanout: subscriber processes per cell (default: 1,2,4)")
 

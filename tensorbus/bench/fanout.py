@@ -2,7 +2,8 @@
 
 Each pair runs side by side, its rounds alternating (so a ratio compares rounds run one after the
 other): tcp:// `tb.Publisher` against pyzmq PUB/SUB (`copy=False`), kafka:// `tb.Publisher` (a
-compacted topic) against raw kafka-python (chunked records, one consumer group per subscriber).
+compacted topic; `kafka-confluent`: the same on `client=confluent`) against raw kafka-python (chunked
+records, one consumer group per subscriber).
 Every subscriber checks the CRC32C of what it got; a round is timed from the publish call until
 the last subscriber reported. Untimed first: small versions until every subscriber answers (PUB/SUB
 drops what is sent before a subscriber joined), then two full-size versions.
@@ -32,7 +33,9 @@ KEY = "bench"
 #: state: buffers reused), timed ones follow them
 FIRST = 1_000_000
 CHUNK_BYTES = 1_000_000  # raw kafka-python's records, as the kafka:// transport's
-PAIRS = {"tcp": "zmq", "kafka": "kafka-python"}
+PAIRS = {"tcp": "zmq", "kafka": "kafka-python", "kafka-confluent": "kafka-python"}
+#: the tensorbus rows, and the query their kafka:// URL takes
+OURS = {"tcp": "", "kafka": "", "kafka-confluent": "?client=confluent"}
 
 
 def _crc(buffer: Any) -> int:
@@ -97,7 +100,7 @@ def _kafka_python_sub(address: str, last: int, report: Callable[[int, Any], None
     consumer.close(autocommit=False)
 
 
-_SUBSCRIBERS = {"tcp": _tensorbus_sub, "kafka": _tensorbus_sub, "zmq": _zmq_sub, "kafka-python": _kafka_python_sub}
+_SUBSCRIBERS = {**dict.fromkeys(OURS, _tensorbus_sub), "zmq": _zmq_sub, "kafka-python": _kafka_python_sub}
 
 
 def _exit_with(parent: int) -> None:
@@ -126,14 +129,14 @@ class _Publisher:
 
     def __init__(self, method: str, kafka_url: str) -> None:
         self.method, self.cleanup = method, ""
-        if method in ("tcp", "kafka"):
+        if method in OURS:
             import tensorbus as tb
 
             url = "tcp://127.0.0.1:0"
-            if method == "kafka":
+            if method != "tcp":
                 url = self.cleanup = f"{kafka_url.rstrip('/')}/tbfan-{uuid.uuid4().hex[:8]}"
-            self.pub: Any = tb.Publisher(url)
-            self.address = self.pub.address
+            self.pub: Any = tb.Publisher(url + OURS[method])
+            self.address = self.pub.address + OURS[method]  # (the address names no client)
         elif method == "zmq":
             import zmq
 
@@ -152,7 +155,7 @@ class _Publisher:
             self.address, self.topic = f"{bootstrap}/{topic}", topic
 
     def publish(self, version: int, array: np.ndarray) -> None:
-        if self.method in ("tcp", "kafka"):
+        if self.method in OURS:
             self.pub.publish(KEY, array, version=version)
         elif self.method == "zmq":
             self.pub.send_multipart([version.to_bytes(8, "little"), array], copy=False)
@@ -285,7 +288,7 @@ def run(
     print("|---|---|---|---|---|")
     cells = []
     for method in methods:
-        if method in ("kafka",) and brokers.unreachable(kafka_url):
+        if method != "tcp" and brokers.unreachable(kafka_url):
             print(f"| skipped {method}: {brokers.unreachable(kafka_url)} |")
             continue
         for nbytes in sizes:

@@ -8,7 +8,9 @@ it reads the topic to learn the versions already published, and refuses lower on
 
 A subscriber is no group member: it assigns itself every partition and reads from the start (nothing
 committed), keeping the newest of each key; `latest` answers once it has read up to where the topic
-ended when it started.
+ended when it started. Both Kafka clients (`client=kafka-python|confluent`) publish through their
+transport and read through a `Reader` of their own (kafka_confluent.py for librdkafka's); what is
+read, and when `latest` answers, is decided here for both.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import urllib.parse
 import warnings
 from collections.abc import Callable
+from typing import Protocol
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -47,11 +50,7 @@ def endpoint(url: urllib.parse.SplitResult) -> str:
 
 
 def _transport(url: urllib.parse.SplitResult, options: KafkaOptions) -> KafkaTransport:
-    """The Kafka transport whose clients and settings the fan-out uses (kafka-python's only, for now)."""
-    if options.client != "kafka-python":
-        raise ConfigError(
-            f"fan-out over kafka:// runs on the kafka-python client; client={options.client!r} is not supported"
-        )
+    """The Kafka transport (of the client `options.client` names) whose producer and settings the fan-out uses."""
     return KafkaTransport(url, options)
 
 
@@ -61,39 +60,79 @@ def _record_key(key: str, index: int, count: int) -> str:
     return key if count == 1 else f"{key}#{index}"
 
 
-def _reader(transport: KafkaTransport) -> KafkaConsumer:
-    """A consumer of no group (no commits) assigned every partition of the topic, at its start."""
-    o = transport.options
-    consumer = KafkaConsumer(
-        **transport._client_config(),
-        group_id=None,
-        enable_auto_commit=False,
-        allow_auto_create_topics=False,  # (the publisher creates it, compacted; a deleted one stays deleted)
-        fetch_max_bytes=o.fetch_max_bytes,
-        max_partition_fetch_bytes=transport.options.partition_fetch_bytes,
-    )
-    try:
-        deadline = time.monotonic() + o.connect_timeout_s
-        while not (partitions := consumer.partitions_for_topic(transport.topic)):
-            if time.monotonic() > deadline:
-                raise TransportError(f"{transport._shown}: the topic's partitions unknown after {o.connect_timeout_s}s")
-            time.sleep(0.1)
-        consumer.assign([TopicPartition(transport.topic, p) for p in sorted(partitions)])
-        consumer.seek_to_beginning()
-    except BaseException:  # (its connections and fetcher are not left behind)
-        consumer.close()
-        raise
-    return consumer
+class Reader(Protocol):
+    """A client's reader of the whole topic: no group, every partition assigned from its start, nothing committed.
+    Its methods raise `TensorBusError` (the client's own errors translated)."""
+
+    def ends(self) -> dict[int, int]: ...  # each partition's end offset now
+    def position(self, partition: int) -> int: ...  # the next offset it reads in that partition
+    def poll(self, timeout: float) -> list[bytes]: ...  # the values of the records that arrived (waits at most)
+    def close(self) -> None: ...
 
 
-def _read_to_end(consumer: KafkaConsumer, each: Callable[[bytes], object], stop: threading.Event) -> None:
+class _PythonReader:
+    """`Reader` on kafka-python."""
+
+    def __init__(self, transport: KafkaTransport) -> None:
+        o, self._shown = transport.options, transport._shown
+        with map_errors(self._shown):
+            self._consumer = consumer = KafkaConsumer(
+                **transport._client_config(),
+                group_id=None,
+                enable_auto_commit=False,
+                allow_auto_create_topics=False,  # (the publisher creates it, compacted; a deleted one stays deleted)
+                fetch_max_bytes=o.fetch_max_bytes,
+                max_partition_fetch_bytes=o.partition_fetch_bytes,
+            )
+            try:
+                deadline = time.monotonic() + o.connect_timeout_s
+                while not (partitions := consumer.partitions_for_topic(transport.topic)):
+                    if time.monotonic() > deadline:
+                        raise TransportError(
+                            f"{self._shown}: the topic's partitions unknown after {o.connect_timeout_s}s"
+                        )
+                    time.sleep(0.1)
+                self._partitions = {p: TopicPartition(transport.topic, p) for p in sorted(partitions)}
+                consumer.assign(list(self._partitions.values()))
+                consumer.seek_to_beginning()
+            except BaseException:  # (its connections and fetcher are not left behind)
+                consumer.close()
+                raise
+
+    def ends(self) -> dict[int, int]:
+        with map_errors(self._shown):
+            return {
+                tp.partition: end for tp, end in self._consumer.end_offsets(list(self._partitions.values())).items()
+            }
+
+    def position(self, partition: int) -> int:
+        with map_errors(self._shown):
+            return int(self._consumer.position(self._partitions[partition]))
+
+    def poll(self, timeout: float) -> list[bytes]:
+        with map_errors(self._shown):
+            batches = self._consumer.poll(timeout_ms=int(timeout * 1000))
+        return [record.value for records in batches.values() for record in records if record.value is not None]
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def _reader(transport: KafkaTransport) -> Reader:
+    """A reader of the topic on the transport's client."""
+    if transport.options.client == "confluent":
+        from .kafka_confluent import ConfluentReader
+
+        return ConfluentReader(transport)
+    return _PythonReader(transport)
+
+
+def _read_to_end(reader: Reader, each: Callable[[bytes], object], stop: threading.Event) -> None:
     """Read every record up to where the partitions end now."""
-    ends = consumer.end_offsets(list(consumer.assignment()))
-    while not stop.is_set() and any(consumer.position(tp) < end for tp, end in ends.items()):
-        for records in consumer.poll(timeout_ms=200).values():
-            for record in records:
-                if record.value is not None:
-                    each(record.value)
+    ends = reader.ends()
+    while not stop.is_set() and any(reader.position(p) < end for p, end in ends.items()):
+        for value in reader.poll(0.2):
+            each(value)
 
 
 class PublishingSide(BrokerPublishingSide):
@@ -106,8 +145,7 @@ class PublishingSide(BrokerPublishingSide):
     ) -> None:
         super().__init__(_transport(url, options), options.max_frame_bytes, signing_key)
         self._create_compacted()
-        with map_errors(self._transport._shown):
-            reader = _reader(self._transport)
+        reader = _reader(self._transport)
         try:
             _read_to_end(reader, self.learner(retained, signing_key), threading.Event())
         finally:
@@ -160,33 +198,29 @@ class SubscribingSide:
         caught_up = False
         while not self._stop.is_set():
             try:
-                with map_errors(self._transport._shown):
-                    consumer = _reader(self._transport)
+                reader = _reader(self._transport)
             except TensorBusError as exc:  # (no topic yet: the publisher creates it)
                 log.info("%s; trying again", exc)
                 self._stop.wait(1.0)
                 continue
             try:
                 if not caught_up:
-                    with map_errors(self._transport._shown):
-                        _read_to_end(consumer, self._take, self._stop)
+                    _read_to_end(reader, self._take, self._stop)
                     caught_up = True
                     self._receive.latest.release()
-                self._follow(consumer)
+                self._follow(reader)
             except TensorBusError as exc:  # (versions already held are not taken twice)
                 log.warning("%s; reading the topic again", exc)
                 self._stop.wait(1.0)
             finally:
-                consumer.close()
+                reader.close()
 
-    def _follow(self, consumer: KafkaConsumer) -> None:
+    def _follow(self, reader: Reader) -> None:
         while not self._stop.is_set():
             try:
-                for records in consumer.poll(timeout_ms=200).values():
-                    for record in records:
-                        if record.value is not None:
-                            self._take(record.value)
-            except Exception as exc:  # kafka-python reconnects by itself
+                for value in reader.poll(0.2):
+                    self._take(value)
+            except Exception as exc:  # both clients reconnect by themselves
                 log.warning("%s: %s; polling again", self._transport._shown, exc)
                 self._stop.wait(1.0)
 

@@ -264,7 +264,9 @@ class KafkaOptions(TransportOptions):
     max_partition_fetch_bytes: int | None = None  # default: FETCH_PER_PARTITION, within fetch_max_bytes
     max_poll_records: int = 64
     max_poll_interval_s: float = 300.0
-    session_timeout_s: float = 10.0
+    #: outlasts a broker's failover (Kafka fences a dead broker after 9 s, then elects new leaders and group
+    #: coordinators): librdkafka gives up its partitions by itself when its coordinator stays silent this long
+    session_timeout_s: float = 30.0
     commit_interval_s: float = 0.5
     batch_linger_s: float | None = None  # how long the producer waits to batch records; None: the client's default
     ssl_cafile: str | None = None  # kafkas:// (TLS)
@@ -299,6 +301,11 @@ class KafkaOptions(TransportOptions):
     def _record_bytes(self) -> int:
         """The most bytes one frame's record takes in a batch."""
         return (self.max_frame_bytes or 1 << 62) + RECORD_OVERHEAD
+
+    @property
+    def heartbeat_interval_ms(self) -> int:
+        """A group member's heartbeat: a tenth of the session, at most a second (rebalances start quickly)."""
+        return min(int(self.session_timeout_s * 100), 1000)
 
     @property
     def partition_fetch_bytes(self) -> int:
@@ -614,7 +621,7 @@ class KafkaTransport(Transport):
                     max_poll_records=o.max_poll_records,
                     max_poll_interval_ms=int(o.max_poll_interval_s * 1000),
                     session_timeout_ms=int(o.session_timeout_s * 1000),
-                    heartbeat_interval_ms=int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
+                    heartbeat_interval_ms=o.heartbeat_interval_ms,
                 )
                 try:
                     offsets = self._offsets = _Offsets(consumer, deliver, self._shown, self.tally)

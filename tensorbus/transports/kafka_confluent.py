@@ -85,6 +85,11 @@ class _Commits(_Offsets):
         self._forget({TopicPartition(p.topic, p.partition) for p in partitions})
 
 
+def _joined(frame: list[Buffer]) -> bytes:
+    """A frame's parts as one record value (librdkafka copies it once more)."""
+    return frame[0] if len(frame) == 1 and isinstance(frame[0], bytes) else b"".join(frame)
+
+
 class ConfluentKafkaTransport(KafkaTransport):
     """A topic per endpoint, through librdkafka: an idempotent producer, or a consumer-group member on a thread."""
 
@@ -170,17 +175,18 @@ class ConfluentKafkaTransport(KafkaTransport):
         the extension is built) instead of going through the chunker: most of a small tensor's time."""
         limit = self.max_frame_bytes
         if encoding.plain_flags is not None and type(tensor) is np.ndarray and limit and tensor.nbytes < limit // 2:
-            frame = encoding.encode(tensor, key, metadata, message_id, None)
-            if sum(memoryview(part).nbytes for part in frame) <= limit:
-                self.send(frame, key=key)
+            value = _joined(encoding.encode(tensor, key, metadata, message_id, None))
+            if len(value) <= limit:
+                self._produce(value, key)
                 return
         super().send_message(tensor, key, metadata, message_id, encoding)
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Queue one frame as one record; blocks only while max_pending_bytes are unacknowledged."""
-        with self._lock:
-            producer = self._current_rd_producer()
-        value = frame[0] if len(frame) == 1 and isinstance(frame[0], bytes) else b"".join(frame)
+        self._produce(_joined(frame), key)
+
+    def _produce(self, value: bytes, key: str | None) -> None:
+        """Queue one record (the producer made on the first, after the pending bytes are counted)."""
         nbytes = len(value)
         limit = self.options.max_pending_bytes - nbytes
         waiting_since = None  # (backpressure: its seconds counted under `_pending`, as kafka-python's are)
@@ -198,7 +204,11 @@ class ConfluentKafkaTransport(KafkaTransport):
                 producer = self._current_rd_producer()
             producer.poll(0.05)
         with self._lock:  # (so no other thread purges and replaces the producer between its choice and produce)
-            producer = self._current_rd_producer()
+            try:
+                producer = self._current_rd_producer()
+            except BaseException:  # (no producer could be made: the record was never queued)
+                self._settle(nbytes, None)
+                raise
             keyless = self._keyless_partition
             partition = keyless if key is None and keyless is not None else -1  # -1: by the key (murmur2)
             timed = self.tally.timed is None and self.tally.timing(self)  # (one record in flight timed: tally.py)
@@ -257,7 +267,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             "receive.message.max.bytes": min(o.fetch_max_bytes + (1 << 20), 2**31 - 1),
             "max.poll.interval.ms": int(o.max_poll_interval_s * 1000),
             "session.timeout.ms": int(o.session_timeout_s * 1000),
-            "heartbeat.interval.ms": int(o.session_timeout_s * 100),  # a tenth: rebalances start quickly
+            "heartbeat.interval.ms": o.heartbeat_interval_ms,
         }
         commits = _Commits(
             None, deliver, self._shown, self.tally

@@ -62,6 +62,9 @@ def client_config(transport: KafkaTransport) -> dict[str, Any]:
         "bootstrap.servers": ",".join(transport.servers),
         "security.protocol": protocol,
         "socket.connection.setup.timeout.ms": max(1000, int(o.connect_timeout_s * 1000)),
+        # a broker back from a restart (and maybe leading or coordinating again) is reconnected to within a second,
+        # as kafka-python is told (librdkafka's own backoff grows to 10 s)
+        "reconnect.backoff.max.ms": 1000,
         "error_cb": _client_error,
         "logger": logging.getLogger("tensorbus.librdkafka"),  # (served by poll and consume, not written to stderr)
         **settings,

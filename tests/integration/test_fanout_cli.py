@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import tensorbus as tb
 from tensorbus.files import read_tensor
+from tests.conftest import KAFKA_URL, require_broker
 from tests.integration.test_cli import finish, listen, tensorbus
 
 
@@ -52,4 +54,17 @@ def test_bench_fanout_measures_tcp_against_pub_sub(tmp_path: Path) -> None:
 
 def test_bench_fanout_refuses_a_transport_it_has_no_baseline_for() -> None:
     result = tensorbus("bench", "--fanout", "--transports", "unix")
-    assert result.returncode == 2 and "--fanout compares tcp, kafka; not unix" in result.stderr
+    assert result.returncode == 2 and "--fanout compares tcp, kafka, kafka-confluent; not unix" in result.stderr
+
+
+@pytest.mark.broker
+def test_bench_fanout_measures_kafka_on_the_confluent_client_against_raw_kafka_python(tmp_path: Path) -> None:
+    require_broker(KAFKA_URL)
+    result = tensorbus(
+        "bench", "--fanout", "--transports", "kafka-confluent", "--sizes", "64KB", "--subscribers", "1",
+        "--repeats", "3", "--kafka-url", KAFKA_URL, "--json", str(tmp_path / "fanout.json"), timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    cells = json.loads((tmp_path / "fanout.json").read_text())
+    assert cells[0]["pair"] == ["kafka-confluent", "kafka-python"]
+    assert all(0 < s < 60 for m in cells[0]["pair"] for s in cells[0]["seconds"][m])

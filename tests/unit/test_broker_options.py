@@ -122,3 +122,18 @@ def test_a_kafka_url_gives_the_brokers_the_group_and_the_tls_and_sasl_settings()
             "sasl_plain_username": "u",
             "sasl_plain_password": "1234",
         }
+
+
+def test_a_kafka_group_member_outlasts_a_broker_failover_and_both_clients_reconnect_within_a_second() -> None:
+    """A coordinator's failover (a dead broker fenced after 9 s, then new leaders) must not end a member's session:
+    librdkafka would give up its partitions and re-read from the last commit (tests/integration/test_cluster_kafka.py
+    shows the stalls). Heartbeats stay at most a second apart, so rebalances start quickly."""
+    from tensorbus.transports.kafka_rdkafka import client_config
+
+    assert KafkaOptions().session_timeout_s >= 20 and KafkaOptions().heartbeat_interval_ms == 1000
+    assert KafkaOptions(session_timeout_s=6).heartbeat_interval_ms == 600  # a tenth of a short session
+    with tb.Producer("kafka://b1:9092/t?client=confluent") as producer:  # nothing connects before the first send
+        transport = producer.transport
+        assert isinstance(transport, KafkaTransport)
+        assert client_config(transport)["reconnect.backoff.max.ms"] == 1000
+        assert transport._client_config()["reconnect_backoff_max_ms"] == 1000
