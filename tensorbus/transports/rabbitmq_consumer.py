@@ -11,6 +11,10 @@ unacked on the channel until its tensor completes (or the connection drops and t
 redelivers it); the reassembler's byte limit bounds how much that can be. The same works on
 classic queues, so there is one design for every queue type.
 
+Acks cost little per tensor: the worker (and the ledger, on the thread that took a tensor) posts holds
+and acks to one list, and one wake-up of the I/O thread (`add_callback_threadsafe`) drains whatever was
+posted meanwhile; a run of released deliveries with nothing unacked before it goes as one `multiple` ack.
+
 Streams keep their messages, so an ack there only grants credit for the next one: each delivery
 is acked once it was delivered. The consumer keeps its position in memory (the offset after the
 last frame delivered, or the first chunk of a tensor still incomplete) and, after a lost
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _STOP = object()
+_HOLD, _ACK = object(), object()  # what `_post` hands the I/O thread: a delivery to hold, released ones to ack
 #: (channel generation, delivery tag, consumer tag) of one delivery
 Delivery = tuple[int, int, str]
 #: bytes the consumer's connection reads from its socket at a time: two of the largest AMQP frames.
@@ -75,6 +81,14 @@ class QueueConsumer:
         self.held = collections.Counter[str]()
         self._unacked: set[Delivery] = set()  # the deliveries `held` counts
         self._acked_early: set[Delivery] = set()  # released (and acked) before their `_hold` ran
+        #: delivery tags of the current channel handed to `on_message` and not acked yet, oldest first (I/O
+        #: thread): a run of released ones at its head is acked with one `multiple` ack
+        self._outstanding: dict[int, None] = {}
+        #: holds and acks the worker (and the ledger) posted for the I/O thread, oldest first, and whether a
+        #: `_drain` of them is scheduled on the connection; both, and `_connection`, under `_posting`
+        self._posted: list[tuple[Any, Any]] = []
+        self._drain_scheduled = False
+        self._posting = threading.Lock()
         #: stream: the offset to consume from after a reconnect
         self.position: str | int | None = transport.offset
         self._tag: str | None = None
@@ -114,10 +128,14 @@ class QueueConsumer:
         connection, channel = self.t.connect(self.stop)
         read_in_large_pieces(connection)
         self.generation += 1
-        self._connection, self._channel = connection, channel
+        with self._posting:  # (a drain scheduled on the old connection never runs: what it had is moot)
+            self._connection, self._channel = connection, channel
+            self._posted.clear()
+            self._drain_scheduled = False
         self.held.clear()
         self._unacked.clear()
         self._acked_early.clear()
+        self._outstanding.clear()
         self._cancelled = False
         channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
         channel.basic_qos(prefetch_count=self.t.options.prefetch_count)  # per consumer
@@ -133,12 +151,13 @@ class QueueConsumer:
 
     def _consume(self) -> str:
         """Start a consumer on the current channel (a stream's from the consumer's position); its tag."""
-        generation, inbox = self.generation, self._inbox
+        generation, inbox, outstanding = self.generation, self._inbox, self._outstanding
         arguments = {"x-stream-offset": self.position} if self.stream else None
 
         def on_message(_channel: Any, method: Any, properties: Any, body: bytes) -> None:
             offset = (properties.headers or {}).get("x-stream-offset") if self.stream else None
             self.t.tally.redeliveries += method.redelivered  # (the I/O thread's count)
+            outstanding[method.delivery_tag] = None
             inbox.put(((generation, method.delivery_tag, method.consumer_tag), offset, body, method.redelivered))
 
         tag: str = self._channel.basic_consume(self.t.queue, on_message, arguments=arguments)
@@ -160,13 +179,16 @@ class QueueConsumer:
             self._channel.basic_cancel(old)  # (pika requeues what reaches it for `old` from now on)
             self.rolls += 1
 
-    def _ack(self, deliveries: list[Delivery]) -> None:
-        """Ack the deliveries the ledger released, of the current channel (older ones were requeued)."""
+    def _ack(self, deliveries: list[Delivery], tags: set[int]) -> None:
+        """Count off the deliveries the ledger released, of the current channel (older ones were requeued),
+        adding their delivery tags to `tags` (acked by `_send_acks`)."""
         for delivery in deliveries:
             generation, delivery_tag, tag = delivery
             if generation != self.generation:
                 continue
-            self._channel.basic_ack(delivery_tag)
+            tags.add(delivery_tag)
+            if self.stream:  # (never held: see `_work`)
+                continue
             if delivery not in self._unacked:
                 self._acked_early.add(delivery)
                 continue
@@ -175,6 +197,40 @@ class QueueConsumer:
             if self.held[tag] <= 0 and tag != self._tag:
                 del self.held[tag]
 
+    def _send_acks(self, tags: set[int]) -> None:
+        """Ack released delivery tags: those at the head of `_outstanding` (every older tag released too)
+        with one `multiple` ack up to the last of them, any others one by one."""
+        run = 0
+        top = None
+        for delivery_tag in self._outstanding:
+            if delivery_tag not in tags:
+                break
+            run, top = run + 1, delivery_tag
+        channel = self._channel
+        if top is not None:
+            for delivery_tag in list(itertools.islice(self._outstanding, run)):
+                del self._outstanding[delivery_tag]
+                tags.discard(delivery_tag)
+            channel.basic_ack(top, multiple=run > 1)
+        for delivery_tag in sorted(tags):
+            if delivery_tag in self._outstanding:
+                del self._outstanding[delivery_tag]
+                channel.basic_ack(delivery_tag)
+
+    def _drain(self) -> None:
+        """Run the holds and acks posted so far, in order; the acks go out as few frames as they can."""
+        with self._posting:
+            posted, self._posted = self._posted, []
+            self._drain_scheduled = False
+        tags: set[int] = set()
+        for fn, arg in posted:
+            if fn is _HOLD:
+                self._hold(arg)
+            else:
+                self._ack(arg, tags)
+        if tags:
+            self._send_acks(tags)
+
     # -- the worker thread ----------------------------------------------------------------------
 
     def _work(self) -> None:
@@ -182,7 +238,7 @@ class QueueConsumer:
         if self.stream:  # streams keep every message: an ack is credit for the next; the ledger keeps the position
             positions = self.deliver.ledger.stream()
         else:
-            positions = self.deliver.ledger.stream(lambda released: self._call(self._ack, released))
+            positions = self.deliver.ledger.stream(lambda released: self._post(_ACK, released))
         while True:
             item = self._inbox.get()
             if item is _STOP:
@@ -193,7 +249,7 @@ class QueueConsumer:
                 self.stop.set()  # the I/O thread closes the connection (after the acks posted before this)
                 return
             if self.stream:
-                self._call(self._ack, [delivery])
+                self._post(_ACK, [delivery])
                 if isinstance(offset, int):
                     positions.record(offset, result)
                     # (in memory, for this consumer's reconnects only: what is in its table is not read again)
@@ -202,11 +258,21 @@ class QueueConsumer:
                 # held even when released at once: its `_ack`, posted first, left it in `_acked_early`,
                 # which this hold clears (a hold posted only for unreleased ones let that set grow)
                 positions.record(delivery, result)
-                self._call(self._hold, delivery)
+                self._post(_HOLD, delivery)
 
-    def _call(self, fn: Any, *args: Any) -> None:
-        with contextlib.suppress(Exception):  # connection gone: unacked messages come back anyway
-            self._connection.add_callback_threadsafe(lambda: fn(*args))
+    def _post(self, what: object, arg: Any) -> None:
+        """Hand a hold or an ack to the I/O thread: one wake-up of it (`add_callback_threadsafe`) runs
+        everything posted until it drains them (any thread: the worker's holds, the ledger's releases)."""
+        with self._posting:
+            self._posted.append((what, arg))
+            if self._drain_scheduled or self._connection is None:
+                return
+            self._drain_scheduled = True
+            connection = self._connection
+        try:
+            connection.add_callback_threadsafe(self._drain)
+        except Exception:  # connection gone: unacked messages come back anyway (a new one resets the flag)
+            pass
 
     def close(self) -> None:
         """Deliver what is queued and post its acks, then stop the I/O thread (which sends them)."""

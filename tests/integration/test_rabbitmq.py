@@ -337,3 +337,29 @@ def test_a_stream_longer_than_confirm_timeout_s_is_not_taken_for_a_stalled_one(u
             sent += 1
         producer.flush(60)
         assert producer.transport._publisher.peak_in_flight > 4
+
+
+@pytest.mark.parametrize("take_it", [False, True])
+def test_deliveries_taken_after_an_untaken_one_are_acked_without_it(url: str, take_it: bool) -> None:
+    # released deliveries go as one `multiple` ack only up to the oldest one not released: a tensor
+    # left untaken before taken ones stays unacked and comes to the next consumer, alone; once taken
+    # too, the whole run is acked and nothing comes again
+    with tb.Producer(url) as producer:
+        producer.send("untaken", np.arange(3.0))
+        for i in range(20):
+            producer.send(f"k{i}", np.full(2, i))
+        producer.flush(30)
+    with tb.Consumer(url) as consumer:
+        reader = consumer.transport.consumer
+        for i in range(20):
+            assert same(consumer.recv(f"k{i}", timeout=30), np.full(2, i))
+        wait_for(lambda: len(reader._outstanding) == 1, 10, "every delivery but the untaken one acked")
+        if take_it:
+            assert same(consumer.recv("untaken", timeout=30), np.arange(3.0))
+            wait_for(lambda: not reader._outstanding, 10, "the untaken one acked once taken")
+    with tb.Consumer(url) as successor:
+        if not take_it:
+            assert same(successor.recv("untaken", timeout=30), np.arange(3.0))
+        with pytest.raises(tb.Timeout):
+            message = successor.next_message(timeout=2)
+            pytest.fail(f"the successor got {message.key} again")
