@@ -161,6 +161,10 @@ class Poller:
             self._selector.register(fd, selectors.EVENT_READ)
         self._data[fd] = data
 
+    def watches(self, fd: int, data: Any) -> bool:
+        """Whether `fd` is watched for `data`."""
+        return self._data.get(fd) is data
+
     def unregister(self, fd: int, data: Any) -> None:
         """Stop watching `fd` for `data` (KeyError if it is not watched for it: a reused number)."""
         if fd not in self._data or self._data[fd] is not data:
@@ -297,8 +301,11 @@ class Reactor:
                     del self._peers[peer.fd]
             conn.close()
             return
-        if not self._reads(peer):  # a leader read it (a lone peer is read unpolled) and
-            with contextlib.suppress(KeyError, ValueError, OSError):  # dropped it before it was registered
+        # A leader may have read it before it was registered (a lone peer is read unpolled), and either
+        # dropped it or held its message for a full table (`_hold` found nothing to unregister then):
+        # neither may stay watched (a held peer is registered again when its message is taken).
+        if not self._reads(peer) or peer.held is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
                 self._poller.unregister(peer.fd, peer)
 
     def _drop(self, peer: _Peer, reason: str, level: int) -> None:
@@ -699,7 +706,8 @@ class Reactor:
         if not self._reads(peer):  # dropped while held (an ack failed): nothing left to read
             return
         try:
-            self._poller.register(peer.fd, peer)
+            if not self._poller.watches(peer.fd, peer):  # (`add` may have registered it meanwhile)
+                self._poller.register(peer.fd, peer)
         except (KeyError, ValueError, OSError) as exc:
             self._drop(peer, f"connection failed: {exc}", logging.ERROR)
             return
