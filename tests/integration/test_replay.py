@@ -168,6 +168,17 @@ def test_a_stream_replayed_to_another_rabbitmq_queue_with_the_same_key_is_refuse
         _replayed_none(other, other.address)
 
 
+def _send_stamped_an_hour_ago(
+    monkeypatch: pytest.MonkeyPatch, producer: tb.Producer, tensors: list[np.ndarray]
+) -> None:
+    """Send `tensors` as keys k0, k1, ... with the frames' clock an hour back (old, as a replay's would be)."""
+    now = time.time()
+    monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)
+    for i, tensor in enumerate(tensors):
+        producer.send(f"k{i}", tensor)
+    monkeypatch.undo()
+
+
 def _frames(kept: Any) -> list[bytes]:
     """The frames a socket producer keeps for resending, as they would go out (what an eavesdropper captures)."""
     return [b"".join(bytes(memoryview(b).cast("B")) for b in frame) for frame, _ in kept]
@@ -182,11 +193,7 @@ def test_a_signed_tensor_resent_to_a_successor_after_max_frame_age_s_is_taken_an
     address = first.address
     producer = tb.Producer(address, signing_key=KEY, reconnect_timeout_s=10)
     with producer:
-        now = time.time()
-        monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)  # sent an hour ago
-        for i in range(3):
-            producer.send(f"k{i}", np.full(2, i))
-        monkeypatch.undo()
+        _send_stamped_an_hour_ago(monkeypatch, producer, [np.full(2, i) for i in range(3)])
         producer.flush(10)
         first_sent = _frames(producer.transport._unacked)  # type: ignore[attr-defined]
         first.close()
@@ -216,11 +223,7 @@ def test_a_signed_tensor_rabbitmq_redelivers_after_max_frame_age_s_is_taken_and_
     first = tb.Consumer(url, signing_key=KEY, max_frame_age_s=None)
     with tb.Producer(first.address, signing_key=KEY) as producer:
         captured = _tap(producer)
-        now = time.time()
-        monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)  # sent an hour ago
-        for i in range(3):
-            producer.send(f"k{i}", np.full(2, i))
-        monkeypatch.undo()
+        _send_stamped_an_hour_ago(monkeypatch, producer, [np.full(2, i) for i in range(3)])
         producer.flush(30)
     wait_for(lambda: len(first.table) == 3, 30, "the three in the first consumer's table, untaken")
     first.close()  # RabbitMQ redelivers them, marked as redelivered
@@ -245,11 +248,7 @@ def test_a_signed_chunked_tensor_resent_to_a_successor_after_max_frame_age_s_is_
     first = tb.Consumer("tcp://127.0.0.1:0", signing_key=KEY, max_frame_age_s=None)
     address = first.address
     with tb.Producer(address, signing_key=KEY, reconnect_timeout_s=10, max_frame_bytes=32 << 10) as producer:
-        now = time.time()
-        monkeypatch.setattr(frame_module.time, "time", lambda: now - 3600)  # sent an hour ago
-        for i, tensor in enumerate(tensors):
-            producer.send(f"k{i}", tensor)
-        monkeypatch.undo()
+        _send_stamped_an_hour_ago(monkeypatch, producer, tensors)
         producer.flush(10)
         first_sent = _frames(producer.transport._unacked)  # type: ignore[attr-defined]
         assert len(first_sent) >= 15
