@@ -93,7 +93,7 @@ class ConfluentLink(KafkaClientLink):
         while True:
             while self.records:
                 record = self.records.popleft()
-                if record.error() is not None:
+                if record.error() is not None or not self.is_new(record.partition(), record.offset()):
                     continue
                 h = {k: int.from_bytes(v, "little") for k, v in record.headers()}
                 whole = self.assembler.add(h["c"], h["n"], record.value(), self.chunk_bytes)

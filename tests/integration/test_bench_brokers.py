@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
+from tensorbus.bench.links import make_link
 from tensorbus.cli import main
 from tests.conftest import AMQP_URL, KAFKA_URL, require_broker
 
@@ -40,3 +44,36 @@ def test_broker_cells_are_measured_and_large_ones_get_their_own_rounds_budget_an
             assert cell["tensors_per_round"] == 16, cell
         else:
             assert cell["rounds"] >= 1 and cell["stopped_by"] in (None, "budget"), cell
+
+
+def _rewind_to_the_start(link: Any) -> None:
+    """What a rebalance does to a group member: fetched records dropped, reading again from the last
+    commit (none here: the topic's start)."""
+    link.records.clear()
+    if isinstance(link.consumer.assignment(), set):  # kafka-python
+        from kafka import TopicPartition
+
+        link.consumer.seek(TopicPartition(link.name, 0), 0)
+    else:
+        from confluent_kafka import TopicPartition
+
+        link.consumer.seek(TopicPartition(link.name, 0, 0))
+
+
+@pytest.mark.parametrize("impl", ["kafka-python", "confluent-kafka"])
+def test_a_raw_kafka_baseline_skips_the_records_its_group_delivers_again(impl: str) -> None:
+    require_broker(KAFKA_URL)
+    spec = {"impl": impl, "tag": f"again-{uuid.uuid4().hex[:8]}", "url": KAFKA_URL, "timeout_s": 30.0}
+    link = make_link({**spec, "chunk_bytes": 1_000_000}, "B")
+    try:
+        link.connect(link.open())  # the link reads the topic it writes to
+        link.prepare(4096)
+        for index in range(3):
+            link.send(np.full(1024, index, np.float32), index)
+        link.finish(30)
+        assert [link.recv(30)[0] for _ in range(2)] == [0, 1]
+        _rewind_to_the_start(link)
+        index, body = link.recv(30)
+        assert index == 2 and np.frombuffer(body, np.float32)[0] == 2
+    finally:
+        link.close()
