@@ -76,23 +76,39 @@ class _Receive:
             self.table.put_back(result[0])
 
 
+class _Expired(Exception):
+    """What a receive's timer settles its future with: its timeout passed first."""
+
+
+def _expire(future: asyncio.Future[Message]) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
+
+
 async def wait_message(
     table: Rendezvous, key: object, timeout: float | None, turns: Turns, taking: Callable[[], None]
 ) -> Message:
     """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever);
-    `taking()` is called once the receive waits, and once it took its message (the loop may read again)."""
+    `taking()` is called once the receive waits, and once it took its message (the loop may read again).
+
+    A message there already is taken without a turn of the loop; one awaited is bounded by a timer of
+    the loop's that settles the same future (not `asyncio.wait_for`, whose own future and callbacks
+    cost two more turns of the loop per receive)."""
     await turns.take()
-    receive = _Receive(table, asyncio.get_running_loop())
+    loop = asyncio.get_running_loop()
+    receive = _Receive(table, loop)
     handle = table.wait_async(key, Handoff(receive.arrived))
-    if not receive.future.done():
-        turns.waited()  # (it will suspend: as good as done now)
-        taking()
+    future, timer = receive.future, None
     try:
-        if timeout is None:
-            message = await receive.future
-        else:
-            message = await asyncio.wait_for(receive.future, timeout)
-    except asyncio.TimeoutError:
+        if not future.done():
+            turns.waited()  # (it will suspend: as good as done now)
+            taking()
+            if timeout is not None and timeout <= 0:
+                raise _Expired
+            if timeout is not None:
+                timer = loop.call_later(timeout, _expire, future)
+        message = await future  # (a future done already: at once, no suspension)
+    except _Expired:
         handle.cancel()
         receive.withdraw()
         what = "no message" if key is ANY else f"no tensor for key {key!r}"
@@ -101,6 +117,9 @@ async def wait_message(
         handle.cancel()
         receive.withdraw()
         raise
+    finally:
+        if timer is not None:
+            timer.cancel()
     message = table.hand_out(message)
     taking()
     return message

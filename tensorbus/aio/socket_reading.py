@@ -153,11 +153,13 @@ class LoopReading:
         if self._idle is None:
             self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)
 
-    def _wanted(self) -> bool:
-        """Whether the loop should read the connections now: no receive came for a while, little is
-        buffered, or a receive waits."""
+    def _wanted(self, below: int | None = None) -> bool:
+        """Whether the loop should read the connections now: no receive came for a while, fewer than
+        `below` bytes (READ_AHEAD) are buffered, or a receive waits."""
         table = self._table
-        return self._free or table is None or table.buffered_bytes < READ_AHEAD or any(table._waiters.values())
+        if self._free or table is None:
+            return True
+        return table.buffered_bytes < (READ_AHEAD if below is None else below) or any(table._waiters.values())
 
     def _go_free(self) -> None:
         """No receive came for `linger_s` while reading was paused: read on freely."""
@@ -174,8 +176,9 @@ class LoopReading:
         self.resume()
 
     def resume(self) -> None:
-        """Read again if reading stopped and is wanted now."""
-        if self.poller is not None and self.poller.paused and self._wanted():
+        """Read again if reading stopped and is wanted now: once the receives took half of what was read
+        ahead (not at each one: every stop and start costs two system calls and a turn of its own)."""
+        if self.poller is not None and self.poller.paused and self._wanted(READ_AHEAD // 2):
             self.poller.pause(False)
             if self._again is None and self._loop is not None:  # (bytes read ahead wait too)
                 self._again = self._loop.call_soon(self._read_ahead)
