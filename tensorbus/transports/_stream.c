@@ -31,6 +31,12 @@
  * takes from one connection in a row) per system call, which made a 64 KB stream faster than a
  * smaller read-ahead did (docs/PERFORMANCE.md); a connection holds it only while it holds unread bytes */
 #define READ_AHEAD (1 << 20)
+/* after a frame of LARGE_FRAME bytes or more, the read-ahead for the next prefix is only SHORT_READ_AHEAD
+ * bytes (its prefix, its header and a little of its body): the rest of a large frame is then received
+ * straight into place, not read ahead and copied over (a reader that falls behind, such as an event
+ * loop's between two turns, found whole 1 MB frames in its read-ahead buffer and copied each once more) */
+#define LARGE_FRAME (64 << 10)
+#define SHORT_READ_AHEAD (4 << 10)
 #define SPARE_INBOXES 4
 /* frames from this size wait for recv_lowat bytes at a time (see set_lowat); 1 MB ones gained nothing
  * measurable, so they are left alone */
@@ -122,7 +128,8 @@ receive(Reader *self, uint8_t *into, Py_ssize_t want, int flags)
 }
 
 /* Fill up to `want` bytes of `into` from what was read ahead; read ahead again (one system call)
- * when that is empty, unless this is a frame's body or a large read, which go straight into place. */
+ * when that is empty, unless this is a frame's body or a large read, which go straight into place
+ * (after a large frame, only a short read ahead: see SHORT_READ_AHEAD). */
 static Py_ssize_t
 take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
 {
@@ -137,7 +144,9 @@ take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
                 return -1;
             }
         }
-        Py_ssize_t n = receive(self, self->inbox, READ_AHEAD, 0);
+        int skipping = into == NULL && want > 0;
+        Py_ssize_t ahead = skipping || self->last_total < LARGE_FRAME ? READ_AHEAD : SHORT_READ_AHEAD;
+        Py_ssize_t n = receive(self, self->inbox, ahead, 0);
         if (n <= 0) {
             return n;
         }

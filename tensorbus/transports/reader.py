@@ -39,6 +39,10 @@ CHECKSUM_WHILE_RECEIVING = 4 << 20
 CRC_SLICE = 1 << 20
 #: bytes the Python reader reads at once while waiting for a prefix (so a small frame costs one system call)
 READ_AHEAD = 256 << 10
+#: after a frame of LARGE_FRAME bytes or more, the read-ahead for the next prefix is only SHORT_READ_AHEAD
+#: bytes: the rest of a large frame is received straight into place, not read ahead and copied over
+LARGE_FRAME = 64 << 10
+SHORT_READ_AHEAD = 4 << 10
 #: drained read-ahead buffers kept for the next connection that needs one
 SPARE_INBOXES = 4
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
@@ -213,7 +217,7 @@ class PyStreamReader:
     def _take(self, into: memoryview | None, want: int, straight: bool = False) -> int:
         """Up to `want` bytes into `into` (None: dropped) from what was read ahead, reading ahead again
         (one system call) when that is empty, unless this is a frame's body or a large read, which go
-        straight into place; 0 at the stream's end."""
+        straight into place (after a large frame, only SHORT_READ_AHEAD bytes); 0 at the stream's end."""
         inbox = self._inbox
         if self._lo == self._hi:
             if into is not None and (straight or want >= READ_AHEAD):
@@ -224,7 +228,8 @@ class PyStreamReader:
                 except IndexError:
                     inbox = memoryview(bytearray(READ_AHEAD))
                 self._inbox = inbox
-            n = self._recv(inbox)
+            skipping = into is None and want > 0
+            n = self._recv(inbox if skipping or self.last_total < LARGE_FRAME else inbox[:SHORT_READ_AHEAD])
             if not n:
                 return 0
             self._lo, self._hi = 0, n

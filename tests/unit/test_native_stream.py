@@ -453,6 +453,41 @@ def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames(make
         ours.close()
 
 
+def _read_one(reader: Any) -> Any:
+    """The next event, waiting (10 s at most) for its bytes."""
+    deadline = time.monotonic() + 10
+    while (event := reader.read()) is None and time.monotonic() < deadline:
+        pass
+    return event
+
+
+def test_after_a_large_frame_the_reader_reads_ahead_only_a_little(make_reader: Any) -> None:
+    """A reader behind its producer finds whole frames waiting: past a large frame it reads ahead only
+    SHORT_READ_AHEAD bytes (its prefix and header), and the rest of the next frame goes straight into
+    place, not read ahead and copied; after a small frame it reads ahead all there is again."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    reader = _reader(ours, recv_lowat=0, make=make_reader)
+    try:
+        large = bytes(frame.dumps(np.zeros(10_000), key="big"))  # (80 KB: over LARGE_FRAME)
+        small = bytes(frame.dumps(np.arange(3.0), key="k"))
+        assert len(large) >= reader_module.LARGE_FRAME > len(small)
+        theirs.sendall(small + large)
+        assert reader.fill() is True and reader.buffered == len(small + large)  # (after nothing large: all of it)
+        assert bytes(_read_one(reader)[0]) == small and bytes(_read_one(reader)[0]) == large
+        theirs.sendall(large + small + small)
+        assert reader.fill() is True and reader.buffered == reader_module.SHORT_READ_AHEAD
+        assert bytes(_read_one(reader)[0]) == large
+        assert reader.fill() is True and reader.buffered == 2 * len(small)  # (a short read ahead: all there is)
+        assert bytes(_read_one(reader)[0]) == small and bytes(_read_one(reader)[0]) == small
+        theirs.sendall(large + small)
+        assert reader.fill() is True and reader.buffered == len(large + small)  # (after a small frame: all again)
+        assert bytes(_read_one(reader)[0]) == large and bytes(_read_one(reader)[0]) == small
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     """A loopback TCP connection: (ours, the consumer's non-blocking end; theirs, the producer's)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
