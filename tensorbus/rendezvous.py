@@ -315,6 +315,13 @@ class Rendezvous(TableState):
         assert waiter.result is not None
         return self._hand_out(waiter.result)
 
+    def take_now(self, key: object) -> Message | None:
+        """The oldest message of `key` (ANY: of any key) buffered now, handed out (taken); None when none
+        is, or the table was aborted (a wait says so). A receive that need not wait (tensorbus.aio)."""
+        with self._lock:
+            message = self._take(key) if self._aborted is None else None
+        return None if message is None else self._hand_out(message)
+
     def hand_out(self, message: Message) -> Message:
         """A message a `Handoff` callback had is now the application's (recorded as taken)."""
         return self._hand_out(message)

@@ -91,10 +91,14 @@ async def wait_message(
     """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever);
     `taking()` is called once the receive waits, and once it took its message (the loop may read again).
 
-    A message there already is taken without a turn of the loop; one awaited is bounded by a timer of
+    A message there already is taken at once (`Rendezvous.take_now`); one awaited is bounded by a timer of
     the loop's that settles the same future (not `asyncio.wait_for`, whose own future and callbacks
     cost two more turns of the loop per receive)."""
     await turns.take()
+    message = table.take_now(key)
+    if message is not None:  # there already: taken with no waiter, future or turn of the loop
+        taking()
+        return message
     loop = asyncio.get_running_loop()
     receive = _Receive(table, loop)
     handle = table.wait_async(key, Handoff(receive.arrived))

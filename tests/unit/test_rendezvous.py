@@ -342,3 +342,20 @@ def test_a_share_is_read_from_the_url_query() -> None:
         tb.Consumer("memory://share-url?max_buffered_bytes_per_producer=lots")
     with pytest.raises(tb.ConfigError, match="max_buffered_bytes_per_producer"):
         tb.Consumer("memory://share-url?max_buffered_bytes=4096&max_buffered_bytes_per_producer=4097")
+
+
+def test_take_now_takes_the_oldest_buffered_message_of_its_key_and_never_waits() -> None:
+    """What an asyncio receive takes when its tensor is there already: the oldest of the key, handed out
+    (recorded as taken); None for a key with nothing buffered, and after an abort (a wait says why)."""
+    table = tb.Rendezvous()
+    handed: list[str] = []
+    table.on_delivered_to_application = lambda message: handed.append(message.metadata["n"])
+    for n in ("a1", "a2"):
+        table.send("a", np.zeros(2), metadata={"n": n})
+    table.send("b", np.zeros(2), metadata={"n": "b1"})
+    assert table.take_now("c") is None
+    first = table.take_now("a")
+    assert first is not None and first.metadata["n"] == "a1" and handed == ["a1"]
+    assert table.buffered_keys() == {"a": 1, "b": 1}
+    table.abort("gone")
+    assert table.take_now("a") is None and handed == ["a1"]
