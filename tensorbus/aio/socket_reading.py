@@ -10,9 +10,10 @@ the listener's selector (accepts and handshakes: `Listener.turn`). A timer does 
 what was taken, idle connections, handshakes past their deadline.
 
 While receives come, the loop reads ahead of them only up to READ_AHEAD bytes in the table: past that
-it stops watching the connections until a receive takes a tensor or waits. Frames read far ahead each
-land in a freshly allocated buffer, and fresh pages cost 0.4-0.7 GB/s on the 2-vCPU VM
-(docs/PERFORMANCE.md); frames read just ahead reuse the memory of those just taken. When no receive
+it stops watching the connections until the receives took half of that or one waits (a turn then reads
+several frames, acked once). Frames read far ahead each land in a freshly allocated buffer, and fresh
+pages cost 0.4-0.7 GB/s on the 2-vCPU VM (docs/PERFORMANCE.md); frames read just ahead reuse the memory
+of those just taken. When no receive
 came for `linger_s`, it reads on freely, into the table up to its limits, until one comes (as the
 blocking reactor's background thread takes over after `linger_s`): sends and `flush` never wait for
 a receive.
@@ -145,8 +146,8 @@ class LoopReading:
             self._stop_reading()
 
     def _stop_reading(self) -> None:
-        """Read ahead no further: stop watching the connections until a receive takes a tensor or waits
-        (`taken`), or none came for `linger_s` (`_go_free`)."""
+        """Read ahead no further: stop watching the connections until the receives took half of READ_AHEAD
+        or one waits (`taken`), or none came for `linger_s` (`_go_free`)."""
         assert self.poller is not None and self._loop is not None and self._consumer is not None
         assert self._consumer.reactor is not None
         self.poller.pause(True)
