@@ -1,15 +1,17 @@
 """The asyncio rows of the benchmark: `tensorbus.aio` (`aio-tcp`, `aio-unix`) and its baseline,
 pyzmq's asyncio sockets (`zmq-asyncio`), each driven from one event loop per worker process.
 
-Each send and receive is one `run_until_complete` of the coroutine on the worker's loop: the same
-loop overhead for tensorbus.aio and for its baseline, so their same-round ratio compares the two.
+Each round (a run of sends, of receives, of round trips or echoes) is one coroutine on the worker's
+loop, as an asyncio application awaits them all on one running loop: `LoopRounds` runs the loops of
+`Worker.do_send`, `do_recv`, `do_ping` and `do_echo` awaited, for tensorbus.aio and its baseline alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,9 +20,94 @@ from .baselines import HEADER, ZmqLink
 from .links import KEY, TensorbusLink, monitoring
 
 _T = TypeVar("_T")
+#: why a received tensor is wrong, or None (`Worker.check`): the tensor, its index, the index expected
+Check = Callable[[Any, int, int], "str | None"]
 
 
-class AioTensorbusLink(TensorbusLink):
+class LoopRounds:
+    """An asyncio link's rounds, each one coroutine on its loop: the loops of `Worker.do_send`,
+    `do_recv`, `do_ping` and `do_echo`, awaited (a `run_until_complete` per tensor would cost an
+    asyncio application a loop start and stop it never pays)."""
+
+    loop: asyncio.AbstractEventLoop
+
+    async def asend(self, array: np.ndarray, index: int) -> None:
+        raise NotImplementedError
+
+    async def arecv(self, timeout: float) -> tuple[int, Any]:
+        raise NotImplementedError
+
+    def send(self, array: np.ndarray, index: int) -> None:
+        self.loop.run_until_complete(self.asend(array, index))
+
+    def recv(self, timeout: float) -> tuple[int, Any]:
+        return self.loop.run_until_complete(self.arecv(timeout))
+
+    def send_round(self, slots: list[np.ndarray], first: int, n: int) -> tuple[float, float]:
+        """Send tensors first..first+n-1 back to back: when the first send started and the last ended."""
+
+        async def run() -> tuple[float, float]:
+            count, t_start = len(slots), time.perf_counter()
+            for index in range(first, first + n):
+                await self.asend(slots[index % count], index)
+            return t_start, time.perf_counter()
+
+        return self.loop.run_until_complete(run())
+
+    def recv_round(self, n: int, first: int, timeout: float, check: Check) -> dict[str, Any]:
+        """Receive and check n tensors: when the first and the last arrived, and what was wrong."""
+
+        async def run() -> dict[str, Any]:
+            deadline = time.perf_counter() + timeout
+            failures, problem, t_first = 0, None, 0.0
+            for k in range(n):
+                index, obj = await self.arecv(max(deadline - time.perf_counter(), 0.001))
+                if k == 0:
+                    t_first = time.perf_counter()
+                error = check(obj, index, first + k)
+                del obj
+                if error is not None:
+                    failures, problem = failures + 1, problem or error
+            return {"t_first": t_first, "t_last": time.perf_counter(), "failures": failures, "problem": problem}
+
+        return self.loop.run_until_complete(run())
+
+    def ping_round(self, slots: list[np.ndarray], first: int, n: int, timeout: float, check: Check) -> dict[str, Any]:
+        """Round trips: send a tensor, await the peer's echo of it; times in seconds."""
+
+        async def run() -> dict[str, Any]:
+            count, rtts, failures, problem = len(slots), [], 0, None
+            for index in range(first, first + n):
+                t0 = time.perf_counter()
+                await self.asend(slots[index % count], index)
+                got, obj = await self.arecv(timeout)
+                rtts.append(time.perf_counter() - t0)
+                error = check(obj, got, index)
+                del obj
+                if error is not None:
+                    failures, problem = failures + 1, problem or error
+            return {"rtts": rtts, "failures": failures, "problem": problem}
+
+        return self.loop.run_until_complete(run())
+
+    def echo_round(self, n: int, first: int, timeout: float, check: Check, dtype: Any) -> dict[str, Any]:
+        """The other end of `ping_round`: send every tensor straight back, then check it."""
+
+        async def run() -> dict[str, Any]:
+            failures, problem = 0, None
+            for expected in range(first, first + n):
+                index, obj = await self.arecv(timeout)
+                await self.asend(obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, dtype), index)
+                error = check(obj, index, expected)
+                del obj
+                if error is not None:
+                    failures, problem = failures + 1, problem or error
+            return {"failures": failures, "problem": problem}
+
+        return self.loop.run_until_complete(run())
+
+
+class AioTensorbusLink(LoopRounds, TensorbusLink):
     """`tensorbus.aio.Producer` on the outbound endpoint, `tensorbus.aio.Consumer` on the inbound one."""
 
     def __init__(self, spec: dict[str, Any], role: str) -> None:
@@ -43,11 +130,11 @@ class AioTensorbusLink(TensorbusLink):
         self.producer = tba.Producer(self.outbound_url(address), **monitoring(self.spec))
         self._run(self.producer.open())
 
-    def send(self, array: np.ndarray, index: int) -> None:
-        self._run(self.producer.send(KEY, array, metadata={"i": index}))
+    async def asend(self, array: np.ndarray, index: int) -> None:
+        await self.producer.send(KEY, array, metadata={"i": index})
 
-    def recv(self, timeout: float) -> tuple[int, Any]:
-        message = self._run(self.consumer.recv_message(KEY, timeout))
+    async def arecv(self, timeout: float) -> tuple[int, Any]:
+        message = await self.consumer.recv_message(KEY, timeout)
         return message.metadata["i"], message.tensor
 
     def finish(self, timeout: float) -> None:
@@ -63,7 +150,7 @@ class AioTensorbusLink(TensorbusLink):
         self.loop.close()
 
 
-class ZmqAsyncioLink(ZmqLink):
+class ZmqAsyncioLink(LoopRounds, ZmqLink):
     """pyzmq's asyncio PUSH (outbound) and PULL (inbound) over TCP, zero-copy sends."""
 
     def __init__(self, spec: dict[str, Any], role: str) -> None:
@@ -75,11 +162,11 @@ class ZmqAsyncioLink(ZmqLink):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)  # (the sockets find their loop when first used)
 
-    def send(self, array: np.ndarray, index: int) -> None:
-        self.loop.run_until_complete(self.push.send_multipart([HEADER.pack(index, array.nbytes), array], copy=False))
+    async def asend(self, array: np.ndarray, index: int) -> None:
+        await self.push.send_multipart([HEADER.pack(index, array.nbytes), array], copy=False)
 
-    def recv(self, timeout: float) -> tuple[int, Any]:
-        header, payload = self.loop.run_until_complete(self.pull.recv_multipart(copy=False))
+    async def arecv(self, timeout: float) -> tuple[int, Any]:
+        header, payload = await self.pull.recv_multipart(copy=False)
         index, _ = HEADER.unpack(header.buffer)
         return index, payload.buffer
 

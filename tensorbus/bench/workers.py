@@ -24,6 +24,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from .aio_links import LoopRounds
 from .links import Link, make_link, worker_registry
 
 SLOT_BYTES = 64 << 20  # small tensors get up to 16 distinct slots, large ones 2
@@ -154,10 +155,13 @@ class Worker:
         assert self.link is not None
         self.link.set_timeout(timeout)
         slots, count, send = self.slots, len(self.slots), self.link.send
-        t_start = time.perf_counter()
-        for index in range(first, first + n):
-            send(slots[index % count], index)
-        t_end = time.perf_counter()
+        if isinstance(self.link, LoopRounds):  # awaited on one running loop
+            t_start, t_end = self.link.send_round(slots, first, n)
+        else:
+            t_start = time.perf_counter()
+            for index in range(first, first + n):
+                send(slots[index % count], index)
+            t_end = time.perf_counter()
         self.link.finish(timeout)
         return {"t_start": t_start, "t_end": t_end, "finish_s": time.perf_counter() - t_end}
 
@@ -165,6 +169,8 @@ class Worker:
         """Receive and verify n tensors; report when the first and the last arrived."""
         assert self.link is not None
         self.link.set_timeout(timeout)
+        if isinstance(self.link, LoopRounds):
+            return {**self.link.recv_round(n, first, timeout, self.check), **_rss()}
         deadline = time.perf_counter() + timeout
         failures, problem = 0, None
         recv, check = self.link.recv, self.check
@@ -185,6 +191,8 @@ class Worker:
         """Round trips: send a tensor, wait for the peer to send it back; times in seconds."""
         assert self.link is not None
         self.link.set_timeout(timeout)
+        if isinstance(self.link, LoopRounds):
+            return self.link.ping_round(self.slots, first, n, timeout, self.check)
         link, slots, count = self.link, self.slots, len(self.slots)
         rtts: list[float] = []
         failures, problem = 0, None
@@ -205,6 +213,10 @@ class Worker:
         assert self.link is not None
         self.link.set_timeout(timeout)
         link = self.link
+        if isinstance(link, LoopRounds):
+            outcome = link.echo_round(n, first, timeout, self.check, self.dtype)
+            link.finish(timeout)
+            return {**outcome, **_rss()}
         failures, problem = 0, None
         for expected in range(first, first + n):
             index, obj = link.recv(timeout)

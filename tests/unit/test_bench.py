@@ -269,3 +269,54 @@ def test_asyncio_rows_run_tensorbus_aio_against_pyzmq_asyncio(tmp_path: Path) ->
     for cell in data["throughput"] + data["latency"]:
         assert cell["status"] == "ok" and cell["failures"] == 0, cell
     assert {r["transport"] for r in data["ratios"]} == {"aio-tcp", "aio-unix"}
+
+
+class _QueueRounds:
+    """A LoopRounds link over an asyncio.Queue (sends land in its own inbox) that counts loop runs."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        from tensorbus.bench.aio_links import LoopRounds
+
+        class Link(LoopRounds):
+            runs = 0
+
+            def __init__(self) -> None:
+                self.loop = asyncio.new_event_loop()
+                self.inbox: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+                run = self.loop.run_until_complete
+
+                def counted(coroutine: Any) -> Any:
+                    self.runs += 1
+                    return run(coroutine)
+
+                self.loop.run_until_complete = counted  # type: ignore[method-assign]
+
+            async def asend(self, array: Any, index: int) -> None:
+                await self.inbox.put((index, array))
+
+            async def arecv(self, timeout: float) -> tuple[int, Any]:
+                return await asyncio.wait_for(self.inbox.get(), timeout)
+
+        self.link = Link()
+
+
+def test_an_asyncio_rows_round_is_one_coroutine_awaiting_every_tensor() -> None:
+    import numpy as np
+
+    link = _QueueRounds().link
+    slots = [np.full(4, i, np.uint8) for i in range(3)]
+    t_start, t_end = link.send_round(slots, 10, 7)
+    assert link.runs == 1 and t_start <= t_end and link.inbox.qsize() == 7
+    expected = iter(range(10, 17))
+
+    def check(obj: Any, index: int, want: int) -> str | None:
+        return None if index == want == next(expected) and obj[0] == index % 3 else f"#{index}, wanted #{want}"
+
+    outcome = link.recv_round(7, 10, 5.0, check)
+    assert link.runs == 2 and (outcome["failures"], outcome["problem"]) == (0, None)
+    assert outcome["t_first"] <= outcome["t_last"]
+    trips = link.ping_round(slots, 0, 5, 5.0, lambda obj, got, want: None if got == want else "wrong")
+    assert link.runs == 3 and len(trips["rtts"]) == 5 and trips["failures"] == 0
+    link.loop.close()
