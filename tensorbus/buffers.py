@@ -33,7 +33,7 @@ def address(data: bytes | bytearray | memoryview) -> int:
 def aligned_empty(n: int) -> np.ndarray:
     """`n` uninitialised bytes starting at a multiple of ALIGN (numpy's own start at a multiple of 16)."""
     raw = np.empty(n + ALIGN, np.uint8)
-    start = -address(raw.data) % ALIGN
+    start = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN  # type: ignore[arg-type]  # (`address` less its checks)
     return raw[start : start + n]
 
 

@@ -75,26 +75,28 @@ class Stream:
     def __init__(self, ledger: Ledger, on_release: Callable[[list[Position]], None] | None) -> None:
         self._ledger = ledger
         self._on_release = on_release
-        #: positions not released, oldest first
-        self._open: dict[Position, None] = {}
+        #: positions not released, oldest first, each with what the transport keeps until then (`record`'s
+        #: `kept`: a memory:// frame, to queue again if the stream closes first; else None)
+        self._open: dict[Position, object] = {}
         #: positions whose message is not received yet (chunks missing, held back, turned away), oldest first
         self._waiting: dict[Position, None] = {}
         self._next: Position | None = None  # the position after the last recorded one (ints only)
         self.closed = False
 
-    def record(self, position: Position, result: Delivered) -> bool:
-        """Record a received frame at `position` with what became of it; True if it is released at once."""
+    def record(self, position: Position, result: Delivered, kept: object = None) -> bool:
+        """Record a received frame at `position` with what became of it; True if it is released at once.
+        `kept`: what the transport keeps of it until it is released (`close_kept` gives it back)."""
         ledger = self._ledger
         with ledger._lock:
             if isinstance(position, int):
                 self._next = position + 1
-            released = ledger._record(self, position, result)
+            released = ledger._record(self, position, result, kept)
         ledger._notify(released)
         return any(stream is self and position in positions for stream, positions in released)
 
-    def record_admitted(self, position: int, message_id: MessageId | None) -> None:
-        """`record(position, Delivered(message_id, True, admitted=True))` of the commonest frame, in the
-        fewest steps: a whole tensor that went into the table (or straight to a waiting `recv`), its id
+    def record_admitted(self, position: int, message_id: MessageId | None, kept: object = None) -> None:
+        """`record(position, Delivered(message_id, True, admitted=True), kept)` of the commonest frame, in
+        the fewest steps: a whole tensor that went into the table (or straight to a waiting `recv`), its id
         not open here (the C delivery's frames; a small tensor's time is mostly such steps)."""
         ledger = self._ledger
         with ledger._lock:
@@ -108,10 +110,10 @@ class Stream:
                 and message_id not in ledger._singles
                 and message_id not in ledger._early
             ):
-                self._open[position] = None
+                self._open[position] = kept
                 ledger._singles[message_id] = (self, position)
                 return
-            released = ledger._record(self, position, Delivered(message_id, True, admitted=True))
+            released = ledger._record(self, position, Delivered(message_id, True, admitted=True), kept)
         ledger._notify(released)
 
     def first_open(self) -> int:
@@ -131,9 +133,13 @@ class Stream:
 
     def close(self) -> list[Position]:
         """The stream ended (connection dropped, partition revoked): forget it; its unreleased positions."""
+        return [position for position, _ in self.close_kept()]
+
+    def close_kept(self) -> list[tuple[Position, object]]:
+        """`close`, each unreleased position with what the transport kept of it (`record`'s `kept`)."""
         with self._ledger._lock:
             self.closed = True
-            left = list(self._open)
+            left = list(self._open.items())
             self._open.clear()
             self._waiting.clear()
             return left
@@ -222,7 +228,9 @@ class Ledger:
             self.stats[how] += 1
         self._notify(released)
 
-    def _record(self, stream: Stream, position: Position, result: Delivered) -> list[tuple[Stream, list[Position]]]:
+    def _record(
+        self, stream: Stream, position: Position, result: Delivered, kept: object = None
+    ) -> list[tuple[Stream, list[Position]]]:
         if stream.closed:
             return []
         message_id = result.message_id
@@ -231,7 +239,7 @@ class Ledger:
         if settled and result.refused is None and message_id in self._messages:
             # a copy of a message still open here (in the table untaken, say, and sent again on a new
             # connection, or redelivered by a broker): released with it, not before (nor does it release it)
-            stream._open[position] = None
+            stream._open[position] = kept
             self._messages[message_id].positions.append((stream, position))
             return []
         if message_id is None or (settled and result.refused is None):
@@ -239,7 +247,7 @@ class Ledger:
             # or given up: only this frame goes
             self.released_frames += 1
             return [(stream, [position])]
-        stream._open[position] = None
+        stream._open[position] = kept
         if not (result.done and result.admitted):
             stream._waiting[position] = None
         message = self._messages.get(message_id)

@@ -240,7 +240,10 @@ class Rendezvous(TableState):
 
     def _add_waiter(self, waiter: Waiter) -> None:
         """Queue a receiver (caller holds the lock); wakes a transport waiting for room for this key."""
-        self._waiters.setdefault(waiter.key, collections.deque()).append(waiter)
+        queue = self._waiters.get(waiter.key)
+        if queue is None:  # (not `setdefault`: that would make a deque for every receive)
+            queue = self._waiters[waiter.key] = collections.deque()
+        queue.append(waiter)
         if self.buffered_bytes >= self.max_buffered_bytes:
             self._room_opened()
         elif self._by_source and self.room_opened is not None:  # a producer at its share may hold this key

@@ -431,17 +431,18 @@ def dumps(obj: Any, *, out: bytearray | memoryview | None = None, **options: Any
 
 
 def join_into(buffers: Sequence[Buffer], out: bytearray | memoryview) -> memoryview:
-    """Copy scatter-gather buffers back to back into `out`; return the used part of it."""
+    """Copy scatter-gather buffers back to back into `out`; return the used part of it (a `LimitExceeded`
+    when it is too small: what fitted of the frame was copied, the rest not)."""
     target = memoryview(out).cast("B")
     views = [memoryview(b).cast("B") for b in buffers]
-    total = sum(len(v) for v in views)
-    if len(target) < total:
-        raise LimitExceeded(f"out has {len(target)} bytes; the frame needs {total}")
     at = 0
     for view in views:
-        target[at : at + len(view)] = view
-        at += len(view)
-    return target[:total]
+        end = at + view.nbytes
+        if end > target.nbytes:
+            raise LimitExceeded(f"out has {target.nbytes} bytes; the frame needs {sum(v.nbytes for v in views)}")
+        target[at:end] = view
+        at = end
+    return target[:at]
 
 
 #: the msgpack types of the header fields this build knows (docs/FORMAT.md; `tree` is a node of any type, checked

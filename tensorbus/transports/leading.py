@@ -34,7 +34,10 @@ class Leadership:
     def __init__(self, linger_s: float, interrupt: Callable[[], None]) -> None:
         self.linger_s, self._interrupt = linger_s, interrupt
         self._lock = threading.Lock()  # held by the leader
-        self._state = threading.Condition()
+        #: guards the fields below; `with self._state_lock` where nothing waits or is woken (a Condition's
+        #: `__enter__` is a Python-level call, and a receive takes this lock five times)
+        self._state_lock = threading.Lock()
+        self._state = threading.Condition(self._state_lock)
         self._wanted = 0  # application threads leading or asking to (under `_state`)
         self._quiet_from = 0.0  # the background may lead from then on (under `_state`)
         #: whether an application thread holds `_lock`, and which thread does: written by the leader, read
@@ -49,23 +52,23 @@ class Leadership:
 
     def is_leading(self) -> bool:
         """True on the thread that leads now (e.g. in a callback of a tensor it delivers)."""
-        with self._state:
+        with self._state_lock:
             return self._leading == threading.get_ident()
 
     def _waits_for_another(self) -> bool:
         """Whether this thread should just wait: stopped, or an application thread leads (maybe this one,
         in a callback's recv) and delivers this thread's tensor too."""
-        with self._state:
+        with self._state_lock:
             return self.stopped or self._app_leads or self._leading == threading.get_ident()
 
     def _lead_as(self, ident: int | None, application: bool = False) -> None:
         """Say who holds `_lock` now (None: about to let it go); the holder alone calls it."""
-        with self._state:
+        with self._state_lock:
             self._leading, self._app_leads = ident, application
 
     def _wants(self) -> bool:
         """Whether an application thread leads or asks to (a background leader then steps aside)."""
-        with self._state:
+        with self._state_lock:
             return self._wanted > 0
 
     def wait(self, done: threading.Lock, deadline: float | None, step: Step) -> bool:
@@ -85,7 +88,7 @@ class Leadership:
             self._lead(done, slice_end, step)
 
     def _lead(self, done: threading.Lock, slice_end: float, step: Step) -> None:
-        with self._state:
+        with self._state_lock:
             self._wanted += 1
         try:
             if not self._lock.acquire(blocking=False):
@@ -104,7 +107,7 @@ class Leadership:
                 finally:
                     self._lock.release()
         finally:
-            with self._state:
+            with self._state_lock:
                 self._wanted -= 1
                 self._quiet_from = time.monotonic() + self.linger_s
 

@@ -11,9 +11,11 @@ All state lives in one `MemoryHub`; `HUB.reset()` clears it between tests.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import math
+import struct
 import threading
 import time
 import urllib.parse
@@ -21,12 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..buffers import BufferPool
-from ..codec.frame import Buffer, Limits, join_into
+from ..codec.frame import CRC_AT, Buffer, Limits, checksum_of, join_into
 from ..errors import TransportError
 from ..options import finite_timeout
-from .base import Deliver
+from .base import Deliver, Encoding
 from .memory_reading import MemoryReader
 from .named import NamedOptions, NamedTransport
+from .stream import unsealed
 from .tally import Tally
 
 log = logging.getLogger(__name__)
@@ -52,15 +55,19 @@ class Frames:
     def __init__(self) -> None:
         #: source -> its frames, each with its arrival number (lower: older), oldest first
         self._queues: dict[object, collections.deque[tuple[int, Buffer]]] = {}
-        self._bytes: collections.Counter[object] = collections.Counter()  # queued bytes per source
+        #: queued bytes per source (plain dicts, not Counters: a Counter's `del` and missing keys are
+        #: Python-level calls, and these change twice per frame); sources with none are not there
+        self._bytes: dict[object, int] = {}
         #: bytes per source the consumer took and its table did not yet (being delivered, or held back)
-        self._unreceived: collections.Counter[object] = collections.Counter()
+        self._unreceived: dict[object, int] = {}
         self._newest = self._oldest = 0  # arrival numbers given at the back and at the front
         self._held: set[object] = set()  # sources not read while the consumer holds their tensor back
         self._woken = False  # `wake_up` was called: `get` returns (to offer held tensors again)
-        lock = threading.Lock()
-        self._ready = threading.Condition(lock)  # (a frame came)
-        self._room = threading.Condition(lock)  # (a frame went)
+        #: guards everything here; `with self._lock` where nothing waits (a Condition's `__enter__` is a
+        #: Python-level call, and this lock is taken three times per frame)
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # (a frame came)
+        self._room = threading.Condition(self._lock)  # (a frame went)
         #: threads waiting on `_ready` and on `_room` (under the lock): a notify with nobody waiting is
         #: skipped (it costs a small tensor's delivery as much as a third of its other steps)
         self._getting = self._wanting_room = 0
@@ -68,18 +75,24 @@ class Frames:
     @property
     def nbytes(self) -> int:
         """Bytes of the frames queued, of every producer."""
-        return self._bytes.total()
+        with self._lock:
+            return sum(self._bytes.values())
 
-    def put(self, frame: Buffer, *, source: object = None, front: bool = False) -> None:
-        with self._ready:
-            queue = self._queues.setdefault(source, collections.deque())
+    def put(self, frame: Buffer, *, source: object = None, front: bool = False, nbytes: int | None = None) -> None:
+        """Queue `frame` of `source` (`nbytes` long, if the caller knows), at the back or, `front`, first in line."""
+        if nbytes is None:
+            nbytes = memoryview(frame).nbytes
+        with self._lock:
+            queue = self._queues.get(source)
+            if queue is None:
+                queue = self._queues[source] = collections.deque()
             if front:
                 self._oldest -= 1
                 queue.appendleft((self._oldest, frame))
             else:
                 self._newest += 1
                 queue.append((self._newest, frame))
-            self._bytes[source] += memoryview(frame).nbytes
+            self._bytes[source] = self._bytes.get(source, 0) + nbytes
             if self._getting:
                 self._ready.notify()
 
@@ -87,7 +100,7 @@ class Frames:
         """The oldest frame of a producer not held back, with its source, waiting for one until `deadline`
         (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up` or
         `step_aside` was called, or the deadline passed."""
-        with self._ready:
+        with self._lock:
             while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
                 if deadline is not None and (left := deadline - time.monotonic()) <= 0:
                     break
@@ -106,15 +119,19 @@ class Frames:
             if not queue:
                 del self._queues[source]
             nbytes = memoryview(frame).nbytes
-            self._bytes[source] -= nbytes
-            if not self._bytes[source]:
+            queued = self._bytes[source] - nbytes
+            if queued:
+                self._bytes[source] = queued
+            else:
                 del self._bytes[source]
-            self._unreceived[source] += nbytes
+            self._unreceived[source] = self._unreceived.get(source, 0) + nbytes
             self._room_went()
             return source, frame
 
     def _next_source(self) -> object:
         """The source of the oldest frame not held back (caller holds the lock), else `_NOTHING`."""
+        if len(self._queues) == 1 and not self._held:  # (the commonest: one producer)
+            return next(iter(self._queues))
         oldest, found = None, _NOTHING
         for source, queue in self._queues.items():
             if source not in self._held and (oldest is None or queue[0][0] < oldest):
@@ -123,14 +140,15 @@ class Frames:
 
     def hold(self, source: object) -> None:
         """Stop reading `source`: the consumer holds its tensor back (its bytes stay unreceived)."""
-        with self._ready:
+        with self._lock:
             self._held.add(source)
 
     def received(self, source: object) -> None:
         """The consumer's table took (or settled) what the consumer had taken of `source`: read it again."""
-        with self._ready:
-            self._held.discard(source)
-            del self._unreceived[source]
+        with self._lock:
+            if self._held:
+                self._held.discard(source)
+            self._unreceived.pop(source, None)
             self._room_went()
 
     def _room_went(self) -> None:
@@ -140,7 +158,7 @@ class Frames:
 
     def ended(self) -> None:
         """The consumer stopped, and what it did not release is queued again: nothing is held or taken by it."""
-        with self._ready:
+        with self._lock:
             self._held.clear()
             self._unreceived.clear()
             self._room_went()
@@ -150,14 +168,14 @@ class Frames:
     ) -> bool:
         """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds.
         The seconds waited go to `tally` (its `blocked_s` is written under this queue's lock)."""
-        if self._bytes[source] < limit:  # a quick look without the lock first: the common case on every send
+        if self._bytes.get(source, 0) < limit:  # a quick look without the lock first: the common case on every send
             return True
-        return self._wait_for_room(lambda: self._bytes[source] < limit, timeout, tally)
+        return self._wait_for_room(lambda: self._bytes.get(source, 0) < limit, timeout, tally)
 
     def wait_until_received(self, timeout: float | None, source: object) -> bool:
         """Wait until every frame of `source` is in the consumer's table (or settled): True then, False after
         `timeout` seconds. A frame the consumer holds back (its table is full) is not, as on a socket."""
-        return self._wait_for_room(lambda: not self._bytes[source] and not self._unreceived[source], timeout)
+        return self._wait_for_room(lambda: not self._bytes.get(source) and not self._unreceived.get(source), timeout)
 
     def _wait_for_room(self, predicate: Callable[[], bool], timeout: float | None, tally: Tally | None = None) -> bool:
         with self._room:
@@ -172,30 +190,31 @@ class Frames:
 
     def queued(self, source: object) -> int:
         """Bytes `source` has queued."""
-        with self._ready:
-            return self._bytes[source]
+        with self._lock:
+            return self._bytes.get(source, 0)
 
     def unreceived(self, source: object) -> int:
         """Bytes of `source` not in the consumer's table yet: queued, being delivered, or held back."""
-        with self._ready:
-            return self._bytes[source] + self._unreceived[source]
+        with self._lock:
+            return self._bytes.get(source, 0) + self._unreceived.get(source, 0)
 
     def wake_up(self) -> None:
         """Make a waiting `get` return (None) while a source is held back: the consumer may have room for its tensor."""
-        with self._ready:
+        with self._lock:
             if self._held:
                 self._woken = True
                 self._ready.notify_all()
 
     def step_aside(self) -> None:
         """Make a waiting `get` return (None): another thread is to deliver (leading.py)."""
-        with self._ready:
+        with self._lock:
             self._woken = True
             self._ready.notify_all()
 
     def __len__(self) -> int:
         """Frames waiting to be delivered."""
-        return sum(len(queue) for queue in self._queues.values())
+        with self._lock:
+            return sum(len(queue) for queue in self._queues.values())
 
 
 class MemoryHub:
@@ -264,6 +283,9 @@ class MemoryTransport(NamedTransport):
         self._pool = BufferPool(max_buffers=4)
         #: what the consumer counts this producer's buffered tensors by (its share of the table)
         self._source = next(_SOURCES)
+        #: the endpoint's queue, looked up once (it lives as long as the hub; `HUB.reset` is for between tests)
+        self._frames = HUB.endpoint(self.name)
+        self._send_timeout = finite_timeout(options.send_timeout_s, "send_timeout_s")
 
     def wait_for_room(self) -> None:
         """Before a new message: wait while `max_unacked_bytes` wait for the consumer (up to `send_timeout_s`).
@@ -271,19 +293,19 @@ class MemoryTransport(NamedTransport):
         Called between messages, never between the chunks of one, so a message larger than the
         limit still goes out whole.
         """
-        limit, timeout = self.options.max_unacked_bytes, self.options.send_timeout_s
-        queue, source = HUB.endpoint(self.name), self._source
-        if queue.wait_for_room(limit, finite_timeout(timeout, "send_timeout_s"), source, self.tally):
+        limit, queue, source = self.options.max_unacked_bytes, self._frames, self._source
+        if queue.wait_for_room(limit, self._send_timeout, source, self.tally):
             return
         raise TransportError(
-            f"memory://{self.name} has had {queue.queued(source)} bytes waiting for its consumer for {timeout}s "
+            f"memory://{self.name} has had {queue.queued(source)} bytes waiting for its consumer for "
+            f"{self.options.send_timeout_s}s "
             f"(max_unacked_bytes={limit}): is a consumer listening, and receiving?"
         )
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until a consumer's delivery took every frame this producer sent, as a socket producer waits for
         its acks: up to `timeout`, and up to `reconnect_timeout_s` while no consumer listens."""
-        queue, source = HUB.endpoint(self.name), self._source
+        queue, source = self._frames, self._source
         started = time.monotonic()
         deadline = math.inf if timeout is None else started + timeout
         nobody_until = started + self.options.reconnect_timeout_s
@@ -304,12 +326,18 @@ class MemoryTransport(NamedTransport):
                     f"{now - started:.1f}s, as reconnect_timeout_s={self.options.reconnect_timeout_s:g} bounds it)"
                 )
 
+    def encoding(self, wanted: Encoding) -> Encoding:
+        """`wanted`, with a whole frame's CRC left to `send`, which computes it over the copy it makes."""
+        return dataclasses.replace(wanted, deferred_checksum=True)
+
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Copy the frame into the endpoint's queue (as a wire would); `wait_for_room` bounds the queue."""
-        views = [memoryview(b).cast("B") for b in frame]
-        total = sum(len(v) for v in views)
+        nbytes = sum(memoryview(b).nbytes for b in frame)
         # into a 64-byte aligned buffer (a large one no tensor views any more: fresh pages are slow)
-        HUB.endpoint(self.name).put(join_into(views, self._pool.take(total)), source=self._source)
+        copy = join_into(frame, self._pool.take(nbytes))
+        if unsealed(frame[0]):  # (its CRC deferred by `encoding`: computed in one pass over the copy)
+            struct.pack_into("<I", copy, CRC_AT, checksum_of(copy))
+        self._frames.put(copy, source=self._source, nbytes=nbytes)
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Deliver queued and future frames of this endpoint: on a waiting receive's thread, or a background one."""

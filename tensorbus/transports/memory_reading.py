@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..codec.frame import Buffer
 from .base import Deliver, Delivered, Held
@@ -35,19 +35,13 @@ class MemoryReader:
         # the leader's, all of them (leading.py: one thread at a time)
         self._held: dict[object, Held] = {}  # source -> the message the consumer holds back (its share is full)
         self._position = 0
-        self._stream = deliver.ledger.stream(self._released)
-        #: position -> (source, frame), until the ledger releases it (on the thread that took the tensor)
-        self._kept: dict[int, tuple[object, Buffer]] = {}
-        self._kept_lock = threading.Lock()
+        #: each frame's position, kept there with its source until the ledger releases it (nothing to
+        #: acknowledge: a released frame is just let go)
+        self._stream = deliver.ledger.stream()
         self._stop = threading.Event()
         self.leadership = Leadership(LINGER_S, frames.step_aside)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-memory-{name}")
         self._thread.start()
-
-    def _released(self, positions: list[object]) -> None:
-        with self._kept_lock:
-            for position in positions:
-                self._kept.pop(position, None)  # type: ignore[call-overload]
 
     def wait(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for a receive's `done`, delivering frames on this thread meanwhile."""
@@ -70,8 +64,6 @@ class MemoryReader:
             return not self._stop.is_set()
         source, frame = item
         self._position += 1
-        with self._kept_lock:
-            self._kept[self._position] = item
         fast = self._deliver.fast
         try:
             taken = fast(memoryview(frame), None, source) if fast is not None else None
@@ -80,10 +72,10 @@ class MemoryReader:
             log.exception("memory://%s: delivering a frame failed", self.name)
             taken, result = None, Delivered(None, True)
         if result is None:  # a plain tensor the C delivery took: booked in the fewest steps
-            self._stream.record_admitted(self._position, taken.message_id)  # type: ignore[union-attr]
+            self._stream.record_admitted(self._position, taken.message_id, item)  # type: ignore[union-attr]
             self._frames.received(source)
             return True
-        self._stream.record(self._position, result)
+        self._stream.record(self._position, result, item)
         if result.held is not None:
             self._held[source] = result.held
             self._frames.hold(source)  # (then offered again at once: the room may have opened meanwhile)
@@ -114,9 +106,7 @@ class MemoryReader:
 
     def _finish(self) -> None:
         """What the ledger did not release goes back to the queue, in order; held producers are read again."""
-        unreleased = self._stream.close()
-        with self._kept_lock:
-            back = [self._kept.pop(p) for p in unreleased if p in self._kept]
+        back = [cast(tuple[object, Buffer], kept) for _, kept in self._stream.close_kept()]
         for source, frame in reversed(back):  # first in line for the next consumer of the name
             self._frames.put(frame, source=source, front=True)
         self._frames.ended()  # the next consumer reads them all
