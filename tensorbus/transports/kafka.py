@@ -36,7 +36,7 @@ with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas w
     from kafka import AsyncConsumerRebalanceListener, KafkaAdminClient, KafkaConsumer, KafkaProducer
     from kafka.structs import OffsetAndMetadata, TopicPartition
 
-from ..codec.frame import Buffer, Limits
+from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import ConfigError, TensorBusError, TransportError
 from ..ledger import Stream
 from .base import Deliver, Delivered, Transport, TransportOptions, backoff_s
@@ -182,6 +182,19 @@ class _Offsets(AsyncConsumerRebalanceListener):
     def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
         """The consumer thread delivered the record at `offset` of `tp` (`result`): its ledger stream
         follows it; a record this consumer had before (re-read after a rebalance) counts as a redelivery."""
+        stream = self._stream(tp, offset)
+        if result == Delivered(result.message_id, True, admitted=True):  # (the commonest: in the fewest steps)
+            stream.record_admitted(offset, result.message_id)
+        else:
+            stream.record(offset, result)
+
+    def record_admitted(self, tp: TopicPartition, offset: int, message_id: MessageId | None) -> None:
+        """`record` of a whole plain tensor the intake's C delivery took (`Stream.record_admitted`): the
+        commonest record, without a `Delivered` made for it."""
+        self._stream(tp, offset).record_admitted(offset, message_id)
+
+    def _stream(self, tp: TopicPartition, offset: int) -> Stream:
+        """`tp`'s stream in the ledger, the record at `offset` counted as a redelivery if this consumer had it."""
         if offset < self._unseen.get(tp, 0):
             self.tally.redeliveries += 1
         else:
@@ -190,10 +203,7 @@ class _Offsets(AsyncConsumerRebalanceListener):
             stream = self._streams.get(tp)
             if stream is None:
                 stream = self._streams[tp] = self.deliver.ledger.stream()
-        if result == Delivered(result.message_id, True, admitted=True):  # (the commonest: in the fewest steps)
-            stream.record_admitted(offset, result.message_id)
-        else:
-            stream.record(offset, result)
+        return stream
 
     def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
         """Offsets safe to commit that differ from the last commit."""

@@ -11,7 +11,6 @@ All state lives in one `MemoryHub`; `HUB.reset()` clears it between tests.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import math
@@ -21,15 +20,17 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from ..buffers import BufferPool
-from ..codec.frame import CRC_AT, Buffer, Limits, checksum_of, join_into
+from ..codec.frame import CRC_AT, FLAG_CHECKSUM, NATIVE, Buffer, Limits, MessageId, checksum_of, flat_bytes, join_into
 from ..errors import TransportError
 from ..options import finite_timeout
 from .base import Deliver, Encoding
 from .memory_reading import MemoryReader
 from .named import NamedOptions, NamedTransport
-from .stream import unsealed
 from .tally import Tally
 
 log = logging.getLogger(__name__)
@@ -326,18 +327,45 @@ class MemoryTransport(NamedTransport):
                     f"{now - started:.1f}s, as reconnect_timeout_s={self.options.reconnect_timeout_s:g} bounds it)"
                 )
 
-    def encoding(self, wanted: Encoding) -> Encoding:
-        """`wanted`, with a whole frame's CRC left to `send`, which computes it over the copy it makes."""
-        return dataclasses.replace(wanted, deferred_checksum=True)
+    def send_message(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
+    ) -> None:
+        """Send one tensor; a plain ndarray in one frame (most sends) is built straight into its copy."""
+        flags = encoding.plain_flags
+        if (
+            flags is None
+            or type(tensor) is not np.ndarray
+            or self.max_frame_bytes is not None
+            or not self._send_ndarray(tensor, key, metadata, message_id, flags)
+        ):
+            super().send_message(tensor, key, metadata, message_id, encoding)
+
+    def _send_ndarray(
+        self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
+    ) -> bool:
+        """`encode` and `send` of one plain ndarray in the fewest steps: its head made in C, then it and the
+        array copied into the queued buffer, whose CRC is computed in one pass. False, with nothing sent,
+        where it does not apply (no C extension, a tensor the C head leaves to `encode`)."""
+        head = NATIVE.ndarray_head(array, key, metadata, message_id, flags) if NATIVE is not None else None
+        if head is None:
+            return False
+        self.wait_for_room()
+        payload = flat_bytes(array)
+        at = len(head)
+        nbytes = at + payload.nbytes
+        copy = self._pool.take(nbytes)
+        copy[:at] = head
+        copy[at:] = payload
+        if flags & FLAG_CHECKSUM:
+            struct.pack_into("<I", copy, CRC_AT, checksum_of(copy))
+        self._frames.put(copy, source=self._source, nbytes=nbytes)
+        return True
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Copy the frame into the endpoint's queue (as a wire would); `wait_for_room` bounds the queue."""
         nbytes = sum(memoryview(b).nbytes for b in frame)
         # into a 64-byte aligned buffer (a large one no tensor views any more: fresh pages are slow)
-        copy = join_into(frame, self._pool.take(nbytes))
-        if unsealed(frame[0]):  # (its CRC deferred by `encoding`: computed in one pass over the copy)
-            struct.pack_into("<I", copy, CRC_AT, checksum_of(copy))
-        self._frames.put(copy, source=self._source, nbytes=nbytes)
+        self._frames.put(join_into(frame, self._pool.take(nbytes)), source=self._source, nbytes=nbytes)
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Deliver queued and future frames of this endpoint: on a waiting receive's thread, or a background one."""
