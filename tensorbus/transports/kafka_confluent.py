@@ -292,7 +292,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         finally:
             self._ready.set()
         fast = deliver.fast  # the intake's C delivery of whole plain frames, where it is built
-        partitions: dict[int, TopicPartition] = {}  # (made once each, not per record)
+        partitions: dict[int | None, TopicPartition] = {}  # (made once each, not per record)
         last_commit = time.monotonic()
         turned_away = False
         while not self._stop.is_set() and not turned_away:
