@@ -372,7 +372,11 @@ class KafkaTransport(Transport):
         self._producer: KafkaProducer | None = None
         self._failed = False  # a record failed: kafka-python's idempotent producer is stuck, replace it
         self._keyless_partition: int | None = None
-        self._pending = threading.Condition()
+        #: guards the pending counts, `_failed` and `_error`; `with self._pending_lock` where nothing waits (a
+        #: Condition's `__enter__` is a Python-level call, and every record takes it twice)
+        self._pending_lock = threading.RLock()
+        self._pending = threading.Condition(self._pending_lock)
+        self._pending_waiters = 0  # threads waiting on `_pending` (under it): a record settled with none wakes none
         self._pending_bytes = self._unconfirmed = 0
         self._error: TensorBusError | None = None
         self._offsets: _Offsets | None = None
@@ -558,7 +562,7 @@ class KafkaTransport(Transport):
         with self._pending:
             if not room():  # backpressure: its seconds counted under `_pending` (tally.py)
                 started = time.monotonic()
-                self._pending.wait_for(room)
+                self._wait_pending(room, None)
                 self.tally.blocked(started)
             self._raise_error()
             self._pending_bytes += nbytes
@@ -577,7 +581,7 @@ class KafkaTransport(Transport):
         """A record was acknowledged or failed for good (called on kafka-python's sender thread); a failure
         marks the producer failed, unless the record was a replaced producer's (`current` false). `acked`:
         False unless the broker acknowledged it, then `self` if it is the record timed, else None (tally.py)."""
-        with self._pending:
+        with self._pending_lock:
             self._pending_bytes -= nbytes
             self._unconfirmed -= 1
             if acked is False:
@@ -587,7 +591,16 @@ class KafkaTransport(Transport):
             if error is not None:
                 self._failed = self._failed or current
                 self._error = self._error or error
-            self._pending.notify_all()
+            if self._pending_waiters:
+                self._pending.notify_all()
+
+    def _wait_pending(self, predicate: Callable[[], Any], timeout: float | None) -> bool:
+        """`_pending.wait_for(predicate, timeout)`, counted in `_pending_waiters` (caller holds `_pending`)."""
+        self._pending_waiters += 1
+        try:
+            return bool(self._pending.wait_for(predicate, timeout))
+        finally:
+            self._pending_waiters -= 1
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -603,7 +616,7 @@ class KafkaTransport(Transport):
             self._producer.flush(timeout)  # a timeout is reported below, with the count
         with self._pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._pending.wait_for(lambda: self._error or not self._unconfirmed, remaining):
+            if not self._wait_pending(lambda: self._error or not self._unconfirmed, remaining):
                 raise TransportError(f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s")
             self._raise_error()
 

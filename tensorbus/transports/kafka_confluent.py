@@ -109,7 +109,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         """The producer to produce on (the caller holds `_lock`): made on the first send, and made again
         after a failed record, once the failed one's records are purged and their reports served, so
         every record counted in `_pending_bytes` and `_unconfirmed` is settled by some `poll`."""
-        with self._pending:
+        with self._pending_lock:
             failed = self._failed
         if self._rd_producer is not None and failed:
             old, self._rd_producer = self._rd_producer, None
@@ -191,7 +191,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         limit = self.options.max_pending_bytes - nbytes
         waiting_since = None  # (backpressure: its seconds counted under `_pending`, as kafka-python's are)
         while True:  # delivery reports, which lower the pending bytes, are served by `poll`
-            with self._pending:
+            with self._pending_lock:
                 if self._error or not self._pending_bytes or self._pending_bytes <= limit:
                     if waiting_since is not None:
                         self.tally.blocked(waiting_since)
