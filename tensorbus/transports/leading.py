@@ -88,26 +88,28 @@ class Leadership:
             self._lead(done, slice_end, step)
 
     def _lead(self, done: threading.Lock, slice_end: float, step: Step) -> None:
-        with self._state_lock:
+        me = threading.get_ident()
+        with self._state_lock:  # (one hold: it asks for the lead, takes it if free, and says so)
             self._wanted += 1
+            leads = self._lock.acquire(blocking=False)  # (never waits while `_state_lock` is held)
+            if leads:
+                self._leading, self._app_leads = me, True
         try:
-            if not self._lock.acquire(blocking=False):
+            if not leads:
                 self._interrupt()  # (the background leader's wait returns, and it lets go)
-                if not self._lock.acquire(timeout=max(slice_end - time.monotonic(), 0.0)):
-                    return
-            try:
-                self._lead_as(threading.get_ident(), application=True)
+                leads = self._lock.acquire(timeout=max(slice_end - time.monotonic(), 0.0))
+                if leads:
+                    self._lead_as(me, application=True)
+            if leads:
                 waiting = done.locked
                 while not self.stopped and waiting() and time.monotonic() < slice_end:
                     if not step(slice_end, lambda: not waiting()):
                         self.stop()
-            finally:
-                try:
-                    self._lead_as(None)
-                finally:
-                    self._lock.release()
         finally:
-            with self._state_lock:
+            with self._state_lock:  # (one hold: it lets go of the lead, says so, and stops asking)
+                if leads:
+                    self._leading, self._app_leads = None, False
+                    self._lock.release()
                 self._wanted -= 1
                 self._quiet_from = time.monotonic() + self.linger_s
 

@@ -67,10 +67,13 @@ class Frames:
         #: guards everything here; `with self._lock` where nothing waits (a Condition's `__enter__` is a
         #: Python-level call, and this lock is taken three times per frame)
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)  # (a frame came)
+        #: released (under `_lock`, and only while held) to wake the thread waiting in `get`: there is one,
+        #: the leader (leading.py), so a lock does what a Condition would, without its Python-level wait
+        #: and notify (each a small tensor's cost)
+        self._ready = threading.Lock()
+        self._ready.acquire()
         self._room = threading.Condition(self._lock)  # (a frame went)
-        #: threads waiting on `_ready` and on `_room` (under the lock): a notify with nobody waiting is
-        #: skipped (it costs a small tensor's delivery as much as a third of its other steps)
+        #: threads waiting in `get` and on `_room` (under the lock): a wake-up with nobody waiting is skipped
         self._getting = self._wanting_room = 0
 
     @property
@@ -94,8 +97,7 @@ class Frames:
                 self._newest += 1
                 queue.append((self._newest, frame))
             self._bytes[source] = self._bytes.get(source, 0) + nbytes
-            if self._getting:
-                self._ready.notify()
+            self._wake_getter()
 
     def get(self, stop: threading.Event, deadline: float | None = None) -> tuple[object, Buffer] | None:
         """The oldest frame of a producer not held back, with its source, waiting for one until `deadline`
@@ -106,9 +108,11 @@ class Frames:
                 if deadline is not None and (left := deadline - time.monotonic()) <= 0:
                     break
                 self._getting += 1
+                self._lock.release()
                 try:
-                    came = self._ready.wait(None if deadline is None else left)
+                    came = self._ready.acquire(timeout=-1 if deadline is None else left)
                 finally:
+                    self._lock.acquire()
                     self._getting -= 1
                 if not came:
                     break
@@ -151,6 +155,13 @@ class Frames:
                 self._held.discard(source)
             self._unreceived.pop(source, None)
             self._room_went()
+
+    def _wake_getter(self) -> None:
+        """Wake the thread waiting in `get`, if one is (caller holds the lock). `_ready` is released only
+        while held (the getter only takes it), so a wake-up that finds it released already is not lost:
+        the getter's next wait returns at once, and it looks again."""
+        if self._getting and self._ready.locked():
+            self._ready.release()
 
     def _room_went(self) -> None:
         """Wake the threads waiting for room or for their frames to be received (caller holds the lock)."""
@@ -204,13 +215,13 @@ class Frames:
         with self._lock:
             if self._held:
                 self._woken = True
-                self._ready.notify_all()
+                self._wake_getter()
 
     def step_aside(self) -> None:
         """Make a waiting `get` return (None): another thread is to deliver (leading.py)."""
         with self._lock:
             self._woken = True
-            self._ready.notify_all()
+            self._wake_getter()
 
     def __len__(self) -> int:
         """Frames waiting to be delivered."""
