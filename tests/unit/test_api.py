@@ -454,3 +454,21 @@ def test_durations_below_zero_and_sizes_below_one_are_config_errors(option: dict
 
 def test_every_scheme_has_the_form_its_malformed_urls_are_told() -> None:
     assert set(tensorbus.transports.FORMS) == set(tensorbus.transports.TRANSPORTS)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_a_memory_producer_queues_a_plain_tensor_as_the_codec_encodes_it_aligned(checksum: bool) -> None:
+    """memory:// builds a plain ndarray's frame straight into its queued copy (its own short path): the
+    same bytes as the codec's frame, checksum included, in a 64-byte aligned buffer."""
+    from tensorbus.transports.memory import HUB
+
+    tensor = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    with tb.Producer("memory://plain-frames", checksum=checksum) as producer:
+        message_id = producer.send("k", tensor, metadata={"i": 7})
+    queued = HUB.endpoint("plain-frames").get(threading.Event(), deadline=time.monotonic())
+    assert queued is not None
+    frame = queued[1]
+    expected = tb.encode(tensor, key="k", metadata={"i": 7}, message_id=message_id, checksum=checksum)
+    assert bytes(frame) == b"".join(bytes(memoryview(part).cast("B")) for part in expected)
+    assert tb.buffers.address(frame) % 64 == 0
+    assert (tb.loads(frame) == tensor).all()

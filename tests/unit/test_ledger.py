@@ -153,6 +153,19 @@ def test_a_closed_stream_releases_nothing_more_and_says_what_it_left() -> None:
     assert released == [5]  # (the connection is gone: its producer sends B again to the next consumer)
 
 
+def test_what_a_transport_keeps_of_a_frame_goes_with_its_release_and_comes_back_at_close() -> None:
+    ledger = Ledger()
+    stream = ledger.stream()
+    stream.record_admitted(0, A, kept="frame 0")  # (the short path and the general one keep alike)
+    stream.record(1, Delivered(B, **ADMITTED), kept="frame 1")
+    stream.record(2, Delivered(A, True), kept="copy of frame 0")  # a copy of A, untaken: kept with it
+    stream.record_admitted(3, C, kept="frame 3")
+    ledger.taken(B)
+    ledger.taken(C)
+    assert stream.close_kept() == [(0, "frame 0"), (2, "copy of frame 0")]
+    assert stream.close_kept() == [] and stream.unreleased() == []
+
+
 def test_positions_may_be_any_hashable_amqp_deliveries_for_one() -> None:
     ledger = Ledger()
     stream, released = recorded(ledger)
