@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 #: after a `recv` delivered frames itself, how long the background thread waits before it takes over
 LINGER_S = 0.002
+#: frames delivered in one step at most: the first, waited for, and those queued behind it already
+BATCH = 16
 
 
 class MemoryReader:
@@ -55,13 +57,24 @@ class MemoryReader:
                 self._finish()
 
     def _step(self, deadline: float | None, stop: Callable[[], bool]) -> bool:
-        """Offer held messages again, then deliver the next frame, waiting for one until `deadline`;
-        False once the consumer closed or turned a frame away."""
+        """Offer held messages again, then deliver the next frame, waiting for one until `deadline`, and
+        those queued behind it, up to `BATCH` (the receives that follow then find them in the table, with
+        no lead to take); False once the consumer closed or turned a frame away."""
         if self._held and self._release():
             return False
-        item = self._frames.get(self._stop, deadline)
-        if item is None:  # stopped, asked to step aside, room for a message held back, or the deadline
-            return not self._stop.is_set()
+        for _ in range(BATCH):
+            item = self._frames.get(self._stop, deadline)
+            if item is None:  # stopped, asked to step aside, room for a message held back, or the deadline
+                return not self._stop.is_set()
+            if not self._deliver_frame(item):
+                return False
+            if self._held:  # (a message held back: offered again first)
+                break
+            deadline = 0.0  # (after the first: only the frames queued already)
+        return True
+
+    def _deliver_frame(self, item: tuple[object, Buffer]) -> bool:
+        """Deliver one frame and book it in the ledger; False once the consumer turned it away."""
         source, frame = item
         self._position += 1
         fast = self._deliver.fast
