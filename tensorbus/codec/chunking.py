@@ -413,8 +413,9 @@ class Reassembler:
             self._place(message_id, partial, index, frame.payload, owned or isinstance(data, bytes))
             partial.received.add(index)
             if frame.flags & (FLAG_CHECKSUM | FLAG_SIGNED) == FLAG_CHECKSUM:
-                whole, skipped = crcs[1:] if crcs is not None else payload_crcs(frame.payload)
-                partial.crcs[index] = skipped if index == 0 else whole
+                whole = crcs[1] if crcs is not None else crc32c(frame.payload)
+                # (the first chunk's slice starts with the whole frame's prefix: its CRC field is skipped)
+                partial.crcs[index] = payload_crcs(frame.payload, whole)[1] if index == 0 else whole
             if len(partial.received) < count:
                 return None
         if partial.buffer is None:

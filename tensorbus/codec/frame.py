@@ -546,12 +546,13 @@ def is_chunk(view: memoryview) -> bool:
     return view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] == _CHUNK_HEADER_START
 
 
-def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, int | None] | None:
-    """For a checksummed, unsigned chunk frame: its CRC to verify plus `payload_crcs`, in one pass; else None.
+def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int] | None:
+    """For a checksummed, unsigned chunk frame: its CRC to verify and its payload's, in one pass; else None.
 
-    With `crc`, the frame's CRC32C as a stream reader computed it while receiving, the payload's
-    are derived from it and the payload is not read again. Other frames need no payload CRC, and
-    combining CRCs is not free: they get None and `parse` as usual.
+    With `crc`, the frame's CRC32C as a stream reader computed it while receiving, the payload's is
+    derived from it and the payload is not read again. Other frames need no payload CRC, and
+    combining CRCs is not free: they get None and `parse` as usual. (Only the first chunk also needs
+    its payload's CRC without the reassembled frame's CRC field: `payload_crcs` from the second value.)
     """
     if not is_chunk(view):
         return None
@@ -561,9 +562,9 @@ def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int, 
         return None
     head = checksum_of(view[:start])
     if crc is not None:
-        return crc, *payload_crcs(view[start:], uncombine(crc, head, payload_len))
-    whole, skipped = payload_crcs(view[start:])
-    return combine(head, whole, payload_len), whole, skipped
+        return crc, uncombine(crc, head, payload_len)
+    whole = crc32c(view[start:])
+    return combine(head, whole, payload_len), whole
 
 
 def frame_length(prefix: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:
