@@ -21,6 +21,7 @@ import numpy as np
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka import TopicPartition as RdTopicPartition
 
+from ..buffers import aligned
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding
@@ -313,7 +314,8 @@ class ConfluentKafkaTransport(KafkaTransport):
                 tp = partitions.get(partition)
                 if tp is None:
                     tp = partitions[partition] = TopicPartition(self.topic, partition)
-                taken = fast(memoryview(value), None, None) if fast is not None else None
+                # (a record's bytes start 32 bytes into their object: copied, or its tensors would be misaligned)
+                taken = fast(aligned(value), None, None) if fast is not None and value else None
                 if taken is not None:  # a whole plain frame the C delivery took: booked in the fewest steps
                     commits.record_admitted(tp, record.offset() or 0, taken.message_id)
                     continue

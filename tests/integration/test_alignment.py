@@ -71,7 +71,7 @@ def test_reassembled_and_decompressed_arrays_too(options: dict[str, Any]) -> Non
 
 
 @pytest.mark.broker
-@pytest.mark.parametrize("transport", ["amqp", "kafka"])
+@pytest.mark.parametrize("transport", ["amqp", "kafka", "kafka-confluent"])
 def test_arrays_from_brokers_start_at_multiples_of_64(transport: str) -> None:
     """A broker client hands frames over as `bytes`, whose data starts 32 bytes into the object: copied
     into an aligned buffer where it is misaligned."""
