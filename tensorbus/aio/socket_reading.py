@@ -140,7 +140,7 @@ class LoopReading:
     def _ready(self, data: Any) -> None:
         """A connection (None: the wake-up pipe) is readable: read it."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
-        if self._consumer.reactor.read_ready([data]) and self._again is None:
+        if self._consumer.reactor.read_ready([data], self._enough) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
         if data is not None and not self._wanted():
             self._stop_reading()
@@ -161,6 +161,10 @@ class LoopReading:
         if self._free or table is None:
             return True
         return table.buffered_bytes < (READ_AHEAD if below is None else below) or any(table._waiters.values())
+
+    def _enough(self) -> bool:
+        """Whether a turn has read ahead far enough (`Reactor.read_ready` stops between two frames)."""
+        return not self._wanted()
 
     def _go_free(self) -> None:
         """No receive came for `linger_s` while reading was paused: read on freely."""
@@ -191,7 +195,7 @@ class LoopReading:
         if not self._wanted():  # (bytes read ahead wait too: `resume` comes back here)
             self._stop_reading()
             return
-        if self._consumer.reactor.read_ready([]):
+        if self._consumer.reactor.read_ready([], self._enough):
             self._again = self._loop.call_soon(self._read_ahead)
 
     def _turn(self) -> None:

@@ -466,10 +466,12 @@ class Reactor:
             self._taken_due = now + TAKEN_EVERY_S
             self.send_taken()
 
-    def read_ready(self, ready: list[Any]) -> bool:
+    def read_ready(self, ready: list[Any], enough: Callable[[], bool] = _never) -> bool:
         """An event loop's turn, in place of a leading thread: read each connection in `ready` (None: the
-        wake-up pipe) and each with bytes read ahead, as far as its bytes go (FAIR_SHARE frames at most),
-        and do the upkeep. True while bytes read ahead wait, which the loop cannot see: call again soon.
+        wake-up pipe) and each with bytes read ahead, as far as its bytes go (FAIR_SHARE frames at most,
+        and no frame more once `enough()` holds: a TCP receive buffer grown to megabytes would otherwise
+        be drained whole in one turn, into fresh buffers, while a receive waits), and do the upkeep.
+        True while bytes read ahead wait, which the loop cannot see: call again soon.
 
         Every frame a turn delivered is acked before it ends, whether or not bytes wait read ahead: the
         loop may not run again for a while (an application between two `run_until_complete`), and a
@@ -490,7 +492,7 @@ class Reactor:
                     peers.add(peer)
             for peer in peers:
                 if not peer.gone and peer.held is None:
-                    self._read(peer, _never)
+                    self._read(peer, _never, enough)
                     if not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
                         self._ack_now(peer)
             self._upkeep(time.monotonic())
@@ -545,13 +547,14 @@ class Reactor:
 
     # -- reading one connection -----------------------------------------------------------------
 
-    def _read(self, peer: _Peer, stop: Callable[[], bool]) -> None:
-        """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds."""
+    def _read(self, peer: _Peer, stop: Callable[[], bool], enough: Callable[[], bool] = _never) -> None:
+        """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds (and
+        nothing is read ahead) or `enough()` does (bytes read ahead then wait in `_pending`)."""
         self.reading = peer.name
         try:
             for _ in range(FAIR_SHARE):
-                if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)):
-                    break  # held back, or done and nothing read ahead says more is on its way
+                if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)) or enough():
+                    break  # held back, done and nothing read ahead says more is on its way, or enough read ahead
                 if not self._step(peer):  # read on while bytes come: the next `recv` then finds its tensor waiting
                     break
             if peer.held is None and self._has_bytes_ahead(peer):
