@@ -111,3 +111,20 @@ def test_reading_stopped_ahead_of_the_receives_goes_on_when_a_receive_takes(
         assert loop.run_until_complete(_receive(consumer, FRAMES)) == list(range(FRAMES))
     finally:
         _close(loop, consumer, producer)
+
+
+def test_a_turn_reads_no_further_ahead_than_read_ahead_allows(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn stops between two frames once READ_AHEAD bytes wait in the table, not after FAIR_SHARE frames:
+    a TCP receive buffer grown to megabytes would otherwise be read whole, while a receive waits."""
+    monkeypatch.setattr(socket_reading, "READ_AHEAD", 1)  # (one tensor in the table is enough)
+    assert reactor.FAIR_SHARE > 2
+    consumer, producer = _connected(loop)
+    try:
+        _send_while_the_loop_stands(consumer, producer)
+        assert int(loop.run_until_complete(consumer.recv("k", timeout=30))[0]) == 0
+        assert consumer.table.buffered_keys().get("k", 0) == 1  # the frame after the one received, no more
+        assert loop.run_until_complete(_receive(consumer, FRAMES - 1)) == list(range(1, FRAMES))
+    finally:
+        _close(loop, consumer, producer)
