@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 from ..codec import Message
@@ -80,8 +81,15 @@ class _Expired(Exception):
     """What a receive's timer settles its future with: its timeout passed first."""
 
 
-def _expire(future: asyncio.Future[Message]) -> None:
-    if not future.done():
+def _expire(future: asyncio.Future[Message], deadline: float) -> None:
+    """Settle `future` as timed out, not before `deadline` (`time.monotonic`): uvloop's timers count
+    whole milliseconds and may fire a fraction of one early."""
+    if future.done():
+        return
+    early = deadline - time.monotonic()
+    if early > 0:
+        future.get_loop().call_later(early, _expire, future, deadline)
+    else:
         future.set_exception(_Expired())
 
 
@@ -110,7 +118,7 @@ async def wait_message(
             if timeout is not None and timeout <= 0:
                 raise _Expired
             if timeout is not None:
-                timer = loop.call_later(timeout, _expire, future)
+                timer = loop.call_later(timeout, _expire, future, time.monotonic() + timeout)
         message = await future  # (a future done already: at once, no suspension)
     except _Expired:
         handle.cancel()

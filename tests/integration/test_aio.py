@@ -291,6 +291,22 @@ def test_recv_timeout_is_a_tensorbus_timeout_naming_the_key(run: Any) -> None:
     run(main())
 
 
+def test_a_receive_timer_that_fires_early_waits_out_its_deadline(run: Any) -> None:
+    # (uvloop counts timers in whole milliseconds and may fire one a fraction of a millisecond early)
+    from tensorbus.aio.handoff import _expire, _Expired
+
+    async def main() -> None:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        deadline = time.monotonic() + 0.05
+        _expire(future, deadline)  # as if the timer fired 50 ms early
+        assert not future.done()
+        with pytest.raises(_Expired):
+            await future
+        assert time.monotonic() >= deadline
+
+    run(main())
+
+
 def test_abort_fails_pending_and_later_receives(run: Any) -> None:
     async def main() -> None:
         async with tba.Consumer(endpoint_url("tcp")) as consumer:
