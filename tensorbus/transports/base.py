@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
+import numpy as np
+
 from ..codec import encode, encode_chunks
 from ..codec.frame import DEFAULT_LIMITS, FLAG_CHECKSUM, Buffer, Limits, Message, MessageId
 from ..codec.signing import frame_key
@@ -280,9 +282,17 @@ class ProducerSide(Endpoint):
     ) -> None:
         """Encode one tensor and send it: in one frame, or in chunks where frames are limited (`max_frame_bytes`).
 
-        What `Producer.send` calls; a transport with a faster way for some tensors overrides it and
-        calls this for the rest. If a chunk fails, the chunks sent before it are forgotten.
+        What `Producer.send` calls; a transport with a faster way for a plain ndarray in one frame
+        overrides `_send_ndarray` (a transport with another way for some tensors, this, calling it for
+        the rest). If a chunk fails, the chunks sent before it are forgotten.
         """
+        flags = encoding.plain_flags
+        if (
+            flags is not None
+            and type(tensor) is np.ndarray
+            and self._send_ndarray(tensor, key, metadata, message_id, flags)
+        ):
+            return
         self.wait_for_room()
         bound_key = self._frame_key(encoding.signing_key)
         limit = self.max_frame_bytes
@@ -299,6 +309,13 @@ class ProducerSide(Endpoint):
             if sent:  # the chunks that went out can never make a whole tensor: don't resend them
                 self.forget_last(sent)
             raise
+
+    def _send_ndarray(
+        self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
+    ) -> bool:
+        """`encode` and `send` of one plain ndarray in the fewest steps, where the transport has a way:
+        False, with nothing sent, where it has none (here) or it does not apply."""
+        return False
 
     def encoding(self, wanted: Encoding) -> Encoding:
         """How this transport encodes a producer's tensors (`Producer` asks once): `wanted`, or a variant

@@ -28,7 +28,7 @@ from ..buffers import BufferPool
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, NATIVE, Buffer, Limits, MessageId, checksum_of, flat_bytes, join_into
 from ..errors import TransportError
 from ..options import finite_timeout
-from .base import Deliver, Encoding
+from .base import Deliver
 from .memory_reading import MemoryReader
 from .named import NamedOptions, NamedTransport
 from .tally import Tally
@@ -338,25 +338,14 @@ class MemoryTransport(NamedTransport):
                     f"{now - started:.1f}s, as reconnect_timeout_s={self.options.reconnect_timeout_s:g} bounds it)"
                 )
 
-    def send_message(
-        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
-    ) -> None:
-        """Send one tensor; a plain ndarray in one frame (most sends) is built straight into its copy."""
-        flags = encoding.plain_flags
-        if (
-            flags is None
-            or type(tensor) is not np.ndarray
-            or self.max_frame_bytes is not None
-            or not self._send_ndarray(tensor, key, metadata, message_id, flags)
-        ):
-            super().send_message(tensor, key, metadata, message_id, encoding)
-
     def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
     ) -> bool:
         """`encode` and `send` of one plain ndarray in the fewest steps: its head made in C, then it and the
         array copied into the queued buffer, whose CRC is computed in one pass. False, with nothing sent,
-        where it does not apply (no C extension, a tensor the C head leaves to `encode`)."""
+        where it does not apply (no C extension, chunked frames, a tensor the C head leaves to `encode`)."""
+        if self.max_frame_bytes is not None:
+            return False
         head = NATIVE.ndarray_head(array, key, metadata, message_id, flags) if NATIVE is not None else None
         if head is None:
             return False

@@ -212,18 +212,6 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
             self._probe_if_quiet()
             self._keep_until_acked(frame, self._send_retrying(frame))
 
-    def send_message(
-        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
-    ) -> None:
-        """Send one tensor; a plain ndarray (most sends) is built and sent in C where it can be."""
-        flags = encoding.plain_flags
-        if (
-            flags is None
-            or type(tensor) is not np.ndarray
-            or not self._send_ndarray(tensor, key, metadata, message_id, flags)
-        ):
-            super().send_message(tensor, key, metadata, message_id, encoding)
-
     def encoding(self, wanted: Encoding) -> Encoding:
         """`wanted`, with a whole frame's CRC left to `send_frame`, which computes it while sending."""
         return dataclasses.replace(wanted, deferred_checksum=True)
