@@ -20,6 +20,7 @@ import crc32c
 import numpy as np
 
 import tensorbus as tb
+from tensorbus.intake import Intake
 from tests.peers import make_tensor
 
 CONTEXT = multiprocessing.get_context("spawn")
@@ -49,29 +50,37 @@ def produce(url: str, count: int, options: dict[str, Any], progress: str) -> Non
 
 def consume(url: str, log: str, options: dict[str, Any]) -> None:
     """Record every message the consumer hands to the application, then wait to be killed or stopped."""
-    consumer = tb.Consumer(url, **options)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    put = consumer.table.put
 
     def record(message: tb.Message) -> None:
         os.write(fd, f"{message.key} {checksum(message.tensor)} {message.metadata['crc']} {os.getpid()}\n".encode())
+
+    made = Intake.__init__
+
+    def recording_intake(intake: Intake, *args: Any, **kwargs: Any) -> None:
+        """An intake whose C delivery of plain frames (`FastDelivery`, which every transport that reads
+        frames uses and which puts into the table in C) notes each message it delivered."""
+        made(intake, *args, **kwargs)
+        take = intake.fast
+        if take is not None:
+
+            def recording_take(frame: Any, crc: int | None, source: Any) -> tb.Message | None:
+                message = take(frame, crc, source)
+                if message is not None:  # (in the table now, or handed to a waiting recv: not yet acknowledged)
+                    record(message)
+                return message
+
+            intake.fast = recording_take
+
+    Intake.__init__ = recording_intake  # type: ignore[method-assign]  # (this process is the consumer's alone)
+    consumer = tb.Consumer(url, **options)
+    put = consumer.table.put
 
     def recording_put(message: tb.Message, **options: Any) -> None:
         record(message)
         put(message, **options)
 
     consumer.table.put = recording_put  # type: ignore[method-assign]
-    reactor = getattr(consumer.transport, "reactor", None)
-    if reactor is not None and reactor._fast is not None:  # plain frames go into the table in C (`FastDelivery`)
-        take = reactor._fast
-
-        def recording_take(frame: Any, crc: int | None, source: Any) -> tb.Message | None:
-            message = take(frame, crc, source)
-            if message is not None:  # (in the table now, not yet acknowledged)
-                record(message)
-            return message
-
-        reactor._fast = recording_take
     handed = os.open(f"{log}.handed", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     for message in consumer:  # the application drains the table, noting each tensor it was handed
         os.write(handed, f"{message.key} {os.getpid()}\n".encode())
