@@ -37,7 +37,7 @@ with warnings.catch_warnings():  # kafka-python 3.0 loads its protocol schemas w
     from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from ..buffers import aligned
-from ..codec.frame import Buffer, Limits, MessageId
+from ..codec.frame import Buffer, Limits, Message, MessageId, is_chunk
 from ..errors import ConfigError, TensorBusError, TransportError
 from ..ledger import Stream
 from .base import Deliver, Delivered, Transport, TransportOptions, backoff_s
@@ -63,6 +63,19 @@ _CONSUMER = {"enable_auto_commit": False, "auto_offset_reset": "earliest", "meta
 #: and that setting (tensorbus creates its topics so): a signed tensor's age is then measured to that
 #: time, which a producer (or a third party replaying a captured frame) cannot set
 TIMESTAMP_TYPE, LOG_APPEND_TIME = "message.timestamp.type", "LogAppendTime"
+
+
+def take_record(
+    fast: Callable[[memoryview, int | None, object], Message | None] | None, value: bytes
+) -> tuple[Message | None, Buffer]:
+    """A record's frame through the intake's C delivery where that takes it: (the Message it delivered,
+    the frame), else (None, the frame to hand the intake). A record's bytes start 32 bytes into their
+    object, so its tensors would be misaligned: a whole frame is copied to a 64-byte aligned buffer
+    once, for both; a chunk is left as it is (the reassembler copies its payload into place anyway)."""
+    if fast is None or not value or is_chunk(memoryview(value)):
+        return None, value
+    frame = aligned(value)
+    return fast(frame, None, None), frame
 
 
 def appended_at(timestamp_type: int | None, timestamp_ms: int | None) -> float | None:
@@ -677,12 +690,11 @@ class KafkaTransport(Transport):
                 for record in records:
                     if self._stop.is_set() or turned_away:
                         break  # not delivered, so not committed: the group's next consumer reads it
-                    # (a record's bytes start 32 bytes into their object: copied, or its tensors would be misaligned)
-                    taken = fast(aligned(record.value), None, None) if fast is not None and record.value else None
+                    taken, frame = take_record(fast, record.value)
                     if taken is not None:  # a whole plain frame the C delivery took: booked in the fewest steps
                         offsets.record_admitted(tp, record.offset, taken.message_id)
                         continue
-                    result = deliver(record.value, appended_at=appended_at(record.timestamp_type, record.timestamp))
+                    result = deliver(frame, appended_at=appended_at(record.timestamp_type, record.timestamp))
                     offsets.record(tp, record.offset, result)
                     turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
             if time.monotonic() - last_commit >= o.commit_interval_s:

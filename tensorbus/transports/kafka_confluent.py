@@ -21,11 +21,10 @@ import numpy as np
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, KafkaException, Message, Producer
 from confluent_kafka import TopicPartition as RdTopicPartition
 
-from ..buffers import aligned
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding
-from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, appended_at
+from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, appended_at, take_record
 from .kafka_rdkafka import CONSUMER, PRODUCER, Reconnects, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
@@ -314,13 +313,12 @@ class ConfluentKafkaTransport(KafkaTransport):
                 tp = partitions.get(partition)
                 if tp is None:
                     tp = partitions[partition] = TopicPartition(self.topic, partition)
-                # (a record's bytes start 32 bytes into their object: copied, or its tensors would be misaligned)
-                taken = fast(aligned(value), None, None) if fast is not None and value else None
+                taken, frame = take_record(fast, value)
                 if taken is not None:  # a whole plain frame the C delivery took: booked in the fewest steps
                     commits.record_admitted(tp, record.offset() or 0, taken.message_id)
                     continue
                 kind, stamp = record.timestamp()
-                result = deliver(value, appended_at=appended_at(int(kind == TIMESTAMP_LOG_APPEND_TIME), stamp))
+                result = deliver(frame, appended_at=appended_at(int(kind == TIMESTAMP_LOG_APPEND_TIME), stamp))
                 commits.record(tp, record.offset() or 0, result)
                 turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
             if time.monotonic() - last_commit >= o.commit_interval_s:
