@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import socket
 import tempfile
@@ -57,16 +58,20 @@ def require_native(built: bool, what: str) -> None:
     pytest.skip(message, allow_module_level=True)
 
 
-def require_torch() -> ModuleType:
-    """torch: CI installs the `torch` extra, so there its absence fails; elsewhere it skips, saying why."""
+def require_module(name: str, extra: str) -> ModuleType:
+    """`import name`: CI installs every extra, so there its absence fails; elsewhere it skips, saying why."""
     try:
-        import torch
+        return importlib.import_module(name)
     except ImportError:
-        message = "torch is not installed (the `torch` extra: pip install -e '.[torch]')"
+        message = f"{name} is not installed (the `{extra}` extra: pip install -e '.[{extra}]')"
         if IN_CI:
             pytest.fail(f"CI=true and {message}", pytrace=False)
         pytest.skip(message, allow_module_level=True)
-    return torch
+
+
+def require_torch() -> ModuleType:
+    """torch (the `torch` extra), as `require_module` finds it."""
+    return require_module("torch", "torch")
 
 
 def require_broker(url: str) -> None:

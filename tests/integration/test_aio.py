@@ -21,7 +21,7 @@ import pytest
 
 import tensorbus as tb
 import tensorbus.aio as tba
-from tests.conftest import IN_CI, endpoint_url, transport_params
+from tests.conftest import IN_CI, endpoint_url, require_module, transport_params
 from tests.peers import Peer, make_tensor, same
 
 LOOPS = ["asyncio", "uvloop"]
@@ -181,7 +181,7 @@ def test_a_loop_producer_proves_its_secret_signs_its_frames_and_resends_to_a_suc
 
 
 def test_tls_round_trip(run: Any, tmp_path: Any) -> None:
-    trustme = pytest.importorskip("trustme")
+    trustme = require_module("trustme", "dev")
     ca = trustme.CA()
     ca.cert_pem.write_to_path(tmp_path / "ca.pem")
     ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(tmp_path / "server.pem")

@@ -22,7 +22,7 @@ from tensorbus.codec.frame import encode_raw
 from tensorbus.transports import shm_control as control
 from tensorbus.transports.shm_segments import SEALS
 from tensorbus.transports.stream import proof
-from tests.conftest import endpoint_url
+from tests.conftest import endpoint_url, require_torch
 from tests.peers import make_tensor, same
 from tests.waiting import wait_for
 
@@ -178,7 +178,7 @@ def test_without_memfd_a_clear_transport_error(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_torch_tensors_come_back_as_views() -> None:
-    torch = pytest.importorskip("torch")
+    torch = require_torch()
     url = endpoint_url("shm")
     with tb.Consumer(url, like="torch") as consumer, tb.Producer(url) as producer:
         producer.send("t", torch.arange(10, dtype=torch.float32))

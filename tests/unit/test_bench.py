@@ -14,6 +14,7 @@ import pytest
 from tensorbus.bench import config
 from tensorbus.cli import main
 from tensorbus.errors import ConfigError
+from tests.conftest import require_module
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "bench.toml"
@@ -256,7 +257,7 @@ def test_asyncio_rows_run_tensorbus_aio_against_pyzmq_asyncio(tmp_path: Path) ->
     assert methods["aio-tcp"].impl == methods["aio-unix"].impl == "tensorbus-aio"
     assert methods["aio-unix"].family == "unix" and methods["aio-tcp"].compare == ["tcp", "zmq-asyncio"]
     assert "zmq-asyncio" not in {m.name for m in plan(config.BenchConfig(transports=["tcp", "unix"]))}
-    pytest.importorskip("zmq")
+    require_module("zmq", "bench")
     out = tmp_path / "bench.json"
     argv = [*TINY, "--json", str(out)]
     argv[argv.index("memory,tcp,unix")] = "aio-tcp,aio-unix"
