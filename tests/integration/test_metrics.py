@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("prometheus_client")  # (the extra `metrics`: CI installs it)
+from tests.conftest import require_module
+
+require_module("prometheus_client", "metrics")  # CI installs every extra: there a missing one fails
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("prometheus_client")  # (the extra `metrics`: CI installs it)
+from tests.conftest import require_module
+
+require_module("prometheus_client", "metrics")  # CI installs every extra: there a missing one fails
 
 from tensorbus.bench import config
 from tensorbus.bench.exposition import BenchExposition

@@ -4,9 +4,10 @@ sizes change, and no counter going down between scrapes."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-pytest.importorskip("prometheus_client")  # (the extra `metrics`: CI installs it)
+from tests.conftest import require_module
+
+require_module("prometheus_client", "metrics")  # CI installs every extra: there a missing one fails
 from prometheus_client import CollectorRegistry, generate_latest
 
 import tensorbus as tb
