@@ -7,6 +7,9 @@ records, one consumer group per subscriber).
 Every subscriber checks the CRC32C of what it got; a round is timed from the publish call until
 the last subscriber reported. Untimed first: small versions until every subscriber answers (PUB/SUB
 drops what is sent before a subscriber joined), then two full-size versions.
+Each round also counts, per subscriber process, the CPU time its threads used and the minor page
+faults it took (from /proc, on Linux): what load disturbs less than wall time, and where a round was
+decided by fresh memory (the allocator handing pages back and touching them again) rather than by code.
 """
 
 from __future__ import annotations
@@ -121,6 +124,23 @@ def _subscriber(method: str, address: str, last: int, index: int, out: Any) -> N
         out.put((index, -1, repr(exc), time.monotonic()))
 
 
+def usage(pid: int) -> tuple[float, int] | None:
+    """A process's CPU seconds so far (every thread of it, the scheduler's nanosecond counts) and its minor page
+    faults; None where /proc does not tell (not Linux, or the process is gone)."""
+    cpu_ns = 0
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    for tid in threads:
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu_ns += int(f.read().split()[0])
+    return cpu_ns / 1e9, int(stat[stat.rindex(")") + 2 :].split()[7])  # (minflt: the 10th field)
+
+
 # -- publishers (in this process) ---------------------------------------------------------------------
 
 
@@ -190,6 +210,12 @@ class _Side:
         ]
         for process in self.processes:
             process.start()
+        #: per timed round: the subscribers' mean CPU seconds and minor page faults in it (None: not told)
+        self.cpu_s: list[float | None] = []
+        self.minflt: list[float | None] = []
+
+    def _usage(self) -> list[tuple[float, int] | None]:
+        return [usage(process.pid) if process.pid else None for process in self.processes]
 
     def _reports(self, version: int, crc: int | None, timeout_s: float) -> float:
         """Read reports until every subscriber reported `version` (CRC-checked if `crc`); when the last one did."""
@@ -237,9 +263,15 @@ class _Side:
 
     def round(self, version: int, array: np.ndarray, timeout_s: float) -> float:
         crc = _crc(array)
+        before = self._usage()
         started = time.monotonic()
         self.publisher.publish(version, array)
-        return self._reports(version, crc, timeout_s) - started
+        took = self._reports(version, crc, timeout_s) - started
+        spent = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(before, self._usage(), strict=True) if a and b]
+        told = len(spent) == self.subscribers
+        self.cpu_s.append(statistics.mean(cpu for cpu, _ in spent) if told else None)
+        self.minflt.append(statistics.mean(faults for _, faults in spent) if told else None)
+        return took
 
     def close(self) -> None:
         for process in self.processes:
@@ -262,21 +294,38 @@ def run_cell(pair: tuple[str, str], nbytes: int, subscribers: int, rounds: int, 
             array[:8] = r  # another tensor each round (its CRC is checked)
             for side in sides if r % 2 == 0 else sides[::-1]:
                 times[side.method].append(side.round(FIRST + 2 + r, array, 300))
-        return {"pair": list(pair), "nbytes": nbytes, "subscribers": subscribers, "seconds": times}
+        return {
+            "pair": list(pair),
+            "nbytes": nbytes,
+            "subscribers": subscribers,
+            "seconds": times,
+            "subscriber_cpu_s": {side.method: side.cpu_s for side in sides},
+            "subscriber_minflt": {side.method: side.minflt for side in sides},
+        }
     finally:
         for side in sides:
             side.close()
 
 
+def _per_round(cell: dict[str, Any], method: str) -> str:
+    """A method's subscriber CPU ms and minor faults per round (medians over the rounds), or "-"."""
+    cpu = [c for c in cell.get("subscriber_cpu_s", {}).get(method, []) if c is not None]
+    faults = [f for f in cell.get("subscriber_minflt", {}).get(method, []) if f is not None]
+    if not cpu or not faults:
+        return "-"
+    return f"{statistics.median(cpu) * 1000:.0f} ms, {statistics.median(faults):.0f} faults"
+
+
 def summary(cell: dict[str, Any]) -> str:
-    """One table line: the medians and the same-round ratio (baseline time / tensorbus time: >1 is faster)."""
+    """One table line: the medians, the same-round ratio (baseline time / tensorbus time: >1 is faster), and
+    what one subscriber process spent per round."""
     ours, theirs = cell["pair"]
     a, b = cell["seconds"][ours], cell["seconds"][theirs]
     ratios = [y / x for x, y in zip(a, b, strict=True)]
     return (
         f"| {format_size(cell['nbytes'])} | {cell['subscribers']} | {ours} {statistics.median(a) * 1000:.0f} ms | "
         f"{theirs} {statistics.median(b) * 1000:.0f} ms | {statistics.median(ratios):.2f}x "
-        f"[{min(ratios):.2f}-{max(ratios):.2f}] |"
+        f"[{min(ratios):.2f}-{max(ratios):.2f}] | {_per_round(cell, ours)} / {_per_round(cell, theirs)} |"
     )
 
 
@@ -284,8 +333,11 @@ def run(
     methods: list[str], sizes: list[int], subscribers: list[int], rounds: int, kafka_url: str
 ) -> list[dict[str, Any]]:
     """Every cell, printing its line as it finishes."""
-    print("| size | subscribers | tensorbus (median) | baseline (median) | same-round ratio, median [range] |")
-    print("|---|---|---|---|---|")
+    print(
+        "| size | subscribers | tensorbus (median) | baseline (median) | same-round ratio, median [range] "
+        "| a subscriber's CPU and minor faults per round, tensorbus / baseline (medians) |"
+    )
+    print("|---|---|---|---|---|---|")
     cells = []
     for method in methods:
         if method != "tcp" and brokers.unreachable(kafka_url):

@@ -50,6 +50,9 @@ def test_bench_fanout_measures_tcp_against_pub_sub(tmp_path: Path) -> None:
     cells = json.loads((tmp_path / "fanout.json").read_text())
     assert [len(cells[0]["seconds"][m]) for m in ("tcp", "zmq")] == [3, 3]
     assert all(0 < s < 60 for m in ("tcp", "zmq") for s in cells[0]["seconds"][m])
+    for counts in ("subscriber_cpu_s", "subscriber_minflt"):  # each round: what a subscriber process spent in it
+        assert all(len(cells[0][counts][m]) == 3 for m in ("tcp", "zmq")), cells[0][counts]
+    assert all(0 < cpu < 60 for m in ("tcp", "zmq") for cpu in cells[0]["subscriber_cpu_s"][m])
 
 
 def test_bench_fanout_refuses_a_transport_it_has_no_baseline_for() -> None:

@@ -1,0 +1,50 @@
+"""`tensorbus bench --fanout`'s own parts: what a subscriber process spends per round, and the table line."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensorbus.bench import fanout
+
+LINUX = Path("/proc/self/task").is_dir()
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_usage_counts_a_processes_cpu_and_the_pages_it_touches_first() -> None:
+    before = fanout.usage(os.getpid())
+    ends = time.thread_time() + 0.05
+    while time.thread_time() < ends:  # 50 ms of CPU
+        pass
+    fresh = np.ones(64 << 20, np.uint8)  # 64 MB never touched before: at least 32 faults (2 MB pages), 16384 (4 KB)
+    after = fanout.usage(os.getpid())
+    assert before is not None and after is not None
+    assert after[0] - before[0] >= 0.04
+    assert after[1] - before[1] >= 32
+    del fresh
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc")
+def test_usage_of_no_such_process_is_none() -> None:
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    assert fanout.usage(pid_max + 1) is None
+
+
+def test_the_table_line_shows_a_subscribers_cpu_and_faults_per_round_for_each_side() -> None:
+    cell = {
+        "pair": ["kafka", "kafka-python"],
+        "nbytes": 16 << 20,
+        "subscribers": 2,
+        "seconds": {"kafka": [0.1, 0.2, 0.3], "kafka-python": [0.2, 0.2, 0.3]},
+        "subscriber_cpu_s": {"kafka": [0.05, 0.04, 0.06], "kafka-python": [0.07, None, 0.05]},
+        "subscriber_minflt": {"kafka": [100.0, 300.0, 200.0], "kafka-python": [50.0, None, 70.0]},
+    }
+    line = fanout.summary(cell)
+    assert line.startswith("| 16MB | 2 | kafka 200 ms | kafka-python 200 ms | 1.00x [1.00-2.00] |")
+    assert line.endswith("| 50 ms, 200 faults / 60 ms, 60 faults |")
+    cell["subscriber_cpu_s"] = {"kafka": [None] * 3, "kafka-python": [None] * 3}  # /proc told nothing
+    assert fanout.summary(cell).endswith("| - / - |")
