@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -124,10 +124,18 @@ def _subscriber(method: str, address: str, last: int, index: int, out: Any) -> N
         out.put((index, -1, repr(exc), time.monotonic()))
 
 
-def usage(pid: int) -> tuple[float, int] | None:
-    """A process's CPU seconds so far (every thread of it, the scheduler's nanosecond counts) and its minor page
+class Usage(NamedTuple):
+    """What a process has spent so far: CPU seconds of the threads in `threads`, and minor page faults (all)."""
+
+    cpu_s: float
+    minflt: int
+    threads: frozenset[str]
+
+
+def usage(pid: int) -> Usage | None:
+    """A process's CPU seconds so far (each thread's from the scheduler's nanosecond counts) and its minor page
     faults; None where /proc does not tell (not Linux, or the process is gone)."""
-    cpu_ns = 0
+    cpu_ns, counted = 0, []
     try:
         threads = os.listdir(f"/proc/{pid}/task")
         with open(f"/proc/{pid}/stat") as f:
@@ -138,7 +146,16 @@ def usage(pid: int) -> tuple[float, int] | None:
         with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 cpu_ns += int(f.read().split()[0])
-    return cpu_ns / 1e9, int(stat[stat.rindex(")") + 2 :].split()[7])  # (minflt: the 10th field)
+                counted.append(tid)
+    return Usage(cpu_ns / 1e9, int(stat[stat.rindex(")") + 2 :].split()[7]), frozenset(counted))  # (minflt: 10th)
+
+
+def spent(before: Usage | None, after: Usage | None) -> tuple[float, int] | None:
+    """CPU seconds and minor faults between two readings; None if either is missing or a thread counted in the
+    first is not in the second (it ended, taking its CPU time with it: a subscriber ending after its last round)."""
+    if before is None or after is None or not before.threads <= after.threads:
+        return None
+    return after.cpu_s - before.cpu_s, after.minflt - before.minflt
 
 
 # -- publishers (in this process) ---------------------------------------------------------------------
@@ -214,7 +231,7 @@ class _Side:
         self.cpu_s: list[float | None] = []
         self.minflt: list[float | None] = []
 
-    def _usage(self) -> list[tuple[float, int] | None]:
+    def _usage(self) -> list[Usage | None]:
         return [usage(process.pid) if process.pid else None for process in self.processes]
 
     def _reports(self, version: int, crc: int | None, timeout_s: float) -> float:
@@ -267,10 +284,10 @@ class _Side:
         started = time.monotonic()
         self.publisher.publish(version, array)
         took = self._reports(version, crc, timeout_s) - started
-        spent = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(before, self._usage(), strict=True) if a and b]
-        told = len(spent) == self.subscribers
-        self.cpu_s.append(statistics.mean(cpu for cpu, _ in spent) if told else None)
-        self.minflt.append(statistics.mean(faults for _, faults in spent) if told else None)
+        each = [spent(a, b) for a, b in zip(before, self._usage(), strict=True)]
+        told = [s for s in each if s is not None] if None not in each else []
+        self.cpu_s.append(statistics.mean(cpu for cpu, _ in told) if told else None)
+        self.minflt.append(statistics.mean(faults for _, faults in told) if told else None)
         return took
 
     def close(self) -> None:

@@ -22,10 +22,19 @@ def test_usage_counts_a_processes_cpu_and_the_pages_it_touches_first() -> None:
         pass
     fresh = np.ones(64 << 20, np.uint8)  # 64 MB never touched before: at least 32 faults (2 MB pages), 16384 (4 KB)
     after = fanout.usage(os.getpid())
-    assert before is not None and after is not None
-    assert after[0] - before[0] >= 0.04
-    assert after[1] - before[1] >= 32
+    took = fanout.spent(before, after)
+    assert took is not None
+    assert took[0] >= 0.04
+    assert took[1] >= 32
     del fresh
+
+
+def test_a_round_in_which_a_counted_thread_ended_tells_nothing() -> None:
+    """Its CPU time went with it: the difference would be too low, even negative (a subscriber's last round)."""
+    before = fanout.Usage(2.0, 100, frozenset({"1", "2"}))
+    assert fanout.spent(before, fanout.Usage(2.5, 150, frozenset({"1", "2", "3"}))) == (0.5, 50)
+    assert fanout.spent(before, fanout.Usage(1.5, 150, frozenset({"1"}))) is None
+    assert fanout.spent(before, None) is None and fanout.spent(None, before) is None
 
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc")
