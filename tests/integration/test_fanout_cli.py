@@ -52,7 +52,8 @@ def test_bench_fanout_measures_tcp_against_pub_sub(tmp_path: Path) -> None:
     assert all(0 < s < 60 for m in ("tcp", "zmq") for s in cells[0]["seconds"][m])
     for counts in ("subscriber_cpu_s", "subscriber_minflt"):  # each round: what a subscriber process spent in it
         assert all(len(cells[0][counts][m]) == 3 for m in ("tcp", "zmq")), cells[0][counts]
-    assert all(0 < cpu < 60 for m in ("tcp", "zmq") for cpu in cells[0]["subscriber_cpu_s"][m])
+    # (the last round may tell nothing: a subscriber ends its threads once it has the last version)
+    assert all(0 < cpu < 60 for m in ("tcp", "zmq") for cpu in cells[0]["subscriber_cpu_s"][m][:2])
 
 
 def test_bench_fanout_refuses_a_transport_it_has_no_baseline_for() -> None:
