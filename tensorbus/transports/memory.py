@@ -46,6 +46,12 @@ class Frames:
     """One endpoint's frames, queued per producer (`source`) and taken oldest first; a frame the
     closing consumer turned away goes back to the front.
 
+    While nothing is queued or being delivered, a frame the consumer's C delivery takes as it is (a
+    plain tensor with room in the table) is delivered by `put` itself, on the producer's thread, under
+    this queue's lock (`deliver_now`): a hand-over to the delivering thread costs more than the
+    delivery. Every other frame is queued, and so is every frame behind a queued one, so each
+    producer's frames keep their order; both ways number the frames under the lock (`position`).
+
     A producer whose tensor the consumer holds back (`hold`: its share of the table is full) is not
     read meanwhile, as a socket consumer stops reading one connection; the others are. The bytes each
     producer has queued are counted, so that it can wait for room (backpressure, as a socket's
@@ -75,6 +81,13 @@ class Frames:
         self._room = threading.Condition(self._lock)  # (a frame went)
         #: threads waiting in `get` and on `_room` (under the lock): a wake-up with nobody waiting is skipped
         self._getting = self._wanting_room = 0
+        #: the thread waiting in `get` is a waiting receive (`get(..., receiving=True)`), which a frame
+        #: `deliver_now` took may be for; the background thread is not woken for those (under the lock)
+        self._receiving = False
+        #: the listening consumer's delivery of a frame on the producer's thread (`deliver_now(frame, source,
+        #: position, crc)`, called under the lock: True once delivered and booked), while it listens; else None
+        self.deliver_now: Callable[[Buffer, object, int, int | None], bool] | None = None
+        self._position = 0  # the position of the last frame delivered or taken (under the lock)
 
     @property
     def nbytes(self) -> int:
@@ -82,11 +95,28 @@ class Frames:
         with self._lock:
             return sum(self._bytes.values())
 
-    def put(self, frame: Buffer, *, source: object = None, front: bool = False, nbytes: int | None = None) -> None:
-        """Queue `frame` of `source` (`nbytes` long, if the caller knows), at the back or, `front`, first in line."""
-        if nbytes is None:
-            nbytes = memoryview(frame).nbytes
+    def put(
+        self,
+        frame: Buffer,
+        *,
+        source: object = None,
+        front: bool = False,
+        nbytes: int | None = None,
+        crc: int | None = None,
+    ) -> None:
+        """Queue `frame` of `source` (`nbytes` long, and its CRC32C `crc`, if the caller knows), at the back or,
+        `front`, first in line; or deliver it now (`deliver_now`)."""
         with self._lock:
+            if self.deliver_now is not None and not front and not self._queues and not self._unreceived:
+                # (nothing of any producer queued, being delivered or held back: none is overtaken)
+                if self.deliver_now(frame, source, self._position + 1, crc):
+                    self._position += 1
+                    if self._getting and self._receiving:  # (the tensor may be the one it waits for: it looks)
+                        self._woken = True
+                        self._wake_getter()
+                    return
+            if nbytes is None:
+                nbytes = memoryview(frame).nbytes
             queue = self._queues.get(source)
             if queue is None:
                 queue = self._queues[source] = collections.deque()
@@ -99,11 +129,15 @@ class Frames:
             self._bytes[source] = self._bytes.get(source, 0) + nbytes
             self._wake_getter()
 
-    def get(self, stop: threading.Event, deadline: float | None = None) -> tuple[object, Buffer] | None:
-        """The oldest frame of a producer not held back, with its source, waiting for one until `deadline`
-        (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up` or
-        `step_aside` was called, or the deadline passed."""
+    def get(
+        self, stop: threading.Event, deadline: float | None = None, *, receiving: bool = False
+    ) -> tuple[int, object, Buffer] | None:
+        """The oldest frame of a producer not held back, with its position and source, waiting for one until
+        `deadline` (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up`
+        or `step_aside` was called, the deadline passed, or (`receiving`: the caller is a waiting receive)
+        `put` delivered a frame itself."""
         with self._lock:
+            self._receiving = receiving
             while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
                 if deadline is not None and (left := deadline - time.monotonic()) <= 0:
                     break
@@ -131,7 +165,8 @@ class Frames:
                 del self._bytes[source]
             self._unreceived[source] = self._unreceived.get(source, 0) + nbytes
             self._room_went()
-            return source, frame
+            self._position += 1
+            return self._position, source, frame
 
     def _next_source(self) -> object:
         """The source of the oldest frame not held back (caller holds the lock), else `_NOTHING`."""
@@ -142,6 +177,11 @@ class Frames:
             if source not in self._held and (oldest is None or queue[0][0] < oldest):
                 oldest, found = queue[0][0], source
         return found
+
+    def deliver_with(self, deliver_now: Callable[[Buffer, object, int, int | None], bool] | None) -> None:
+        """Let `put` deliver frames itself with `deliver_now` (a listening consumer's), or no longer (None)."""
+        with self._lock:
+            self.deliver_now = deliver_now
 
     def hold(self, source: object) -> None:
         """Stop reading `source`: the consumer holds its tensor back (its bytes stay unreceived)."""
@@ -356,9 +396,11 @@ class MemoryTransport(NamedTransport):
         copy = self._pool.take(nbytes)
         copy[:at] = head
         copy[at:] = payload
-        if flags & FLAG_CHECKSUM:
-            struct.pack_into("<I", copy, CRC_AT, checksum_of(copy))
-        self._frames.put(copy, source=self._source, nbytes=nbytes)
+        crc = None
+        if flags & FLAG_CHECKSUM:  # (computed over the buffer delivered: the consumer's check need not read it again)
+            crc = checksum_of(copy)
+            struct.pack_into("<I", copy, CRC_AT, crc)
+        self._frames.put(copy, source=self._source, nbytes=nbytes, crc=crc)
         return True
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:

@@ -467,7 +467,7 @@ def test_a_memory_producer_queues_a_plain_tensor_as_the_codec_encodes_it_aligned
         message_id = producer.send("k", tensor, metadata={"i": 7})
     queued = HUB.endpoint("plain-frames").get(threading.Event(), deadline=time.monotonic())
     assert queued is not None
-    frame = queued[1]
+    frame = queued[2]  # (position, source, frame)
     expected = tb.encode(tensor, key="k", metadata={"i": 7}, message_id=message_id, checksum=checksum)
     assert bytes(frame) == b"".join(bytes(memoryview(part).cast("B")) for part in expected)
     assert tb.buffers.address(frame) % 64 == 0
