@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import BufferPool
+from ..buffers import BufferPool, aligned_bytes
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, NATIVE, Buffer, Limits, MessageId, checksum_of, flat_bytes, join_into
 from ..errors import TransportError
 from ..options import finite_timeout
@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 _NOTHING = object()
 #: numbers naming producers as the sources of their frames (`MemoryTransport._source`), in this process
 _SOURCES = itertools.count(1)
+#: a plain tensor's frame smaller than this is copied into a zero-filled buffer of its own (`aligned_bytes`:
+#: fewer steps than the pool's); a larger one into the pool's (not zero-filled: a fill would cost a copy's time)
+SMALL_FRAME = 64 << 10
 
 
 class Frames:
@@ -393,7 +396,7 @@ class MemoryTransport(NamedTransport):
         payload = flat_bytes(array)
         at = len(head)
         nbytes = at + payload.nbytes
-        copy = self._pool.take(nbytes)
+        copy = aligned_bytes(nbytes) if nbytes < SMALL_FRAME else self._pool.take(nbytes)
         copy[:at] = head
         copy[at:] = payload
         crc = None

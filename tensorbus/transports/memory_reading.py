@@ -45,9 +45,7 @@ class MemoryReader:
         self._stop = threading.Event()
         self.leadership = Leadership(LINGER_S, frames.step_aside)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-memory-{name}")
-        self._fast = deliver.fast
-        if self._fast is not None:  # (the Python delivery may run callbacks: never on a producer's thread)
-            frames.deliver_with(self._deliver_now)
+        frames.deliver_with(self._deliver_now)
         self._thread.start()
 
     def wait(self, done: threading.Lock, deadline: float | None) -> bool:
@@ -62,10 +60,11 @@ class MemoryReader:
         """Deliver `frame` on the producer's thread (`Frames.put`, under the queue's lock) if the C delivery
         takes it as it is, booked at `position`: True then; False, with nothing changed, to queue it. `crc`:
         its CRC32C where the producer computed it over this very buffer (None: the delivery computes it)."""
-        if self._stop.is_set():
+        fast = self._deliver.fast  # (the Python delivery may run callbacks: never on a producer's thread)
+        if fast is None or self._stop.is_set():
             return False
         try:
-            taken = self._fast(memoryview(frame), crc, source)  # type: ignore[misc]  # (set when registered)
+            taken = fast(memoryview(frame), crc, source)
         except Exception:  # (e.g. a MemoryError part way: queued, the Python delivery decides, dropping a copy taken)
             log.debug("memory://%s: the C delivery failed; the frame is queued", self.name, exc_info=True)
             return False
@@ -101,7 +100,7 @@ class MemoryReader:
     def _deliver_frame(self, item: tuple[int, object, Buffer]) -> bool:
         """Deliver one frame taken from the queue and book it in the ledger; False once the consumer turned it away."""
         position, source, frame = item
-        fast = self._fast
+        fast = self._deliver.fast
         try:
             taken = fast(memoryview(frame), None, source) if fast is not None else None
             result = self._deliver(frame, may_hold=True, source=source) if taken is None else None
