@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import BufferPool, aligned_bytes
+from ..buffers import BufferPool
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, NATIVE, Buffer, Limits, MessageId, checksum_of, flat_bytes, join_into
 from ..errors import TransportError
 from ..options import finite_timeout
@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 _NOTHING = object()
 #: numbers naming producers as the sources of their frames (`MemoryTransport._source`), in this process
 _SOURCES = itertools.count(1)
-#: a plain tensor's frame smaller than this is copied into a zero-filled buffer of its own (`aligned_bytes`:
-#: fewer steps than the pool's); a larger one into the pool's (not zero-filled: a fill would cost a copy's time)
+#: a plain tensor smaller than this has its frame made whole in C, in a fresh buffer of its own (one call:
+#: a small tensor's time is mostly steps); a larger one is copied into the pool's buffers (fresh pages are slow)
 SMALL_FRAME = 64 << 10
 
 
@@ -384,19 +384,28 @@ class MemoryTransport(NamedTransport):
     def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
     ) -> bool:
-        """`encode` and `send` of one plain ndarray in the fewest steps: its head made in C, then it and the
-        array copied into the queued buffer, whose CRC is computed in one pass. False, with nothing sent,
-        where it does not apply (no C extension, chunked frames, a tensor the C head leaves to `encode`)."""
-        if self.max_frame_bytes is not None:
+        """`encode` and `send` of one plain ndarray in the fewest steps: a small one's frame made whole in C
+        (`ndarray_frame`); a larger one's head made in C, then it and the array copied into a pooled buffer,
+        whose CRC is computed in one pass. False, with nothing sent, where it does not apply (no C extension,
+        chunked frames, a tensor the C head leaves to `encode`)."""
+        if self.max_frame_bytes is not None or NATIVE is None:
             return False
-        head = NATIVE.ndarray_head(array, key, metadata, message_id, flags) if NATIVE is not None else None
+        if array.nbytes < SMALL_FRAME:
+            built = NATIVE.ndarray_frame(array, key, metadata, message_id, flags)
+            if built is None:
+                return False
+            self.wait_for_room()
+            frame, crc = built
+            self._frames.put(frame, source=self._source, nbytes=len(frame), crc=crc)
+            return True
+        head = NATIVE.ndarray_head(array, key, metadata, message_id, flags)
         if head is None:
             return False
         self.wait_for_room()
         payload = flat_bytes(array)
         at = len(head)
         nbytes = at + payload.nbytes
-        copy = aligned_bytes(nbytes) if nbytes < SMALL_FRAME else self._pool.take(nbytes)
+        copy = self._pool.take(nbytes)
         copy[:at] = head
         copy[at:] = payload
         crc = None
