@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 _NOTHING = object()
 #: numbers naming producers as the sources of their frames (`MemoryTransport._source`), in this process
 _SOURCES = itertools.count(1)
+#: a producer that woke a waiting receive lets it run once it delivered this many more frames itself (see `Frames`)
+BURST = 64
+#: ... waiting for it that long at most (the interpreter's switch interval, after which it would run anyway)
+BURST_WAIT_S = 0.005
 #: a plain tensor smaller than this has its frame made whole in C, in a fresh buffer of its own (one call:
 #: a small tensor's time is mostly steps); a larger one is copied into the pool's buffers (fresh pages are slow)
 SMALL_FRAME = 64 << 10
@@ -54,6 +58,13 @@ class Frames:
     this queue's lock (`deliver_now`): a hand-over to the delivering thread costs more than the
     delivery. Every other frame is queued, and so is every frame behind a queued one, so each
     producer's frames keep their order; both ways number the frames under the lock (`position`).
+
+    Producer and consumer threads share one interpreter lock: a receive woken by `put` runs only once the
+    producer lets go of it, which a producer sending in a loop does only every switch interval (5 ms), by
+    when hundreds of tensors wait in the table, out of the caches, and survive into the older garbage
+    collector generations (their cost grows with that backlog). So a producer that woke a waiting receive
+    and delivered `BURST` more frames since waits, before its next, until that receive runs (at most
+    `BURST_WAIT_S`): the receive then takes them while they are fresh.
 
     A producer whose tensor the consumer holds back (`hold`: its share of the table is full) is not
     read meanwhile, as a socket consumer stops reading one connection; the others are. The bytes each
@@ -91,6 +102,11 @@ class Frames:
         #: position, crc)`, called under the lock: True once delivered and booked), while it listens; else None
         self.deliver_now: Callable[[Buffer, object, int, int | None], bool] | None = None
         self._position = 0  # the position of the last frame delivered or taken (under the lock)
+        #: frames `put` delivered since it woke the waiting receive, which has not run since; None: none woken
+        #: (under the lock)
+        self._since_woken: int | None = None
+        self._receive_ran = threading.Condition(self._lock)  # (a receive woken by `put` runs)
+        self._letting_run = 0  # producers waiting on `_receive_ran` (under the lock)
 
     @property
     def nbytes(self) -> int:
@@ -110,13 +126,23 @@ class Frames:
         """Queue `frame` of `source` (`nbytes` long, and its CRC32C `crc`, if the caller knows), at the back or,
         `front`, first in line; or deliver it now (`deliver_now`)."""
         with self._lock:
+            if self._since_woken is not None and self._since_woken >= BURST:  # (let the woken receive run first)
+                self._letting_run += 1
+                try:
+                    self._receive_ran.wait(BURST_WAIT_S)
+                finally:
+                    self._letting_run -= 1
+                self._since_woken = None
             if self.deliver_now is not None and not front and not self._queues and not self._unreceived:
                 # (nothing of any producer queued, being delivered or held back: none is overtaken)
                 if self.deliver_now(frame, source, self._position + 1, crc):
                     self._position += 1
-                    if self._getting and self._receiving:  # (the tensor may be the one it waits for: it looks)
+                    if self._since_woken is not None:  # (the receive it woke has not run yet)
+                        self._since_woken += 1
+                    elif self._getting and self._receiving:  # (the tensor may be the one it waits for: it looks)
                         self._woken = True
                         self._wake_getter()
+                        self._since_woken = 0
                     return
             if nbytes is None:
                 nbytes = memoryview(frame).nbytes
@@ -151,6 +177,10 @@ class Frames:
                 finally:
                     self._lock.acquire()
                     self._getting -= 1
+                    if receiving and self._since_woken is not None:  # (woken by `put`: it runs now)
+                        self._since_woken = None
+                        if self._letting_run:
+                            self._receive_ran.notify_all()
                 if not came:
                     break
             self._woken = False

@@ -11,10 +11,12 @@ import threading
 from typing import Any
 
 import numpy as np
+import pytest
 
 import tensorbus as tb
 from tensorbus.intake_state import FAST
-from tensorbus.transports.memory import HUB, Frames
+from tensorbus.transports import memory
+from tensorbus.transports.memory import BURST, HUB, Frames
 
 from ..conftest import require_native
 from ..waiting import wait_for
@@ -89,6 +91,32 @@ def test_a_frame_the_c_delivery_declines_is_queued_and_later_ones_wait_behind_it
     frames.put(b"declined", source="a")
     frames.put(b"after", source="a")  # not offered: it would overtake the one queued
     assert len(frames) == 2 and answers == [True]
+
+
+def test_a_producer_that_woke_a_waiting_receive_lets_it_run_before_it_gets_further_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Producer and receive share one interpreter lock: the woken receive runs before the producer delivers
+    more than BURST further frames (else it would find hundreds waiting, out of the caches)."""
+    monkeypatch.setattr(memory, "BURST_WAIT_S", 60.0)  # (here never given up on, however loaded the machine)
+    frames = Frames()
+    waiting_then: list[int] = []  # whether the receive was still in its wait as each frame was delivered
+
+    def deliver_now(frame: Any, source: object, position: int, crc: int | None) -> bool:
+        waiting_then.append(frames._getting)
+        return True
+
+    frames.deliver_with(deliver_now)
+    got: list[Any] = []
+    receive = threading.Thread(target=lambda: got.append(frames.get(threading.Event(), None, receiving=True)))
+    receive.start()
+    wait_for(lambda: frames._getting == 1, 30, "the receive to wait")
+    for _ in range(BURST + 3):
+        frames.put(b"frame", source="p")
+    receive.join(30)
+    assert got == [None]  # (woken by the first: it returns to look for its tensor)
+    assert waiting_then[0] == 1 and len(waiting_then) == BURST + 3
+    assert waiting_then[BURST + 1 :] == [0, 0]  # the producer waited for it to run
 
 
 def test_recv_async_callbacks_run_on_a_reading_thread_never_on_the_producers() -> None:
