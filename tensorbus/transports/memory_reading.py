@@ -22,7 +22,7 @@ from .base import Deliver, Delivered, Held
 from .leading import Leadership
 
 if TYPE_CHECKING:
-    from .memory import Frames
+    from .memory_frames import Frames
 
 log = logging.getLogger(__name__)
 

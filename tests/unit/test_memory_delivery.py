@@ -15,8 +15,9 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.intake_state import FAST
-from tensorbus.transports import memory
-from tensorbus.transports.memory import BURST, HUB, Frames
+from tensorbus.transports import memory_frames
+from tensorbus.transports.memory import HUB
+from tensorbus.transports.memory_frames import BURST, Frames
 
 from ..conftest import require_native
 from ..waiting import wait_for
@@ -98,7 +99,7 @@ def test_a_producer_that_woke_a_waiting_receive_lets_it_run_before_it_gets_furth
 ) -> None:
     """Producer and receive share one interpreter lock: the woken receive runs before the producer delivers
     more than BURST further frames (else it would find hundreds waiting, out of the caches)."""
-    monkeypatch.setattr(memory, "BURST_WAIT_S", 60.0)  # (here never given up on, however loaded the machine)
+    monkeypatch.setattr(memory_frames, "BURST_WAIT_S", 60.0)  # (here never given up on, however loaded the machine)
     frames = Frames()
     waiting_then: list[int] = []  # whether the receive was still in its wait as each frame was delivered
 
