@@ -101,7 +101,7 @@ class Frames:
         """Queue `frame` of `source` (`nbytes` long, and its CRC32C `crc`, if the caller knows), at the back or,
         `front`, first in line; or deliver it now (`deliver_now`)."""
         with self._lock:
-            if self._since_woken is not None and self._since_woken >= BURST:  # (let the woken receive run first)
+            if not front and self._since_woken is not None and self._since_woken >= BURST:  # (let it run first)
                 self._letting_run += 1
                 try:
                     self._receive_ran.wait(BURST_WAIT_S)
