@@ -1,16 +1,16 @@
 """`memory://NAME`: an in-process transport with the same semantics as the network ones.
 
-Frames are copied on send (as a socket would) into the endpoint's queue, which exists as soon as
-either side names it, so a producer may send before the consumer listens, as with a broker queue.
-The consumer's delivery (memory_reading.py) runs on the thread of a waiting `recv`, so a hand-over
-costs one thread wake-up; it keeps each frame it delivered until the ledger releases it (ledger.py),
-and on close what it did not release goes back to the front of the queue, for the next consumer.
+Frames are copied on send (as a socket would) into the endpoint's queue (memory_frames.py), which
+exists as soon as either side names it, so a producer may send before the consumer listens, as with a
+broker queue. The consumer's delivery (memory_reading.py) takes a plain tensor on the producer's thread
+while nothing is queued, else runs on the thread of a waiting `recv`, so a hand-over costs one thread
+wake-up at most; it keeps each frame it delivered until the ledger releases it (ledger.py), and on
+close what it did not release goes back to the front of the queue, for the next consumer.
 All state lives in one `MemoryHub`; `HUB.reset()` clears it between tests.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import math
@@ -18,7 +18,6 @@ import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,204 +28,18 @@ from ..codec.frame import CRC_AT, FLAG_CHECKSUM, NATIVE, Buffer, Limits, Message
 from ..errors import TransportError
 from ..options import finite_timeout
 from .base import Deliver
+from .memory_frames import Frames
 from .memory_reading import MemoryReader
 from .named import NamedOptions, NamedTransport
-from .tally import Tally
 
 log = logging.getLogger(__name__)
 
 
-#: `Frames._next_source` when no frame can be read
-_NOTHING = object()
 #: numbers naming producers as the sources of their frames (`MemoryTransport._source`), in this process
 _SOURCES = itertools.count(1)
-
-
-class Frames:
-    """One endpoint's frames, queued per producer (`source`) and taken oldest first; a frame the
-    closing consumer turned away goes back to the front.
-
-    A producer whose tensor the consumer holds back (`hold`: its share of the table is full) is not
-    read meanwhile, as a socket consumer stops reading one connection; the others are. The bytes each
-    producer has queued are counted, so that it can wait for room (backpressure, as a socket's
-    unacknowledged bytes bound a producer there), and so are those the consumer took and its table has
-    not (being delivered, or held back), so that a flush waits for them too.
-    """
-
-    def __init__(self) -> None:
-        #: source -> its frames, each with its arrival number (lower: older), oldest first
-        self._queues: dict[object, collections.deque[tuple[int, Buffer]]] = {}
-        #: queued bytes per source (plain dicts, not Counters: a Counter's `del` and missing keys are
-        #: Python-level calls, and these change twice per frame); sources with none are not there
-        self._bytes: dict[object, int] = {}
-        #: bytes per source the consumer took and its table did not yet (being delivered, or held back)
-        self._unreceived: dict[object, int] = {}
-        self._newest = self._oldest = 0  # arrival numbers given at the back and at the front
-        self._held: set[object] = set()  # sources not read while the consumer holds their tensor back
-        self._woken = False  # `wake_up` was called: `get` returns (to offer held tensors again)
-        #: guards everything here; `with self._lock` where nothing waits (a Condition's `__enter__` is a
-        #: Python-level call, and this lock is taken three times per frame)
-        self._lock = threading.Lock()
-        #: released (under `_lock`, and only while held) to wake the thread waiting in `get`: there is one,
-        #: the leader (leading.py), so a lock does what a Condition would, without its Python-level wait
-        #: and notify (each a small tensor's cost)
-        self._ready = threading.Lock()
-        self._ready.acquire()
-        self._room = threading.Condition(self._lock)  # (a frame went)
-        #: threads waiting in `get` and on `_room` (under the lock): a wake-up with nobody waiting is skipped
-        self._getting = self._wanting_room = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the frames queued, of every producer."""
-        with self._lock:
-            return sum(self._bytes.values())
-
-    def put(self, frame: Buffer, *, source: object = None, front: bool = False, nbytes: int | None = None) -> None:
-        """Queue `frame` of `source` (`nbytes` long, if the caller knows), at the back or, `front`, first in line."""
-        if nbytes is None:
-            nbytes = memoryview(frame).nbytes
-        with self._lock:
-            queue = self._queues.get(source)
-            if queue is None:
-                queue = self._queues[source] = collections.deque()
-            if front:
-                self._oldest -= 1
-                queue.appendleft((self._oldest, frame))
-            else:
-                self._newest += 1
-                queue.append((self._newest, frame))
-            self._bytes[source] = self._bytes.get(source, 0) + nbytes
-            self._wake_getter()
-
-    def get(self, stop: threading.Event, deadline: float | None = None) -> tuple[object, Buffer] | None:
-        """The oldest frame of a producer not held back, with its source, waiting for one until `deadline`
-        (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up` or
-        `step_aside` was called, or the deadline passed."""
-        with self._lock:
-            while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
-                if deadline is not None and (left := deadline - time.monotonic()) <= 0:
-                    break
-                self._getting += 1
-                self._lock.release()
-                try:
-                    came = self._ready.acquire(timeout=-1 if deadline is None else left)
-                finally:
-                    self._lock.acquire()
-                    self._getting -= 1
-                if not came:
-                    break
-            self._woken = False
-            if stop.is_set() or source is _NOTHING:
-                return None
-            queue = self._queues[source]
-            frame = queue.popleft()[1]
-            if not queue:
-                del self._queues[source]
-            nbytes = memoryview(frame).nbytes
-            queued = self._bytes[source] - nbytes
-            if queued:
-                self._bytes[source] = queued
-            else:
-                del self._bytes[source]
-            self._unreceived[source] = self._unreceived.get(source, 0) + nbytes
-            self._room_went()
-            return source, frame
-
-    def _next_source(self) -> object:
-        """The source of the oldest frame not held back (caller holds the lock), else `_NOTHING`."""
-        if len(self._queues) == 1 and not self._held:  # (the commonest: one producer)
-            return next(iter(self._queues))
-        oldest, found = None, _NOTHING
-        for source, queue in self._queues.items():
-            if source not in self._held and (oldest is None or queue[0][0] < oldest):
-                oldest, found = queue[0][0], source
-        return found
-
-    def hold(self, source: object) -> None:
-        """Stop reading `source`: the consumer holds its tensor back (its bytes stay unreceived)."""
-        with self._lock:
-            self._held.add(source)
-
-    def received(self, source: object) -> None:
-        """The consumer's table took (or settled) what the consumer had taken of `source`: read it again."""
-        with self._lock:
-            if self._held:
-                self._held.discard(source)
-            self._unreceived.pop(source, None)
-            self._room_went()
-
-    def _wake_getter(self) -> None:
-        """Wake the thread waiting in `get`, if one is (caller holds the lock). `_ready` is released only
-        while held (the getter only takes it), so a wake-up that finds it released already is not lost:
-        the getter's next wait returns at once, and it looks again."""
-        if self._getting and self._ready.locked():
-            self._ready.release()
-
-    def _room_went(self) -> None:
-        """Wake the threads waiting for room or for their frames to be received (caller holds the lock)."""
-        if self._wanting_room:
-            self._room.notify_all()
-
-    def ended(self) -> None:
-        """The consumer stopped, and what it did not release is queued again: nothing is held or taken by it."""
-        with self._lock:
-            self._held.clear()
-            self._unreceived.clear()
-            self._room_went()
-
-    def wait_for_room(
-        self, limit: int, timeout: float | None, source: object = None, tally: Tally | None = None
-    ) -> bool:
-        """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds.
-        The seconds waited go to `tally` (its `blocked_s` is written under this queue's lock)."""
-        if self._bytes.get(source, 0) < limit:  # a quick look without the lock first: the common case on every send
-            return True
-        return self._wait_for_room(lambda: self._bytes.get(source, 0) < limit, timeout, tally)
-
-    def wait_until_received(self, timeout: float | None, source: object) -> bool:
-        """Wait until every frame of `source` is in the consumer's table (or settled): True then, False after
-        `timeout` seconds. A frame the consumer holds back (its table is full) is not, as on a socket."""
-        return self._wait_for_room(lambda: not self._bytes.get(source) and not self._unreceived.get(source), timeout)
-
-    def _wait_for_room(self, predicate: Callable[[], bool], timeout: float | None, tally: Tally | None = None) -> bool:
-        with self._room:
-            self._wanting_room += 1
-            started = time.monotonic()
-            try:
-                return self._room.wait_for(predicate, timeout)
-            finally:
-                self._wanting_room -= 1
-                if tally is not None:  # (backpressure: the seconds waited, counted under this lock)
-                    tally.blocked(started)
-
-    def queued(self, source: object) -> int:
-        """Bytes `source` has queued."""
-        with self._lock:
-            return self._bytes.get(source, 0)
-
-    def unreceived(self, source: object) -> int:
-        """Bytes of `source` not in the consumer's table yet: queued, being delivered, or held back."""
-        with self._lock:
-            return self._bytes.get(source, 0) + self._unreceived.get(source, 0)
-
-    def wake_up(self) -> None:
-        """Make a waiting `get` return (None) while a source is held back: the consumer may have room for its tensor."""
-        with self._lock:
-            if self._held:
-                self._woken = True
-                self._wake_getter()
-
-    def step_aside(self) -> None:
-        """Make a waiting `get` return (None): another thread is to deliver (leading.py)."""
-        with self._lock:
-            self._woken = True
-            self._wake_getter()
-
-    def __len__(self) -> int:
-        """Frames waiting to be delivered."""
-        with self._lock:
-            return sum(len(queue) for queue in self._queues.values())
+#: a plain tensor smaller than this has its frame made whole in C, in a fresh buffer of its own (one call:
+#: a small tensor's time is mostly steps); a larger one is copied into the pool's buffers (fresh pages are slow)
+SMALL_FRAME = 64 << 10
 
 
 class MemoryHub:
@@ -341,12 +154,21 @@ class MemoryTransport(NamedTransport):
     def _send_ndarray(
         self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
     ) -> bool:
-        """`encode` and `send` of one plain ndarray in the fewest steps: its head made in C, then it and the
-        array copied into the queued buffer, whose CRC is computed in one pass. False, with nothing sent,
-        where it does not apply (no C extension, chunked frames, a tensor the C head leaves to `encode`)."""
-        if self.max_frame_bytes is not None:
+        """`encode` and `send` of one plain ndarray in the fewest steps: a small one's frame made whole in C
+        (`ndarray_frame`); a larger one's head made in C, then it and the array copied into a pooled buffer,
+        whose CRC is computed in one pass. False, with nothing sent, where it does not apply (no C extension,
+        chunked frames, a tensor the C head leaves to `encode`)."""
+        if self.max_frame_bytes is not None or NATIVE is None:
             return False
-        head = NATIVE.ndarray_head(array, key, metadata, message_id, flags) if NATIVE is not None else None
+        if array.nbytes < SMALL_FRAME:
+            built = NATIVE.ndarray_frame(array, key, metadata, message_id, flags)
+            if built is None:
+                return False
+            self.wait_for_room()
+            frame, crc = built
+            self._frames.put(frame, source=self._source, nbytes=len(frame), crc=crc)
+            return True
+        head = NATIVE.ndarray_head(array, key, metadata, message_id, flags)
         if head is None:
             return False
         self.wait_for_room()
@@ -356,9 +178,11 @@ class MemoryTransport(NamedTransport):
         copy = self._pool.take(nbytes)
         copy[:at] = head
         copy[at:] = payload
-        if flags & FLAG_CHECKSUM:
-            struct.pack_into("<I", copy, CRC_AT, checksum_of(copy))
-        self._frames.put(copy, source=self._source, nbytes=nbytes)
+        crc = None
+        if flags & FLAG_CHECKSUM:  # (computed over the buffer delivered: the consumer's check need not read it again)
+            crc = checksum_of(copy)
+            struct.pack_into("<I", copy, CRC_AT, crc)
+        self._frames.put(copy, source=self._source, nbytes=nbytes, crc=crc)
         return True
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:

@@ -1,10 +1,13 @@
-"""The memory:// consumer's delivery: frames taken from the endpoint's queue and handed to the intake.
+"""The memory:// consumer's delivery: frames handed to the intake, by the producer's `put` or from the queue.
 
-A waiting `recv` delivers on its own thread (leading.py), so an in-process hand-over costs one
-thread wake-up (the producer's `put` waking the receiver), not two; the thread
-`tensorbus-memory-NAME` delivers while no `recv` waits. Each frame delivered is kept until the ledger
-releases it; on close what it did not release goes back to the front of the queue, for the next
-consumer of the name.
+A frame the intake's C delivery takes as it is (a plain tensor with room), while nothing is queued, is
+delivered by the producer's `put` itself (`deliver_now`): that costs no thread hand-over at all, and a
+receive waiting for it is woken once. Every other frame is queued, and a waiting `recv` delivers it on
+its own thread (leading.py), so that hand-over costs one thread wake-up (the producer's `put` waking the
+receiver), not two; the thread `tensorbus-memory-NAME` delivers while no `recv` waits, so `recv_async`
+callbacks and held-back tensors are served on a reading thread, never on a producer's. Each frame
+delivered either way is kept until the ledger releases it; on close what it did not release goes back to
+the front of the queue, for the next consumer of the name.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from .base import Deliver, Delivered, Held
 from .leading import Leadership
 
 if TYPE_CHECKING:
-    from .memory import Frames
+    from .memory_frames import Frames
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +39,39 @@ class MemoryReader:
         self.name, self._frames, self._deliver, self._on_stopped = name, frames, deliver, on_stopped
         # the leader's, all of them (leading.py: one thread at a time)
         self._held: dict[object, Held] = {}  # source -> the message the consumer holds back (its share is full)
-        self._position = 0
         #: each frame's position, kept there with its source until the ledger releases it (nothing to
         #: acknowledge: a released frame is just let go)
         self._stream = deliver.ledger.stream()
         self._stop = threading.Event()
         self.leadership = Leadership(LINGER_S, frames.step_aside)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-memory-{name}")
+        frames.deliver_with(self._deliver_now)
         self._thread.start()
 
     def wait(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for a receive's `done`, delivering frames on this thread meanwhile."""
-        return self.leadership.wait(done, deadline, self._step)
+        return self.leadership.wait(done, deadline, self._receive_step)
+
+    def _receive_step(self, deadline: float | None, stop: Callable[[], bool]) -> bool:
+        """`_step` of a waiting receive: woken too when a producer's `put` delivered a frame itself."""
+        return self._step(deadline, stop, receiving=True)
+
+    def _deliver_now(self, frame: Buffer, source: object, position: int, crc: int | None) -> bool:
+        """Deliver `frame` on the producer's thread (`Frames.put`, under the queue's lock) if the C delivery
+        takes it as it is, booked at `position`: True then; False, with nothing changed, to queue it. `crc`:
+        its CRC32C where the producer computed it over this very buffer (None: the delivery computes it)."""
+        fast = self._deliver.fast  # (the Python delivery may run callbacks: never on a producer's thread)
+        if fast is None or self._stop.is_set():
+            return False
+        try:
+            taken = fast(memoryview(frame), crc, source)
+        except Exception:  # (e.g. a MemoryError part way: queued, the Python delivery decides, dropping a copy taken)
+            log.debug("memory://%s: the C delivery failed; the frame is queued", self.name, exc_info=True)
+            return False
+        if taken is None:
+            return False
+        self._stream.record_admitted(position, taken.message_id, (position, source, frame))
+        return True
 
     def _run(self) -> None:
         try:
@@ -56,14 +80,14 @@ class MemoryReader:
             with self.leadership.last_lead():
                 self._finish()
 
-    def _step(self, deadline: float | None, stop: Callable[[], bool]) -> bool:
+    def _step(self, deadline: float | None, stop: Callable[[], bool], receiving: bool = False) -> bool:
         """Offer held messages again, then deliver the next frame, waiting for one until `deadline`, and
         those queued behind it, up to `BATCH` (the receives that follow then find them in the table, with
         no lead to take); False once the consumer closed or turned a frame away."""
         if self._held and self._release():
             return False
         for _ in range(BATCH):
-            item = self._frames.get(self._stop, deadline)
+            item = self._frames.get(self._stop, deadline, receiving=receiving)
             if item is None:  # stopped, asked to step aside, room for a message held back, or the deadline
                 return not self._stop.is_set()
             if not self._deliver_frame(item):
@@ -73,10 +97,9 @@ class MemoryReader:
             deadline = 0.0  # (after the first: only the frames queued already)
         return True
 
-    def _deliver_frame(self, item: tuple[object, Buffer]) -> bool:
-        """Deliver one frame and book it in the ledger; False once the consumer turned it away."""
-        source, frame = item
-        self._position += 1
+    def _deliver_frame(self, item: tuple[int, object, Buffer]) -> bool:
+        """Deliver one frame taken from the queue and book it in the ledger; False once the consumer turned it away."""
+        position, source, frame = item
         fast = self._deliver.fast
         try:
             taken = fast(memoryview(frame), None, source) if fast is not None else None
@@ -85,10 +108,10 @@ class MemoryReader:
             log.exception("memory://%s: delivering a frame failed", self.name)
             taken, result = None, Delivered(None, True)
         if result is None:  # a plain tensor the C delivery took: booked in the fewest steps
-            self._stream.record_admitted(self._position, taken.message_id, item)  # type: ignore[union-attr]
+            self._stream.record_admitted(position, taken.message_id, item)  # type: ignore[union-attr]
             self._frames.received(source)
             return True
-        self._stream.record(self._position, result, item)
+        self._stream.record(position, result, item)
         if result.held is not None:
             self._held[source] = result.held
             self._frames.hold(source)  # (then offered again at once: the room may have opened meanwhile)
@@ -119,8 +142,9 @@ class MemoryReader:
 
     def _finish(self) -> None:
         """What the ledger did not release goes back to the queue, in order; held producers are read again."""
-        back = [cast(tuple[object, Buffer], kept) for _, kept in self._stream.close_kept()]
-        for source, frame in reversed(back):  # first in line for the next consumer of the name
+        self._frames.deliver_with(None)  # (first: a `put` delivering now finishes, and books its frame, before)
+        back = [cast(tuple[int, object, Buffer], kept) for _, kept in self._stream.close_kept()]
+        for _, source, frame in reversed(back):  # first in line for the next consumer of the name
             self._frames.put(frame, source=source, front=True)
         self._frames.ended()  # the next consumer reads them all
         self._on_stopped()  # here, not in close: close may run on a delivering thread (in a callback)

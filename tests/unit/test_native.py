@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from tensorbus import CodecError
+from tensorbus.buffers import address
 from tensorbus.codec import frame, native
 from tensorbus.codec.dtypes import DTYPES
-from tensorbus.codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Limits, decode, encode
+from tensorbus.codec.frame import CRC_AT, FLAG_CHECKSUM, PREFIX, Limits, checksum_of, decode, encode
 from tensorbus.codec.tensors import align
 
 from ..conftest import require_native, require_torch
@@ -114,8 +115,12 @@ def test_encodes_the_python_encoders_bytes_and_decodes_as_python_does(meta: Any)
         for key, message_id in ((None, None), ("k", ("p" * 16, 7)), ("ключ;" * 9, ("é", -(2**63)))):
             for options in ({"checksum": True}, {"checksum": False}):
                 expected = python_encode(array, key=key, metadata=meta, message_id=message_id, **options)
-                head = NATIVE.ndarray_head(array, key, meta, message_id, FLAG_CHECKSUM if options["checksum"] else 0)
+                flags = FLAG_CHECKSUM if options["checksum"] else 0
+                head = NATIVE.ndarray_head(array, key, meta, message_id, flags)
                 assert head is not None, (array.dtype, array.shape)
+                whole, crc = NATIVE.ndarray_frame(array, key, meta, message_id, flags)  # (memory://'s, whole)
+                assert bytes(whole) == expected and address(whole) % 64 == 0, (array.dtype, array.shape, meta)
+                assert crc == (checksum_of(whole) if options["checksum"] else None)
                 got = b"".join(
                     bytes(b) for b in encode(array, key=key, metadata=meta, message_id=message_id, **options)
                 )
@@ -167,6 +172,7 @@ def test_decoded_arrays_follow_the_buffer_they_came_in() -> None:
 )
 def test_leaves_everything_else_to_python(obj: Any, key: Any, meta: Any, message_id: Any) -> None:
     assert NATIVE.ndarray_head(obj, key, meta, message_id, FLAG_CHECKSUM) is None
+    assert NATIVE.ndarray_frame(obj, key, meta, message_id, FLAG_CHECKSUM) is None
     try:
         expected: bytes | type = python_encode(obj, key=key, metadata=meta, message_id=message_id)
     except (CodecError, Exception) as exc:

@@ -1,0 +1,277 @@
+"""A memory:// endpoint's queue of frames (`Frames`), and its rule for delivering on the producer's thread.
+
+The transport (memory.py) puts its producers' frames here; the consumer's delivery (memory_reading.py)
+takes them, or has `put` deliver them itself while nothing is queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+from ..codec.frame import Buffer
+from .tally import Tally
+
+#: `Frames._next_source` when no frame can be read
+_NOTHING = object()
+#: a producer that woke a waiting receive lets it run once it delivered this many more frames itself (see `Frames`)
+BURST = 64
+#: ... waiting for it that long at most (the interpreter's switch interval, after which it would run anyway)
+BURST_WAIT_S = 0.005
+
+
+class Frames:
+    """One endpoint's frames, queued per producer (`source`) and taken oldest first; a frame the
+    closing consumer turned away goes back to the front.
+
+    While nothing is queued or being delivered, a frame the consumer's C delivery takes as it is (a
+    plain tensor with room in the table) is delivered by `put` itself, on the producer's thread, under
+    this queue's lock (`deliver_now`): a hand-over to the delivering thread costs more than the
+    delivery. Every other frame is queued, and so is every frame behind a queued one, so each
+    producer's frames keep their order; both ways number the frames under the lock (`position`).
+
+    Producer and consumer threads share one interpreter lock: a receive woken by `put` runs only once the
+    producer lets go of it, which a producer sending in a loop does only every switch interval (5 ms), by
+    when hundreds of tensors wait in the table, out of the caches, and survive into the older garbage
+    collector generations (their cost grows with that backlog). So a producer that woke a waiting receive
+    and delivered `BURST` more frames since waits, before its next, until that receive runs (at most
+    `BURST_WAIT_S`): the receive then takes them while they are fresh.
+
+    A producer whose tensor the consumer holds back (`hold`: its share of the table is full) is not
+    read meanwhile, as a socket consumer stops reading one connection; the others are. The bytes each
+    producer has queued are counted, so that it can wait for room (backpressure, as a socket's
+    unacknowledged bytes bound a producer there), and so are those the consumer took and its table has
+    not (being delivered, or held back), so that a flush waits for them too.
+    """
+
+    def __init__(self) -> None:
+        #: source -> its frames, each with its arrival number (lower: older), oldest first
+        self._queues: dict[object, collections.deque[tuple[int, Buffer]]] = {}
+        #: queued bytes per source (plain dicts, not Counters: a Counter's `del` and missing keys are
+        #: Python-level calls, and these change twice per frame); sources with none are not there
+        self._bytes: dict[object, int] = {}
+        #: bytes per source the consumer took and its table did not yet (being delivered, or held back)
+        self._unreceived: dict[object, int] = {}
+        self._newest = self._oldest = 0  # arrival numbers given at the back and at the front
+        self._held: set[object] = set()  # sources not read while the consumer holds their tensor back
+        #: `get` returns: `wake_up` (to offer held tensors again), `step_aside`, or a `put` that delivered a frame
+        #: a waiting receive may want, was called
+        self._woken = False
+        #: guards everything here; `with self._lock` where nothing waits (a Condition's `__enter__` is a
+        #: Python-level call, and this lock is taken three times per frame)
+        self._lock = threading.Lock()
+        #: released (under `_lock`, and only while held) to wake the thread waiting in `get`: there is one,
+        #: the leader (leading.py), so a lock does what a Condition would, without its Python-level wait
+        #: and notify (each a small tensor's cost)
+        self._ready = threading.Lock()
+        self._ready.acquire()
+        self._room = threading.Condition(self._lock)  # (a frame went)
+        #: threads waiting in `get` and on `_room` (under the lock): a wake-up with nobody waiting is skipped
+        self._getting = self._wanting_room = 0
+        #: the thread waiting in `get` is a waiting receive (`get(..., receiving=True)`), which a frame
+        #: `deliver_now` took may be for; the background thread is not woken for those (under the lock)
+        self._receiving = False
+        #: the listening consumer's delivery of a frame on the producer's thread (`deliver_now(frame, source,
+        #: position, crc)`, called under the lock: True once delivered and booked), while it listens; else None
+        self.deliver_now: Callable[[Buffer, object, int, int | None], bool] | None = None
+        self._position = 0  # the position of the last frame delivered or taken (under the lock)
+        #: frames `put` delivered since it woke the waiting receive, which has not run since; None: none woken
+        #: (under the lock)
+        self._since_woken: int | None = None
+        self._receive_ran = threading.Condition(self._lock)  # (a receive woken by `put` runs)
+        self._letting_run = 0  # producers waiting on `_receive_ran` (under the lock)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the frames queued, of every producer."""
+        with self._lock:
+            return sum(self._bytes.values())
+
+    def put(
+        self,
+        frame: Buffer,
+        *,
+        source: object = None,
+        front: bool = False,
+        nbytes: int | None = None,
+        crc: int | None = None,
+    ) -> None:
+        """Queue `frame` of `source` (`nbytes` long, and its CRC32C `crc`, if the caller knows), at the back or,
+        `front`, first in line; or deliver it now (`deliver_now`)."""
+        with self._lock:
+            if not front and self._since_woken is not None and self._since_woken >= BURST:  # (let it run first)
+                self._letting_run += 1
+                try:
+                    self._receive_ran.wait(BURST_WAIT_S)
+                finally:
+                    self._letting_run -= 1
+                self._since_woken = None
+            if self.deliver_now is not None and not front and not self._queues and not self._unreceived:
+                # (nothing of any producer queued, being delivered or held back: none is overtaken)
+                if self.deliver_now(frame, source, self._position + 1, crc):
+                    self._position += 1
+                    if self._since_woken is not None:  # (the receive it woke has not run yet)
+                        self._since_woken += 1
+                    elif self._getting and self._receiving:  # (the tensor may be the one it waits for: it looks)
+                        self._woken = True
+                        self._wake_getter()
+                        self._since_woken = 0
+                    return
+            if nbytes is None:
+                nbytes = memoryview(frame).nbytes
+            queue = self._queues.get(source)
+            if queue is None:
+                queue = self._queues[source] = collections.deque()
+            if front:
+                self._oldest -= 1
+                queue.appendleft((self._oldest, frame))
+            else:
+                self._newest += 1
+                queue.append((self._newest, frame))
+            self._bytes[source] = self._bytes.get(source, 0) + nbytes
+            self._wake_getter()
+
+    def get(
+        self, stop: threading.Event, deadline: float | None = None, *, receiving: bool = False
+    ) -> tuple[int, object, Buffer] | None:
+        """The oldest frame of a producer not held back, with its position and source, waiting for one until
+        `deadline` (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up`
+        or `step_aside` was called, the deadline passed, or (`receiving`: the caller is a waiting receive)
+        `put` delivered a frame itself."""
+        with self._lock:
+            self._receiving = receiving
+            while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
+                if deadline is not None and (left := deadline - time.monotonic()) <= 0:
+                    break
+                self._getting += 1
+                self._lock.release()
+                try:
+                    came = self._ready.acquire(timeout=-1 if deadline is None else left)
+                finally:
+                    self._lock.acquire()
+                    self._getting -= 1
+                    if receiving and self._since_woken is not None:  # (woken by `put`: it runs now)
+                        self._since_woken = None
+                        if self._letting_run:
+                            self._receive_ran.notify_all()
+                if not came:
+                    break
+            self._woken = False
+            if stop.is_set() or source is _NOTHING:
+                return None
+            queue = self._queues[source]
+            frame = queue.popleft()[1]
+            if not queue:
+                del self._queues[source]
+            nbytes = memoryview(frame).nbytes
+            queued = self._bytes[source] - nbytes
+            if queued:
+                self._bytes[source] = queued
+            else:
+                del self._bytes[source]
+            self._unreceived[source] = self._unreceived.get(source, 0) + nbytes
+            self._room_went()
+            self._position += 1
+            return self._position, source, frame
+
+    def _next_source(self) -> object:
+        """The source of the oldest frame not held back (caller holds the lock), else `_NOTHING`."""
+        if len(self._queues) == 1 and not self._held:  # (the commonest: one producer)
+            return next(iter(self._queues))
+        oldest, found = None, _NOTHING
+        for source, queue in self._queues.items():
+            if source not in self._held and (oldest is None or queue[0][0] < oldest):
+                oldest, found = queue[0][0], source
+        return found
+
+    def deliver_with(self, deliver_now: Callable[[Buffer, object, int, int | None], bool] | None) -> None:
+        """Let `put` deliver frames itself with `deliver_now` (a listening consumer's), or no longer (None)."""
+        with self._lock:
+            self.deliver_now = deliver_now
+
+    def hold(self, source: object) -> None:
+        """Stop reading `source`: the consumer holds its tensor back (its bytes stay unreceived)."""
+        with self._lock:
+            self._held.add(source)
+
+    def received(self, source: object) -> None:
+        """The consumer's table took (or settled) what the consumer had taken of `source`: read it again."""
+        with self._lock:
+            if self._held:
+                self._held.discard(source)
+            self._unreceived.pop(source, None)
+            self._room_went()
+
+    def _wake_getter(self) -> None:
+        """Wake the thread waiting in `get`, if one is (caller holds the lock). `_ready` is released only
+        while held (the getter only takes it), so a wake-up that finds it released already is not lost:
+        the getter's next wait returns at once, and it looks again."""
+        if self._getting and self._ready.locked():
+            self._ready.release()
+
+    def _room_went(self) -> None:
+        """Wake the threads waiting for room or for their frames to be received (caller holds the lock)."""
+        if self._wanting_room:
+            self._room.notify_all()
+
+    def ended(self) -> None:
+        """The consumer stopped, and what it did not release is queued again: nothing is held or taken by it."""
+        with self._lock:
+            self._held.clear()
+            self._unreceived.clear()
+            self._room_went()
+
+    def wait_for_room(
+        self, limit: int, timeout: float | None, source: object = None, tally: Tally | None = None
+    ) -> bool:
+        """Wait while `source` has `limit` bytes or more queued: True once fewer, False after `timeout` seconds.
+        The seconds waited go to `tally` (its `blocked_s` is written under this queue's lock)."""
+        if self._bytes.get(source, 0) < limit:  # a quick look without the lock first: the common case on every send
+            return True
+        return self._wait_for_room(lambda: self._bytes.get(source, 0) < limit, timeout, tally)
+
+    def wait_until_received(self, timeout: float | None, source: object) -> bool:
+        """Wait until every frame of `source` is in the consumer's table (or settled): True then, False after
+        `timeout` seconds. A frame the consumer holds back (its table is full) is not, as on a socket."""
+        return self._wait_for_room(lambda: not self._bytes.get(source) and not self._unreceived.get(source), timeout)
+
+    def _wait_for_room(self, predicate: Callable[[], bool], timeout: float | None, tally: Tally | None = None) -> bool:
+        with self._room:
+            self._wanting_room += 1
+            started = time.monotonic()
+            try:
+                return self._room.wait_for(predicate, timeout)
+            finally:
+                self._wanting_room -= 1
+                if tally is not None:  # (backpressure: the seconds waited, counted under this lock)
+                    tally.blocked(started)
+
+    def queued(self, source: object) -> int:
+        """Bytes `source` has queued."""
+        with self._lock:
+            return self._bytes.get(source, 0)
+
+    def unreceived(self, source: object) -> int:
+        """Bytes of `source` not in the consumer's table yet: queued, being delivered, or held back."""
+        with self._lock:
+            return self._bytes.get(source, 0) + self._unreceived.get(source, 0)
+
+    def wake_up(self) -> None:
+        """Make a waiting `get` return (None) while a source is held back: the consumer may have room for its tensor."""
+        with self._lock:
+            if self._held:
+                self._woken = True
+                self._wake_getter()
+
+    def step_aside(self) -> None:
+        """Make a waiting `get` return (None): another thread is to deliver (leading.py)."""
+        with self._lock:
+            self._woken = True
+            self._wake_getter()
+
+    def __len__(self) -> int:
+        """Frames waiting to be delivered."""
+        with self._lock:
+            return sum(len(queue) for queue in self._queues.values())
