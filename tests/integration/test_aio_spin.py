@@ -125,7 +125,8 @@ def test_spins_that_run_out_back_off_and_one_that_finds_its_frame_ends_that(run:
             assert await wait_once(consumer, reading)
             assert reading._backoff == SPIN_BACKOFF and reading._skip == SPIN_BACKOFF, "it backs off no further"
             reading._skip = 0
-            consumer.blocking.transport.reactor.spin_s = 30  # (the frame comes within this spin, however loaded)
+            assert reading._consumer is not None and reading._consumer.reactor is not None
+            reading._consumer.reactor.spin_s = 30  # (the frame comes within this spin, however loaded)
             async with tba.Producer(consumer.address) as producer:
                 receive = asyncio.create_task(consumer.recv("k", timeout=30))
                 await until(lambda: waiting(consumer, "k"), "the receive to wait")
