@@ -147,6 +147,8 @@ class LoopReading:
     def _ready(self, data: Any) -> None:
         """A connection (None: the wake-up pipe) is readable: read it."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
+        if self._spinning is not None and data is not None:  # bytes came: spin on as long again
+            self._spin_until = time.monotonic() + self._consumer.reactor.spin_s
         if self._consumer.reactor.read_ready([data], self._enough) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
         if data is not None and not self._wanted():
@@ -196,7 +198,8 @@ class LoopReading:
 
         Each step is a callback of its own (`call_soon`): while one is due the loop selects with a zero
         timeout, reading whatever came, and runs its other tasks, timers and I/O as ever. The spin ends
-        at the first step that finds no receive waiting, or after `spin_s`; one that ran out makes the
+        at the first step that finds no receive waiting, or `spin_s` after bytes last came (a large frame
+        comes in many reads, as the blocking reactor's spin goes on after each); one that ran out makes the
         next receives sleep at once (1, 2, 4... up to SPIN_BACKOFF of them), so a peer that answers slowly,
         or a busy machine where spinning takes the CPU the peer needs, does not cost a spin per receive."""
         if self._loop is None or self._consumer is None or self._consumer.reactor is None:

@@ -100,6 +100,32 @@ def test_the_loop_runs_its_other_tasks_timers_and_io_while_a_receive_spins(run: 
     run(main())
 
 
+def test_a_spin_goes_on_while_bytes_come_and_ends_spin_s_after_the_last(run: Any) -> None:  # noqa: F811
+    """A spin of 1 s: frames of another key every 10 ms for 1.5 s keep it going (a large frame comes in
+    many reads, each a reason to go on); once they stop it ends by its bound, the receive still waiting."""
+
+    async def main() -> None:
+        async with tba.Consumer("tcp://127.0.0.1:0", spin_s=1.0) as consumer:
+            reading = _reading(consumer)
+            async with tba.Producer(consumer.address) as producer:
+                await producer.send("other", np.zeros(4))  # (connected before the receive waits)
+                await consumer.recv("other", timeout=30)
+                receive = asyncio.create_task(consumer.recv("k", timeout=60))
+                await until(lambda: waiting(consumer, "k"), "the receive to wait")
+                started = time.monotonic()
+                while time.monotonic() - started < 1.5:
+                    await producer.send("other", np.zeros(4))
+                    await asyncio.sleep(0.01)
+                assert reading._spinning is not None and reading._backoff == 0, "the spin went on past spin_s"
+                await until(lambda: reading._spinning is None, "the spin to end", timeout=10)
+                assert not receive.done() and reading._backoff == 1, "it ended by its bound"
+                receive.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await receive
+
+    run(main())
+
+
 def test_spins_that_run_out_back_off_and_one_that_finds_its_frame_ends_that(run: Any) -> None:  # noqa: F811
     """After a spin that ran out the next receive sleeps at once, after two in a row the next two, and so
     on up to SPIN_BACKOFF; a spin that finds its frame starts it over. spin_s=0 spins never."""
