@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,8 @@ from ..transports.socket_consumer import SocketConsumer
 log = logging.getLogger(__name__)
 #: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module)
 READ_AHEAD = 1 << 20
+#: the most receives that sleep at once, without a spin, after spins that ran out (see `LoopReading.spin`)
+SPIN_BACKOFF = 64
 
 
 class LoopPoller(Poller):
@@ -102,6 +105,10 @@ class LoopReading:
         self._idle: asyncio.TimerHandle | None = None  # when reading goes free, while paused
         self._expire: Callable[[], None] | None = None  # the intake's expiry, run here rather than on a thread
         self._expiring: asyncio.TimerHandle | None = None
+        self._spinning: asyncio.Handle | None = None  # the next step of a spin (`spin`)
+        self._spin_until = 0.0  # when the spin ends (`time.monotonic`)
+        self._backoff = 0  # receives that sleep without a spin after the next spin that runs out, halved
+        self._skip = 0  # receives left that sleep without a spin
 
     def make_poller(self) -> LoopPoller:
         """`LOOP_POLLER`'s value: called (once) by the socket consumer as it starts listening."""
@@ -140,6 +147,8 @@ class LoopReading:
     def _ready(self, data: Any) -> None:
         """A connection (None: the wake-up pipe) is readable: read it."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
+        if self._spinning is not None and data is not None:  # bytes came: spin on as long again
+            self._spin_until = time.monotonic() + self._consumer.reactor.spin_s
         if self._consumer.reactor.read_ready([data], self._enough) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
         if data is not None and not self._wanted():
@@ -173,12 +182,49 @@ class LoopReading:
         self.resume()
 
     def taken(self) -> None:
-        """A receive took a tensor or waits: read ahead only a little again, and now if it had stopped."""
+        """A receive took a tensor or waits: read ahead only a little again, and now if it had stopped;
+        spin while a receive waits."""
         self._free = False
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
         self.resume()
+        if self._table is not None and any(self._table._waiters.values()):
+            self.spin()
+
+    def spin(self) -> None:
+        """A receive waits: keep the loop from sleeping for up to `spin_s` (the consumer's option), as a
+        blocking receive busy-polls before it sleeps (an idle vCPU wakes late: docs/PERFORMANCE.md).
+
+        Each step is a callback of its own (`call_soon`): while one is due the loop selects with a zero
+        timeout, reading whatever came, and runs its other tasks, timers and I/O as ever. The spin ends
+        at the first step that finds no receive waiting, or `spin_s` after bytes last came (a large frame
+        comes in many reads, as the blocking reactor's spin goes on after each); one that ran out makes the
+        next receives sleep at once (1, 2, 4... up to SPIN_BACKOFF of them), so a peer that answers slowly,
+        or a busy machine where spinning takes the CPU the peer needs, does not cost a spin per receive."""
+        if self._loop is None or self._consumer is None or self._consumer.reactor is None:
+            return
+        spin_s = self._consumer.reactor.spin_s
+        if spin_s <= 0 or self._spinning is not None:
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        self._spin_until = time.monotonic() + spin_s
+        self._spinning = self._loop.call_soon(self._spin_step)
+
+    def _spin_step(self) -> None:
+        """One step of `spin`: another unless no receive waits (found: spin freely again) or time is up."""
+        assert self._loop is not None
+        self._spinning = None
+        table = self._table
+        if table is None or not any(table._waiters.values()):
+            self._backoff = 0
+            return
+        if time.monotonic() >= self._spin_until:
+            self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
+            return
+        self._spinning = self._loop.call_soon(self._spin_step)
 
     def resume(self) -> None:
         """Read again if reading stopped and is wanted now: once the receives took half of what was read
@@ -216,10 +262,10 @@ class LoopReading:
 
     def detach(self) -> None:
         """Stop reading (on the loop's thread), before the consumer closes."""
-        for handle in (self._again, self._timer, self._idle, self._expiring):
+        for handle in (self._again, self._timer, self._idle, self._expiring, self._spinning):
             if handle is not None:
                 handle.cancel()
-        self._again = self._timer = self._idle = self._expiring = None
+        self._again = self._timer = self._idle = self._expiring = self._spinning = None
         if self._loop is not None and self._listening is not None:
             self._loop.remove_reader(self._listening)
         self._listening = None
