@@ -20,7 +20,7 @@ import pytest
 import tensorbus as tb
 import tensorbus.aio as tba
 from tensorbus.aio import socket_reading
-from tensorbus.transports import reactor
+from tensorbus.transports import peer_frames
 from tests.waiting import wait_for
 
 FRAMES = 20
@@ -80,7 +80,7 @@ def test_a_loop_that_stops_with_bytes_read_ahead_has_acked_every_frame_it_delive
     loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A producer's `flush` waits for acks, which a stopped loop never sends: each turn acks what it delivered."""
-    monkeypatch.setattr(reactor, "FAIR_SHARE", 1)
+    monkeypatch.setattr(peer_frames, "FAIR_SHARE", 1)
     consumer, producer = _connected(loop)
     try:
         _send_while_the_loop_stands(consumer, producer)
@@ -102,7 +102,7 @@ def test_reading_stopped_ahead_of_the_receives_goes_on_when_a_receive_takes(
 ) -> None:
     """Past READ_AHEAD the loop stops reading, bytes read ahead waiting; the next receive starts it again
     (not the upkeep timer, put out of reach here, nor new bytes on the socket: none come)."""
-    monkeypatch.setattr(reactor, "FAIR_SHARE", 1)
+    monkeypatch.setattr(peer_frames, "FAIR_SHARE", 1)
     monkeypatch.setattr(socket_reading, "READ_AHEAD", 1)  # (one tensor in the table is enough)
     monkeypatch.setattr(socket_reading, "TAKEN_EVERY_S", 3600.0)
     consumer, producer = _connected(loop)
@@ -119,7 +119,7 @@ def test_a_turn_reads_no_further_ahead_than_read_ahead_allows(
     """A turn stops between two frames once READ_AHEAD bytes wait in the table, not after FAIR_SHARE frames:
     a TCP receive buffer grown to megabytes would otherwise be read whole, while a receive waits."""
     monkeypatch.setattr(socket_reading, "READ_AHEAD", 1)  # (one tensor in the table is enough)
-    assert reactor.FAIR_SHARE > 2
+    assert peer_frames.FAIR_SHARE > 2
     consumer, producer = _connected(loop)
     try:
         _send_while_the_loop_stands(consumer, producer)

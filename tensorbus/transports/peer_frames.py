@@ -1,0 +1,158 @@
+"""Reading one producer connection: its reader's events (frames, ack requests, skips), each delivered and booked.
+
+Each connection has a frame reader (reader.py: the C one for plain sockets where it is built, the
+Python one for TLS), a small state machine that a producer stalling mid-frame holds up for nobody
+else; `_step` handles the events of either. A plain frame goes on into the consumer's table in C
+where it can (the intake's `fast`, `_intake.FastDelivery`); the intake's Python delivery takes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from ..buffers import BufferPool
+from ..codec.frame import PREFIX, Buffer, Limits, frame_length
+from ..errors import CallbackInterrupted, CodecError, LimitExceeded
+from .base import Deliver, Delivered
+from .peers import Peer, PeerGone, Peers
+from .poller import Poller
+from .reader import ACK_REQUEST, CHECK_PREFIX, SKIPPED
+from .stream import CRC_TRAILER, REFUSALS_WANTED, SocketOptions
+
+NO_LIMITS = Limits(max_header_bytes=1 << 32, max_payload_bytes=1 << 64)
+#: frames read from one connection before the others get a turn
+FAIR_SHARE = 16
+#: what `_finish` books for a frame a recv_async callback had while it was being delivered (it was taken)
+TAKEN_WITHOUT_ID = Delivered(None, True)
+
+
+def never() -> bool:
+    return False
+
+
+class PeerFrames(Peers):
+    """Reads a connection's frames and books each one delivered (acking every so many)."""
+
+    def __init__(
+        self, deliver: Deliver, limits: Limits, options: SocketOptions, pool: BufferPool, poller: Poller
+    ) -> None:
+        super().__init__(deliver, limits, options, pool, poller)
+        self._ack_every = (options.ack_every_frames, options.ack_every_bytes)  # (read for every frame)
+        self._fast = deliver.fast  # the intake's C delivery of plain frames
+        self._largest_read = 0  # the largest frame read since an application thread took the lead
+        self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
+
+    def _read(self, peer: Peer, stop: Callable[[], bool], enough: Callable[[], bool] = never) -> None:
+        """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds (and
+        nothing is read ahead) or `enough()` does (bytes read ahead then wait in `_pending`)."""
+        self.reading = peer.name
+        try:
+            for _ in range(FAIR_SHARE):
+                if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)) or enough():
+                    break  # held back, done and nothing read ahead says more is on its way, or enough read ahead
+                if not self._step(peer):  # read on while bytes come: the next `recv` then finds its tensor waiting
+                    break
+            if peer.held is None and self._has_bytes_ahead(peer):
+                self._pending.add(peer)
+        except PeerGone as exc:
+            self._drop(peer, str(exc), exc.level)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self._drop(peer, f"went away: {exc}", logging.INFO)
+        except MemoryError:
+            self._drop(peer, "dropped: no memory for its next frame", logging.ERROR)
+        except (OSError, ssl.SSLError) as exc:
+            self._drop(peer, f"connection failed: {exc}", logging.INFO if self._closed else logging.ERROR)
+        except BaseException as exc:  # e.g. Ctrl-C in a recv reading for itself
+            if peer.replay is not None or isinstance(exc, CallbackInterrupted):
+                self._pending.add(peer)  # interrupted while delivering: that frame (if any) comes first next time
+            else:  # somewhere in the middle of the stream: the producer reconnects and resends instead
+                message = f"reading was interrupted ({type(exc).__name__}); its unacknowledged frames come again"
+                self._drop(peer, message, logging.WARNING)
+            raise
+
+    def _replay(self, peer: Peer) -> bool:
+        """Deliver again the frame whose delivery was interrupted (`peer.replay`, set); True, as a step."""
+        assert peer.replay is not None
+        frame, crc = peer.replay
+        peer.replay = None
+        self._deliver(peer, frame, crc)
+        return True
+
+    def _step(self, peer: Peer) -> bool:
+        """Advance the connection by one event of its reader (a frame, an ack request...); False when out of bytes."""
+        if peer.replay is not None:
+            return self._replay(peer)
+        reader = peer.reader
+        event = reader.read()
+        if event is None:
+            return False
+        if type(event) is tuple:
+            peer.total = reader.last_total  # (what the acks count: with the CRC after the frame, if sent)
+            frame, crc = event
+            if self._fast is not None and (taken := self._fast(frame, crc, peer.source)) is not None:
+                peer.positions.record_admitted(peer.frames, taken.message_id)  # (`_finish` of a plain tensor)
+                self._booked(peer)
+            else:
+                self._deliver(peer, frame, crc)
+        elif event == ACK_REQUEST:
+            self._ack(peer)
+        elif event == SKIPPED:
+            peer.total = reader.last_total  # (its prefix)
+            self._deliver(peer, memoryview(reader.prefix))  # the consumer counts it as refused
+        elif event == CHECK_PREFIX:
+            if reader.prefix == REFUSALS_WANTED:  # (not a frame: a marker the readers leave to this step)
+                peer.refusals = True
+                reader.skip(0)
+            else:
+                reader.skip(self._skip_length(reader.prefix, CRC_TRAILER.size if reader.crc_after else 0))
+        else:  # END
+            raise PeerGone("disconnected mid-frame") if reader.mid_frame else PeerGone("went away", logging.INFO)
+        return True
+
+    def _deliver(self, peer: Peer, frame: memoryview, crc: int | None = None) -> None:
+        """Hand a whole frame to the consumer and book it. Should that be interrupted (Ctrl-C in a
+        `recv` reading for itself), the frame is kept and delivered again before anything else of
+        its producer: it was read off the socket, and the acks count every frame."""
+        try:
+            result = self.deliver(frame, crc, may_hold=True, source=peer.source)
+        except CallbackInterrupted:  # in a recv_async callback, which had its message: delivered
+            self._finish(peer, TAKEN_WITHOUT_ID)
+            raise
+        except BaseException:
+            peer.replay = (frame, crc)
+            raise
+        self._finish(peer, result)
+
+    def _skip_length(self, prefix: Buffer, trailer: int) -> int:
+        """Bytes to skip after a frame's prefix over this consumer's limits, which the consumer then counts
+        as refused; raises PeerGone (drop the connection) for a prefix that is not a frame at all."""
+        try:
+            frame_length(prefix, self.limits)
+        except LimitExceeded:
+            return frame_length(prefix, NO_LIMITS) + trailer - PREFIX.size
+        except CodecError as exc:
+            also = " (and bit 7, its CRC after it)" if trailer else ""
+            raise PeerGone(f"dropped: it sent something that is not a tensorbus frame: {exc}{also}") from None
+        raise PeerGone("dropped: its reader refused a prefix frame_length takes (a bug: please report it)")
+
+    def _finish(self, peer: Peer, result: Delivered) -> None:
+        """Book a delivered frame in the ledger; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
+        if result.held is not None:
+            self._hold(peer, result.held)
+        if result.refused is not None:
+            self._refuse(peer, peer.frames, result.refused)
+        peer.positions.record(peer.frames, result)
+        self._booked(peer)
+
+    def _booked(self, peer: Peer) -> None:
+        """Count a frame booked in the ledger; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
+        peer.frames += 1
+        peer.unacked_bytes += peer.total
+        if peer.total > self._largest_read:
+            self._largest_read = peer.total
+        every_frames, every_bytes = self._ack_every
+        if peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed:
+            self._ack(peer)
