@@ -42,8 +42,9 @@
  * measurable, so they are left alone */
 #define LOWAT_FROM (4 << 20)
 
-/* what read() returns besides a frame (a tuple) and None (no more bytes for now) */
-enum { ACK_REQUEST = 1, SKIPPED = 2, CHECK_PREFIX = 3, END = 4 };
+/* what read() returns besides a frame (a tuple) and None (no more bytes for now); MORE: what read_taken()
+ * returns when it stopped with bytes perhaps still to come */
+enum { MORE = 0, ACK_REQUEST = 1, SKIPPED = 2, CHECK_PREFIX = 3, END = 4 };
 
 static const uint8_t ack_request[PREFIX_SIZE] = {'T', 'B', 'A', 'K'};
 
@@ -421,6 +422,107 @@ read_next(Reader *self)
     return result;
 }
 
+PyDoc_STRVAR(read_taken_doc,
+"read_taken(take, source, max_frames, max_bytes) -> (ids, event, nbytes, largest)\n--\n\n"
+"read() and hand each whole frame to take(frame, crc, source) (the consumer's C delivery) for as long as\n"
+"take takes them, in one call: at most max_frames, none after the one that brings their bytes to\n"
+"max_bytes, and after the first only while bytes are read ahead (what a `recv` reading for itself reads\n"
+"on). ids: the message_id of each frame taken, in order; nbytes and largest: their bytes as last_total\n"
+"counts them, summed and the largest. event: what ended it, the caller's to handle: MORE (a limit, or\n"
+"nothing read ahead), None (no more bytes), an event of read() other than a frame, a frame take declined\n"
+"(deliver it the Python way), or, once frames were taken, the exception that came (book them, raise it).");
+
+/* An exception raised now, as an object (normalised, its traceback on it), and cleared. */
+static PyObject *
+raised(void)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (value != NULL && traceback != NULL) {
+        PyException_SetTraceback(value, traceback);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    return value != NULL ? value : Py_NewRef(Py_None);
+}
+
+static PyObject *
+read_taken(Reader *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static PyObject *s_message_id = NULL;
+    if (s_message_id == NULL && (s_message_id = PyUnicode_InternFromString("message_id")) == NULL) {
+        return NULL;
+    }
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "read_taken(take, source, max_frames: int, max_bytes: int)");
+        return NULL;
+    }
+    Py_ssize_t max_frames = PyLong_AsSsize_t(args[2]);
+    long long max_bytes = max_frames == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (self->sock == NULL || self->busy || self->broken) {
+        return read_event(self, NULL); /* (raises what is wrong) */
+    }
+    if (refresh_fd(self) < 0) {
+        return NULL;
+    }
+    PyObject *ids = PyList_New(0);
+    if (ids == NULL) {
+        return NULL;
+    }
+    long long nbytes = 0;
+    Py_ssize_t largest = 0;
+    PyObject *event;
+    self->busy = 1;
+    for (;;) {
+        event = read_next(self);
+        if (event == NULL) {
+            if (self->frame == NULL && !self->skip_left && self->prefix_got == PREFIX_SIZE) {
+                self->broken = 1; /* (as read() says) */
+            }
+            break;
+        }
+        if (!PyTuple_Check(event)) {
+            break; /* no more bytes, or an event for the caller */
+        }
+        PyObject *call[3] = {PyTuple_GET_ITEM(event, 0), PyTuple_GET_ITEM(event, 1), args[1]};
+        PyObject *taken = PyObject_Vectorcall(args[0], call, 3, NULL);
+        if (taken == Py_None) {
+            Py_DECREF(taken);
+            break; /* declined: the frame is the caller's */
+        }
+        Py_DECREF(event);
+        event = NULL;
+        PyObject *id = taken == NULL ? NULL : PyObject_GetAttr(taken, s_message_id);
+        Py_XDECREF(taken);
+        if (id == NULL || PyList_Append(ids, id) < 0) {
+            Py_XDECREF(id);
+            break; /* (taken but not booked: the connection is dropped, the frame comes again, a duplicate) */
+        }
+        Py_DECREF(id);
+        nbytes += self->last_total;
+        largest = self->last_total > largest ? self->last_total : largest;
+        if (PyList_GET_SIZE(ids) >= max_frames || nbytes >= max_bytes || self->in_lo >= self->in_hi) {
+            event = PyLong_FromLong(MORE);
+            break;
+        }
+    }
+    self->busy = 0;
+    give_back_inbox(self);
+    if (event == NULL) {
+        if (PyList_GET_SIZE(ids) == 0) {
+            Py_DECREF(ids);
+            return NULL;
+        }
+        event = raised(); /* (the frames taken are the caller's to book first) */
+    }
+    PyObject *result = Py_BuildValue("(NNLn)", ids, event, nbytes, largest);
+    return result;
+}
+
 PyDoc_STRVAR(fill_doc,
 "fill() -> bool\n--\n\n"
 "Whether read() has anything to look at (bytes, the stream's end, an error), found out with one system\n"
@@ -613,6 +715,7 @@ static PyMethodDef reader_methods[] = {
     {"read", (PyCFunction)read_event, METH_NOARGS, read_doc},
     {"skip", (PyCFunction)skip, METH_O, skip_doc},
     {"fill", (PyCFunction)fill, METH_NOARGS, fill_doc},
+    {"read_taken", (PyCFunction)(void (*)(void))read_taken, METH_FASTCALL, read_taken_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -943,7 +1046,7 @@ PyInit__stream(void)
     if (PyModule_AddObjectRef(m, "StreamReader", (PyObject *)&ReaderType) < 0 ||
         PyModule_AddObjectRef(m, "IdleTimer", (PyObject *)&IdleTimerType) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
-        PyModule_AddIntConstant(m, "ACK_REQUEST", ACK_REQUEST) < 0 ||
+        PyModule_AddIntConstant(m, "ACK_REQUEST", ACK_REQUEST) < 0 || PyModule_AddIntConstant(m, "MORE", MORE) < 0 ||
         PyModule_AddIntConstant(m, "SKIPPED", SKIPPED) < 0 ||
         PyModule_AddIntConstant(m, "CHECK_PREFIX", CHECK_PREFIX) < 0 || PyModule_AddIntConstant(m, "END", END) < 0 ||
         /* the format and protocol constants this file repeats: stream.py checks they agree */

@@ -8,6 +8,9 @@ Both turn bytes off a non-blocking stream socket into events, with one interface
   frame's bytes are all gone); `END` (`mid_frame` says where); None when no more bytes are there yet.
 - `fill()`: whether `read()` has anything to look at, found out with one system call that reads ahead
   between frames (a waiting reader's busy-poll, in place of a poll).
+- `read_taken(take, source, max_frames, max_bytes)`: `read()` on, handing each whole frame to `take`
+  (the consumer's C delivery) while it takes them, in one call: a small tensor's read and delivery
+  without a Python step each (the C reader's; the Python one is its readable twin, see `read_taken`).
 - `skip(n)`, and `prefix`, `buffered`, `mid_frame`, `crc_after`, `inbox_held`, `last_total`.
 - `budget`: bytes of a frame's body one `read()` takes at most before it returns None (0, the default:
   no limit); an event loop's turn (tensorbus.aio) is bounded so, whatever pace the bytes come at.
@@ -31,8 +34,9 @@ from ..codec.native import crc32c
 from ..errors import CodecError
 from .stream import ACK_REQUEST_MARKER, CRC_TRAILER, NATIVE_STREAM, TRAILING_CRC
 
-#: what `read` returns besides a frame (a tuple) and None (no more bytes for now); the C reader's values
-ACK_REQUEST, SKIPPED, CHECK_PREFIX, END = 1, 2, 3, 4
+#: what `read` returns besides a frame (a tuple) and None (no more bytes for now); the C reader's values.
+#: MORE: what `read_taken` returns when it stopped with bytes perhaps still to come
+MORE, ACK_REQUEST, SKIPPED, CHECK_PREFIX, END = 0, 1, 2, 3, 4
 #: frames at least this large are checksummed slice by slice as they arrive (smaller ones: in one pass)
 CHECKSUM_WHILE_RECEIVING = 4 << 20
 #: large frames are received (and checksummed, while still in cache) at most this many bytes at a time
@@ -124,6 +128,34 @@ class PyStreamReader:
             return None
         finally:
             self._give_back_inbox()
+
+    def read_taken(
+        self, take: Callable[[memoryview, int | None, Any], Any], source: Any, max_frames: int, max_bytes: int
+    ) -> tuple[list[Any], Any, int, int]:
+        """`read()` on, handing each whole frame to `take(frame, crc, source)` while it takes them: at most
+        `max_frames`, none after the one that brings their bytes to `max_bytes`, after the first only while
+        bytes are read ahead. Returns (the `message_id` of each frame taken, what ended it, their bytes, the
+        largest's): MORE (a limit, or nothing read ahead), None (no more bytes), another event of `read`, a
+        frame `take` declined, or, once frames were taken, the exception that came (book them, then raise it)."""
+        ids: list[Any] = []
+        nbytes = largest = 0
+        try:
+            while True:
+                event = self.read()
+                if type(event) is not tuple:
+                    return ids, event, nbytes, largest
+                taken = take(event[0], event[1], source)
+                if taken is None:
+                    return ids, event, nbytes, largest
+                ids.append(taken.message_id)
+                nbytes += self.last_total
+                largest = max(largest, self.last_total)
+                if len(ids) >= max_frames or nbytes >= max_bytes or not self.buffered:
+                    return ids, MORE, nbytes, largest
+        except BaseException as exc:
+            if not ids:
+                raise
+            return ids, exc, nbytes, largest
 
     def fill(self) -> bool:
         """Whether `read` has anything to look at (bytes, the stream's end, an error)."""

@@ -38,6 +38,7 @@ from ..conftest import require_native
 require_native(reader_module.NATIVE_STREAM is not None, "the C reader and sender (tensorbus/transports/_stream.c)")
 
 LIMITS = Limits(max_payload_bytes=6 << 20)
+NATIVE_STREAM = reader_module.NATIVE_STREAM  # (the tests below turn it off now and then)
 
 
 @pytest.fixture(params=["c", "python"])
@@ -115,15 +116,28 @@ def stream(seed: int) -> bytes:
     return b"".join(parts)
 
 
-def read_through_reactor(data: bytes, seed: int, use_c: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
-    monkeypatch.setattr(reader_module, "NATIVE_STREAM", reader_module.NATIVE_STREAM if use_c else None)
-    recorder, reasons, acks = Recorder(), Reasons(), bytearray()
+class TakingRecorder(Recorder):
+    """A consumer with a C delivery stand-in (`fast`) that takes every frame of an even length, recording it
+    as `__call__` does: the frames then come in runs (`read_taken`), the others one at a time."""
+
+    def fast(self, data: memoryview, crc: int | None, source: object) -> Any:
+        if len(data) % 2:
+            return None
+        self.frames.append((bytes(data), crc))
+        return Taken(None)
+
+
+def read_through_reactor(
+    data: bytes, seed: int, use_c: bool, monkeypatch: pytest.MonkeyPatch, taking: bool = False
+) -> tuple[Any, ...]:
+    monkeypatch.setattr(reader_module, "NATIVE_STREAM", NATIVE_STREAM if use_c else None)
+    recorder, reasons, acks = TakingRecorder() if taking else Recorder(), Reasons(), bytearray()
     logger = logging.getLogger(reactor.__name__)
     logger.addHandler(reasons)
     level = logger.level
     logger.setLevel(logging.INFO)  # ("went away" is INFO; setLevel, not the attribute: it clears the logger's cache
     # of isEnabledFor answers, which an earlier test may have filled while INFO was off)
-    options = SocketConsumer.Options(linger_s=0.0)
+    options = SocketConsumer.Options(linger_s=0.0, ack_every_frames=3)  # (acks between frames of one run, too)
     reader = reactor.Reactor(recorder, LIMITS, options, BufferPool())  # type: ignore[arg-type]
     ours, theirs = socket.socketpair()
     try:
@@ -165,6 +179,9 @@ def test_the_c_reader_hands_over_what_the_python_reader_does(seed: int, monkeypa
     in_c = read_through_reactor(data, seed, True, monkeypatch)
     in_python = read_through_reactor(data, seed, False, monkeypatch)
     assert in_c == in_python
+    # frames taken in runs (`read_taken`, C and Python) reach the consumer as one at a time do, acked alike
+    assert read_through_reactor(data, seed, True, monkeypatch, taking=True) == in_c
+    assert read_through_reactor(data, seed, False, monkeypatch, taking=True) == in_c
     frames, reasons, acks = in_c
     assert len(reasons) == 1  # why the connection ended
     assert acks == sorted(acks) and (not acks or acks[-1][0] <= len(frames))
@@ -610,3 +627,83 @@ def test_a_budget_bounds_the_bytes_of_a_frame_one_read_takes(make_reader: Any, b
         assert turns == 0 if budget == 0 else len(data) // budget - 1 <= turns <= len(data) // budget
         with pytest.raises(ValueError):
             reader.budget = -1
+
+
+class Taken:
+    """What a delivery that took a frame returns: its Message, of which `read_taken` reads only the id."""
+
+    def __init__(self, message_id: Any) -> None:
+        self.message_id = message_id
+
+
+def test_read_taken_hands_over_frames_while_taken_within_its_limits_and_returns_what_ended_it(
+    make_reader: Any,
+) -> None:
+    """One call: frames to `take` until a limit (frames, bytes), nothing read ahead, a frame declined, another
+    event, or the end; the ids of those taken, in order, and their bytes as `last_total` counts them."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    reader = _reader(ours, recv_lowat=0, make=make_reader)
+    frames = [bytes(frame.dumps(np.arange(n, dtype=np.float32), key=f"k{n}")) for n in range(1, 8)]
+    handed: list[tuple[bytes, Any]] = []
+
+    def take(data: memoryview, crc: Any, source: Any) -> Any:
+        handed.append((bytes(data), source))
+        return None if len(handed) == 6 else Taken(len(handed))  # (declines the sixth)
+
+    try:
+        theirs.sendall(b"".join(frames[:5]))
+        assert reader.fill()
+        ids, event, nbytes, largest = reader.read_taken(take, "src", 2, 1 << 30)  # at most 2 frames
+        assert (ids, event, nbytes, largest) == (
+            [1, 2],
+            reader_module.MORE,
+            len(frames[0]) + len(frames[1]),
+            len(frames[1]),
+        )
+        ids, event, nbytes, _ = reader.read_taken(take, "src", 16, len(frames[2]) + 1)  # the bytes reached in 2
+        assert (ids, event, nbytes) == ([3, 4], reader_module.MORE, len(frames[2]) + len(frames[3]))
+        ids, event, _, _ = reader.read_taken(take, "src", 16, 1 << 30)  # nothing read ahead after the fifth
+        assert (ids, event) == ([5], reader_module.MORE) and reader.buffered == 0
+        theirs.sendall(frames[5] + frames[6] + ACK_REQUEST_MARKER)
+        assert reader.fill()
+        ids, event, nbytes, _ = reader.read_taken(take, "src", 16, 1 << 30)  # the sixth declined: it is returned
+        assert ids == [] and nbytes == 0 and type(event) is tuple and bytes(event[0]) == frames[5]
+        ids, event, _, _ = reader.read_taken(take, "src", 16, 1 << 30)  # then the ack request ends the run
+        assert (ids, event) == ([7], reader_module.ACK_REQUEST)
+        assert reader.read_taken(take, "src", 16, 1 << 30) == ([], None, 0, 0)  # no more bytes
+        assert [data for data, _ in handed] == frames and {source for _, source in handed} == {"src"}
+        theirs.close()
+        assert reader.read_taken(take, "src", 16, 1 << 30)[1] == reader_module.END
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_read_taken_gives_an_error_after_frames_taken_to_its_caller_and_raises_one_before_any(make_reader: Any) -> None:
+    """Frames taken before an error are the caller's to book first: the error comes back in their place.
+    With none taken yet it is raised, and the frame it came with is gone, as after `read()` and a failed take."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    reader = _reader(ours, recv_lowat=0, make=make_reader)
+    frames = [bytes(frame.dumps(np.arange(n, dtype=np.float32), key=f"k{n}")) for n in range(1, 5)]
+    calls = []
+
+    def take(data: memoryview, crc: Any, source: Any) -> Any:
+        calls.append(bytes(data))
+        if len(calls) in (2, 3):
+            raise KeyboardInterrupt  # (a Ctrl-C, say, in a delivery that runs Python)
+        return Taken(len(calls))
+
+    try:
+        theirs.sendall(b"".join(frames))
+        assert reader.fill()
+        ids, event, _, _ = reader.read_taken(take, None, 16, 1 << 30)
+        assert ids == [1] and isinstance(event, KeyboardInterrupt)
+        with pytest.raises(KeyboardInterrupt):
+            reader.read_taken(take, None, 16, 1 << 30)
+        assert reader.read_taken(take, None, 16, 1 << 30)[:2] == ([4], reader_module.MORE)
+        assert calls == frames
+    finally:
+        ours.close()
+        theirs.close()
