@@ -130,7 +130,7 @@ class PeerFrames(Peers):
             peer.unacked_bytes += nbytes
             if largest > self._largest_read:
                 self._largest_read = largest
-            if peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed:
+            if self._ack_due(peer):
                 self._ack(peer)
         if type(event) is int and event == MORE:
             return len(ids), True
@@ -203,6 +203,11 @@ class PeerFrames(Peers):
         peer.unacked_bytes += peer.total
         if peer.total > self._largest_read:
             self._largest_read = peer.total
-        every_frames, every_bytes = self._ack_every
-        if peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed:
+        if self._ack_due(peer):
             self._ack(peer)
+
+    def _ack_due(self, peer: Peer) -> bool:
+        """Whether the frames booked call for an ack: `ack_every_frames` frames or `ack_every_bytes` bytes
+        unacked, or an ack owed (one the socket had no room for, refusals to send)."""
+        every_frames, every_bytes = self._ack_every
+        return peer.frames - peer.acked >= every_frames or peer.unacked_bytes >= every_bytes or peer.ack_owed
