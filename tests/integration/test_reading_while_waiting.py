@@ -1,5 +1,6 @@
 """memory:// and shm:// deliver on the thread of a waiting `recv` (leading.py), and on their own thread
-while no `recv` waits."""
+while no `recv` waits. (memory:// delivers a plain tensor on the producer's thread while nothing is queued,
+tests/unit/test_memory_delivery.py; so there these send bundles, which it queues.)"""
 
 from __future__ import annotations
 
@@ -29,22 +30,33 @@ def delivering_threads(consumer: tb.Consumer) -> list[str]:
     class Recording:
         def __init__(self) -> None:
             self.ledger, self.release = real.ledger, real.release
-            self.fast = None if real.fast is None else self.recorded(real.fast)
+            self.fast = None if real.fast is None else self.taking(real.fast)
 
-        def recorded(self, deliver: Any) -> Any:
+        def taking(self, fast: Any) -> Any:
             def call(*args: Any, **kwargs: Any) -> Any:
-                names.append(threading.current_thread().name)
-                return deliver(*args, **kwargs)
+                taken = fast(*args, **kwargs)
+                if taken is not None:  # (each frame once: the C delivery took it, or left it to the Python one)
+                    names.append(threading.current_thread().name)
+                return taken
 
             return call
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            if self.fast is not None:  # (each frame once: the C delivery took it, or left it to this)
-                names.pop()
-            return self.recorded(real)(*args, **kwargs)
+            names.append(threading.current_thread().name)
+            return real(*args, **kwargs)
 
     setattr(owner, attribute, Recording())
     return names
+
+
+def tensor(consumer: tb.Consumer, value: np.ndarray) -> Any:
+    """What the tests send: `value`, or on memory:// a bundle of it (never delivered on the producer's thread)."""
+    return {"x": value} if consumer.transport.url.scheme == "memory" else value
+
+
+def first(received: Any) -> float:
+    """The first element of what `tensor` sent."""
+    return float((received["x"] if isinstance(received, dict) else received)[0])
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -60,9 +72,9 @@ def test_a_waiting_recv_delivers_its_tensor_on_its_own_thread(pair: tuple[tb.Con
     consumer, producer = pair
     names = delivering_threads(consumer)
     for i in range(5):
-        later = threading.Timer(0.02, producer.send, ("reply", np.full(3, float(i))))
+        later = threading.Timer(0.02, producer.send, ("reply", tensor(consumer, np.full(3, float(i)))))
         later.start()
-        assert consumer.recv("reply", timeout=10)[0] == i
+        assert first(consumer.recv("reply", timeout=10)) == i
         later.join()
     assert names == [threading.current_thread().name] * 5
 
@@ -70,10 +82,10 @@ def test_a_waiting_recv_delivers_its_tensor_on_its_own_thread(pair: tuple[tb.Con
 def test_while_no_recv_waits_the_background_thread_delivers(pair: tuple[tb.Consumer, tb.Producer]) -> None:
     consumer, producer = pair
     names = delivering_threads(consumer)
-    producer.send("unasked", np.ones(2))
+    producer.send("unasked", tensor(consumer, np.ones(2)))
     wait_for(lambda: len(consumer.table) == 1, 10, "the tensor delivered with no recv waiting")
     assert names and names[0].startswith(f"tensorbus-{consumer.transport.url.scheme}-")
-    assert consumer.recv("unasked", timeout=10)[0] == 1.0
+    assert first(consumer.recv("unasked", timeout=10)) == 1.0
 
 
 def test_two_threads_waiting_each_get_their_tensor(pair: tuple[tb.Consumer, tb.Producer]) -> None:
