@@ -1,7 +1,7 @@
 """kafka:// and kafkas:// on confluent-kafka (librdkafka), chosen with `client="confluent"`.
 
 The same topics, records, options, guarantees and errors as the kafka-python backend (kafka.py), whose
-URL parsing, options, checks, topic creation and commit decision (`_Offsets.committable`) this reuses;
+URL parsing, options, checks, topic creation and commit decision (`Offsets.committable`) this reuses;
 only the client calls differ. librdkafka batches records (`batch_linger_s`), reports each delivery through a
 callback served by `poll` (no blocking flush per tensor), hands the consumer batches (`consume`), and
 places keyed records with `murmur2_random`: the same partitions as kafka-python's murmur2 partitioner.
@@ -24,7 +24,9 @@ from confluent_kafka import TopicPartition as RdTopicPartition
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding
-from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, appended_at, take_record
+from .kafka import KafkaOptions, KafkaTransport
+from .kafka_offsets import Offsets, appended_at, take_record
+from .kafka_python import TopicPartition
 from .kafka_rdkafka import CONSUMER, PRODUCER, Reconnects, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
@@ -32,8 +34,8 @@ log = logging.getLogger(__name__)
 _ABANDONED: list[Producer] = []
 
 
-class _Commits(_Offsets):
-    """Commits `_Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
+class _Commits(Offsets):
+    """Commits `Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
 
     Every method runs on the consumer thread: librdkafka calls the rebalance callbacks inside `consume`.
     """

@@ -10,7 +10,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Message
 
 from ..errors import TensorBusError
-from .kafka import KafkaTransport, ke, translate
+from .kafka import KafkaTransport
+from .kafka_python import ke, translate
 
 log = logging.getLogger(__name__)
 
