@@ -190,21 +190,16 @@ class ConfluentKafkaTransport(KafkaTransport):
     def _produce(self, value: bytes, key: str | None) -> None:
         """Queue one record (the producer made on the first, after the pending bytes are counted)."""
         nbytes = len(value)
-        limit = self.options.max_pending_bytes - nbytes
-        waiting_since = None  # (backpressure: its seconds counted under `_pending`, as kafka-python's are)
-        while True:  # delivery reports, which lower the pending bytes, are served by `poll`
-            with self._pending_lock:
-                if self._error or not self._pending_bytes or self._pending_bytes <= limit:
-                    if waiting_since is not None:
-                        self.tally.blocked(waiting_since)
-                    self._raise_error()
-                    self._pending_bytes += nbytes
-                    self._unconfirmed += 1
-                    break
-                waiting_since = waiting_since or time.monotonic()
-            with self._lock:  # (the current one: a producer replaced meanwhile no longer gets the reports due)
-                producer = self._current_rd_producer()
-            producer.poll(0.05)
+        with self._pending_lock:  # (the commonest case, room at once, in one hold)
+            room = (
+                self._error or not self._pending_bytes or self._pending_bytes <= self.options.max_pending_bytes - nbytes
+            )
+            if room:
+                self._raise_error()
+                self._pending_bytes += nbytes
+                self._unconfirmed += 1
+        if not room:
+            self._wait_for_room(nbytes)
         with self._lock:  # (so no other thread purges and replaces the producer between its choice and produce)
             try:
                 producer = self._current_rd_producer()
@@ -225,6 +220,23 @@ class ConfluentKafkaTransport(KafkaTransport):
                     self._settle(nbytes, None)
                     raise translate_error(exc.args[0], self._shown, nbytes) from None
         producer.poll(0)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Serve delivery reports (which lower the pending bytes) until `nbytes` more fit under max_pending_bytes
+        (or a failure is to be raised); then count them. Its seconds are counted under `_pending`, as
+        kafka-python's are."""
+        limit, waiting_since = self.options.max_pending_bytes - nbytes, time.monotonic()
+        while True:
+            with self._pending_lock:
+                if self._error or not self._pending_bytes or self._pending_bytes <= limit:
+                    self.tally.blocked(waiting_since)
+                    self._raise_error()
+                    self._pending_bytes += nbytes
+                    self._unconfirmed += 1
+                    return
+            with self._lock:  # (the current one: a producer replaced meanwhile no longer gets the reports due)
+                producer = self._current_rd_producer()
+            producer.poll(0.05)
 
     def _delivered(self, error: KafkaError | None, message: Message, current: bool = True, timed: bool = False) -> None:
         """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it); `timed`:
