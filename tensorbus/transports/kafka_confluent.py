@@ -19,72 +19,18 @@ from typing import Any
 
 import numpy as np
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, KafkaException, Message, Producer
-from confluent_kafka import TopicPartition as RdTopicPartition
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding
 from .kafka import KafkaOptions, KafkaTransport
-from .kafka_offsets import Offsets, appended_at, take_record
+from .kafka_offsets import appended_at, take_record
 from .kafka_python import TopicPartition
-from .kafka_rdkafka import CONSUMER, PRODUCER, Reconnects, batch, client_config, translate_error
+from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
 _ABANDONED: list[Producer] = []
-
-
-class _Commits(Offsets):
-    """Commits `Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
-
-    Every method runs on the consumer thread: librdkafka calls the rebalance callbacks inside `consume`.
-    """
-
-    consumer: Consumer
-
-    def _commit(self, offsets: dict[TopicPartition, Any], wait: bool = True) -> None:
-        """Commit `offsets` (from `committable`), waiting for the broker or not (then `on_commit` reports it);
-        a failure only means records may be read again."""
-        wanted = [RdTopicPartition(tp.topic, tp.partition, meta.offset) for tp, meta in offsets.items()]
-        try:
-            if wait:
-                self.consumer.commit(offsets=wanted, asynchronous=False)
-                self._committed_now(offsets)
-            else:
-                self.consumer.commit(offsets=wanted, asynchronous=True)
-        except KafkaException as exc:  # e.g. a rebalance took the partitions: their new owner re-reads
-            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, exc)
-
-    def commit(self, timeout_s: float) -> None:
-        """Commit what is safe and wait (librdkafka bounds the wait by its own request timeout, not `timeout_s`)."""
-        if offsets := self.committable():
-            self._commit(offsets)
-
-    def commit_soon(self) -> None:
-        """Commit what is safe without waiting for the broker: the consumer goes on reading meanwhile."""
-        if offsets := self.committable():
-            self._commit(offsets, wait=False)
-
-    def on_commit(self, error: KafkaError | None, partitions: list[RdTopicPartition]) -> None:
-        """librdkafka's report of a commit (served by `consume`, on the consumer thread)."""
-        if error is not None:
-            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, error)
-            return
-        self._committed_now({TopicPartition(p.topic, p.partition): p for p in partitions if p.error is None})
-
-    def on_assign(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
-        self.assigned = frozenset(self.assigned | {p.partition for p in partitions})
-
-    def on_revoke(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
-        """Commit the revoked partitions' progress before their new owner starts, then forget them."""
-        revoked = {TopicPartition(p.topic, p.partition) for p in partitions}
-        if offsets := {tp: meta for tp, meta in self.committable().items() if tp in revoked}:
-            self._commit(offsets)
-        self.on_lost(consumer, partitions)
-
-    def on_lost(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
-        """Forget the lost partitions (their streams in the ledger close: nothing of them is committed here)."""
-        self._forget({TopicPartition(p.topic, p.partition) for p in partitions})
 
 
 def _joined(frame: list[Buffer]) -> bytes:
@@ -269,7 +215,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             self._thread = None
             self._raise_error()
 
-    def _start_consumer(self, deliver: Deliver) -> tuple[Consumer, _Commits]:
+    def _start_consumer(self, deliver: Deliver) -> tuple[Consumer, Commits]:
         o = self.options
         config = {
             **client_config(self),
@@ -283,7 +229,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             "session.timeout.ms": int(o.session_timeout_s * 1000),
             "heartbeat.interval.ms": o.heartbeat_interval_ms,
         }
-        commits = _Commits(
+        commits = Commits(
             None, deliver, self._shown, self.tally
         )  # (its consumer is set below: librdkafka calls it back)
         try:
