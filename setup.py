@@ -1,4 +1,5 @@
-"""Builds the optional C fast paths (the codec's, the stream sockets', the intake's); the rest is in pyproject.toml.
+"""Builds the optional C fast paths (the codec's, the stream sockets', the intake's, the aligned copy's);
+the rest is in pyproject.toml.
 
 Both are optional: without a C compiler tensorbus installs and runs on its Python paths.
 Each has its source's hash compiled in (its .c and the header the extensions share), so a checkout
@@ -38,5 +39,6 @@ setup(
         extension("tensorbus.codec._crc"),
         extension("tensorbus.transports._stream"),
         extension("tensorbus._intake"),
+        extension("tensorbus._buffers"),
     ]
 )

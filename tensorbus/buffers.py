@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,8 +41,11 @@ def aligned_empty(n: int) -> np.ndarray:
 def aligned(data: bytes | bytearray | memoryview, pool: BufferPool | None = None) -> memoryview:
     """`data` itself where it starts at a multiple of ALIGN, else a copy that does (into `pool`'s buffers).
 
-    For frames that arrive as `bytes` (the broker clients'), whose data starts 32 bytes into the object.
+    For frames that arrive as `bytes` (the broker clients'), whose data starts 32 bytes into the object:
+    those without a pool are copied in C where it is built (`_buffers.c`, a tenth of the time).
     """
+    if _ALIGNED_COPY is not None and pool is None and type(data) is bytes:
+        return _ALIGNED_COPY(data)
     view = memoryview(data).cast("B")
     if not view.nbytes or address(view) % ALIGN == 0:
         return view
@@ -83,3 +87,15 @@ class BufferPool:
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(base)
             return base.data[:n]
+
+
+def _aligned_copy() -> Callable[[bytes], memoryview] | None:
+    """`_buffers.aligned_copy` where the extension is built and enabled (and agrees on ALIGN), else None."""
+    from .codec.native import agrees, load  # (here, not at the top: the codec imports this module)
+
+    module = agrees(load(f"{__package__}._buffers"), {"ALIGN": ALIGN})
+    return None if module is None else module.aligned_copy
+
+
+#: the C path of `aligned` for `bytes`, or None (then the Python one serves them too)
+_ALIGNED_COPY = _aligned_copy()

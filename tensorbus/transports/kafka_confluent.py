@@ -1,7 +1,7 @@
 """kafka:// and kafkas:// on confluent-kafka (librdkafka), chosen with `client="confluent"`.
 
 The same topics, records, options, guarantees and errors as the kafka-python backend (kafka.py), whose
-URL parsing, options, checks, topic creation and commit decision (`_Offsets.committable`) this reuses;
+URL parsing, options, checks, topic creation and commit decision (`Offsets.committable`) this reuses;
 only the client calls differ. librdkafka batches records (`batch_linger_s`), reports each delivery through a
 callback served by `poll` (no blocking flush per tensor), hands the consumer batches (`consume`), and
 places keyed records with `murmur2_random`: the same partitions as kafka-python's murmur2 partitioner.
@@ -19,70 +19,18 @@ from typing import Any
 
 import numpy as np
 from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, KafkaException, Message, Producer
-from confluent_kafka import TopicPartition as RdTopicPartition
 
 from ..codec.frame import Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding
-from .kafka import KafkaOptions, KafkaTransport, TopicPartition, _Offsets, appended_at, take_record
-from .kafka_rdkafka import CONSUMER, PRODUCER, Reconnects, batch, client_config, translate_error
+from .kafka import KafkaOptions, KafkaTransport
+from .kafka_offsets import appended_at, take_record
+from .kafka_python import TopicPartition
+from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, batch, client_config, translate_error
 
 log = logging.getLogger(__name__)
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
 _ABANDONED: list[Producer] = []
-
-
-class _Commits(_Offsets):
-    """Commits `_Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
-
-    Every method runs on the consumer thread: librdkafka calls the rebalance callbacks inside `consume`.
-    """
-
-    consumer: Consumer
-
-    def _commit(self, offsets: dict[TopicPartition, Any], wait: bool = True) -> None:
-        """Commit `offsets` (from `committable`), waiting for the broker or not (then `on_commit` reports it);
-        a failure only means records may be read again."""
-        wanted = [RdTopicPartition(tp.topic, tp.partition, meta.offset) for tp, meta in offsets.items()]
-        try:
-            if wait:
-                self.consumer.commit(offsets=wanted, asynchronous=False)
-                self._committed_now(offsets)
-            else:
-                self.consumer.commit(offsets=wanted, asynchronous=True)
-        except KafkaException as exc:  # e.g. a rebalance took the partitions: their new owner re-reads
-            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, exc)
-
-    def commit(self, timeout_s: float) -> None:
-        """Commit what is safe and wait (librdkafka bounds the wait by its own request timeout, not `timeout_s`)."""
-        if offsets := self.committable():
-            self._commit(offsets)
-
-    def commit_soon(self) -> None:
-        """Commit what is safe without waiting for the broker: the consumer goes on reading meanwhile."""
-        if offsets := self.committable():
-            self._commit(offsets, wait=False)
-
-    def on_commit(self, error: KafkaError | None, partitions: list[RdTopicPartition]) -> None:
-        """librdkafka's report of a commit (served by `consume`, on the consumer thread)."""
-        if error is not None:
-            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, error)
-            return
-        self._committed_now({TopicPartition(p.topic, p.partition): p for p in partitions if p.error is None})
-
-    def on_assign(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
-        self.assigned = frozenset(self.assigned | {p.partition for p in partitions})
-
-    def on_revoke(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
-        """Commit the revoked partitions' progress before their new owner starts, then forget them."""
-        revoked = {TopicPartition(p.topic, p.partition) for p in partitions}
-        if offsets := {tp: meta for tp, meta in self.committable().items() if tp in revoked}:
-            self._commit(offsets)
-        self.on_lost(consumer, partitions)
-
-    def on_lost(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
-        """Forget the lost partitions (their streams in the ledger close: nothing of them is committed here)."""
-        self._forget({TopicPartition(p.topic, p.partition) for p in partitions})
 
 
 def _joined(frame: list[Buffer]) -> bytes:
@@ -188,21 +136,16 @@ class ConfluentKafkaTransport(KafkaTransport):
     def _produce(self, value: bytes, key: str | None) -> None:
         """Queue one record (the producer made on the first, after the pending bytes are counted)."""
         nbytes = len(value)
-        limit = self.options.max_pending_bytes - nbytes
-        waiting_since = None  # (backpressure: its seconds counted under `_pending`, as kafka-python's are)
-        while True:  # delivery reports, which lower the pending bytes, are served by `poll`
-            with self._pending_lock:
-                if self._error or not self._pending_bytes or self._pending_bytes <= limit:
-                    if waiting_since is not None:
-                        self.tally.blocked(waiting_since)
-                    self._raise_error()
-                    self._pending_bytes += nbytes
-                    self._unconfirmed += 1
-                    break
-                waiting_since = waiting_since or time.monotonic()
-            with self._lock:  # (the current one: a producer replaced meanwhile no longer gets the reports due)
-                producer = self._current_rd_producer()
-            producer.poll(0.05)
+        with self._pending_lock:  # (the commonest case, room at once, in one hold)
+            room = (
+                self._error or not self._pending_bytes or self._pending_bytes <= self.options.max_pending_bytes - nbytes
+            )
+            if room:
+                self._raise_error()
+                self._pending_bytes += nbytes
+                self._unconfirmed += 1
+        if not room:
+            self._wait_for_room(nbytes)
         with self._lock:  # (so no other thread purges and replaces the producer between its choice and produce)
             try:
                 producer = self._current_rd_producer()
@@ -223,6 +166,23 @@ class ConfluentKafkaTransport(KafkaTransport):
                     self._settle(nbytes, None)
                     raise translate_error(exc.args[0], self._shown, nbytes) from None
         producer.poll(0)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Serve delivery reports (which lower the pending bytes) until `nbytes` more fit under max_pending_bytes
+        (or a failure is to be raised); then count them. Its seconds are counted under `_pending`, as
+        kafka-python's are."""
+        limit, waiting_since = self.options.max_pending_bytes - nbytes, time.monotonic()
+        while True:
+            with self._pending_lock:
+                if self._error or not self._pending_bytes or self._pending_bytes <= limit:
+                    self.tally.blocked(waiting_since)
+                    self._raise_error()
+                    self._pending_bytes += nbytes
+                    self._unconfirmed += 1
+                    return
+            with self._lock:  # (the current one: a producer replaced meanwhile no longer gets the reports due)
+                producer = self._current_rd_producer()
+            producer.poll(0.05)
 
     def _delivered(self, error: KafkaError | None, message: Message, current: bool = True, timed: bool = False) -> None:
         """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it); `timed`:
@@ -255,7 +215,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             self._thread = None
             self._raise_error()
 
-    def _start_consumer(self, deliver: Deliver) -> tuple[Consumer, _Commits]:
+    def _start_consumer(self, deliver: Deliver) -> tuple[Consumer, Commits]:
         o = self.options
         config = {
             **client_config(self),
@@ -269,7 +229,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             "session.timeout.ms": int(o.session_timeout_s * 1000),
             "heartbeat.interval.ms": o.heartbeat_interval_ms,
         }
-        commits = _Commits(
+        commits = Commits(
             None, deliver, self._shown, self.tally
         )  # (its consumer is set below: librdkafka calls it back)
         try:

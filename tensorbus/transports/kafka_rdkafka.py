@@ -1,5 +1,5 @@
 """librdkafka's side of kafka:// with `client="confluent"` (kafka_confluent.py): its settings, named as it names
-them, its errors translated as kafka-python's are, and the consumer's batches."""
+them, its errors translated as kafka-python's are, the consumer's batches and its commits (`Commits`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import json
 import logging
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message
+from confluent_kafka import TopicPartition as RdTopicPartition
 
 from ..errors import TensorBusError
-from .kafka import KafkaTransport, ke, translate
+from .kafka import KafkaTransport
+from .kafka_offsets import Offsets
+from .kafka_python import TopicPartition, ke, translate
 
 log = logging.getLogger(__name__)
 
@@ -122,3 +125,56 @@ def batch(consumer: Consumer, most: int, timeout: float) -> list[Message]:
         return records
     first = consumer.poll(timeout)
     return [] if first is None else [first, *consumer.consume(most - 1, 0)]
+
+
+class Commits(Offsets):
+    """Commits `Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
+
+    Every method runs on the consumer thread: librdkafka calls the rebalance callbacks inside `consume`.
+    """
+
+    consumer: Consumer
+
+    def _commit(self, offsets: dict[TopicPartition, Any], wait: bool = True) -> None:
+        """Commit `offsets` (from `committable`), waiting for the broker or not (then `on_commit` reports it);
+        a failure only means records may be read again."""
+        wanted = [RdTopicPartition(tp.topic, tp.partition, meta.offset) for tp, meta in offsets.items()]
+        try:
+            if wait:
+                self.consumer.commit(offsets=wanted, asynchronous=False)
+                self._committed_now(offsets)
+            else:
+                self.consumer.commit(offsets=wanted, asynchronous=True)
+        except KafkaException as exc:  # e.g. a rebalance took the partitions: their new owner re-reads
+            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, exc)
+
+    def commit(self, timeout_s: float) -> None:
+        """Commit what is safe and wait (librdkafka bounds the wait by its own request timeout, not `timeout_s`)."""
+        if offsets := self.committable():
+            self._commit(offsets)
+
+    def commit_soon(self) -> None:
+        """Commit what is safe without waiting for the broker: the consumer goes on reading meanwhile."""
+        if offsets := self.committable():
+            self._commit(offsets, wait=False)
+
+    def on_commit(self, error: KafkaError | None, partitions: list[RdTopicPartition]) -> None:
+        """librdkafka's report of a commit (served by `consume`, on the consumer thread)."""
+        if error is not None:
+            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, error)
+            return
+        self._committed_now({TopicPartition(p.topic, p.partition): p for p in partitions if p.error is None})
+
+    def on_assign(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
+        self.assigned = frozenset(self.assigned | {p.partition for p in partitions})
+
+    def on_revoke(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
+        """Commit the revoked partitions' progress before their new owner starts, then forget them."""
+        revoked = {TopicPartition(p.topic, p.partition) for p in partitions}
+        if offsets := {tp: meta for tp, meta in self.committable().items() if tp in revoked}:
+            self._commit(offsets)
+        self.on_lost(consumer, partitions)
+
+    def on_lost(self, consumer: Consumer, partitions: list[RdTopicPartition]) -> None:
+        """Forget the lost partitions (their streams in the ledger close: nothing of them is committed here)."""
+        self._forget({TopicPartition(p.topic, p.partition) for p in partitions})

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from tensorbus.transports.kafka import KafkaAdminClient, ke
+from tensorbus.transports.kafka_python import KafkaAdminClient, ke
 from tests import node_loss
 from tests.conftest import IN_CI, reachable, with_query
 from tests.node_loss import Fault, NodeLossResult, run, table

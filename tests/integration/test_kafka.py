@@ -13,18 +13,13 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus.transports import kafka as kafka_transport
+from tensorbus.transports.kafka import KafkaOptions, KafkaTransport
+from tensorbus.transports.kafka_offsets import Offsets
 
 # kafka-python's own classes, imported by the transport with its import-time DeprecationWarnings silenced
-from tensorbus.transports import kafka as kafka_transport
-from tensorbus.transports.kafka import (
-    KafkaAdminClient,
-    KafkaConsumer,
-    KafkaOptions,
-    KafkaTransport,
-    TopicPartition,
-    _Offsets,
-)
-from tensorbus.transports.kafka_confluent import _Commits
+from tensorbus.transports.kafka_python import KafkaAdminClient, KafkaConsumer, TopicPartition
+from tensorbus.transports.kafka_rdkafka import Commits
 from tests.conftest import KAFKA_URL, endpoint_url, with_query
 from tests.peers import same
 from tests.waiting import wait_for
@@ -86,18 +81,18 @@ def test_a_new_consumer_joins_its_group_once(url: str, monkeypatch: pytest.Monke
     (its join outliving a poll timeout): the partitions then stayed revoked and nothing was read.
     """
     assignments: list[set[TopicPartition]] = []
-    assigned, on_assign = _Offsets.on_partitions_assigned, _Commits.on_assign
+    assigned, on_assign = Offsets.on_partitions_assigned, Commits.on_assign
 
-    async def counted(self: _Offsets, partitions: set[TopicPartition]) -> None:
+    async def counted(self: Offsets, partitions: set[TopicPartition]) -> None:
         assignments.append(set(partitions))
         await assigned(self, partitions)
 
-    def counted_confluent(self: _Commits, consumer: Any, partitions: list[Any]) -> None:
+    def counted_confluent(self: Commits, consumer: Any, partitions: list[Any]) -> None:
         assignments.append({TopicPartition(p.topic, p.partition) for p in partitions})
         on_assign(self, consumer, partitions)
 
-    monkeypatch.setattr(_Offsets, "on_partitions_assigned", counted)
-    monkeypatch.setattr(_Commits, "on_assign", counted_confluent)
+    monkeypatch.setattr(Offsets, "on_partitions_assigned", counted)
+    monkeypatch.setattr(Commits, "on_assign", counted_confluent)
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
         producer.send("first", np.arange(10))
         assert same(consumer.recv("first", timeout=30), np.arange(10))

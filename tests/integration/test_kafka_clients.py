@@ -13,8 +13,9 @@ import pytest
 from confluent_kafka import KafkaError
 
 import tensorbus as tb
-from tensorbus.transports.kafka import KafkaConsumer, KafkaTransport, TopicPartition
+from tensorbus.transports.kafka import KafkaTransport
 from tensorbus.transports.kafka_confluent import ConfluentKafkaTransport
+from tensorbus.transports.kafka_python import KafkaConsumer, TopicPartition
 from tensorbus.transports.kafka_rdkafka import client_config, translate_error
 from tests.conftest import KAFKA_URL, endpoint_url, with_query
 from tests.peers import same

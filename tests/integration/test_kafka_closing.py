@@ -15,7 +15,8 @@ import pytest
 import tensorbus as tb
 from tensorbus.errors import TransportError
 from tensorbus.transports import kafka as kafka_transport
-from tensorbus.transports.kafka import KafkaConsumer, KafkaProducer, KafkaTransport
+from tensorbus.transports.kafka import KafkaTransport
+from tensorbus.transports.kafka_python import KafkaConsumer, KafkaProducer
 from tests.conftest import endpoint_url
 from tests.waiting import wait_for
 

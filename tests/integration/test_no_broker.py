@@ -7,7 +7,7 @@ import time
 import pytest
 
 import tensorbus as tb
-from tensorbus.transports.kafka import _retrying, ke
+from tensorbus.transports.kafka_python import ke, retrying
 
 
 def test_no_broker_fails_fast_with_a_tensorbus_error(kafka_client: str) -> None:
@@ -27,7 +27,7 @@ def test_setup_requests_are_made_again_after_a_retriable_error_until_a_deadline(
             raise ke.NodeNotReadyError(1)
         return "answered"
 
-    assert _retrying(flaky, time.monotonic() + 10, "here") == "answered" and len(calls) == 3
+    assert retrying(flaky, time.monotonic() + 10, "here") == "answered" and len(calls) == 3
 
     def failing(error: Exception) -> None:
         calls.append(time.monotonic())
@@ -35,9 +35,9 @@ def test_setup_requests_are_made_again_after_a_retriable_error_until_a_deadline(
 
     calls.clear()
     with pytest.raises(ke.NodeNotReadyError):
-        _retrying(lambda: failing(ke.NodeNotReadyError(1)), time.monotonic() + 0.7, "here")
+        retrying(lambda: failing(ke.NodeNotReadyError(1)), time.monotonic() + 0.7, "here")
     assert 2 <= len(calls) <= 3  # asked again every 0.5 s until the deadline had passed
     calls.clear()
     with pytest.raises(ke.TopicAuthorizationFailedError):
-        _retrying(lambda: failing(ke.TopicAuthorizationFailedError()), time.monotonic() + 10, "here")
+        retrying(lambda: failing(ke.TopicAuthorizationFailedError()), time.monotonic() + 10, "here")
     assert len(calls) == 1  # not retriable: raised at once

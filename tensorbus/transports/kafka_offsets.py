@@ -1,0 +1,134 @@
+"""What a Kafka consumer (either client) does with a record: hand it to the intake (`take_record`, `appended_at`),
+and book its offset so the group commits each partition only up to the oldest record the consumer's ledger
+has not released (`Offsets`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from ..buffers import aligned
+from ..codec.frame import Buffer, Message, MessageId, is_chunk
+from ..errors import TransportError
+from ..ledger import Stream
+from .base import Deliver, Delivered
+from .kafka_python import AsyncConsumerRebalanceListener, KafkaConsumer, OffsetAndMetadata, TopicPartition, map_errors
+from .tally import Tally
+
+log = logging.getLogger(__name__)
+
+
+def take_record(
+    fast: Callable[[memoryview, int | None, object], Message | None] | None, value: bytes
+) -> tuple[Message | None, Buffer]:
+    """A record's frame through the intake's C delivery where that takes it: (the Message it delivered,
+    the frame), else (None, the frame to hand the intake). A record's bytes start 32 bytes into their
+    object, so its tensors would be misaligned: a whole frame is copied to a 64-byte aligned buffer
+    once, for both; a chunk is left as it is (the reassembler copies its payload into place anyway)."""
+    if fast is None or not value or is_chunk(memoryview(value)):
+        return None, value
+    frame = aligned(value)
+    return fast(frame, None, None), frame
+
+
+def appended_at(timestamp_type: int | None, timestamp_ms: int | None) -> float | None:
+    """A record's append time in seconds, if the broker set it (type 1, LogAppendTime; 0 is the producer's)."""
+    return timestamp_ms / 1000 if timestamp_type == 1 and timestamp_ms is not None and timestamp_ms >= 0 else None
+
+
+class Offsets(AsyncConsumerRebalanceListener):
+    """What the group may commit: per partition, up to the oldest record the ledger has not released
+    (a tensor nobody took yet, or one still missing chunks).
+
+    `record` and `commit` run on the consumer thread; the rebalance callbacks on kafka-python's I/O
+    thread (while the consumer thread waits in `poll`), hence the lock.
+    """
+
+    def __init__(self, consumer: KafkaConsumer, deliver: Deliver, shown: str, tally: Tally) -> None:
+        self.consumer, self.deliver, self.shown, self.tally = consumer, deliver, shown, tally
+        self.assigned: frozenset[int] = frozenset()
+        self._lock = threading.Lock()
+        self._streams: dict[TopicPartition, Stream] = {}  # each partition's offsets in the consumer's ledger
+        self._committed: dict[TopicPartition, int] = {}
+        #: the next offset of each partition this consumer has not had yet, kept across rebalances (the
+        #: consumer thread's): a record below it is one the group delivers to it again
+        self._unseen: dict[TopicPartition, int] = {}
+
+    def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
+        """The consumer thread delivered the record at `offset` of `tp` (`result`): its ledger stream
+        follows it; a record this consumer had before (re-read after a rebalance) counts as a redelivery."""
+        stream = self._stream(tp, offset)
+        if result == Delivered(result.message_id, True, admitted=True):  # (the commonest: in the fewest steps)
+            stream.record_admitted(offset, result.message_id)
+        else:
+            stream.record(offset, result)
+
+    def record_admitted(self, tp: TopicPartition, offset: int, message_id: MessageId | None) -> None:
+        """`record` of a whole plain tensor the intake's C delivery took (`Stream.record_admitted`): the
+        commonest record, without a `Delivered` made for it."""
+        self._stream(tp, offset).record_admitted(offset, message_id)
+
+    def _stream(self, tp: TopicPartition, offset: int) -> Stream:
+        """`tp`'s stream in the ledger, the record at `offset` counted as a redelivery if this consumer had it."""
+        if offset < self._unseen.get(tp, 0):
+            self.tally.redeliveries += 1
+        else:
+            self._unseen[tp] = offset + 1
+        with self._lock:
+            stream = self._streams.get(tp)
+            if stream is None:
+                stream = self._streams[tp] = self.deliver.ledger.stream()
+        return stream
+
+    def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
+        """Offsets safe to commit that differ from the last commit."""
+        offsets = {}
+        with self._lock:
+            for tp, stream in self._streams.items():
+                safe = stream.first_open()
+                if self._committed.get(tp) != safe:
+                    offsets[tp] = OffsetAndMetadata(safe, "", -1)
+        return offsets
+
+    def commit(self, timeout_s: float) -> None:
+        """Commit what is safe, synchronously; a failure only means records may be read again."""
+        offsets = self.committable()
+        try:
+            if offsets:
+                with map_errors(self.shown):
+                    self.consumer.commit(offsets, timeout_ms=int(timeout_s * 1000))
+                self._committed_now(offsets)
+        except TransportError as exc:  # e.g. a rebalance took the partitions: their new owner re-reads
+            log.info("commit to %s failed (%s); records since the last commit may be read again", self.shown, exc)
+
+    def _committed_now(self, offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        with self._lock:
+            self._committed.update((tp, meta.offset) for tp, meta in offsets.items())
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Commit the revoked partitions' progress before their new owner starts (awaited: heartbeats go on)."""
+        offsets = self.committable()
+        try:
+            if offsets:
+                await self.consumer.commit_async(offsets)
+                self._committed_now(offsets)
+        except Exception as exc:  # the new owner re-reads from the last commit: duplicates, dropped above
+            log.warning("%s: commit before giving up partitions failed: %r", self.shown, exc)
+        await self.on_partitions_lost(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.assigned = frozenset(tp.partition for tp in self.consumer.assignment())
+
+    async def on_partitions_lost(self, lost: set[TopicPartition]) -> None:
+        self._forget(lost)
+
+    def _forget(self, lost: set[TopicPartition]) -> None:
+        """The partitions are no longer this consumer's: close their streams in the ledger, forget their commits."""
+        with self._lock:
+            for tp in lost:
+                stream = self._streams.pop(tp, None)
+                if stream is not None:
+                    stream.close()
+                self._committed.pop(tp, None)
+        self.assigned -= {tp.partition for tp in lost}
