@@ -34,6 +34,9 @@ from ..transports.socket_consumer import SocketConsumer
 log = logging.getLogger(__name__)
 #: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module)
 READ_AHEAD = 1 << 20
+#: readable connections found while reading is paused before the loop stops watching them: a receive
+#: that yields once (turns.py) before it takes ends the pause during the first, most often
+PAUSED_LOOKS = 2
 #: the most receives that sleep at once, without a spin, after spins that ran out (see `LoopReading.spin`)
 SPIN_BACKOFF = 64
 
@@ -43,16 +46,21 @@ class LoopPoller(Poller):
 
     Registering and unregistering happen on the loop's thread once attached (the listener's handshakes
     and the reactor's reads run there); before `attach` and after `detach` the loop is not involved.
+
+    A pause stops the connections' watches lazily: they stay until one of them is found readable while
+    paused (`unwatch`), so a pause that a receive ends before (the common case: one large frame read
+    ahead, then taken) costs no `remove_reader` and `add_reader`, two system calls and a turn.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: Any = None
-        self.paused = False  # the connections are not watched (the wake-up pipe, data None, always is)
+        self.paused = False  # the connections are not to be read (the wake-up pipe, data None, always is)
+        self.unwatched = False  # ... and the loop does not watch them any more (`unwatch`)
 
     def _watched(self, data: Any) -> bool:
-        return self._loop is not None and (data is None or not self.paused)
+        return self._loop is not None and (data is None or not self.unwatched)
 
     def register(self, fd: int, data: Any) -> None:
         super().register(fd, data)
@@ -65,16 +73,24 @@ class LoopPoller(Poller):
             self._loop.remove_reader(fd)
 
     def pause(self, paused: bool) -> None:
-        """Stop watching the connections (True), or watch them again (False)."""
+        """Read the connections no more (True: the loop watches them until `unwatch`), or again (False)."""
         if paused == self.paused or self._loop is None:
             return
         self.paused = paused
+        if not paused and self.unwatched:
+            self.unwatched = False
+            for fd, data in list(self._data.items()):
+                if data is not None:
+                    self._loop.add_reader(fd, self._ready, data)
+
+    def unwatch(self) -> None:
+        """Paused, a connection was found readable: stop watching the connections (until the pause ends)."""
+        if not self.paused or self.unwatched or self._loop is None:
+            return
+        self.unwatched = True
         for fd, data in list(self._data.items()):
             if data is not None:
-                if paused:
-                    self._loop.remove_reader(fd)
-                else:
-                    self._loop.add_reader(fd, self._ready, data)
+                self._loop.remove_reader(fd)
 
     def attach(self, loop: asyncio.AbstractEventLoop, ready: Any) -> None:
         """Have `loop` call `ready(data)` whenever a registered descriptor is readable."""
@@ -86,8 +102,9 @@ class LoopPoller(Poller):
         """Stop watching (on the loop's thread)."""
         loop, self._loop = self._loop, None
         if loop is not None:
-            for fd in list(self._data):
-                loop.remove_reader(fd)
+            for fd, data in list(self._data.items()):
+                if data is None or not self.unwatched:
+                    loop.remove_reader(fd)
 
 
 class LoopReading:
@@ -109,6 +126,7 @@ class LoopReading:
         self._spin_until = 0.0  # when the spin ends (`time.monotonic`)
         self._backoff = 0  # receives that sleep without a spin after the next spin that runs out, halved
         self._skip = 0  # receives left that sleep without a spin
+        self._looks = 0  # readable connections found since reading paused (see PAUSED_LOOKS)
 
     def make_poller(self) -> LoopPoller:
         """`LOOP_POLLER`'s value: called (once) by the socket consumer as it starts listening."""
@@ -147,6 +165,14 @@ class LoopReading:
     def _ready(self, data: Any) -> None:
         """A connection (None: the wake-up pipe) is readable: read it."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
+        assert self.poller is not None
+        if data is not None and self.poller.paused:  # (watched still: the pause is lazy)
+            if not self._wanted(READ_AHEAD // 2):
+                self._looks += 1
+                if self._looks >= PAUSED_LOOKS:
+                    self.poller.unwatch()
+                return
+            self.poller.pause(False)  # (as `resume` would: the receives took enough meanwhile)
         if self._spinning is not None and data is not None:  # bytes came: spin on as long again
             self._spin_until = time.monotonic() + self._consumer.reactor.spin_s
         if self._consumer.reactor.read_ready([data], self._enough) and self._again is None:
@@ -159,6 +185,8 @@ class LoopReading:
         or one waits (`taken`), or none came for `linger_s` (`_go_free`)."""
         assert self.poller is not None and self._loop is not None and self._consumer is not None
         assert self._consumer.reactor is not None
+        if not self.poller.paused:
+            self._looks = 0
         self.poller.pause(True)
         if self._idle is None:
             self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)

@@ -128,3 +128,37 @@ def test_a_turn_reads_no_further_ahead_than_read_ahead_allows(
         assert loop.run_until_complete(_receive(consumer, FRAMES - 1)) == list(range(1, FRAMES))
     finally:
         _close(loop, consumer, producer)
+
+
+def _watched(loop: asyncio.AbstractEventLoop, peer: Any) -> bool:
+    """Whether the loop's selector watches the connection's socket for reading."""
+    key = loop._selector.get_map().get(peer.conn.fileno())  # type: ignore[attr-defined]
+    return key is not None and key.data[0] is not None  # (the reader's handle; writers aside)
+
+
+def test_a_pause_stops_watching_only_once_the_connection_is_readable_again_and_reads_nothing(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past READ_AHEAD reading pauses, lazily: the loop watches the connection on (a receive that takes soon
+    costs no `remove_reader`/`add_reader`), reads none of the bytes it finds there, and stops watching after
+    PAUSED_LOOKS readinesses; the next receive watches and reads again, every tensor in order."""
+    monkeypatch.setattr(socket_reading, "READ_AHEAD", 1)  # (one tensor in the table is enough)
+    monkeypatch.setattr(socket_reading, "TAKEN_EVERY_S", 3600.0)
+    consumer, producer = _connected(loop)
+    reading, (peer,) = consumer._reading, consumer.blocking.transport.reactor._peer_list()
+    assert reading is not None and reading.poller is not None
+    try:
+        _send_while_the_loop_stands(consumer, producer)
+        assert int(loop.run_until_complete(consumer.recv("k", timeout=30))[0]) == 0
+        assert reading.poller.paused and _watched(loop, peer)  # paused with one tensor ahead, watched still
+        producer.send("k", np.full(512, FRAMES, np.float32))  # (bytes to find: the turn read the socket dry)
+        wait_for(lambda: _queued(peer.conn) > 0, 30, "the tensor to reach the consumer's socket")
+        queued = _queued(peer.conn)
+        for look in range(1, socket_reading.PAUSED_LOOKS + 1):
+            reading._ready(peer)  # (what the loop calls when the socket is readable)
+            assert _queued(peer.conn) == queued and consumer.table.buffered_keys() == {"k": 1}  # nothing read
+            assert _watched(loop, peer) is (look < socket_reading.PAUSED_LOOKS)
+        assert loop.run_until_complete(_receive(consumer, FRAMES)) == list(range(1, FRAMES + 1))
+        assert _watched(loop, peer)
+    finally:
+        _close(loop, consumer, producer)
