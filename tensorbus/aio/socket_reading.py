@@ -10,13 +10,12 @@ the listener's selector (accepts and handshakes: `Listener.turn`). A timer does 
 what was taken, idle connections, handshakes past their deadline.
 
 While receives come, the loop reads ahead of them only up to READ_AHEAD bytes in the table: past that
-it stops watching the connections until the receives took half of that or one waits (a turn then reads
-several frames, acked once). Frames read far ahead each land in a freshly allocated buffer, and fresh
-pages cost 0.4-0.7 GB/s on the 2-vCPU VM (docs/PERFORMANCE.md); frames read just ahead reuse the memory
-of those just taken. When no receive
-came for `linger_s`, it reads on freely, into the table up to its limits, until one comes (as the
-blocking reactor's background thread takes over after `linger_s`): sends and `flush` never wait for
-a receive.
+it stops reading the connections (and soon watching them: PAUSED_LOOKS) until the receives took half
+of that or one waits (a turn then reads several frames, acked once). Frames read far ahead each land in
+a freshly allocated buffer, and fresh pages cost 0.4-0.7 GB/s on the 2-vCPU VM (docs/PERFORMANCE.md);
+frames read just ahead reuse the memory of those just taken. When no receive came for `linger_s`, it
+reads on freely, into the table up to its limits, until one comes (as the blocking reactor's background
+thread takes over after `linger_s`): sends and `flush` never wait for a receive.
 """
 
 from __future__ import annotations
@@ -47,9 +46,9 @@ class LoopPoller(Poller):
     Registering and unregistering happen on the loop's thread once attached (the listener's handshakes
     and the reactor's reads run there); before `attach` and after `detach` the loop is not involved.
 
-    A pause stops the connections' watches lazily: they stay until one of them is found readable while
-    paused (`unwatch`), so a pause that a receive ends before (the common case: one large frame read
-    ahead, then taken) costs no `remove_reader` and `add_reader`, two system calls and a turn.
+    A pause stops the connections' watches lazily: they stay until `unwatch` (called once they were found
+    readable PAUSED_LOOKS times while paused), so a pause that a receive ends before (the common case: one
+    large frame read ahead, then taken) costs no `remove_reader` and `add_reader`, two system calls.
     """
 
     def __init__(self) -> None:
