@@ -70,15 +70,29 @@ class BufferPool:
         except ValueError:  # numpy's "array is too big": a size no memory could hold
             raise MemoryError(f"no buffer of {n} bytes") from None
 
+    def take_free(self, n: int) -> memoryview | None:
+        """A pooled buffer of exactly `n` bytes if a free one fits, else None: memory the pool holds already
+        (the reassembler fills one from a message's first chunk, as that reserves nothing new)."""
+        if n < POOLED_FROM:
+            return None
+        with self._lock:
+            return self._free(n)
+
+    def _free(self, n: int) -> memoryview | None:
+        for base in self._buffers:
+            # references: the list, `base`, and getrefcount's own argument; any more is a live view
+            if n <= len(base) <= 2 * n and sys.getrefcount(base) <= 3:
+                self.reused += 1
+                return base.data[:n]
+        return None
+
     def _take(self, n: int) -> memoryview:
         if n < POOLED_FROM:
             return aligned_empty(n).data  # not zero-filled: every byte is about to be received
         with self._lock:
-            for base in self._buffers:
-                # references: the list, `base`, and getrefcount's own argument; any more is a live view
-                if n <= len(base) <= 2 * n and sys.getrefcount(base) <= 3:
-                    self.reused += 1
-                    return base.data[:n]
+            reused = self._free(n)
+            if reused is not None:
+                return reused
             base = aligned_empty(n)
             if len(self._buffers) >= self.max_buffers:  # evict the first free buffer, if any
                 free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]

@@ -284,8 +284,11 @@ class _Partial:
     key: str | None
     started: float
     #: the whole message, allocated once half of its bytes are here: until then a claimed size costs
-    #: nothing, and the chunks are kept as they came (`pieces`), so a sender pays for what it claims
+    #: nothing, and the chunks are kept as they came (`pieces`), so a sender pays for what it claims.
+    #: Or, from the first chunk, a free buffer the pool holds already (no new memory): each chunk is
+    #: copied into place as it arrives, and the budget still counts only the bytes received
     buffer: memoryview | None = None
+    allocated: bool = False  # the whole message counts against the budget (after half of it came)
     pieces: dict[int, memoryview] = field(default_factory=dict)
     got: int = 0  # payload bytes received
     charged: int = 0  # what this message counts against the budget now
@@ -418,7 +421,7 @@ class Reassembler:
                 partial.crcs[index] = payload_crcs(frame.payload, whole)[1] if index == 0 else whole
             if len(partial.received) < count:
                 return None
-        if partial.buffer is None:
+        if not partial.allocated:
             self._allocate(partial)
         assert partial.buffer is not None
         try:
@@ -443,29 +446,33 @@ class Reassembler:
 
     def _place(self, message_id: MessageId, partial: _Partial, index: int, payload: memoryview, owned: bool) -> None:
         """Put a chunk's bytes in place, or keep them until the message gets its buffer (see the class)."""
-        if partial.buffer is not None:
-            partial.buffer[index * partial.stride : index * partial.stride + len(payload)] = payload
-        else:
+        if not partial.allocated:
             if self.held_bytes + len(payload) > self.max_bytes:
                 raise self._give_up(
                     message_id,
                     f"chunk {index} of message {message_id} would hold {self.held_bytes + len(payload)} bytes "
                     f"for reassembly; the limit is {self.max_bytes}: message given up",
                 )
+            if partial.buffer is None and not partial.pieces:  # its first chunk: a free pooled buffer, if one fits
+                partial.buffer = self._pool.take_free(partial.total)
+            self._charge(partial, len(payload))
+        if partial.buffer is not None:  # (while its bytes are in cache: the CRC check just read them)
+            partial.buffer[index * partial.stride : index * partial.stride + len(payload)] = payload
+        else:
             keep = owned and _buffer_bytes(payload) <= 2 * len(payload) + PINNED_SLACK
             partial.pieces[index] = payload if keep else memoryview(bytes(payload))
-            self._charge(partial, len(payload))
         partial.got += len(payload)
         grown = partial.total - partial.charged + PARTIAL_OVERHEAD
-        if partial.buffer is None and 2 * partial.got >= partial.total and self.held_bytes + grown <= self.max_bytes:
+        if not partial.allocated and 2 * partial.got >= partial.total and self.held_bytes + grown <= self.max_bytes:
             self._allocate(partial)
 
     def _allocate(self, partial: _Partial) -> None:
-        """Give a message its whole buffer and move the chunks kept so far into it."""
-        buffer = self._pool.take(partial.total)  # a reused one when no tensor still views it: fresh pages are slow
+        """Count a message's whole buffer against the budget: give it one (a reused one when no tensor still
+        views it: fresh pages are slow) and move the chunks kept so far into it, unless it has one already."""
+        buffer = partial.buffer if partial.buffer is not None else self._pool.take(partial.total)
         for index, piece in partial.pieces.items():
             buffer[index * partial.stride : index * partial.stride + len(piece)] = piece
-        partial.buffer, partial.pieces = buffer, {}
+        partial.buffer, partial.pieces, partial.allocated = buffer, {}, True
         self._charge(partial, partial.total + PARTIAL_OVERHEAD - partial.charged)
 
     def _charge(self, partial: _Partial, nbytes: int) -> None:

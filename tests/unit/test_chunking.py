@@ -250,6 +250,40 @@ def test_a_large_buffer_is_reused_once_no_tensor_views_it() -> None:
     assert reassembler._pool.reused == 1
 
 
+def test_with_a_free_pooled_buffer_chunks_go_into_place_as_they_arrive_and_cost_only_their_bytes() -> None:
+    reassembler = tb.Reassembler()
+    first = np.arange(600_000, dtype=np.float32)  # 2.4 MB: pooled
+    assert [reassembler.feed(c) for c in chunks_of(first, 1 << 18, seq=1)][-1] is not None  # (dropped at once)
+    chunks = chunks_of(first + 1, 1 << 18, seq=2)
+    order = [len(chunks) - 2, 3, 0, *[i for i in range(len(chunks) - 1) if i not in (len(chunks) - 2, 3, 0)]]
+    for index in order[:3]:  # out of order, well under half: no copy kept aside, the pool's buffer filled in
+        assert reassembler.feed(chunks[index]) is None
+    partial = next(iter(reassembler._partials.values()))
+    assert partial.buffer is not None and not partial.pieces and not partial.allocated
+    assert reassembler.held_bytes < 3 * (1 << 18) + (20 << 10)  # the bytes received, not the 2.4 MB claimed
+    for index in order[3:]:
+        assert reassembler.feed(chunks[index]) is None
+    (message,) = [reassembler.feed(chunks[-1])]
+    assert message is not None and reassembler._pool.reused == 1 and reassembler.held_bytes == 0
+    np.testing.assert_array_equal(message.tensor, first + 1)
+
+
+def test_a_message_filling_a_pooled_buffer_refuses_a_corrupted_chunk_and_takes_the_next_version_whole() -> None:
+    reassembler = tb.Reassembler()
+    array = np.arange(600_000, dtype=np.float32)
+    assert [reassembler.feed(c) for c in chunks_of(array, 1 << 18, seq=1)][-1] is not None
+    bad = chunks_of(array + 1, 1 << 18, seq=2)
+    assert reassembler.feed(bad[0]) is None  # into the pooled buffer
+    corrupted = bytearray(bad[1])
+    corrupted[-100] ^= 1
+    with pytest.raises(tb.ChecksumMismatch):
+        reassembler.feed(bytes(corrupted))
+    for chunk in chunks_of(array + 2, 1 << 18, seq=3):  # a newer version, while the older one is incomplete
+        message = reassembler.feed(chunk)
+    assert message is not None
+    np.testing.assert_array_equal(message.tensor, array + 2)  # none of version 2's bytes in it
+
+
 def test_copy_true_gives_a_reassembled_tensor_its_own_memory() -> None:
     reassembler = tb.Reassembler()
     out = [reassembler.feed(c, copy=True) for c in chunks_of(np.arange(50_000.0), 30_000)]
