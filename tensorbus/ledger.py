@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 from .codec.frame import MessageId
@@ -114,6 +114,33 @@ class Stream:
                 ledger._singles[message_id] = (self, position)
                 return
             released = ledger._record(self, position, Delivered(message_id, True, admitted=True), kept)
+        ledger._notify(released)
+
+    def record_admitted_run(self, first: int, message_ids: Sequence[MessageId | None]) -> None:
+        """`record_admitted(first + i, message_ids[i])` of each, in order, under one lock: a run of frames the
+        C delivery took one after the other (`StreamReader.read_taken`). What they release is told after."""
+        ledger = self._ledger
+        released: list[tuple[Stream, list[Position]]] = []
+        with ledger._lock:
+            self._next = first + len(message_ids)
+            if self.closed:
+                return
+            take = ledger.mode == "take"
+            singles, messages, early, opened = ledger._singles, ledger._messages, ledger._early, self._open
+            position = first
+            for message_id in message_ids:
+                if (
+                    take
+                    and message_id is not None
+                    and message_id not in messages
+                    and message_id not in singles
+                    and message_id not in early
+                ):
+                    opened[position] = None
+                    singles[message_id] = (self, position)
+                else:
+                    released += ledger._record(self, position, Delivered(message_id, True, admitted=True))
+                position += 1
         ledger._notify(released)
 
     def first_open(self) -> int:
