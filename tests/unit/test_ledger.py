@@ -418,3 +418,16 @@ def test_a_message_put_back_after_a_newer_incarnation_arrived_is_dropped_and_rel
         stream.record(1, intake(frame_of(np.ones(3), new, 2), None, may_hold=True, source=1))
         table.put_back(had[0])  # its receiver went away: back in line, but src is at incarnation 2 now
         assert released == [0] and stream.first_open() == 1  # dropped for a stated reason: acknowledged
+
+
+def test_stats_count_every_take_whichever_way_its_frame_was_booked() -> None:
+    ledger = Ledger()
+    stream = ledger.stream()
+    stream.record_admitted(0, A)  # (the short path: its take is counted apart)
+    stream.record(1, Delivered(B, **ADMITTED))
+    ledger.taken(A)
+    ledger.taken(B)
+    ledger.dropped(C)
+    assert ledger.stats == {"taken": 2, "dropped": 1}
+    ledger.stats["taken"] = 0  # (a copy: the ledger's counts stay)
+    assert ledger.stats["taken"] == 2
