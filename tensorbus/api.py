@@ -364,14 +364,16 @@ class Consumer:
 
     def recv(self, key: str, timeout: float | None = None) -> Any:
         """Return the next tensor sent under `key`, waiting up to `timeout` seconds."""
-        self._check_open("recv")
+        if self._closed:  # (`_check_open`, as in `recv_message`)
+            self._check_open("recv")
         if self._monitor is None:
             return self.table.recv(key, timeout)
         return self._monitor.recv(self.table.recv_message, key, timeout).tensor
 
     def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
-        self._check_open("recv_message")
+        if self._closed:  # (`_check_open`, without a call: a small tensor's receive is mostly such steps)
+            self._check_open("recv_message")
         if self._monitor is None:
             return self.table.recv_message(key, timeout)
         return self._monitor.recv(self.table.recv_message, key, timeout)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 from .codec.frame import MessageId
@@ -116,6 +116,33 @@ class Stream:
             released = ledger._record(self, position, Delivered(message_id, True, admitted=True), kept)
         ledger._notify(released)
 
+    def record_admitted_run(self, first: int, message_ids: Sequence[MessageId | None]) -> None:
+        """`record_admitted(first + i, message_ids[i])` of each, in order, under one lock: a run of frames the
+        C delivery took one after the other (`StreamReader.read_taken`). What they release is told after."""
+        ledger = self._ledger
+        released: list[tuple[Stream, list[Position]]] = []
+        with ledger._lock:
+            self._next = first + len(message_ids)
+            if self.closed:
+                return
+            take = ledger.mode == "take"
+            singles, messages, early, opened = ledger._singles, ledger._messages, ledger._early, self._open
+            position = first
+            for message_id in message_ids:
+                if (
+                    take
+                    and message_id is not None
+                    and message_id not in messages
+                    and message_id not in singles
+                    and message_id not in early
+                ):
+                    opened[position] = None
+                    singles[message_id] = (self, position)
+                else:
+                    released += ledger._record(self, position, Delivered(message_id, True, admitted=True))
+                position += 1
+        ledger._notify(released)
+
     def first_open(self) -> int:
         """The first position not released (every one before it is): a cumulative ack's count, a commit's offset."""
         with self._ledger._lock:
@@ -158,8 +185,18 @@ class Ledger:
         self._singles: dict[MessageId, tuple[Stream, Position]] = {}
         #: ids taken (or dropped) before their last frame was recorded, newest last
         self._early: collections.OrderedDict[MessageId, None] = collections.OrderedDict()
-        self.stats = collections.Counter[str]()
+        self._stats = collections.Counter[str]()  # what became of messages (`stats`), but for `_single_takes`
+        self._single_takes = 0  # the commonest take, counted in an int: a Counter's step costs a take a quarter
         self.released_frames = 0  # positions released to their transports so far (metrics; under the lock)
+
+    @property
+    def stats(self) -> collections.Counter[str]:
+        """What became of messages: how many were taken, acked, dropped (a copy)."""
+        with self._lock:
+            counts = collections.Counter(self._stats)
+            if self._single_takes:
+                counts["taken"] += self._single_takes
+        return counts
 
     def stream(self, on_release: Callable[[list[Position]], None] | None = None) -> Stream:
         """A new stream; `on_release(positions)` is called (without the lock held) as positions are released."""
@@ -176,7 +213,7 @@ class Ledger:
             if single is None:
                 on_release = None
             else:  # (the commonest take: one whole frame, recorded by `record_admitted`)
-                self.stats["taken"] += 1
+                self._single_takes += 1
                 stream, position = single
                 if stream.closed:
                     return
@@ -225,7 +262,7 @@ class Ledger:
                 if len(self._early) > EARLY_TAKES:
                     self._early.popitem(last=False)
             released = self._release(message_id)
-            self.stats[how] += 1
+            self._stats[how] += 1
         self._notify(released)
 
     def _record(

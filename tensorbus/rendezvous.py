@@ -19,7 +19,7 @@ import numpy as np
 from .codec import Message, SparseTensor
 from .errors import Aborted, CallbackInterrupted, Cancelled, ConfigError, StaleIncarnation, Timeout, brief
 from .intake_state import ANY, Callback, TableState, Waiter
-from .keys import check_key, may_name_incarnation, parse_key
+from .keys import MAX_KEY_CHARS, check_key, may_name_incarnation, parse_key
 from .options import finite_timeout
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,8 @@ class Rendezvous(TableState):
 
     def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, but return the whole `Message` (key, tensor, metadata, message id)."""
-        check_key(key)  # (None: the messages sent with no key)
+        if type(key) is not str or len(key) > MAX_KEY_CHARS:  # (a plain key, the commonest, needs no call)
+            check_key(key)  # (None: the messages sent with no key)
         return self._wait(key, timeout)
 
     def next_message(self, timeout: float | None = None) -> Message:
@@ -289,15 +290,22 @@ class Rendezvous(TableState):
             self.room_opened()
 
     def _wait(self, key: object, timeout: float | None) -> Message:
+        """Take the oldest message of `key` (ANY: of any key), waiting (and reading, where the transport
+        can) until `timeout`. A message buffered already costs no call beyond `_take` and the take's hook:
+        a small tensor's receive is mostly such steps."""
         timeout = finite_timeout(timeout)
         with self._lock:
-            self._raise_if_aborted()
+            if self._aborted is not None:
+                raise self._abort_error()
             message = self._take(key)
             if message is None:
                 waiter = Waiter(key, None)
                 self._add_waiter(waiter)
         if message is not None:
-            return self._hand_out(message)
+            on_taken = self.on_delivered_to_application  # (`_hand_out`)
+            if on_taken is not None:
+                on_taken(message)
+            return message
         assert waiter.done is not None
         try:
             if self.read_while_waiting is not None:

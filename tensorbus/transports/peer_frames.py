@@ -122,11 +122,8 @@ class PeerFrames(Peers):
             self._fast, peer.source, frames, every_bytes - peer.unacked_bytes
         )
         if ids:
-            record, position = peer.positions.record_admitted, peer.frames
-            for message_id in ids:  # (`_finish` of a plain tensor, each)
-                record(position, message_id)
-                position += 1
-            peer.frames = position
+            peer.positions.record_admitted_run(peer.frames, ids)  # (`_finish` of a plain tensor, each)
+            peer.frames += len(ids)
             peer.unacked_bytes += nbytes
             if largest > self._largest_read:
                 self._largest_read = largest

@@ -229,6 +229,55 @@ def test_record_admitted_books_a_frame_as_record_does(mode: str) -> None:
         assert lean[0][-6][2] == [1, 3, 4, 5, 8, 0, 2]
 
 
+def booked_in_runs(mode: str) -> tuple[Any, ...]:
+    """`STEPS` through a ledger, each stretch of "admit" steps booked as one run (`record_admitted_run`):
+    what it released after each other step, as `booked` says it."""
+    ledger = Ledger(mode)  # type: ignore[arg-type]
+    stream, released = recorded(ledger)
+    counts, run = [], []
+    for step in STEPS:
+        if step[0] == "admit":
+            if run and run[-1][0] + 1 != step[1]:
+                raise AssertionError("STEPS' admits are consecutive positions")
+            run.append((step[1], step[2]))
+            counts.append(None)
+            continue
+        if run:
+            stream.record_admitted_run(run[0][0], [message_id for _, message_id in run])
+            run = []
+        if step[0] == "copy":
+            stream.record(step[1], Delivered(step[2], True))
+        elif step[0] == "close":
+            released.append(("closed", stream.close()))
+        else:
+            getattr(ledger, step[0])(step[1])
+        counts.append((stream.first_open(), stream.first_unreceived(), list(released)))
+    if run:
+        stream.record_admitted_run(run[0][0], [message_id for _, message_id in run])
+    counts.append((stream.first_open(), stream.first_unreceived(), list(released)))
+    return counts, dict(ledger.stats), ledger.released_frames
+
+
+@pytest.mark.parametrize("mode", ["take", "arrival", "manual"])
+def test_a_run_of_admitted_frames_books_as_record_admitted_does_frame_by_frame(mode: str) -> None:
+    counts, stats, released_frames = booked(mode, lean=True)
+    in_runs, run_stats, run_released = booked_in_runs(mode)
+    one_by_one = [count for count, run in zip(counts, in_runs, strict=False) if run is not None]
+    assert [run for run in in_runs[: len(counts)] if run is not None] == one_by_one
+    assert in_runs[-1] == counts[-1]  # (the last run, at 10, booked after the loop)
+    assert (run_stats, run_released) == (stats, released_frames)
+
+
+def test_a_run_on_a_closed_stream_books_nothing_but_moves_on() -> None:
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    stream.record_admitted_run(0, [A, B])
+    stream.close()
+    stream.record_admitted_run(2, [C])
+    ledger.taken(C)
+    assert released == [] and stream.unreleased() == [] and stream.first_open() == 3
+
+
 # -- through real consumers ------------------------------------------------------------------------
 
 
@@ -369,3 +418,16 @@ def test_a_message_put_back_after_a_newer_incarnation_arrived_is_dropped_and_rel
         stream.record(1, intake(frame_of(np.ones(3), new, 2), None, may_hold=True, source=1))
         table.put_back(had[0])  # its receiver went away: back in line, but src is at incarnation 2 now
         assert released == [0] and stream.first_open() == 1  # dropped for a stated reason: acknowledged
+
+
+def test_stats_count_every_take_whichever_way_its_frame_was_booked() -> None:
+    ledger = Ledger()
+    stream = ledger.stream()
+    stream.record_admitted(0, A)  # (the short path: its take is counted apart)
+    stream.record(1, Delivered(B, **ADMITTED))
+    ledger.taken(A)
+    ledger.taken(B)
+    ledger.dropped(C)
+    assert ledger.stats == {"taken": 2, "dropped": 1}
+    ledger.stats["taken"] = 0  # (a copy: the ledger's counts stay)
+    assert ledger.stats["taken"] == 2
