@@ -39,6 +39,5 @@ setup(
         extension("tensorbus.codec._crc"),
         extension("tensorbus.transports._stream"),
         extension("tensorbus._intake"),
-        extension("tensorbus._buffers"),
     ]
 )

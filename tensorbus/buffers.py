@@ -42,7 +42,7 @@ def aligned(data: bytes | bytearray | memoryview, pool: BufferPool | None = None
     """`data` itself where it starts at a multiple of ALIGN, else a copy that does (into `pool`'s buffers).
 
     For frames that arrive as `bytes` (the broker clients'), whose data starts 32 bytes into the object:
-    those without a pool are copied in C where it is built (`_buffers.c`, a tenth of the time).
+    those without a pool are copied in C where it is built (`codec/_native.c`, a tenth of the time).
     """
     if _ALIGNED_COPY is not None and pool is None and type(data) is bytes:
         return _ALIGNED_COPY(data)
@@ -104,10 +104,10 @@ class BufferPool:
 
 
 def _aligned_copy() -> Callable[[bytes], memoryview] | None:
-    """`_buffers.aligned_copy` where the extension is built and enabled (and agrees on ALIGN), else None."""
-    from .codec.native import agrees, load  # (here, not at the top: the codec imports this module)
+    """The codec extension's `aligned_copy` where it is built and enabled (and agrees on ALIGN), else None."""
+    from .codec.native import NATIVE, agrees  # (here, not at the top: the codec imports this module)
 
-    module = agrees(load(f"{__package__}._buffers"), {"ALIGN": ALIGN})
+    module = agrees(NATIVE, {"ALIGN": ALIGN})
     return None if module is None else module.aligned_copy
 
 

@@ -1021,6 +1021,29 @@ PyDoc_STRVAR(ndarray_frame_doc,
 "copies it at send): one call instead of a head, an allocation, two copies and a checksum from Python.\n"
 "None where ndarray_head is None.");
 
+/* A writable memoryview of a new bytearray with room for `n` bytes from a multiple of ALIGN, which start
+ * `*skip` bytes into it; NULL with an exception set if memory ran out. */
+static PyObject *
+aligned_room(Py_ssize_t n, Py_ssize_t *skip)
+{
+    PyObject *raw = PyByteArray_FromStringAndSize(NULL, n + ALIGN - 1);
+    PyObject *whole = raw == NULL ? NULL : PyMemoryView_FromObject(raw);
+    Py_XDECREF(raw); /* (the memoryview holds it) */
+    if (whole != NULL) {
+        *skip = (Py_ssize_t)(-(uintptr_t)PyByteArray_AS_STRING(raw) % ALIGN);
+    }
+    return whole;
+}
+
+/* The bytes of `whole` (aligned_room's) from `skip`, `n` of them, as a memoryview of their own. */
+static PyObject *
+aligned_part(PyObject *whole, Py_ssize_t skip, Py_ssize_t n)
+{
+    PyObject *part = PySequence_GetSlice(whole, skip, skip + n);
+    Py_DECREF(whole);
+    return part;
+}
+
 static PyObject *
 ndarray_frame(PyObject *self, PyObject *args)
 {
@@ -1030,16 +1053,13 @@ ndarray_frame(PyObject *self, PyObject *args)
     }
     PyArrayObject *array = (PyArrayObject *)PyTuple_GET_ITEM(args, 0); /* (ndarray_head checked it) */
     int flags = (int)PyLong_AsLong(PyTuple_GET_ITEM(args, 4));
-    Py_ssize_t at = PyByteArray_GET_SIZE(head), nbytes = PyArray_NBYTES(array), len = at + nbytes;
-    PyObject *raw = PyByteArray_FromStringAndSize(NULL, len + ALIGN - 1);
-    PyObject *whole = raw == NULL ? NULL : PyMemoryView_FromObject(raw);
-    Py_XDECREF(raw); /* (the memoryview holds it) */
+    Py_ssize_t at = PyByteArray_GET_SIZE(head), nbytes = PyArray_NBYTES(array), len = at + nbytes, skip = 0;
+    PyObject *whole = aligned_room(len, &skip);
     if (whole == NULL) {
         Py_DECREF(head);
         return NULL;
     }
-    Py_ssize_t skip = (Py_ssize_t)(-(uintptr_t)PyByteArray_AS_STRING(raw) % ALIGN);
-    uint8_t *p = (uint8_t *)PyByteArray_AS_STRING(raw) + skip;
+    uint8_t *p = (uint8_t *)PyByteArray_AS_STRING(PyMemoryView_GET_BASE(whole)) + skip;
     memcpy(p, PyByteArray_AS_STRING(head), (size_t)at);
     memcpy(p + at, PyArray_DATA(array), (size_t)nbytes); /* (C or Fortran contiguous: its bytes in its own order) */
     Py_DECREF(head);
@@ -1054,12 +1074,43 @@ ndarray_frame(PyObject *self, PyObject *args)
         put_le32(p + CRC_AT, (uint32_t)value);
         Py_SETREF(crc, PyLong_FromUnsignedLong(value));
     }
-    PyObject *frame = crc == NULL ? NULL : PySequence_GetSlice(whole, skip, skip + len);
-    Py_DECREF(whole);
+    PyObject *frame = NULL;
+    if (crc == NULL) {
+        Py_DECREF(whole);
+    }
+    else {
+        frame = aligned_part(whole, skip, len);
+    }
     PyObject *result = frame == NULL ? NULL : PyTuple_Pack(2, frame, crc);
     Py_XDECREF(frame);
     Py_XDECREF(crc);
     return result;
+}
+
+PyDoc_STRVAR(aligned_copy_doc,
+"aligned_copy(data: bytes) -> memoryview\n--\n\n"
+"`data` itself (a memoryview of it) where its bytes start at a multiple of ALIGN, else a writable copy\n"
+"that does: buffers.aligned without a pool, for a broker client's record (its bytes start 32 bytes into\n"
+"the object), in a tenth of the Python path's time.");
+
+static PyObject *
+aligned_copy(PyObject *self, PyObject *data)
+{
+    if (!PyBytes_CheckExact(data)) {
+        PyErr_SetString(PyExc_TypeError, "aligned_copy(data: bytes)");
+        return NULL;
+    }
+    const char *source = PyBytes_AS_STRING(data);
+    Py_ssize_t n = PyBytes_GET_SIZE(data), skip = 0;
+    if (n == 0 || (uintptr_t)source % ALIGN == 0) {
+        return PyMemoryView_FromObject(data);
+    }
+    PyObject *whole = aligned_room(n, &skip);
+    if (whole == NULL) {
+        return NULL;
+    }
+    memcpy(PyByteArray_AS_STRING(PyMemoryView_GET_BASE(whole)) + skip, source, (size_t)n);
+    return aligned_part(whole, skip, n);
 }
 
 /* ---- decode into a Message ------------------------------------------------------------------------- */
@@ -1179,6 +1230,7 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, decode_doc},
     {"ndarray_head", ndarray_head, METH_VARARGS, ndarray_head_doc},
     {"ndarray_frame", ndarray_frame, METH_VARARGS, ndarray_frame_doc},
+    {"aligned_copy", aligned_copy, METH_O, aligned_copy_doc},
     {"configure", configure, METH_VARARGS, configure_doc},
     {"configure_message", configure_message, METH_VARARGS, configure_message_doc},
     {"decode_message", (PyCFunction)(void (*)(void))decode_message, METH_FASTCALL, decode_message_doc},

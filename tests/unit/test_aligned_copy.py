@@ -1,4 +1,4 @@
-"""buffers.aligned for `bytes` (a broker client's record): its C path (`_buffers.c`) and its Python path give
+"""buffers.aligned for `bytes` (a broker client's record): its C path (`codec/_native.c`) and its Python path give
 the same bytes, at a multiple of ALIGN, in a buffer of their own."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def python_aligned(data: bytes) -> memoryview:
 @pytest.mark.parametrize("path", ["native", "python"])
 def test_a_record_comes_out_whole_and_aligned(path: str) -> None:
     if path == "native":
-        require_native(buffers._ALIGNED_COPY is not None, "the aligned copy (tensorbus/_buffers.c)")
+        require_native(buffers._ALIGNED_COPY is not None, "the aligned copy (tensorbus/codec/_native.c)")
     copy = aligned if path == "native" else python_aligned
     for value in VALUES:
         view = copy(value)
@@ -43,12 +43,12 @@ def test_a_record_comes_out_whole_and_aligned(path: str) -> None:
 
 
 def test_the_c_copy_agrees_with_buffers_on_the_alignment() -> None:
-    require_native(buffers._ALIGNED_COPY is not None, "the aligned copy (tensorbus/_buffers.c)")
-    from tensorbus import _buffers  # type: ignore[attr-defined]
+    require_native(buffers._ALIGNED_COPY is not None, "the aligned copy (tensorbus/codec/_native.c)")
+    from tensorbus.codec.native import NATIVE
 
-    assert _buffers.ALIGN == ALIGN
+    assert NATIVE is not None and NATIVE.ALIGN == ALIGN
     with pytest.raises(TypeError, match="bytes"):
-        _buffers.aligned_copy(bytearray(b"frame"))
+        NATIVE.aligned_copy(bytearray(b"frame"))
 
 
 def test_buffers_other_than_bytes_and_pooled_copies_take_the_python_path() -> None:
