@@ -123,12 +123,7 @@ class PeerFrames(Peers):
         )
         if ids:
             peer.positions.record_admitted_run(peer.frames, ids)  # (`_finish` of a plain tensor, each)
-            peer.frames += len(ids)
-            peer.unacked_bytes += nbytes
-            if largest > self._largest_read:
-                self._largest_read = largest
-            if self._ack_due(peer):
-                self._ack(peer)
+            self._booked(peer, len(ids), nbytes, largest)
         if type(event) is int and event == MORE:
             return len(ids), True
         if event is None:
@@ -194,12 +189,15 @@ class PeerFrames(Peers):
         peer.positions.record(peer.frames, result)
         self._booked(peer)
 
-    def _booked(self, peer: Peer) -> None:
-        """Count a frame booked in the ledger; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
-        peer.frames += 1
-        peer.unacked_bytes += peer.total
-        if peer.total > self._largest_read:
-            self._largest_read = peer.total
+    def _booked(self, peer: Peer, frames: int = 1, nbytes: int | None = None, largest: int | None = None) -> None:
+        """Count `frames` booked in the ledger (one, by default, of `peer.total` bytes), `nbytes` in all, the
+        largest `largest`; ack every `ack_every_frames` frames or `ack_every_bytes` bytes."""
+        if nbytes is None:
+            nbytes = largest = peer.total
+        peer.frames += frames
+        peer.unacked_bytes += nbytes
+        if largest is not None and largest > self._largest_read:
+            self._largest_read = largest
         if self._ack_due(peer):
             self._ack(peer)
 
