@@ -196,7 +196,12 @@ class LoopReading:
         table = self._table
         if self._free or table is None:
             return True
-        return table.buffered_bytes < (READ_AHEAD if below is None else below) or any(table._waiters.values())
+        return table.buffered_bytes < (READ_AHEAD if below is None else below) or self._receive_waits()
+
+    def _receive_waits(self) -> bool:
+        """Whether a receive (of any key) waits in the table."""
+        table = self._table
+        return table is not None and any(table._waiters.values())
 
     def _enough(self) -> bool:
         """Whether a turn has read ahead far enough (`Reactor.read_ready` stops between two frames)."""
@@ -216,7 +221,7 @@ class LoopReading:
             self._idle.cancel()
             self._idle = None
         self.resume()
-        if self._table is not None and any(self._table._waiters.values()):
+        if self._receive_waits():
             self.spin()
 
     def spin(self) -> None:
@@ -244,8 +249,7 @@ class LoopReading:
         """One step of `spin`: another unless no receive waits (found: spin freely again) or time is up."""
         assert self._loop is not None
         self._spinning = None
-        table = self._table
-        if table is None or not any(table._waiters.values()):
+        if not self._receive_waits():
             self._backoff = 0
             return
         if time.monotonic() >= self._spin_until:
