@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from .codec.frame import MessageId
 from .errors import ConfigError
@@ -103,13 +103,7 @@ class Stream:
             self._next = position + 1
             if self.closed:
                 return
-            if (
-                ledger.mode == "take"
-                and message_id is not None
-                and message_id not in ledger._messages
-                and message_id not in ledger._singles
-                and message_id not in ledger._early
-            ):
+            if ledger._single(message_id):
                 self._open[position] = kept
                 ledger._singles[message_id] = (self, position)
                 return
@@ -125,17 +119,10 @@ class Stream:
             self._next = first + len(message_ids)
             if self.closed:
                 return
-            take = ledger.mode == "take"
-            singles, messages, early, opened = ledger._singles, ledger._messages, ledger._early, self._open
+            single, singles, opened = ledger._single, ledger._singles, self._open
             position = first
             for message_id in message_ids:
-                if (
-                    take
-                    and message_id is not None
-                    and message_id not in messages
-                    and message_id not in singles
-                    and message_id not in early
-                ):
+                if single(message_id):
                     opened[position] = None
                     singles[message_id] = (self, position)
                 else:
@@ -264,6 +251,17 @@ class Ledger:
             released = self._release(message_id)
             self._stats[how] += 1
         self._notify(released)
+
+    def _single(self, message_id: MessageId | None) -> TypeGuard[MessageId]:
+        """(under `_lock`) Whether a frame admitted whole with this id is the commonest one, booked in the
+        fewest steps (`Stream.record_admitted`): acknowledged on take, its id open nowhere yet."""
+        return (
+            self.mode == "take"
+            and message_id is not None
+            and message_id not in self._messages
+            and message_id not in self._singles
+            and message_id not in self._early
+        )
 
     def _record(
         self, stream: Stream, position: Position, result: Delivered, kept: object = None
