@@ -425,8 +425,10 @@ class Intake:
 
     def close(self) -> None:
         """Stop expiring, let go of incomplete chunked messages and close the dedup file (after the
-        transport stopped delivering)."""
+        transport stopped delivering); the expiry thread is gone when it returns."""
         self._stopping.set()
+        if self._expiry.ident is not None and self._expiry is not threading.current_thread():
+            self._expiry.join(timeout=5.0)  # (it wakes at once: between two runs of `expire`, or after one)
         self._rejections.flush(final=True)
         with self._lock:
             self.reassembler.close()

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from ..transports.base import backoff_s
 from ..transports.socket import SocketProducer
-from ..transports.socket_acks import READ_ACKS_EVERY, AckIO, next_step
+from ..transports.socket_acks import READ_ACKS_EVERY, AckIO, AckStep, next_step
 from ..transports.stream import (
     ACK_REQUEST_MARKER,
     HELLO,
@@ -311,8 +311,11 @@ class LoopSender:
     async def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
         """Read acks (asking for them, reconnecting and resending as needed) until `done()`, for at most
         `timeout` seconds: `SocketProducer._ack_steps`, each step awaited (the socket, not polled)."""
-        t = self.transport
-        steps, error = t._ack_steps(done, timeout, failure), None
+        await self._perform(self.transport._ack_steps(done, timeout, failure))
+
+    async def _perform(self, steps: Generator[AckStep, None, None]) -> None:
+        """Perform a wait's steps (`_ack_steps`, `_flush_steps`), each awaited."""
+        t, error = self.transport, None
         while (step := next_step(steps, error)) is not None:
             error = None
             kind, value = step
@@ -332,16 +335,14 @@ class LoopSender:
                 error = exc
 
     async def flush(self, timeout: float | None) -> None:
-        """Await the consumer's acks of every frame sent so far; `Rejected` if it refused one."""
+        """Await the consumer's acks of every frame sent so far; `Rejected` if it refused one. Then, as the
+        blocking flush, the copies kept of untaken frames are the producer's own: the application may
+        change the arrays it sent."""
         t, timeout = self.transport, finite_timeout(timeout)
         async with self._turn:
             if t._unacked:  # a consumer that went with untaken tensors: resend them to its successor
                 t._probe_if_quiet(0.0)
-            await self._await_acks(
-                lambda: (t._sock is not None and t._acked == t._sent) or not t._unacked,
-                timeout,
-                lambda: f"{t._sent - t._acked} frames unacknowledged by {t.address} after {timeout}s",
-            )
+            await self._perform(t._flush_steps(timeout))  # (the untaken ones are then the producer's own)
             t._raise_rejection()
 
     async def close(self) -> None:

@@ -30,6 +30,14 @@ log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport'
 READ_ACKS_EVERY = 64
 #: a producer waiting for acks asks again this often when the consumer answers without progress
 ACK_POLL_S = 0.02
+#: a flush that saw every frame received waits for the consumer's word that it took them (TAKEN) at most
+#: as long as copying the untaken ones would take (`_own_untaken`; into fresh memory ~1 GB/s on the
+#: 2-vCPU VM, docs/PERFORMANCE.md) ...
+COPY_BYTES_PER_S = 1e9
+#: ... and never longer than this (a consumer that took them says so within `TAKEN_EVERY_S` unasked)
+TAKEN_WAIT_MAX_S = 0.1
+#: ... nor at all for less than this: a copy so short costs less than asking
+TAKEN_WAIT_FROM_S = 0.001
 
 
 class AckIO(enum.Enum):
@@ -214,6 +222,34 @@ class ProducerAcks(ProducerSide):
                 )  # fmt: skip
             self.untaken_let_go += 1
 
+    def _flush_steps(self, timeout: float | None) -> Generator[AckStep, None, None]:
+        """A flush's waits (`_ack_steps`, for a driver to perform): every frame received, which is what
+        `flush` promises, for at most `timeout` seconds; then the untaken ones made the producer's own.
+
+        Between the two, briefly (`_taken_wait_s`), the consumer's word that it took them: a consumer
+        takes a tensor just after it acks its arrival, and the copy of a large one costs more than asking."""
+        yield from self._ack_steps(
+            lambda: (self._sock is not None and self._acked == self._sent) or not self._unacked,
+            timeout,
+            lambda: f"{self._sent - self._acked} frames unacknowledged by {self.address} after {timeout}s",
+        )
+        wait_s = self._taken_wait_s()
+        if wait_s >= TAKEN_WAIT_FROM_S:
+            with contextlib.suppress(TransportError):  # (its time ran out: copy them)
+                yield from self._ack_steps(lambda: self._sock is None or self._taken >= self._acked, wait_s, str)
+        self._own_untaken()
+
+    def _taken_wait_s(self) -> float:
+        """How long a flush waits for TAKEN before it copies what the kept frames borrow: no longer than
+        that copy would take (COPY_BYTES_PER_S), nor than TAKEN_WAIT_MAX_S."""
+        borrowed = sum(
+            memoryview(part).nbytes
+            for frame, _ in self._unacked
+            for part in frame
+            if not isinstance(part, (bytes, bytearray))
+        )
+        return min(borrowed / COPY_BYTES_PER_S, TAKEN_WAIT_MAX_S)
+
     def _own_untaken(self) -> None:
         """Replace the kept frames' references to the sender's arrays by copies (caller holds the lock).
 
@@ -253,7 +289,7 @@ class ProducerAcks(ProducerSide):
                     yield AckIO.ASK, None
                     self._ack_requested = True
                 yield AckIO.READ, 1.0 if remaining is None else min(remaining, 1.0)
-                if self._acked == acked and not self._ack_requested:  # answered, but nothing new: don't spin
+                if self._acked == acked and not self._ack_requested and not done():  # answered, nothing new: don't spin
                     yield AckIO.PAUSE, ACK_POLL_S if remaining is None else min(ACK_POLL_S, remaining)
             except OSError as exc:
                 if self._sock is not None:

@@ -16,7 +16,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from ..codec.signing import frame_key, resign
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
 from .base import Encoding, backoff_s
-from .socket_acks import AckIO, ProducerAcks, next_step
+from .socket_acks import AckIO, AckStep, ProducerAcks, next_step
 from .socket_endpoint import SocketEndpoint
 from .stream import (
     ACK_REQUEST_MARKER,
@@ -303,12 +303,7 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
         with self._locked(timeout, "flush"):  # (refused frames are acknowledged too: the wait ends)
             if self._unacked:  # a consumer that went with untaken tensors: resend them to its successor
                 self._probe_if_quiet(0.0)
-            self._await_acks(
-                lambda: (self._sock is not None and self._acked == self._sent) or not self._unacked,
-                timeout,
-                lambda: f"{self._sent - self._acked} frames unacknowledged by {self.address} after {timeout}s",
-            )
-            self._own_untaken()
+            self._perform(self._flush_steps(timeout))
             self._raise_rejection()
 
     def wait_for_room(self) -> None:
@@ -354,7 +349,11 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
     def _await_acks(self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]) -> None:
         """Read acks (asking for them, reconnecting and resending as needed) until `done()`, for at most
         `timeout` seconds (`_ack_steps`, performed blocking); caller holds the lock."""
-        steps, error = self._ack_steps(done, timeout, failure), None
+        self._perform(self._ack_steps(done, timeout, failure))
+
+    def _perform(self, steps: Generator[AckStep, None, None]) -> None:
+        """Perform a wait's steps (`_ack_steps`, `_flush_steps`), blocking; caller holds the lock."""
+        error: BaseException | None = None
         while (step := next_step(steps, error)) is not None:
             error = None
             kind, value = step

@@ -6,6 +6,7 @@ before anything is taken still exits at once.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -19,6 +20,8 @@ import pytest
 import trustme
 
 import tensorbus as tb
+import tensorbus.aio as tba
+from tensorbus.transports import socket_acks
 from tests import faults
 from tests.conftest import endpoint_url, transport_params
 from tests.integration.test_kafka import committed
@@ -229,36 +232,68 @@ def test_messages_taken_and_not_acknowledged_count_against_max_buffered_bytes() 
         for message in held:
             consumer.ack(message)
         assert [consumer.recv(f"t{i}", timeout=WAIT_S)[1] for i in (3, 4)] == [tensor(3)[1], tensor(4)[1]]
-        with pytest.raises(tb.ConfigError, match="ack='manual'"):
-            tb.Consumer(f"memory://{uuid.uuid4().hex}").ack(held[0])
+        with pytest.raises(tb.ConfigError, match="ack='manual'"), tb.Consumer(f"memory://{uuid.uuid4().hex}") as other:
+            other.ack(held[0])
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
         producer.send("t", tensor(0))
         with pytest.raises(tb.ConfigError, match="ack='manual'"):
             consumer.recv_message("t", timeout=WAIT_S).ack()  # (taken already: there is nothing to acknowledge)
 
 
+@pytest.mark.parametrize("api", ["blocking", "asyncio"])
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
 def test_an_array_changed_after_flush_reaches_a_successor_as_it_was_sent(
-    transport: str, tmp_path: Path, tls: dict[str, str]
+    transport: str, api: str, tmp_path: Path, tls: dict[str, str]
 ) -> None:
     url, consumer_options, producer_options = endpoint(transport, tmp_path, tls)
+    loop = asyncio.new_event_loop()
+    run: Any = loop.run_until_complete if api == "asyncio" else (lambda result: result)
     first = tb.Consumer(url, **consumer_options)
-    with tb.Producer(first.address, **producer_options) as producer:
+    producer: Any = (tb.Producer if api == "blocking" else tba.Producer)(first.address, **producer_options)
+    try:
+        if api == "asyncio":
+            run(producer.open())
         arrays = [tensor(i) for i in range(3)]
         sent = [array.copy() for array in arrays]
         big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: a frame whose payload is the array's own memory
         sent.append(big.copy())
         for i, array in enumerate([*arrays, big]):
-            producer.send(f"t{i}", array)
-        producer.flush(WAIT_S)
+            run(producer.send(f"t{i}", array))
+        run(producer.flush(WAIT_S))
         for array in [*arrays, big]:
             array[:] = -1  # the application reuses its arrays once flush returned
         wait_for(lambda: len(first.table) == 4, WAIT_S, "the four in the first consumer's table, untaken")
         first.close()
         with tb.Consumer(url, **consumer_options) as successor:
-            producer.flush(WAIT_S)  # (resent to the successor)
+            run(producer.flush(WAIT_S))  # (resent to the successor)
             for i, expected in enumerate(sent):
                 np.testing.assert_array_equal(successor.recv(f"t{i}", timeout=WAIT_S), expected)
+    finally:
+        first.close()
+        run(producer.close())
+        loop.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_a_flush_after_the_consumer_took_a_large_tensor_asks_and_keeps_no_copy(
+    transport: str, tmp_path: Path, tls: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer acknowledges a tensor's arrival just before the application takes it: a flush that
+    would copy a large one asks first whether it was taken (socket_acks.py, `_flush_steps`)."""
+    monkeypatch.setattr(socket_acks, "TAKEN_WAIT_MAX_S", WAIT_S)  # (the bound is not what is tested: never reach it)
+    monkeypatch.setattr(socket_acks, "COPY_BYTES_PER_S", 1.0)
+    url, consumer_options, _ = endpoint(transport, tmp_path, tls)
+    with tb.Consumer(url, **consumer_options) as consumer, tb.Producer(consumer.address) as producer:
+        kept: Any = producer.transport
+        copied: list[int] = []
+        monkeypatch.setattr(kept, "_own_untaken", lambda: copied.append(len(kept._unacked)))
+        array = np.ones(1 << 20, dtype=np.float32)
+        producer.send("big", array)
+        wait_for(lambda: len(consumer.table) == 1, WAIT_S, "the tensor in the table")
+        assert consumer.recv("big", timeout=WAIT_S).nbytes == array.nbytes
+        producer.flush(WAIT_S)
+        assert copied == [0]  # the consumer said it took the tensor: nothing left to copy
+        assert kept._untaken_bytes == 0 and not kept._unacked
 
 
 @pytest.mark.broker
