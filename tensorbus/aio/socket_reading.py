@@ -122,6 +122,7 @@ class LoopReading:
         self._expire: Callable[[], None] | None = None  # the intake's expiry, run here rather than on a thread
         self._expiring: asyncio.TimerHandle | None = None
         self._spinning: asyncio.Handle | None = None  # the next step of a spin (`spin`)
+        self._acking: asyncio.Handle | None = None  # acks of what turns read, soon (`_ack_soon`)
         self._spin_until = 0.0  # when the spin ends (`time.monotonic`)
         self._backoff = 0  # receives that sleep without a spin after the next spin that runs out, halved
         self._skip = 0  # receives left that sleep without a spin
@@ -174,8 +175,11 @@ class LoopReading:
             self.poller.pause(False)  # (as `resume` would: the receives took enough meanwhile)
         if self._spinning is not None and data is not None:  # bytes came: spin on as long again
             self._spin_until = time.monotonic() + self._consumer.reactor.spin_s
-        if self._consumer.reactor.read_ready([data], self._enough) and self._again is None:
+        served = self._receive_waits()  # (a receive this turn may serve: its reply first, then the acks)
+        if self._consumer.reactor.read_ready([data], self._enough, ack=not served) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
+        if served:
+            self._ack_soon()
         if data is not None and not self._wanted():
             self._stop_reading()
 
@@ -275,6 +279,19 @@ class LoopReading:
         if self._consumer.reactor.read_ready([], self._enough):
             self._again = self._loop.call_soon(self._read_ahead)
 
+    def _ack_soon(self) -> None:
+        """Ack what a turn that served a waiting receive read in a callback of its own, just after: the
+        receive's task is due first, so an application's reply goes out ahead of these acks. The loop runs
+        it before it stops (`run_until_complete` stops a turn after the task ends; `loop.stop()` in the
+        task, after the turn that follows); a turn that serves no receive acks what it read itself."""
+        if self._acking is None and self._loop is not None:
+            self._acking = self._loop.call_soon(self._ack)
+
+    def _ack(self) -> None:
+        assert self._consumer is not None and self._consumer.reactor is not None
+        self._acking = None
+        self._consumer.reactor.ack_read()
+
     def _turn(self) -> None:
         """Accept producers and advance their handshakes."""
         assert self._consumer is not None and self._consumer._listener is not None
@@ -293,10 +310,10 @@ class LoopReading:
 
     def detach(self) -> None:
         """Stop reading (on the loop's thread), before the consumer closes."""
-        for handle in (self._again, self._timer, self._idle, self._expiring, self._spinning):
+        for handle in (self._again, self._timer, self._idle, self._expiring, self._spinning, self._acking):
             if handle is not None:
                 handle.cancel()
-        self._again = self._timer = self._idle = self._expiring = self._spinning = None
+        self._again = self._timer = self._idle = self._expiring = self._spinning = self._acking = None
         if self._loop is not None and self._listening is not None:
             self._loop.remove_reader(self._listening)
         self._listening = None

@@ -74,6 +74,7 @@ typedef struct {
     Py_ssize_t last_total;
     int recv_lowat, lowat; /* SO_RCVLOWAT for large frames (0: never set), and the socket's now */
     Py_ssize_t budget;     /* bytes of a frame's body one read() takes at most before it returns None (0: all) */
+    int drained;           /* the last recv() found the socket empty, or took less than it asked for */
 } Reader;
 
 static void
@@ -113,9 +114,15 @@ receive(Reader *self, uint8_t *into, Py_ssize_t want, int flags)
         n = recv(self->fd, into, (size_t)want, flags);
         Py_END_ALLOW_THREADS
         if (n >= 0) {
+            if (flags == 0) {
+                self->drained = n < want;
+            }
             return n;
         }
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            if (flags == 0) {
+                self->drained = 1;
+            }
             return -2;
         }
         if (errno != EINTR) {
@@ -679,6 +686,12 @@ get_last_total(Reader *self, void *closure)
 }
 
 static PyObject *
+get_drained(Reader *self, void *closure)
+{
+    return PyBool_FromLong(self->drained);
+}
+
+static PyObject *
 get_budget(Reader *self, void *closure)
 {
     return PyLong_FromSsize_t(self->budget);
@@ -706,6 +719,9 @@ static PyGetSetDef reader_getset[] = {
     {"crc_after", (getter)get_crc_after, NULL, "whether the last prefix said its CRC follows the frame", NULL},
     {"inbox_held", (getter)get_inbox_held, NULL, "whether it holds a read-ahead buffer now", NULL},
     {"last_total", (getter)get_last_total, NULL, "bytes the last frame (or skipped frame's prefix) took", NULL},
+    {"drained", (getter)get_drained, NULL,
+     "whether the last read found the socket empty (it took less than it asked for): a poll sees what comes next",
+     NULL},
     {"budget", (getter)get_budget, (setter)set_budget,
      "bytes of a frame's body one read() takes at most before it returns None (0: no limit)", NULL},
     {NULL},

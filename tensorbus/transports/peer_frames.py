@@ -64,6 +64,8 @@ class PeerFrames(Peers):
                     steps += 1
                 else:
                     break
+                if peer.reader.drained and not peer.reader.buffered:
+                    break  # the socket had no more: a poll says when it has (no read that finds nothing)
             if peer.held is None and self._has_bytes_ahead(peer):
                 self._pending.add(peer)
         except PeerGone as exc:

@@ -12,6 +12,9 @@ Both turn bytes off a non-blocking stream socket into events, with one interface
   (the consumer's C delivery) while it takes them, in one call: a small tensor's read and delivery
   without a Python step each (the C reader's; the Python one is its readable twin, see `read_taken`).
 - `skip(n)`, and `prefix`, `buffered`, `mid_frame`, `crc_after`, `inbox_held`, `last_total`.
+- `drained`: whether the last read found the socket empty (it took less than it asked for; never on TLS,
+  whose records come one at a time): then nothing is there to read until a poll says so, and a reader
+  that stops there saves the system call that would find nothing.
 - `budget`: bytes of a frame's body one `read()` takes at most before it returns None (0, the default:
   no limit); an event loop's turn (tensorbus.aio) is bounded so, whatever pace the bytes come at.
 
@@ -85,6 +88,7 @@ class PyStreamReader:
         self._lo = self._hi = 0
         self.last_total = 0
         self._budget = 0
+        self.drained = False  # (see the module docstring)
         self._broken = False  # no buffer for the frame a prefix began: the stream cannot go on
 
     @property
@@ -273,7 +277,13 @@ class PyStreamReader:
         return n
 
     def _recv(self, view: memoryview) -> int:
-        return self._sock.recv_into(view, len(view))
+        try:
+            n = self._sock.recv_into(view, len(view))
+        except _WOULD_BLOCK:
+            self.drained = self._tls is None
+            raise
+        self.drained = self._tls is None and n < len(view)
+        return n
 
     def _give_back_inbox(self) -> None:
         """A drained read-ahead buffer goes back: an idle connection holds none."""

@@ -217,7 +217,7 @@ class ReadingLoop(PeerFrames):
             self._taken_due = now + TAKEN_EVERY_S
             self.send_taken()
 
-    def read_ready(self, ready: list[Any], enough: Callable[[], bool] = never) -> bool:
+    def read_ready(self, ready: list[Any], enough: Callable[[], bool] = never, ack: bool = True) -> bool:
         """An event loop's turn, in place of a leading thread: read each connection in `ready` (None: the
         wake-up pipe) and each with bytes read ahead, as far as its bytes go (FAIR_SHARE frames at most,
         and no frame more once `enough()` holds: a TCP receive buffer grown to megabytes would otherwise
@@ -226,7 +226,8 @@ class ReadingLoop(PeerFrames):
 
         Every frame a turn delivered is acked before it ends, whether or not bytes wait read ahead: the
         loop may not run again for a while (an application between two `run_until_complete`), and a
-        stopped loop answers no ack request (the producer's `flush` would wait for it in vain)."""
+        stopped loop answers no ack request (the producer's `flush` would wait for it in vain). With
+        `ack=False` the caller acks them (`ack_read`) in a turn of its own, soon after."""
         if not self._leader.acquire(blocking=False):  # (`close` leads)
             return False
         try:
@@ -244,13 +245,26 @@ class ReadingLoop(PeerFrames):
             for peer in peers:
                 if not peer.gone and peer.held is None:
                     self._read(peer, never, enough)
-                    if not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
+                    if ack and not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
                         self._ack_now(peer)
             self._upkeep(time.monotonic())
         finally:
             self._lead_as(None)
             self._leader.release()
         return bool(self._pending)
+
+    def ack_read(self) -> None:
+        """Ack every frame read so far: an event loop's turn of its own, after turns that read with `ack=False`."""
+        if not self._leader.acquire(blocking=False):  # (`close` leads, and acks all)
+            return
+        try:
+            self._lead_as(threading.get_ident())
+            for peer in self._peer_list():
+                if not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
+                    self._ack_now(peer)
+        finally:
+            self._lead_as(None)
+            self._leader.release()
 
     def _ready(self, stop: Callable[[], bool], deadline: float, spin_s: float) -> list[Any]:
         """The peers (None: the wake-up pipe) with bytes to read, waiting for some until `deadline`.

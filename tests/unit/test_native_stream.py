@@ -707,3 +707,37 @@ def test_read_taken_gives_an_error_after_frames_taken_to_its_caller_and_raises_o
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_reader_says_when_its_last_read_found_the_socket_empty(make_reader: Any) -> None:
+    """`drained`: the read that took one small frame took less than it asked for (the socket had no more),
+    so a consumer stops there, with no read that finds nothing; with two frames in one read-ahead, the
+    second is taken without a read, and a read-ahead filled to the brim says the socket may have more."""
+    small = b"".join(bytes(b) for b in encode(np.arange(3), key="k"))
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        reader = make_reader(
+            ours, 1 << 20, LIMITS.max_payload_bytes, BufferPool().take, crc32c.crc32c, 1 << 20, 4 << 20, 1 << 20
+        )
+        assert reader.read() is None and reader.drained  # (nothing there: EAGAIN)
+        theirs.sendall(small)
+        select.select([ours], [], [], 5)
+        assert bytes(reader.read()[0]) == small
+        assert reader.drained and not reader.buffered
+        theirs.sendall(small * 2)
+        select.select([ours], [], [], 5)
+        assert bytes(reader.read()[0]) == small and reader.drained and reader.buffered == len(small)
+        assert bytes(reader.read()[0]) == small and not reader.buffered
+        many = small * (2 * reader_module.READ_AHEAD // len(small))  # more than one read-ahead holds
+        sender = threading.Thread(target=theirs.sendall, args=(many,))
+        sender.start()
+        select.select([ours], [], [], 5)
+        assert bytes(reader.read()[0]) == small
+        assert reader.drained == (reader.buffered + len(small) < reader_module.READ_AHEAD)
+        got = 1
+        while got < len(many) // len(small):
+            event = reader.read()
+            if event is not None:
+                got += 1
+        sender.join()
