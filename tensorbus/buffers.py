@@ -17,8 +17,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-#: buffers at least this large are pooled (smaller ones are cheap to allocate)
+#: buffers at least this large are pooled, `max_buffers` of them
 POOLED_FROM = 1 << 20
+#: buffers from this size (up to POOLED_FROM) are kept for reuse too, RECYCLED_BYTES of them in all: freed
+#: and allocated in turn, they have glibc hand the top of its heap back and fault it in again (a stream of
+#: 64 KB tensors: 5-8 page faults and ~15 µs of a consumer's CPU each on the 2-vCPU VM, docs/PERFORMANCE.md);
+#: smaller ones are cheap to allocate
+RECYCLED_FROM = 32 << 10
+RECYCLED_BYTES = 1 << 20
 #: where receive buffers start: the frame's payload alignment (`codec.tensors.ALIGN`, which a test holds equal)
 ALIGN = 64
 
@@ -55,11 +61,14 @@ def aligned(data: bytes | bytearray | memoryview, pool: BufferPool | None = None
 
 
 class BufferPool:
-    """Hands out writable, 64-byte aligned buffers of `n` bytes; buffers >= 1 MiB are pooled and reused."""
+    """Hands out writable, 64-byte aligned buffers of `n` bytes; buffers >= 1 MiB are pooled and reused
+    (`max_buffers` of them), and those from RECYCLED_FROM up to RECYCLED_BYTES in all."""
 
     def __init__(self, max_buffers: int = 4) -> None:
         self.max_buffers = max_buffers
-        self._buffers: list[np.ndarray] = []
+        self._buffers: list[np.ndarray] = []  # from POOLED_FROM
+        self._recycled: list[np.ndarray] = []  # from RECYCLED_FROM, below POOLED_FROM
+        self._recycled_bytes = 0
         self._lock = threading.Lock()
         self.reused = 0
 
@@ -78,8 +87,8 @@ class BufferPool:
         with self._lock:
             return self._free(n)
 
-    def _free(self, n: int) -> memoryview | None:
-        for base in self._buffers:
+    def _free(self, n: int, buffers: list[np.ndarray] | None = None) -> memoryview | None:
+        for base in self._buffers if buffers is None else buffers:
             # references: the list, `base`, and getrefcount's own argument; any more is a live view
             if n <= len(base) <= 2 * n and sys.getrefcount(base) <= 3:
                 self.reused += 1
@@ -87,8 +96,10 @@ class BufferPool:
         return None
 
     def _take(self, n: int) -> memoryview:
-        if n < POOLED_FROM:
+        if n < RECYCLED_FROM:
             return aligned_empty(n).data  # not zero-filled: every byte is about to be received
+        if n < POOLED_FROM:
+            return self._recycle(n)
         with self._lock:
             reused = self._free(n)
             if reused is not None:
@@ -100,6 +111,26 @@ class BufferPool:
                     del self._buffers[free[0]]
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(base)
+            return base.data[:n]
+
+    def _recycle(self, n: int) -> memoryview:
+        """A buffer of `n` bytes (RECYCLED_FROM <= n < POOLED_FROM): a free one kept, or a new one, kept
+        while those kept hold at most RECYCLED_BYTES (free ones are let go, oldest first, to make room)."""
+        with self._lock:
+            reused = self._free(n, self._recycled)
+            if reused is not None:
+                return reused
+            base = aligned_empty(n)
+            kept = self._recycled
+            index = 0
+            while self._recycled_bytes + len(base) > RECYCLED_BYTES and index < len(kept):
+                if sys.getrefcount(kept[index]) <= 2:  # (the list and getrefcount's argument: free)
+                    self._recycled_bytes -= len(kept.pop(index))
+                else:
+                    index += 1
+            if self._recycled_bytes + len(base) <= RECYCLED_BYTES:
+                kept.append(base)
+                self._recycled_bytes += len(base)
             return base.data[:n]
 
 

@@ -31,7 +31,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from ..buffers import POOLED_FROM
+from ..buffers import RECYCLED_FROM
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, FLAG_SIGNED, PREFIX, SIGNATURE_BYTES, Limits, frame_length
 from ..codec.native import crc32c
 from ..errors import CodecError
@@ -48,7 +48,8 @@ CRC_SLICE = 1 << 20
 READ_AHEAD = 256 << 10
 #: after a frame of LARGE_FRAME bytes or more, the read-ahead for the next prefix is only SHORT_READ_AHEAD
 #: bytes: the rest of a large frame is received straight into place, not read ahead and copied over
-LARGE_FRAME = 64 << 10
+#: (64 KB frames stay below it: several to a system call are what make them fast); the C reader's value
+LARGE_FRAME = 128 << 10
 SHORT_READ_AHEAD = 4 << 10
 #: drained read-ahead buffers kept for the next connection that needs one
 SPARE_INBOXES = 4
@@ -310,7 +311,7 @@ def stream_reader(
         limits.max_payload_bytes,
         take_buffer,
         crc32c,
-        POOLED_FROM,
+        RECYCLED_FROM,  # (frames from there on come from `take_buffer`: the pool's, reused)
         CHECKSUM_WHILE_RECEIVING,
         CRC_SLICE,
         recv_lowat=recv_lowat,

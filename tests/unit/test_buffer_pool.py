@@ -1,0 +1,47 @@
+"""The receive buffer pool: which buffers come back for reuse, and what it keeps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tensorbus import buffers
+
+
+def test_a_middle_sized_buffer_comes_back_once_nothing_views_it_and_never_while_something_does() -> None:
+    pool = buffers.BufferPool()
+    n = 64 << 10
+    first = pool.take(n)
+    held = np.frombuffer(first, np.uint8)  # a tensor the application keeps, viewing it
+    second = pool.take(n)
+    assert buffers.address(second) != buffers.address(first)  # in use: not handed out again
+    del first, held
+    again = pool.take(n)
+    assert buffers.address(again) % buffers.ALIGN == 0 and pool.reused == 1
+    assert buffers.address(again) != buffers.address(second)  # (still viewed: `second` lives)
+    del second, again
+    assert buffers.address(pool.take(n)) % buffers.ALIGN == 0 and pool.reused == 2
+
+
+def test_the_middle_sized_buffers_kept_hold_at_most_recycled_bytes() -> None:
+    pool = buffers.BufferPool()
+    n = 96 << 10
+    live = [pool.take(n) for _ in range(2 * buffers.RECYCLED_BYTES // n)]  # all in use at once
+    assert pool._recycled_bytes <= buffers.RECYCLED_BYTES
+    kept = len(pool._recycled)
+    assert 0 < kept < len(live)
+    del live
+    larger = pool.take(2 * n + 1)  # none fits it: a new one, for which free ones are let go
+    assert pool._recycled_bytes <= buffers.RECYCLED_BYTES and len(pool._recycled) <= kept
+    assert larger.nbytes == 2 * n + 1
+
+
+def test_small_and_large_buffers_keep_their_own_rules() -> None:
+    pool = buffers.BufferPool(max_buffers=1)
+    small = pool.take(buffers.RECYCLED_FROM - 1)
+    del small
+    assert not pool._recycled and pool.take(buffers.RECYCLED_FROM - 1).nbytes == buffers.RECYCLED_FROM - 1
+    large = pool.take(buffers.POOLED_FROM)
+    assert len(pool._buffers) == 1 and not pool._recycled
+    del large
+    pool.take(buffers.POOLED_FROM)
+    assert pool.reused == 1
