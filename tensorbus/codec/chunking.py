@@ -39,6 +39,7 @@ from .frame import (
     message_from_frame,
     parse,
     payload_crcs,
+    peek_chunk,
     restamp,
     seal,
     seal_with_crc,
@@ -378,7 +379,8 @@ class Reassembler:
             message = decode_native(view, crc, self.limits, self.like)
             if message is not None:  # one plain ndarray, decoded in C
                 return message
-        crcs = split_checksum(view, crc) if len(view) >= SPLIT_CRC_FROM else None
+        into = self._slot(view) if crc is None and len(view) >= SPLIT_CRC_FROM else None
+        crcs = split_checksum(view, crc, into) if len(view) >= SPLIT_CRC_FROM else None
         limits = self.limits if not redelivered else dataclasses.replace(self.limits, max_frame_age_s=None)
         frame = parse(
             view, limits=limits, signing_key=self.signing_key, crc=crc if crcs is None else crcs[0], aged_at=appended_at
@@ -413,7 +415,8 @@ class Reassembler:
                 return None
             # whole already: the decode of it was interrupted (Ctrl-C) and its last chunk is fed again
         else:
-            self._place(message_id, partial, index, frame.payload, owned or isinstance(data, bytes))
+            placed = into is not None and crcs is not None  # (copied by the check: see `_slot`)
+            self._place(message_id, partial, index, frame.payload, owned or isinstance(data, bytes), placed)
             partial.received.add(index)
             if frame.flags & (FLAG_CHECKSUM | FLAG_SIGNED) == FLAG_CHECKSUM:
                 whole = crcs[1] if crcs is not None else crc32c(frame.payload)
@@ -444,8 +447,23 @@ class Reassembler:
         self._finish(message_id)
         return message
 
-    def _place(self, message_id: MessageId, partial: _Partial, index: int, payload: memoryview, owned: bool) -> None:
-        """Put a chunk's bytes in place, or keep them until the message gets its buffer (see the class)."""
+    def _slot(self, view: memoryview) -> memoryview | None:
+        """Where a chunk's payload goes in its message's buffer, if its header says it is one not yet received
+        of a message that has its buffer: its CRC check then copies it there in the same pass. Read before the
+        check, so a bad chunk may fill its slot, but only one not received: a good one overwrites it."""
+        peeked = peek_chunk(view) if self._partials and self.signing_key is None else None
+        partial = self._partials.get(peeked[0]) if peeked is not None else None
+        if partial is None or partial.buffer is None or peeked is None or peeked[1] in partial.received:
+            return None
+        start, payload = peeked[1] * partial.stride, len(view) - align(PREFIX.size + PREFIX.unpack_from(view)[4])
+        fits = 0 <= peeked[1] < partial.count and payload == min(partial.stride, partial.total - start)
+        return partial.buffer[start : start + payload] if fits else None
+
+    def _place(
+        self, message_id: MessageId, partial: _Partial, index: int, payload: memoryview, owned: bool, placed: bool
+    ) -> None:
+        """Put a chunk's bytes in place (unless `placed` there already), or keep them until the message gets
+        its buffer (see the class)."""
         if not partial.allocated:
             if self.held_bytes + len(payload) > self.max_bytes:
                 raise self._give_up(
@@ -457,7 +475,8 @@ class Reassembler:
                 partial.buffer = self._pool.take_free(partial.total)
             self._charge(partial, len(payload))
         if partial.buffer is not None:  # (while its bytes are in cache: the CRC check just read them)
-            partial.buffer[index * partial.stride : index * partial.stride + len(payload)] = payload
+            if not placed:
+                partial.buffer[index * partial.stride : index * partial.stride + len(payload)] = payload
         else:
             keep = owned and _buffer_bytes(payload) <= 2 * len(payload) + PINNED_SLACK
             partial.pieces[index] = payload if keep else memoryview(bytes(payload))

@@ -30,7 +30,7 @@ from ..errors import (
 from ..keys import MAX_KEY_CHARS, check_key
 from .compression import compress_if_it_pays, decompress
 from .crc import combine, uncombine
-from .native import NATIVE, agrees, crc32c
+from .native import NATIVE, agrees, crc32c, crc32c_copy
 from .signing import TIMESTAMP, check_age
 from .tensors import ALIGN, MAX_TREE_DEPTH, MAX_TREE_ENTRIES, align, flatten, rebuild
 from .torch_bridge import to_like
@@ -546,11 +546,26 @@ def is_chunk(view: memoryview) -> bool:
     return view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] == _CHUNK_HEADER_START
 
 
-def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int] | None:
+def peek_chunk(view: memoryview) -> tuple[tuple[Any, ...], int] | None:
+    """A chunk frame's message id and index, read from its header before any check (a hint: to decide where
+    its payload goes before paying for it); None for anything that does not read as a chunk's header."""
+    if not is_chunk(view):
+        return None
+    try:
+        header = msgpack.unpackb(view[PREFIX.size : PREFIX.size + PREFIX.unpack_from(view)[4]])
+        message_id, index = tuple(header["id"]), header["chunk"][0]
+        hash(message_id)
+    except Exception:  # msgpack raises several unrelated types on garbage; any other shape is no chunk's
+        return None
+    return (message_id, index) if type(index) is int else None
+
+
+def split_checksum(view: memoryview, crc: int | None = None, into: memoryview | None = None) -> tuple[int, int] | None:
     """For a checksummed, unsigned chunk frame: its CRC to verify and its payload's, in one pass; else None.
 
     With `crc`, the frame's CRC32C as a stream reader computed it while receiving, the payload's is
-    derived from it and the payload is not read again. Other frames need no payload CRC, and
+    derived from it and the payload is not read again. Else, given `into` (as long as the payload),
+    the payload is copied there in the same pass (when the answer is not None). Other frames need no payload CRC, and
     combining CRCs is not free: they get None and `parse` as usual. (Only the first chunk also needs
     its payload's CRC without the reassembled frame's CRC field: `payload_crcs` from the second value.)
     """
@@ -563,7 +578,7 @@ def split_checksum(view: memoryview, crc: int | None = None) -> tuple[int, int] 
     head = checksum_of(view[:start])
     if crc is not None:
         return crc, uncombine(crc, head, payload_len)
-    whole = crc32c(view[start:])
+    whole = crc32c(view[start:]) if into is None else crc32c_copy(into, view[start:])
     return combine(head, whole, payload_len), whole
 
 

@@ -1,6 +1,7 @@
 """The C extensions, when built: the codec's fast path for one plain ndarray per frame (`NATIVE`,
 from `_native.c`), the folding CRC32C (`crc32c`, from `_crc.c`) and, through `load`, the stream
-sockets' (`transports/_stream.c`); None (or the `crc32c` package's function) otherwise.
+sockets' (`transports/_stream.c`); None (or the `crc32c` package's function) otherwise. `crc32c_copy` (also
+`_crc.c`) copies what it checksums, in one pass.
 
 `frame.encode` and `frame.decode` (and the reassembler) try `NATIVE` first and fall back to Python
 for anything it does not take. Set TENSORBUS_NATIVE=0 to run the Python paths only. A build made
@@ -17,11 +18,14 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import crc32c as crc32c_package
 
 from ..errors import UnsupportedDtype
 from .dtypes import DTYPES, describe, resolve
+
+Buffer = Any  # (frame.Buffer: any buffer; frame imports this module)
 
 
 def _resolved() -> dict[str, dict[str, object]]:
@@ -98,6 +102,22 @@ def _crc32c() -> Callable[..., int]:
 
 #: CRC32C of a buffer, continuing from the CRC `value` of what came before (`crc32c.crc32c`'s call)
 crc32c = _crc32c()
+
+
+def copy_then_crc(dst: Buffer, src: Buffer, value: int = 0) -> int:
+    """`crc32c_copy`'s readable path: `src` copied into `dst` (as long), then its CRC32C (a second read of it)."""
+    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+    return crc32c(src, value)
+
+
+def _crc32c_copy() -> Callable[..., int]:
+    """The folding CRC32C that copies what it reads where the CPU has it (one pass: `_crc.c`), else `copy_then_crc`."""
+    fast = load(f"{__package__}._crc")
+    return fast.crc32c_copy if fast is not None and fast.ACCELERATED else copy_then_crc
+
+
+#: `dst[:] = src` and the CRC32C of `src` continuing from `value`, in one pass where it can
+crc32c_copy = _crc32c_copy()
 
 
 def _load() -> ModuleType | None:

@@ -11,7 +11,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec import frame as frame_module
-from tensorbus.codec.chunking import encode_chunks, frame_size, restamp_chunks
+from tensorbus.codec.chunking import SPLIT_CRC_FROM, encode_chunks, frame_size, restamp_chunks
 
 
 class FakeClock:
@@ -282,6 +282,45 @@ def test_a_message_filling_a_pooled_buffer_refuses_a_corrupted_chunk_and_takes_t
         message = reassembler.feed(chunk)
     assert message is not None
     np.testing.assert_array_equal(message.tensor, array + 2)  # none of version 2's bytes in it
+
+
+def test_a_chunk_s_check_copies_it_into_place_and_a_bad_one_fills_only_a_slot_not_yet_received(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    copied: list[int] = []
+    copy = frame_module.crc32c_copy
+
+    def counted(dst: Any, src: Any, value: int = 0) -> int:
+        copied.append(len(src))
+        return copy(dst, src, value)
+
+    monkeypatch.setattr(frame_module, "crc32c_copy", counted)
+    reassembler = tb.Reassembler()
+    array = np.arange(600_000, dtype=np.float32)
+    assert [reassembler.feed(c) for c in chunks_of(array, 1 << 18, seq=1)][-1] is not None
+    copied.clear()  # (the first message's later half was copied by its checks: it had its buffer from half on)
+    chunks = chunks_of(array + 1, 1 << 18, seq=2)
+    assert reassembler.feed(chunks[0]) is None  # the message's first chunk takes the pool's buffer
+    partial = next(iter(reassembler._partials.values()))
+    assert partial.buffer is not None
+    slot = partial.buffer[partial.stride : 2 * partial.stride]
+    corrupted = bytearray(chunks[1])
+    corrupted[-100] ^= 1
+    with pytest.raises(tb.ChecksumMismatch):
+        reassembler.feed(bytes(corrupted))
+    assert bytes(slot[-100:]) == bytes(corrupted[-100:])  # copied by its check, not received: still missing
+    first = bytes(partial.buffer[: partial.stride])
+    again = bytearray(chunks[0])
+    again[-100] ^= 1
+    with pytest.raises(tb.ChecksumMismatch):
+        reassembler.feed(bytes(again))  # a bad copy of a chunk already here is not copied over it
+    assert bytes(partial.buffer[: partial.stride]) == first and 1 not in partial.received
+    for chunk in chunks[1:]:
+        message = reassembler.feed(chunk)
+    assert message is not None
+    np.testing.assert_array_equal(message.tensor, array + 1)  # the good chunk 1 overwrote the bad one
+    large = [c for c in chunks[1:] if len(c) >= SPLIT_CRC_FROM]  # (a small last chunk is read twice: cheaper)
+    assert len(large) >= 8 and len(copied) == 1 + len(large)  # the corrupted one, then every large one but the first
 
 
 def test_copy_true_gives_a_reassembled_tensor_its_own_memory() -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import tensorbus as tb
 from tensorbus.codec import chunking, frame, native
-from tensorbus.codec.crc import _ONE, _multmodp, _shift_operator, combine
+from tensorbus.codec.crc import _ONE, _multmodp, _shift_operator, combine, python_combine
 from tensorbus.codec.frame import CRC_AT
 
 
@@ -27,6 +27,19 @@ def test_combine_over_large_and_odd_lengths() -> None:
     for la, lb in [(0, 1 << 20), (1 << 20, 12345), (7, (1 << 20) - 1)]:
         a, b = os.urandom(la), os.urandom(lb)
         assert combine(crc32c.crc32c(a), crc32c.crc32c(b), lb) == crc32c.crc32c(a + b)
+
+
+@given(st.integers(0, 0xFFFFFFFF), st.integers(0, 0xFFFFFFFF), st.integers(0, (1 << 63) - 1))
+def test_combine_in_c_gives_the_python_path_s_answers(crc_a: int, crc_b: int, len_b: int) -> None:
+    """`combine` is _crc.c's where it is built (the Python path under TENSORBUS_NATIVE=0): the two agree."""
+    assert combine(crc_a, crc_b, len_b) == python_combine(crc_a, crc_b, len_b)
+    assert combine(crc_a, crc_b, len_b % 5000) == python_combine(crc_a, crc_b, len_b % 5000)
+
+
+def test_both_combines_refuse_a_negative_length() -> None:
+    for join in (combine, python_combine):
+        with pytest.raises(ValueError, match="not negative"):
+            join(1, 2, -1)
 
 
 def _power(operator: int, exponent: int) -> int:

@@ -87,3 +87,28 @@ def test_the_folding_crc_gives_right_answers_from_many_threads_at_once() -> None
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda i: [FOLDING.crc32c(buffers[i % 4]) for _ in range(50)], range(8)))
     assert all(answers == [expected[i % 4]] * 50 for i, answers in enumerate(got))
+
+
+COPY_SIZES = [0, 1, 31, 32, 33, 255, 256, 4096, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 4099]
+
+
+@needs_folding
+@pytest.mark.parametrize("n", COPY_SIZES)
+def test_the_copying_crc_copies_what_it_reads_and_gives_the_package_s_crc(n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n + 64, np.uint8)
+    for src_at, dst_at in ((0, 0), (1, 0), (0, 13), (7, 33)):  # streamed stores start where dst is aligned
+        src = memoryview(data)[src_at : src_at + n]
+        out = np.full(n + 64, 0xAA, np.uint8)
+        assert FOLDING.crc32c_copy(memoryview(out)[dst_at : dst_at + n], src, 0x1234) == crc32c.crc32c(src, 0x1234)
+        assert bytes(out[dst_at : dst_at + n]) == bytes(src), (n, src_at, dst_at)
+        assert not (out[:dst_at] != 0xAA).any() and not (out[dst_at + n :] != 0xAA).any()  # nothing beyond it
+
+
+@pytest.mark.parametrize("copy", [native.copy_then_crc, *([FOLDING.crc32c_copy] if FOLDING.ACCELERATED else [])])
+def test_both_copying_crcs_refuse_a_target_of_another_length_or_read_only(copy: object) -> None:
+    assert callable(copy)
+    for dst in (bytearray(9), bytearray(11), b"0123456789"):
+        with pytest.raises((ValueError, TypeError)):
+            copy(dst, b"0123456789", 0)
+    dst = bytearray(10)
+    assert copy(dst, b"0123456789", 0) == crc32c.crc32c(b"0123456789") and dst == b"0123456789"
