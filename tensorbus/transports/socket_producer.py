@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ..codec.chunking import restamp_chunks
 from ..codec.frame import NATIVE, Buffer, MessageId, flat_bytes, is_chunk, restamp
 from ..codec.native import crc32c
+from ..codec.restamping import restamp_chunks
 from ..codec.signing import frame_key, resign
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout

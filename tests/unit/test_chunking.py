@@ -11,7 +11,8 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec import frame as frame_module
-from tensorbus.codec.chunking import SPLIT_CRC_FROM, encode_chunks, frame_size, restamp_chunks
+from tensorbus.codec.chunking import SPLIT_CRC_FROM, encode_chunks, frame_size
+from tensorbus.codec.restamping import restamp_chunks
 
 
 class FakeClock:
