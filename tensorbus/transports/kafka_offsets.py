@@ -81,6 +81,10 @@ class Offsets(AsyncConsumerRebalanceListener):
                 stream = self._streams[tp] = self.deliver.ledger.stream()
         return stream
 
+    def unseen(self) -> dict[int, int]:
+        """Per partition, the first offset this consumer has not had yet (read by the thread that records)."""
+        return {tp.partition: offset for tp, offset in self._unseen.items()}
+
     def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
         """Offsets safe to commit that differ from the last commit."""
         offsets = {}
