@@ -23,7 +23,7 @@ from collections.abc import Callable
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaException, Message
 from confluent_kafka import TopicPartition as RdTopicPartition
 
-from ..codec.frame import Buffer
+from ..codec.frame import Buffer, MessageId
 from .base import Deliver, Held
 from .kafka_offsets import appended_at, take_record
 from .kafka_python import TopicPartition
@@ -110,41 +110,47 @@ class RecordReading:
 
     def _deliver_backlog(self, stop: Callable[[], bool]) -> bool:
         """Deliver and book the backlog's records, in order, until one is held back or `stop()`; False once the
-        consumer turned one away (not booked as taken: the group's next consumer reads it)."""
-        backlog, fast, commits = self._backlog, self._deliver.fast, self._commits
-        while backlog:
-            record = backlog[0]  # (taken off only once booked: a receive interrupted before offers it again)
-            if (error := record.error()) is not None:
-                log.warning("%s: %s", commits.shown, error.str())
-                backlog.popleft()
-                continue
-            tp = self._partitions.get(partition := record.partition())
-            if tp is None:
-                tp = self._partitions[partition] = TopicPartition(self._topic, partition)
-            frame = self._offering
-            if frame is None:
-                taken, frame = take_record(fast, record.value() or b"")  # (an empty record is refused, and counted)
-                if taken is not None:  # a whole plain frame the C delivery took: booked in the fewest steps
-                    commits.record_admitted(tp, record.offset() or 0, taken.message_id)
+        consumer turned one away (not booked as taken: the group's next consumer reads it). A run of records
+        the C delivery took, one offset after another, is booked in one step (`_Run`), before anything else."""
+        backlog, fast, commits, run = self._backlog, self._deliver.fast, self._commits, _Run(self._commits)
+        try:
+            while backlog:
+                record = backlog[0]  # (taken off only once booked: a receive interrupted before offers it again)
+                if (error := record.error()) is not None:
+                    log.warning("%s: %s", commits.shown, error.str())
                     backlog.popleft()
-                    if stop():
-                        return True
                     continue
-                self._offering = frame
-            kind, stamp = record.timestamp()
-            stamped = appended_at(int(kind == TIMESTAMP_LOG_APPEND_TIME), stamp)
-            result = self._deliver(frame, may_hold=True, appended_at=stamped)
-            self._offering = None
-            backlog.popleft()
-            commits.record(tp, record.offset() or 0, result)
-            if result.held is not None:
-                self._held = (result.held, tp, record.offset() or 0)
-                return True
-            if result.turned_away:
-                return False  # aborted: leave the group, its partitions go to others
-            if stop():
-                return True
-        return True
+                tp = self._partitions.get(partition := record.partition())
+                if tp is None:
+                    tp = self._partitions[partition] = TopicPartition(self._topic, partition)
+                offset = record.offset() or 0
+                frame = self._offering
+                if frame is None:
+                    taken, frame = take_record(fast, record.value() or b"")  # (an empty record is refused, and counted)
+                    if taken is not None:  # a whole plain frame the C delivery took: booked in the fewest steps
+                        run.add(tp, offset, taken.message_id)
+                        backlog.popleft()
+                        if stop():
+                            return True
+                        continue
+                    self._offering = frame
+                run.book()  # (the records before this one first)
+                kind, stamp = record.timestamp()
+                stamped = appended_at(int(kind == TIMESTAMP_LOG_APPEND_TIME), stamp)
+                result = self._deliver(frame, may_hold=True, appended_at=stamped)
+                self._offering = None
+                backlog.popleft()
+                commits.record(tp, offset, result)
+                if result.held is not None:
+                    self._held = (result.held, tp, offset)
+                    return True
+                if result.turned_away:
+                    return False  # aborted: leave the group, its partitions go to others
+                if stop():
+                    return True
+            return True
+        finally:
+            run.book()  # (also when interrupted: what was delivered is booked)
 
     def _release(self) -> bool | None:
         """Offer the record held back again: None while there is still no room, False if it was turned away."""
@@ -186,3 +192,29 @@ class RecordReading:
         self._room.set()
         if threading.current_thread() is not self._thread and not self.leadership.is_leading():
             self._thread.join(timeout=timeout_s)
+
+
+class _Run:
+    """Records the C delivery took, one offset after another in one partition, booked together (`book`)."""
+
+    __slots__ = ("_commits", "_first", "_ids", "_tp")
+
+    def __init__(self, commits: Commits) -> None:
+        self._commits = commits
+        self._tp: TopicPartition | None = None
+        self._first = 0
+        self._ids: list[MessageId | None] = []
+
+    def add(self, tp: TopicPartition, offset: int, message_id: MessageId | None) -> None:
+        """One more record taken; a record that does not follow the run's last books the run first."""
+        if tp is not self._tp or offset != self._first + len(self._ids):
+            self.book()
+            self._tp, self._first = tp, offset
+        self._ids.append(message_id)
+
+    def book(self) -> None:
+        """Book the run's records in the ledger (`Offsets.record_admitted_run`), and start an empty one."""
+        if self._ids:
+            assert self._tp is not None
+            ids, self._ids = self._ids, []
+            self._commits.record_admitted_run(self._tp, self._first, ids)
