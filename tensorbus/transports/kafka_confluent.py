@@ -28,6 +28,9 @@ from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, client_confi
 from .kafka_reading import RecordReading
 
 log = logging.getLogger(__name__)
+#: a plain ndarray below this many bytes has its record made whole in C (`ndarray_frame`), then copied into the
+#: `bytes` librdkafka takes: the Python steps saved outweigh that extra copy for small tensors, not for large ones
+WHOLE_IN_C_BELOW = 64 << 10
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
 _ABANDONED: list[Producer] = []
 
@@ -122,17 +125,17 @@ class ConfluentKafkaTransport(KafkaTransport):
     def send_message(
         self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
     ) -> None:
-        """Send one tensor; a plain ndarray that fits one record is one frame, made whole in C where the extension
-        is built (`ndarray_frame`: its head, the array's bytes and the CRC in one call), else encoded here, instead of
-        going through the chunker: most of a small tensor's time."""
+        """Send one tensor; a plain ndarray that fits one record is one frame, a small one made whole in C where the
+        extension is built (`ndarray_frame`: its head, the array's bytes and the CRC in one call), else encoded here,
+        instead of going through the chunker: most of a small tensor's time."""
         limit, flags = self.max_frame_bytes, encoding.plain_flags
         if flags is not None and type(tensor) is np.ndarray and limit and tensor.nbytes < limit // 2:
-            built = NATIVE.ndarray_frame(tensor, key, metadata, message_id, flags) if NATIVE is not None else None
-            value = (
-                bytes(built[0])
-                if built is not None
-                else _joined(encoding.encode(tensor, key, metadata, message_id, None))
-            )
+            built = None
+            if NATIVE is not None and tensor.nbytes < WHOLE_IN_C_BELOW:
+                built = NATIVE.ndarray_frame(
+                    tensor, key, metadata, message_id, flags
+                )  # (None: one it leaves to Python)
+            value = bytes(built[0]) if built else _joined(encoding.encode(tensor, key, metadata, message_id, None))
             if len(value) <= limit:
                 self._produce(value, key)
                 return
