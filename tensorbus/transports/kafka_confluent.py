@@ -18,17 +18,19 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from confluent_kafka import TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
-from ..codec.frame import Buffer, Limits, MessageId
-from ..errors import TensorBusError, TransportError
+from ..codec.frame import NATIVE, Buffer, Limits, MessageId
+from ..errors import TransportError
 from .base import Deliver, Encoding
 from .kafka import KafkaOptions, KafkaTransport
-from .kafka_offsets import appended_at, take_record
-from .kafka_python import TopicPartition
-from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, batch, client_config, translate_error
+from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, client_config, translate_error
+from .kafka_reading import RecordReading
 
 log = logging.getLogger(__name__)
+#: a plain ndarray below this many bytes has its record made whole in C (`ndarray_frame`), then copied into the
+#: `bytes` librdkafka takes: the Python steps saved outweigh that extra copy for small tensors, not for large ones
+WHOLE_IN_C_BELOW = 64 << 10
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
 _ABANDONED: list[Producer] = []
 
@@ -39,7 +41,10 @@ def _joined(frame: list[Buffer]) -> bytes:
 
 
 class ConfluentKafkaTransport(KafkaTransport):
-    """A topic per endpoint, through librdkafka: an idempotent producer, or a consumer-group member on a thread."""
+    """A topic per endpoint, through librdkafka: an idempotent producer, or a consumer-group member whose records
+    a waiting receive reads itself (a background thread while none waits)."""
+
+    reads_while_waiting = True
 
     def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions) -> None:
         super().__init__(url, options)
@@ -52,6 +57,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         self._on_timed_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
         self._replaced_now = threading.Event()
         self._reconnects = Reconnects(self)  # (its clients' statistics, with metrics on)
+        self._reading: RecordReading | None = None  # a listening consumer's reading of the records
 
     def _current_rd_producer(self) -> Producer:
         """The producer to produce on (the caller holds `_lock`): made on the first send, and made again
@@ -119,11 +125,17 @@ class ConfluentKafkaTransport(KafkaTransport):
     def send_message(
         self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding
     ) -> None:
-        """Send one tensor; a plain ndarray that fits one record is encoded as one frame (its head in C where
-        the extension is built) instead of going through the chunker: most of a small tensor's time."""
-        limit = self.max_frame_bytes
-        if encoding.plain_flags is not None and type(tensor) is np.ndarray and limit and tensor.nbytes < limit // 2:
-            value = _joined(encoding.encode(tensor, key, metadata, message_id, None))
+        """Send one tensor; a plain ndarray that fits one record is one frame, a small one made whole in C where the
+        extension is built (`ndarray_frame`: its head, the array's bytes and the CRC in one call), else encoded here,
+        instead of going through the chunker: most of a small tensor's time."""
+        limit, flags = self.max_frame_bytes, encoding.plain_flags
+        if flags is not None and type(tensor) is np.ndarray and limit and tensor.nbytes < limit // 2:
+            built = None
+            if NATIVE is not None and tensor.nbytes < WHOLE_IN_C_BELOW:
+                built = NATIVE.ndarray_frame(
+                    tensor, key, metadata, message_id, flags
+                )  # (None: one it leaves to Python)
+            value = bytes(built[0]) if built else _joined(encoding.encode(tensor, key, metadata, message_id, None))
             if len(value) <= limit:
                 self._produce(value, key)
                 return
@@ -205,15 +217,24 @@ class ConfluentKafkaTransport(KafkaTransport):
             self._raise_error()
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
-        """Create the topic if needed, then join the group and deliver records on a background thread."""
+        """Create the topic if needed, join the group, and read records: on a waiting receive's thread, or a
+        background one (kafka_reading.py)."""
         self._ensure_topic()
-        name = f"kafka-confluent-{self.topic}"
-        self._thread = threading.Thread(target=self._consume, args=(deliver,), daemon=True, name=name)
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            self._thread = None
-            self._raise_error()
+        consumer, commits = self._start_consumer(deliver)
+        self._offsets = commits
+        o = self.options
+        self._reading = RecordReading(consumer, commits, deliver, self.topic, o.max_poll_records, o.commit_interval_s)
+
+    def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
+        """Wait for a receive's `done`, reading records on this thread meanwhile (kafka_reading.py)."""
+        if self._reading is None:
+            return super().read_while_waiting(done, deadline)
+        return self._reading.wait(done, deadline)
+
+    def room_opened(self) -> None:
+        """The table may have room for a record held back (under the table's lock: no waiting)."""
+        if self._reading is not None:
+            self._reading.room_opened()
 
     def _start_consumer(self, deliver: Deliver) -> tuple[Consumer, Commits]:
         o = self.options
@@ -240,56 +261,6 @@ class ConfluentKafkaTransport(KafkaTransport):
             raise translate_error(exc.args[0], self._shown) from None
         return consumer, commits
 
-    def _consume(self, deliver: Deliver) -> None:
-        """The consumer thread: consume batches, deliver each record, commit what is complete."""
-        o = self.options
-        try:
-            consumer, commits = self._start_consumer(deliver)
-            self._offsets = commits
-        except TensorBusError as exc:
-            self._error = exc
-            return
-        finally:
-            self._ready.set()
-        fast = deliver.fast  # the intake's C delivery of whole plain frames, where it is built
-        partitions: dict[int | None, TopicPartition] = {}  # (made once each, not per record)
-        last_commit = time.monotonic()
-        turned_away = False
-        while not self._stop.is_set() and not turned_away:
-            try:
-                records = batch(consumer, o.max_poll_records, 0.2)
-            except KafkaException as exc:  # librdkafka reconnects by itself
-                log.warning("%s: %s; consuming again", self._shown, exc)
-                self._stop.wait(1.0)
-                continue
-            for record in records:
-                if self._stop.is_set() or turned_away:
-                    break  # not delivered, so not committed: the group's next consumer reads it
-                if (error := record.error()) is not None:
-                    log.warning("%s: %s", self._shown, error.str())
-                    continue
-                value = record.value() or b""  # (an empty record is refused as a frame, and counted)
-                partition = record.partition()
-                tp = partitions.get(partition)
-                if tp is None:
-                    tp = partitions[partition] = TopicPartition(self.topic, partition)
-                taken, frame = take_record(fast, value)
-                if taken is not None:  # a whole plain frame the C delivery took: booked in the fewest steps
-                    commits.record_admitted(tp, record.offset() or 0, taken.message_id)
-                    continue
-                kind, stamp = record.timestamp()
-                result = deliver(frame, appended_at=appended_at(int(kind == TIMESTAMP_LOG_APPEND_TIME), stamp))
-                commits.record(tp, record.offset() or 0, result)
-                turned_away = result.turned_away  # aborted: leave the group, its partitions go to others
-            if time.monotonic() - last_commit >= o.commit_interval_s:
-                commits.commit_soon()
-                last_commit = time.monotonic()
-        commits.commit(o.close_timeout_s)
-        try:
-            consumer.close()  # leaves the group
-        except (KafkaException, RuntimeError) as exc:
-            log.info("%s: closing the consumer: %s", self._shown, exc)
-
     def abandon(self) -> None:
         """In a forked child: librdkafka's threads stayed in the parent, so the producer is kept, never destroyed
         (destroying it would wait for threads this process does not have)."""
@@ -307,7 +278,6 @@ class ConfluentKafkaTransport(KafkaTransport):
                 self._rd_producer.purge()
                 self._rd_producer.poll(0)
             self._rd_producer = None
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=self.options.close_timeout_s)
-            self._thread = None
+        if self._reading is not None:
+            self._reading.close(self.options.close_timeout_s)
+            self._reading = None

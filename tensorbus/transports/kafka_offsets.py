@@ -69,17 +69,28 @@ class Offsets(AsyncConsumerRebalanceListener):
         commonest record, without a `Delivered` made for it."""
         self._stream(tp, offset).record_admitted(offset, message_id)
 
-    def _stream(self, tp: TopicPartition, offset: int) -> Stream:
-        """`tp`'s stream in the ledger, the record at `offset` counted as a redelivery if this consumer had it."""
-        if offset < self._unseen.get(tp, 0):
-            self.tally.redeliveries += 1
-        else:
-            self._unseen[tp] = offset + 1
+    def record_admitted_run(self, tp: TopicPartition, first: int, message_ids: list[MessageId | None]) -> None:
+        """`record_admitted` of the records at `first`, `first + 1`, ... of `tp` in one step (the ledger's
+        `Stream.record_admitted_run`): a run the C delivery took one after the other."""
+        self._stream(tp, first, len(message_ids)).record_admitted_run(first, message_ids)
+
+    def _stream(self, tp: TopicPartition, offset: int, count: int = 1) -> Stream:
+        """`tp`'s stream in the ledger, the `count` records from `offset` counted as redeliveries where this
+        consumer had them."""
+        unseen = self._unseen.get(tp, 0)
+        if offset < unseen:
+            self.tally.redeliveries += min(unseen - offset, count)
+        if offset + count > unseen:
+            self._unseen[tp] = offset + count
         with self._lock:
             stream = self._streams.get(tp)
             if stream is None:
                 stream = self._streams[tp] = self.deliver.ledger.stream()
         return stream
+
+    def unseen(self) -> dict[int, int]:
+        """Per partition, the first offset this consumer has not had yet (read by the thread that records)."""
+        return {tp.partition: offset for tp, offset in self._unseen.items()}
 
     def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
         """Offsets safe to commit that differ from the last commit."""

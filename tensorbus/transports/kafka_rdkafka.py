@@ -130,7 +130,8 @@ def batch(consumer: Consumer, most: int, timeout: float) -> list[Message]:
 class Commits(Offsets):
     """Commits `Offsets.committable()` (the decision, shared with kafka-python) with a librdkafka consumer.
 
-    Every method runs on the consumer thread: librdkafka calls the rebalance callbacks inside `consume`.
+    Every method runs on the thread that leads the reading (kafka_reading.py), one at a time: librdkafka calls
+    the rebalance and commit callbacks inside `consume` and the commits.
     """
 
     consumer: Consumer

@@ -13,6 +13,7 @@ import pytest
 from confluent_kafka import KafkaError
 
 import tensorbus as tb
+from tensorbus.codec.frame import encode
 from tensorbus.transports.kafka import KafkaTransport
 from tensorbus.transports.kafka_confluent import ConfluentKafkaTransport
 from tensorbus.transports.kafka_python import KafkaConsumer, TopicPartition
@@ -94,6 +95,31 @@ def test_sends_queue_records_and_delivery_reports_settle_them() -> None:
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0
         for i in range(20):
             assert same(consumer.recv(f"k{i}", timeout=30), np.full(100, i))
+
+
+@pytest.mark.broker
+def test_a_small_ndarrays_record_is_the_frame_encode_makes() -> None:
+    """The record of a plain ndarray that fits one (its frame made whole in C where the extension is built) is,
+    byte for byte, the frame `encode` makes: the suite's run with TENSORBUS_NATIVE=0 checks the Python path."""
+    from confluent_kafka import Consumer
+
+    url = on(endpoint_url("kafka"), "confluent")
+    array = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    with tb.Producer(url) as producer:
+        message_id = producer.send("k", array, metadata={"i": 7})
+        producer.flush(30)
+    reader = Consumer(
+        {"bootstrap.servers": BOOTSTRAP, "group.id": f"probe-{message_id[1]}", "auto.offset.reset": "earliest"}
+    )
+    try:
+        reader.subscribe([urllib.parse.urlsplit(url).path.strip("/")])
+        deadline, record = time.monotonic() + 30, None
+        while record is None and time.monotonic() < deadline:
+            record = reader.poll(0.5)
+    finally:
+        reader.close()
+    assert record is not None and record.error() is None
+    assert record.value() == b"".join(encode(array, key="k", metadata={"i": 7}, message_id=message_id))
 
 
 @pytest.mark.broker

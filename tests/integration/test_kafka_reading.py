@@ -1,0 +1,100 @@
+"""kafka:// on librdkafka read by the receiving thread (kafka_reading.py): a waiting `recv` reads its own records,
+a record the full table cannot take is held back rather than waited for, and a receive interrupted while it read
+loses nothing."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.transports import kafka_reading
+from tensorbus.transports.kafka_reading import RecordReading
+from tests.conftest import endpoint_url
+from tests.integration.test_kafka import committed
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.broker
+
+
+def sending_once_the_receive_leads(
+    consumer: tb.Consumer, producer: tb.Producer, tensors: list[Any]
+) -> threading.Thread:
+    """A thread that sends `tensors` under key "k" once a receive leads the consumer's reading (not before: the
+    background thread would read them)."""
+    leadership = consumer.transport._reading.leadership  # type: ignore[attr-defined]
+
+    def send() -> None:
+        wait_for(lambda: leadership._app_leads, 30, "the receive to lead the reading")
+        for tensor in tensors:
+            producer.send("k", tensor)
+        producer.flush(30)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def test_a_waiting_receive_reads_and_delivers_its_record_on_its_own_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    deliverers: list[int] = []
+    original = RecordReading._deliver_backlog
+
+    def noted(self: RecordReading, stop: Any) -> bool:
+        if self._backlog:
+            deliverers.append(threading.get_ident())
+        return original(self, stop)
+
+    monkeypatch.setattr(RecordReading, "_deliver_backlog", noted)
+    url = endpoint_url("kafka-confluent")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        for i in range(5):
+            sending = sending_once_the_receive_leads(consumer, producer, [np.full(100, i, np.int32)])
+            assert consumer.recv("k", timeout=30)[0] == i
+            sending.join(30)
+    assert len(deliverers) >= 5 and set(deliverers) == {threading.get_ident()}  # none through another thread
+
+
+def test_a_record_the_full_table_cannot_take_is_held_and_later_records_wait_behind_it() -> None:
+    url = endpoint_url("kafka-confluent")
+    tensor_bytes = 4000
+    with tb.Producer(url) as producer:
+        for i in range(8):
+            producer.send("a", np.full(tensor_bytes // 4, i, np.int32))
+        producer.send("b", np.full(3, 9, np.int32))
+        producer.flush(30)
+    with tb.Consumer(url, max_buffered_bytes=3 * tensor_bytes) as consumer:
+        with pytest.raises(tb.Timeout):  # "b" is behind "a"s the table has no room for: no wait for room here
+            consumer.recv("b", timeout=2)
+        assert [int(consumer.recv("a", timeout=30)[0]) for _ in range(8)] == list(range(8))  # in order, none lost
+        assert consumer.recv("b", timeout=30).tolist() == [9, 9, 9]
+        group, topic = consumer.transport.group, consumer.transport.topic  # type: ignore[attr-defined]
+    assert committed(group, topic) == {0: 9}  # every record taken, and committed on close
+
+
+def test_records_a_receive_took_from_librdkafka_when_interrupted_are_read_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    interrupted: list[int] = []
+    original = kafka_reading.batch
+
+    def interrupting(consumer: Any, most: int, timeout: float) -> list[Any]:
+        records = original(consumer, most, timeout)
+        if records and not interrupted and threading.current_thread() is threading.main_thread():
+            interrupted.append(len(records))  # (as a Ctrl-C just after librdkafka handed the records over)
+            raise KeyboardInterrupt
+        return records
+
+    monkeypatch.setattr(kafka_reading, "batch", interrupting)
+    url = endpoint_url("kafka-confluent")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        sending = sending_once_the_receive_leads(consumer, producer, [np.full(10, i, np.int32) for i in range(6)])
+        with pytest.raises(KeyboardInterrupt):
+            consumer.recv("k", timeout=30)
+        sending.join(30)
+        got = [int(consumer.recv("k", timeout=30)[0]) for _ in range(6)]
+        with pytest.raises(tb.Timeout):
+            consumer.recv("k", timeout=0.5)  # nothing twice
+    assert interrupted and got == list(range(6))
