@@ -201,6 +201,16 @@ STEPS: list[tuple[Any, ...]] = [
 ]
 
 
+def other_step(step: tuple[Any, ...], ledger: Ledger, stream: Any, released: list[Any]) -> None:
+    """One of `STEPS` other than "admit": a copy recorded, the stream closed, or a call of the ledger's."""
+    if step[0] == "copy":
+        stream.record(step[1], Delivered(step[2], True))
+    elif step[0] == "close":
+        released.append(("closed", stream.close()))
+    else:
+        getattr(ledger, step[0])(step[1])
+
+
 def booked(mode: str, lean: bool) -> tuple[Any, ...]:
     """`STEPS` through a ledger, the commonest frames booked by `record_admitted` if `lean`: what it released."""
     ledger = Ledger(mode)  # type: ignore[arg-type]
@@ -211,12 +221,8 @@ def booked(mode: str, lean: bool) -> tuple[Any, ...]:
             stream.record_admitted(step[1], step[2])
         elif step[0] == "admit":
             stream.record(step[1], Delivered(step[2], **ADMITTED))
-        elif step[0] == "copy":
-            stream.record(step[1], Delivered(step[2], True))
-        elif step[0] == "close":
-            released.append(("closed", stream.close()))
         else:
-            getattr(ledger, step[0])(step[1])
+            other_step(step, ledger, stream, released)
         counts.append((stream.first_open(), stream.first_unreceived(), list(released)))
     return counts, dict(ledger.stats), ledger.released_frames
 
@@ -245,12 +251,7 @@ def booked_in_runs(mode: str) -> tuple[Any, ...]:
         if run:
             stream.record_admitted_run(run[0][0], [message_id for _, message_id in run])
             run = []
-        if step[0] == "copy":
-            stream.record(step[1], Delivered(step[2], True))
-        elif step[0] == "close":
-            released.append(("closed", stream.close()))
-        else:
-            getattr(ledger, step[0])(step[1])
+        other_step(step, ledger, stream, released)
         counts.append((stream.first_open(), stream.first_unreceived(), list(released)))
     if run:
         stream.record_admitted_run(run[0][0], [message_id for _, message_id in run])
