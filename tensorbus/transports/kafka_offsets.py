@@ -118,7 +118,11 @@ class Offsets(AsyncConsumerRebalanceListener):
             self._committed.update((tp, meta.offset) for tp, meta in offsets.items())
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Commit the revoked partitions' progress before their new owner starts (awaited: heartbeats go on)."""
+        """Commit the revoked partitions' progress before their new owner starts (awaited: heartbeats go on).
+
+        Their streams stay open until the new assignment: kafka-python keeps the read position of a
+        partition it is given back, so the records it does not read again stay booked here (a stream
+        closed now would start over at that position, and its commits would pass untaken records)."""
         offsets = self.committable()
         try:
             if offsets:
@@ -126,10 +130,18 @@ class Offsets(AsyncConsumerRebalanceListener):
                 self._committed_now(offsets)
         except Exception as exc:  # the new owner re-reads from the last commit: duplicates, dropped above
             log.warning("%s: commit before giving up partitions failed: %r", self.shown, exc)
-        await self.on_partitions_lost(revoked)
+        self.assigned -= {tp.partition for tp in revoked}
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self.assigned = frozenset(tp.partition for tp in self.consumer.assignment())
+        """The whole new assignment: forget the partitions not in it (kafka-python dropped their positions; one
+        given back later is read again from the group's commit), and state every kept one's offset again at
+        the next commit (another member may have committed it meanwhile)."""
+        owned = set(self.consumer.assignment())
+        with self._lock:
+            gone = set(self._streams) - owned
+            self._committed.clear()
+        self._forget(gone)
+        self.assigned = frozenset(tp.partition for tp in owned)
 
     async def on_partitions_lost(self, lost: set[TopicPartition]) -> None:
         self._forget(lost)

@@ -150,6 +150,42 @@ def test_untaken_tensors_of_a_partition_given_up_in_a_rebalance_go_to_its_new_ow
             assert got and got <= {f"k{i}" for i in range(20)}
 
 
+def test_a_partition_kept_through_a_rebalance_commits_no_further_than_its_untaken_tensors(url: str) -> None:
+    """kafka-python keeps a partition's read position through a rebalance that gives it back to the same
+    consumer, and librdkafka reads it again from the commit: either way its records received before stay
+    booked. Taking a newer record of it commits nothing past them, and the partition's next owner gets them."""
+    from kafka.partitioner.default import murmur2  # (loaded, its warnings silenced, by the transport)
+
+    def partition_of(key: str) -> int:
+        return (murmur2(key.encode()) & 0x7FFFFFFF) % 2  # (both clients' partitioner)
+
+    keys = [f"k{i}" for i in range(8)]
+    assert sorted(partition_of(key) for key in keys) == [0, 0, 0, 0, 1, 1, 1, 1]
+    with tb.Producer(url, partitions=2) as producer, tb.Consumer(url, partitions=2) as first:
+        group, topic = first.transport.group, topic_of(url)
+        for i, key in enumerate(keys):
+            producer.send(key, np.full(1000, i, np.int32))
+        producer.flush(30)
+        wait_for(lambda: len(first.table) == 8, 60, "every record in the first consumer's table")
+        with tb.Consumer(url) as second:  # joins the group: the first keeps one partition of the two
+            wait_for(lambda: len(owned(first)) == 1 and len(owned(second)) == 1, 60, "a partition each")
+            (kept,) = owned(first)
+            late = next(key for key in (f"late{i}" for i in range(100)) if partition_of(key) == kept)
+            producer.send(late, np.full(1000, -1, np.int32))
+            producer.flush(30)
+            assert same(first.recv(late, timeout=30), np.full(1000, -1, np.int32))
+            first.close()  # commits what it may and leaves: the kept partition's four records were never taken
+            assert committed(group, topic).get(kept, 0) == 0
+            wait_for(
+                lambda: {k for k in keys if partition_of(k) == kept} <= set(second.table.buffered_keys()),
+                60,
+                "the kept partition's untaken records in its next owner's table",
+            )
+            for i, key in enumerate(keys):
+                if partition_of(key) == kept:
+                    assert same(second.recv(key, timeout=1), np.full(1000, i, np.int32))
+
+
 def test_broker_side_size_error_is_a_tensorbus_error(url: str) -> None:
     with tb.Producer(url, max_frame_bytes=3_000_000, max_request_size=4_000_000) as producer:
         producer.send("too-big", np.zeros(2_500_000, np.uint8))  # one 2.5 MB record > the broker's ~1 MiB
