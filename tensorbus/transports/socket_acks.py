@@ -38,6 +38,10 @@ COPY_BYTES_PER_S = 1e9
 TAKEN_WAIT_MAX_S = 0.1
 #: ... nor at all for less than this: a copy so short costs less than asking
 TAKEN_WAIT_FROM_S = 0.001
+#: that copy goes in slices of at most this many bytes and frames, an event loop's other tasks running
+#: between two (a slice takes ~1 ms on the 2-vCPU VM)
+OWN_SLICE_BYTES = 1 << 20
+OWN_SLICE_FRAMES = 1024
 
 
 class AckIO(enum.Enum):
@@ -46,7 +50,7 @@ class AckIO(enum.Enum):
     CONNECT = "connect"  # (re)connect, sending the unacknowledged frames again, by the deadline given (None: none)
     ASK = "ask"  # write ACK_REQUEST_MARKER on the connection
     READ = "read"  # wait up to the seconds given for the connection to be readable, and apply the acks there
-    PAUSE = "pause"  # sleep the seconds given
+    PAUSE = "pause"  # sleep the seconds given (0: let an event loop's other tasks run)
 
 
 AckStep = tuple[AckIO, "float | None"]
@@ -237,7 +241,7 @@ class ProducerAcks(ProducerSide):
         if wait_s >= TAKEN_WAIT_FROM_S:
             with contextlib.suppress(TransportError):  # (its time ran out: copy them)
                 yield from self._ack_steps(lambda: self._sock is None or self._taken >= self._acked, wait_s, str)
-        self._own_untaken()
+        yield from self._own_untaken()
 
     def _taken_wait_s(self) -> float:
         """How long a flush waits for TAKEN before it copies what the kept frames borrow: no longer than
@@ -250,17 +254,25 @@ class ProducerAcks(ProducerSide):
         )
         return min(borrowed / COPY_BYTES_PER_S, TAKEN_WAIT_MAX_S)
 
-    def _own_untaken(self) -> None:
+    def _own_untaken(self) -> Generator[AckStep, None, None]:
         """Replace the kept frames' references to the sender's arrays by copies (caller holds the lock).
 
         What `flush` does once every frame is received: the application may then change an array it
         sent, and a tensor still untaken, resent to a successor, carries the bytes it had when sent.
-        It copies at most `max_untaken_bytes` (what may be kept once received), and each frame once.
+        It copies at most `max_untaken_bytes` (what may be kept once received), and each frame once,
+        in slices (OWN_SLICE_BYTES, OWN_SLICE_FRAMES) with a pause of no time between: an event loop
+        runs its other tasks there (ten thousand small frames copied at once held it for tens of ms).
         """
-        for frame, _ in self._unacked:
+        copied = looked = 0
+        for frame, _ in list(self._unacked):  # (a frame acked during a pause is copied all the same: harmless)
             for index, part in enumerate(frame):
                 if not isinstance(part, (bytes, bytearray)):  # (a view of an array; heads and signatures are owned)
-                    frame[index] = bytes(part)
+                    frame[index] = owned = bytes(part)
+                    copied += len(owned)
+            looked += 1
+            if copied >= OWN_SLICE_BYTES or looked >= OWN_SLICE_FRAMES:
+                copied = looked = 0
+                yield AckIO.PAUSE, 0.0
 
     def _ack_steps(
         self, done: Callable[[], bool], timeout: float | None, failure: Callable[[], str]

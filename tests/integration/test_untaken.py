@@ -12,6 +12,7 @@ import signal
 import time
 import urllib.parse
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -286,7 +287,12 @@ def test_a_flush_after_the_consumer_took_a_large_tensor_asks_and_keeps_no_copy(
     with tb.Consumer(url, **consumer_options) as consumer, tb.Producer(consumer.address) as producer:
         kept: Any = producer.transport
         copied: list[int] = []
-        monkeypatch.setattr(kept, "_own_untaken", lambda: copied.append(len(kept._unacked)))
+
+        def counting() -> Iterator[Any]:
+            copied.append(len(kept._unacked))
+            yield from ()
+
+        monkeypatch.setattr(kept, "_own_untaken", counting)
         array = np.ones(1 << 20, dtype=np.float32)
         producer.send("big", array)
         wait_for(lambda: len(consumer.table) == 1, WAIT_S, "the tensor in the table")
@@ -294,6 +300,58 @@ def test_a_flush_after_the_consumer_took_a_large_tensor_asks_and_keeps_no_copy(
         producer.flush(WAIT_S)
         assert copied == [0]  # the consumer said it took the tensor: nothing left to copy
         assert kept._untaken_bytes == 0 and not kept._unacked
+
+
+def test_an_asyncio_flush_copies_untaken_frames_in_slices_the_loop_runs_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A flush makes the kept copies of untaken frames the producer's own; on an event loop it copies them a
+    slice at a time (socket_acks.py, `_own_untaken`), the loop's other tasks running between two slices."""
+    monkeypatch.setattr(socket_acks, "OWN_SLICE_FRAMES", 100)
+    count = 1000
+    loop = asyncio.new_event_loop()
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        producer = tba.Producer(consumer.address)
+        try:
+            loop.run_until_complete(producer.open())
+            kept: Any = producer.blocking.transport
+            turns, during = [0], []
+            original = kept._own_untaken
+
+            def watched() -> Iterator[Any]:
+                before = turns[0]
+                yield from original()
+                during.append(turns[0] - before)
+
+            monkeypatch.setattr(kept, "_own_untaken", watched)
+
+            async def flush_beside_a_task() -> None:
+                stop = asyncio.Event()
+
+                async def other_task() -> None:
+                    while not stop.is_set():
+                        turns[0] += 1
+                        await asyncio.sleep(0)
+
+                beside = asyncio.create_task(other_task())
+                arrays = [tensor(i) for i in range(count)]
+                for i, array in enumerate(arrays):
+                    await producer.send(f"t{i}", array)
+                wait_for(lambda: len(consumer.table) == count, WAIT_S, "every tensor in the table, untaken")
+                await producer.flush(WAIT_S)
+                stop.set()
+                await beside
+                for array in arrays:
+                    array[:] = -1  # (the producer's copies are its own now)
+
+            loop.run_until_complete(flush_beside_a_task())
+            assert during and during[0] >= count // 100 - 1  # a turn of the other task after each slice
+            assert all(isinstance(part, (bytes, bytearray)) for frame, _ in kept._unacked for part in frame)
+            assert len(kept._unacked) == count
+        finally:
+            loop.run_until_complete(producer.close())
+            loop.close()
+        np.testing.assert_array_equal(consumer.recv("t7", timeout=WAIT_S), tensor(7))
 
 
 @pytest.mark.broker
