@@ -288,9 +288,15 @@ class LoopReading:
             self._acking = self._loop.call_soon(self._ack)
 
     def _ack(self) -> None:
+        """`_ack_soon`'s acks. When a receive waits again by then (the application took its tensor and asked
+        for the next: a ping-pong, a receiving loop), the loop runs on until that one is served, so only an
+        ack owed goes now (asked for, refusals): the rest go every `ack_every_frames` or `ack_every_bytes`
+        and with the upkeep's, as a reading thread's do, not one system call per tensor on both ends. (A loop
+        stopped while another receive waits leaves them unacked until it runs again: a producer's `flush`
+        meanwhile waits, as it does for the frames such a loop has not read.)"""
         assert self._consumer is not None and self._consumer.reactor is not None
         self._acking = None
-        self._consumer.reactor.ack_read()
+        self._consumer.reactor.ack_read(owed_only=self._receive_waits())
 
     def _turn(self) -> None:
         """Accept producers and advance their handshakes."""

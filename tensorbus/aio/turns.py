@@ -2,32 +2,42 @@
 
 A send that finds room, or a receive whose tensor is there already, completes without suspending:
 ten thousand of them in a row would hold the loop for as long. Each end keeps a `Turns`, and yields
-once (before its next call begins, so a cancellation there cancels nothing done) when it has run
-`SLICE_S` without suspending.
+once (before its next call begins, so a cancellation there cancels nothing done) when the ends of its
+thread's loop have run `SLICE_S` without suspending.
+
+The clock is the thread's (an event loop runs on one thread), shared by every end on it: in a
+ping-pong the receive suspends each round, so the send beside it need not yield too (a send that
+yielded every SLICE_S went out a turn late, after the acks and upkeep queued meanwhile).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
-#: how long an end runs without suspending before it lets the loop's other tasks run
+#: how long the ends on a loop run without suspending before they let the loop's other tasks run
 SLICE_S = 0.001
 
 
-class Turns:
-    """When this end last suspended; `take` yields once it has run SLICE_S since."""
-
+class _Clock(threading.local):
     def __init__(self) -> None:
-        self._since = time.perf_counter()
+        self.since = time.perf_counter()  # when an end on this thread's loop last suspended
+
+
+_clock = _Clock()
+
+
+class Turns:
+    """One end's turns: `take` yields once the ends on this thread's loop have run SLICE_S since one suspended."""
 
     def waited(self) -> None:
         """The end just suspended (awaited something that was not ready)."""
-        self._since = time.perf_counter()
+        _clock.since = time.perf_counter()
 
     async def take(self) -> None:
-        """Yield to the loop if this end has run SLICE_S without suspending."""
+        """Yield to the loop if the ends on it have run SLICE_S without suspending."""
         now = time.perf_counter()
-        if now - self._since >= SLICE_S:
-            self._since = now  # (first: a task cancelled in its turn must not take another at once)
+        if now - _clock.since >= SLICE_S:
+            _clock.since = now  # (first: a task cancelled in its turn must not take another at once)
             await asyncio.sleep(0)

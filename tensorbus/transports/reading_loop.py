@@ -227,7 +227,8 @@ class ReadingLoop(PeerFrames):
         Every frame a turn delivered is acked before it ends, whether or not bytes wait read ahead: the
         loop may not run again for a while (an application between two `run_until_complete`), and a
         stopped loop answers no ack request (the producer's `flush` would wait for it in vain). With
-        `ack=False` the caller acks them (`ack_read`) in a turn of its own, soon after."""
+        `ack=False` the caller acks them (`ack_read`) in a turn of its own, soon after (socket_reading.py:
+        with only the acks owed, while a receive waits again)."""
         if not self._leader.acquire(blocking=False):  # (`close` leads)
             return False
         try:
@@ -253,14 +254,15 @@ class ReadingLoop(PeerFrames):
             self._leader.release()
         return bool(self._pending)
 
-    def ack_read(self) -> None:
-        """Ack every frame read so far: an event loop's turn of its own, after turns that read with `ack=False`."""
+    def ack_read(self, owed_only: bool = False) -> None:
+        """Ack every frame read so far (`owed_only`: only where an ack is owed): an event loop's turn of its
+        own, after turns that read with `ack=False`."""
         if not self._leader.acquire(blocking=False):  # (`close` leads, and acks all)
             return
         try:
             self._lead_as(threading.get_ident())
             for peer in self._peer_list():
-                if not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
+                if not peer.gone and (peer.ack_owed or (peer.frames != peer.acked and not owed_only)):
                     self._ack_now(peer)
         finally:
             self._lead_as(None)

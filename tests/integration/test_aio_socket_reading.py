@@ -162,3 +162,29 @@ def test_a_pause_stops_watching_only_once_the_connection_is_readable_again_and_r
         assert _watched(loop, peer)
     finally:
         _close(loop, consumer, producer)
+
+
+def test_a_receiving_loop_acks_as_a_reading_thread_does_not_once_per_tensor(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receive that waits again as soon as the last one was served (a ping-pong) keeps the loop running:
+    the frames it delivered are acked every `ack_every_frames` and when the producer asks, not one ack
+    (a system call on both ends) per tensor; the last receive served with none waiting after it acks them."""
+    consumer, producer = _connected(loop)
+    acks: list[int] = []
+    reactor: Any = consumer.blocking.transport.reactor
+    sending = reactor._ack
+    monkeypatch.setattr(reactor, "_ack", lambda peer: (acks.append(peer.frames), sending(peer)))
+    rounds = 100
+    try:
+
+        async def ping_pong() -> None:
+            for i in range(rounds):
+                asyncio.get_running_loop().run_in_executor(None, producer.send, "k", np.full(4, i, np.float32))
+                assert int((await consumer.recv("k", timeout=30))[0]) == i  # (each sent once the last was served)
+
+        loop.run_until_complete(ping_pong())
+        assert len(acks) < rounds // 4, acks  # (one per round before)
+        wait_for(lambda: _acks_read(producer) == 1 + rounds, 10, "every frame acknowledged after the last receive")
+    finally:
+        _close(loop, consumer, producer)
