@@ -79,6 +79,7 @@ class Frames:
         #: when a producer delivering itself pauses for the receive taking its tensors (its own lock, taken
         #: inside this one; the consumer's ledger tells it what was taken: `taken`)
         self.pace = Pace()
+        self._unchecked = 1  # frames `put` delivers before it asks `pace` again (under the lock)
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +106,7 @@ class Frames:
     def _deliver_or_queue(
         self, frame: Buffer, source: object, front: bool, nbytes: int | None, crc: int | None
     ) -> int | None:
-        """`put` under the lock: after delivering it now, the taken count to pause for (`Pace.pause_until`)."""
+        """`put` under the lock: after delivering it now, the taken count to pause for (`Pace.check`)."""
         with self._lock:
             if self.deliver_now is not None and not front and not self._queues and not self._unreceived:
                 # (nothing of any producer queued, being delivered or held back: none is overtaken)
@@ -115,8 +116,12 @@ class Frames:
                         self._woken = True
                         self._wake_getter()
                         self._woke_receive = True
+                    self._unchecked -= 1
+                    if self._unchecked > 0:
+                        return None
                     size = memoryview(frame).nbytes if nbytes is None else nbytes
-                    return self.pace.pause_until(self._position, size, self._woke_receive)
+                    until, self._unchecked = self.pace.check(self._position, size, self._woke_receive)
+                    return until
             if nbytes is None:
                 nbytes = memoryview(frame).nbytes
             queue = self._queues.get(source)

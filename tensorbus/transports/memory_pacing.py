@@ -7,10 +7,10 @@ straight into the consumer's table (memory_frames.py) got up to 1,800 tensors of
 receive taking them (118 MB: fresh pages faulted in, out of the caches), and the receive took about one
 per switch interval. So while a receive takes tensors, a producer that delivered `BURST` frames it has
 not taken (fewer large ones: `BURST_BYTES` of them) pauses until the receive took half of them, or waits
-for more, and `BURST_WAIT_S` at most. A consumer that takes nothing (none for `BURST_WAIT_S`, and no
-receive woken by the producer waiting to run) never pauses a producer: the table and `max_unacked_bytes`
-bound it, as before. Tensors another key's receive has not taken do not count: they are set aside each
-time a receive waits for more (`waiting`).
+for more, and `BURST_WAIT_S` at most (it looks every eighth of a burst). A consumer that takes nothing
+(none for `BURST_WAIT_S`, and no receive woken by the producer waiting to run) never pauses a producer: the
+table and `max_unacked_bytes` bound it, as before. Tensors another key's receive has not taken do not
+count: they are set aside each time a receive waits for more (`waiting`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Hashable
 
 #: frames a producer delivers ahead of a receive taking them before it pauses ...
 BURST = 64
@@ -31,27 +32,29 @@ class Pace:
     """The positions one endpoint's consumer took, against those handed to it: when a producer pauses.
 
     Positions are those `Frames` numbers (every frame handed to the consumer, by `put` or `get`); the caller
-    passes how many it handed so far. Its own lock is a leaf: nothing else is taken while it is held.
+    passes how many it handed so far, and asks `check` only every few frames (a small tensor's time is
+    mostly such steps). Its own lock is a leaf: nothing else is taken while it is held.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)  # (taken, or a receive waits for more)
         self._taken = 0  # positions released by the consumer's ledger: their tensors taken (under the lock)
-        self._taken_at = -math.inf  # when the last were (monotonic, under the lock)
+        #: `_taken` as a producer's `check` last saw it, and when it last saw it grow (monotonic): a receive
+        #: is taking tensors while that is recent (under the lock; a take itself only counts)
+        self._seen, self._seen_grow = 0, -math.inf
         #: positions handed and not taken when a receive last waited for more: another key's, not counted
         self._aside = 0
         self._waits = 0  # times a receive waited for more (under the lock)
         self._pausing = 0  # producers pausing (under the lock)
         self._resume_at = math.inf  # `_taken` at which the earliest pausing producer goes on (under the lock)
 
-    def taken(self, count: int) -> None:
-        """The consumer's ledger released `count` positions (its receives took their tensors): the ledger's
+    def released(self, positions: list[Hashable]) -> None:
+        """The consumer's ledger released `positions` (its receives took their tensors): the ledger's
         `on_release`, on the taking thread (or a producer's, inside `put`, when a waiting receive took it first)."""
         self._lock.acquire()
         try:
-            self._taken += count
-            self._taken_at = time.monotonic()
+            self._taken += len(positions)
             if self._taken >= self._resume_at:
                 self._resume_at = math.inf
                 self._progress.notify_all()
@@ -70,17 +73,19 @@ class Pace:
         finally:
             self._lock.release()
 
-    def pause_until(self, handed: int, nbytes: int, woke: bool) -> int | None:
+    def check(self, handed: int, nbytes: int, woke: bool) -> tuple[int | None, int]:
         """After a producer handed a frame of `nbytes` to the consumer itself (`handed` positions so far): the
-        count of taken positions to pause for, or None to go on. `woke`: a receive it woke has not run yet."""
+        count of taken positions to pause for (None: go on), and in how many frames to check again (an
+        eighth of a burst). `woke`: a receive it woke has not run yet."""
         budget = max(2, min(BURST, BURST_BYTES // max(nbytes, 1)))
         self._lock.acquire()
         try:
-            if handed - self._taken - self._aside < budget:
-                return None
-            if not woke and time.monotonic() - self._taken_at >= BURST_WAIT_S:  # (nobody is taking)
-                return None
-            return self._taken + budget // 2
+            now = time.monotonic()
+            if self._taken != self._seen:
+                self._seen, self._seen_grow = self._taken, now
+            if handed - self._taken - self._aside < budget or not (woke or now - self._seen_grow < BURST_WAIT_S):
+                return None, max(1, budget // 8)  # (a burst ahead of nobody taking: the table bounds it)
+            return self._taken + budget // 2, max(1, budget // 8)
         finally:
             self._lock.release()
 
