@@ -21,7 +21,7 @@ import time
 from collections.abc import Hashable
 
 #: frames a producer delivers ahead of a receive taking them before it pauses ...
-BURST = 64
+BURST = 128
 #: ... or fewer, so that they hold at most this many bytes (a memory:// producer's pool recycles as many)
 BURST_BYTES = 4 << 20
 #: a pause lasts this long at most (the interpreter's switch interval, after which the receive would run anyway)
