@@ -44,7 +44,7 @@ _SOURCES = itertools.count(1)
 SMALL_FRAME = 64 << 10
 #: a frame this large is copied and checksummed without the interpreter lock; a smaller one holding it: a
 #: producer that lets go of it hands it to the receive for a while, and each hand-over wakes a thread (at
-#: 64 KB, both ends in one process, 30-38k tensors/s letting go against 38-46k holding it; at 1 MB 7.5-8.5k
+#: 64 KB, both ends in one process, 28-38k tensors/s letting go against 30-46k holding it; at 1 MB 7.5-8.5k
 #: against 3.9-4.7k: docs/PERFORMANCE.md)
 LET_GO_FROM = 1 << 20
 

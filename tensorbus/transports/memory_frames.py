@@ -77,7 +77,7 @@ class Frames:
         #: `put` woke the waiting receive, which has not run since (under the lock)
         self._woke_receive = False
         #: when a producer delivering itself pauses for the receive taking its tensors (its own lock, taken
-        #: inside this one; the consumer's ledger tells it what was taken: `taken`)
+        #: inside this one; the consumer's ledger tells it what was taken: `Pace.released`)
         self.pace = Pace()
         self._unchecked = 1  # frames `put` delivers before it asks `pace` again (under the lock)
 

@@ -3,14 +3,14 @@
 Producer and receive share one interpreter lock. A producer sending in a loop lets go of it only every
 switch interval (5 ms) or when it waits; a receive lets go of it whenever a call of its own does (a large
 tensor's CRC32C, say), and the producer then has it for the next 5 ms. Unpaced, a producer delivering
-straight into the consumer's table (memory_frames.py) got up to 1,800 tensors of 64 KB ahead of the
-receive taking them (118 MB: fresh pages faulted in, out of the caches), and the receive took about one
-per switch interval. So while a receive takes tensors, a producer that delivered `BURST` frames it has
-not taken (fewer large ones: `BURST_BYTES` of them) pauses until the receive took half of them, or waits
-for more, and `BURST_WAIT_S` at most (it looks every eighth of a burst). A consumer that takes nothing
+straight into the consumer's table (memory_frames.py) got up to 2,000 tensors of 64 KB ahead of the receive
+taking them (128 MB: fresh pages faulted in, out of the caches), and the receive took about one per switch
+interval (docs/PERFORMANCE.md). So while a receive takes tensors, a producer that delivered `BURST` frames
+it has not taken (fewer large ones: `BURST_BYTES` of them) pauses until the receive took half of them, or
+waits for more, and `BURST_WAIT_S` at most (it looks every eighth of a burst). A consumer that takes nothing
 (none for `BURST_WAIT_S`, and no receive woken by the producer waiting to run) never pauses a producer: the
-table and `max_unacked_bytes` bound it, as before. Tensors another key's receive has not taken do not
-count: they are set aside each time a receive waits for more (`waiting`).
+table and `max_unacked_bytes` bound it, as before. Tensors another key's receive has not taken do not count:
+they are set aside each time a receive waits for more (`waiting`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class Pace:
         self._aside = 0
         self._waits = 0  # times a receive waited for more (under the lock)
         self._pausing = 0  # producers pausing (under the lock)
-        self._resume_at = math.inf  # `_taken` at which the earliest pausing producer goes on (under the lock)
+        #: `_taken` from which a release wakes the pausing producers (the earliest one's; each looks again
+        #: whether it may go on), while any pauses (under the lock)
+        self._resume_at = math.inf
 
     def released(self, positions: list[Hashable]) -> None:
         """The consumer's ledger released `positions` (its receives took their tensors): the ledger's
@@ -56,7 +58,6 @@ class Pace:
         try:
             self._taken += len(positions)
             if self._taken >= self._resume_at:
-                self._resume_at = math.inf
                 self._progress.notify_all()
         finally:
             self._lock.release()

@@ -138,3 +138,23 @@ def test_a_memory_producer_stays_within_a_burst_of_the_receive_taking_its_tensor
         receive.join(30)
         assert len(taken) == count
         assert most <= budget + budget // 8  # (it looks every eighth of a burst)
+
+
+def test_each_of_two_pausing_producers_goes_on_once_its_own_count_is_taken() -> None:
+    pace = memory_pacing.Pace()
+    gone: list[int] = []
+
+    def pause(until: int) -> None:
+        pace.pause(until)
+        gone.append(until)
+
+    pausing = [threading.Thread(target=pause, args=(until,)) for until in (10, 20)]
+    for thread in pausing:
+        thread.start()
+    wait_for(lambda: pace._pausing == 2, 30, "both producers to pause")
+    pace.released(list(range(10)))
+    pausing[0].join(30)
+    assert gone == [10] and pace._pausing == 1  # (the other goes on with its own count, not before)
+    pace.released(list(range(10)))
+    pausing[1].join(30)
+    assert gone == [10, 20]
