@@ -184,3 +184,18 @@ def test_a_tensor_over_the_producers_share_is_queued_and_held_back_as_before() -
             for _ in range(4):
                 assert consumer.recv("k", timeout=30).nbytes == tensor.nbytes
             producer.flush(timeout=30)
+
+
+@pytest.mark.parametrize("nbytes", [1 << 16, 1 << 20], ids=["copied-then-checksummed", "checksummed-while-copied"])
+def test_a_queued_frame_carries_the_crc_of_its_bytes_whichever_way_the_producer_computed_it(nbytes: int) -> None:
+    """Under 1 MiB the producer copies, then checksums, holding the interpreter lock; from 1 MiB it does both in
+    one pass without it. Queued before a consumer listens, the frames are checked by the consumer's own CRC."""
+    require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
+    tensors = [np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8) for seed in range(3)]
+    with tb.Producer("memory://checked") as producer:
+        for tensor in tensors:
+            producer.send("k", tensor)
+        assert len(HUB.endpoint("checked")) == 3  # (queued: no consumer took them on the producer's thread)
+        with tb.Consumer("memory://checked") as consumer:
+            for tensor in tensors:
+                assert np.array_equal(consumer.recv("k", timeout=30), tensor)
