@@ -62,10 +62,12 @@ def aligned(data: bytes | bytearray | memoryview, pool: BufferPool | None = None
 
 class BufferPool:
     """Hands out writable, 64-byte aligned buffers of `n` bytes; buffers >= 1 MiB are pooled and reused
-    (`max_buffers` of them), and those from RECYCLED_FROM up to RECYCLED_BYTES in all."""
+    (`max_buffers` of them), and those from RECYCLED_FROM up to `recycled_bytes` in all. A buffer reused
+    goes to the back of its list, so the front is the one used longest ago (the likeliest free)."""
 
-    def __init__(self, max_buffers: int = 4) -> None:
+    def __init__(self, max_buffers: int = 4, recycled_bytes: int = RECYCLED_BYTES) -> None:
         self.max_buffers = max_buffers
+        self.recycled_bytes = recycled_bytes
         self._buffers: list[np.ndarray] = []  # from POOLED_FROM
         self._recycled: list[np.ndarray] = []  # from RECYCLED_FROM, below POOLED_FROM
         self._recycled_bytes = 0
@@ -88,10 +90,14 @@ class BufferPool:
             return self._free(n)
 
     def _free(self, n: int, buffers: list[np.ndarray] | None = None) -> memoryview | None:
-        for base in self._buffers if buffers is None else buffers:
+        kept = self._buffers if buffers is None else buffers
+        for index in range(len(kept)):  # (not `enumerate`: its tuple would hold a reference more)
+            base = kept[index]
             # references: the list, `base`, and getrefcount's own argument; any more is a live view
             if n <= len(base) <= 2 * n and sys.getrefcount(base) <= 3:
                 self.reused += 1
+                if index < len(kept) - 1:
+                    kept.append(kept.pop(index))
                 return base.data[:n]
         return None
 
@@ -115,7 +121,7 @@ class BufferPool:
 
     def _recycle(self, n: int) -> memoryview:
         """A buffer of `n` bytes (RECYCLED_FROM <= n < POOLED_FROM): a free one kept, or a new one, kept
-        while those kept hold at most RECYCLED_BYTES (free ones are let go, oldest first, to make room)."""
+        while those kept hold at most `recycled_bytes` (free ones are let go, oldest first, to make room)."""
         with self._lock:
             reused = self._free(n, self._recycled)
             if reused is not None:
@@ -123,12 +129,12 @@ class BufferPool:
             base = aligned_empty(n)
             kept = self._recycled
             index = 0
-            while self._recycled_bytes + len(base) > RECYCLED_BYTES and index < len(kept):
+            while self._recycled_bytes + len(base) > self.recycled_bytes and index < len(kept):
                 if sys.getrefcount(kept[index]) <= 2:  # (the list and getrefcount's argument: free)
                     self._recycled_bytes -= len(kept.pop(index))
                 else:
                     index += 1
-            if self._recycled_bytes + len(base) <= RECYCLED_BYTES:
+            if self._recycled_bytes + len(base) <= self.recycled_bytes:
                 kept.append(base)
                 self._recycled_bytes += len(base)
             return base.data[:n]

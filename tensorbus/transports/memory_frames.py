@@ -12,14 +12,11 @@ import time
 from collections.abc import Callable
 
 from ..codec.frame import Buffer
+from .memory_pacing import Pace
 from .tally import Tally
 
 #: `Frames._next_source` when no frame can be read
 _NOTHING = object()
-#: a producer that woke a waiting receive lets it run once it delivered this many more frames itself (see `Frames`)
-BURST = 64
-#: ... waiting for it that long at most (the interpreter's switch interval, after which it would run anyway)
-BURST_WAIT_S = 0.005
 
 
 class Frames:
@@ -32,12 +29,12 @@ class Frames:
     delivery. Every other frame is queued, and so is every frame behind a queued one, so each
     producer's frames keep their order; both ways number the frames under the lock (`position`).
 
-    Producer and consumer threads share one interpreter lock: a receive woken by `put` runs only once the
-    producer lets go of it, which a producer sending in a loop does only every switch interval (5 ms), by
-    when hundreds of tensors wait in the table, out of the caches, and survive into the older garbage
-    collector generations (their cost grows with that backlog). So a producer that woke a waiting receive
-    and delivered `BURST` more frames since waits, before its next, until that receive runs (at most
-    `BURST_WAIT_S`): the receive then takes them while they are fresh.
+    Producer and consumer threads share one interpreter lock: a receive woken by `put`, or taking what
+    `put` delivered, runs only while the producer lets go of it, which a producer sending in a loop does
+    only every switch interval (5 ms), by when hundreds of tensors wait in the table, out of the caches,
+    and survive into the older garbage collector generations (their cost grows with that backlog). So a
+    producer that delivered a burst ahead of the receive taking them pauses after its `put` (`pace`,
+    memory_pacing.py): the receive then takes them while they are fresh.
 
     A producer whose tensor the consumer holds back (`hold`: its share of the table is full) is not
     read meanwhile, as a socket consumer stops reading one connection; the others are. The bytes each
@@ -77,11 +74,12 @@ class Frames:
         #: position, crc)`, called under the lock: True once delivered and booked), while it listens; else None
         self.deliver_now: Callable[[Buffer, object, int, int | None], bool] | None = None
         self._position = 0  # the position of the last frame delivered or taken (under the lock)
-        #: frames `put` delivered since it woke the waiting receive, which has not run since; None: none woken
-        #: (under the lock)
-        self._since_woken: int | None = None
-        self._receive_ran = threading.Condition(self._lock)  # (a receive woken by `put` runs)
-        self._letting_run = 0  # producers waiting on `_receive_ran` (under the lock)
+        #: `put` woke the waiting receive, which has not run since (under the lock)
+        self._woke_receive = False
+        #: when a producer delivering itself pauses for the receive taking its tensors (its own lock, taken
+        #: inside this one; the consumer's ledger tells it what was taken: `Pace.released`)
+        self.pace = Pace()
+        self._unchecked = 1  # frames `put` delivers before it asks `pace` again (under the lock)
 
     @property
     def nbytes(self) -> int:
@@ -99,26 +97,31 @@ class Frames:
         crc: int | None = None,
     ) -> None:
         """Queue `frame` of `source` (`nbytes` long, and its CRC32C `crc`, if the caller knows), at the back or,
-        `front`, first in line; or deliver it now (`deliver_now`)."""
+        `front`, first in line; or deliver it now (`deliver_now`), then pause if the receive taking what
+        producers delivered themselves fell a burst behind (`pace`)."""
+        until = self._deliver_or_queue(frame, source, front, nbytes, crc)
+        if until is not None:  # (without this queue's lock: the receive needs it)
+            self.pace.pause(until)
+
+    def _deliver_or_queue(
+        self, frame: Buffer, source: object, front: bool, nbytes: int | None, crc: int | None
+    ) -> int | None:
+        """`put` under the lock: after delivering it now, the taken count to pause for (`Pace.check`)."""
         with self._lock:
-            if not front and self._since_woken is not None and self._since_woken >= BURST:  # (let it run first)
-                self._letting_run += 1
-                try:
-                    self._receive_ran.wait(BURST_WAIT_S)
-                finally:
-                    self._letting_run -= 1
-                self._since_woken = None
             if self.deliver_now is not None and not front and not self._queues and not self._unreceived:
                 # (nothing of any producer queued, being delivered or held back: none is overtaken)
                 if self.deliver_now(frame, source, self._position + 1, crc):
                     self._position += 1
-                    if self._since_woken is not None:  # (the receive it woke has not run yet)
-                        self._since_woken += 1
-                    elif self._getting and self._receiving:  # (the tensor may be the one it waits for: it looks)
+                    if self._getting and self._receiving and not self._woke_receive:  # (it may be the one it waits for)
                         self._woken = True
                         self._wake_getter()
-                        self._since_woken = 0
-                    return
+                        self._woke_receive = True
+                    self._unchecked -= 1
+                    if self._unchecked > 0:
+                        return None
+                    size = memoryview(frame).nbytes if nbytes is None else nbytes
+                    until, self._unchecked = self.pace.check(self._position, size, self._woke_receive)
+                    return until
             if nbytes is None:
                 nbytes = memoryview(frame).nbytes
             queue = self._queues.get(source)
@@ -132,6 +135,7 @@ class Frames:
                 queue.append((self._newest, frame))
             self._bytes[source] = self._bytes.get(source, 0) + nbytes
             self._wake_getter()
+            return None
 
     def get(
         self, stop: threading.Event, deadline: float | None = None, *, receiving: bool = False
@@ -146,16 +150,16 @@ class Frames:
                 if deadline is not None and (left := deadline - time.monotonic()) <= 0:
                     break
                 self._getting += 1
+                if receiving:  # (it caught up: what it left in the table is another key's)
+                    self.pace.waiting(self._position)
                 self._lock.release()
                 try:
                     came = self._ready.acquire(timeout=-1 if deadline is None else left)
                 finally:
                     self._lock.acquire()
                     self._getting -= 1
-                    if receiving and self._since_woken is not None:  # (woken by `put`: it runs now)
-                        self._since_woken = None
-                        if self._letting_run:
-                            self._receive_ran.notify_all()
+                    if receiving:  # (woken by `put`, if it was: it runs now)
+                        self._woke_receive = False
                 if not came:
                     break
             self._woken = False
@@ -222,6 +226,7 @@ class Frames:
             self._held.clear()
             self._unreceived.clear()
             self._room_went()
+            self.pace.waiting(self._position)  # (what it did not take is queued again: not ahead of anyone)
 
     def wait_for_room(
         self, limit: int, timeout: float | None, source: object = None, tally: Tally | None = None

@@ -40,8 +40,8 @@ class MemoryReader:
         # the leader's, all of them (leading.py: one thread at a time)
         self._held: dict[object, Held] = {}  # source -> the message the consumer holds back (its share is full)
         #: each frame's position, kept there with its source until the ledger releases it (nothing to
-        #: acknowledge: a released frame is just let go)
-        self._stream = deliver.ledger.stream()
+        #: acknowledge: a released frame is just let go, and counted as taken for the producers' pace)
+        self._stream = deliver.ledger.stream(frames.pace.released)
         self._stop = threading.Event()
         self.leadership = Leadership(LINGER_S, frames.step_aside)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-memory-{name}")

@@ -45,3 +45,20 @@ def test_small_and_large_buffers_keep_their_own_rules() -> None:
     del large
     pool.take(buffers.POOLED_FROM)
     assert pool.reused == 1
+
+
+def test_a_reused_buffer_goes_to_the_back_so_the_one_used_longest_ago_is_looked_at_first() -> None:
+    pool = buffers.BufferPool(recycled_bytes=8 << 20)
+    n = 64 << 10
+    taken = [pool.take(n) for _ in range(4)]
+    addresses = [buffers.address(view) for view in taken]
+    del taken
+    again = [pool.take(n) for _ in range(3)]  # each the front one: the first three, in order
+    assert [buffers.address(view) for view in again] == addresses[:3] and pool.reused == 3
+    assert [buffers.address(base.data) for base in pool._recycled] == addresses[3:] + addresses[:3]
+
+
+def test_recycled_bytes_is_the_pools_own() -> None:
+    pool = buffers.BufferPool(recycled_bytes=4 * ((64 << 10) + buffers.ALIGN))
+    live = [pool.take(64 << 10) for _ in range(6)]
+    assert len(pool._recycled) == 4 and len(live) == 6

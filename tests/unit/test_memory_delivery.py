@@ -15,9 +15,10 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.intake_state import FAST
-from tensorbus.transports import memory_frames
+from tensorbus.transports import memory_pacing
 from tensorbus.transports.memory import HUB
-from tensorbus.transports.memory_frames import BURST, Frames
+from tensorbus.transports.memory_frames import Frames
+from tensorbus.transports.memory_pacing import BURST
 
 from ..conftest import require_native
 from ..waiting import wait_for
@@ -94,30 +95,33 @@ def test_a_frame_the_c_delivery_declines_is_queued_and_later_ones_wait_behind_it
     assert len(frames) == 2 and answers == [True]
 
 
-def test_a_producer_that_woke_a_waiting_receive_lets_it_run_before_it_gets_further_ahead(
+def test_a_producer_that_woke_a_waiting_receive_pauses_a_burst_later_until_the_receive_ran(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Producer and receive share one interpreter lock: the woken receive runs before the producer delivers
-    more than BURST further frames (else it would find hundreds waiting, out of the caches)."""
-    monkeypatch.setattr(memory_frames, "BURST_WAIT_S", 60.0)  # (here never given up on, however loaded the machine)
+    more than a burst further frames (else it would find hundreds waiting, out of the caches)."""
+    monkeypatch.setattr(memory_pacing, "BURST_WAIT_S", 60.0)  # (here never given up on, however loaded the machine)
     frames = Frames()
-    waiting_then: list[int] = []  # whether the receive was still in its wait as each frame was delivered
+    waits_then: list[int] = []  # how many times the receive had waited as each frame was delivered
 
     def deliver_now(frame: Any, source: object, position: int, crc: int | None) -> bool:
-        waiting_then.append(frames._getting)
+        waits_then.append(frames.pace._waits)
         return True
 
     frames.deliver_with(deliver_now)
     got: list[Any] = []
-    receive = threading.Thread(target=lambda: got.append(frames.get(threading.Event(), None, receiving=True)))
+    stop = threading.Event()
+    # (woken by the first frame, it returns to look for its tensor, then waits for more: the pause ends)
+    receive = threading.Thread(target=lambda: got.extend(frames.get(stop, None, receiving=True) for _ in range(2)))
     receive.start()
     wait_for(lambda: frames._getting == 1, 30, "the receive to wait")
-    for _ in range(BURST + 3):
+    count = BURST + BURST // 8 + 1  # (it looks every eighth of a burst)
+    for _ in range(count):
         frames.put(b"frame", source="p")
     receive.join(30)
-    assert got == [None]  # (woken by the first: it returns to look for its tensor)
-    assert waiting_then[0] == 1 and len(waiting_then) == BURST + 3
-    assert waiting_then[BURST + 1 :] == [0, 0]  # the producer waited for it to run
+    assert got == [None, None]
+    assert waits_then[0] == 1 and len(waits_then) == count
+    assert waits_then[-1] == 2  # a burst on, the producer had let the receive run
 
 
 def test_recv_async_callbacks_run_on_a_reading_thread_never_on_the_producers() -> None:
@@ -180,3 +184,18 @@ def test_a_tensor_over_the_producers_share_is_queued_and_held_back_as_before() -
             for _ in range(4):
                 assert consumer.recv("k", timeout=30).nbytes == tensor.nbytes
             producer.flush(timeout=30)
+
+
+@pytest.mark.parametrize("nbytes", [1 << 16, 1 << 20], ids=["copied-then-checksummed", "checksummed-while-copied"])
+def test_a_queued_frame_carries_the_crc_of_its_bytes_whichever_way_the_producer_computed_it(nbytes: int) -> None:
+    """Under 1 MiB the producer copies, then checksums, holding the interpreter lock; from 1 MiB it does both in
+    one pass without it. Queued before a consumer listens, the frames are checked by the consumer's own CRC."""
+    require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
+    tensors = [np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8) for seed in range(3)]
+    with tb.Producer("memory://checked") as producer:
+        for tensor in tensors:
+            producer.send("k", tensor)
+        assert len(HUB.endpoint("checked")) == 3  # (queued: no consumer took them on the producer's thread)
+        with tb.Consumer("memory://checked") as consumer:
+            for tensor in tensors:
+                assert np.array_equal(consumer.recv("k", timeout=30), tensor)
