@@ -187,6 +187,10 @@ class Intake:
             state.interrupted = (frame, message)  # (the reassembler is done with a chunked one: keep what it made)
             raise
 
+    def taken_count(self) -> int:
+        """How many messages receives have taken from the table so far (`Rendezvous.taken_count`)."""
+        return self.table.taken_count()
+
     def release(self, held: Held) -> Delivered | None:
         """A held message offered again: decoded and taken (or turned away, or a duplicate, or refused)
         once it fits; else None (or held again: `Delivered.held`)."""

@@ -179,6 +179,10 @@ class Deliver(Protocol):
     #: order. None where there is no C delivery
     take_records: Callable[[Any, object, int], list[MessageId]] | None
 
+    def taken_count(self) -> int:
+        """How many messages receives have taken from the consumer's table so far (`Rendezvous.taken_count`)."""
+        ...
+
     def __call__(
         self,
         frame: Buffer,

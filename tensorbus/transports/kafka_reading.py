@@ -48,7 +48,8 @@ class RecordReading:
     ) -> None:
         self._consumer, self._commits, self._deliver, self._topic = consumer, commits, deliver, topic
         self._most, self._commit_every_s = most, commit_every_s
-        self.leadership = Leadership(LINGER_S, lambda: None)  # (librdkafka's wait cannot be cut short: WAIT_S)
+        # (librdkafka's wait cannot be cut short: WAIT_S)
+        self.leadership = Leadership(LINGER_S, lambda: None, deliver.taken_count)
         # -- the leader's, all of them (one thread at a time: `leadership`) --
         self._backlog: collections.deque[Message] = collections.deque()  # fetched, not yet delivered, in order
         #: the first record of the backlog with its frame, while the intake's Python delivery has it (a receive
