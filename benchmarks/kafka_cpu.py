@@ -7,9 +7,11 @@ What it measures
     receives them. Printed: each process's CPU time per tensor (`time.process_time`: librdkafka's threads
     included) and tensors/s, and the consumer's CPU per tensor by thread (/proc, 10 ms ticks). On two vCPUs
     shared with the broker the pipeline's CPU per tensor sets the rate, and load disturbs it less than wall time.
+    With `--backlog` the consumer starts only once every tensor is in the topic: a consumer behind the log
+    (librdkafka's prefetch limits then apply), timed alone.
 
 Run
-    python -m benchmarks.kafka_cpu [--impl tensorbus|confluent-kafka] [--size 4096] [--tensors 30000]
+    python -m benchmarks.kafka_cpu [--impl tensorbus|confluent-kafka] [--size 4096] [--tensors 30000] [--backlog]
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def produce(impl: str, tag: str, address: str, size: int, count: int, results: A
     link.close()
 
 
-def measure(impl: str, size: int, count: int) -> str:
-    """One round: the consumer's and the producer's CPU per tensor, as a line."""
+def measure(impl: str, size: int, count: int, backlog: bool = False) -> str:
+    """One round: the consumer's and the producer's CPU per tensor, as a line (`backlog`: the consumer drains
+    the topic once the producer is done)."""
     tag = uuid.uuid4().hex[:8]
     link = make_link(spec(impl, tag), "B")
     address = link.open()
@@ -80,19 +83,24 @@ def measure(impl: str, size: int, count: int) -> str:
     child.start()
     for _ in range(WARMUP):
         link.recv(60)
+    if backlog:
+        go.set()
+        producer_cpu, producer_wall = results.get(timeout=120)  # (every tensor acknowledged: in the topic)
     threads_before, cpu, wall = thread_cpu(), time.process_time(), time.monotonic()
     go.set()
     for _ in range(count):
         link.recv(60)
     cpu, wall = time.process_time() - cpu, time.monotonic() - wall
     threads = {k: v - threads_before.get(k, 0.0) for k, v in thread_cpu().items()}
-    producer_cpu, producer_wall = results.get(timeout=120)
+    if not backlog:
+        producer_cpu, producer_wall = results.get(timeout=120)
     child.join()
     link.close()
     by_thread = {k.rsplit(":", 1)[0]: round(v / count * 1e6, 1) for k, v in threads.items() if v > 0}
     load = open("/proc/loadavg").read().split()[0]
     return (
-        f"{impl} {size} B, {count} tensors, load {load}: consumer {cpu / count * 1e6:.1f} µs/tensor "
+        f"{impl} {size} B, {count} tensors{', backlog' if backlog else ''}, load {load}: "
+        f"consumer {cpu / count * 1e6:.1f} µs/tensor "
         f"({count / wall:.0f}/s), producer {producer_cpu / count * 1e6:.1f} µs/tensor ({count / producer_wall:.0f}/s); "
         f"consumer threads, µs/tensor: {by_thread}"
     )
@@ -103,8 +111,9 @@ def main() -> None:
     parser.add_argument("--impl", default="tensorbus", choices=["tensorbus", "confluent-kafka"])
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--tensors", type=int, default=30_000)
+    parser.add_argument("--backlog", action="store_true", help="drain the topic once every tensor is in it")
     args = parser.parse_args()
-    print(measure(args.impl, args.size, args.tensors), flush=True)
+    print(measure(args.impl, args.size, args.tensors, args.backlog), flush=True)
 
 
 if __name__ == "__main__":

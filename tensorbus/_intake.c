@@ -33,9 +33,12 @@ static PyObject *g_decode = NULL;    /* codec: _native.decode_message */
 static PyObject *g_any = NULL;       /* intake_state.ANY, the waiter key of arrival-order receivers */
 static PyObject *g_deque = NULL;     /* collections.deque */
 static Py_ssize_t g_separators = -1; /* a key with this many ';' may name an incarnation */
+static PyObject *g_aligned_copy = NULL; /* codec: _native.aligned_copy (a record's bytes, 64-byte aligned) */
+static PyObject *g_chunk_mark = NULL;   /* frame.CHUNK_MARK: the bytes a chunk's header begins with ... */
+static Py_ssize_t g_chunk_at = -1;      /* ... this far into its frame */
 
 static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_pop, *s_popitem, *s_callback, *s_done, *s_result,
-    *s_received, *s_buffered, *s_semicolon, *s_one;
+    *s_received, *s_buffered, *s_semicolon, *s_one, *s_error, *s_partition, *s_offset, *s_value;
 
 /* ---- the state ------------------------------------------------------------------------------------------ */
 
@@ -230,7 +233,7 @@ typedef struct {
  * the Python way; -1: an error (also nothing changed, but for a MemoryError half way, which drops the
  * connection: the frame was not acknowledged, so it comes again, and a copy already taken is a duplicate). */
 static int
-fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, PyObject **taken)
+fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, PyObject **taken, PyObject **taken_id)
 {
     IntakeState *s = self->state;
     TableState *t = (TableState *)s->table;
@@ -365,6 +368,9 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, 
         result = 1;
         self->taken++;
         *taken = Py_NewRef(msg);
+        if (taken_id != NULL) {
+            *taken_id = Py_NewRef(id);
+        }
     }
     else {
         result = -1;
@@ -412,12 +418,95 @@ fast_take_method(FastDelivery *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *taken = NULL;
-    int r = fast_take(self, args[0], args[1], nargs == 3 ? args[2] : Py_None, &taken);
+    int r = fast_take(self, args[0], args[1], nargs == 3 ? args[2] : Py_None, &taken, NULL);
     if (r < 0) {
         Py_XDECREF(taken);
         return NULL;
     }
     return r ? taken : Py_NewRef(Py_None);
+}
+
+/* A broker record's whole plain frame, 64-byte aligned (a new reference), or NULL: a record this run stops at
+ * (an error, another partition, an offset out of turn, no value, a chunk), or an error (set). */
+static PyObject *
+record_frame(PyObject *record, PyObject *partition, long long offset)
+{
+    PyObject *got = PyObject_CallMethodNoArgs(record, s_error);
+    int ok = got == Py_None;
+    Py_XDECREF(got);
+    if (ok && (got = PyObject_CallMethodNoArgs(record, s_partition)) != NULL) {
+        ok = PyObject_RichCompareBool(got, partition, Py_EQ);
+        Py_DECREF(got);
+    }
+    if (ok > 0 && (got = PyObject_CallMethodNoArgs(record, s_offset)) != NULL) {
+        ok = PyLong_Check(got) && PyLong_AsLongLong(got) == offset;
+        Py_DECREF(got);
+    }
+    PyObject *value = ok > 0 ? PyObject_CallMethodNoArgs(record, s_value) : NULL;
+    if (value == NULL || !PyBytes_CheckExact(value) || PyBytes_GET_SIZE(value) == 0) {
+        Py_XDECREF(value);
+        return NULL;
+    }
+    Py_ssize_t mark = PyBytes_GET_SIZE(g_chunk_mark);
+    if (PyBytes_GET_SIZE(value) >= g_chunk_at + mark &&
+        memcmp(PyBytes_AS_STRING(value) + g_chunk_at, PyBytes_AS_STRING(g_chunk_mark), (size_t)mark) == 0) {
+        Py_DECREF(value); /* a chunk: the reassembler's, and not worth an aligned copy */
+        return NULL;
+    }
+    PyObject *frame = PyObject_CallOneArg(g_aligned_copy, value);
+    Py_DECREF(value);
+    return frame;
+}
+
+PyDoc_STRVAR(take_records_doc,
+"take_records(records, partition, offset)\n--\n\n"
+"Deliver the run of broker records at the left of `records` (a deque of confluent_kafka Messages, the first\n"
+"at `offset` of `partition`) that take() takes one after the other: each without an error, of `partition`,\n"
+"at the offset after the one before, a whole plain frame (its bytes copied to a 64-byte aligned buffer, as\n"
+"kafka_offsets.take_record does). Each taken record leaves `records`; the run stops at the first that is\n"
+"not, left there for the Python way. Returns the taken messages' ids, in order (empty: the first was not\n"
+"taken). An error raises only if nothing was taken yet; after, the run ends before the record it met.");
+
+static PyObject *
+fast_take_records_method(FastDelivery *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyObject_TypeCheck(args[0], (PyTypeObject *)g_deque) || !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "take_records(records: deque, partition: int, offset: int)");
+        return NULL;
+    }
+    if (g_aligned_copy == NULL || g_chunk_mark == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "take_records: configure() first");
+        return NULL;
+    }
+    PyObject *records = args[0], *partition = args[1], *ids = PyList_New(0);
+    long long offset = PyLong_AsLongLong(args[2]);
+    if (ids == NULL || (offset == -1 && PyErr_Occurred())) {
+        Py_XDECREF(ids);
+        return NULL;
+    }
+    while (PyObject_Length(records) > 0) {
+        PyObject *record = PySequence_GetItem(records, 0), *frame = NULL, *taken = NULL, *id = NULL, *popped = NULL;
+        frame = record == NULL ? NULL : record_frame(record, partition, offset);
+        Py_XDECREF(record);
+        int r = frame == NULL ? (PyErr_Occurred() ? -1 : 0) : fast_take(self, frame, Py_None, Py_None, &taken, &id);
+        Py_XDECREF(frame);
+        Py_XDECREF(taken);
+        if (r > 0 && (PyList_Append(ids, id) < 0 || (popped = PyObject_CallMethodNoArgs(records, s_popleft)) == NULL)) {
+            r = -1; /* (no memory for the id: the record stays, and its id is a duplicate when it comes again) */
+        }
+        Py_XDECREF(id);
+        Py_XDECREF(popped);
+        if (r <= 0) {
+            if (r < 0 && PyList_GET_SIZE(ids) == 0) {
+                Py_DECREF(ids);
+                return NULL;
+            }
+            PyErr_Clear(); /* (after records were taken: they are booked first, and this record is met again) */
+            break;
+        }
+        offset++;
+    }
+    return ids;
 }
 
 static int
@@ -474,6 +563,7 @@ get_taken(FastDelivery *self, void *closure)
 
 static PyMethodDef fast_methods[] = {
     {"take", (PyCFunction)(void (*)(void))fast_take_method, METH_FASTCALL, fast_take_doc},
+    {"take_records", (PyCFunction)(void (*)(void))fast_take_records_method, METH_FASTCALL, take_records_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -500,18 +590,27 @@ static PyTypeObject FastDeliveryType = {
 /* ---- module ------------------------------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(configure_doc,
-"configure(decode_message, any, deque_type, incarnation_separators)\n--\n\n"
+"configure(decode_message, any, deque_type, incarnation_separators, aligned_copy, chunk_at, chunk_mark)\n--\n\n"
 "Hand over what FastDelivery takes from Python: the codec's decode_message, the arrival-order waiter\n"
-"key, collections.deque, and how many ';' a key that may name an incarnation has.");
+"key, collections.deque, how many ';' a key that may name an incarnation has, the codec's aligned_copy,\n"
+"and where and with what bytes a chunk's header begins (frame.CHUNK_MARK).");
 
 static PyObject *
 configure(PyObject *self, PyObject *args)
 {
-    PyObject *decode, *any, *deque;
-    Py_ssize_t separators;
-    if (!PyArg_ParseTuple(args, "OOO!n:configure", &decode, &any, &PyType_Type, &deque, &separators)) {
+    PyObject *decode, *any, *deque, *aligned_copy, *chunk_mark;
+    Py_ssize_t separators, chunk_at;
+    if (!PyArg_ParseTuple(args, "OOO!nOnO!:configure", &decode, &any, &PyType_Type, &deque, &separators, &aligned_copy,
+                          &chunk_at, &PyBytes_Type, &chunk_mark)) {
         return NULL;
     }
+    if (chunk_at < 0) {
+        PyErr_SetString(PyExc_ValueError, "configure: chunk_at must be 0 or more");
+        return NULL;
+    }
+    Py_XSETREF(g_aligned_copy, Py_NewRef(aligned_copy));
+    Py_XSETREF(g_chunk_mark, Py_NewRef(chunk_mark));
+    g_chunk_at = chunk_at;
     Py_XSETREF(g_decode, Py_NewRef(decode));
     Py_XSETREF(g_any, Py_NewRef(any));
     Py_XSETREF(g_deque, Py_NewRef(deque));
@@ -538,6 +637,7 @@ PyInit__intake(void)
         {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_popleft, "popleft"},
         {&s_append, "append"},   {&s_pop, "pop"},         {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"},
         {&s_result, "result"},   {&s_received, "received"}, {&s_buffered, "buffered"}, {&s_semicolon, ";"},
+        {&s_error, "error"},     {&s_partition, "partition"}, {&s_offset, "offset"}, {&s_value, "value"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {

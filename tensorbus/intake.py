@@ -94,11 +94,14 @@ class Intake:
         #: deliver the frame with `__call__`), for transports that read frames in C; None where it cannot serve
         self.fast: Callable[[memoryview, int | None, object], Message | None] | None = None
         self.fast_delivery: Any = None  # (`_intake.FastDelivery`: its `taken` counts the frames it delivered)
+        #: `fast` over a run of broker records (transports.base.Deliver); None where `fast` is
+        self.take_records: Callable[[Any, object, int], list[MessageId]] | None = None
         if FAST is not None and limits.native and like == "numpy" and signing_key is None:
             self.fast_delivery = FAST.FastDelivery(
                 state, limits.max_header_bytes, limits.max_payload_bytes, limits.max_ndim
             )
             self.fast = self.fast_delivery.take
+            self.take_records = self.fast_delivery.take_records
         self._stopping = threading.Event()
         self._expiry = threading.Thread(target=self._expire_loop, daemon=True, name="tensorbus-expiry")
 
@@ -183,6 +186,10 @@ class Intake:
             self._forget(message_id)
             state.interrupted = (frame, message)  # (the reassembler is done with a chunked one: keep what it made)
             raise
+
+    def taken_count(self) -> int:
+        """How many messages receives have taken from the table so far (`Rendezvous.taken_count`)."""
+        return self.table.taken_count()
 
     def release(self, held: Held) -> Delivered | None:
         """A held message offered again: decoded and taken (or turned away, or a duplicate, or refused)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from .codec.frame import NATIVE, Message, MessageId
+from .codec.frame import CHUNK_MARK, NATIVE, Message, MessageId
 from .codec.native import load
 from .keys import INCARNATION_SEPARATORS
 
@@ -95,7 +95,9 @@ def _fast() -> ModuleType | None:
     module = load(f"{__package__}._intake")
     if module is None or NATIVE is None:
         return None
-    module.configure(NATIVE.decode_message, ANY, collections.deque, INCARNATION_SEPARATORS)
+    module.configure(
+        NATIVE.decode_message, ANY, collections.deque, INCARNATION_SEPARATORS, NATIVE.aligned_copy, *CHUNK_MARK
+    )
     return module
 
 

@@ -39,6 +39,10 @@ class MonitoringOptions:
     tracing: bool = False  # OpenTelemetry spans (also on with TENSORBUS_TRACING=1)
 
 
+#: the longest wait the platform's locks take (`threading.TIMEOUT_MAX`): a longer timeout means no timeout
+_TIMEOUT_MAX = threading.TIMEOUT_MAX
+
+
 def finite_timeout(timeout: object, name: str = "timeout") -> float | None:
     """A public method's `timeout` argument, checked: a number of seconds (0 or more) or None (wait forever),
     where one too long for the platform's waits (e.g. `math.inf`) becomes None. Anything else is a
@@ -46,6 +50,8 @@ def finite_timeout(timeout: object, name: str = "timeout") -> float | None:
 
     NaN is refused: compared with anything it is neither less nor more, so a wait on it would never end.
     """
+    if type(timeout) is float and 0 <= timeout < _TIMEOUT_MAX:  # (the commonest, in one comparison: NaN fails it)
+        return timeout
     if timeout is None:
         return None
     if type(timeout) is float or type(timeout) is int:  # (first: the ABC check costs a small tensor's `recv` 7 %)
@@ -58,7 +64,7 @@ def finite_timeout(timeout: object, name: str = "timeout") -> float | None:
         raise ConfigError(f"{name} cannot be NaN")
     if seconds < 0:
         raise ConfigError(f"{name} must be 0 seconds or more (None: wait forever), got {timeout!r}")
-    return None if seconds >= threading.TIMEOUT_MAX else seconds
+    return None if seconds >= _TIMEOUT_MAX else seconds
 
 
 def _is_size(name: str) -> bool:

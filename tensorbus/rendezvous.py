@@ -120,6 +120,9 @@ class Rendezvous(TableState):
         #: may be long: only their hashes are kept, at a fixed cost per source)
         self._incarnations: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._counter = 0
+        #: messages receives took from the table (not handed to them as they waited): a sign the application
+        #: receives, for a transport's background reading (`taken_count`)
+        self._taken = 0
         #: (arrival number, time) at each `drop_unclaimed`: every message up to that number had come by then
         self._marks: collections.deque[tuple[int, float]] = collections.deque()
         self._aborted: Aborted | None = None
@@ -265,6 +268,7 @@ class Rendezvous(TableState):
             message, nbytes, source = self._arrivals.pop(numbers.popleft())
         if not numbers:
             del self._by_key[message.key]
+        self._taken += 1
         self.buffered_bytes -= nbytes
         opened = self.buffered_bytes + nbytes >= self.max_buffered_bytes > self.buffered_bytes
         if source is not None:
@@ -272,6 +276,12 @@ class Rendezvous(TableState):
         if opened:
             self._room_opened()
         return message
+
+    def taken_count(self) -> int:
+        """How many messages receives have taken from the table so far (those handed to a waiting receive
+        aside): it grows while the application receives without waiting."""
+        with self._lock:
+            return self._taken
 
     def _uncount(self, source: object, nbytes: int) -> bool:
         """A buffered message of `source` left the table (caller holds the lock); True if that gave the

@@ -71,6 +71,7 @@ def consume(url: str, log: str, options: dict[str, Any]) -> None:
                 return message
 
             intake.fast = recording_take
+            intake.take_records = None  # (kafka:// on librdkafka then takes each record through `fast`)
 
     Intake.__init__ = recording_intake  # type: ignore[method-assign]  # (this process is the consumer's alone)
     consumer = tb.Consumer(url, **options)

@@ -34,6 +34,12 @@
 static PyObject *g_resolved = NULL;
 static PyObject *g_describe = NULL;
 static PyObject *g_crc32c = NULL;
+/* the same CRC as a C function (_crc.c's CRC32C_C capsule), where configure() was given it: frames below
+ * CRC_DIRECT_BELOW are checksummed without a Python call (larger ones go through g_crc32c, which lets go
+ * of the GIL while it reads them) */
+static uint32_t (*g_crc32c_c)(uint32_t value, const void *p, size_t n) = NULL;
+#define CRC32C_C_NAME "tensorbus.codec._crc.CRC32C_C"
+#define CRC_DIRECT_BELOW 32768
 
 /* "Not the fast case": a Python error about the input is dropped (the Python path will raise its
  * own, precise one), and the caller gets None; MemoryError, KeyboardInterrupt and the like go on. */
@@ -487,6 +493,10 @@ read_entry(Reader *r, Entry *e, Py_ssize_t max_ndim)
 static int
 frame_crc(const uint8_t *p, Py_ssize_t len, unsigned long *crc)
 {
+    if (g_crc32c_c != NULL && len < CRC_DIRECT_BELOW) {
+        *crc = g_crc32c_c(g_crc32c_c(0, p, CRC_AT), p + PREFIX_SIZE, (size_t)(len - PREFIX_SIZE));
+        return 1;
+    }
     PyObject *first = PyMemoryView_FromMemory((char *)p, CRC_AT, PyBUF_READ);
     PyObject *rest = PyMemoryView_FromMemory((char *)p + PREFIX_SIZE, len - PREFIX_SIZE, PyBUF_READ);
     PyObject *head = NULL, *whole = NULL, *fn = Py_NewRef(g_crc32c);
@@ -1205,17 +1215,23 @@ configure_message(PyObject *self, PyObject *args)
 /* ---- module ------------------------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(configure_doc,
-"configure(resolved, describe, crc32c)\n--\n\n"
+"configure(resolved, describe, crc32c, crc32c_c=None)\n--\n\n"
 "Hand over what the fast path takes from Python: {dtype name: {byte order: np.dtype}} (frame.resolve's\n"
-"whitelist), dtypes.describe, and crc32c.crc32c.");
+"whitelist), dtypes.describe, crc32c.crc32c, and the same CRC as a C function (_crc's CRC32C_C capsule),\n"
+"or None to call crc32c for every frame.");
 
 static PyObject *
 configure(PyObject *self, PyObject *args)
 {
-    PyObject *resolved, *describe, *crc;
-    if (!PyArg_ParseTuple(args, "O!OO:configure", &PyDict_Type, &resolved, &describe, &crc)) {
+    PyObject *resolved, *describe, *crc, *crc_c = Py_None;
+    if (!PyArg_ParseTuple(args, "O!OO|O:configure", &PyDict_Type, &resolved, &describe, &crc, &crc_c)) {
         return NULL;
     }
+    void *direct = NULL;
+    if (crc_c != Py_None && (direct = PyCapsule_GetPointer(crc_c, CRC32C_C_NAME)) == NULL) {
+        return NULL;
+    }
+    g_crc32c_c = direct == NULL ? NULL : *(uint32_t (**)(uint32_t, const void *, size_t))direct;
     Py_XSETREF(g_resolved, Py_NewRef(resolved));
     Py_XSETREF(g_describe, Py_NewRef(describe));
     for (int i = 0; i < DESCRIBED_KEPT; i++) { /* remembered by the describe this replaces */

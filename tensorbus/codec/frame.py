@@ -539,11 +539,14 @@ def payload_crcs(payload: memoryview, whole: int | None = None) -> tuple[int, in
 
 #: how a chunk frame's header begins (`split` writes "kind" first): a hint, checked like everything else
 _CHUNK_HEADER_START = b"\xa4kind\xa5chunk"
+#: where in a frame, and with which bytes, a chunk's header begins (`is_chunk`; the intake's C delivery reads it too)
+_CHUNK_AT = PREFIX.size + 1
+CHUNK_MARK = (_CHUNK_AT, _CHUNK_HEADER_START)
 
 
 def is_chunk(view: memoryview) -> bool:
     """Whether a frame's header begins as a chunk's does (a hint: `parse` checks the frame all the same)."""
-    return view[PREFIX.size + 1 : PREFIX.size + 1 + len(_CHUNK_HEADER_START)] == _CHUNK_HEADER_START
+    return view[_CHUNK_AT : _CHUNK_AT + len(_CHUNK_HEADER_START)] == _CHUNK_HEADER_START
 
 
 def peek_chunk(view: memoryview) -> tuple[tuple[Any, ...], int] | None:

@@ -120,10 +120,22 @@ def _crc32c_copy() -> Callable[..., int]:
 crc32c_copy = _crc32c_copy()
 
 
+def _crc32c_c() -> object:
+    """`crc32c` as a C function for the other extensions (`_crc`'s CRC32C_C capsule) where it is the folding one,
+    else None."""
+    fast = load(f"{__package__}._crc")
+    return fast.CRC32C_C if fast is not None and fast.ACCELERATED and crc32c is fast.crc32c else None
+
+
+def configure(native: ModuleType) -> None:
+    """Hand `_native` what it takes from Python: the dtypes it decodes, how it describes them, and the CRC32C."""
+    native.configure(_resolved(), describe, crc32c, _crc32c_c())
+
+
 def _load() -> ModuleType | None:
     native = load(f"{__package__}._native")
     if native is not None:
-        native.configure(_resolved(), describe, crc32c)
+        configure(native)
     return native
 
 

@@ -174,6 +174,15 @@ class Deliver(Protocol):
     #: itself); None where there is none
     fast: Callable[[memoryview, int | None, object], Message | None] | None
 
+    #: `fast` over a run of broker records (`take_records(records, partition, offset)`, _intake.c): takes the
+    #: records at the left of a deque while `fast` takes each, one offset after another; the ids it took, in
+    #: order. None where there is no C delivery
+    take_records: Callable[[Any, object, int], list[MessageId]] | None
+
+    def taken_count(self) -> int:
+        """How many messages receives have taken from the consumer's table so far (`Rendezvous.taken_count`)."""
+        ...
+
     def __call__(
         self,
         frame: Buffer,

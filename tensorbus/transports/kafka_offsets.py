@@ -23,13 +23,20 @@ def take_record(
     fast: Callable[[memoryview, int | None, object], Message | None] | None, value: bytes
 ) -> tuple[Message | None, Buffer]:
     """A record's frame through the intake's C delivery where that takes it: (the Message it delivered,
-    the frame), else (None, the frame to hand the intake). A record's bytes start 32 bytes into their
-    object, so its tensors would be misaligned: a whole frame is copied to a 64-byte aligned buffer
-    once, for both; a chunk is left as it is (the reassembler copies its payload into place anyway)."""
-    if fast is None or not value or is_chunk(memoryview(value)):
+    the frame), else (None, the frame to hand the intake: `record_frame`; the record's bytes themselves
+    where there is no C delivery)."""
+    if fast is None:
         return None, value
-    frame = aligned(value)
-    return fast(frame, None, None), frame
+    frame = record_frame(value)
+    return (fast(frame, None, None) if isinstance(frame, memoryview) else None), frame
+
+
+def record_frame(value: bytes) -> bytes | memoryview:
+    """A record's frame as the intake is handed it. A record's bytes start 32 bytes into their object, so its
+    tensors would be misaligned: a whole frame is copied to a 64-byte aligned buffer once, for the C delivery
+    and the intake alike (`FastDelivery.take_records` copies as this does); a chunk is left as it is (the
+    reassembler copies its payload into place anyway)."""
+    return value if not value or is_chunk(memoryview(value)) else aligned(value)
 
 
 def appended_at(timestamp_type: int | None, timestamp_ms: int | None) -> float | None:

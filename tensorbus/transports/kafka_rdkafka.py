@@ -29,6 +29,9 @@ CONSUMER = {
     "enable.auto.offset.store": False,
     "auto.offset.reset": "earliest",
     "topic.metadata.refresh.interval.ms": 5000,  # as kafka-python's metadata_max_age_ms here
+    # a partition whose prefetched records pass queued.max.messages.kbytes (64 MiB) is fetched again this soon
+    # after, not librdkafka's second: a consumer behind the log by that much stalled a second at a time
+    "fetch.queue.backoff.ms": 10,
 }
 #: librdkafka's own error codes (negative) that have a kafka-python twin, so `translate` says the same
 _LOCAL = {

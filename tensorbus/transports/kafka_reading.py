@@ -18,14 +18,14 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_LOG_APPEND_TIME, Consumer, KafkaException, Message
 from confluent_kafka import TopicPartition as RdTopicPartition
 
 from ..codec.frame import Buffer, MessageId
 from .base import Deliver, Held
-from .kafka_offsets import appended_at, take_record
+from .kafka_offsets import appended_at, record_frame, take_record
 from .kafka_python import TopicPartition
 from .kafka_rdkafka import Commits, batch
 from .leading import Leadership
@@ -48,7 +48,8 @@ class RecordReading:
     ) -> None:
         self._consumer, self._commits, self._deliver, self._topic = consumer, commits, deliver, topic
         self._most, self._commit_every_s = most, commit_every_s
-        self.leadership = Leadership(LINGER_S, lambda: None)  # (librdkafka's wait cannot be cut short: WAIT_S)
+        # (librdkafka's wait cannot be cut short: WAIT_S)
+        self.leadership = Leadership(LINGER_S, lambda: None, deliver.taken_count)
         # -- the leader's, all of them (one thread at a time: `leadership`) --
         self._backlog: collections.deque[Message] = collections.deque()  # fetched, not yet delivered, in order
         #: the first record of the backlog with its frame, while the intake's Python delivery has it (a receive
@@ -113,6 +114,7 @@ class RecordReading:
         consumer turned one away (not booked as taken: the group's next consumer reads it). A run of records
         the C delivery took, one offset after another, is booked in one step (`_Run`), before anything else."""
         backlog, fast, commits, run = self._backlog, self._deliver.fast, self._commits, _Run(self._commits)
+        take_records = self._deliver.take_records
         try:
             while backlog:
                 record = backlog[0]  # (taken off only once booked: a receive interrupted before offers it again)
@@ -125,10 +127,17 @@ class RecordReading:
                     tp = self._partitions[partition] = TopicPartition(self._topic, partition)
                 offset = record.offset() or 0
                 frame = self._offering
-                if frame is None:
+                if frame is None and take_records is not None:  # (C: the run of records it takes, off the backlog)
+                    if ids := take_records(backlog, partition, offset):
+                        run.extend(tp, offset, ids)
+                        if stop():
+                            return True
+                        continue
+                    frame = self._offering = record_frame(record.value() or b"")  # (left to Python: this one)
+                elif frame is None:
                     taken, frame = take_record(fast, record.value() or b"")  # (an empty record is refused, and counted)
                     if taken is not None:  # a whole plain frame the C delivery took: booked in the fewest steps
-                        run.add(tp, offset, taken.message_id)
+                        run.extend(tp, offset, (taken.message_id,))
                         backlog.popleft()
                         if stop():
                             return True
@@ -205,12 +214,13 @@ class _Run:
         self._first = 0
         self._ids: list[MessageId | None] = []
 
-    def add(self, tp: TopicPartition, offset: int, message_id: MessageId | None) -> None:
-        """One more record taken; a record that does not follow the run's last books the run first."""
-        if tp is not self._tp or offset != self._first + len(self._ids):
+    def extend(self, tp: TopicPartition, first: int, message_ids: Sequence[MessageId | None]) -> None:
+        """Records taken, at `first`, `first + 1`, ... of `tp`; records that do not follow the run's last book the
+        run first."""
+        if tp is not self._tp or first != self._first + len(self._ids):
             self.book()
-            self._tp, self._first = tp, offset
-        self._ids.append(message_id)
+            self._tp, self._first = tp, first
+        self._ids.extend(message_ids)
 
     def book(self) -> None:
         """Book the run's records in the ledger (`Offsets.record_admitted_run`), and start an empty one."""

@@ -9,7 +9,12 @@ time leads, holding `_lock`, and only the leader reads and delivers, so frames k
 - A background thread leads while no application thread has led for `linger_s` (`run_in_background`):
   acks flow, held tensors are offered again and producers are read while the application is busy
   elsewhere. It steps aside as soon as an application thread wants to lead: `interrupt` makes its
-  blocking wait return.
+  blocking wait return. Where the endpoint counts its receives (`received`), a receive that took a
+  tensor from the table counts as leading too: the background then steps aside after its step, rather
+  than reading on beside an application that drains the table (two threads passing the GIL to and fro,
+  each pass a wake-up), and the application leads again once the table is empty. It still leads a step
+  every `ASIDE_AT_MOST_S`, so the endpoint's own work goes on (Kafka's commits, and the poll a group
+  wants to see) while an application drains a table that stays full.
 
 A transport's `step(deadline, stop)` reads and delivers what is ready, waiting until `deadline`
 (None: until something comes or `interrupt` is called) and returning early once `stop()`; it returns
@@ -24,6 +29,8 @@ from collections.abc import Callable
 
 #: an application leader looks at its waiter at least this often (an abort releases it from elsewhere)
 POLL_S = 0.05
+#: the longest the background steps aside for receives that take from the table (`received`) before it leads a step
+ASIDE_AT_MOST_S = 1.0
 
 Step = Callable[[float | None, Callable[[], bool]], bool]
 
@@ -31,8 +38,12 @@ Step = Callable[[float | None, Callable[[], bool]], bool]
 class Leadership:
     """The lead over one endpoint's reading, taken by waiting receives and, in between, a background thread."""
 
-    def __init__(self, linger_s: float, interrupt: Callable[[], None]) -> None:
+    def __init__(
+        self, linger_s: float, interrupt: Callable[[], None], received: Callable[[], int] | None = None
+    ) -> None:
         self.linger_s, self._interrupt = linger_s, interrupt
+        #: how many tensors the application's receives took so far (None: not counted), read by the background
+        self._received = received
         self._lock = threading.Lock()  # held by the leader
         #: guards the fields below; `with self._state_lock` where nothing waits or is woken (a Condition's
         #: `__enter__` is a Python-level call, and a receive takes this lock five times)
@@ -115,6 +126,8 @@ class Leadership:
 
     def run_in_background(self, step: Step) -> None:
         """Lead whenever no application thread has for `linger_s`, until stopped (the body of a thread)."""
+        received = self._received
+        seen, led_at = None if received is None else received(), time.monotonic()
         while not self.stopped:
             with self._state:
                 while not self.stopped:
@@ -123,6 +136,12 @@ class Leadership:
                         break
                     # (a timed wait, not a notify per receive: an application receiving in a loop pays nothing)
                     self._state.wait(max(left, self.linger_s))
+            now = time.monotonic()
+            if received is not None and seen != (seen := received()) and now - led_at < ASIDE_AT_MOST_S:
+                with self._state:  # (the application received meanwhile: as if it had led)
+                    self._quiet_from = max(self._quiet_from, now + self.linger_s)
+                continue
+            led_at = now
             if self.stopped or not self._lock.acquire(timeout=POLL_S):
                 continue
             try:

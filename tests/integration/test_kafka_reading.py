@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus.intake_state import FAST
 from tensorbus.transports import kafka_reading
 from tensorbus.transports.kafka_reading import RecordReading
-from tests.conftest import endpoint_url
+from tests.conftest import endpoint_url, require_native
 from tests.integration.test_kafka import committed
 from tests.waiting import wait_for
 
@@ -98,3 +99,33 @@ def test_records_a_receive_took_from_librdkafka_when_interrupted_are_read_again(
         with pytest.raises(tb.Timeout):
             consumer.recv("k", timeout=0.5)  # nothing twice
     assert interrupted and got == list(range(6))
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["in runs", "one by one"])
+def test_records_the_c_delivery_takes_are_delivered_in_order_and_committed_in_runs_or_one_by_one(runs: bool) -> None:
+    """`FastDelivery.take_records` takes runs of records (a Python `take_record` per record where it is None, as
+    with a recording intake): either way every record is received once, in order, and committed."""
+    require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
+    url = endpoint_url("kafka-confluent")
+    count, took = 300, []
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        intake: Any = consumer.intake
+        take_records = intake.take_records
+
+        def noted(records: Any, partition: int, offset: int) -> list[Any]:
+            ids = take_records(records, partition, offset)
+            took.append(len(ids))
+            return ids
+
+        intake.take_records = noted if runs else None  # (before any record came: the topic is new)
+        for i in range(count):
+            producer.send("k", np.full(256, i, np.float32))
+        producer.flush(30)
+        assert [int(consumer.recv("k", timeout=30)[0]) for _ in range(count)] == list(range(count))
+        assert intake.fast_delivery.taken == count  # every record by the C delivery, whichever way it was called
+        if runs:
+            assert sum(took) == count and max(took) > 1
+        else:
+            assert took == []
+        group, topic = consumer.transport.group, consumer.transport.topic  # type: ignore[attr-defined]
+    assert committed(group, topic) == {0: count}

@@ -137,3 +137,14 @@ def test_a_kafka_group_member_outlasts_a_broker_failover_and_both_clients_reconn
         assert isinstance(transport, KafkaTransport)
         assert client_config(transport)["reconnect.backoff.max.ms"] == 1000
         assert transport._client_config()["reconnect_backoff_max_ms"] == 1000
+
+
+def test_a_confluent_consumer_behind_its_prefetch_limit_fetches_again_within_a_readers_wait() -> None:
+    """librdkafka postpones a partition's next fetch by `fetch.queue.backoff.ms` (1 s by default) whenever its queue
+    holds more than `queued.max.messages.kbytes` (64 MiB): a consumer that far behind the log (16,000 tensors of
+    4 KB) stalled a second at a time, draining a backlog at 22,000 tensors/s where it decodes 99,000/s
+    (docs/PERFORMANCE.md). It fetches again within a reader's wait for records (kafka_reading.WAIT_S)."""
+    from tensorbus.transports.kafka_rdkafka import CONSUMER
+    from tensorbus.transports.kafka_reading import WAIT_S
+
+    assert 0 < CONSUMER["fetch.queue.backoff.ms"] <= WAIT_S * 1000

@@ -384,6 +384,35 @@ def test_a_build_from_another_version_of_the_shared_header_is_stale(
         assert native.checked(NATIVE) is None
 
 
+def test_a_small_frame_is_checksummed_by_the_folding_crc_in_c_a_large_one_through_the_python_call() -> None:
+    """With `_crc`'s CRC32C_C capsule (where the folding CRC32C is the one in use) a frame below 32 KiB is
+    checksummed without a Python call (two calls and two memoryviews were a fifth of a 4 KB tensor's decode);
+    a larger one still goes through `crc32c`, which lets go of the GIL while it reads. Both refuse a bad byte."""
+    c_api = native._crc32c_c()
+    if c_api is None:
+        pytest.skip("the folding CRC32C is not in use here (a CPU without VPCLMULQDQ, or TENSORBUS_NATIVE=0)")
+    calls = []
+
+    def counting_crc32c(data: Any, value: int = 0) -> int:
+        calls.append(len(data))
+        return crc32c.crc32c(data, value)
+
+    small = python_encode(np.arange(1024, dtype=np.float32), key="k")
+    large = python_encode(np.arange(16384, dtype=np.float32), key="k")
+    try:
+        NATIVE.configure(native._resolved(), native.describe, counting_crc32c, c_api)
+        for data, checked_by_call in ((small, False), (large, True)):
+            calls.clear()
+            message = fast_decode(bytearray(data))
+            assert message is not None and message.tensor[-1] == len(message.tensor) - 1
+            assert (sum(calls) == len(data) - 4) is checked_by_call and (calls == []) is not checked_by_call
+            damaged = bytearray(data)
+            damaged[-1] ^= 1
+            assert fast_decode(damaged) is None  # (left to Python, which refuses it)
+    finally:
+        native.configure(NATIVE)
+
+
 def test_the_python_path_alone_still_round_trips(python_only: None) -> None:
     message = decode(bytearray(b"".join(encode(np.arange(4.0), key="k", metadata={"i": 1}))))
     assert message.tensor.tolist() == [0.0, 1.0, 2.0, 3.0] and message.metadata == {"i": 1}
@@ -406,4 +435,4 @@ def test_frames_of_other_kinds_are_not_checksummed_twice() -> None:
         assert fast_decode(plain) is not None
         assert sum(calls) == len(plain) - 4  # every byte but the CRC field's, once
     finally:
-        NATIVE.configure(native._resolved(), native.describe, native.crc32c)
+        native.configure(NATIVE)
