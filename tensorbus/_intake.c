@@ -32,13 +32,14 @@
 static PyObject *g_decode = NULL;    /* codec: _native.decode_message */
 static PyObject *g_any = NULL;       /* intake_state.ANY, the waiter key of arrival-order receivers */
 static PyObject *g_deque = NULL;     /* collections.deque */
+static PyObject *g_handoff = NULL;   /* intake_state.Handoff: a waiter's callback this delivery hands messages to */
 static Py_ssize_t g_separators = -1; /* a key with this many ';' may name an incarnation */
 static PyObject *g_aligned_copy = NULL; /* codec: _native.aligned_copy (a record's bytes, 64-byte aligned) */
 static PyObject *g_chunk_mark = NULL;   /* frame.CHUNK_MARK: the bytes a chunk's header begins with ... */
 static Py_ssize_t g_chunk_at = -1;      /* ... this far into its frame */
 
 static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_pop, *s_popitem, *s_callback, *s_done, *s_result,
-    *s_received, *s_buffered, *s_semicolon, *s_one, *s_error, *s_partition, *s_offset, *s_value;
+    *s_received, *s_buffered, *s_semicolon, *s_one, *s_error, *s_partition, *s_offset, *s_value, *s_complete;
 
 /* ---- the state ------------------------------------------------------------------------------------------ */
 
@@ -257,7 +258,7 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, 
         Py_DECREF(decoded);
         return separators < 0 ? -1 : 0;
     }
-    int result = 0, intake_locked = 0, table_locked = 0, ok = 1;
+    int result = 0, intake_locked = 0, table_locked = 0, ok = 1, handoff = 0;
     PyObject *waiter = NULL, *done = NULL, *number = NULL, *entry = NULL, *fresh = NULL, *queue, *keyed = NULL;
     PyObject *more = NULL, *share = NULL;
     if ((intake_locked = try_lock(s->lock)) <= 0 || (table_locked = try_lock(t->lock)) <= 0) {
@@ -281,12 +282,13 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, 
             goto out;
         }
         ok = callback == Py_None;
+        handoff = !ok && g_handoff != NULL && (PyObject *)Py_TYPE(callback) == g_handoff;
         Py_DECREF(callback);
-        if (!ok) { /* (callbacks run Python: Python calls them) */
+        if (!ok && !handoff) { /* (a recv_async callback runs the application's Python: Python calls it) */
             result = 0;
             goto out;
         }
-        if ((done = PyObject_GetAttr(waiter, s_done)) == NULL) {
+        if (!handoff && (done = PyObject_GetAttr(waiter, s_done)) == NULL) {
             result = -1;
             goto out;
         }
@@ -337,7 +339,7 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, 
             PyObject *wanted = PyDict_GetItemWithError(t->waiters, key) == queue ? key : g_any;
             ok = PyDict_DelItem(t->waiters, wanted) == 0;
         }
-        ok = ok && unlock(done) == 0;
+        ok = ok && (handoff || unlock(done) == 0); /* (a Handoff is called below, the locks let go) */
     }
     else if (ok) { /* four writes that may allocate, each undone should a later one fail; then two that do not */
         int placed = PyObject_SetItem(t->arrivals, number, entry) == 0;
@@ -382,7 +384,6 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, 
         PyErr_Restore(type, value, traceback);
     }
 out:
-    Py_XDECREF(waiter);
     Py_XDECREF(done);
     Py_XDECREF(number);
     Py_XDECREF(entry);
@@ -400,6 +401,12 @@ out:
     if (type != NULL) {
         PyErr_Restore(type, value, traceback); /* the first error is the one reported */
     }
+    if (result == 1 && handoff) { /* as Rendezvous.put, outside the locks: the Handoff's callback runs Python */
+        PyObject *completed = PyObject_CallMethodObjArgs(s->table, s_complete, waiter, msg, NULL);
+        result = completed == NULL ? -1 : 1; /* (CallbackInterrupted: the callback had it, as in Python) */
+        Py_XDECREF(completed);
+    }
+    Py_XDECREF(waiter);
     Py_DECREF(decoded);
     return result;
 }
@@ -590,18 +597,20 @@ static PyTypeObject FastDeliveryType = {
 /* ---- module ------------------------------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(configure_doc,
-"configure(decode_message, any, deque_type, incarnation_separators, aligned_copy, chunk_at, chunk_mark)\n--\n\n"
+"configure(decode_message, any, deque_type, incarnation_separators, aligned_copy, chunk_at, chunk_mark,\n"
+"          handoff_type)\n--\n\n"
 "Hand over what FastDelivery takes from Python: the codec's decode_message, the arrival-order waiter\n"
 "key, collections.deque, how many ';' a key that may name an incarnation has, the codec's aligned_copy,\n"
-"and where and with what bytes a chunk's header begins (frame.CHUNK_MARK).");
+"where and with what bytes a chunk's header begins (frame.CHUNK_MARK), and intake_state.Handoff (a\n"
+"waiter with such a callback gets its message from the C delivery too, by the table's _complete).");
 
 static PyObject *
 configure(PyObject *self, PyObject *args)
 {
-    PyObject *decode, *any, *deque, *aligned_copy, *chunk_mark;
+    PyObject *decode, *any, *deque, *aligned_copy, *chunk_mark, *handoff;
     Py_ssize_t separators, chunk_at;
-    if (!PyArg_ParseTuple(args, "OOO!nOnO!:configure", &decode, &any, &PyType_Type, &deque, &separators, &aligned_copy,
-                          &chunk_at, &PyBytes_Type, &chunk_mark)) {
+    if (!PyArg_ParseTuple(args, "OOO!nOnO!O!:configure", &decode, &any, &PyType_Type, &deque, &separators,
+                          &aligned_copy, &chunk_at, &PyBytes_Type, &chunk_mark, &PyType_Type, &handoff)) {
         return NULL;
     }
     if (chunk_at < 0) {
@@ -611,6 +620,7 @@ configure(PyObject *self, PyObject *args)
     Py_XSETREF(g_aligned_copy, Py_NewRef(aligned_copy));
     Py_XSETREF(g_chunk_mark, Py_NewRef(chunk_mark));
     g_chunk_at = chunk_at;
+    Py_XSETREF(g_handoff, Py_NewRef(handoff));
     Py_XSETREF(g_decode, Py_NewRef(decode));
     Py_XSETREF(g_any, Py_NewRef(any));
     Py_XSETREF(g_deque, Py_NewRef(deque));
@@ -638,6 +648,7 @@ PyInit__intake(void)
         {&s_append, "append"},   {&s_pop, "pop"},         {&s_popitem, "popitem"}, {&s_callback, "callback"}, {&s_done, "done"},
         {&s_result, "result"},   {&s_received, "received"}, {&s_buffered, "buffered"}, {&s_semicolon, ";"},
         {&s_error, "error"},     {&s_partition, "partition"}, {&s_offset, "offset"}, {&s_value, "value"},
+        {&s_complete, "_complete"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL) {

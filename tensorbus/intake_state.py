@@ -1,6 +1,7 @@
 """The state the intake shares with its C delivery, field by field, and the one place that picks C or Python.
 
-Two objects, and nothing else of any class, are what `_intake.c`'s `FastDelivery` reads and writes:
+Two objects, and nothing else of any class, are what `_intake.c`'s `FastDelivery` reads and writes
+(besides a waiter in the table's queues: `Waiter`, and the class of a callback it serves, `Handoff`):
 
 - an `IntakeState`, owned by the `Intake` (intake.py): the ids seen, whether a chunked message is
   part way, an interrupted frame, the intake's counts, its lock, and the table;
@@ -30,8 +31,8 @@ Callback = Callable[[Message | None, BaseException | None], None]
 
 
 class Waiter:
-    """A receiver in the table's queue. The C delivery reads `callback` (it serves only callback-less
-    waiters), sets `result` and releases `done`, as `Rendezvous._complete` does."""
+    """A receiver in the table's queue. The C delivery reads `callback` (it serves waiters without one, and
+    those with a `Handoff`), sets `result` and releases `done` (or has `Rendezvous._complete` call the Handoff)."""
 
     __slots__ = ("callback", "done", "key", "result")
 
@@ -42,6 +43,21 @@ class Waiter:
             self.done = threading.Lock()
             self.done.acquire()
         self.result: Message | BaseException | None = None
+
+
+class Handoff:
+    """A `recv_async` callback that takes a message without it being handed out: its caller hands it
+    out (`Rendezvous.hand_out`) once its receiver really has it, or puts it back (`Rendezvous.put_back`)
+    when the receiver went away meanwhile (an asyncio task cancelled as the message came). The C
+    delivery serves a waiter with one, calling `Rendezvous._complete` once it let go of the locks."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callback) -> None:
+        self.callback = callback
+
+    def __call__(self, message: Message | None, error: BaseException | None) -> None:
+        self.callback(message, error)
 
 
 class PyTableState:
@@ -96,7 +112,13 @@ def _fast() -> ModuleType | None:
     if module is None or NATIVE is None:
         return None
     module.configure(
-        NATIVE.decode_message, ANY, collections.deque, INCARNATION_SEPARATORS, NATIVE.aligned_copy, *CHUNK_MARK
+        NATIVE.decode_message,
+        ANY,
+        collections.deque,
+        INCARNATION_SEPARATORS,
+        NATIVE.aligned_copy,
+        *CHUNK_MARK,
+        Handoff,
     )
     return module
 

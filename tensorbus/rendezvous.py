@@ -18,7 +18,7 @@ import numpy as np
 
 from .codec import Message, SparseTensor
 from .errors import Aborted, CallbackInterrupted, Cancelled, ConfigError, StaleIncarnation, Timeout, brief
-from .intake_state import ANY, Callback, TableState, Waiter
+from .intake_state import ANY, Callback, Handoff, TableState, Waiter
 from .keys import MAX_KEY_CHARS, check_key, may_name_incarnation, parse_key
 from .options import finite_timeout
 
@@ -72,20 +72,6 @@ class RecvHandle:
     def cancel(self) -> bool:
         """Cancel; the callback then receives a `Cancelled` error. False if it already ran."""
         return self._table._fail_waiter(self._waiter, Cancelled(f"recv of {self._waiter.key!r} was cancelled"))
-
-
-class Handoff:
-    """A `recv_async` callback that takes a message without it being handed out: its caller hands it
-    out (`Rendezvous.hand_out`) once its receiver really has it, or puts it back (`Rendezvous.put_back`)
-    when the receiver went away meanwhile (an asyncio task cancelled as the message came)."""
-
-    __slots__ = ("callback",)
-
-    def __init__(self, callback: Callback) -> None:
-        self.callback = callback
-
-    def __call__(self, message: Message | None, error: BaseException | None) -> None:
-        self.callback(message, error)
 
 
 class Rendezvous(TableState):

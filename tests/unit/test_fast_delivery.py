@@ -18,7 +18,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec import encode, encode_chunks
-from tensorbus.intake_state import FAST, PyIntakeState, PyTableState
+from tensorbus.intake_state import FAST, Handoff, PyIntakeState, PyTableState
 
 from ..conftest import require_native, require_torch
 
@@ -207,6 +207,26 @@ def test_a_callback_first_in_line_is_left_to_python(twins: Any) -> None:
     consumer.recv_async("k", lambda message, error: calls.append(message))
     _unchanged(consumer, frame_of(np.arange(3)))
     assert not calls
+
+
+def test_a_handoff_first_in_line_gets_the_frame_as_the_python_delivery_hands_it(twins: Any) -> None:
+    """An awaited receive's callback (`Handoff`: tensorbus.aio's) is served in C too, the Handoff called once
+    the locks are let go (`Rendezvous._complete`), the message not yet handed out: as the Python way does."""
+    got: dict[str, list[Any]] = {"c": [], "python": []}
+    for name, consumer in zip(("c", "python"), twins, strict=True):
+        consumer.table.wait_async(
+            "k", Handoff(lambda m, e, calls=got[name], t=consumer.table: calls.append((m, e, t._lock._is_owned())))
+        )
+        frame = frame_of(np.arange(5), "k", 1)
+        if name == "c":
+            assert consumer.intake.fast(frame, None) is not None
+        else:
+            consumer.intake(frame, None, may_hold=True)
+    assert twins[0].intake.fast_delivery.taken == 1
+    (c_message, c_error, c_locked), (py_message, py_error, _) = got["c"][0], got["python"][0]
+    assert len(got["c"]) == len(got["python"]) == 1 and c_error is py_error is None and not c_locked
+    assert c_message.key == py_message.key == "k" and c_message.tensor.tolist() == py_message.tensor.tolist()
+    assert state(twins[0]) == state(twins[1])  # (nothing buffered, no waiter left, the id seen, not yet taken)
 
 
 @pytest.mark.parametrize("which", ["consumer", "table"])
