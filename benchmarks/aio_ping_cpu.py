@@ -1,0 +1,133 @@
+"""CPU per round trip of a 4 KB ping-pong between two processes over tcp://, tensorbus.aio or the blocking API.
+
+What it measures
+    Each process has a consumer and a producer connected to the other's consumer; the ping process sends a
+    tensor and awaits the echo, `--rounds` times after one tensor of warm-up. Printed: the median round trip
+    and each process's CPU time per round trip (`resource.getrusage`, every thread). With `--spin-s 0` the
+    consumers sleep as soon as nothing is there, so the CPU counts the work of a round trip alone, not a
+    busy-poll's: load disturbs it less than the round trip's wall time, and it says where an end costs more.
+
+Run
+    python -m benchmarks.aio_ping_cpu [--api aio|blocking] [--rounds 4000] [--spin-s 0] [--size 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import resource
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+import tensorbus as tb
+import tensorbus.aio as tba
+
+
+class Crossed:
+    """Two queues crossed: each process puts its own consumer's address and gets the other's."""
+
+    def __init__(self, mine: Any, theirs: Any) -> None:
+        self.mine, self.theirs = mine, theirs
+
+    def put(self, address: str) -> None:
+        self.mine.put(address)
+
+    def get(self) -> str:
+        return str(self.theirs.get(timeout=60))
+
+
+def cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _echo_aio(args: Any, addresses: Any, spent: Any) -> None:
+    async with tba.Consumer("tcp://127.0.0.1:0", **args.options) as consumer:
+        addresses.put(consumer.address)
+        async with tba.Producer(addresses.get()) as producer:
+            await producer.send("warm", np.zeros(1, np.uint8))
+            started = cpu_s()
+            for _ in range(args.rounds):
+                await producer.send("pong", await consumer.recv("ping", timeout=30))
+            spent.put(cpu_s() - started)
+            await producer.flush(30)
+
+
+def _echo(args: Any, addresses: Any, spent: Any) -> None:
+    """The echo process: sends every tensor straight back."""
+    if args.api == "aio":
+        asyncio.run(_echo_aio(args, addresses, spent))
+        return
+    with tb.Consumer("tcp://127.0.0.1:0", **args.options) as consumer:
+        addresses.put(consumer.address)
+        with tb.Producer(addresses.get()) as producer:
+            producer.send("warm", np.zeros(1, np.uint8))
+            started = cpu_s()
+            for _ in range(args.rounds):
+                producer.send("pong", consumer.recv("ping", timeout=30))
+            spent.put(cpu_s() - started)
+            producer.flush(30)
+
+
+async def _ping_aio(args: Any, addresses: Any, tensor: np.ndarray, times: list[float]) -> float:
+    async with tba.Consumer("tcp://127.0.0.1:0", **args.options) as consumer:
+        addresses.put(consumer.address)
+        async with tba.Producer(addresses.get()) as producer:
+            await consumer.recv("warm", timeout=30)
+            started = cpu_s()
+            for _ in range(args.rounds):
+                sent = time.perf_counter()
+                await producer.send("ping", tensor)
+                await consumer.recv("pong", timeout=30)
+                times.append(time.perf_counter() - sent)
+            return cpu_s() - started
+
+
+def _ping(args: Any, addresses: Any, tensor: np.ndarray, times: list[float]) -> float:
+    if args.api == "aio":
+        return asyncio.run(_ping_aio(args, addresses, tensor, times))
+    with tb.Consumer("tcp://127.0.0.1:0", **args.options) as consumer:
+        addresses.put(consumer.address)
+        with tb.Producer(addresses.get()) as producer:
+            consumer.recv("warm", timeout=30)
+            started = cpu_s()
+            for _ in range(args.rounds):
+                sent = time.perf_counter()
+                producer.send("ping", tensor)
+                consumer.recv("pong", timeout=30)
+                times.append(time.perf_counter() - sent)
+            return cpu_s() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--api", choices=["aio", "blocking"], default="aio")
+    parser.add_argument("--rounds", type=int, default=4000)
+    parser.add_argument("--size", type=int, default=4096, help="bytes of the tensor (uint8)")
+    parser.add_argument("--spin-s", type=float, default=None, help="the consumers' spin_s (default: theirs)")
+    args = parser.parse_args()
+    args.options = {} if args.spin_s is None else {"spin_s": args.spin_s}
+    context = multiprocessing.get_context("fork")
+    to_echo, to_ping, spent = context.Queue(), context.Queue(), context.Queue()
+
+    echo = context.Process(target=_echo, args=(args, Crossed(to_ping, to_echo), spent))
+    echo.start()
+    tensor = np.random.default_rng(0).integers(0, 255, args.size, dtype=np.uint8)
+    times: list[float] = []
+    mine = _ping(args, Crossed(to_echo, to_ping), tensor, times)
+    theirs = spent.get(timeout=120)
+    echo.join(60)
+    print(
+        f"{args.api}: round trip p50 {statistics.median(times) * 1e6:.0f} µs; CPU a round trip: ping "
+        f"{mine / args.rounds * 1e6:.0f} µs, echo {theirs / args.rounds * 1e6:.0f} µs "
+        f"(load {os.getloadavg()[0]:.1f})"
+    )
+
+
+if __name__ == "__main__":
+    main()
