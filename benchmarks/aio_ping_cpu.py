@@ -104,6 +104,24 @@ def _ping(args: Any, addresses: Any, tensor: np.ndarray, times: list[float]) -> 
             return cpu_s() - started
 
 
+def run(api: str, rounds: int, size: int, spin_s: float | None) -> tuple[float, float, float]:
+    """One ping-pong of `rounds` round trips: (the median round trip, the ping's and the echo's CPU per round
+    trip), in seconds. The echo runs in a fresh interpreter (spawned: nothing of this process's state)."""
+    args = argparse.Namespace(api=api, rounds=rounds, options={} if spin_s is None else {"spin_s": spin_s})
+    context = multiprocessing.get_context("spawn")
+    to_echo, to_ping, spent = context.Queue(), context.Queue(), context.Queue()
+    echo = context.Process(target=_echo, args=(args, Crossed(to_ping, to_echo), spent))
+    echo.start()
+    try:
+        tensor = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+        times: list[float] = []
+        mine = _ping(args, Crossed(to_echo, to_ping), tensor, times)
+        theirs = spent.get(timeout=120)
+    finally:
+        echo.join(60)
+    return statistics.median(times), mine / rounds, theirs / rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--api", choices=["aio", "blocking"], default="aio")
@@ -111,21 +129,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096, help="bytes of the tensor (uint8)")
     parser.add_argument("--spin-s", type=float, default=None, help="the consumers' spin_s (default: theirs)")
     args = parser.parse_args()
-    args.options = {} if args.spin_s is None else {"spin_s": args.spin_s}
-    context = multiprocessing.get_context("fork")
-    to_echo, to_ping, spent = context.Queue(), context.Queue(), context.Queue()
-
-    echo = context.Process(target=_echo, args=(args, Crossed(to_ping, to_echo), spent))
-    echo.start()
-    tensor = np.random.default_rng(0).integers(0, 255, args.size, dtype=np.uint8)
-    times: list[float] = []
-    mine = _ping(args, Crossed(to_echo, to_ping), tensor, times)
-    theirs = spent.get(timeout=120)
-    echo.join(60)
+    p50, ping, echo = run(args.api, args.rounds, args.size, args.spin_s)
     print(
-        f"{args.api}: round trip p50 {statistics.median(times) * 1e6:.0f} µs; CPU a round trip: ping "
-        f"{mine / args.rounds * 1e6:.0f} µs, echo {theirs / args.rounds * 1e6:.0f} µs "
-        f"(load {os.getloadavg()[0]:.1f})"
+        f"{args.api}: round trip p50 {p50 * 1e6:.0f} µs; CPU a round trip: ping {ping * 1e6:.0f} µs, "
+        f"echo {echo * 1e6:.0f} µs (load {os.getloadavg()[0]:.1f})"
     )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from benchmarks import amqp_large, consumer_floor, metrics_cost, native_speedup
+from benchmarks import aio_ping_cpu, amqp_large, consumer_floor, metrics_cost, native_speedup
 from tensorbus.codec import native
 from tensorbus.transports import stream
 from tests.conftest import AMQP_URL, require_broker, require_native
@@ -36,6 +36,12 @@ def test_the_native_speedup_benchmark_runs_both_ways() -> None:
         result = native_speedup.one_run(native_paths, 64 << 10, 50, 20)  # in a fresh interpreter each
         assert result.keys() == {"gbps", "consumer_us", "producer_us", "rtt_us"}
         assert all(value > 0 for value in result.values())
+
+
+@pytest.mark.parametrize("api", ["aio", "blocking"])
+def test_the_ping_cpu_benchmark_plays_its_rounds_between_two_processes(api: str) -> None:
+    p50, ping, echo = aio_ping_cpu.run(api, 20, 64, 0.0)
+    assert p50 > 0 and ping > 0 and echo > 0
 
 
 def test_the_metrics_cost_benchmark_times_each_stream_in_turn() -> None:
