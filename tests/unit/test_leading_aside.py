@@ -53,8 +53,14 @@ def always_receiving() -> Callable[[], int]:
     return itertools.count().__next__
 
 
-def test_the_background_leads_while_the_application_neither_leads_nor_receives() -> None:
-    background = Background(lambda: 0)
+@pytest.mark.parametrize(
+    "received",
+    [lambda: 0, None],
+    ids=["the application neither leads nor receives", "without a count of receives"],
+)
+def test_the_background_leads_step_after_step(received: Callable[[], int] | None) -> None:
+    """It leads while the application neither leads nor receives, and reads on where no count of receives is kept."""
+    background = Background(received)
     try:
         wait_for(lambda: background.steps >= 5, 30, "the background to lead step after step")
     finally:
@@ -67,14 +73,6 @@ def test_the_background_steps_aside_while_the_application_takes_from_the_table(m
     try:
         wait_for(lambda: background.looks >= 20, 30, "the background to look 20 times")
         assert background.steps == 0  # without `received`: a step a look
-    finally:
-        background.close()
-
-
-def test_without_a_count_of_receives_the_background_reads_on() -> None:
-    background = Background(None)
-    try:
-        wait_for(lambda: background.steps >= 5, 30, "the background to lead step after step")
     finally:
         background.close()
 
