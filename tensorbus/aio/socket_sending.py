@@ -46,6 +46,7 @@ from ..transports.stream import (
     hello_terms,
     proof,
     read_hello,
+    tune_connection,
     wire_batches,
 )
 from .turns import Turns
@@ -209,8 +210,7 @@ class LoopSender:
         t = self.transport
         await loop.sock_connect(sock, t.target)
         t._start_connection(await self._handshake(sock))
-        if t.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune_connection(sock)
 
     def _drop(self) -> None:
         """Close the connection (a frame cut off part way: the consumer drops what came of it)."""

@@ -34,6 +34,7 @@ from ..transports.stream import (
     recv_exact,
     sendmsg_all,
     set_send_timeout,
+    tune_connection,
 )
 from .api import Receiver
 from .retained import Published, Retained
@@ -169,6 +170,7 @@ class PublishingSide:
         conn.settimeout(self.options.connect_timeout_s)
         conn.sendall(PUBLISHING)
         set_send_timeout(conn, self.options.send_timeout_s)
+        tune_connection(conn)
 
     def _serve(self, conn: socket.socket, name: str) -> None:
         try:

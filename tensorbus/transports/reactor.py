@@ -30,7 +30,7 @@ from .peers import WOULD_BLOCK, Peer, PeerGone
 from .poller import IdleClock, Poller
 from .reader import stream_reader
 from .reading_loop import OVERLAP_FROM, TAKEN_EVERY_S, ReadingLoop
-from .stream import SocketOptions
+from .stream import SocketOptions, tune_connection
 
 __all__ = ["LOOP_READ_BUDGET", "OVERLAP_FROM", "RECV_LOWAT", "TAKEN_EVERY_S", "IdleClock", "Poller", "Reactor"]
 
@@ -67,8 +67,7 @@ class Reactor(ReadingLoop):
     def add(self, conn: socket.socket, name: Any) -> None:
         """Start reading a connection that finished its handshake."""
         conn.setblocking(False)
-        if conn.family != socket.AF_UNIX:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # acks go out at once
+        tune_connection(conn)  # (acks go out at once)
         lowat = RECV_LOWAT if conn.family in (socket.AF_INET, socket.AF_INET6) else 0
         peer = Peer(conn, name, stream_reader(conn, self.limits, self.pool.take, lowat), self.deliver.ledger.stream())
         if self._background is None:  # read on an event loop: in turns

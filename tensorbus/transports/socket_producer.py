@@ -41,6 +41,7 @@ from .stream import (
     names_in,
     send_frame,
     set_send_timeout,
+    tune_connection,
 )
 
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
@@ -138,8 +139,7 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
                     sock = context.wrap_socket(sock, server_hostname=self.target[0])
                 self._start_connection(handshake_as_producer(sock, self.secret, self.address))
                 set_send_timeout(sock, self.options.send_timeout_s)
-                if self.family != socket.AF_UNIX:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tune_connection(sock)
                 for frame, _ in self._unacked:
                     send_frame(sock, frame, True)
                     self._sent += 1

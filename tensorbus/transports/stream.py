@@ -252,6 +252,22 @@ def set_send_timeout(sock: socket.socket, seconds: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", whole, micros))
 
 
+#: A Unix stream socket's send buffer: how far a producer runs ahead of its consumer before a send waits.
+#: Linux's default (net.core.wmem_default, 208 KiB) stops a producer of 64 KB frames every few frames, and
+#: its consumer then waits for the producer's wake-up, where TCP on loopback grows its buffer to 4 MiB by
+#: itself (docs/PERFORMANCE.md, "unix:// with TCP's send buffer"). The kernel caps it at net.core.wmem_max.
+UNIX_SEND_BUFFER = 4 << 20
+
+
+def tune_connection(sock: socket.socket) -> None:
+    """Set what each family of a connected stream needs: TCP sends small frames and acks at once (no
+    Nagle), a Unix socket gets the send buffer TCP's loopback would grow to."""
+    if sock.family == socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SEND_BUFFER)
+    else:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def recv_exact(sock: socket.socket, view: memoryview) -> int:
     """Fill `view` from the socket; return the bytes received (fewer only at end of stream)."""
     got = 0

@@ -28,6 +28,7 @@ from tensorbus.transports.stream import (
     HELLO_MAGIC,
     PROOF_BYTES,
     PROTOCOL_VERSION,
+    UNIX_SEND_BUFFER,
     proof,
     recv_exact,
 )
@@ -1144,3 +1145,23 @@ def test_closing_with_tensors_nobody_took_acknowledges_none_of_them(tmp_path: An
         producer.flush(20)
         assert [int(successor.recv(f"a{i}", timeout=10)[0]) for i in range(5)] == [0, 1, 2, 3, 4]
     producer.close()
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "unix"])
+def test_each_family_of_connection_gets_its_settings_at_both_ends(scheme: str, tmp_path: Any) -> None:
+    """TCP: no Nagle, so acks and small frames go out at once. Unix: the send buffer TCP's loopback grows to
+    (Linux doubles what is set, after capping it at net.core.wmem_max; its default is wmem_default, undoubled)."""
+    url = "tcp://127.0.0.1:0" if scheme == "tcp" else f"unix://{tmp_path}/tuned.sock"
+    with tb.Consumer(url) as consumer, tb.Producer(consumer.address) as producer:
+        producer.send("t", np.arange(3))
+        assert consumer.recv("t", timeout=10).tolist() == [0, 1, 2]
+        with consumer.transport.reactor._peers_lock:
+            ends = [producer.transport._sock, *(peer.conn for peer in consumer.transport.reactor._peers.values())]
+        assert len(ends) == 2
+        for sock in ends:
+            if scheme == "tcp":
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+            else:
+                with open("/proc/sys/net/core/wmem_max") as wmem_max:
+                    expected = 2 * min(UNIX_SEND_BUFFER, int(wmem_max.read()))
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == expected
