@@ -51,6 +51,7 @@ typedef struct {
     PyObject *by_key;                           /* _by_key: {key: deque of numbers} */
     PyObject *by_source;                        /* _by_source: {source: bytes buffered}, sources with some */
     PyObject *buffered_bytes, *max_buffered_bytes, *max_source_bytes, *counter; /* ints */
+    PyObject *taken;                            /* _taken: messages receives took from the table (an int) */
     PyObject *aborted;                          /* _aborted: None, or the Aborted error */
     PyObject *stats;                            /* a collections.Counter */
 } TableState;
@@ -78,6 +79,7 @@ static PyMemberDef table_members[] = {
     OBJ(TableState, max_buffered_bytes, "max_buffered_bytes", "the limit on buffered_bytes"),
     OBJ(TableState, max_source_bytes, "max_source_bytes", "the limit on one source's buffered bytes"),
     OBJ(TableState, counter, "_counter", "the last arrival number"),
+    OBJ(TableState, taken, "_taken", "messages receives took from the table"),
     OBJ(TableState, aborted, "_aborted", "None, or the Aborted error"),
     OBJ(TableState, stats, "stats", "counts (a collections.Counter)"),
     {NULL, 0, 0, 0, NULL},
@@ -144,18 +146,34 @@ state_dealloc(PyObject *self)
     Py_TYPE(self)->tp_free(self); /* (a Python subclass's type is released by its own dealloc, after this) */
 }
 
-/* The two state types differ only in their fields. */
-#define STATE_TYPE(name, fields, members_, doc)                                                                      \
+/* The two state types differ only in their fields, and the table's has its C take (`_take_buffered`). */
+#define STATE_TYPE(name, fields, members_, methods_, doc)                                                            \
     {                                                                                                                \
         PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus._intake." name, .tp_basicsize = sizeof(fields),          \
         .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE, .tp_doc = PyDoc_STR(doc),         \
         .tp_new = PyType_GenericNew, .tp_dealloc = state_dealloc, .tp_traverse = state_traverse,                    \
-        .tp_clear = state_clear, .tp_members = members_,                                                             \
+        .tp_clear = state_clear, .tp_members = members_, .tp_methods = methods_,                                     \
     }
 
-static PyTypeObject TableStateType =
-    STATE_TYPE("TableState", TableState, table_members, "The rendezvous table's queues and counts (see intake_state.py).");
-static PyTypeObject IntakeStateType = STATE_TYPE("IntakeState", IntakeState, intake_members,
+static PyObject *take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs);
+
+PyDoc_STRVAR(take_buffered_doc,
+"_take_buffered(key, timeout)\n--\n\n"
+"A receive of `key` (a str, or None) whose message is buffered already, as Rendezvous._wait takes it: the\n"
+"oldest message of `key`, out of the table and counted as taken (the caller then hands it out). None\n"
+"where it changed nothing, and the Python way decides: no such message, a timeout that is not a\n"
+"plain number of seconds or None (Python says why), an aborted table, its lock held by another\n"
+"thread, a message counted against a producer (`source`), or a take that opens room in a full table\n"
+"(what waits for room is woken by Python).");
+
+static PyMethodDef table_methods[] = {
+    {"_take_buffered", (PyCFunction)(void (*)(void))take_buffered, METH_FASTCALL, take_buffered_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TableStateType = STATE_TYPE("TableState", TableState, table_members, table_methods,
+                                                "The rendezvous table's queues and counts (see intake_state.py).");
+static PyTypeObject IntakeStateType = STATE_TYPE("IntakeState", IntakeState, intake_members, NULL,
                                                  "What the intake's C delivery reads and writes (see intake_state.py).");
 
 /* ---- small helpers ---------------------------------------------------------------------------------------- */
@@ -219,6 +237,94 @@ waiting_queue(TableState *table, PyObject *key)
         }
     }
     return NULL;
+}
+
+/* ---- the table's C take ---------------------------------------------------------------------------------- */
+
+/* Whether `timeout` is one Rendezvous._wait takes as it is: None, or a float or int of 0 seconds or more
+ * (NaN compares false). Anything else goes the Python way, which raises the ConfigError. */
+static int
+plain_timeout(PyObject *timeout)
+{
+    if (timeout == Py_None) {
+        return 1;
+    }
+    if (PyFloat_CheckExact(timeout)) {
+        return PyFloat_AS_DOUBLE(timeout) >= 0.0;
+    }
+    if (!PyLong_CheckExact(timeout)) {
+        return 0;
+    }
+    int overflow = 0;
+    long long seconds = PyLong_AsLongLongAndOverflow(timeout, &overflow);
+    return overflow > 0 || (overflow == 0 && seconds >= 0); /* (-1 with no error set is -1 seconds) */
+}
+
+static PyObject *
+take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "_take_buffered(key: str | None, timeout: float | None)");
+        return NULL;
+    }
+    PyObject *key = args[0];
+    if ((key != Py_None && !PyUnicode_CheckExact(key)) || !plain_timeout(args[1]) || t->lock == NULL ||
+        t->arrivals == NULL || t->by_key == NULL || !PyDict_Check(t->by_key) || t->buffered_bytes == NULL ||
+        t->max_buffered_bytes == NULL || t->taken == NULL || t->aborted != Py_None) {
+        Py_RETURN_NONE; /* (ANY, arrival order, is Python's too) */
+    }
+    int locked = try_lock(t->lock);
+    if (locked <= 0) {
+        return locked < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject *result = NULL, *number = NULL, *entry = NULL, *left = NULL, *taken = NULL, *popped = NULL;
+    PyObject *numbers = PyDict_GetItemWithError(t->by_key, key); /* (borrowed) */
+    Py_ssize_t queued = numbers == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_Length(numbers);
+    if (queued <= 0 || t->aborted != Py_None) {
+        result = queued < 0 ? NULL : Py_NewRef(Py_None);
+        goto out;
+    }
+    /* first whatever can fail, while nothing has changed */
+    if ((number = PySequence_GetItem(numbers, 0)) == NULL || (entry = PyObject_GetItem(t->arrivals, number)) == NULL) {
+        goto out;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || PyTuple_GET_ITEM(entry, 2) != Py_None) {
+        result = Py_NewRef(Py_None); /* counted against a producer: Python uncounts it (and may open its room) */
+        goto out;
+    }
+    if ((left = PyNumber_Subtract(t->buffered_bytes, PyTuple_GET_ITEM(entry, 1))) == NULL ||
+        (taken = PyNumber_Add(t->taken, s_one)) == NULL) {
+        goto out;
+    }
+    int full = PyObject_RichCompareBool(t->buffered_bytes, t->max_buffered_bytes, Py_GE);
+    int room = full > 0 ? PyObject_RichCompareBool(left, t->max_buffered_bytes, Py_LT) : 0;
+    if (full < 0 || room < 0 || room) {
+        result = full < 0 || room < 0 ? NULL : Py_NewRef(Py_None); /* room opens: Python wakes what waits for it */
+        goto out;
+    }
+    /* then the writes, none of which fails: a deque that has the number, keys that are there */
+    if ((popped = PyObject_CallMethodNoArgs(numbers, s_popleft)) == NULL || PyObject_DelItem(t->arrivals, number) < 0 ||
+        (queued == 1 && PyDict_DelItem(t->by_key, key) < 0)) {
+        goto out;
+    }
+    Py_SETREF(t->taken, Py_NewRef(taken));
+    Py_SETREF(t->buffered_bytes, Py_NewRef(left));
+    result = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+out:
+    Py_XDECREF(number);
+    Py_XDECREF(entry);
+    Py_XDECREF(left);
+    Py_XDECREF(taken);
+    Py_XDECREF(popped);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback); /* (release() with an error set would turn it into a SystemError) */
+    if (unlock(t->lock) < 0) {
+        Py_CLEAR(result);
+    }
+    if (type != NULL) {
+        PyErr_Restore(type, value, traceback);
+    }
+    return result;
 }
 
 /* ---- FastDelivery ------------------------------------------------------------------------------------------ */

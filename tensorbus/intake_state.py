@@ -6,6 +6,8 @@ Two objects, and nothing else of any class, are what `_intake.c`'s `FastDelivery
 - an `IntakeState`, owned by the `Intake` (intake.py): the ids seen, whether a chunked message is
   part way, an interrupted frame, the intake's counts, its lock, and the table;
 - a `TableState`, the base of the `Rendezvous` (rendezvous.py): the table's queues and counts, its lock.
+  The C type also takes a receive's message that is buffered already (`_take_buffered`, as `Rendezvous._wait`
+  would, leaving every case with more to decide to it).
 
 With the extension built (and TENSORBUS_NATIVE not 0) both are the C types, whose fields C reads as a
 struct; otherwise they are the Python classes below, with the same fields, and there is no C delivery
@@ -63,8 +65,8 @@ class Handoff:
 class PyTableState:
     """The table's queues and counts; all read and written under `_lock`."""
 
-    __slots__ = ("_aborted", "_arrivals", "_by_key", "_by_source", "_counter", "_lock", "_waiters", "buffered_bytes",
-                 "max_buffered_bytes", "max_source_bytes", "stats")  # fmt: skip
+    __slots__ = ("_aborted", "_arrivals", "_by_key", "_by_source", "_counter", "_lock", "_taken", "_waiters",
+                 "buffered_bytes", "max_buffered_bytes", "max_source_bytes", "stats")  # fmt: skip
     #: guards everything here (an RLock)
     _lock: threading.RLock
     #: receivers waiting, by key (ANY: arrival order), oldest first
@@ -82,9 +84,15 @@ class PyTableState:
     max_source_bytes: int
     #: the last arrival number given
     _counter: int
+    #: messages receives took from the table (not handed to them as they waited): a sign the application
+    #: receives, for a transport's background reading (`Rendezvous.taken_count`)
+    _taken: int
     #: None, or the error `abort` made (every later call raises its like)
     _aborted: Any
     stats: collections.Counter[str]
+    #: the C take of a receive whose message is buffered already (`_intake.c`'s `TableState._take_buffered`:
+    #: the message, or None where Python decides); the Python twin has none, and `Rendezvous._wait` does it all
+    _take_buffered: Callable[[str | None, object], Message | None] | None = None
 
 
 class PyIntakeState:

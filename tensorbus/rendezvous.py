@@ -206,6 +206,12 @@ class Rendezvous(TableState):
         """Like `recv`, but return the whole `Message` (key, tensor, metadata, message id)."""
         if type(key) is not str or len(key) > MAX_KEY_CHARS:  # (a plain key, the commonest, needs no call)
             check_key(key)  # (None: the messages sent with no key)
+        take = self._take_buffered  # (a message buffered already, taken in C where built: intake_state.py)
+        if take is not None and (message := take(key, timeout)) is not None:
+            on_taken = self.on_delivered_to_application  # (`_hand_out`)
+            if on_taken is not None:
+                on_taken(message)
+            return message
         return self._wait(key, timeout)
 
     def next_message(self, timeout: float | None = None) -> Message:

@@ -38,6 +38,10 @@ LINGER_S = 0.01
 #: the longest a leader waits in librdkafka for a record (it cannot be woken sooner: an application thread
 #: asking a background leader for the lead waits this long at most, its tensor handed over meanwhile)
 WAIT_S = 0.05
+#: the shortest wait handed to librdkafka: it waits in whole milliseconds, and confluent-kafka drops the rest, so
+#: a shorter one would not wait at all (a receive in the last millisecond of its slice spun, calling `poll` again
+#: and again, 2-3 µs of CPU each, until the slice ended)
+LEAST_WAIT_S = 0.001
 
 
 class RecordReading:
@@ -85,7 +89,7 @@ class RecordReading:
     def _step(self, deadline: float | None, stop: Callable[[], bool]) -> bool:
         """Offer the record held back, else fetch records (waiting until `deadline`, WAIT_S at most) and deliver
         them until `stop()`; commit what is safe now and then. False once the consumer turned a record away."""
-        wait = WAIT_S if deadline is None else min(max(deadline - time.monotonic(), 0.0), WAIT_S)
+        wait = WAIT_S if deadline is None else min(max(deadline - time.monotonic(), LEAST_WAIT_S), WAIT_S)
         if self._held is not None:
             self._room.clear()  # (before the offer: room that opens after it sets it again)
             released = self._release()

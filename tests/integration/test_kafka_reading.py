@@ -129,3 +129,22 @@ def test_records_the_c_delivery_takes_are_delivered_in_order_and_committed_in_ru
             assert took == []
         group, topic = consumer.transport.group, consumer.transport.topic  # type: ignore[attr-defined]
     assert committed(group, topic) == {0: count}
+
+
+def test_a_waiting_receive_hands_librdkafka_waits_it_can_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka waits in whole milliseconds (confluent-kafka drops the rest): a receive near the end of its
+    slice must not hand it less, or it spins, calling `poll` again and again until the slice ends."""
+    waits: list[float] = []
+    original = kafka_reading.batch
+
+    def noted(consumer: Any, most: int, timeout: float) -> list[Any]:
+        if threading.current_thread() is threading.main_thread():
+            waits.append(timeout)
+        return original(consumer, most, timeout)
+
+    monkeypatch.setattr(kafka_reading, "batch", noted)
+    with tb.Consumer(endpoint_url("kafka-confluent")) as consumer:
+        with pytest.raises(tb.Timeout):
+            consumer.recv("k", timeout=0.5)  # (ten slices of kafka_reading.WAIT_S, nothing to read)
+    assert waits and min(waits) >= kafka_reading.LEAST_WAIT_S
+    assert len(waits) <= 0.5 / kafka_reading.LEAST_WAIT_S / 5  # (spinning: hundreds of calls)

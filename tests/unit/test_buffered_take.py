@@ -1,0 +1,131 @@
+"""The C take of a receive whose message is buffered already (`TableState._take_buffered`, tensorbus/_intake.c)
+against `Rendezvous._wait`'s Python take it stands in for.
+
+A message it takes must leave the table exactly as the Python take leaves it (queues, counts, the take
+counted, the take's hook called); a case it leaves to Python must change nothing, so that Python decides.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tensorbus.codec import Message
+from tensorbus.errors import Aborted, ConfigError
+from tensorbus.intake_state import ANY, FAST
+from tensorbus.rendezvous import Rendezvous
+
+from ..conftest import require_native
+
+require_native(FAST is not None, "the table's C take (tensorbus/_intake.c)")
+
+
+def state(table: Rendezvous) -> tuple[Any, ...]:
+    """Everything a take may change, comparable."""
+    arrivals = [(n, m.key, m.tensor.tolist(), size, source) for n, (m, size, source) in table._arrivals.items()]
+    by_key = {key: list(numbers) for key, numbers in table._by_key.items()}
+    return arrivals, by_key, table.buffered_bytes, dict(table._by_source), table._counter, table._taken
+
+
+def twins(**options: Any) -> tuple[Rendezvous, Rendezvous, list[Message], list[Message]]:
+    """Two tables alike, the second without its C take (as with TENSORBUS_NATIVE=0), and what each handed out."""
+    c_side, python_side = Rendezvous(**options), Rendezvous(**options)
+    python_side._take_buffered = None  # type: ignore[misc]  # (the instance's: the type's C method is shadowed)
+    handed: tuple[list[Message], list[Message]] = ([], [])
+    c_side.on_delivered_to_application, python_side.on_delivered_to_application = (got.append for got in handed)
+    return c_side, python_side, *handed
+
+
+def _no_python_take(key: object) -> Message | None:
+    raise AssertionError("taken the Python way")
+
+
+def test_buffered_messages_are_taken_in_c_as_python_takes_them() -> None:
+    c_side, python_side, c_handed, python_handed = twins()
+    c_side._take = _no_python_take  # type: ignore[method-assign]  # (every take below is C's)
+    sent = [("a", 3), (None, 1), ("b", 2), ("a", 5), ("a", 0), (None, 4)]
+    for table in (c_side, python_side):
+        for key, n in sent:
+            table.put(Message(key, np.arange(n, dtype=np.int16), {"n": n}))
+    for key, timeout in [("a", None), (None, 0.5), ("a", 0), ("b", 10**30), ("a", 2.5), (None, math.inf)]:
+        c_message, python_message = c_side.recv_message(key, timeout), python_side.recv_message(key, timeout)  # type: ignore[arg-type]
+        assert c_message.metadata == python_message.metadata and c_message.key == key
+        assert state(c_side) == state(python_side)
+    assert [m.metadata["n"] for m in c_handed] == [m.metadata["n"] for m in python_handed] == [3, 1, 5, 2, 0, 4]
+    assert c_side.taken_count() == 6 and c_side.buffered_bytes == 0 and not c_side._by_key and not c_side._arrivals
+
+
+def _unchanged(table: Rendezvous, key: object, timeout: object = None) -> None:
+    before = state(table)
+    assert table._take_buffered(key, timeout) is None  # type: ignore[misc, arg-type]
+    assert state(table) == before
+
+
+@pytest.mark.parametrize("timeout", ["1", -1, -0.5, math.nan, True, -(10**30)])
+def test_a_timeout_python_would_refuse_is_left_to_it_which_says_why(timeout: object) -> None:
+    table = Rendezvous()
+    table.put(Message("k", np.arange(3), {}))
+    _unchanged(table, "k", timeout)
+    with pytest.raises(ConfigError, match="timeout"):
+        table.recv_message("k", timeout)  # type: ignore[arg-type]  # (the mistake reported though a tensor is there)
+    assert len(table) == 1
+
+
+def test_nothing_buffered_arrival_order_and_an_aborted_table_are_left_to_python() -> None:
+    table = Rendezvous()
+    _unchanged(table, "k")
+    table.put(Message("k", np.arange(3), {}))
+    _unchanged(table, "other")
+    _unchanged(table, ANY)  # (arrival order: `next_message`, Python's)
+    assert table.next_message().key == "k"
+    table.put(Message("k", np.arange(3), {}))
+    table.abort("stop")
+    _unchanged(table, "k")
+    with pytest.raises(Aborted):
+        table.recv_message("k", 0)
+
+
+def test_a_lock_held_by_another_thread_leaves_the_take_to_python() -> None:
+    table = Rendezvous()
+    table.put(Message("k", np.arange(3), {}))
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with table._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        _unchanged(table, "k")
+    finally:
+        release.set()
+        holder.join(10)
+    assert table._take_buffered("k", None) is not None  # type: ignore[misc]  # (and once it is free, C takes it)
+
+
+def test_a_message_counted_against_a_producer_is_left_to_python_which_uncounts_it() -> None:
+    table = Rendezvous(max_buffered_bytes=1000, max_buffered_bytes_per_producer=500)
+    table.put(Message("k", np.zeros(100, np.uint8), {}), source=7)
+    _unchanged(table, "k")
+    assert table.recv_message("k").tensor.nbytes == 100 and table._by_source == {} and table.buffered_bytes == 0
+
+
+def test_a_take_that_opens_room_in_a_full_table_is_left_to_python_which_wakes_what_waits() -> None:
+    c_side, python_side, _, _ = twins(max_buffered_bytes=1000)
+    opened: list[str] = []
+    for name, table in (("c", c_side), ("python", python_side)):
+        table.room_opened = lambda name=name: opened.append(name)
+        for _ in range(3):
+            table.put(Message("k", np.zeros(400, np.uint8), {}))  # (1200 bytes: full, and one take leaves 800)
+    _unchanged(c_side, "k")
+    for table in (c_side, python_side):
+        table.recv_message("k")
+    assert opened == ["c", "python"] and state(c_side) == state(python_side)
+    assert c_side._take_buffered("k", None) is not None  # type: ignore[misc]  # (room open already: C takes it)
