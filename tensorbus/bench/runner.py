@@ -47,6 +47,10 @@ class _CellRun:
     done: bool = False
 
 
+#: warm-up steps a cell takes at most (`Runner._warm_up`)
+WARM_UPS = 3
+
+
 def _probe_count(nbytes: int, metric: str) -> int:
     return 20 if metric == "latency" else max(1, min(64, (1 << 20) // nbytes))
 
@@ -230,11 +234,8 @@ class Runner:
                 n = _probe_count(nbytes, metric)
                 self._step(run, n, cfg.timeout_s, timed=False)
                 self._tick(1, f"{label} probe")
-                n_warm = min(cfg.max_tensors_per_round, int(cfg.warmup_s / max(run.wall_per_tensor, 1e-9)))
-                if run.target < cfg.repeats:
-                    n_warm = 0  # a capped broker cell: the probe was the warm-up
-                if n_warm >= 1:
-                    self._step(run, n_warm, self._timeout(run, n_warm), timed=False)
+                if run.target == cfg.repeats:  # (a capped broker cell: the probe was the warm-up)
+                    self._warm_up(run)
                 self._tick(1, f"{label} warm-up")
             except StepFailed as exc:
                 cell.error = str(exc)
@@ -265,6 +266,20 @@ class Runner:
             run.cell.spent_s = run.spent
             if run.cell.stopped_by is None and run.target < cfg.repeats:
                 run.cell.stopped_by = "cap"
+
+    def _warm_up(self, run: _CellRun) -> None:
+        """Warm-up steps of about `warmup_s`, each sized from the step before (the probe first), until one lasts at
+        least half that (WARM_UPS at most). A probe slowed by a one-off setup (a client's first connection: ~0.35 s
+        for kafka:// on librdkafka) sizes the first too small, and a short step's time is mostly the fixed cost
+        of a round, which sized the timed rounds too small in turn: a third to a fifth of the other side's."""
+        cfg = self.config
+        for _ in range(WARM_UPS):
+            n_warm = min(cfg.max_tensors_per_round, int(cfg.warmup_s / max(run.wall_per_tensor, 1e-9)))
+            if n_warm < 1:
+                return
+            self._step(run, n_warm, self._timeout(run, n_warm), timed=False)
+            if n_warm * run.wall_per_tensor >= cfg.warmup_s / 2 or n_warm == cfg.max_tensors_per_round:
+                return
 
     def _timeout(self, run: _CellRun, n: int) -> float:
         return min(self.config.timeout_s, max(10.0, 10 * n * run.wall_per_tensor + 5))
