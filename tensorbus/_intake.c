@@ -24,6 +24,13 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
 #ifndef TENSORBUS_SOURCE_HASH
 #define TENSORBUS_SOURCE_HASH "unknown"
 #endif
@@ -700,6 +707,235 @@ static PyTypeObject FastDeliveryType = {
     .tp_getset = fast_getset,
 };
 
+/* ---- Wakeup: a receive's wait, spinning without the GIL -------------------------------------------------- */
+
+/* A receive that waits for another thread of its process (memory://'s producer delivering into its table)
+ * would sleep on a lock, and a sleeping thread wakes late (tens of µs on an idle vCPU, ~100 on this VM), and
+ * twice: once for the lock, once more for the GIL its waker still holds. This wait spins instead for
+ * `spin_s`, without the GIL (so the thread it waits for runs meanwhile), and only then sleeps; once rung it
+ * spins on, without the GIL still, until its ringer let go of the GIL (`g_let_go` moved: a thread entered a
+ * wait here, which lets go first) or HANDOVER_NS passed, so that it takes the GIL without sleeping for it.
+ * A wait with spin_s 0 (a background thread) sleeps at once and takes the GIL as any thread does.
+ * transports/wakeup.py has its Python twin (a lock, which cannot spin: a Python loop holds the GIL). */
+
+#define WAKEUP_NAP_NS 50000000LL /* the longest sleep between looks at pending signals (Ctrl-C) */
+#define HANDOVER_NS 50000LL      /* the longest a rung wait spins for its ringer to let go of the GIL */
+
+/* waits entered here so far, each having let go of the GIL: a change tells a rung wait that the GIL was let go */
+static _Atomic uint64_t g_let_go = 0;
+
+typedef struct {
+    PyObject_HEAD
+    _Atomic int rung;         /* ring() was called, and no wait has returned True for it yet */
+    _Atomic uint64_t rung_at; /* g_let_go when it was rung */
+    _Atomic int sleeping;     /* a wait sleeps on `cond` (written under `mutex`) */
+    int ready;                /* mutex and cond were made (and are destroyed with it) */
+    pthread_mutex_t mutex;
+    pthread_cond_t cond; /* on CLOCK_MONOTONIC */
+} Wakeup;
+
+static int64_t
+monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (int64_t)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+/* One turn of a spin: the CPU told so, and any other thread ready to run on it runs first (on a loaded
+ * machine the thread this spin waits for may be that one; on a quiet one this returns at once) */
+static inline void
+spin_turn(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+    sched_yield();
+}
+
+/* seconds -> ns: None or a negative value is no limit (-1); NaN is refused */
+static int
+wakeup_ns(PyObject *arg, int64_t *out)
+{
+    if (arg == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (seconds != seconds) {
+        PyErr_SetString(PyExc_ValueError, "Wakeup.wait: NaN seconds");
+        return -1;
+    }
+    *out = seconds < 0 ? -1 : seconds >= 4.6e9 ? (1LL << 62) : (int64_t)(seconds * 1e9);
+    return 0;
+}
+
+static PyObject *
+wakeup_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Wakeup() takes no arguments");
+        return NULL;
+    }
+    Wakeup *self = (Wakeup *)type->tp_alloc(type, 0); /* (zeroed: not rung, nobody sleeping) */
+    if (self == NULL) {
+        return NULL;
+    }
+    pthread_condattr_t attr;
+    int err = pthread_condattr_init(&attr);
+    if (err == 0) {
+        err = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+        if (err == 0 && (err = pthread_mutex_init(&self->mutex, NULL)) == 0 &&
+            (err = pthread_cond_init(&self->cond, &attr)) != 0) {
+            pthread_mutex_destroy(&self->mutex);
+        }
+        pthread_condattr_destroy(&attr);
+    }
+    if (err != 0) {
+        Py_DECREF(self);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->ready = 1;
+    return (PyObject *)self;
+}
+
+static void
+wakeup_dealloc(Wakeup *self)
+{
+    if (self->ready) {
+        pthread_cond_destroy(&self->cond);
+        pthread_mutex_destroy(&self->mutex);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(wakeup_ring_doc, "ring()\n--\n\n"
+                              "Make the wait waiting now, or else the next one, return True (a ring while rung "
+                              "already is one ring).");
+
+static PyObject *
+wakeup_ring(Wakeup *self, PyObject *Py_UNUSED(ignored))
+{
+    atomic_store(&self->rung_at, atomic_load(&g_let_go));
+    atomic_store(&self->rung, 1);
+    /* (both sequentially consistent: a wait that set `sleeping` before this looked finds `rung`, or is signalled) */
+    if (atomic_load(&self->sleeping) && self->ready) {
+        pthread_mutex_lock(&self->mutex);
+        pthread_cond_signal(&self->cond);
+        pthread_mutex_unlock(&self->mutex);
+    }
+    Py_RETURN_NONE;
+}
+
+/* 1 if rung, and the ring is now consumed (the load first: a spin reads, and writes only once rung) */
+static inline int
+take_ring(Wakeup *self)
+{
+    return atomic_load(&self->rung) && atomic_exchange(&self->rung, 0);
+}
+
+/* Sleep on `cond` until rung or `until` (ns, -1: no limit) or WAKEUP_NAP_NS passed; 1 if rung (consumed). */
+static int
+wakeup_sleep(Wakeup *self, int64_t until)
+{
+    int64_t nap_end = monotonic_ns() + WAKEUP_NAP_NS;
+    if (until >= 0 && until < nap_end) {
+        nap_end = until;
+    }
+    struct timespec ts = {(time_t)(nap_end / 1000000000LL), (long)(nap_end % 1000000000LL)};
+    int rung = 0;
+    pthread_mutex_lock(&self->mutex);
+    atomic_store(&self->sleeping, 1);
+    while (!(rung = take_ring(self))) {
+        if (pthread_cond_timedwait(&self->cond, &self->mutex, &ts) == ETIMEDOUT) {
+            rung = take_ring(self);
+            break;
+        }
+    }
+    atomic_store(&self->sleeping, 0);
+    pthread_mutex_unlock(&self->mutex);
+    return rung;
+}
+
+PyDoc_STRVAR(wakeup_wait_doc,
+             "wait(timeout_s=None, spin_s=0.0) -> bool\n--\n\n"
+             "Wait until rung (True) or timeout_s passed (False; None: no limit), without the GIL: spinning for "
+             "spin_s first, then sleeping; once rung after a spin, spinning on until the ringer let go of the GIL.");
+
+static PyObject *
+wakeup_wait(Wakeup *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "Wakeup.wait takes at most 2 arguments (timeout_s, spin_s)");
+        return NULL;
+    }
+    int64_t timeout, spin;
+    if (wakeup_ns(nargs > 0 ? args[0] : Py_None, &timeout) < 0 || wakeup_ns(nargs > 1 ? args[1] : Py_None, &spin) < 0) {
+        return NULL;
+    }
+    int rung = 0;
+    int64_t spin_now = spin; /* (the first pass alone spins: a nap that ended for a signal look sleeps again) */
+    for (;;) {
+        int64_t now;
+        Py_BEGIN_ALLOW_THREADS
+        atomic_fetch_add(&g_let_go, 1);
+        now = monotonic_ns();
+        int64_t until = timeout < 0 ? -1 : timeout > INT64_MAX - now ? INT64_MAX : now + timeout;
+        int64_t spin_until = spin_now <= 0 ? now : until >= 0 && until - now < spin_now ? until : now + spin_now;
+        while (!(rung = take_ring(self)) && now < spin_until) {
+            spin_turn();
+            now = monotonic_ns();
+        }
+        if (!rung && (until < 0 || now < until)) {
+            rung = wakeup_sleep(self, until);
+            now = monotonic_ns();
+        }
+        if (rung && spin > 0) { /* the ringer may hold the GIL still: take it once let go, not sleeping for it */
+            uint64_t rung_at = atomic_load(&self->rung_at);
+            int64_t handover_until = now + HANDOVER_NS;
+            while (atomic_load(&g_let_go) == rung_at && now < handover_until) {
+                spin_turn();
+                now = monotonic_ns();
+            }
+        }
+        if (until >= 0) {
+            timeout = until > now ? until - now : 0;
+        }
+        Py_END_ALLOW_THREADS
+        if (rung || timeout == 0) {
+            break;
+        }
+        if (PyErr_CheckSignals() < 0) { /* a nap ended: Ctrl-C is heard (on the main thread) */
+            return NULL;
+        }
+        spin_now = 0;
+    }
+    return PyBool_FromLong(rung);
+}
+
+static PyMethodDef wakeup_methods[] = {
+    {"ring", (PyCFunction)wakeup_ring, METH_NOARGS, wakeup_ring_doc},
+    {"wait", (PyCFunction)(void (*)(void))wakeup_wait, METH_FASTCALL, wakeup_wait_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WakeupType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus._intake.Wakeup",
+    .tp_basicsize = sizeof(Wakeup),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("Wakeup()\n--\n\nA receive's wait for a ring from another thread, spinning without the GIL "
+                        "first (see _intake.c)."),
+    .tp_new = wakeup_new,
+    .tp_dealloc = (destructor)wakeup_dealloc,
+    .tp_methods = wakeup_methods,
+};
+
 /* ---- module ------------------------------------------------------------------------------------------------ */
 
 PyDoc_STRVAR(configure_doc,
@@ -762,13 +998,15 @@ PyInit__intake(void)
         }
     }
     if ((s_one = PyLong_FromLong(1)) == NULL || PyType_Ready(&TableStateType) < 0 ||
-        PyType_Ready(&IntakeStateType) < 0 || PyType_Ready(&FastDeliveryType) < 0) {
+        PyType_Ready(&IntakeStateType) < 0 || PyType_Ready(&FastDeliveryType) < 0 ||
+        PyType_Ready(&WakeupType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (PyModule_AddObjectRef(m, "TableState", (PyObject *)&TableStateType) < 0 ||
                       PyModule_AddObjectRef(m, "IntakeState", (PyObject *)&IntakeStateType) < 0 ||
                       PyModule_AddObjectRef(m, "FastDelivery", (PyObject *)&FastDeliveryType) < 0 ||
+                      PyModule_AddObjectRef(m, "Wakeup", (PyObject *)&WakeupType) < 0 ||
                       PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0)) {
         Py_DECREF(m);
         return NULL;

@@ -123,7 +123,7 @@ TRANSPORT_OPTIONS = """
     - tcp://, tcps://, unix://: connect_timeout_s, reconnect_timeout_s, send_timeout_s, max_unacked_bytes,
       max_untaken_bytes, ack_every_frames, ack_every_bytes, close_timeout_s, backlog, max_connections, idle_timeout_s,
       pooled_buffers, linger_s, spin_s, auth_secret, ssl_cafile, ssl_certfile, ssl_keyfile, ssl_context
-    - memory://: max_unacked_bytes, send_timeout_s, reconnect_timeout_s
+    - memory://: max_unacked_bytes, send_timeout_s, reconnect_timeout_s, spin_s
     - shm://: shm_dir, auth_secret, connect_timeout_s, reconnect_timeout_s, send_timeout_s, close_timeout_s,
       max_unacked_bytes, max_pinned_bytes, max_connections, backlog
     - amqp://, amqps://: queue, queue_type, offset, durable, persistent, prefetch_count, heartbeat_s,

@@ -101,6 +101,11 @@ HUB = MemoryHub()
 class MemoryOptions(NamedOptions):
     """The options of memory:// endpoints (`max_unacked_bytes` counts what its consumer's delivery did not take)."""
 
+    #: how long a waiting `recv` spins, without the interpreter lock, before it sleeps (a sleeping thread wakes
+    #: late: wakeup.py). Longer than tcp://'s: a reply that comes after the spin ended wakes a sleeping thread
+    #: (~100 µs), by when its peer's own spin has ended too, and both sleep from then on
+    spin_s: float = 0.001
+
 
 class MemoryTransport(NamedTransport):
     """Frames through an in-process queue, delivered to the consumer on its waiting receive's thread."""
@@ -206,7 +211,9 @@ class MemoryTransport(NamedTransport):
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Deliver queued and future frames of this endpoint: on a waiting receive's thread, or a background one."""
-        self._reader = MemoryReader(self.name, HUB.claim(self.name), deliver, lambda: HUB.release(self.name))
+        self._reader = MemoryReader(
+            self.name, HUB.claim(self.name), deliver, lambda: HUB.release(self.name), self.options.spin_s
+        )
 
     def read_while_waiting(self, done: threading.Lock, deadline: float | None) -> bool:
         """Wait for `done`, delivering frames on this thread meanwhile (memory_reading.py)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from ..codec.frame import Buffer
 from .memory_pacing import Pace
 from .tally import Tally
+from .wakeup import Wakeup
 
 #: `Frames._next_source` when no frame can be read
 _NOTHING = object()
@@ -59,11 +60,10 @@ class Frames:
         #: guards everything here; `with self._lock` where nothing waits (a Condition's `__enter__` is a
         #: Python-level call, and this lock is taken three times per frame)
         self._lock = threading.Lock()
-        #: released (under `_lock`, and only while held) to wake the thread waiting in `get`: there is one,
-        #: the leader (leading.py), so a lock does what a Condition would, without its Python-level wait
-        #: and notify (each a small tensor's cost)
-        self._ready = threading.Lock()
-        self._ready.acquire()
+        #: rung (under `_lock`) to wake the thread waiting in `get`: there is one, the leader (leading.py), so
+        #: this does what a Condition would, without its Python-level wait and notify (each a small tensor's
+        #: cost); a waiting receive's wait spins first, without the interpreter lock (wakeup.py)
+        self._ready = Wakeup()
         self._room = threading.Condition(self._lock)  # (a frame went)
         #: threads waiting in `get` and on `_room` (under the lock): a wake-up with nobody waiting is skipped
         self._getting = self._wanting_room = 0
@@ -138,12 +138,12 @@ class Frames:
             return None
 
     def get(
-        self, stop: threading.Event, deadline: float | None = None, *, receiving: bool = False
+        self, stop: threading.Event, deadline: float | None = None, *, receiving: bool = False, spin_s: float = 0.0
     ) -> tuple[int, object, Buffer] | None:
         """The oldest frame of a producer not held back, with its position and source, waiting for one until
         `deadline` (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up`
         or `step_aside` was called, the deadline passed, or (`receiving`: the caller is a waiting receive)
-        `put` delivered a frame itself."""
+        `put` delivered a frame itself. A waiting receive's wait spins `spin_s` before it sleeps (wakeup.py)."""
         with self._lock:
             self._receiving = receiving
             while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
@@ -154,7 +154,7 @@ class Frames:
                     self.pace.waiting(self._position)
                 self._lock.release()
                 try:
-                    came = self._ready.acquire(timeout=-1 if deadline is None else left)
+                    came = self._ready.wait(None if deadline is None else left, spin_s if receiving else 0.0)
                 finally:
                     self._lock.acquire()
                     self._getting -= 1
@@ -209,11 +209,10 @@ class Frames:
             self._room_went()
 
     def _wake_getter(self) -> None:
-        """Wake the thread waiting in `get`, if one is (caller holds the lock). `_ready` is released only
-        while held (the getter only takes it), so a wake-up that finds it released already is not lost:
-        the getter's next wait returns at once, and it looks again."""
-        if self._getting and self._ready.locked():
-            self._ready.release()
+        """Wake the thread waiting in `get`, if one is (caller holds the lock). A ring the getter did not
+        take (it stopped waiting meanwhile) is not lost: its next wait returns at once, and it looks again."""
+        if self._getting:
+            self._ready.ring()
 
     def _room_went(self) -> None:
         """Wake the threads waiting for room or for their frames to be received (caller holds the lock)."""

@@ -35,8 +35,11 @@ BATCH = 16
 class MemoryReader:
     """Delivers the frames of queue `frames` to `deliver`, on a waiting receive's thread or on its own."""
 
-    def __init__(self, name: str, frames: Frames, deliver: Deliver, on_stopped: Callable[[], None]) -> None:
+    def __init__(
+        self, name: str, frames: Frames, deliver: Deliver, on_stopped: Callable[[], None], spin_s: float = 0.0
+    ) -> None:
         self.name, self._frames, self._deliver, self._on_stopped = name, frames, deliver, on_stopped
+        self._spin_s = spin_s  # how long a waiting receive's wait for a frame spins before it sleeps (wakeup.py)
         # the leader's, all of them (leading.py: one thread at a time)
         self._held: dict[object, Held] = {}  # source -> the message the consumer holds back (its share is full)
         #: each frame's position, kept there with its source until the ledger releases it (nothing to
@@ -87,7 +90,7 @@ class MemoryReader:
         if self._held and self._release():
             return False
         for _ in range(BATCH):
-            item = self._frames.get(self._stop, deadline, receiving=receiving)
+            item = self._frames.get(self._stop, deadline, receiving=receiving, spin_s=self._spin_s)
             if item is None:  # stopped, asked to step aside, room for a message held back, or the deadline
                 return not self._stop.is_set()
             if not self._deliver_frame(item):

@@ -1,0 +1,89 @@
+"""memory://'s wait for a ring (transports/wakeup.py): the C `Wakeup` and its Python twin `PyWakeup`, one suite.
+
+Both must return True for a ring (one made before the wait included, and two rings are one), False once the
+timeout passed, and let other threads run while they wait: the C one spins without the interpreter lock, so
+a thread that needs it (the ringer) runs meanwhile. Bounds are loose: these check what a wait returns, not
+how fast.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tensorbus.codec.native import load
+from tensorbus.transports import wakeup
+
+from ..conftest import require_native
+
+
+def _c_wakeup() -> Any:
+    module = load("tensorbus._intake")
+    require_native(module is not None, "the intake's C extension (tensorbus/_intake.c)")
+    assert module is not None
+    return module.Wakeup
+
+
+@pytest.fixture(params=["python", "c"])
+def make(request: pytest.FixtureRequest) -> Any:
+    return wakeup.PyWakeup if request.param == "python" else _c_wakeup()
+
+
+def test_the_wait_in_use_is_the_c_one_where_it_is_built() -> None:
+    assert wakeup.Wakeup is _c_wakeup()
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.0001])
+def test_a_ring_made_before_the_wait_is_not_lost_and_two_rings_are_one(make: Any, spin_s: float) -> None:
+    bell = make()
+    assert bell.wait(0, spin_s) is False  # not rung: a wait of no time says so at once
+    bell.ring()
+    bell.ring()
+    assert bell.wait(30, spin_s) is True
+    assert bell.wait(0, spin_s) is False  # the ring was taken once
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.005])
+def test_an_unrung_wait_ends_at_its_timeout(make: Any, spin_s: float) -> None:
+    bell = make()
+    started = time.monotonic()
+    assert bell.wait(0.05, spin_s) is False
+    assert time.monotonic() - started >= 0.04
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 30.0])
+def test_a_ring_from_another_thread_wakes_a_wait_with_no_timeout(make: Any, spin_s: float) -> None:
+    bell, results = make(), []
+    waiter = threading.Thread(target=lambda: results.append(bell.wait(None, spin_s)), daemon=True)
+    waiter.start()
+    waiter.join(0.05)  # (whether it waits yet or not: a ring before the wait is not lost either)
+    bell.ring()
+    waiter.join(10)
+    assert results == [True]
+
+
+def test_a_spinning_wait_lets_the_ringer_run(make: Any) -> None:
+    """A wait spinning for its whole timeout must not hold the interpreter lock: the ringing thread runs
+    Python meanwhile and rings, and the wait returns True. Were the spin to hold the lock, the ringer could
+    run only once the wait had ended, False."""
+    bell, results, entering = make(), [], threading.Event()
+
+    def wait() -> None:
+        entering.set()
+        results.append(bell.wait(5.0, 5.0))
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    assert entering.wait(10)  # (returns once the waiter let go of the interpreter lock: in its wait, at the latest)
+    sum(range(100_000))  # Python work on this thread while the waiter waits
+    bell.ring()
+    waiter.join(10)
+    assert results == [True]
+
+
+def test_a_nan_timeout_is_refused(make: Any) -> None:
+    with pytest.raises(ValueError, match="NaN"):
+        make().wait(float("nan"))
