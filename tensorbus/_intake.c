@@ -714,15 +714,15 @@ static PyTypeObject FastDeliveryType = {
  * twice: once for the lock, once more for the GIL its waker still holds. This wait spins instead for
  * `spin_s`, without the GIL (so the thread it waits for runs meanwhile), and only then sleeps; once rung it
  * spins on, without the GIL still, until its ringer let go of the GIL (`g_let_go` moved: a thread entered a
- * wait here, which lets go first) or its spin_s passed (HANDOVER_NS at least, HANDOVER_MAX_NS at most: a
- * ringer that blocks elsewhere lets go of the GIL unseen), so that it takes the GIL without sleeping for it.
- * Each turn of a spin yields the CPU to any thread ready to run on it.
+ * wait here, which lets go first) or HANDOVER_NS passed (a ringer that blocks elsewhere lets go of the GIL
+ * unseen; one that goes on running keeps it), so that it takes the GIL without sleeping for it. Each turn of
+ * a spin yields the CPU to any thread ready to run on it: on a loaded machine, the thread it waits for may be
+ * the one waiting for that CPU.
  * A wait with spin_s 0 (a background thread) sleeps at once and takes the GIL as any thread does.
  * transports/wakeup.py has its Python twin (a lock, which cannot spin: a Python loop holds the GIL). */
 
 #define WAKEUP_NAP_NS 50000000LL /* the longest sleep between looks at pending signals (Ctrl-C) */
-#define HANDOVER_NS 50000LL       /* how long a rung wait spins for its ringer to let go of the GIL, at least */
-#define HANDOVER_MAX_NS 1000000LL /* ... and at most */
+#define HANDOVER_NS 50000LL      /* the longest a rung wait spins for its ringer to let go of the GIL */
 
 /* waits entered here so far, each having let go of the GIL: a change tells a rung wait that the GIL was let go */
 static _Atomic uint64_t g_let_go = 0;
@@ -869,7 +869,8 @@ wakeup_sleep(Wakeup *self, int64_t until)
 PyDoc_STRVAR(wakeup_wait_doc,
              "wait(timeout_s=None, spin_s=0.0) -> bool\n--\n\n"
              "Wait until rung (True) or timeout_s passed (False; None: no limit), without the GIL: spinning for "
-             "spin_s first, then sleeping; once rung after a spin, spinning on until the ringer let go of the GIL.");
+             "spin_s first, then sleeping; once rung (with spin_s), spinning on until the ringer let go of the GIL "
+             "(50 µs at most).");
 
 static PyObject *
 wakeup_wait(Wakeup *self, PyObject *const *args, Py_ssize_t nargs)
@@ -901,10 +902,7 @@ wakeup_wait(Wakeup *self, PyObject *const *args, Py_ssize_t nargs)
         }
         if (rung && spin > 0) { /* the ringer may hold the GIL still: take it once let go, not sleeping for it */
             uint64_t rung_at = atomic_load(&self->rung_at);
-            int64_t handover_until = spin_until > now + HANDOVER_NS ? spin_until : now + HANDOVER_NS;
-            if (handover_until > now + HANDOVER_MAX_NS) {
-                handover_until = now + HANDOVER_MAX_NS;
-            }
+            int64_t handover_until = now + HANDOVER_NS;
             while (atomic_load(&g_let_go) == rung_at && now < handover_until) {
                 spin_turn();
                 now = monotonic_ns();

@@ -10,9 +10,7 @@ it has not taken (fewer large ones: `BURST_BYTES` of them) pauses until the rece
 waits for more, and `BURST_WAIT_S` at most (it looks every eighth of a burst). A consumer that takes nothing
 (none for `BURST_WAIT_S`, and no receive woken by the producer waiting to run) never pauses a producer: the
 table and `max_unacked_bytes` bound it, as before. Tensors another key's receive has not taken do not count:
-they are set aside each time a receive waits for more (`waiting`). A pausing producer waits on a `Wakeup`
-(wakeup.py) that spins without the interpreter lock, and takes it back once the receive let go of it in its
-own wait: a hand-over with no thread to wake on either side.
+they are set aside each time a receive waits for more (`waiting`).
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ import math
 import threading
 import time
 from collections.abc import Hashable
-
-from .wakeup import Wakeup, Waking
 
 #: frames a producer delivers ahead of a receive taking them before it pauses ...
 BURST = 128
@@ -42,6 +38,7 @@ class Pace:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # (taken, or a receive waits for more)
         self._taken = 0  # positions released by the consumer's ledger: their tensors taken (under the lock)
         #: `_taken` as a producer's `check` last saw it, and when it last saw it grow (monotonic): a receive
         #: is taking tensors while that is recent (under the lock; a take itself only counts)
@@ -49,9 +46,7 @@ class Pace:
         #: positions handed and not taken when a receive last waited for more: another key's, not counted
         self._aside = 0
         self._waits = 0  # times a receive waited for more (under the lock)
-        #: the pausing producers' wake-ups, rung when their tensors are taken or a receive waits (under the lock)
-        self._pausing: list[Waking] = []
-        self._bells = threading.local()  # each producer thread's `Wakeup`, made once
+        self._pausing = 0  # producers pausing (under the lock)
         #: `_taken` from which a release wakes the pausing producers (the earliest one's; each looks again
         #: whether it may go on), while any pauses (under the lock)
         self._resume_at = math.inf
@@ -63,7 +58,7 @@ class Pace:
         try:
             self._taken += len(positions)
             if self._taken >= self._resume_at:
-                self._ring()
+                self._progress.notify_all()
         finally:
             self._lock.release()
 
@@ -74,7 +69,8 @@ class Pace:
         try:
             self._aside = handed - self._taken
             self._waits += 1
-            self._ring()
+            if self._pausing:
+                self._progress.notify_all()
         finally:
             self._lock.release()
 
@@ -94,36 +90,16 @@ class Pace:
         finally:
             self._lock.release()
 
-    def _ring(self) -> None:
-        """Wake the pausing producers, each to look again whether it may go on (caller holds the lock)."""
-        for bell in self._pausing:
-            bell.ring()
-
     def pause(self, until: int) -> None:
         """Wait until `until` positions are taken, a receive waits for more, or `BURST_WAIT_S` passed (the
-        caller holds no other lock: the receive needs them), spinning without the interpreter lock throughout."""
-        bell = getattr(self._bells, "bell", None)
-        if bell is None:
-            bell = self._bells.bell = Wakeup()
-        deadline = time.monotonic() + BURST_WAIT_S
-        self._lock.acquire()
-        try:
+        caller holds no other lock: the receive needs them)."""
+        with self._progress:
             waits = self._waits
-            self._pausing.append(bell)
+            self._pausing += 1
             self._resume_at = min(self._resume_at, until)
-        finally:
-            self._lock.release()
-        try:
-            while True:
-                with self._lock:
-                    if self._taken >= until or self._waits != waits:
-                        return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                bell.wait(left, left)
-        finally:
-            with self._lock:
-                self._pausing.remove(bell)
+            try:
+                self._progress.wait_for(lambda: self._taken >= until or self._waits != waits, BURST_WAIT_S)
+            finally:
+                self._pausing -= 1
                 if not self._pausing:
                     self._resume_at = math.inf

@@ -63,11 +63,11 @@ def test_a_producer_a_burst_ahead_of_a_receive_taking_its_tensors_pauses_until_i
     seen = _delivering(frames)
     _take(frames, 1)  # a receive takes tensors (one taken before these)
     producer = _producer(frames, BURST + STRIDE)  # (less than a burst after the first pause: no second)
-    wait_for(lambda: len(frames.pace._pausing) == 1, 30, "the producer to pause")
+    wait_for(lambda: frames.pace._pausing == 1, 30, "the producer to pause")
     paused_at = len(seen)
     assert BURST + 1 <= paused_at <= BURST + STRIDE  # (a burst ahead of the one taken)
     _take(frames, BURST // 2 - 1)
-    assert len(frames.pace._pausing) == 1 and len(seen) == paused_at  # (not yet: half of a burst)
+    assert frames.pace._pausing == 1 and len(seen) == paused_at  # (not yet: half of a burst)
     _take(frames, 1)
     producer.join(30)
     assert len(seen) == BURST + STRIDE and seen[paused_at] == BURST // 2 + 1  # it went on once the receive took half
@@ -78,7 +78,7 @@ def test_large_frames_pause_once_burst_bytes_of_them_wait_and_are_looked_at_each
     seen = _delivering(frames)
     _take(frames, 1)
     producer = _producer(frames, 6, nbytes=BURST_BYTES // 4)
-    wait_for(lambda: len(frames.pace._pausing) == 1, 30, "the producer to pause")
+    wait_for(lambda: frames.pace._pausing == 1, 30, "the producer to pause")
     assert len(seen) == 5  # four ahead of the one taken: a burst of bytes
     _take(frames, 2)
     producer.join(30)
@@ -90,7 +90,7 @@ def test_a_pause_ends_when_the_receive_waits_for_more() -> None:
     seen = _delivering(frames)
     _take(frames, 1)
     producer = _producer(frames, 2 * BURST)
-    wait_for(lambda: len(frames.pace._pausing) == 1, 30, "the producer to pause")
+    wait_for(lambda: frames.pace._pausing == 1, 30, "the producer to pause")
     got = frames.get(threading.Event(), None, receiving=True)  # (it waits: the producer goes on, and wakes it)
     producer.join(30)
     assert got is None and len(seen) == 2 * BURST and set(seen) == {1}
@@ -111,7 +111,7 @@ def test_tensors_left_untaken_when_a_receive_waits_for_more_do_not_count() -> No
     frames.pace.waiting(3 * BURST)  # a receive (of this key) waits for more: those are set aside
     _take(frames, 1)  # and it takes one
     producer = _producer(frames, BURST + STRIDE)
-    wait_for(lambda: len(frames.pace._pausing) == 1, 30, "the producer to pause")
+    wait_for(lambda: frames.pace._pausing == 1, 30, "the producer to pause")
     assert BURST + 1 <= len(seen) - 3 * BURST <= BURST + STRIDE  # a burst ahead of the one taken, not before
     _take(frames, BURST // 2)
     producer.join(30)
@@ -151,10 +151,10 @@ def test_each_of_two_pausing_producers_goes_on_once_its_own_count_is_taken() -> 
     pausing = [threading.Thread(target=pause, args=(until,)) for until in (10, 20)]
     for thread in pausing:
         thread.start()
-    wait_for(lambda: len(pace._pausing) == 2, 30, "both producers to pause")
+    wait_for(lambda: pace._pausing == 2, 30, "both producers to pause")
     pace.released(list(range(10)))
     pausing[0].join(30)
-    assert gone == [10] and len(pace._pausing) == 1  # (the other goes on with its own count, not before)
+    assert gone == [10] and pace._pausing == 1  # (the other goes on with its own count, not before)
     pace.released(list(range(10)))
     pausing[1].join(30)
     assert gone == [10, 20]
