@@ -717,21 +717,45 @@ static PyTypeObject FastDeliveryType = {
  * wait here, which lets go first) or HANDOVER_NS passed (a ringer that blocks elsewhere lets go of the GIL
  * unseen; one that goes on running keeps it), so that it takes the GIL without sleeping for it. Each turn of
  * a spin yields the CPU to any thread ready to run on it: on a loaded machine, the thread it waits for may be
- * the one waiting for that CPU.
+ * the one waiting for that CPU. A spin that ran out (the ring came later, or not) halves the next one, down
+ * to none, and one rung while spinning restores spin_s: where rings come late (a loaded machine, a receive
+ * between long computations) waits sleep at once, as a lock's would, trying a spin again now and then.
  * A wait with spin_s 0 (a background thread) sleeps at once and takes the GIL as any thread does.
  * transports/wakeup.py has its Python twin (a lock, which cannot spin: a Python loop holds the GIL). */
 
-#define WAKEUP_NAP_NS 50000000LL /* the longest sleep between looks at pending signals (Ctrl-C) */
+#define WAKEUP_NAP_NS 50000000LL /* the main thread's longest sleep between looks at pending signals (Ctrl-C) */
 #define HANDOVER_NS 50000LL      /* the longest a rung wait spins for its ringer to let go of the GIL */
+#define SPIN_HALVINGS 6          /* spins that ran out in a row before waits sleep at once (1 ms: 16 µs, then 0) */
+#define SPIN_AGAIN_EVERY 64      /* ... and of the waits that then sleep at once, each this many-th spins again */
 
 /* waits entered here so far, each having let go of the GIL: a change tells a rung wait that the GIL was let go */
 static _Atomic uint64_t g_let_go = 0;
+/* the main thread (threading.main_thread()), the one that handles signals: its waits nap */
+static unsigned long g_main_thread = 0;
+
+/* threading.main_thread().ident into g_main_thread; -1 with an error */
+static int
+find_main_thread(void)
+{
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading == NULL ? NULL : PyObject_CallMethod(threading, "main_thread", NULL);
+    PyObject *ident = main == NULL ? NULL : PyObject_GetAttrString(main, "ident");
+    if (ident != NULL) {
+        g_main_thread = PyLong_AsUnsignedLong(ident);
+    }
+    Py_XDECREF(ident);
+    Py_XDECREF(main);
+    Py_XDECREF(threading);
+    return ident == NULL || PyErr_Occurred() ? -1 : 0;
+}
 
 typedef struct {
     PyObject_HEAD
     _Atomic int rung;         /* ring() was called, and no wait has returned True for it yet */
     _Atomic uint64_t rung_at; /* g_let_go when it was rung */
     _Atomic int sleeping;     /* a wait sleeps on `cond` (written under `mutex`) */
+    _Atomic int halvings;     /* the next wait spins spin_s halved this often (SPIN_HALVINGS: not at all) */
+    _Atomic int unspun;       /* waits that did not spin since the last that did */
     int ready;                /* mutex and cond were made (and are destroyed with it) */
     pthread_mutex_t mutex;
     pthread_cond_t cond; /* on CLOCK_MONOTONIC */
@@ -843,11 +867,12 @@ take_ring(Wakeup *self)
     return atomic_load(&self->rung) && atomic_exchange(&self->rung, 0);
 }
 
-/* Sleep on `cond` until rung or `until` (ns, -1: no limit) or WAKEUP_NAP_NS passed; 1 if rung (consumed). */
+/* Sleep on `cond` until rung or `until` (ns, -1: no limit) or, with `nap`, WAKEUP_NAP_NS passed; 1 if rung
+ * (consumed). */
 static int
-wakeup_sleep(Wakeup *self, int64_t until)
+wakeup_sleep(Wakeup *self, int64_t until, int nap)
 {
-    int64_t nap_end = monotonic_ns() + WAKEUP_NAP_NS;
+    int64_t nap_end = nap ? monotonic_ns() + WAKEUP_NAP_NS : until;
     if (until >= 0 && until < nap_end) {
         nap_end = until;
     }
@@ -856,7 +881,10 @@ wakeup_sleep(Wakeup *self, int64_t until)
     pthread_mutex_lock(&self->mutex);
     atomic_store(&self->sleeping, 1);
     while (!(rung = take_ring(self))) {
-        if (pthread_cond_timedwait(&self->cond, &self->mutex, &ts) == ETIMEDOUT) {
+        if (nap_end < 0) {
+            pthread_cond_wait(&self->cond, &self->mutex);
+        }
+        else if (pthread_cond_timedwait(&self->cond, &self->mutex, &ts) == ETIMEDOUT) {
             rung = take_ring(self);
             break;
         }
@@ -866,11 +894,39 @@ wakeup_sleep(Wakeup *self, int64_t until)
     return rung;
 }
 
+/* How long this wait spins: spin_s, halved once per spin that ran out in a row, or none (but every
+ * SPIN_AGAIN_EVERY-th wait then) */
+static int64_t
+spin_budget(Wakeup *self, int64_t spin)
+{
+    if (spin <= 0) {
+        return 0;
+    }
+    int halvings = atomic_load_explicit(&self->halvings, memory_order_relaxed);
+    if (halvings < SPIN_HALVINGS) {
+        return spin >> halvings;
+    }
+    if (atomic_fetch_add_explicit(&self->unspun, 1, memory_order_relaxed) + 1 < SPIN_AGAIN_EVERY) {
+        return 0;
+    }
+    atomic_store_explicit(&self->unspun, 0, memory_order_relaxed);
+    return spin;
+}
+
+/* A spin was rung (the next spins in full) or ran out (the next is halved) */
+static void
+spun(Wakeup *self, int rung)
+{
+    int halvings = atomic_load_explicit(&self->halvings, memory_order_relaxed);
+    int next = rung ? 0 : halvings < SPIN_HALVINGS ? halvings + 1 : SPIN_HALVINGS;
+    atomic_store_explicit(&self->halvings, next, memory_order_relaxed);
+}
+
 PyDoc_STRVAR(wakeup_wait_doc,
              "wait(timeout_s=None, spin_s=0.0) -> bool\n--\n\n"
              "Wait until rung (True) or timeout_s passed (False; None: no limit), without the GIL: spinning for "
-             "spin_s first, then sleeping; once rung (with spin_s), spinning on until the ringer let go of the GIL "
-             "(50 µs at most).");
+             "spin_s first (less after spins that ran out: see _intake.c), then sleeping; once rung (with spin_s), "
+             "spinning on until the ringer let go of the GIL (50 µs at most).");
 
 static PyObject *
 wakeup_wait(Wakeup *self, PyObject *const *args, Py_ssize_t nargs)
@@ -884,7 +940,8 @@ wakeup_wait(Wakeup *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int rung = 0;
-    int64_t spin_now = spin; /* (the first pass alone spins: a nap that ended for a signal look sleeps again) */
+    int64_t spin_now = spin_budget(self, spin); /* (the first pass alone spins: after a nap it sleeps again) */
+    int nap = PyThread_get_thread_ident() == g_main_thread; /* (only the main thread handles signals) */
     for (;;) {
         int64_t now;
         Py_BEGIN_ALLOW_THREADS
@@ -896,8 +953,11 @@ wakeup_wait(Wakeup *self, PyObject *const *args, Py_ssize_t nargs)
             spin_turn();
             now = monotonic_ns();
         }
+        if (spin_now > 0) {
+            spun(self, rung);
+        }
         if (!rung && (until < 0 || now < until)) {
-            rung = wakeup_sleep(self, until);
+            rung = wakeup_sleep(self, until, nap);
             now = monotonic_ns();
         }
         if (rung && spin > 0) { /* the ringer may hold the GIL still: take it once let go, not sleeping for it */
@@ -1001,7 +1061,7 @@ PyInit__intake(void)
             return NULL;
         }
     }
-    if ((s_one = PyLong_FromLong(1)) == NULL || PyType_Ready(&TableStateType) < 0 ||
+    if (find_main_thread() < 0 || (s_one = PyLong_FromLong(1)) == NULL || PyType_Ready(&TableStateType) < 0 ||
         PyType_Ready(&IntakeStateType) < 0 || PyType_Ready(&FastDeliveryType) < 0 ||
         PyType_Ready(&WakeupType) < 0) {
         return NULL;

@@ -19,6 +19,11 @@ from .wakeup import Wakeup
 #: `Frames._next_source` when no frame can be read
 _NOTHING = object()
 
+#: per thread, `sent` is true once it put a frame (into any endpoint) since it last waited in `get`: such a
+#: receive waits for a reply (a round trip), which comes quickly, so its wait spins; one that only receives
+#: (a stream) sleeps at once, as its producer sends on and lets go of the interpreter lock only every burst
+_SENDING = threading.local()
+
 
 class Frames:
     """One endpoint's frames, queued per producer (`source`) and taken oldest first; a frame the
@@ -99,6 +104,7 @@ class Frames:
         """Queue `frame` of `source` (`nbytes` long, and its CRC32C `crc`, if the caller knows), at the back or,
         `front`, first in line; or deliver it now (`deliver_now`), then pause if the receive taking what
         producers delivered themselves fell a burst behind (`pace`)."""
+        _SENDING.sent = True
         until = self._deliver_or_queue(frame, source, front, nbytes, crc)
         if until is not None:  # (without this queue's lock: the receive needs it)
             self.pace.pause(until)
@@ -143,7 +149,12 @@ class Frames:
         """The oldest frame of a producer not held back, with its position and source, waiting for one until
         `deadline` (monotonic; None: no limit); None once `stop` is set (the frames stay queued), `wake_up`
         or `step_aside` was called, the deadline passed, or (`receiving`: the caller is a waiting receive)
-        `put` delivered a frame itself. A waiting receive's wait spins `spin_s` before it sleeps (wakeup.py)."""
+        `put` delivered a frame itself. A waiting receive whose thread sent a frame since it last waited here
+        (it waits for the reply) spins `spin_s` before it sleeps (wakeup.py)."""
+        if receiving and getattr(_SENDING, "sent", False):
+            _SENDING.sent = False
+        else:
+            spin_s = 0.0
         with self._lock:
             self._receiving = receiving
             while (source := self._next_source()) is _NOTHING and not stop.is_set() and not self._woken:
@@ -154,7 +165,7 @@ class Frames:
                     self.pace.waiting(self._position)
                 self._lock.release()
                 try:
-                    came = self._ready.wait(None if deadline is None else left, spin_s if receiving else 0.0)
+                    came = self._ready.wait(None if deadline is None else left, spin_s)
                 finally:
                     self._lock.acquire()
                     self._getting -= 1

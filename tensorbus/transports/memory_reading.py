@@ -4,8 +4,9 @@ A frame the intake's C delivery takes as it is (a plain tensor with room), while
 delivered by the producer's `put` itself (`deliver_now`): that costs no thread hand-over at all, and a
 receive waiting for it is woken once. Every other frame is queued, and a waiting `recv` delivers it on
 its own thread (leading.py), so that hand-over costs one thread wake-up (the producer's `put` waking the
-receiver), not two; the thread `tensorbus-memory-NAME` delivers while no `recv` waits, so `recv_async`
-callbacks and held-back tensors are served on a reading thread, never on a producer's. Each frame
+receiver), not two, and none while the receive's wait still spins (`spin_s`, wakeup.py); the thread
+`tensorbus-memory-NAME` delivers while no `recv` waits, so `recv_async` callbacks and held-back tensors
+are served on a reading thread, never on a producer's. Each frame
 delivered either way is kept until the ledger releases it; on close what it did not release goes back to
 the front of the queue, for the next consumer of the name.
 """
