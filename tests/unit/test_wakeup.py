@@ -87,3 +87,66 @@ def test_a_spinning_wait_lets_the_ringer_run(make: Any) -> None:
 def test_a_nan_timeout_is_refused(make: Any) -> None:
     with pytest.raises(ValueError, match="NaN"):
         make().wait(float("nan"))
+
+
+def test_a_c_wait_whose_spins_ran_out_sleeps_at_once() -> None:
+    """A spin that ran out halves the next one, down to none: where the ring comes late, a wait stops taking
+    a CPU for nothing. Measured in the waiting thread's CPU time: a fresh wait spins through most of its
+    0.2 s (at least 10 ms of CPU even on a loaded machine), one after six spins that ran out sleeps (next to none)."""
+    make = _c_wakeup()
+    fresh, spent = make(), make()
+    for _ in range(6):
+        assert spent.wait(0.001, 0.001) is False
+    cpu = []
+    for bell in (fresh, spent):
+        started = time.thread_time()
+        assert bell.wait(0.2, 0.2) is False
+        cpu.append(time.thread_time() - started)
+    assert cpu[0] >= 0.01 and cpu[1] < 0.005, cpu
+    spent.ring()
+    assert spent.wait(0, 0.2) is True  # (rung at once: the next spins in full again)
+
+
+class _Recorder:
+    """A `Wakeup` that records the spin each wait was given and returns at once, unrung."""
+
+    def __init__(self) -> None:
+        self.spins: list[float] = []
+
+    def ring(self) -> None:
+        pass
+
+    def wait(self, timeout_s: float | None = None, spin_s: float = 0.0) -> bool:
+        self.spins.append(spin_s)
+        return False
+
+
+def test_only_a_receive_whose_thread_sent_since_it_last_waited_spins() -> None:
+    """A round trip's receive (its thread sent, and waits for the reply) spins; a stream's receive (it only
+    receives: its producer sends on, holding the interpreter lock) and the background thread sleep at once."""
+    from tensorbus.transports.memory_frames import Frames
+
+    frames, elsewhere, stop = Frames(), Frames(), threading.Event()
+    frames._ready = _Recorder()  # type: ignore[assignment]
+    spins = frames._ready.spins  # type: ignore[attr-defined]
+
+    def get(receiving: bool) -> None:
+        assert frames.get(stop, time.monotonic() + 30, receiving=receiving, spin_s=0.5) is None
+
+    def on_a_thread(*steps: Any) -> None:
+        thread = threading.Thread(target=lambda: [step() for step in steps])
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive()
+
+    on_a_thread(lambda: get(True))  # received only
+    on_a_thread(lambda: elsewhere.put(b"request", source="me"), lambda: get(True), lambda: get(True))
+    on_a_thread(lambda: elsewhere.put(b"request", source="me"), lambda: get(False))  # the background thread
+    assert spins == [0.0, 0.5, 0.0, 0.0]
+
+
+def test_a_memory_consumers_spin_is_its_option() -> None:
+    import tensorbus as tb
+
+    with tb.Consumer("memory://wakeup-spin?spin_s=0.002") as consumer:
+        assert consumer.transport._reader._spin_s == 0.002  # type: ignore[attr-defined]
