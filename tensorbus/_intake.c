@@ -395,7 +395,7 @@ fast_take(FastDelivery *self, PyObject *frame, PyObject *crc, PyObject *source, 
             goto out;
         }
         ok = callback == Py_None;
-        handoff = !ok && g_handoff != NULL && (PyObject *)Py_TYPE(callback) == g_handoff;
+        handoff = !ok && g_handoff != NULL && PyObject_TypeCheck(callback, (PyTypeObject *)g_handoff); /* (or a subclass: tensorbus.aio's receive) */
         Py_DECREF(callback);
         if (!ok && !handoff) { /* (a recv_async callback runs the application's Python: Python calls it) */
             result = 0;

@@ -15,7 +15,7 @@ from ..keys import check_key
 from ..options import finite_timeout
 from ..rendezvous import Rendezvous
 from ..transports.socket_consumer import LOOP_POLLER
-from .handoff import wait_message
+from .handoff import Deadlines, wait_message
 from .socket_reading import LoopReading
 from .turns import Turns
 
@@ -37,6 +37,7 @@ class Consumer:
         self._closed = False
         self._reading: LoopReading | None = None  # the loop's reading of a socket consumer
         self._turns = Turns()
+        self._deadlines = Deadlines()  # the timeouts of its receives, on one timer
 
     async def open(self) -> Consumer:
         """Start receiving (idempotent)."""
@@ -102,7 +103,9 @@ class Consumer:
         """The next message of `key` (or ANY), counted as the blocking consumer's receives are (metrics)."""
         blocking = self.blocking
         started = time.perf_counter()
-        message = await wait_message(blocking.table, key, finite_timeout(timeout), self._turns, self._resume)
+        message = await wait_message(
+            blocking.table, key, finite_timeout(timeout), self._turns, self._resume, self._deadlines
+        )
         if blocking.monitor is not None:
             blocking.monitor.received(message, time.perf_counter() - started)
         return message

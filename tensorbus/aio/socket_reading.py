@@ -296,7 +296,9 @@ class LoopReading:
         meanwhile waits, as it does for the frames such a loop has not read.)"""
         assert self._consumer is not None and self._consumer.reactor is not None
         self._acking = None
-        self._consumer.reactor.ack_read(owed_only=self._receive_waits())
+        reactor, waits = self._consumer.reactor, self._receive_waits()
+        if not waits or reactor.owes_acks():  # (most often none is: no lead taken, no connection looked at)
+            reactor.ack_read(owed_only=waits)
 
     def _turn(self) -> None:
         """Accept producers and advance their handshakes."""

@@ -268,6 +268,11 @@ class ReadingLoop(PeerFrames):
             self._lead_as(None)
             self._leader.release()
 
+    def owes_acks(self) -> bool:
+        """Whether a connection is owed an ack (asked for, refusals, one the socket had no room for): for
+        an event loop, the one thread that reads (and writes these), deciding whether `ack_read` has work."""
+        return any(peer.ack_owed for peer in self._peer_list())
+
     def _ready(self, stop: Callable[[], bool], deadline: float, spin_s: float) -> list[Any]:
         """The peers (None: the wake-up pipe) with bytes to read, waiting for some until `deadline`.
 

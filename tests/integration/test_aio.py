@@ -293,16 +293,51 @@ def test_recv_timeout_is_a_tensorbus_timeout_naming_the_key(run: Any) -> None:
 
 def test_a_receive_timer_that_fires_early_waits_out_its_deadline(run: Any) -> None:
     # (uvloop counts timers in whole milliseconds and may fire one a fraction of a millisecond early)
-    from tensorbus.aio.handoff import _expire, _Expired
+    from tensorbus.aio.handoff import Deadlines, _Expired
 
     async def main() -> None:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         deadline = time.monotonic() + 0.05
-        _expire(future, deadline)  # as if the timer fired 50 ms early
+        deadlines = Deadlines()
+        deadlines.add(future, deadline)
+        deadlines.fire()  # as if the timer fired 50 ms early
         assert not future.done()
         with pytest.raises(_Expired):
             await future
         assert time.monotonic() >= deadline
+
+    run(main())
+
+
+def test_receives_share_one_timer_and_each_times_out_at_its_own_deadline(run: Any) -> None:
+    """A consumer's receives arm no timer of their own (`Deadlines`): one armed for the earliest deadline
+    settles each receive at its own, re-armed for the next, and stays armed as receives end."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        armed: list[float] = []
+        call_later = loop.call_later
+
+        def counted(delay: float, *args: Any) -> asyncio.TimerHandle:
+            armed.append(delay)
+            return call_later(delay, *args)
+
+        loop.call_later = counted  # type: ignore[method-assign]
+        async with tba.Consumer(endpoint_url("tcp")) as consumer, tba.Producer(consumer.address) as producer:
+            for i in range(20):  # receives that wait, one timeout each: the timer armed by the first alone
+                sending = asyncio.ensure_future(producer.send("k", np.full(4, i)))
+                assert (await consumer.recv("k", timeout=30))[0] == i
+                await sending
+            assert len([delay for delay in armed if delay > 20]) == 1, armed
+            started = time.monotonic()
+            late = asyncio.create_task(consumer.recv("late", timeout=0.3))
+            with pytest.raises(tb.Timeout, match="'soon'"):
+                await consumer.recv("soon", timeout=0.1)
+            assert 0.1 <= time.monotonic() - started and not late.done()
+            with pytest.raises(tb.Timeout, match="'late'"):
+                await late
+            assert time.monotonic() - started >= 0.3
+            assert not waiting(consumer, "soon") and not waiting(consumer, "late")
 
     run(main())
 

@@ -209,13 +209,22 @@ def test_a_callback_first_in_line_is_left_to_python(twins: Any) -> None:
     assert not calls
 
 
-def test_a_handoff_first_in_line_gets_the_frame_as_the_python_delivery_hands_it(twins: Any) -> None:
-    """An awaited receive's callback (`Handoff`: tensorbus.aio's) is served in C too, the Handoff called once
-    the locks are let go (`Rendezvous._complete`), the message not yet handed out: as the Python way does."""
+class _OwnHandoff(Handoff):
+    """A Handoff that is its own callback, as tensorbus.aio's receive is (aio/handoff.py)."""
+
+    def __call__(self, message: Any, error: Any) -> None:
+        self.callback(message, error)
+
+
+@pytest.mark.parametrize("kind", [Handoff, _OwnHandoff], ids=["Handoff", "a subclass"])
+def test_a_handoff_first_in_line_gets_the_frame_as_the_python_delivery_hands_it(twins: Any, kind: type) -> None:
+    """An awaited receive's callback (`Handoff`, or a subclass: tensorbus.aio's) is served in C too, the Handoff
+    called once the locks are let go (`Rendezvous._complete`), the message not yet handed out: as the Python
+    way does."""
     got: dict[str, list[Any]] = {"c": [], "python": []}
     for name, consumer in zip(("c", "python"), twins, strict=True):
         consumer.table.wait_async(
-            "k", Handoff(lambda m, e, calls=got[name], t=consumer.table: calls.append((m, e, t._lock._is_owned())))
+            "k", kind(lambda m, e, calls=got[name], t=consumer.table: calls.append((m, e, t._lock._is_owned())))
         )
         frame = frame_of(np.arange(5), "k", 1)
         if name == "c":
