@@ -23,6 +23,7 @@ import tensorbus as tb
 import tensorbus.aio as tba
 from tests.conftest import IN_CI, endpoint_url, require_module, transport_params
 from tests.peers import Peer, make_tensor, same
+from tests.waiting import wait_for
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -338,6 +339,31 @@ def test_receives_share_one_timer_and_each_times_out_at_its_own_deadline(run: An
                 await late
             assert time.monotonic() - started >= 0.3
             assert not waiting(consumer, "soon") and not waiting(consumer, "late")
+
+    run(main())
+
+
+def test_the_turn_clock_restarts_when_a_receive_that_waited_resumes(run: Any) -> None:
+    """A receive that waited counts as its loop's ends suspending when it resumes, not when it began to
+    wait (aio/turns.py): the reply sent just after one that waited longer than SLICE_S need not yield first
+    (it went out a turn late, after the acks and upkeep queued meanwhile)."""
+    from tensorbus.aio import turns
+
+    async def main() -> None:
+        async with tba.Consumer(endpoint_url("tcp")) as consumer:
+            sent_at: list[float] = []
+
+            def send_later() -> None:
+                with tb.Producer(consumer.address) as producer:
+                    wait_for(lambda: waiting(consumer, "k"), 30, "the receive to wait")
+                    time.sleep(5 * turns.SLICE_S)  # (the receive waits longer than SLICE_S: the case in question)
+                    sent_at.append(time.perf_counter())
+                    producer.send("k", np.zeros(4))
+
+            sending = asyncio.get_running_loop().run_in_executor(None, send_later)
+            await consumer.recv("k", timeout=30)
+            assert turns._clock.since > sent_at[0], "the clock counts from the receive's resumption"
+            await sending
 
     run(main())
 

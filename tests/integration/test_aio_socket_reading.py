@@ -188,3 +188,30 @@ def test_a_receiving_loop_acks_as_a_reading_thread_does_not_once_per_tensor(
         wait_for(lambda: _acks_read(producer) == 1 + rounds, 10, "every frame acknowledged after the last receive")
     finally:
         _close(loop, consumer, producer)
+
+
+def test_a_served_turn_looks_up_no_connection_while_a_receive_waits_again_and_no_ack_is_owed(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The acks of a turn that served a receive (`LoopReading._ack`) take the reading's lead only when there
+    is something to send: none while the next receive waits already and no ack is owed (a ping-pong), and
+    all of them after the last receive served, with none waiting after it."""
+    consumer, producer = _connected(loop)
+    calls: list[bool] = []
+    reactor: Any = consumer.blocking.transport.reactor
+    ack_read = reactor.ack_read
+    monkeypatch.setattr(reactor, "ack_read", lambda owed_only=False: (calls.append(owed_only), ack_read(owed_only)))
+    rounds = 50
+    try:
+
+        async def ping_pong() -> None:
+            for i in range(rounds):
+                asyncio.get_running_loop().run_in_executor(None, producer.send, "k", np.full(4, i, np.float32))
+                assert int((await consumer.recv("k", timeout=30))[0]) == i  # (the next receive waits before the acks)
+
+        loop.run_until_complete(ping_pong())
+        assert True not in calls, calls  # (one call per round, owed_only, before)
+        assert calls[-1:] == [False]  # the last receive: none waits after it, everything is acked
+        wait_for(lambda: _acks_read(producer) == 1 + rounds, 10, "every frame acknowledged after the last receive")
+    finally:
+        _close(loop, consumer, producer)
