@@ -103,8 +103,15 @@ class Consumer:
         """The next message of `key` (or ANY), counted as the blocking consumer's receives are (metrics)."""
         blocking = self.blocking
         started = time.perf_counter()
+        reading = self._reading  # (a socket consumer read by its loop: receives run on that loop)
         message = await wait_message(
-            blocking.table, key, finite_timeout(timeout), self._turns, self._resume, self._deadlines
+            blocking.table,
+            key,
+            finite_timeout(timeout),
+            self._turns,
+            self._resume,
+            self._deadlines,
+            None if reading is None else reading.loop,
         )
         if blocking.monitor is not None:
             blocking.monitor.received(message, time.perf_counter() - started)

@@ -145,9 +145,11 @@ async def wait_message(
     turns: Turns,
     taking: Callable[[], None],
     deadlines: Deadlines,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> Message:
     """The next message of `key` (ANY: of any key), awaited for at most `timeout` seconds (None: forever);
-    `taking()` is called once the receive waits, and once it took its message (the loop may read again).
+    `taking()` is called once the receive waits, and once it took its message (the loop may read again);
+    `loop`: the running loop, when the caller knows it (`asyncio.get_running_loop` is a `getpid` system call).
 
     A message there already is taken at once (`Rendezvous.take_now`); one awaited is bounded by
     `deadlines`, whose timer settles the same future (not `asyncio.wait_for`, whose own future and
@@ -157,8 +159,7 @@ async def wait_message(
     if message is not None:  # there already: taken with no waiter, future or turn of the loop
         taking()
         return message
-    loop = asyncio.get_running_loop()
-    receive = _Receive(table, loop)
+    receive = _Receive(table, loop or asyncio.get_running_loop())
     handle = table.wait_async(key, receive)
     future, timed = receive.future, False
     try:

@@ -128,6 +128,11 @@ class LoopReading:
         self._skip = 0  # receives left that sleep without a spin
         self._looks = 0  # readable connections found since reading paused (see PAUSED_LOOKS)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop that reads (attached), on which the consumer's receives run."""
+        return self._loop
+
     def make_poller(self) -> LoopPoller:
         """`LOOP_POLLER`'s value: called (once) by the socket consumer as it starts listening."""
         self.poller = LoopPoller()

@@ -343,6 +343,31 @@ def test_receives_share_one_timer_and_each_times_out_at_its_own_deadline(run: An
     run(main())
 
 
+def test_a_socket_consumers_receive_asks_asyncio_for_no_running_loop(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tcp:// consumer's receives run on the loop that reads it: they do not look the running loop up
+    (`asyncio.get_running_loop`, a `getpid` system call each on Linux)."""
+    looked_up = [0]
+    get_running_loop = asyncio.get_running_loop
+
+    def counted() -> asyncio.AbstractEventLoop:
+        looked_up[0] += 1
+        return get_running_loop()
+
+    async def main() -> None:
+        async with tba.Consumer(endpoint_url("tcp")) as consumer:
+            producer = tb.Producer(consumer.address)
+            monkeypatch.setattr(asyncio, "get_running_loop", counted)
+            for i in range(5):  # receives that wait (the tensor is sent once each waits)
+                sending = asyncio.get_running_loop().run_in_executor(None, producer.send, "k", np.full(4, i))
+                assert (await consumer.recv("k", timeout=30))[0] == i
+                await sending
+            monkeypatch.undo()
+            await asyncio.to_thread(producer.close)
+        assert looked_up[0] == 5, "run_in_executor's own, one a round"
+
+    run(main())
+
+
 def test_the_turn_clock_restarts_when_a_receive_that_waited_resumes(run: Any) -> None:
     """A receive that waited counts as its loop's ends suspending when it resumes, not when it began to
     wait (aio/turns.py): the reply sent just after one that waited longer than SLICE_S need not yield first
