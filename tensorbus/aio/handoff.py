@@ -154,7 +154,8 @@ async def wait_message(
     A message there already is taken at once (`Rendezvous.take_now`); one awaited is bounded by
     `deadlines`, whose timer settles the same future (not `asyncio.wait_for`, whose own future and
     callbacks cost two more turns of the loop per receive, nor a timer per receive)."""
-    await turns.take()
+    if turns.due():
+        await asyncio.sleep(0)
     message = table.take_now(key)
     if message is not None:  # there already: taken with no waiter, future or turn of the loop
         taking()

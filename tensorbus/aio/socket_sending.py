@@ -136,11 +136,13 @@ class LoopSender:
                 while sent < total:
                     await self._room_to_write(sock)
                     sent = SEND_FROM(sock.fileno(), frame, sent, C_SENDS_BELOW, crc32c)[0]  # type: ignore[index]  # (None only from byte 0)
-                await self._turns.take()
+                if self._turns.due():
+                    await asyncio.sleep(0)
                 return int(total)
         for batch in wire_batches(frame, True):  # (~1 MiB each: the loop's tasks run between)
             await self._write(sock, batch)
-            await self._turns.take()
+            if self._turns.due():
+                await asyncio.sleep(0)
         return sum(memoryview(b).nbytes for b in frame)
 
     # -- connecting ---------------------------------------------------------------------------
@@ -225,12 +227,14 @@ class LoopSender:
         part it got; the frames not acknowledged go again on the next one): a frame goes whole or not at all.
         """
         p, t = self.producer, self.transport
-        await self._turns.take()
+        if self._turns.due():
+            await asyncio.sleep(0)
         async with self._turn:
             if p._closed:
                 raise Closed("send on a closed Producer")
             message_id = (p.producer_id, next(p._sequence))
-            await self._room()
+            if t._rejections or t._unacked_bytes >= t.options.max_unacked_bytes:  # (`_room`'s, without a coroutine)
+                await self._room()
             t._raise_if_closed()
             t._probe_if_quiet()  # (a connection the consumer closed while quiet is replaced now)
             if t._sock is None:

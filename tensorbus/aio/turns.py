@@ -12,7 +12,6 @@ yielded every SLICE_S went out a turn late, after the acks and upkeep queued mea
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -29,15 +28,18 @@ _clock = _Clock()
 
 
 class Turns:
-    """One end's turns: `take` yields once the ends on this thread's loop have run SLICE_S since one suspended."""
+    """One end's turns: `due` once the ends on this thread's loop have run SLICE_S since one suspended."""
 
     def waited(self) -> None:
-        """The end just suspended (awaited something that was not ready)."""
+        """The end just resumed from a suspension (it awaited something that was not ready)."""
         _clock.since = time.perf_counter()
 
-    async def take(self) -> None:
-        """Yield to the loop if the ends on it have run SLICE_S without suspending."""
+    def due(self) -> bool:
+        """Whether the ends on this thread's loop have run SLICE_S without suspending: then the caller
+        yields (`await asyncio.sleep(0)`), the clock restarted now (a task cancelled in its turn must not
+        take another at once). A plain call, not a coroutine: most calls find no turn due."""
         now = time.perf_counter()
-        if now - _clock.since >= SLICE_S:
-            _clock.since = now  # (first: a task cancelled in its turn must not take another at once)
-            await asyncio.sleep(0)
+        if now - _clock.since < SLICE_S:
+            return False
+        _clock.since = now
+        return True
