@@ -88,7 +88,8 @@ class Consumer:
 
     async def recv(self, key: str, timeout: float | None = None) -> Any:
         """The next tensor sent under `key`, awaited up to `timeout` seconds (then `tensorbus.Timeout`)."""
-        return (await self.recv_message(key, timeout)).tensor
+        check_key(key)
+        return (await self._received(key, timeout)).tensor  # (not through `recv_message`: a coroutine fewer)
 
     async def recv_message(self, key: str, timeout: float | None = None) -> Message:
         """Like `recv`, returning the whole `Message` (tensor, metadata, message id)."""
@@ -109,18 +110,13 @@ class Consumer:
             key,
             finite_timeout(timeout),
             self._turns,
-            self._resume,
+            _nothing if reading is None else reading.taken,  # (the loop reads again if it stopped reading ahead)
             self._deadlines,
             None if reading is None else reading.loop,
         )
         if blocking.monitor is not None:
             blocking.monitor.received(message, time.perf_counter() - started)
         return message
-
-    def _resume(self) -> None:
-        """A receive took a tensor or waits: the loop reads again if it had stopped reading ahead."""
-        if self._reading is not None:
-            self._reading.taken()
 
     def ack(self, message: Message) -> None:
         """With `ack="manual"`: acknowledge a message the application is done with (a plain call: it
@@ -161,6 +157,10 @@ class Consumer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _nothing() -> None:
+    """What a receive's taking calls for a consumer not read by the loop."""
 
 
 def _close_unused(opening: asyncio.Future[api.Consumer]) -> None:
