@@ -42,6 +42,7 @@ class ShmOptions(NamedOptions):
     connect_timeout_s: float = 5.0
     close_timeout_s: float = 10.0
     max_pinned_bytes: int = 1 << 30  # consumer: bytes of producers' memory its arrays may view at once
+    spin_s: float = 0.0001  # consumer: how long a waiting recv polls before it sleeps (an idle vCPU wakes late)
     max_connections: int = 1024
     backlog: int = 128
 

@@ -8,6 +8,7 @@ a new frame is copied out of shared memory into the consumer's own and freed at 
 
 from __future__ import annotations
 
+import collections
 import errno
 import fcntl
 import hmac
@@ -42,6 +43,8 @@ _CREDENTIALS = struct.Struct("3i")
 BATCH = 64
 #: after a receive read the control sockets itself, how long the background thread waits before it takes over
 LINGER_S = 0.001
+#: the most steps of waiting receives that sleep at once, without a spin, after spins that ran out (`_spin`)
+SPIN_BACKOFF = 64
 
 
 class Peer:
@@ -75,6 +78,11 @@ class ShmListener:
         self._poked = False
         self._peers: dict[int, Peer] = {}
         self._stop = threading.Event()
+        #: the spin of waiting receives (`_spin`), used by the leading thread only
+        self._spin_s = options.spin_s
+        self._backoff = 0  # steps that sleep without a spin after the next spin that runs out
+        self._skip = 0  # steps left that sleep without a spin
+        self.spins = collections.Counter[str]()  # spins that found a message ("found") or ran out ("out")
         self.leadership = Leadership(LINGER_S, self.poke)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-shm-{name}")
         self._thread.start()
@@ -135,27 +143,59 @@ class ShmListener:
         return self.leadership.wait(done, deadline, self._step)
 
     def _step(self, deadline: float | None, stop: Callable[[], bool]) -> bool:
-        """One round on the leading thread: wait for control messages until `deadline` (None: a background
-        thread's wait), handle them, answer; False once closing. (No busy-poll before the wait, as unix://
-        has: on the 2-vCPU VM it made the 4 KB round trip slower, 470-560 µs against 310-380 without.)"""
+        """One round on the leading thread: answer the producers, wait for control messages until `deadline`
+        (None: a background thread's wait; else a waiting receive's, which spins first), handle them; False
+        once closing. Acks owed go out before the wait, not after a read that served the receive: its
+        reply then goes ahead of them, and a ping-pong's acks go while the peer works on the reply."""
         if self._stop.is_set():
             return False
         for peer in [p for p in self._peers.values() if p.held is not None]:
             self._release(peer)
+        self._answer()
         owed = any(peer.open and peer.acks.owed() for peer in self._peers.values())
         wait = control.LINGER_S if owed else control.IDLE_S if self._peers else None
         if deadline is not None:
             left = max(deadline - time.monotonic(), 0.0)
             wait = left if wait is None else min(wait, left)
-        for selected, _ in self._selector.select(wait) if not stop() else []:
+        ready = self._spin(stop, wait) if deadline is not None else []
+        if not ready and not stop():
+            ready = self._selector.select(wait)
+        for selected, _ in ready:
             if selected.data == "wake":
                 self._woken()
             elif selected.data is None:
                 self._accept()
             else:
-                self._read(selected.data)
-        self._answer()
+                self._read(selected.data, stop)
+        if not stop():
+            self._answer()
         return not self._stop.is_set()
+
+    def _spin(self, stop: Callable[[], bool], wait: float | None) -> list[Any]:
+        """A waiting receive polls for up to `spin_s` before it sleeps, as a socket receive does: a thread
+        asleep on an idle vCPU wakes late (docs/PERFORMANCE.md, "shm://'s round trip"). A spin that ran out
+        makes the next steps sleep at once (1, 2, 4... up to SPIN_BACKOFF of them): a producer that answers
+        slowly, or a busy machine where the spin takes the CPU the producer needs, costs no spin per step."""
+        if self._spin_s <= 0 or wait is not None and wait <= 0:
+            return []
+        if self._skip > 0:
+            self._skip -= 1
+            return []
+        select = self._selector.select
+        until = time.monotonic() + (self._spin_s if wait is None else min(self._spin_s, wait))
+        while not stop():
+            ready = select(0)
+            if ready:
+                self._backoff = 0
+                self.spins["found"] += 1
+                return ready
+            if time.monotonic() >= until:
+                break
+        else:
+            return []
+        self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
+        self.spins["out"] += 1
+        return []
 
     def poke(self) -> None:
         """Wake the leading thread (from any thread): there are acks to send, or room for a held message."""
@@ -219,9 +259,11 @@ class ShmListener:
         except OSError:
             self._close(peer)
 
-    def _read(self, peer: Peer) -> None:
+    def _read(self, peer: Peer, stop: Callable[[], bool] = lambda: False) -> None:
+        """Handle up to BATCH of `peer`'s control messages; none more once `stop()` (the waiting receive
+        is served: what is left is read at the next step, its socket still readable)."""
         for _ in range(BATCH):
-            if not peer.open or peer.held is not None:
+            if not peer.open or peer.held is not None or stop():
                 return
             try:
                 got = control.receive(peer.sock, blocking=False)
