@@ -157,9 +157,10 @@ class ShmListener:
         if deadline is not None:
             left = max(deadline - time.monotonic(), 0.0)
             wait = left if wait is None else min(wait, left)
+        wait_until = None if wait is None else time.monotonic() + wait
         ready = self._spin(stop, wait) if deadline is not None else []
-        if not ready and not stop():
-            ready = self._selector.select(wait)
+        if not ready and not stop():  # (what is left of the wait after a spin that ran out)
+            ready = self._selector.select(None if wait_until is None else max(wait_until - time.monotonic(), 0.0))
         for selected, _ in ready:
             if selected.data == "wake":
                 self._woken()
@@ -176,7 +177,7 @@ class ShmListener:
         asleep on an idle vCPU wakes late (docs/PERFORMANCE.md, "shm://'s round trip"). A spin that ran out
         makes the next steps sleep at once (1, 2, 4... up to SPIN_BACKOFF of them): a producer that answers
         slowly, or a busy machine where the spin takes the CPU the producer needs, costs no spin per step."""
-        if self._spin_s <= 0 or wait is not None and wait <= 0:
+        if self._spin_s <= 0 or (wait is not None and wait <= 0):
             return []
         if self._skip > 0:
             self._skip -= 1

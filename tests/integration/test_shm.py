@@ -19,6 +19,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.codec.frame import encode_raw
+from tensorbus.transports import leading
 from tensorbus.transports import shm_control as control
 from tensorbus.transports.shm_segments import SEALS
 from tensorbus.transports.stream import proof
@@ -367,3 +368,73 @@ def test_two_threads_sending_on_one_producer() -> None:
         for prefix in ("a", "b"):  # in order per key, every one intact
             for i in range(200):
                 assert same(consumer.recv(prefix, timeout=10), np.full(1000 + i, i, np.int32))
+
+
+class _SelectSpy:
+    """Calls through to a listener's selector, noting on the thread `ident` each poll (timeout 0) and each
+    wait that may sleep (any other timeout)."""
+
+    def __init__(self, listener: Any, ident: int) -> None:
+        self.select, self.ident = listener._selector.select, ident
+        self.polled = multiprocessing.get_context("fork").Event()  # (a forked producer may wait for it)
+        self.sleeps: list[float | None] = []
+        listener._selector.select = self
+
+    def __call__(self, timeout: float | None = None) -> Any:
+        if threading.get_ident() == self.ident:
+            if timeout == 0:
+                self.polled.set()
+            else:
+                self.sleeps.append(timeout)
+        return self.select(timeout)
+
+
+def test_a_waiting_recv_polls_and_takes_a_frame_that_comes_meanwhile_without_sleeping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (a step's wait bounds its poll, and a recv leads in slices: here the recv's deadline bounds both)
+    monkeypatch.setattr(control, "IDLE_S", 60.0)
+    monkeypatch.setattr(leading, "POLL_S", 60.0)
+    url = endpoint_url("shm")
+    with tb.Consumer(url, spin_s=60.0) as consumer, tb.Producer(url) as producer:
+        producer.send("warm", np.zeros(4, np.float32))  # (connected, and its segment mapped)
+        warm = consumer.recv("warm", timeout=10)
+        listener = consumer.transport._listener
+        spy = _SelectSpy(listener, threading.get_ident())
+        before = listener.spins.copy()
+        # the frame is sent once the recv polls (from another process: a thread would wait for the poller's GIL)
+        sent = multiprocessing.get_context("fork").Process(target=_send_when, args=(url, spy.polled))
+        sent.start()
+        try:
+            got = consumer.recv("k", timeout=30)
+        finally:
+            sent.join(30)
+        assert same(got, np.arange(1024, dtype=np.float32)) and same(warm, np.zeros(4, np.float32))
+        assert spy.sleeps == []  # (the receive never waited in the selector: it polled until the frame came)
+        assert listener.spins["found"] > before["found"] and listener.spins["out"] == before["out"]
+
+
+def _send_when(url: str, polled: Any) -> None:
+    polled.wait(10)  # (sent anyway after that: the receive then slept, and the test says so)
+    with tb.Producer(url) as producer:
+        producer.send("k", np.arange(1024, dtype=np.float32))
+
+
+@pytest.mark.parametrize("spin_s", [0.002, 0.0])
+def test_polls_that_find_nothing_make_the_next_waits_sleep_at_once(spin_s: float) -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url, spin_s=spin_s) as consumer, tb.Producer(url) as producer:
+        producer.send("warm", np.zeros(4, np.float32))  # (a producer connected: the idle waits are short)
+        consumer.recv("warm", timeout=10)
+        listener = consumer.transport._listener
+        spy = _SelectSpy(listener, threading.get_ident())
+        before = listener.spins["out"]
+        for _ in range(20):
+            with pytest.raises(tb.Timeout):
+                consumer.recv("never", timeout=0.01)
+        polls = listener.spins["out"] - before
+        assert len(spy.sleeps) >= 20  # (every wait slept in the end)
+        if spin_s:
+            assert 1 <= polls <= 8  # 1, 2, 4, 8... waits sleep at once after each poll that ran out (not 20)
+        else:
+            assert polls == 0 and not spy.polled.is_set()
