@@ -29,7 +29,7 @@ import numpy as np
 from ..buffers import aligned_empty
 from ..errors import TransportError
 from . import shm_control as control
-from .base import Deliver, Held, deliver_frame
+from .base import Deliver, Held
 from .leading import Leadership
 from .shm_segments import MAP_POPULATE, SEALS
 from .stream import proof
@@ -83,6 +83,7 @@ class ShmListener:
         self._backoff = 0  # steps that sleep without a spin after the next spin that runs out
         self._skip = 0  # steps left that sleep without a spin
         self.spins = collections.Counter[str]()  # spins that found a message ("found") or ran out ("out")
+        self._answer_due = 0.0  # when the leading thread next answers, urgent or not (`_answer`)
         self.leadership = Leadership(LINGER_S, self.poke)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-shm-{name}")
         self._thread.start()
@@ -143,15 +144,18 @@ class ShmListener:
         return self.leadership.wait(done, deadline, self._step)
 
     def _step(self, deadline: float | None, stop: Callable[[], bool]) -> bool:
-        """One round on the leading thread: answer the producers, wait for control messages until `deadline`
-        (None: a background thread's wait; else a waiting receive's, which spins first), handle them; False
-        once closing. Acks owed go out before the wait, not after a read that served the receive: its
-        reply then goes ahead of them, and a ping-pong's acks go while the peer works on the reply."""
+        """One round on the leading thread: wait for control messages until `deadline` (None: a background
+        thread's wait; else a waiting receive's, which spins first), handle them; False once closing.
+
+        The acks owed go before a wait that may sleep, and otherwise every `control.LINGER_S` or once
+        urgent (`Acknowledgements.urgent`), never between a read that served the receive and its return:
+        a ping-pong's reply goes first, and a receive that keeps finding frames in its spin (which the
+        producer sends on without waiting for acks) sends one ack for many frames, not one each."""
         if self._stop.is_set():
             return False
         for peer in [p for p in self._peers.values() if p.held is not None]:
             self._release(peer)
-        self._answer()
+        self._answer(all_owed=False)
         owed = any(peer.open and peer.acks.owed() for peer in self._peers.values())
         wait = control.LINGER_S if owed else control.IDLE_S if self._peers else None
         if deadline is not None:
@@ -160,6 +164,7 @@ class ShmListener:
         wait_until = None if wait is None else time.monotonic() + wait
         ready = self._spin(stop, wait) if deadline is not None else []
         if not ready and not stop():  # (what is left of the wait after a spin that ran out)
+            self._answer()
             ready = self._selector.select(None if wait_until is None else max(wait_until - time.monotonic(), 0.0))
         for selected, _ in ready:
             if selected.data == "wake":
@@ -169,7 +174,7 @@ class ShmListener:
             else:
                 self._read(selected.data, stop)
         if not stop():
-            self._answer()
+            self._answer(all_owed=False)
         return not self._stop.is_set()
 
     def _spin(self, stop: Callable[[], bool], wait: float | None) -> list[Any]:
@@ -222,8 +227,13 @@ class ShmListener:
         for peer in [p for p in self._peers.values() if p.held is not None]:
             self._release(peer)
 
-    def _answer(self) -> None:
-        """Send each producer the acks owed to it (what its full socket cannot take yet: next time)."""
+    def _answer(self, *, all_owed: bool = True) -> None:
+        """Send each producer the acks owed to it (what its full socket cannot take yet: next time); with
+        `all_owed` False, only once `control.LINGER_S` passed since the last answer, or one is urgent."""
+        now = time.monotonic()
+        if not all_owed and now < self._answer_due and not any(p.acks.urgent() for p in self._peers.values()):
+            return
+        self._answer_due = now + control.LINGER_S
         for peer in list(self._peers.values()):
             if not peer.open:
                 continue
@@ -328,7 +338,7 @@ class ShmListener:
 
     def _frame(self, peer: Peer, pos: int, seg_id: int, offset: int, length: int) -> None:
         mapped = peer.maps.get(seg_id)
-        if mapped is None or not all(type(v) is int for v in (pos, offset, length)):
+        if mapped is None or type(pos) is not int or type(offset) is not int or type(length) is not int:
             raise TransportError(f"a frame in an unknown segment {seg_id!r}")
         if offset < 0 or length <= 0 or offset + length > len(mapped):
             raise TransportError("a frame outside its segment")
@@ -342,9 +352,15 @@ class ShmListener:
             frame = np.frombuffer(mapped, np.uint8, length, offset)
             peer.acks.viewed(length)
             weakref.finalize(frame, peer.acks.unviewed, pos, length).atexit = False
-        result = deliver_frame(self.deliver, frame.data, peer)
+        fast = self.deliver.fast
+        taken = fast(frame.data, None, peer) if fast is not None else None
+        if taken is not None:  # a plain tensor the C delivery took: booked in the fewest steps
+            del frame
+            peer.acks.record_admitted(pos, taken.message_id, length)
+            return
+        result = self.deliver(frame.data, may_hold=True, source=peer)
         del frame  # (the intake and the arrays it made keep it alive now, or nothing does)
-        peer.acks.record(pos, result)
+        peer.acks.record(pos, result, length)
         if result.held is not None:
             peer.held = result.held
 

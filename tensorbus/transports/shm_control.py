@@ -36,6 +36,7 @@ import msgpack
 from ..errors import TransportError
 
 if TYPE_CHECKING:
+    from ..codec.frame import MessageId
     from ..ledger import Ledger
     from .base import Delivered
 
@@ -51,6 +52,9 @@ IDLE_S = 0.05
 #: a control message larger than this is a protocol error
 MAX_MESSAGE = 1 << 16
 _FDS_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize)  # (room for a few: more are a protocol error)
+#: the flags as plain ints (an enum's operators are Python calls, on every message)
+_DONTWAIT = int(socket.MSG_DONTWAIT)
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 
 
 def private_dir(shm_dir: str | None) -> Path:
@@ -91,12 +95,11 @@ def receive(sock: socket.socket, *, blocking: bool = True) -> tuple[list[Any], l
     """One control message and the descriptors that came with it; None when none is waiting (not blocking).
 
     Raises `ConnectionError` when the peer closed, `TransportError` for a malformed message."""
-    flags = 0 if blocking else socket.MSG_DONTWAIT
     try:  # (not socket.recv_fds: Python 3.11's ignores its flags)
-        data, ancillary, msg_flags, _ = sock.recvmsg(MAX_MESSAGE, _FDS_SPACE, flags)
+        data, ancillary, msg_flags, _ = sock.recvmsg(MAX_MESSAGE, _FDS_SPACE, 0 if blocking else _DONTWAIT)
     except (BlockingIOError, InterruptedError):
         return None
-    fds = descriptors(ancillary)
+    fds = descriptors(ancillary) if ancillary else []
     if not data:
         for fd in fds:
             os.close(fd)
@@ -105,7 +108,7 @@ def receive(sock: socket.socket, *, blocking: bool = True) -> tuple[list[Any], l
         message = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=MAX_POSITIONS + 8)
     except Exception as exc:  # (msgpack raises several kinds for bad input)
         message = exc
-    if not isinstance(message, list) or not message or msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    if not isinstance(message, list) or not message or msg_flags & _TRUNCATED:
         for fd in fds:
             os.close(fd)
         raise TransportError(f"malformed shm:// control message ({message!r:.80})")
@@ -145,12 +148,35 @@ class Acknowledgements:
         self._taken: list[int] = []
         self._frees: list[int] = []
         self._freed_bytes = 0  # of the frees not sent yet
+        self._received_bytes = 0  # of the frames received since the last "ack"
         self._acked = 0  # the last cumulative "ack" sent
         self.pinned_bytes = 0  # bytes of the producer's frames still viewed here
         self.stream = ledger.stream(self._released)
 
-    def record(self, pos: int, result: Delivered) -> None:
+    def record(self, pos: int, result: Delivered, nbytes: int) -> None:
+        """Enter the received frame at `pos` (`nbytes` long) with what the intake made of it."""
         self.stream.record(pos, result)
+        self._received(nbytes)
+
+    def record_admitted(self, pos: int, message_id: MessageId | None, nbytes: int) -> None:
+        """`record` of a plain tensor the intake's C delivery took (ledger.py's fewest steps)."""
+        self.stream.record_admitted(pos, message_id)
+        self._received(nbytes)
+
+    def _received(self, nbytes: int) -> None:
+        with self._lock:
+            self._received_bytes += nbytes
+
+    def urgent(self) -> bool:
+        """True when what is owed should go now rather than with the next answer (`URGENT_COUNT`,
+        `URGENT_BYTES` of frees, or of frames received since the last answer: the producer's credit)."""
+        with self._lock:
+            return (
+                len(self._taken) >= URGENT_COUNT
+                or len(self._frees) >= URGENT_COUNT
+                or self._freed_bytes >= URGENT_BYTES
+                or self._received_bytes >= URGENT_BYTES
+            )
 
     def _released(self, positions: list[Any]) -> None:
         with self._lock:
@@ -188,7 +214,7 @@ class Acknowledgements:
         with self._lock:
             taken, self._taken = self._taken, []
             frees, self._frees = self._frees, []
-            self._freed_bytes = 0
+            self._freed_bytes = self._received_bytes = 0
         if received == self._acked and not taken and not frees:
             return []
         self._acked = received

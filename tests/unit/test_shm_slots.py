@@ -8,7 +8,7 @@ import pytest
 
 from tensorbus.ledger import Ledger
 from tensorbus.transports.base import Delivered
-from tensorbus.transports.shm_control import URGENT_COUNT, Acknowledgements
+from tensorbus.transports.shm_control import URGENT_BYTES, URGENT_COUNT, Acknowledgements
 from tensorbus.transports.shm_segments import MIB, MIN_SLOT, Slots, slot_size
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd segments are Linux's")
@@ -61,17 +61,28 @@ def test_acknowledgements_turn_the_ledger_and_the_views_into_control_messages() 
     pokes: list[int] = []
     acks = Acknowledgements(Ledger("take"), lambda: pokes.append(1))
     acks.viewed(100)
-    acks.record(1, Delivered(("p", 1), True, admitted=True))
-    acks.record(2, Delivered(("p", 2), False))  # chunks missing: not received
+    acks.record(1, Delivered(("p", 1), True, admitted=True), 100)
+    acks.record(2, Delivered(("p", 2), False), 100)  # chunks missing: not received
     assert acks.pending() == [["ack", 2, [], []]]  # cumulative: position 1 is in the table, 2 is not
     assert acks.pending() == []  # nothing new
     acks.stream._ledger.taken(("p", 1))
     acks.unviewed(1, 100)
     assert acks.pinned_bytes == 0 and acks.owed() and pokes == []  # batched: nothing urgent yet
+    assert not acks.urgent()
     unsent = acks.pending()
     assert unsent == [["ack", 2, [1], [1]]]
     acks.requeue(unsent)  # (the producer's socket was full)
     assert acks.pending() == unsent
     for pos in range(3, 3 + URGENT_COUNT):
         acks.unviewed(pos, 0)
-    assert pokes  # enough frees wake the thread
+    assert pokes and acks.urgent()  # enough frees wake the thread, and go with its next step
+
+
+def test_a_megabyte_received_makes_the_ack_urgent() -> None:
+    acks = Acknowledgements(Ledger("take"), lambda: None)
+    acks.record_admitted(1, ("p", 1), URGENT_BYTES - 1)  # (the C delivery's frame: booked as `record` books it)
+    assert not acks.urgent() and acks.pending() == [["ack", 2, [], []]]
+    acks.record_admitted(2, ("p", 2), URGENT_BYTES // 2)
+    acks.record_admitted(3, ("p", 3), URGENT_BYTES // 2)
+    assert acks.urgent()  # the producer's credit: a megabyte since the last answer goes at the next step
+    assert acks.pending() == [["ack", 4, [], []]] and not acks.urgent()
