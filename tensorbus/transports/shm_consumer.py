@@ -45,6 +45,8 @@ BATCH = 64
 LINGER_S = 0.001
 #: the most steps of waiting receives that sleep at once, without a spin, after spins that ran out (`_spin`)
 SPIN_BACKOFF = 64
+#: a spin polling its one producer's socket looks at every socket (new producers, pokes) this often
+LOOK_EVERY = 16
 
 
 class Peer:
@@ -162,11 +164,11 @@ class ShmListener:
             left = max(deadline - time.monotonic(), 0.0)
             wait = left if wait is None else min(wait, left)
         wait_until = None if wait is None else time.monotonic() + wait
-        ready = self._spin(stop, wait) if deadline is not None else []
-        if not ready and not stop():  # (what is left of the wait after a spin that ran out)
+        ready = self._spin(stop, wait) if deadline is not None else None
+        if ready is None and not stop():  # (what is left of the wait after a spin that ran out)
             self._answer()
             ready = self._selector.select(None if wait_until is None else max(wait_until - time.monotonic(), 0.0))
-        for selected, _ in ready:
+        for selected, _ in ready or ():
             if selected.data == "wake":
                 self._woken()
             elif selected.data is None:
@@ -177,21 +179,34 @@ class ShmListener:
             self._answer(all_owed=False)
         return not self._stop.is_set()
 
-    def _spin(self, stop: Callable[[], bool], wait: float | None) -> list[Any]:
+    def _spin(self, stop: Callable[[], bool], wait: float | None) -> list[Any] | None:
         """A waiting receive polls for up to `spin_s` before it sleeps, as a socket receive does: a thread
-        asleep on an idle vCPU wakes late (docs/PERFORMANCE.md, "shm://'s round trip"). A spin that ran out
-        makes the next steps sleep at once (1, 2, 4... up to SPIN_BACKOFF of them): a producer that answers
-        slowly, or a busy machine where the spin takes the CPU the producer needs, costs no spin per step."""
+        asleep on an idle vCPU wakes late (docs/PERFORMANCE.md, "shm://'s round trip"). What it found: the
+        selector's events, [] when it handled a message itself, None when it found nothing (sleep now).
+
+        With one producer connected, it polls that producer's socket itself, and everything only every
+        LOOK_EVERY polls (a message found is handled at once: one system call a message rather than two).
+        A spin that ran out makes the next steps sleep at once (1, 2, 4... up to SPIN_BACKOFF of them): a
+        producer that answers slowly, or a busy machine where the spin takes the CPU the producer needs,
+        costs no spin per step."""
         if self._spin_s <= 0 or (wait is not None and wait <= 0):
-            return []
+            return None
         if self._skip > 0:
             self._skip -= 1
-            return []
+            return None
+        lone = next(iter(self._peers.values())) if len(self._peers) == 1 else None
+        if lone is not None and not (lone.open and lone.authed and lone.held is None):
+            lone = None
         select = self._selector.select
         until = time.monotonic() + (self._spin_s if wait is None else min(self._spin_s, wait))
+        polls = 0
         while not stop():
-            ready = select(0)
-            if ready:
+            polls += 1
+            if lone is None or polls % LOOK_EVERY == 1:  # (the listening socket and the wake-up pipe too)
+                ready = select(0) or None
+            else:
+                ready = [] if self._read_one(lone) else None
+            if ready is not None:
                 self._backoff = 0
                 self.spins["found"] += 1
                 return ready
@@ -201,7 +216,7 @@ class ShmListener:
             return []
         self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
         self.spins["out"] += 1
-        return []
+        return None
 
     def poke(self) -> None:
         """Wake the leading thread (from any thread): there are acks to send, or room for a held message."""
@@ -274,21 +289,22 @@ class ShmListener:
         """Handle up to BATCH of `peer`'s control messages; none more once `stop()` (the waiting receive
         is served: what is left is read at the next step, its socket still readable)."""
         for _ in range(BATCH):
-            if not peer.open or peer.held is not None or stop():
+            if not peer.open or peer.held is not None or stop() or not self._read_one(peer):
                 return
-            try:
-                got = control.receive(peer.sock, blocking=False)
-                if got is None:
-                    return
-                self._handle(peer, *got)
-            except (OSError, TransportError, ValueError, TypeError, LookupError, MemoryError) as exc:
-                # a malformed control message, or a frame the intake could not afford: that producer only
-                if not isinstance(exc, ConnectionError):
-                    log.warning(
-                        "shm://%s: dropped a producer: %s", self.name, str(exc)
-                    )  # (not exc: its frames map memory)
-                self._close(peer)
-                return
+
+    def _read_one(self, peer: Peer) -> bool:
+        """Handle one control message of `peer`'s: False if none was waiting."""
+        try:
+            got = control.receive(peer.sock, blocking=False)
+            if got is None:
+                return False
+            self._handle(peer, *got)
+        except (OSError, TransportError, ValueError, TypeError, LookupError, MemoryError) as exc:
+            # a malformed control message, or a frame the intake could not afford: that producer only
+            if not isinstance(exc, ConnectionError):
+                log.warning("shm://%s: dropped a producer: %s", self.name, str(exc))  # (not exc: its frames map memory)
+            self._close(peer)
+        return True
 
     def _handle(self, peer: Peer, message: list[Any], fds: list[int]) -> None:
         kind = message[0]
