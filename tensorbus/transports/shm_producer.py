@@ -372,3 +372,7 @@ class ShmSender:
                 self._sock.close()
                 self._sock = None
             self.slots.close()
+            # (frames never to be sent again: their segments' mappings go with the last array viewing them,
+            # not with this sender, whose last frees may not have come before close)
+            self._inflight.clear()
+            self._unacked.clear()

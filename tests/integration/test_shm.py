@@ -21,7 +21,6 @@ import tensorbus as tb
 from tensorbus.codec.frame import encode_raw
 from tensorbus.transports import leading
 from tensorbus.transports import shm_control as control
-from tensorbus.transports.shm_control import URGENT_COUNT
 from tensorbus.transports.shm_segments import SEALS
 from tensorbus.transports.stream import proof
 from tests.conftest import endpoint_url, require_torch
@@ -471,5 +470,6 @@ def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_ma
         finally:
             echo.join(30)
         assert echo.exitcode == 0
-        # (without the batching: an ack per frame, 200; with it, one per URGENT_COUNT frees or taken)
-        assert 1 <= len(acks) <= count // URGENT_COUNT + 2, len(acks)
+        # (without the batching: an ack per frame, 200; with it, one per URGENT_COUNT frees or taken, and one
+        # each time a receive returned before the frame came and the background read it, then slept)
+        assert 1 <= len(acks) <= count // 4, len(acks)
