@@ -45,6 +45,9 @@ BATCH = 64
 LINGER_S = 0.001
 #: the most steps of waiting receives that sleep at once, without a spin, after spins that ran out (`_spin`)
 SPIN_BACKOFF = 64
+#: spins that ran out one after the other before the next steps sleep at once: a reply that came late
+#: once (the producer was preempted) costs no back-off, which would make it late in turn (it sleeps)
+SPIN_MISSES = 3
 #: a spin polling its one producer's socket looks at every socket (new producers, pokes) this often
 LOOK_EVERY = 16
 
@@ -82,6 +85,7 @@ class ShmListener:
         self._stop = threading.Event()
         #: the spin of waiting receives (`_spin`), used by the leading thread only
         self._spin_s = options.spin_s
+        self._misses = 0  # spins that ran out since one found a message
         self._backoff = 0  # steps that sleep without a spin after the next spin that runs out
         self._skip = 0  # steps left that sleep without a spin
         self.spins = collections.Counter[str]()  # spins that found a message ("found") or ran out ("out")
@@ -186,9 +190,9 @@ class ShmListener:
 
         With one producer connected, it polls that producer's socket itself, and everything only every
         LOOK_EVERY polls (a message found is handled at once: one system call a message rather than two).
-        A spin that ran out makes the next steps sleep at once (1, 2, 4... up to SPIN_BACKOFF of them): a
-        producer that answers slowly, or a busy machine where the spin takes the CPU the producer needs,
-        costs no spin per step."""
+        From the SPIN_MISSES-th spin in a row that ran out, each makes the next steps sleep at once (1, 2,
+        4... up to SPIN_BACKOFF of them): a producer that answers slowly, or a busy machine where the spin
+        takes the CPU the producer needs, costs no spin per step."""
         if self._spin_s <= 0 or (wait is not None and wait <= 0):
             return None
         if self._skip > 0:
@@ -207,14 +211,16 @@ class ShmListener:
             else:
                 ready = [] if self._read_one(lone) else None
             if ready is not None:
-                self._backoff = 0
+                self._misses = self._backoff = 0
                 self.spins["found"] += 1
                 return ready
             if time.monotonic() >= until:
                 break
         else:
             return []
-        self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
+        self._misses += 1
+        if self._misses >= SPIN_MISSES:
+            self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
         self.spins["out"] += 1
         return None
 
