@@ -7,9 +7,10 @@ These wait for the condition itself, with a deadline far past what it takes on a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -33,3 +34,23 @@ def once(condition: Callable[[], Any], action: Callable[[], Any], what: str, tim
     thread = threading.Thread(target=run, daemon=True, name=f"once {what}")
     thread.start()
     return thread
+
+
+@contextlib.contextmanager
+def held_elsewhere(lock: Any) -> Iterator[None]:
+    """`lock` held by another thread for as long as the body runs (let go, and the thread joined, after)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10), "the other thread never got the lock"
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(10)

@@ -164,6 +164,18 @@ def test_a_pause_stops_watching_only_once_the_connection_is_readable_again_and_r
         _close(loop, consumer, producer)
 
 
+def _ping_pong(loop: asyncio.AbstractEventLoop, consumer: Any, producer: Any, rounds: int) -> None:
+    """`rounds` tensors, each sent (from a thread) once the receive of the one before was served, and each
+    received by a receive that waits for it."""
+
+    async def ping_pong() -> None:
+        for i in range(rounds):
+            asyncio.get_running_loop().run_in_executor(None, producer.send, "k", np.full(4, i, np.float32))
+            assert int((await consumer.recv("k", timeout=30))[0]) == i
+
+    loop.run_until_complete(ping_pong())
+
+
 def test_a_receiving_loop_acks_as_a_reading_thread_does_not_once_per_tensor(
     loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,13 +189,7 @@ def test_a_receiving_loop_acks_as_a_reading_thread_does_not_once_per_tensor(
     monkeypatch.setattr(reactor, "_ack", lambda peer: (acks.append(peer.frames), sending(peer)))
     rounds = 100
     try:
-
-        async def ping_pong() -> None:
-            for i in range(rounds):
-                asyncio.get_running_loop().run_in_executor(None, producer.send, "k", np.full(4, i, np.float32))
-                assert int((await consumer.recv("k", timeout=30))[0]) == i  # (each sent once the last was served)
-
-        loop.run_until_complete(ping_pong())
+        _ping_pong(loop, consumer, producer, rounds)
         assert len(acks) < rounds // 4, acks  # (one per round before)
         wait_for(lambda: _acks_read(producer) == 1 + rounds, 10, "every frame acknowledged after the last receive")
     finally:
@@ -203,13 +209,7 @@ def test_a_served_turn_looks_up_no_connection_while_a_receive_waits_again_and_no
     monkeypatch.setattr(reactor, "ack_read", lambda owed_only=False: (calls.append(owed_only), ack_read(owed_only)))
     rounds = 50
     try:
-
-        async def ping_pong() -> None:
-            for i in range(rounds):
-                asyncio.get_running_loop().run_in_executor(None, producer.send, "k", np.full(4, i, np.float32))
-                assert int((await consumer.recv("k", timeout=30))[0]) == i  # (the next receive waits before the acks)
-
-        loop.run_until_complete(ping_pong())
+        _ping_pong(loop, consumer, producer, rounds)  # (the next receive waits before the acks)
         assert True not in calls, calls  # (one call per round, owed_only, before)
         assert calls[-1:] == [False]  # the last receive: none waits after it, everything is acked
         wait_for(lambda: _acks_read(producer) == 1 + rounds, 10, "every frame acknowledged after the last receive")

@@ -8,7 +8,6 @@ counted, the take's hook called); a case it leaves to Python must change nothing
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from tensorbus.intake_state import ANY, FAST
 from tensorbus.rendezvous import Rendezvous
 
 from ..conftest import require_native
+from ..waiting import held_elsewhere
 
 require_native(FAST is not None, "the table's C take (tensorbus/_intake.c)")
 
@@ -92,21 +92,8 @@ def test_nothing_buffered_arrival_order_and_an_aborted_table_are_left_to_python(
 def test_a_lock_held_by_another_thread_leaves_the_take_to_python() -> None:
     table = Rendezvous()
     table.put(Message("k", np.arange(3), {}))
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with table._lock:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(10)
-    try:
+    with held_elsewhere(table._lock):
         _unchanged(table, "k")
-    finally:
-        release.set()
-        holder.join(10)
     assert table._take_buffered("k", None) is not None  # type: ignore[misc]  # (and once it is free, C takes it)
 
 

@@ -21,6 +21,7 @@ from tensorbus.codec import encode, encode_chunks
 from tensorbus.intake_state import FAST, Handoff, PyIntakeState, PyTableState
 
 from ..conftest import require_native, require_torch
+from ..waiting import held_elsewhere
 
 require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
 
@@ -242,21 +243,8 @@ def test_a_handoff_first_in_line_gets_the_frame_as_the_python_delivery_hands_it(
 def test_a_lock_held_by_another_thread_leaves_the_frame_to_python(twins: Any, which: str) -> None:
     consumer = twins[0]
     lock = consumer.intake._lock if which == "consumer" else consumer.table._lock
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with lock:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait(10)
-    try:
+    with held_elsewhere(lock):
         _unchanged(consumer, frame_of(np.arange(3)))
-    finally:
-        release.set()
-        holder.join(10)
     assert consumer.intake.fast(frame_of(np.arange(3)), None) is not None  # and once it is free, it is taken
 
 
