@@ -125,7 +125,7 @@ TRANSPORT_OPTIONS = """
       pooled_buffers, linger_s, spin_s, auth_secret, ssl_cafile, ssl_certfile, ssl_keyfile, ssl_context
     - memory://: max_unacked_bytes, send_timeout_s, reconnect_timeout_s, spin_s
     - shm://: shm_dir, auth_secret, connect_timeout_s, reconnect_timeout_s, send_timeout_s, close_timeout_s,
-      max_unacked_bytes, max_pinned_bytes, max_connections, backlog
+      max_unacked_bytes, max_pinned_bytes, max_connections, backlog, spin_s
     - amqp://, amqps://: queue, queue_type, offset, durable, persistent, prefetch_count, heartbeat_s,
       connect_timeout_s, reconnect_timeout_s, confirm_timeout_s, max_pending_bytes, ssl_cafile, ssl_certfile,
       ssl_keyfile
