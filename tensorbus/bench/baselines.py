@@ -3,6 +3,8 @@
 - `SocketLink`: bare TCP, `sendall` of a 16-byte header and of the array's memoryview; the
   receiver `recv_into`s a preallocated (and pre-touched) array.
 - `ZmqLink`: pyzmq PUSH/PULL over TCP, `send_multipart([header, array], copy=False)`.
+- `ZmqRecipeLink`: pyzmq's own `send_array` recipe: a JSON frame of dtype and shape, then the array.
+- `ZmqFrameLink`: bare pyzmq, one frame a tensor and no metadata.
 - `PickleLink`: pickle protocol 5 with out-of-band buffers over TCP, fresh receive buffers.
 
 The raw broker clients are in `broker_baselines.py`.
@@ -199,3 +201,39 @@ class ZmqLink(Link):
             if sock is not None:
                 sock.close(linger=0)
         self.context.term()
+
+
+class ZmqRecipeLink(ZmqLink):
+    """pyzmq's own `send_array` recipe (its docs, "Serializing messages"): `send_json` of dtype and shape (here
+    with the tensor's index) with SNDMORE, then the array with copy=False; the receiver rebuilds the array
+    with `np.frombuffer` and `reshape`."""
+
+    def send(self, array: np.ndarray, index: int) -> None:
+        self.push.send_json({"dtype": str(array.dtype), "shape": array.shape, "i": index}, self.zmq.SNDMORE)
+        self.push.send(array, copy=False)
+
+    def recv(self, timeout: float) -> tuple[int, Any]:
+        metadata = self.pull.recv_json()
+        payload = self.pull.recv(copy=False)
+        return metadata["i"], np.frombuffer(payload, dtype=metadata["dtype"]).reshape(metadata["shape"])
+
+
+class ZmqFrameLink(ZmqLink):
+    """Bare pyzmq: one frame a tensor, the array with copy=False, no metadata at all. PUSH/PULL over one
+    connection keeps the order, so the receiver numbers the frames as they come, from the number each step
+    starts at (the bench's tensors differ, so one lost or out of order fails its CRC32C check)."""
+
+    def __init__(self, spec: dict[str, Any], role: str) -> None:
+        super().__init__(spec, role)
+        self.received = 0  # the next frame's number
+
+    def expect(self, first: int) -> None:
+        self.received = first
+
+    def send(self, array: np.ndarray, index: int) -> None:
+        self.push.send(array, copy=False)
+
+    def recv(self, timeout: float) -> tuple[int, Any]:
+        payload = self.pull.recv(copy=False)
+        self.received += 1
+        return self.received - 1, payload.buffer

@@ -10,7 +10,9 @@ from typing import Any
 EPILOG = """\
 Producer and consumer run in separate processes (memory:// in one, it cannot cross processes).
 Every received tensor is checked (order, size, dtype, CRC32C). Baselines: socket (bare TCP
-sendall + recv_into), zmq (pyzmq PUSH/PULL, copy=False), zmq-asyncio (the same on pyzmq's asyncio
+sendall + recv_into), zmq (pyzmq PUSH/PULL, a 16-byte header frame and the array, copy=False),
+zmq-recipe (pyzmq's send_array recipe: a JSON dtype/shape frame, then the array), zmq-frame (bare
+pyzmq: one frame, no metadata), zmq-asyncio (the same on pyzmq's asyncio
 sockets, beside aio-tcp and aio-unix: tensorbus.aio), pickle (protocol 5, out-of-band buffers, over
 TCP), pika (raw, confirms + manual acks), kafka-python (raw, acks=all), confluent-kafka (raw
 librdkafka, acks=all, idempotent, batched consume). A broker that does not answer
@@ -40,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--baselines",
         metavar="LIST",
-        help="socket,zmq,zmq-asyncio,pickle,pika,pika-classic,kafka-python,confluent-kafka, auto (default) or none",
+        help="socket,zmq,zmq-recipe,zmq-frame,zmq-asyncio,pickle,pika,pika-classic,kafka-python,confluent-kafka, "
+        "auto (default) or none",
     )
     add("--latency-sizes", metavar="LIST", help="sizes for round trips (default: 4KB)")
     add("--warmup-s", type=float, metavar="S", help="untimed traffic per cell before timing")

@@ -31,6 +31,8 @@ IN_PLACE = {"shm-empty"}
 BASELINES: dict[str, tuple[str, ...]] = {
     "socket": ("memory", "tcp", "unix"),
     "zmq": ("memory", "tcp", "unix"),
+    "zmq-recipe": ("memory", "tcp", "unix"),
+    "zmq-frame": ("memory", "tcp", "unix"),
     "zmq-asyncio": AIO_VARIANTS,
     "pickle": ("memory", "tcp", "unix"),
     "pika": ("amqp", "amqp-quorum"),

@@ -72,6 +72,10 @@ class Link:
         """Bound every blocking operation of the next command by `seconds`."""
         self.timeout_s = seconds
 
+    def expect(self, first: int) -> None:
+        """The next tensor this end receives is number `first` (told before each step that receives: a link
+        whose frames carry no index numbers them from it)."""
+
     def send(self, array: np.ndarray, index: int) -> None:
         """Send one tensor tagged with `index`."""
         raise NotImplementedError
@@ -198,6 +202,8 @@ IMPLEMENTATIONS = {
     "tensorbus": "tensorbus.bench.links:TensorbusLink",
     "socket": "tensorbus.bench.baselines:SocketLink",
     "zmq": "tensorbus.bench.baselines:ZmqLink",
+    "zmq-recipe": "tensorbus.bench.baselines:ZmqRecipeLink",
+    "zmq-frame": "tensorbus.bench.baselines:ZmqFrameLink",
     "tensorbus-aio": "tensorbus.bench.aio_links:AioTensorbusLink",
     "zmq-asyncio": "tensorbus.bench.aio_links:ZmqAsyncioLink",
     "pickle": "tensorbus.bench.baselines:PickleLink",

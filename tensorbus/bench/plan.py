@@ -17,8 +17,8 @@ AMQP_CHUNK_BYTES = 16 * 1024 * 1024 - 4096  # the tensorbus amqp transport's def
 KAFKA_CHUNK_BYTES = 1024 * 1024 - 4096  # used only when the tensorbus kafka transport cannot say
 #: by row name first, then by transport family
 _COMPARE = {
-    "tcp": ["socket", "zmq"],
-    "unix": ["socket", "zmq", "tcp"],  # (a Unix socket should be the faster of the two)
+    "tcp": ["socket", "zmq", "zmq-recipe", "zmq-frame"],
+    "unix": ["socket", "zmq", "zmq-recipe", "zmq-frame", "tcp"],  # (a Unix socket should be the faster of the two)
     "memory": ["tcp"],  # (in one process: no excuse to be slower than tcp:// between two)
     "amqp": ["pika"],
     "kafka": ["kafka-python"],
@@ -32,6 +32,8 @@ _COMPARE = {
 _BASELINE_FAMILY = {
     "socket": "tcp",
     "zmq": "tcp",
+    "zmq-recipe": "tcp",
+    "zmq-frame": "tcp",
     "zmq-asyncio": "tcp",
     "pickle": "tcp",
     "pika": "amqp",
@@ -41,6 +43,8 @@ _BASELINE_FAMILY = {
 }
 _BASELINE_MODULE = {
     "zmq": "zmq",
+    "zmq-recipe": "zmq",
+    "zmq-frame": "zmq",
     "zmq-asyncio": "zmq",
     "pika": "pika",
     "pika-classic": "pika",

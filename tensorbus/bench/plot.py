@@ -21,6 +21,8 @@ COLORS = {
     "kafka": "#d62728",
     "socket": "#17becf",
     "zmq": "#9467bd",
+    "zmq-recipe": "#c5b0d5",
+    "zmq-frame": "#7b4173",
     "pickle": "#8c564b",
     "pika": "#e3a857",
     "pika-classic": "#c49a6c",

@@ -171,6 +171,7 @@ class Worker:
         self.link.set_timeout(timeout)
         if isinstance(self.link, LoopRounds):
             return {**self.link.recv_round(n, first, timeout, self.check), **_rss()}
+        self.link.expect(first)
         deadline = time.perf_counter() + timeout
         failures, problem = 0, None
         recv, check = self.link.recv, self.check
@@ -194,6 +195,7 @@ class Worker:
         if isinstance(self.link, LoopRounds):
             return self.link.ping_round(self.slots, first, n, timeout, self.check)
         link, slots, count = self.link, self.slots, len(self.slots)
+        link.expect(first)
         rtts: list[float] = []
         failures, problem = 0, None
         for index in range(first, first + n):
@@ -218,6 +220,7 @@ class Worker:
             link.finish(timeout)
             return {**outcome, **_rss()}
         failures, problem = 0, None
+        link.expect(first)
         for expected in range(first, first + n):
             index, obj = link.recv(timeout)
             link.send(obj if isinstance(obj, np.ndarray) else np.frombuffer(obj, self.dtype), index)

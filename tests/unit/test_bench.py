@@ -181,19 +181,29 @@ def test_unix_and_memory_are_held_against_tcp_and_the_small_tensor_goals_judged(
     from tensorbus.bench.plan import plan
     from tensorbus.bench.results import Cell, Results
 
-    cfg = config.BenchConfig(transports=["memory", "tcp", "unix"], sizes=[4096, 65536], baselines=["socket", "zmq"])
+    baselines = ["socket", "zmq", "zmq-recipe", "zmq-frame"]
+    cfg = config.BenchConfig(transports=["memory", "tcp", "unix"], sizes=[4096, 65536], baselines=baselines)
     methods = plan(cfg)
     assert {m.name: m.compare for m in methods if m.kind == "tensorbus"} == {
-        "memory": ["tcp"], "tcp": ["socket", "zmq"], "unix": ["socket", "zmq", "tcp"],
+        "memory": ["tcp"], "tcp": baselines, "unix": [*baselines, "tcp"],
     }  # fmt: skip
-    gbps = {"memory": 0.3, "tcp": 0.2, "unix": 0.25, "socket": 0.4, "zmq": 0.3}
-    rtt = {"memory": 9e-5, "tcp": 6e-5, "unix": 4e-5, "socket": 3e-5, "zmq": 5e-5}
+    gbps = {"memory": 0.3, "tcp": 0.2, "unix": 0.25, "socket": 0.4, "zmq": 0.3, "zmq-recipe": 0.19, "zmq-frame": 0.3}
+    rtt = {
+        "memory": 9e-5,
+        "tcp": 6e-5,
+        "unix": 4e-5,
+        "socket": 3e-5,
+        "zmq": 5e-5,
+        "zmq-recipe": 6e-5,
+        "zmq-frame": 5e-5,
+    }
     cells = [Cell(name, "throughput", n, rounds=[g, g]) for name, g in gbps.items() for n in (4096, 65536)]
     cells += [Cell(name, "latency", 4096, rounds=[r], samples=[r] * 10) for name, r in rtt.items()]
     judged = report.targets(Results(config=cfg, methods=methods, cells=cells))
     verdicts = {t.name: (t.verdict, t.detail) for t in judged}
     assert verdicts["tcp ≥ 0.8x bare socket at 4KB and 64KB"] == ("missed", "4KB 0.50x, 64KB 0.50x")
-    assert verdicts["tcp ≥ 0.6x bare pyzmq at 4KB"] == ("met", "4KB 0.67x")
+    assert verdicts["tcp ≥ 0.6x bare pyzmq (one frame) at 4KB"] == ("met", "4KB 0.67x")
+    assert verdicts["tcp ≥ 1.0x pyzmq's send_array recipe at every size"] == ("met", "4KB 1.05x, 64KB 1.05x")
     assert verdicts["unix ≥ 1.0x tcp at every size"] == ("met", "4KB 1.25x, 64KB 1.25x")
     assert verdicts["memory ≥ 1.0x tcp at every size"] == ("met", "4KB 1.50x, 64KB 1.50x")
     assert verdicts["memory 4KB round trip (p50) ≤ tcp's"] == ("missed", "4KB 1.50x")
@@ -227,8 +237,8 @@ def test_each_transport_runs_its_rounds_next_to_the_baselines_it_is_compared_wit
     methods = plan(cfg)  # (brokers that do not answer: skipped, still planned)
     assert [m.name for m in methods].index("pika") > [m.name for m in methods].index("kafka")
     assert [m.name for m in round_order(methods)] == [
-        "memory", "tcp", "socket", "zmq", "unix", "amqp-quorum", "pika", "amqp-classic", "pika-classic",
-        "kafka", "kafka-python", "pickle",
+        "memory", "tcp", "socket", "zmq", "zmq-recipe", "zmq-frame", "unix", "amqp-quorum", "pika", "amqp-classic",
+        "pika-classic", "kafka", "kafka-python", "pickle",
     ]  # fmt: skip
 
 
@@ -321,3 +331,20 @@ def test_an_asyncio_rows_round_is_one_coroutine_awaiting_every_tensor() -> None:
     trips = link.ping_round(slots, 0, 5, 5.0, lambda obj, got, want: None if got == want else "wrong")
     assert link.runs == 3 and len(trips["rtts"]) == 5 and trips["failures"] == 0
     link.loop.close()
+
+
+def test_pyzmqs_send_array_recipe_and_one_bare_frame_carry_every_tensor_checked(tmp_path: Path) -> None:
+    """The two pyzmq baselines issue goals name: its docs' send_array recipe (a JSON dtype/shape frame, then the
+    array) and one frame a tensor with no metadata, numbered by arrival, through streams and round trips."""
+    require_module("zmq", "bench")
+    out = tmp_path / "bench.json"
+    argv = [*TINY, "--json", str(out)]
+    argv[argv.index("memory,tcp,unix")] = "tcp"
+    argv[argv.index("socket")] = "zmq-recipe,zmq-frame"
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    assert {m["name"]: m["status"] for m in data["methods"]} == dict.fromkeys(("tcp", "zmq-recipe", "zmq-frame"), "ok")
+    assert {c["method"] for c in data["latency"]} == {"tcp", "zmq-recipe", "zmq-frame"}
+    for cell in data["throughput"] + data["latency"]:
+        assert cell["status"] == "ok" and cell["failures"] == 0, cell
+    assert {r["baseline"] for r in data["ratios"]} == {"zmq-recipe", "zmq-frame"}
