@@ -142,24 +142,6 @@ class Delivered(NamedTuple):
     admitted: bool = False
 
 
-def fast_result(
-    fast: Callable[[memoryview, int | None, object], Any], frame: memoryview, crc: int | None, source: object
-) -> Delivered | None:
-    """What the intake's C delivery made of a frame, as the ledger records it (it took a plain tensor
-    into the table, or handed it to a waiting `recv`); None when it left the frame to Python."""
-    message = fast(frame, crc, source)
-    return None if message is None else Delivered(message.message_id, True, admitted=True)
-
-
-def deliver_frame(deliver: Deliver, frame: Buffer, source: object) -> Delivered:
-    """Deliver one whole frame (held back if the table has no room: `may_hold`), by the intake's C
-    delivery where it takes it (a plain tensor), else by the intake itself (which refuses, and counts,
-    a frame the C delivery leaves to it as bad)."""
-    fast = deliver.fast
-    result = fast_result(fast, memoryview(frame), None, source) if fast is not None else None
-    return deliver(frame, may_hold=True, source=source) if result is None else result
-
-
 class Deliver(Protocol):
     """What a listening transport reports to: called with each received frame (the consumer's intake).
 
