@@ -84,6 +84,20 @@ def require_broker(url: str) -> None:
     pytest.skip(message)
 
 
+@contextlib.contextmanager
+def consumer_twins(prefix: str, dedup_window: int) -> Iterator[tuple[Any, Any]]:
+    """Two memory:// consumers alike, on fresh names, closed after: for tests that deliver the same frames two
+    ways and compare what each made of them."""
+    import tensorbus as tb
+
+    made = [tb.Consumer(f"memory://{prefix}-{uuid.uuid4().hex}", dedup_window=dedup_window) for _ in range(2)]
+    try:
+        yield made[0], made[1]
+    finally:
+        for consumer in made:
+            consumer.close()
+
+
 def with_query(url: str, query: str) -> str:
     """`url` with `query` ("name=value&...") added to its query string."""
     return url + ("&" if "?" in url else "?") + query

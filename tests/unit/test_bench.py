@@ -25,6 +25,22 @@ TINY = [
 ]  # fmt: skip
 
 
+def run_tiny(tmp_path: Path, transports: str, baselines: str) -> dict[str, Any]:
+    """The tiny benchmark with these rows instead (comma-separated): its JSON report, once every row ran and
+    every cell came through without a failed tensor."""
+    out = tmp_path / "bench.json"
+    argv = [*TINY, "--json", str(out)]
+    argv[argv.index("memory,tcp,unix")] = transports
+    argv[argv.index("socket")] = baselines
+    assert main(argv) == 0
+    data: dict[str, Any] = json.loads(out.read_text())
+    rows = [*transports.split(","), *baselines.split(",")]
+    assert {m["name"]: m["status"] for m in data["methods"]} == dict.fromkeys(rows, "ok")
+    for cell in data["throughput"] + data["latency"]:
+        assert cell["status"] == "ok" and cell["failures"] == 0, cell
+    return data
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run the tiny benchmark once; every test below reads its outputs."""
@@ -268,17 +284,7 @@ def test_asyncio_rows_run_tensorbus_aio_against_pyzmq_asyncio(tmp_path: Path) ->
     assert methods["aio-unix"].family == "unix" and methods["aio-tcp"].compare == ["tcp", "zmq-asyncio"]
     assert "zmq-asyncio" not in {m.name for m in plan(config.BenchConfig(transports=["tcp", "unix"]))}
     require_module("zmq", "bench")
-    out = tmp_path / "bench.json"
-    argv = [*TINY, "--json", str(out)]
-    argv[argv.index("memory,tcp,unix")] = "aio-tcp,aio-unix"
-    argv[argv.index("socket")] = "zmq-asyncio"
-    assert main(argv) == 0
-    data = json.loads(out.read_text())
-    assert {m["name"]: m["status"] for m in data["methods"]} == dict.fromkeys(
-        ("aio-tcp", "aio-unix", "zmq-asyncio"), "ok"
-    )
-    for cell in data["throughput"] + data["latency"]:
-        assert cell["status"] == "ok" and cell["failures"] == 0, cell
+    data = run_tiny(tmp_path, "aio-tcp,aio-unix", "zmq-asyncio")
     assert {r["transport"] for r in data["ratios"]} == {"aio-tcp", "aio-unix"}
 
 
@@ -337,14 +343,6 @@ def test_pyzmqs_send_array_recipe_and_one_bare_frame_carry_every_tensor_checked(
     """The two pyzmq baselines issue goals name: its docs' send_array recipe (a JSON dtype/shape frame, then the
     array) and one frame a tensor with no metadata, numbered by arrival, through streams and round trips."""
     require_module("zmq", "bench")
-    out = tmp_path / "bench.json"
-    argv = [*TINY, "--json", str(out)]
-    argv[argv.index("memory,tcp,unix")] = "tcp"
-    argv[argv.index("socket")] = "zmq-recipe,zmq-frame"
-    assert main(argv) == 0
-    data = json.loads(out.read_text())
-    assert {m["name"]: m["status"] for m in data["methods"]} == dict.fromkeys(("tcp", "zmq-recipe", "zmq-frame"), "ok")
+    data = run_tiny(tmp_path, "tcp", "zmq-recipe,zmq-frame")
     assert {c["method"] for c in data["latency"]} == {"tcp", "zmq-recipe", "zmq-frame"}
-    for cell in data["throughput"] + data["latency"]:
-        assert cell["status"] == "ok" and cell["failures"] == 0, cell
     assert {r["baseline"] for r in data["ratios"]} == {"zmq-recipe", "zmq-frame"}

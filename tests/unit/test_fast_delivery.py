@@ -20,7 +20,7 @@ import tensorbus as tb
 from tensorbus.codec import encode, encode_chunks
 from tensorbus.intake_state import FAST, Handoff, PyIntakeState, PyTableState
 
-from ..conftest import require_native, require_torch
+from ..conftest import consumer_twins, require_native, require_torch
 from ..waiting import held_elsewhere
 
 require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
@@ -58,10 +58,8 @@ def state(consumer: tb.Consumer) -> tuple[Any, ...]:
 @pytest.fixture
 def twins() -> Iterator[tuple[tb.Consumer, tb.Consumer]]:
     """Two consumers alike: one delivers through its C delivery, the other the Python way."""
-    made = [tb.Consumer(f"memory://fast-{uuid.uuid4().hex}", dedup_window=3) for _ in range(2)]
-    yield made[0], made[1]
-    for consumer in made:
-        consumer.close()
+    with consumer_twins("fast", dedup_window=3) as made:
+        yield made
 
 
 def test_plain_frames_are_buffered_as_the_python_delivery_buffers_them(twins: Any) -> None:

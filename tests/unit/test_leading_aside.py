@@ -47,6 +47,12 @@ class Background:
         self.leadership.stop()
         self.thread.join(10)
 
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def always_receiving() -> Callable[[], int]:
     """An application that took another tensor before every look."""
@@ -60,30 +66,21 @@ def always_receiving() -> Callable[[], int]:
 )
 def test_the_background_leads_step_after_step(received: Callable[[], int] | None) -> None:
     """It leads while the application neither leads nor receives, and reads on where no count of receives is kept."""
-    background = Background(received)
-    try:
+    with Background(received) as background:
         wait_for(lambda: background.steps >= 5, 30, "the background to lead step after step")
-    finally:
-        background.close()
 
 
 def test_the_background_steps_aside_while_the_application_takes_from_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(leading, "ASIDE_AT_MOST_S", 30.0)
-    background = Background(always_receiving())
-    try:
+    with Background(always_receiving()) as background:
         wait_for(lambda: background.looks >= 20, 30, "the background to look 20 times")
         assert background.steps == 0  # without `received`: a step a look
-    finally:
-        background.close()
 
 
 def test_the_background_still_leads_a_step_every_aside_at_most_s(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(leading, "ASIDE_AT_MOST_S", 0.2)
-    background = Background(always_receiving())
-    try:
+    with Background(always_receiving()) as background:
         wait_for(lambda: background.steps >= 1, 30, "the background to lead a step")
         started = time.monotonic()
         wait_for(lambda: background.steps >= 3, 30, "the background to lead two more steps")
         assert time.monotonic() - started >= 2 * 0.2 * 0.9  # one per ASIDE_AT_MOST_S, not one per look
-    finally:
-        background.close()

@@ -8,7 +8,6 @@ the run or that `take` leaves to Python: that record stays first in the deque, f
 from __future__ import annotations
 
 import collections
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from tensorbus.codec import encode, encode_chunks
 from tensorbus.intake_state import FAST
 from tensorbus.transports.kafka_offsets import take_record
 
-from ..conftest import require_native
+from ..conftest import consumer_twins, require_native
 from .test_fast_delivery import state
 
 require_native(FAST is not None, "the intake's C delivery (tensorbus/_intake.c)")
@@ -43,10 +42,8 @@ def records(values: list[bytes], partition: int = 0, first: int = 0) -> collecti
 @pytest.fixture
 def twins() -> Iterator[tuple[tb.Consumer, tb.Consumer]]:
     """Two consumers alike: one takes runs of records, the other record by record (`take_record`)."""
-    made = [tb.Consumer(f"memory://runs-{uuid.uuid4().hex}", dedup_window=16) for _ in range(2)]
-    yield made[0], made[1]
-    for consumer in made:
-        consumer.close()
+    with consumer_twins("runs", dedup_window=16) as made:
+        yield made
 
 
 def one_by_one(consumer: tb.Consumer, values: list[bytes]) -> list[Any]:
