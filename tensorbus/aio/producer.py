@@ -19,6 +19,7 @@ from .. import api
 from ..codec import MessageId
 from ..errors import Closed
 from .socket_sending import SCHEMES, LoopSender, sends_on_loop
+from .turns import sent
 
 _T = TypeVar("_T")
 
@@ -76,6 +77,7 @@ class Producer:
             raise Closed("send on a closed Producer")
         if self._blocking is None:
             await self.open()
+        sent()  # (a receive that waits next on this thread waits for a reply: turns.py)
         if self._sender is not None:
             return await self._sender.send(key, tensor, metadata)
         return await self._run(self._send, key, tensor, metadata)

@@ -29,6 +29,7 @@ from typing import Any
 from ..rendezvous import Rendezvous
 from ..transports.reactor import TAKEN_EVERY_S, Poller
 from ..transports.socket_consumer import SocketConsumer
+from .turns import replying
 
 log = logging.getLogger(__name__)
 #: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module)
@@ -38,6 +39,12 @@ READ_AHEAD = 1 << 20
 PAUSED_LOOKS = 2
 #: the most receives that sleep at once, without a spin, after spins that ran out (see `LoopReading.spin`)
 SPIN_BACKOFF = 64
+#: bytes the loop saw within this many `spin_s` after a reply's spin ran out make it a near miss: the peer
+#: answered, only late by its own wake-up from a sleep and its work (the loop's wake-up counted in)
+NEAR_MISS = 2.0
+#: the reply's spin after a near miss lasts this many `spin_s`: long enough for a peer's wake-up (~100 µs on
+#: an idle vCPU of the 2-vCPU VM) and its reply, so that one end at least stays awake (see `_judge`)
+STRETCH = 3.0
 
 
 class LoopPoller(Poller):
@@ -124,6 +131,10 @@ class LoopReading:
         self._spinning: asyncio.Handle | None = None  # the next step of a spin (`spin`)
         self._acking: asyncio.Handle | None = None  # acks of what turns read, soon (`_ack_soon`)
         self._spin_until = 0.0  # when the spin ends (`time.monotonic`)
+        self._ran_out: float | None = None  # when the last spin ran out, until bytes came or a receive waits
+        self._stretch = False  # the next spin lasts STRETCH spins (after a near miss)
+        self._stretched = False  # the spin under way does
+        self._reply = False  # the spin under way is a reply's: a send on the loop's thread came before it
         self._backoff = 0  # receives that sleep without a spin after the next spin that runs out, halved
         self._skip = 0  # receives left that sleep without a spin
         self._looks = 0  # readable connections found since reading paused (see PAUSED_LOOKS)
@@ -178,8 +189,11 @@ class LoopReading:
                     self.poller.unwatch()
                 return
             self.poller.pause(False)  # (as `resume` would: the receives took enough meanwhile)
-        if self._spinning is not None and data is not None:  # bytes came: spin on as long again
-            self._spin_until = time.monotonic() + self._consumer.reactor.spin_s
+        if data is not None:
+            if self._spinning is not None:  # bytes came: spin on as long again
+                self._spin_until = time.monotonic() + self._spin_s()
+            elif self._ran_out is not None:
+                self._judge(time.monotonic() - self._ran_out <= NEAR_MISS * self._consumer.reactor.spin_s)
         served = self._receive_waits()  # (a receive this turn may serve: its reply first, then the acks)
         if self._consumer.reactor.read_ready([data], self._enough, ack=not served) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
@@ -240,18 +254,25 @@ class LoopReading:
         Each step is a callback of its own (`call_soon`): while one is due the loop selects with a zero
         timeout, reading whatever came, and runs its other tasks, timers and I/O as ever. The spin ends
         at the first step that finds no receive waiting, or `spin_s` after bytes last came (a large frame
-        comes in many reads, as the blocking reactor's spin goes on after each); one that ran out makes the
-        next receives sleep at once (1, 2, 4... up to SPIN_BACKOFF of them), so a peer that answers slowly,
-        or a busy machine where spinning takes the CPU the peer needs, does not cost a spin per receive."""
+        comes in many reads, as the blocking reactor's spin goes on after each). One that ran out makes
+        the next receives sleep at once (1, 2, 4... up to SPIN_BACKOFF of them), so a peer that answers
+        slowly, or a busy machine where spinning takes the CPU the peer needs, does not cost a spin per
+        receive; but one that waited for a reply (a send on the loop's thread came before it: turns.py) is
+        judged by when bytes came next (`_judge`), and if they came soon after (NEAR_MISS) the next spin is
+        longer (STRETCH) instead. A stream's receives, which wait for a producer's own pace, keep to `spin_s`."""
+        reply = replying()
         if self._loop is None or self._consumer is None or self._consumer.reactor is None:
             return
         spin_s = self._consumer.reactor.spin_s
         if spin_s <= 0 or self._spinning is not None:
             return
+        if self._ran_out is not None:  # (no bytes since the last spin ran out: a late answer, or none)
+            self._judge(False)
         if self._skip > 0:
             self._skip -= 1
             return
-        self._spin_until = time.monotonic() + spin_s
+        self._stretched, self._stretch, self._reply = self._stretch and reply, False, reply
+        self._spin_until = time.monotonic() + self._spin_s()
         self._spinning = self._loop.call_soon(self._spin_step)
 
     def _spin_step(self) -> None:
@@ -261,10 +282,39 @@ class LoopReading:
         if not self._receive_waits():
             self._backoff = 0
             return
-        if time.monotonic() >= self._spin_until:
-            self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
+        now = time.monotonic()
+        if now >= self._spin_until:
+            if self._reply and not self._stretched:
+                self._ran_out = now  # (judged when bytes come: `_judge`)
+            else:  # (a stream's, or a longer one: late)
+                self._judge(False)
             return
         self._spinning = self._loop.call_soon(self._spin_step)
+
+    def _spin_s(self) -> float:
+        """How long the spin under way lasts (after the last bytes that came)."""
+        assert self._consumer is not None and self._consumer.reactor is not None
+        return self._consumer.reactor.spin_s * (STRETCH if self._stretched else 1.0)
+
+    def _judge(self, near: bool) -> None:
+        """The spin that ran out last, judged: after a reply's near miss (its bytes came within NEAR_MISS spins
+        after it ran out) the next reply's receive spins STRETCH times as long, the back-off halved; otherwise
+        the next receives sleep at once, twice as many as last time.
+
+        Two ends of a ping-pong that once both slept (a round's first receive waited long, the machine was
+        busy a moment) each wait for the other's wake-up and reply: on a quiet VM ~100 µs and the loop's
+        work, more than `spin_s`. So each spin runs out, each end sleeps, and the other waits as long in
+        turn: a round trip of two wake-ups, whether the ends back off or spin on as long. One longer spin
+        catches the reply of an end that slept; its own reply then comes within the other end's spin, and
+        neither sleeps again."""
+        self._ran_out = None
+        if near:
+            self._backoff //= 2
+            self._skip = 0
+            self._stretch = True
+        else:
+            self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
+            self._stretch = False
 
     def resume(self) -> None:
         """Read again if reading stopped and is wanted now: once the receives took half of what was read

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import tensorbus.aio as tba
-from tensorbus.aio.socket_reading import SPIN_BACKOFF, LoopReading
+from tensorbus.aio import socket_reading, turns
+from tensorbus.aio.socket_reading import NEAR_MISS, SPIN_BACKOFF, STRETCH, LoopReading
 from tests.conftest import endpoint_url
 from tests.integration.test_aio import run, until, waiting  # noqa: F401  (`run`: the fixture)
 
@@ -110,6 +111,7 @@ def test_a_spin_goes_on_while_bytes_come_and_ends_spin_s_after_the_last(run: Any
             async with tba.Producer(consumer.address) as producer:
                 await producer.send("other", np.zeros(4))  # (connected before the receive waits)
                 await consumer.recv("other", timeout=30)
+                turns.replying()  # (a stream's receive: no send since the last wait, however that one went)
                 receive = asyncio.create_task(consumer.recv("k", timeout=60))
                 await until(lambda: waiting(consumer, "k"), "the receive to wait")
                 started = time.monotonic()
@@ -128,7 +130,8 @@ def test_a_spin_goes_on_while_bytes_come_and_ends_spin_s_after_the_last(run: Any
 
 def test_spins_that_run_out_back_off_and_one_that_finds_its_frame_ends_that(run: Any) -> None:  # noqa: F811
     """After a spin that ran out the next receive sleeps at once, after two in a row the next two, and so
-    on up to SPIN_BACKOFF; a spin that finds its frame starts it over. spin_s=0 spins never."""
+    on up to SPIN_BACKOFF; a spin that finds its frame starts it over. spin_s=0 spins never. (These receives
+    follow no send on their thread: a stream's.)"""
 
     async def wait_once(consumer: tba.Consumer, reading: LoopReading) -> bool:
         """Whether a receive that waits (and is then cancelled) spins; its spin is left to run out."""
@@ -163,5 +166,84 @@ def test_spins_that_run_out_back_off_and_one_that_finds_its_frame_ends_that(run:
             assert reading._backoff == 0 and reading._skip == 0
         async with tba.Consumer("tcp://127.0.0.1:0", spin_s=0) as consumer:
             assert not await wait_once(consumer, _reading(consumer))
+
+    run(main())
+
+
+class _Clock:
+    """A `time.monotonic` that moves only when told (`socket_reading`'s: the spin's bounds and its judging)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_near_miss_of_a_reply_makes_the_next_spin_longer(run: Any, monkeypatch: Any) -> None:  # noqa: F811
+    """A receive that waits after a send on its thread (for a reply) and whose spin ran out is judged by when
+    bytes came next. Within NEAR_MISS spins after, the peer answered, late by its own wake-up: the next reply's
+    receive spins STRETCH times as long, without backing off (two ends of a quiet ping-pong that both slept
+    once otherwise keep each other asleep, each making the other's spins run out). A longer spin that runs
+    out, or bytes that come later, back off as before; a near miss halves the back-off built up. A receive
+    with no send before it (a stream's) backs off as soon as its spin ran out."""
+    clock = _Clock()
+    monkeypatch.setattr(socket_reading, "time", clock)
+    spin_s = 0.05
+
+    async def main() -> None:
+        async with (
+            tba.Consumer("tcp://127.0.0.1:0", spin_s=spin_s) as consumer,
+            tba.Consumer("tcp://127.0.0.1:0") as peer,
+        ):
+            reading = _reading(consumer)
+
+            async def spin_for(spun_s: float, reply: bool = True) -> asyncio.Task[Any]:
+                """A receive of "k" that waits (after a send to the peer: `reply`), its spin run out on the clock
+                after `spun_s`; it goes on spinning until then, however many turns the loop takes (a second)."""
+                if reply:
+                    await to_peer.send("ping", np.zeros(4))
+                receive = asyncio.create_task(consumer.recv("k", timeout=30))
+                await until(lambda: waiting(consumer, "k") and reading._spinning is not None, "the receive to spin")
+                clock.now += 0.99 * spun_s
+                await asyncio.sleep(1.0)
+                assert reading._spinning is not None, f"the spin ended before {spun_s}s"
+                clock.now += 0.02 * spun_s
+                await until(lambda: reading._spinning is None, "the spin to run out", timeout=10)
+                assert not receive.done()
+                return receive
+
+            async def answer(receive: asyncio.Task[Any], after_s: float) -> None:
+                """The frame comes `after_s` after the spin ran out (on the clock)."""
+                clock.now += after_s
+                await producer.send("k", np.zeros(4))
+                await asyncio.wait_for(receive, 30)
+
+            async with tba.Producer(consumer.address) as producer, tba.Producer(peer.address) as to_peer:
+                await producer.send("other", np.zeros(4))  # (connected before the receives wait)
+                await consumer.recv("other", timeout=30)
+                turns.replying()  # (that receive may have found its tensor there, not waiting: the send forgotten)
+
+                await answer(await spin_for(spin_s, reply=False), 0.5 * NEAR_MISS * spin_s)
+                assert (reading._backoff, reading._skip, reading._stretch) == (1, 1, False), "a stream's"
+                reading._backoff = reading._skip = 0
+
+                receive = await spin_for(spin_s)
+                assert reading._ran_out is not None and reading._skip == 0, "judged when bytes come"
+                await answer(receive, 0.5 * NEAR_MISS * spin_s)
+                assert (reading._backoff, reading._skip, reading._stretch) == (0, 0, True), "a near miss"
+
+                await answer(await spin_for(STRETCH * spin_s), 0.0)
+                assert (reading._backoff, reading._skip) == (1, 1), "a longer spin that ran out backs off"
+                receive = asyncio.create_task(consumer.recv("k", timeout=30))
+                await until(lambda: waiting(consumer, "k"), "the receive to wait")
+                assert reading._spinning is None and reading._skip == 0, "the next receive sleeps at once"
+                await answer(receive, 0.0)
+
+                await answer(await spin_for(spin_s), 1.5 * NEAR_MISS * spin_s)
+                assert (reading._backoff, reading._skip, reading._stretch) == (2, 2, False), "a late answer"
+                reading._backoff, reading._skip = 8, 0
+                await answer(await spin_for(spin_s), 0.5 * NEAR_MISS * spin_s)
+                assert (reading._backoff, reading._skip, reading._stretch) == (4, 0, True), "halved"
 
     run(main())
