@@ -298,8 +298,9 @@ class LoopReading:
 
     def _judge(self, near: bool) -> None:
         """The spin that ran out last, judged: after a reply's near miss (its bytes came within NEAR_MISS spins
-        after it ran out) the next reply's receive spins STRETCH times as long, the back-off halved; otherwise
-        the next receives sleep at once, twice as many as last time.
+        after it ran out) the next reply's receive spins STRETCH times as long, the back-off kept for when that
+        one runs out too (on a busy machine, where the peer waits for a CPU, the longer spins stay rare);
+        otherwise the next receives sleep at once, twice as many as last time.
 
         Two ends of a ping-pong that once both slept (a round's first receive waited long, the machine was
         busy a moment) each wait for the other's wake-up and reply: on a quiet VM ~100 µs and the loop's
@@ -309,7 +310,6 @@ class LoopReading:
         neither sleeps again."""
         self._ran_out = None
         if near:
-            self._backoff //= 2
             self._skip = 0
             self._stretch = True
         else:

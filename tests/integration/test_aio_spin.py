@@ -185,8 +185,9 @@ def test_a_near_miss_of_a_reply_makes_the_next_spin_longer(run: Any, monkeypatch
     bytes came next. Within NEAR_MISS spins after, the peer answered, late by its own wake-up: the next reply's
     receive spins STRETCH times as long, without backing off (two ends of a quiet ping-pong that both slept
     once otherwise keep each other asleep, each making the other's spins run out). A longer spin that runs
-    out, or bytes that come later, back off as before; a near miss halves the back-off built up. A receive
-    with no send before it (a stream's) backs off as soon as its spin ran out."""
+    out, or bytes that come later, back off as before; a near miss keeps the back-off built up, for when the
+    longer spin runs out too. A receive with no send before it (a stream's) backs off as soon as its spin ran
+    out."""
     clock = _Clock()
     monkeypatch.setattr(socket_reading, "time", clock)
     spin_s = 0.05
@@ -244,6 +245,8 @@ def test_a_near_miss_of_a_reply_makes_the_next_spin_longer(run: Any, monkeypatch
                 assert (reading._backoff, reading._skip, reading._stretch) == (2, 2, False), "a late answer"
                 reading._backoff, reading._skip = 8, 0
                 await answer(await spin_for(spin_s), 0.5 * NEAR_MISS * spin_s)
-                assert (reading._backoff, reading._skip, reading._stretch) == (4, 0, True), "halved"
+                assert (reading._backoff, reading._skip, reading._stretch) == (8, 0, True), "kept"
+                await answer(await spin_for(STRETCH * spin_s), 0.0)
+                assert (reading._backoff, reading._skip) == (16, 16), "and doubled when the longer spin runs out"
 
     run(main())
