@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 #: room before an `empty()` array for its frame's header (written in place at send)
 HEAD_ROOM = 4096
-#: idle segments a producer keeps for reuse, at most (fresh pages are slow to touch)
+#: idle segments a producer keeps for reuse, at most (fresh pages are slow to touch), beside the
+#: `RUN_AHEAD_SLOTS` slots of the size it sent last (four of a 256 MiB tensor's frame are 1028 MiB)
 POOLED_BYTES = 1 << 30
 _CREDENTIALS = struct.Struct("3i")
 #: frames sent between two reads of the consumer's acks, at most (more are read whenever a slot is wanted)
@@ -55,7 +56,7 @@ class ShmSender:
         self.tally = Tally() if tally is None else tally  # (the transport's: metrics read it)
         secret = options.auth_secret
         self._secret = secret.encode() if isinstance(secret, str) else secret
-        self.slots = Slots(POOLED_BYTES)
+        self.slots = Slots(POOLED_BYTES, RUN_AHEAD_SLOTS)
         self._sock: socket.socket | None = None
         self._announced: set[int] = set()  # segments whose descriptor the current consumer has
         self._inflight: dict[int, Slot] = {}  # position -> its slot, while busy

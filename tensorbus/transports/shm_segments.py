@@ -125,19 +125,23 @@ class Slot:
 
 class Slots:
     """The producer's slots by size class; segments are made as needed and dropped when retired and idle,
-    or when more than `pooled_bytes` of idle ones are kept."""
+    or when more than `pooled_bytes` of idle ones are kept, but for the `run_ahead` slots of the class
+    last taken (a stream of one size cycles through them: a segment dropped at the end of a burst would
+    be made again, its fresh pages touched again, at the start of the next one)."""
 
-    def __init__(self, pooled_bytes: int) -> None:
+    def __init__(self, pooled_bytes: int, run_ahead: int = 0) -> None:
         self._free: dict[int, list[Slot]] = {}
         self.segments: dict[int, Segment] = {}
         self._next_id = 1
         self._pooled_bytes = pooled_bytes
+        self._run_ahead = run_ahead
+        self._last_class = 0  # the size class last taken
         self.dropped: list[int] = []  # ids of segments dropped since the last look (the consumer is told)
 
     def take(self, nbytes: int, reclaim: Callable[[int], None]) -> Slot:
         """A free slot of at least `nbytes`; when none is free, `reclaim(size)` (which may give some back,
         or wait for them) is called once before a new segment is made."""
-        size = slot_size(nbytes)
+        size = self._last_class = slot_size(nbytes)
         free = self._free.setdefault(size, [])
         if not free:
             reclaim(size)
@@ -162,8 +166,25 @@ class Slots:
                 self._drop(segment)
             return
         self._free.setdefault(segment.slot, []).append(Slot(segment, slot.offset))
-        if segment.in_use == 0 and self._idle_bytes() > self._pooled_bytes:
-            self._drop(segment)
+        if segment.in_use == 0:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop idle segments, oldest first, while more than `pooled_bytes` of them are kept, but for those
+        `_streamed` keeps."""
+        for segment in list(self.segments.values()):
+            if self._idle_bytes() <= self._pooled_bytes:
+                return
+            if segment.in_use == 0 and not segment.retired and not self._streamed(segment):
+                self._drop(segment)
+
+    def _streamed(self, segment: Segment) -> bool:
+        """True if `segment` holds some of the `run_ahead` slots of the class last taken (kept past the pool
+        bound, unless one segment alone is larger than that bound)."""
+        if segment.slot != self._last_class or segment.size > self._pooled_bytes:
+            return False
+        kept = sum(s.slots for s in self.segments.values() if s.slot == segment.slot and not s.retired)
+        return kept <= self._run_ahead
 
     def has_free(self, size: int) -> bool:
         """True if a slot of size class `size` is free."""

@@ -48,6 +48,23 @@ def test_idle_segments_past_the_pool_bound_are_dropped() -> None:
     assert slots.segments == {} and slots.dropped == [big.segment.seg_id]
 
 
+def test_the_run_ahead_of_the_size_sent_last_is_kept_past_the_pool_bound() -> None:
+    slots = Slots(pooled_bytes=4 * MIB, run_ahead=4)  # 3 MiB frames: one slot (a 3 MiB segment) each
+    burst = [slots.take(3 * MIB, nothing) for _ in range(5)]
+    for slot in burst:
+        slots.give_back(slot)
+    assert len(slots.segments) == 4  # the fifth is past the run-ahead: dropped
+    kept = set(slots.segments)
+    again = [slots.take(3 * MIB, nothing) for _ in range(4)]  # the next burst makes no segment
+    assert {slot.segment.seg_id for slot in again} == kept and len(slots.dropped) == 1
+    for slot in again:
+        slots.give_back(slot)
+    other = slots.take(MIB, nothing)  # another size sent last: the idle ones past the bound go
+    slots.give_back(other)
+    assert sum(s.size for s in slots.segments.values()) <= 4 * MIB
+    slots.close()
+
+
 def test_reclaim_is_asked_before_a_new_segment_is_made() -> None:
     slots = Slots(pooled_bytes=1 << 30)
     whole = slots.take(3 * MIB, nothing)  # one slot per segment at this size
