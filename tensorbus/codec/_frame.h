@@ -7,6 +7,8 @@
 #ifndef TENSORBUS_FRAME_H
 #define TENSORBUS_FRAME_H
 
+#include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifndef TENSORBUS_SOURCE_HASH
@@ -23,6 +25,24 @@
 #define SIGNATURE_BYTES 32
 /* payloads (and each tensor in them) start at multiples of this */
 #define ALIGN 64
+/* _crc.c's CRC32C as a C function, for the other extensions (their configure() takes the capsule): what is
+ * below CRC_DIRECT_BELOW bytes is checksummed through it without a Python call; larger buffers go through
+ * crc32c.crc32c, which lets go of the GIL while it reads them */
+#define CRC32C_C_NAME "tensorbus.codec._crc.CRC32C_C"
+#define CRC_DIRECT_BELOW 32768
+typedef uint32_t (*crc32c_c_fn)(uint32_t value, const void *p, size_t n);
+
+/* the crc32c_c_fn in a CRC32C_C capsule (None: NULL); NULL with an exception set if it is not one */
+static inline int
+crc32c_c_from(PyObject *capsule, crc32c_c_fn *fn)
+{
+    void *held = NULL;
+    if (capsule != Py_None && (held = PyCapsule_GetPointer(capsule, CRC32C_C_NAME)) == NULL) {
+        return 0;
+    }
+    *fn = held == NULL ? NULL : *(crc32c_c_fn *)held;
+    return 1;
+}
 
 static inline uint32_t
 le32(const uint8_t *p)

@@ -35,11 +35,8 @@ static PyObject *g_resolved = NULL;
 static PyObject *g_describe = NULL;
 static PyObject *g_crc32c = NULL;
 /* the same CRC as a C function (_crc.c's CRC32C_C capsule), where configure() was given it: frames below
- * CRC_DIRECT_BELOW are checksummed without a Python call (larger ones go through g_crc32c, which lets go
- * of the GIL while it reads them) */
-static uint32_t (*g_crc32c_c)(uint32_t value, const void *p, size_t n) = NULL;
-#define CRC32C_C_NAME "tensorbus.codec._crc.CRC32C_C"
-#define CRC_DIRECT_BELOW 32768
+ * CRC_DIRECT_BELOW are checksummed without a Python call (_frame.h) */
+static crc32c_c_fn g_crc32c_c = NULL;
 
 /* "Not the fast case": a Python error about the input is dropped (the Python path will raise its
  * own, precise one), and the caller gets None; MemoryError, KeyboardInterrupt and the like go on. */
@@ -1227,11 +1224,9 @@ configure(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!OO|O:configure", &PyDict_Type, &resolved, &describe, &crc, &crc_c)) {
         return NULL;
     }
-    void *direct = NULL;
-    if (crc_c != Py_None && (direct = PyCapsule_GetPointer(crc_c, CRC32C_C_NAME)) == NULL) {
+    if (!crc32c_c_from(crc_c, &g_crc32c_c)) {
         return NULL;
     }
-    g_crc32c_c = direct == NULL ? NULL : *(uint32_t (**)(uint32_t, const void *, size_t))direct;
     Py_XSETREF(g_resolved, Py_NewRef(resolved));
     Py_XSETREF(g_describe, Py_NewRef(describe));
     for (int i = 0; i < DESCRIBED_KEPT; i++) { /* remembered by the describe this replaces */

@@ -120,7 +120,7 @@ def _crc32c_copy() -> Callable[..., int]:
 crc32c_copy = _crc32c_copy()
 
 
-def _crc32c_c() -> object:
+def crc32c_c() -> object:
     """`crc32c` as a C function for the other extensions (`_crc`'s CRC32C_C capsule) where it is the folding one,
     else None."""
     fast = load(f"{__package__}._crc")
@@ -129,7 +129,7 @@ def _crc32c_c() -> object:
 
 def configure(native: ModuleType) -> None:
     """Hand `_native` what it takes from Python: the dtypes it decodes, how it describes them, and the CRC32C."""
-    native.configure(_resolved(), describe, crc32c, _crc32c_c())
+    native.configure(_resolved(), describe, crc32c, crc32c_c())
 
 
 def _load() -> ModuleType | None:

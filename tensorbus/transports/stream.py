@@ -58,7 +58,7 @@ from ..codec.frame import (
     checksum_of,
     write_crc,
 )
-from ..codec.native import agrees, crc32c, load
+from ..codec.native import agrees, crc32c, crc32c_c, load
 from ..codec.tensors import ALIGN
 from ..errors import AuthRefused, TransportError
 from .base import TransportOptions
@@ -368,3 +368,5 @@ NATIVE_CONSTANTS = {
     "ALIGN": ALIGN,
 }
 NATIVE_STREAM = agrees(NATIVE_STREAM, NATIVE_CONSTANTS)
+if NATIVE_STREAM is not None:  # (small buffers checksummed in C, without a call of crc32c)
+    NATIVE_STREAM.configure(crc32c_c())

@@ -388,7 +388,7 @@ def test_a_small_frame_is_checksummed_by_the_folding_crc_in_c_a_large_one_throug
     """With `_crc`'s CRC32C_C capsule (where the folding CRC32C is the one in use) a frame below 32 KiB is
     checksummed without a Python call (two calls and two memoryviews were a fifth of a 4 KB tensor's decode);
     a larger one still goes through `crc32c`, which lets go of the GIL while it reads. Both refuse a bad byte."""
-    c_api = native._crc32c_c()
+    c_api = native.crc32c_c()
     if c_api is None:
         pytest.skip("the folding CRC32C is not in use here (a CPU without VPCLMULQDQ, or TENSORBUS_NATIVE=0)")
     calls = []

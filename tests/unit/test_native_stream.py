@@ -291,6 +291,42 @@ def test_the_c_sender_leaves_a_large_unsealed_frame_to_python_and_counts_what_it
             reader_module.NATIVE_STREAM.send_frame(ours.fileno(), encode(np.zeros(10)), 4 << 20, crc32c.crc32c)
 
 
+def test_the_c_sender_seals_a_small_frame_with_the_crc_in_c_and_a_large_one_through_the_python_call() -> None:
+    """Configured with `_crc`'s CRC32C_C capsule, `send_frame` seals a frame under 32 KiB without calling the
+    `crc32c` it is given (three calls and three memoryviews were a ninth of a 4 KB tensor's producer CPU);
+    a larger payload (here sealed whole: no CRC after it) still goes through that call, which lets go of the
+    GIL while it reads. Either way the CRC is right."""
+    c_api = native.crc32c_c()
+    if c_api is None:
+        pytest.skip("the folding CRC32C is not in use here (a CPU without VPCLMULQDQ, or TENSORBUS_NATIVE=0)")
+    calls: list[int] = []
+
+    def counting_crc32c(data: Any, value: int = 0) -> int:
+        calls.append(len(data))
+        return int(crc32c.crc32c(data, value))
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        for n, by_call in ((4096, False), (1 << 16, True)):
+            sent = encode(np.arange(n, dtype=np.uint8), key="k", deferred_checksum=True)
+            calls.clear()
+            size = NATIVE_STREAM.send_frame(ours.fileno(), sent, stream_module.c_sends_below(False), counting_crc32c)
+            assert calls == ([n] if by_call else [])  # (the head's pieces are small: in C either way)
+            received = bytearray()
+            while len(received) < size:
+                received += theirs.recv(size - len(received))
+            assert frame.checksum_of(received) == struct.unpack_from("<I", received, CRC_AT)[0]
+            assert frame.decode(received).tensor.tolist() == list(np.arange(n, dtype=np.uint8))
+        NATIVE_STREAM.configure(None)  # (what the Python path's readers and senders see: every buffer by the call)
+        try:
+            calls.clear()
+            small = encode(np.zeros(10), deferred_checksum=True)
+            NATIVE_STREAM.send_frame(ours.fileno(), small, 1 << 20, counting_crc32c)
+            assert calls
+        finally:
+            NATIVE_STREAM.configure(c_api)
+
+
 def test_the_c_sender_on_a_full_non_blocking_socket_says_how_far_it_got_and_goes_on_from_there() -> None:
     """`send_frame_from` (the event loop producer's): what a partial send wrote is never lost nor written twice,
     and the frame is sealed once, before its first byte."""
