@@ -70,6 +70,7 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
         if NATIVE is not None and NATIVE_STREAM is not None and url.scheme != "tcps" and self.max_frame_bytes is None:
             self._c_head, self._c_send = NATIVE.ndarray_head, NATIVE_STREAM.send_frame
         self._lock = threading.Lock()  # the producer's send lock: its connection, copies and counts
+        self._max_unacked_bytes = options.max_unacked_bytes  # (read for every send)
         self._init_acks()
         #: for metrics (`counts`): connections made after the first, frames sent again on them; under `_lock`
         self._connects = self._resent = 0
@@ -232,12 +233,16 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
             return False
         frame: list[Buffer] = [head, flat_bytes(array)] if array.nbytes else [head]
         with self._lock:
-            if self._rejections:
-                self._raise_rejection()
-            if self._unacked_bytes >= self.options.max_unacked_bytes:
-                return False  # (the general path waits for room)
-            self._raise_if_closed()
-            self._probe_if_quiet()
+            if self._rejections or self._closed or self._unacked_bytes >= self._max_unacked_bytes:  # (one test, mostly)
+                if self._rejections:
+                    self._raise_rejection()
+                if self._unacked_bytes >= self._max_unacked_bytes:
+                    return False  # (the general path waits for room)
+                self._raise_if_closed()
+            if (now := time.monotonic()) - self._used_at >= PROBE_AFTER_S:
+                self._probe_if_quiet()
+            else:  # (`_probe_if_quiet`'s bookkeeping, without its call)
+                self._used_at = now
             sock = self._sock
             sent: int | None = None
             if sock is not None:
