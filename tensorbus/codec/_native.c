@@ -1237,11 +1237,84 @@ configure(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* ---- an array's bytes -------------------------------------------------------------------------------- */
+
+/* A contiguous ndarray's memory as flat bytes (format "B"), holding the array: what frame.flat_bytes makes as a
+ * memoryview through numpy's buffer export and a cast (two exports, a format string; ~0.6 us of a 4 KB send),
+ * here filled in from the array's pointer and size. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *array;
+    void *buf;
+    Py_ssize_t len;
+    int readonly;
+} ArrayBytes;
+
+static int
+array_bytes_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    ArrayBytes *a = (ArrayBytes *)self;
+    return PyBuffer_FillInfo(view, self, a->buf, a->len, a->readonly, flags);
+}
+
+static void
+array_bytes_dealloc(PyObject *self)
+{
+    Py_XDECREF(((ArrayBytes *)self)->array);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static Py_ssize_t
+array_bytes_length(PyObject *self)
+{
+    return ((ArrayBytes *)self)->len;
+}
+
+static PyBufferProcs array_bytes_buffer = {.bf_getbuffer = array_bytes_getbuffer};
+static PySequenceMethods array_bytes_sequence = {.sq_length = array_bytes_length}; /* len(): its bytes, as a view's */
+
+static PyTypeObject ArrayBytesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.codec._native.ArrayBytes",
+    .tp_doc = PyDoc_STR("A contiguous ndarray's memory as flat bytes (the buffer protocol's \"B\"), holding the array."),
+    .tp_basicsize = sizeof(ArrayBytes),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = array_bytes_dealloc,
+    .tp_as_buffer = &array_bytes_buffer,
+    .tp_as_sequence = &array_bytes_sequence,
+};
+
+PyDoc_STRVAR(flat_bytes_doc,
+"flat_bytes(array)\n--\n\n"
+"A C- or Fortran-contiguous ndarray's memory as flat bytes in its own order, without a copy (an ArrayBytes,\n"
+"holding the array); None for anything else (frame.flat_bytes decides).");
+
+static PyObject *
+flat_bytes(PyObject *self, PyObject *obj)
+{
+    if (!PyArray_CheckExact(obj)) {
+        Py_RETURN_NONE;
+    }
+    PyArrayObject *array = (PyArrayObject *)obj;
+    if (!PyArray_IS_C_CONTIGUOUS(array) && !PyArray_IS_F_CONTIGUOUS(array)) {
+        Py_RETURN_NONE;
+    }
+    ArrayBytes *bytes = PyObject_New(ArrayBytes, &ArrayBytesType);
+    if (bytes == NULL) {
+        return NULL;
+    }
+    bytes->array = Py_NewRef(obj);
+    bytes->buf = PyArray_DATA(array);
+    bytes->len = PyArray_NBYTES(array);
+    bytes->readonly = !PyArray_ISWRITEABLE(array);
+    return (PyObject *)bytes;
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, decode_doc},
     {"ndarray_head", ndarray_head, METH_VARARGS, ndarray_head_doc},
     {"ndarray_frame", ndarray_frame, METH_VARARGS, ndarray_frame_doc},
     {"aligned_copy", aligned_copy, METH_O, aligned_copy_doc},
+    {"flat_bytes", flat_bytes, METH_O, flat_bytes_doc},
     {"configure", configure, METH_VARARGS, configure_doc},
     {"configure_message", configure_message, METH_VARARGS, configure_message_doc},
     {"decode_message", (PyCFunction)(void (*)(void))decode_message, METH_FASTCALL, decode_message_doc},
@@ -1262,6 +1335,9 @@ PyInit__native(void)
         }
     }
     if ((s_ndarray = PyUnicode_InternFromString("ndarray")) == NULL) {
+        return NULL;
+    }
+    if (PyType_Ready(&ArrayBytesType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

@@ -67,8 +67,10 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
         #: (built, not TLS, one frame per tensor)
         self._c_head: Callable[..., bytearray | None] | None = None
         self._c_send: Callable[..., int | None] | None = None
+        self._c_flat: Callable[[np.ndarray], Buffer | None] = flat_bytes  # (`_native.flat_bytes` with the C head)
         if NATIVE is not None and NATIVE_STREAM is not None and url.scheme != "tcps" and self.max_frame_bytes is None:
             self._c_head, self._c_send = NATIVE.ndarray_head, NATIVE_STREAM.send_frame
+            self._c_flat = NATIVE.flat_bytes
         self._lock = threading.Lock()  # the producer's send lock: its connection, copies and counts
         self._max_unacked_bytes = options.max_unacked_bytes  # (read for every send)
         self._init_acks()
@@ -231,7 +233,7 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
         head = c_head(array, key, metadata, message_id, flags)
         if head is None:
             return False
-        frame: list[Buffer] = [head, flat_bytes(array)] if array.nbytes else [head]
+        frame: list[Buffer] = [head, self._c_flat(array) or flat_bytes(array)] if array.nbytes else [head]
         with self._lock:
             if self._rejections or self._closed or self._unacked_bytes >= self._max_unacked_bytes:  # (one test, mostly)
                 if self._rejections:

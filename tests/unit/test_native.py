@@ -436,3 +436,33 @@ def test_frames_of_other_kinds_are_not_checksummed_twice() -> None:
         assert sum(calls) == len(plain) - 4  # every byte but the CRC field's, once
     finally:
         native.configure(NATIVE)
+
+
+def test_an_arrays_flat_bytes_in_c_are_its_memory_as_the_python_path_gives_it_and_hold_the_array() -> None:
+    """`_native.flat_bytes` (the socket producer's, with the C head): the same bytes as `frame.flat_bytes` for
+    every contiguous array (C or Fortran order, other byte order, bfloat16, read-only), no copy, the array
+    kept alive by them; None for a strided array or anything not an ndarray, left to `frame.flat_bytes`."""
+    rng = np.random.default_rng(3)
+    arrays = [
+        rng.standard_normal((4, 5)).astype(np.float32),
+        np.asfortranarray(rng.standard_normal((3, 7))),
+        rng.integers(0, 1000, 9).astype(">i4"),
+        np.arange(6, dtype=np.float32).astype(ml_dtypes.bfloat16),
+        np.array(7.5),
+        np.zeros(0, np.uint8),
+    ]
+    read_only = np.arange(10, dtype=np.int16)
+    read_only.flags.writeable = False
+    for array in [*arrays, read_only]:
+        flat = NATIVE.flat_bytes(array)
+        view = memoryview(flat)
+        assert view.format == "B" and view.ndim == 1 and bytes(view) == bytes(frame.flat_bytes(array))
+        assert len(flat) == array.nbytes  # (as a flat view's length: senders skip empty buffers by it)
+        assert view.readonly is not array.flags.writeable
+        if array.nbytes:
+            assert address(view) == array.__array_interface__["data"][0]  # (the array's own memory)
+    kept = np.arange(1000, dtype=np.int64)
+    flat = NATIVE.flat_bytes(kept)
+    del kept
+    assert np.frombuffer(flat, np.int64).tolist() == list(range(1000))
+    assert NATIVE.flat_bytes(np.arange(10)[::2]) is None and NATIVE.flat_bytes(b"abc") is None
