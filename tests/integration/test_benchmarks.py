@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
-from benchmarks import aio_ping_cpu, amqp_large, consumer_floor, metrics_cost, native_speedup
+from benchmarks import (
+    aio_ping_cpu,
+    amqp_large,
+    consumer_floor,
+    fanout_threads,
+    ledger_take,
+    metrics_cost,
+    native_speedup,
+    socket_cpu,
+)
 from tensorbus.codec import native
 from tensorbus.transports import stream
 from tests.conftest import AMQP_URL, require_broker, require_native
@@ -48,6 +57,32 @@ def test_the_metrics_cost_benchmark_times_each_stream_in_turn() -> None:
     rows = metrics_cost.run(4096, 20, 2)  # (with the warm-up blocks: 100 tensors on each stream)
     assert set(rows) == set(metrics_cost.CASES)
     assert all(len(results) == 2 and all(x > 0 for result in results for x in result) for results in rows.values())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_the_socket_cpu_benchmark_times_each_side_of_a_real_stream(transport: str) -> None:
+    sides = socket_cpu.one_round(transport, 4096, 200)
+    assert sides.keys() == {"producer", "consumer"}
+    assert all(cpu > 0 and wall > 0 for cpu, wall in sides.values())
+
+
+def test_the_ledger_take_benchmark_receives_what_it_delivered_both_ways() -> None:
+    require_native(native.NATIVE is not None, "the C delivery")
+    for how in ("hook", "none"):
+        made, ledger_stream = ledger_take.intake(how)
+        assert ledger_take.one_round(made, ledger_stream, 50, 0) > 0
+        with pytest.raises(tb.Timeout):  # (every tensor delivered was taken)
+            made.table.recv_message("k", 0.01)
+
+
+def test_the_fanout_threads_benchmark_splits_a_process_cpu_by_thread() -> None:
+    pid = os.getpid()
+    before = fanout_threads.threads(pid)
+    np.ones(1 << 22).sum()  # (this thread's own work)
+    roles = fanout_threads.by_role(pid, before, fanout_threads.threads(pid))
+    assert roles.keys() == {"main", "busiest other (I/O)", "rest"}
+    assert roles["main"][0] > 0
+    assert (fanout_threads.process_cpu(pid) or 0) > 0 and fanout_threads.process_cpu(None) is None
 
 
 def _producer_that_leaves_at_once(address: str, size: int, count: int) -> threading.Thread:
