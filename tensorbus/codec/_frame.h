@@ -44,6 +44,27 @@ crc32c_c_from(PyObject *capsule, crc32c_c_fn *fn)
     return 1;
 }
 
+/* *crc carried on over the n bytes at p: by `direct` (a crc32c_c_fn, or NULL) below CRC_DIRECT_BELOW bytes,
+ * else by calling `crc32c` (crc32c.crc32c or its twin, which lets go of the GIL while it reads); 0 with an
+ * exception set on failure. The one rule both extensions checksum by. */
+static inline int
+crc32c_update(crc32c_c_fn direct, PyObject *crc32c, const void *p, Py_ssize_t n, unsigned long *crc)
+{
+    if (direct != NULL && n < CRC_DIRECT_BELOW) {
+        *crc = direct((uint32_t)*crc, p, (size_t)n);
+        return 1;
+    }
+    PyObject *view = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
+    PyObject *value = view == NULL ? NULL : PyObject_CallFunction(crc32c, "Ok", view, *crc);
+    Py_XDECREF(view);
+    if (value == NULL) {
+        return 0;
+    }
+    *crc = PyLong_AsUnsignedLong(value);
+    Py_DECREF(value);
+    return !PyErr_Occurred();
+}
+
 static inline uint32_t
 le32(const uint8_t *p)
 {

@@ -490,28 +490,13 @@ read_entry(Reader *r, Entry *e, Py_ssize_t max_ndim)
 static int
 frame_crc(const uint8_t *p, Py_ssize_t len, unsigned long *crc)
 {
-    if (g_crc32c_c != NULL && len < CRC_DIRECT_BELOW) {
-        *crc = g_crc32c_c(g_crc32c_c(0, p, CRC_AT), p + PREFIX_SIZE, (size_t)(len - PREFIX_SIZE));
-        return 1;
-    }
-    PyObject *first = PyMemoryView_FromMemory((char *)p, CRC_AT, PyBUF_READ);
-    PyObject *rest = PyMemoryView_FromMemory((char *)p + PREFIX_SIZE, len - PREFIX_SIZE, PyBUF_READ);
-    PyObject *head = NULL, *whole = NULL, *fn = Py_NewRef(g_crc32c);
-    if (first != NULL && rest != NULL) {
-        head = PyObject_CallOneArg(fn, first);
-        if (head != NULL) {
-            whole = PyObject_CallFunctionObjArgs(fn, rest, head, NULL);
-        }
-    }
+    PyObject *fn = Py_NewRef(g_crc32c); /* (held: a configure() meanwhile may replace it) */
+    crc32c_c_fn direct = len < CRC_DIRECT_BELOW ? g_crc32c_c : NULL; /* (the whole frame one way or the other) */
+    *crc = 0;
+    int ok = crc32c_update(direct, fn, p, CRC_AT, crc) &&
+             crc32c_update(direct, fn, p + PREFIX_SIZE, len - PREFIX_SIZE, crc);
     Py_DECREF(fn);
-    if (whole != NULL) {
-        *crc = PyLong_AsUnsignedLong(whole);
-    }
-    Py_XDECREF(first);
-    Py_XDECREF(rest);
-    Py_XDECREF(head);
-    Py_XDECREF(whole);
-    return whole != NULL && !PyErr_Occurred();
+    return ok;
 }
 
 typedef struct {

@@ -175,23 +175,11 @@ take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
 static crc32c_c_fn g_crc32c_c = NULL;
 
 /* *crc, carried on over the n bytes at p by crc32c.crc32c (the reader's and the sender's one way to
- * checksum), or by the same CRC in C below CRC_DIRECT_BELOW bytes; 0 with an exception set on failure. */
+ * checksum), or by the same CRC in C below CRC_DIRECT_BELOW bytes (_frame.h); 0 with an exception set. */
 static int
 crc_update(PyObject *crc32c, const void *p, Py_ssize_t n, unsigned long *crc)
 {
-    if (g_crc32c_c != NULL && n < CRC_DIRECT_BELOW) {
-        *crc = g_crc32c_c((uint32_t)*crc, p, (size_t)n);
-        return 1;
-    }
-    PyObject *view = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
-    PyObject *value = view == NULL ? NULL : PyObject_CallFunction(crc32c, "Ok", view, *crc);
-    Py_XDECREF(view);
-    if (value == NULL) {
-        return 0;
-    }
-    *crc = PyLong_AsUnsignedLong(value);
-    Py_DECREF(value);
-    return !PyErr_Occurred();
+    return crc32c_update(g_crc32c_c, crc32c, p, n, crc);
 }
 
 /* Running CRC32C over [from, to) of the frame being received. */
