@@ -72,7 +72,6 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
             self._c_head, self._c_send = NATIVE.ndarray_head, NATIVE_STREAM.send_frame
             self._c_flat = NATIVE.flat_bytes
         self._lock = threading.Lock()  # the producer's send lock: its connection, copies and counts
-        self._max_unacked_bytes = options.max_unacked_bytes  # (read for every send)
         self._init_acks()
         #: for metrics (`counts`): connections made after the first, frames sent again on them; under `_lock`
         self._connects = self._resent = 0
@@ -235,16 +234,14 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
             return False
         frame: list[Buffer] = [head, self._c_flat(array) or flat_bytes(array)] if array.nbytes else [head]
         with self._lock:
-            if self._rejections or self._closed or self._unacked_bytes >= self._max_unacked_bytes:  # (one test, mostly)
+            limit = self.options.max_unacked_bytes
+            if self._rejections or self._closed or self._unacked_bytes >= limit:  # (one test, mostly)
                 if self._rejections:
                     self._raise_rejection()
-                if self._unacked_bytes >= self._max_unacked_bytes:
+                if self._unacked_bytes >= limit:
                     return False  # (the general path waits for room)
                 self._raise_if_closed()
-            if (now := time.monotonic()) - self._used_at >= PROBE_AFTER_S:
-                self._probe_if_quiet()
-            else:  # (`_probe_if_quiet`'s bookkeeping, without its call)
-                self._used_at = now
+            self._probe_if_quiet()
             sock = self._sock
             sent: int | None = None
             if sock is not None:
