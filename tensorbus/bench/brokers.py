@@ -96,7 +96,9 @@ def delete_topic(url: str, topic: str) -> None:
 
 
 def create_topic(url: str, topic: str, timeout_s: float) -> None:
-    """Create a one-partition Kafka topic unless it exists."""
+    """Create a one-partition Kafka topic unless it exists, and wait until its partition has a leader: a consumer
+    that subscribes before the broker's metadata shows the topic joins its group with no partition (kafka-python
+    then waits for its next metadata refresh, minutes away)."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
@@ -105,6 +107,7 @@ def create_topic(url: str, topic: str, timeout_s: float) -> None:
     try:
         with contextlib.suppress(TopicAlreadyExistsError):
             admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+        admin.wait_for_topics([topic], timeout_ms=int(timeout_s * 1000))
     finally:
         admin.close()
 
@@ -131,10 +134,7 @@ def versions(amqp_url: str | None, kafka_url: str | None) -> dict[str, str]:
 
             admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap(kafka_url), request_timeout_ms=5000)
             try:
-                try:
-                    api = admin._client.check_version(timeout_ms=5000)  # kafka-python 3.x
-                except TypeError:
-                    api = admin._client.check_version(timeout=5)  # kafka-python 2.x
+                api = admin._client.check_version(timeout_ms=5000)
                 found["kafka"] = "Kafka, API " + ".".join(str(v) for v in api) + " as kafka-python detects it"
             finally:
                 admin.close()
