@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import math
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ import msgpack
 
 from ..buffers import BufferPool, aligned
 from ..errors import CodecError, ConfigError, LimitExceeded, MalformedHeader, brief
+from ..running_clock import CLOCK
 from .crc import combine
 from .frame import (
     CRC_AT,
@@ -237,7 +237,9 @@ class Reassembler:
     `max_bytes` until half of it is here, and only then gets (and counts) its whole buffer, so a
     tiny chunk claiming gigabytes reserves nothing. A chunk that would push the bytes held past
     `max_bytes` is refused with `LimitExceeded` and its message given up on (freed at once, its
-    later chunks dropped); messages still incomplete after `timeout_s` are dropped and counted.
+    later chunks dropped); messages still incomplete after `timeout_s` are dropped and counted. That time is
+    the process's running time (running_clock.py): a consumer stopped mid-message (SIGSTOP, a breakpoint) finds
+    its remaining chunks when it runs again instead of dropping what it had.
     """
 
     def __init__(
@@ -247,7 +249,7 @@ class Reassembler:
         timeout_s: float = 60.0,
         limits: Limits = DEFAULT_LIMITS,
         signing_key: bytes | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = CLOCK.now,
         like: str = "numpy",
         whole_signing_key: bytes | None = None,
     ) -> None:

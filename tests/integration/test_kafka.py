@@ -5,8 +5,13 @@ The tests taking `url` run once per Kafka client (kafka-python, confluent); `kaf
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 import urllib.parse
+import zlib
 from typing import Any
 
 import numpy as np
@@ -18,7 +23,7 @@ from tensorbus.transports.kafka import KafkaOptions, KafkaTransport
 from tensorbus.transports.kafka_offsets import Offsets
 
 # kafka-python's own classes, imported by the transport with its import-time DeprecationWarnings silenced
-from tensorbus.transports.kafka_python import KafkaAdminClient, KafkaConsumer, TopicPartition
+from tensorbus.transports.kafka_python import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from tensorbus.transports.kafka_rdkafka import Commits
 from tests.conftest import KAFKA_URL, endpoint_url, with_query
 from tests.peers import same
@@ -270,3 +275,50 @@ def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes(
     # kafka-python's own max_partition_fetch_bytes (1 MiB) brings one chunk per fetch
     assert fetches["records-per-request-avg"] > 4, fetches
     assert fetches["fetch-size-max"] <= KafkaOptions().partition_fetch_bytes <= KafkaOptions().fetch_max_bytes
+
+
+#: a consumer process that reassembles with a running clock of short ticks (running_clock.py) and a 2 s timeout:
+#: it says when it holds "big" incomplete (the marker record after its first chunks came), then what "big" was
+STOPPED_CONSUMER = """
+import sys, zlib
+import tensorbus as tb
+from tensorbus.running_clock import CLOCK
+
+CLOCK.tick_s, CLOCK.slack_s = 0.1, 0.2
+with tb.Consumer(sys.argv[1], reassembly_timeout_s=2) as consumer:
+    print("ready", flush=True)
+    consumer.recv("marker", timeout=60)
+    print("holding", consumer.intake.reassembler.pending, flush=True)
+    big = consumer.recv("big", timeout=60)
+    print(zlib.crc32(big.tobytes()), consumer.intake.reassembler.stats["expired"], flush=True)
+"""
+
+
+def test_a_consumer_stopped_mid_tensor_for_longer_than_its_reassembly_timeout_completes_it(url: str) -> None:
+    """A consumer process stopped (SIGSTOP) with a chunked tensor half read finds its other chunks in the log when
+    it runs again: the stop does not count against `reassembly_timeout_s`, so nothing is dropped."""
+    big = np.random.default_rng(9).standard_normal(300_000)  # 2.4 MB: 13 chunks of 200 KB
+    message_id = ("stopped", 1)
+    frame = tb.encode(big, key="big", message_id=message_id)
+    chunks = [b"".join(c) for c in tb.split(frame, max_chunk_bytes=200_000, message_id=message_id, key="big")]
+    command = [sys.executable, "-c", STOPPED_CONSUMER, url]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
+        producer = KafkaProducer(bootstrap_servers=BOOTSTRAP, acks="all")
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            for chunk in chunks[:-1]:  # one partition, in order: the marker comes after them
+                producer.send(topic_of(url), chunk, partition=0)
+            producer.send(topic_of(url), b"".join(tb.encode(np.zeros(1), key="marker")), partition=0)
+            producer.flush(30)
+            assert child.stdout.readline().split() == ["holding", "1"]
+            os.kill(child.pid, signal.SIGSTOP)
+            try:
+                producer.send(topic_of(url), chunks[-1], partition=0)
+                producer.flush(30)
+                time.sleep(3.5)  # (the stop itself: longer than the 2 s timeout plus the ticker's tick and slack)
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+            assert child.stdout.readline().split() == [str(zlib.crc32(big.tobytes())), "0"]
+        finally:
+            producer.close(5)
+            child.kill()
