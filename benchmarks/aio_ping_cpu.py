@@ -8,7 +8,8 @@ What it measures
     busy-poll's: load disturbs it less than the round trip's wall time, and it says where an end costs more.
 
 Run
-    python -m benchmarks.aio_ping_cpu [--api aio|blocking] [--rounds 4000] [--spin-s 0] [--size 4096]
+    python -m benchmarks.aio_ping_cpu [--api aio|blocking] [--loop asyncio|uvloop] [--rounds 4000] [--spin-s 0]
+        [--size 4096]
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import os
 import resource
 import statistics
 import time
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
 
 import tensorbus as tb
 import tensorbus.aio as tba
+
+T = TypeVar("T")
 
 
 class Crossed:
@@ -39,6 +43,16 @@ class Crossed:
 
     def get(self) -> str:
         return str(self.theirs.get(timeout=60))
+
+
+def run_on_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
+    """Run `main` on a new event loop of the kind `loop` names (asyncio's own, or uvloop's)."""
+    if loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(main)
+    return asyncio.run(main)
 
 
 def cpu_s() -> float:
@@ -61,7 +75,7 @@ async def _echo_aio(args: Any, addresses: Any, spent: Any) -> None:
 def _echo(args: Any, addresses: Any, spent: Any) -> None:
     """The echo process: sends every tensor straight back."""
     if args.api == "aio":
-        asyncio.run(_echo_aio(args, addresses, spent))
+        run_on_loop(_echo_aio(args, addresses, spent), args.loop)
         return
     with tb.Consumer("tcp://127.0.0.1:0", **args.options) as consumer:
         addresses.put(consumer.address)
@@ -90,7 +104,7 @@ async def _ping_aio(args: Any, addresses: Any, tensor: np.ndarray, times: list[f
 
 def _ping(args: Any, addresses: Any, tensor: np.ndarray, times: list[float]) -> float:
     if args.api == "aio":
-        return asyncio.run(_ping_aio(args, addresses, tensor, times))
+        return run_on_loop(_ping_aio(args, addresses, tensor, times), args.loop)
     with tb.Consumer("tcp://127.0.0.1:0", **args.options) as consumer:
         addresses.put(consumer.address)
         with tb.Producer(addresses.get()) as producer:
@@ -104,10 +118,13 @@ def _ping(args: Any, addresses: Any, tensor: np.ndarray, times: list[float]) -> 
             return cpu_s() - started
 
 
-def run(api: str, rounds: int, size: int, spin_s: float | None) -> tuple[float, float, float]:
+def run(
+    api: str, rounds: int, size: int, spin_s: float | None, loop: str = "asyncio"
+) -> tuple[float, float, float]:
     """One ping-pong of `rounds` round trips: (the median round trip, the ping's and the echo's CPU per round
     trip), in seconds. The echo runs in a fresh interpreter (spawned: nothing of this process's state)."""
-    args = argparse.Namespace(api=api, rounds=rounds, options={} if spin_s is None else {"spin_s": spin_s})
+    options = {} if spin_s is None else {"spin_s": spin_s}
+    args = argparse.Namespace(api=api, rounds=rounds, options=options, loop=loop)
     context = multiprocessing.get_context("spawn")
     to_echo, to_ping, spent = context.Queue(), context.Queue(), context.Queue()
     echo = context.Process(target=_echo, args=(args, Crossed(to_ping, to_echo), spent))
@@ -125,13 +142,14 @@ def run(api: str, rounds: int, size: int, spin_s: float | None) -> tuple[float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--api", choices=["aio", "blocking"], default="aio")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the event loop of --api aio")
     parser.add_argument("--rounds", type=int, default=4000)
     parser.add_argument("--size", type=int, default=4096, help="bytes of the tensor (uint8)")
     parser.add_argument("--spin-s", type=float, default=None, help="the consumers' spin_s (default: theirs)")
     args = parser.parse_args()
-    p50, ping, echo = run(args.api, args.rounds, args.size, args.spin_s)
+    p50, ping, echo = run(args.api, args.rounds, args.size, args.spin_s, args.loop)
     print(
-        f"{args.api}: round trip p50 {p50 * 1e6:.0f} µs; CPU a round trip: ping {ping * 1e6:.0f} µs, "
+        f"{args.api}{' on ' + args.loop if args.api == 'aio' else ''}: round trip p50 {p50 * 1e6:.0f} µs; CPU a round trip: ping {ping * 1e6:.0f} µs, "
         f"echo {echo * 1e6:.0f} µs (load {os.getloadavg()[0]:.1f})"
     )
 

@@ -32,12 +32,12 @@
  * smaller read-ahead did (docs/PERFORMANCE.md); a connection holds it only while it holds unread bytes */
 #define READ_AHEAD (1 << 20)
 /* after a frame of LARGE_FRAME bytes or more, the read-ahead for the next prefix is only SHORT_READ_AHEAD
- * bytes (its prefix, its header and a little of its body): the rest of a large frame is then received
- * straight into place, not read ahead and copied over (a reader that falls behind, such as an event
- * loop's between two turns, found whole 1 MB frames in its read-ahead buffer and copied each once more).
- * 64 KB frames stay below it: several to a system call is what makes them fast (a 4 KB read-ahead after
- * each took a 64 KB tcp:// stream from 2.0-2.3 to 1.05-1.5 GB/s, docs/PERFORMANCE.md) */
-#define LARGE_FRAME (128 << 10)
+ * bytes (its prefix, its header and a little of its body): the rest of such a frame is then received
+ * straight into place, not read ahead and copied over, and the system call that receives it reads the
+ * next SHORT_READ_AHEAD bytes after it too (a scatter read: see `take`), so a stream of 64 KB frames costs
+ * one system call a frame and no copy (1 MiB read ahead and each frame copied out of it cost the consumer
+ * a tenth of its CPU at 64 KB, docs/PERFORMANCE.md) */
+#define LARGE_FRAME (32 << 10)
 #define SHORT_READ_AHEAD (4 << 10)
 #define SPARE_INBOXES 4
 /* frames from this size wait for recv_lowat bytes at a time (see set_lowat); 1 MB ones gained nothing
@@ -137,26 +137,76 @@ receive(Reader *self, uint8_t *into, Py_ssize_t want, int flags)
     }
 }
 
+/* receive()'s twin for a frame's last bytes: recvmsg() into `into` (`want` bytes) and on into the empty
+ * read-ahead buffer (`ahead` bytes), one system call for the end of a frame and what follows it; the bytes
+ * beyond `want` are left in the read-ahead buffer. Returns as receive() does, counting both. */
+static Py_ssize_t
+receive_scatter(Reader *self, uint8_t *into, Py_ssize_t want, Py_ssize_t ahead)
+{
+    struct iovec iov[2] = {{.iov_base = into, .iov_len = (size_t)want},
+                           {.iov_base = self->inbox, .iov_len = (size_t)ahead}};
+    struct msghdr message = {.msg_iov = iov, .msg_iovlen = 2};
+    for (;;) {
+        ssize_t n;
+        Py_BEGIN_ALLOW_THREADS
+        n = recvmsg(self->fd, &message, 0);
+        Py_END_ALLOW_THREADS
+        if (n >= 0) {
+            self->drained = n < want + ahead;
+            if (n > want) {
+                self->in_lo = 0, self->in_hi = n - want;
+            }
+            return n;
+        }
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            self->drained = 1;
+            return -2;
+        }
+        if (errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0) {
+            return -1;
+        }
+    }
+}
+
+/* The read-ahead buffer, made (or a spare taken) if the connection holds none; NULL with MemoryError set. */
+static uint8_t *
+ensure_inbox(Reader *self)
+{
+    if (self->inbox == NULL) {
+        self->inbox = spare_count ? spare_inboxes[--spare_count] : PyMem_RawMalloc(READ_AHEAD);
+        if (self->inbox == NULL) {
+            PyErr_NoMemory();
+        }
+    }
+    return self->inbox;
+}
+
+
 /* Fill up to `want` bytes of `into` from what was read ahead; read ahead again (one system call)
  * when that is empty, unless this is a frame's body or a large read, which go straight into place
- * (after a large frame, only a short read ahead: see SHORT_READ_AHEAD). */
+ * (after a large frame, only a short read ahead: see SHORT_READ_AHEAD). `ahead`: the body's read takes
+ * the frame's last `want` bytes, and that system call reads up to `ahead` bytes after them too (0: no). */
 static Py_ssize_t
-take(Reader *self, uint8_t *into, Py_ssize_t want, int straight)
+take(Reader *self, uint8_t *into, Py_ssize_t want, int straight, Py_ssize_t ahead)
 {
     if (self->in_lo == self->in_hi) {
         if (into != NULL && (straight || want >= READ_AHEAD)) {
-            return receive(self, into, want, 0);
-        }
-        if (self->inbox == NULL) {
-            self->inbox = spare_count ? spare_inboxes[--spare_count] : PyMem_RawMalloc(READ_AHEAD);
-            if (self->inbox == NULL) {
-                PyErr_NoMemory();
+            if (ahead > 0 && ensure_inbox(self) == NULL) {
                 return -1;
             }
+            Py_ssize_t n = ahead > 0 ? receive_scatter(self, into, want, ahead) : receive(self, into, want, 0);
+            return n > want ? want : n;
+        }
+        if (ensure_inbox(self) == NULL) {
+            return -1;
         }
         int skipping = into == NULL && want > 0;
-        Py_ssize_t ahead = skipping || self->last_total < LARGE_FRAME ? READ_AHEAD : SHORT_READ_AHEAD;
-        Py_ssize_t n = receive(self, self->inbox, ahead, 0);
+        Py_ssize_t ahead_now = skipping || self->last_total < LARGE_FRAME ? READ_AHEAD : SHORT_READ_AHEAD;
+        Py_ssize_t n = receive(self, self->inbox, ahead_now, 0);
         if (n <= 0) {
             return n;
         }
@@ -346,7 +396,7 @@ read_next(Reader *self)
     Py_ssize_t n;
     while (self->skip_left) {
         Py_ssize_t want = self->skip_left < READ_AHEAD ? (Py_ssize_t)self->skip_left : READ_AHEAD;
-        if ((n = take(self, NULL, want, 0)) <= 0) {
+        if ((n = take(self, NULL, want, 0, 0)) <= 0) {
             return stopped(self, n);
         }
         self->skip_left -= (uint64_t)n;
@@ -357,7 +407,7 @@ read_next(Reader *self)
         }
     }
     while (self->frame == NULL) {
-        if ((n = take(self, self->prefix + self->prefix_got, PREFIX_SIZE - self->prefix_got, 0)) <= 0) {
+        if ((n = take(self, self->prefix + self->prefix_got, PREFIX_SIZE - self->prefix_got, 0, 0)) <= 0) {
             return stopped(self, n);
         }
         self->prefix_got += n;
@@ -385,7 +435,9 @@ read_next(Reader *self)
         }
         Py_ssize_t end = self->crc_on && self->got + self->crc_slice < self->total ? self->got + self->crc_slice
                                                                                    : self->total;
-        if ((n = take(self, frame + self->got, end - self->got, 1)) <= 0) {
+        /* (the frame's end: what follows is read ahead in the same call, as much as after a prefix) */
+        Py_ssize_t ahead = end < self->total ? 0 : self->total < LARGE_FRAME ? READ_AHEAD : SHORT_READ_AHEAD;
+        if ((n = take(self, frame + self->got, end - self->got, 1, ahead)) <= 0) {
             return stopped(self, n);
         }
         if (self->crc_on && self->got < self->crc_end) {
@@ -550,7 +602,7 @@ fill(Reader *self, PyObject *unused)
         n = receive(self, &byte, 1, MSG_PEEK); /* (only looks) */
     }
     else {
-        n = take(self, NULL, 0, 0); /* (want 0: reads ahead, takes nothing; 0 also when it read some) */
+        n = take(self, NULL, 0, 0, 0); /* (want 0: reads ahead, takes nothing; 0 also when it read some) */
     }
     self->busy = 0;
     if (n == -1 && PyErr_ExceptionMatches(PyExc_OSError)) {

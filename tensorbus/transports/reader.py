@@ -47,9 +47,10 @@ CRC_SLICE = 1 << 20
 #: bytes the Python reader reads at once while waiting for a prefix (so a small frame costs one system call)
 READ_AHEAD = 256 << 10
 #: after a frame of LARGE_FRAME bytes or more, the read-ahead for the next prefix is only SHORT_READ_AHEAD
-#: bytes: the rest of a large frame is received straight into place, not read ahead and copied over
-#: (64 KB frames stay below it: several to a system call are what make them fast); the C reader's value
-LARGE_FRAME = 128 << 10
+#: bytes: the rest of such a frame is received straight into place, not read ahead and copied over, and the
+#: system call that receives it reads the next SHORT_READ_AHEAD bytes too (a scatter read: `_take`), so a
+#: stream of 64 KB frames costs one system call a frame and no copy; the C reader's values
+LARGE_FRAME = 32 << 10
 SHORT_READ_AHEAD = 4 << 10
 #: drained read-ahead buffers kept for the next connection that needs one
 SPARE_INBOXES = 4
@@ -222,7 +223,9 @@ class PyStreamReader:
             if self._budget and taken_now >= self._budget:
                 return None  # (an event loop's turn is over: the rest comes with the next)
             end = min(self._got + self._crc_slice, self._total) if self._crc is not None else self._total
-            n = self._take(frame[self._got : end], end - self._got, straight=True)
+            # (the frame's end: what follows is read ahead in the same call, as much as after a prefix)
+            ahead = 0 if end < self._total else READ_AHEAD if self._total < LARGE_FRAME else SHORT_READ_AHEAD
+            n = self._take(frame[self._got : end], end - self._got, straight=True, ahead=ahead)
             if not n:
                 return END
             if self._crc is not None and self._got < self._crc_end:
@@ -251,31 +254,53 @@ class PyStreamReader:
             self._crc_end = total - (SIGNATURE_BYTES if prefix[5] & FLAG_SIGNED else 0)
             self._crc = self._crc32c(prefix[:CRC_AT])
 
-    def _take(self, into: memoryview | None, want: int, straight: bool = False) -> int:
+    def _take(self, into: memoryview | None, want: int, straight: bool = False, ahead: int = 0) -> int:
         """Up to `want` bytes into `into` (None: dropped) from what was read ahead, reading ahead again
         (one system call) when that is empty, unless this is a frame's body or a large read, which go
-        straight into place (after a large frame, only SHORT_READ_AHEAD bytes); 0 at the stream's end."""
-        inbox = self._inbox
+        straight into place (after a large frame, only SHORT_READ_AHEAD bytes); 0 at the stream's end.
+        `ahead`: these are a frame's last `want` bytes, and the system call that reads them reads up to
+        `ahead` bytes after them too (0: no; nor on TLS, which has no scatter read)."""
         if self._lo == self._hi:
             if into is not None and (straight or want >= READ_AHEAD):
-                return self._recv(into[:want])
-            if inbox is None:
-                try:  # (the spares are shared by every reader of the process: pop, never look then pop)
-                    inbox = _spare_inboxes.pop()
-                except IndexError:
-                    inbox = memoryview(bytearray(READ_AHEAD))
-                self._inbox = inbox
+                if not ahead or self._tls is not None:
+                    return self._recv(into[:want])
+                inbox = self._ensure_inbox()
+                n = self._recv_scatter(into[:want], inbox[:ahead])
+                if n > want:
+                    self._lo, self._hi = 0, n - want
+                return min(n, want)
+            inbox = self._ensure_inbox()
             skipping = into is None and want > 0
             n = self._recv(inbox if skipping or self.last_total < LARGE_FRAME else inbox[:SHORT_READ_AHEAD])
             if not n:
                 return 0
             self._lo, self._hi = 0, n
-        assert inbox is not None
+        held = self._inbox
+        assert held is not None
         n = min(want, self._hi - self._lo)
         if into is not None:
-            into[:n] = inbox[self._lo : self._lo + n]
+            into[:n] = held[self._lo : self._lo + n]
         self._lo += n
         return n
+
+    def _ensure_inbox(self) -> memoryview:
+        """The read-ahead buffer, made (or a spare taken) if the connection holds none."""
+        if self._inbox is None:
+            try:  # (the spares are shared by every reader of the process: pop, never look then pop)
+                self._inbox = _spare_inboxes.pop()
+            except IndexError:
+                self._inbox = memoryview(bytearray(READ_AHEAD))
+        return self._inbox
+
+    def _recv_scatter(self, into: memoryview, ahead: memoryview) -> int:
+        """One recvmsg into `into` and on into `ahead` (the empty read-ahead buffer): the bytes of both."""
+        try:
+            n = self._sock.recvmsg_into([into, ahead])[0]
+        except _WOULD_BLOCK:
+            self.drained = True
+            raise
+        self.drained = n < len(into) + len(ahead)
+        return int(n)
 
     def _recv(self, view: memoryview) -> int:
         try:

@@ -541,6 +541,30 @@ def test_after_a_large_frame_the_reader_reads_ahead_only_a_little(make_reader: A
         theirs.close()
 
 
+def test_the_read_that_ends_a_large_frame_reads_the_start_of_the_next_too(make_reader: Any) -> None:
+    """The rest of a large frame goes straight into place, and the same system call (a scatter read) reads on
+    into the read-ahead buffer: the frames after it are there with no read of their own, and no byte of the
+    large frame is copied out of the read-ahead buffer."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    reader = _reader(ours, recv_lowat=0, make=make_reader)
+    try:
+        large = bytes(frame.dumps(np.arange(8_000.0), key="big"))  # (64 KB: over LARGE_FRAME)
+        small = bytes(frame.dumps(np.arange(3.0), key="k"))
+        assert len(large) >= reader_module.LARGE_FRAME > reader_module.SHORT_READ_AHEAD > 2 * len(small)
+        theirs.sendall(large)
+        assert bytes(_read_one(reader)[0]) == large
+        theirs.sendall(large + small + small)
+        assert reader.fill() is True and reader.buffered == reader_module.SHORT_READ_AHEAD  # (its head)
+        assert bytes(_read_one(reader)[0]) == large
+        assert reader.buffered == 2 * len(small)  # (read with the large frame's rest)
+        assert reader.drained  # (it asked for more than there was)
+        assert bytes(reader.read()[0]) == small and bytes(reader.read()[0]) == small and not reader.buffered
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     """A loopback TCP connection: (ours, the consumer's non-blocking end; theirs, the producer's)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
