@@ -501,7 +501,7 @@ class Reassembler:
 
         `feed` calls it once the oldest incomplete message may be late (`_expire_at`), not for every frame.
         """
-        if self._paused_since is not None:
+        if self._paused_since is not None or not self._partials:  # (no clock read for nothing to expire)
             return 0
         now, stale = self.clock(), []
         self._expire_at = math.inf
