@@ -27,18 +27,21 @@
 
 #define TRAILING_CRC 0x80
 #define CRC_TRAILER 4
-/* bytes read at once while a prefix is wanted: 16 frames of 64 KB (FAIR_SHARE, the most the reactor
- * takes from one connection in a row) per system call, which made a 64 KB stream faster than a
- * smaller read-ahead did (docs/PERFORMANCE.md); a connection holds it only while it holds unread bytes */
+/* bytes read at once while a prefix is wanted after a frame below LARGE_FRAME: many small frames per system
+ * call (FAIR_SHARE, the most the reactor takes from one connection in a row, are 1 MiB of 64 KB ones); a
+ * connection holds it only while it holds unread bytes */
 #define READ_AHEAD (1 << 20)
 /* after a frame of LARGE_FRAME bytes or more, the read-ahead for the next prefix is only SHORT_READ_AHEAD
  * bytes (its prefix, its header and a little of its body): the rest of such a frame is then received
- * straight into place, not read ahead and copied over, and the system call that receives it reads the
- * next SHORT_READ_AHEAD bytes after it too (a scatter read: see `take`), so a stream of 64 KB frames costs
- * one system call a frame and no copy (1 MiB read ahead and each frame copied out of it cost the consumer
- * a tenth of its CPU at 64 KB, docs/PERFORMANCE.md) */
+ * straight into place, not read ahead and copied over; below SCATTER_BELOW the system call that receives
+ * it reads the next SHORT_READ_AHEAD bytes after it too (a scatter read: see `take`), so a stream of 64 KB
+ * frames costs one system call a frame and no copy (1 MiB read ahead and each frame copied out of it cost
+ * the consumer a tenth of its CPU at 64 KB: docs/PERFORMANCE.md, "Socket readers: a 64 KB frame's end...") */
 #define LARGE_FRAME (32 << 10)
 #define SHORT_READ_AHEAD (4 << 10)
+/* frames from this size are received to their last byte alone, as before the scatter read: with it, 1 MB frames
+ * were received at half the speed (the consumer's CPU per frame doubled, in page faults and thread hand-offs) */
+#define SCATTER_BELOW (128 << 10)
 #define SPARE_INBOXES 4
 /* frames from this size wait for recv_lowat bytes at a time (see set_lowat); 1 MB ones gained nothing
  * measurable, so they are left alone */
@@ -435,8 +438,10 @@ read_next(Reader *self)
         }
         Py_ssize_t end = self->crc_on && self->got + self->crc_slice < self->total ? self->got + self->crc_slice
                                                                                    : self->total;
-        /* (the frame's end: what follows is read ahead in the same call, as much as after a prefix) */
-        Py_ssize_t ahead = end < self->total ? 0 : self->total < LARGE_FRAME ? READ_AHEAD : SHORT_READ_AHEAD;
+        /* (the end of a frame of LARGE_FRAME up to SCATTER_BELOW bytes: the next SHORT_READ_AHEAD in the same call) */
+        Py_ssize_t ahead = end == self->total && self->total >= LARGE_FRAME && self->total < SCATTER_BELOW
+                               ? SHORT_READ_AHEAD
+                               : 0;
         if ((n = take(self, frame + self->got, end - self->got, 1, ahead)) <= 0) {
             return stopped(self, n);
         }

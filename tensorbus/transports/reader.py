@@ -47,11 +47,14 @@ CRC_SLICE = 1 << 20
 #: bytes the Python reader reads at once while waiting for a prefix (so a small frame costs one system call)
 READ_AHEAD = 256 << 10
 #: after a frame of LARGE_FRAME bytes or more, the read-ahead for the next prefix is only SHORT_READ_AHEAD
-#: bytes: the rest of such a frame is received straight into place, not read ahead and copied over, and the
-#: system call that receives it reads the next SHORT_READ_AHEAD bytes too (a scatter read: `_take`), so a
-#: stream of 64 KB frames costs one system call a frame and no copy; the C reader's values
+#: bytes: the rest of such a frame is received straight into place, not read ahead and copied over, and below
+#: SCATTER_BELOW the system call that receives it reads the next SHORT_READ_AHEAD bytes too (a scatter read:
+#: `_take`), so a stream of 64 KB frames costs one system call a frame and no copy; the C reader's values
 LARGE_FRAME = 32 << 10
 SHORT_READ_AHEAD = 4 << 10
+#: frames from this size are received to their last byte alone (with the scatter read, 1 MB frames were received
+#: at half the speed); the C reader's value
+SCATTER_BELOW = 128 << 10
 #: drained read-ahead buffers kept for the next connection that needs one
 SPARE_INBOXES = 4
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
@@ -223,8 +226,9 @@ class PyStreamReader:
             if self._budget and taken_now >= self._budget:
                 return None  # (an event loop's turn is over: the rest comes with the next)
             end = min(self._got + self._crc_slice, self._total) if self._crc is not None else self._total
-            # (the frame's end: what follows is read ahead in the same call, as much as after a prefix)
-            ahead = 0 if end < self._total else READ_AHEAD if self._total < LARGE_FRAME else SHORT_READ_AHEAD
+            # (the end of a frame of LARGE_FRAME up to SCATTER_BELOW bytes: the next SHORT_READ_AHEAD in the same call)
+            scatter = end == self._total and LARGE_FRAME <= self._total < SCATTER_BELOW
+            ahead = SHORT_READ_AHEAD if scatter else 0
             n = self._take(frame[self._got : end], end - self._got, straight=True, ahead=ahead)
             if not n:
                 return END
@@ -259,10 +263,11 @@ class PyStreamReader:
         (one system call) when that is empty, unless this is a frame's body or a large read, which go
         straight into place (after a large frame, only SHORT_READ_AHEAD bytes); 0 at the stream's end.
         `ahead`: these are a frame's last `want` bytes, and the system call that reads them reads up to
-        `ahead` bytes after them too (0: no; nor on TLS, which has no scatter read)."""
+        `ahead` bytes after them too (0: no; nor on TLS, which has no scatter read, nor where the socket has no
+        `recvmsg_into`)."""
         if self._lo == self._hi:
             if into is not None and (straight or want >= READ_AHEAD):
-                if not ahead or self._tls is not None:
+                if not ahead or self._tls is not None or not hasattr(self._sock, "recvmsg_into"):  # (TLS, Windows)
                     return self._recv(into[:want])
                 inbox = self._ensure_inbox()
                 n = self._recv_scatter(into[:want], inbox[:ahead])

@@ -544,7 +544,8 @@ def test_after_a_large_frame_the_reader_reads_ahead_only_a_little(make_reader: A
 def test_the_read_that_ends_a_large_frame_reads_the_start_of_the_next_too(make_reader: Any) -> None:
     """The rest of a large frame goes straight into place, and the same system call (a scatter read) reads on
     into the read-ahead buffer: the frames after it are there with no read of their own, and no byte of the
-    large frame is copied out of the read-ahead buffer."""
+    large frame is copied out of the read-ahead buffer. A frame of SCATTER_BELOW bytes or more is received to
+    its last byte alone."""
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     reader = _reader(ours, recv_lowat=0, make=make_reader)
@@ -560,6 +561,13 @@ def test_the_read_that_ends_a_large_frame_reads_the_start_of_the_next_too(make_r
         assert reader.buffered == 2 * len(small)  # (read with the large frame's rest)
         assert reader.drained  # (it asked for more than there was)
         assert bytes(reader.read()[0]) == small and bytes(reader.read()[0]) == small and not reader.buffered
+        larger = bytes(frame.dumps(np.zeros(20_000), key="big"))  # (160 KB: received to its last byte alone)
+        assert len(larger) >= reader_module.SCATTER_BELOW
+        theirs.sendall(larger)
+        assert bytes(_read_one(reader)[0]) == larger
+        theirs.sendall(larger + small)
+        assert bytes(_read_one(reader)[0]) == larger and not reader.buffered
+        assert bytes(_read_one(reader)[0]) == small
     finally:
         ours.close()
         theirs.close()
