@@ -62,7 +62,7 @@ class SubscriberOptions:
     max_payload_bytes: int = Limits.max_payload_bytes
     max_decompressed_bytes: int = Limits.max_decompressed_bytes
     max_reassembly_bytes: int = 1 << 31  # chunked versions (Kafka) part way received
-    reassembly_timeout_s: float = 60.0  # ...dropped when their next chunk is this late (e.g. a compacted leftover)
+    reassembly_timeout_s: float = 60.0  # ...dropped when not whole this long after their first chunk
     like: str = "numpy"
 
 

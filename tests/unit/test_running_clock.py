@@ -6,11 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from tensorbus.running_clock import CLOCK
+from tensorbus.running_clock import CLOCK, RunningClock
 
 #: a child that holds a chunked tensor incomplete, waits for a line, then feeds its last chunk (the clock it
 #: measures expiry on named by argv[1]); prints whether the tensor came out whole, how many tensors expired, and
@@ -74,15 +75,27 @@ def test_the_clock_runs_with_the_process() -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
-def test_a_forked_child_starts_its_own_ticker() -> None:
-    CLOCK.now()  # the parent's ticker runs
+def test_a_forked_child_starts_its_own_ticker_and_its_clock_goes_on_from_the_parents() -> None:
+    before = CLOCK.now()  # the parent's ticker runs
     pid = os.fork()
-    if pid == 0:  # the child: its clock answers (no lock held over from the parent) and counts no stop
+    if pid == 0:  # the child: its clock answers (no lock held over from the parent) and a ticker of its own runs
         ok = False
         try:
-            first = CLOCK.now()
-            ok = CLOCK.stood_still() == 0.0 and CLOCK.now() >= first
+            ok = CLOCK.now() >= before and any(t.name == "tensorbus-running-clock" for t in threading.enumerate())
         finally:
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_with_no_ticker_to_be_had_the_clock_is_the_monotonic_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread that cannot start must not freeze the clock (every second after it counted as a stop)."""
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    clock = RunningClock(tick_s=0.01, slack_s=0.01)
+    first = clock.now()
+    time.sleep(0.1)  # (far past the tick and slack of a ticker that never ran)
+    assert clock.now() - first >= 0.09 and clock.stood_still() == 0.0
