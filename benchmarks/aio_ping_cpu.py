@@ -118,9 +118,7 @@ def _ping(args: Any, addresses: Any, tensor: np.ndarray, times: list[float]) -> 
             return cpu_s() - started
 
 
-def run(
-    api: str, rounds: int, size: int, spin_s: float | None, loop: str = "asyncio"
-) -> tuple[float, float, float]:
+def run(api: str, rounds: int, size: int, spin_s: float | None, loop: str = "asyncio") -> tuple[float, float, float]:
     """One ping-pong of `rounds` round trips: (the median round trip, the ping's and the echo's CPU per round
     trip), in seconds. The echo runs in a fresh interpreter (spawned: nothing of this process's state)."""
     options = {} if spin_s is None else {"spin_s": spin_s}
@@ -148,8 +146,9 @@ def main() -> None:
     parser.add_argument("--spin-s", type=float, default=None, help="the consumers' spin_s (default: theirs)")
     args = parser.parse_args()
     p50, ping, echo = run(args.api, args.rounds, args.size, args.spin_s, args.loop)
+    api = f"{args.api} on {args.loop}" if args.api == "aio" else args.api
     print(
-        f"{args.api}{' on ' + args.loop if args.api == 'aio' else ''}: round trip p50 {p50 * 1e6:.0f} µs; CPU a round trip: ping {ping * 1e6:.0f} µs, "
+        f"{api}: round trip p50 {p50 * 1e6:.0f} µs; CPU a round trip: ping {ping * 1e6:.0f} µs, "
         f"echo {echo * 1e6:.0f} µs (load {os.getloadavg()[0]:.1f})"
     )
 

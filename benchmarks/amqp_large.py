@@ -31,7 +31,7 @@ import numpy as np
 
 from tensorbus.bench.brokers import delete_queue
 
-from .common import parse_sizes
+from .common import parse_sizes, process_cpu_s
 
 AMQP_URL = os.environ.get("TENSORBUS_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 WAYS = ("tensorbus", "tensorbus-4k", "pika")
@@ -118,12 +118,8 @@ def _written(pid: int | None) -> int:
 
 
 def _broker_cpu_s(pid: int | None) -> float:
-    """CPU seconds the broker process has used (user + system), from /proc/PID/stat."""
-    if pid is None:
-        return 0.0
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()  # (the command name may hold spaces)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds the broker process has used (user + system); 0 without its PID."""
+    return 0.0 if pid is None else process_cpu_s(pid)
 
 
 def one_run(way: str, nbytes: int, n: int, queue_type: str, broker_pid: int | None = None) -> dict[str, float]:

@@ -213,6 +213,31 @@ def _print_plain_table(title: str, columns: Sequence[str], rows: Sequence[Sequen
     print()
 
 
+def thread_stats(pid: int | str = "self") -> dict[int, tuple[str, float, int]]:
+    """Each live thread of a process, by id (/proc): its name, its CPU seconds (the scheduler's nanosecond
+    count, not clock ticks) and its minor page faults."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu = int(f.read().split()[0]) / 1e9
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # (ended meanwhile)
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]  # (a thread's name may hold spaces and parentheses)
+        found[int(tid)] = (name, cpu, int(stat[stat.rindex(")") + 2 :].split()[7]))
+    return found
+
+
+def process_cpu_s(pid: int | str = "self") -> float:
+    """CPU seconds (user and system) a process has used, its ended threads' included (/proc/PID/stat, in
+    clock ticks)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()  # (the command name may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def write_json(path: str | Path, data: Any) -> None:
     """Write results as indented JSON (dataclasses become dicts)."""
 

@@ -16,7 +16,6 @@ Run
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -25,30 +24,22 @@ import numpy as np
 
 from tensorbus.bench import fanout
 
+from .common import process_cpu_s, thread_stats
+
 BROKER_PID_FILE = Path(__file__).resolve().parent.parent / ".brokers" / "kafka" / "kafka.pid"
 
 
 def threads(pid: int) -> dict[int, tuple[float, int]]:
     """Each thread of a process: (CPU seconds from the scheduler's nanosecond count, minor faults)."""
-    found = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                cpu = int(f.read().split()[0]) / 1e9
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # (ended meanwhile)
-            continue
-        found[int(tid)] = (cpu, int(stat[stat.rindex(")") + 2 :].split()[7]))
-    return found
+    return {tid: (cpu, faults) for tid, (_, cpu, faults) in thread_stats(pid).items()}
 
 
 def process_cpu(pid: int | None) -> float | None:
-    """A process's CPU seconds so far (all its threads), None if it cannot be read."""
+    """A process's CPU seconds so far, None if it cannot be read."""
     if pid is None:
         return None
     try:
-        return sum(cpu for cpu, _ in threads(pid).values())
+        return process_cpu_s(pid)
     except OSError:
         return None
 

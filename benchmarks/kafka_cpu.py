@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import threading
 import time
 import uuid
@@ -28,6 +27,8 @@ import numpy as np
 
 from tensorbus.bench.links import make_link
 from tensorbus.bench.plan import _transport_option
+
+from .common import thread_stats
 
 WARMUP = 2000
 
@@ -42,17 +43,7 @@ def spec(impl: str, tag: str) -> dict[str, Any]:
 def thread_cpu() -> dict[str, float]:
     """CPU seconds so far of each thread of this process, by name (Python's where it has one) and id."""
     names = {thread.native_id: thread.name[:16] for thread in threading.enumerate()}
-    found = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as stat:
-                text = stat.read()
-        except OSError:  # (ended meanwhile)
-            continue
-        fields = text[text.rindex(")") + 2 :].split()
-        name = names.get(int(tid), text[text.index("(") + 1 : text.rindex(")")])
-        found[f"{name}:{tid}"] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return found
+    return {f"{names.get(tid, name)}:{tid}": cpu for tid, (name, cpu, _) in thread_stats().items()}
 
 
 def produce(impl: str, tag: str, address: str, size: int, count: int, results: Any, go: Any) -> None:

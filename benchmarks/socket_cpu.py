@@ -6,10 +6,12 @@ What it measures
     (`recv_message` in a loop). Printed: each side's CPU time per tensor (`time.process_time`, the first tensor
     left out) and the consumer's tensors/s. On a shared machine CPU per tensor moves far less with the load than
     wall time does. The consumer's reader spins while it waits for bytes, so its figure is an upper bound when
-    the producer is the slower side.
+    the producer is the slower side; `--spin-s 0` makes it sleep at once instead (its CPU is then its work and its
+    wake-ups).
 
 Run
     python -m benchmarks.socket_cpu [--transport tcp|unix] [--size 4096] [--tensors 100000] [--rounds 1]
+        [--spin-s SECONDS]
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ KEY = "k"
 WAIT_S = 120.0
 
 
-def consume(url: str, tensors: int, addresses: Queue[Any], results: Queue[Any]) -> None:
+def consume(url: str, tensors: int, addresses: Queue[Any], results: Queue[Any], options: dict[str, Any]) -> None:
     """Receive `tensors` tensors; report CPU per tensor and tensors/s after the first."""
     import tensorbus as tb
 
-    with tb.Consumer(url) as consumer:
+    with tb.Consumer(url, **options) as consumer:
         addresses.put(consumer.address)
         consumer.recv_message(KEY, WAIT_S)
         cpu, wall = time.process_time(), time.perf_counter()
@@ -55,13 +57,15 @@ def produce(address: str, tensors: int, size: int, results: Queue[Any]) -> None:
         producer.flush(WAIT_S)
 
 
-def one_round(transport: str, size: int, tensors: int) -> dict[str, tuple[float, float]]:
+def one_round(
+    transport: str, size: int, tensors: int, options: dict[str, Any] | None = None
+) -> dict[str, tuple[float, float]]:
     """Each side's (CPU seconds per tensor, wall seconds) for one round."""
     context = multiprocessing.get_context("spawn")
     addresses: Queue[Any] = context.Queue()
     results: Queue[Any] = context.Queue()
     url = "tcp://127.0.0.1:0" if transport == "tcp" else f"unix://{tempfile.gettempdir()}/socket-cpu-{os.getpid()}.sock"
-    consumer = context.Process(target=consume, args=(url, tensors, addresses, results))
+    consumer = context.Process(target=consume, args=(url, tensors, addresses, results, options or {}))
     consumer.start()
     producer = context.Process(target=produce, args=(addresses.get(timeout=WAIT_S), tensors, size, results))
     producer.start()
@@ -79,9 +83,11 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096, help="bytes a tensor")
     parser.add_argument("--tensors", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--spin-s", type=float, default=None, help="the consumer's spin_s (default: its own)")
     args = parser.parse_args()
     for _ in range(args.rounds):
-        sides = one_round(args.transport, args.size, args.tensors)
+        options = {} if args.spin_s is None else {"spin_s": args.spin_s}
+        sides = one_round(args.transport, args.size, args.tensors, options)
         (producer_cpu, _), (consumer_cpu, consumer_wall) = sides["producer"], sides["consumer"]
         print(
             f"{args.transport} {args.size} B: producer {producer_cpu * 1e6:.2f} µs/tensor, consumer "
