@@ -47,10 +47,18 @@ def test_the_native_speedup_benchmark_runs_both_ways() -> None:
         assert all(value > 0 for value in result.values())
 
 
-@pytest.mark.parametrize("api", ["aio", "blocking"])
-def test_the_ping_cpu_benchmark_plays_its_rounds_between_two_processes(api: str) -> None:
-    p50, ping, echo = aio_ping_cpu.run(api, 20, 64, 0.0)
-    assert p50 > 0 and ping > 0 and echo > 0
+@pytest.mark.parametrize(
+    ("api", "loop", "transport"),
+    [
+        ("aio", "asyncio", "tcp"),
+        ("aio", "uvloop", "unix"),
+        ("blocking", "asyncio", "tcp"),
+        ("blocking", "asyncio", "shm"),
+    ],
+)
+def test_the_ping_cpu_benchmark_plays_its_rounds_between_two_processes(api: str, loop: str, transport: str) -> None:
+    result = aio_ping_cpu.run(api, 20, 64, 0.0, loop, transport)
+    assert result.p50 > 0 and result.ping_cpu > 0 and result.echo_cpu > 0 and 0 < result.send_p50 < result.p50
 
 
 def test_the_metrics_cost_benchmark_times_each_stream_in_turn() -> None:
