@@ -107,16 +107,21 @@ drop_frame(Reader *self)
     }
 }
 
-/* recv() into `into` (with `flags`, e.g. MSG_PEEK): bytes received, 0 at the end of the stream, -2 when
- * none are there yet, -1 on an error (a Python exception is set; signals are handled as socket.recv_into
- * handles them). */
+/* recvmsg() into the `count` buffers of `iov` (with `flags`, e.g. MSG_PEEK): bytes received, 0 at the end of
+ * the stream, -2 when none are there yet, -1 on an error (a Python exception is set; signals are handled as
+ * socket.recv_into handles them). Without flags, `drained` says whether it found less than it asked for. */
 static Py_ssize_t
-receive(Reader *self, uint8_t *into, Py_ssize_t want, int flags)
+receive_into(Reader *self, struct iovec *iov, int count, int flags)
 {
+    struct msghdr message = {.msg_iov = iov, .msg_iovlen = (size_t)count};
+    Py_ssize_t want = 0;
+    for (int i = 0; i < count; i++) {
+        want += (Py_ssize_t)iov[i].iov_len;
+    }
     for (;;) {
         ssize_t n;
         Py_BEGIN_ALLOW_THREADS
-        n = recv(self->fd, into, (size_t)want, flags);
+        n = recvmsg(self->fd, &message, flags);
         Py_END_ALLOW_THREADS
         if (n >= 0) {
             if (flags == 0) {
@@ -140,39 +145,27 @@ receive(Reader *self, uint8_t *into, Py_ssize_t want, int flags)
     }
 }
 
-/* receive()'s twin for a frame's last bytes: recvmsg() into `into` (`want` bytes) and on into the empty
- * read-ahead buffer (`ahead` bytes), one system call for the end of a frame and what follows it; the bytes
- * beyond `want` are left in the read-ahead buffer. Returns as receive() does, counting both. */
+/* receive_into() into one buffer */
+static Py_ssize_t
+receive(Reader *self, uint8_t *into, Py_ssize_t want, int flags)
+{
+    struct iovec iov = {.iov_base = into, .iov_len = (size_t)want};
+    return receive_into(self, &iov, 1, flags);
+}
+
+/* A frame's last bytes: into `into` (`want` bytes) and on into the empty read-ahead buffer (`ahead` bytes),
+ * one system call for the end of a frame and what follows it; the bytes beyond `want` are left in the
+ * read-ahead buffer. Returns as receive() does, counting both. */
 static Py_ssize_t
 receive_scatter(Reader *self, uint8_t *into, Py_ssize_t want, Py_ssize_t ahead)
 {
     struct iovec iov[2] = {{.iov_base = into, .iov_len = (size_t)want},
                            {.iov_base = self->inbox, .iov_len = (size_t)ahead}};
-    struct msghdr message = {.msg_iov = iov, .msg_iovlen = 2};
-    for (;;) {
-        ssize_t n;
-        Py_BEGIN_ALLOW_THREADS
-        n = recvmsg(self->fd, &message, 0);
-        Py_END_ALLOW_THREADS
-        if (n >= 0) {
-            self->drained = n < want + ahead;
-            if (n > want) {
-                self->in_lo = 0, self->in_hi = n - want;
-            }
-            return n;
-        }
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            self->drained = 1;
-            return -2;
-        }
-        if (errno != EINTR) {
-            PyErr_SetFromErrno(PyExc_OSError);
-            return -1;
-        }
-        if (PyErr_CheckSignals() < 0) {
-            return -1;
-        }
+    Py_ssize_t n = receive_into(self, iov, 2, 0);
+    if (n > want) {
+        self->in_lo = 0, self->in_hi = n - want;
     }
+    return n;
 }
 
 /* The read-ahead buffer, made (or a spare taken) if the connection holds none; NULL with MemoryError set. */
