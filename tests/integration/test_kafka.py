@@ -277,7 +277,7 @@ def test_a_fetch_brings_many_chunks_but_stays_within_fetch_max_bytes(
     assert fetches["fetch-size-max"] <= KafkaOptions().partition_fetch_bytes <= KafkaOptions().fetch_max_bytes
 
 
-#: a consumer process that reassembles with a running clock of short ticks (running_clock.py) and a 2 s timeout:
+#: a consumer process that reassembles with a running clock of short ticks (running_clock.py) and a 4 s timeout:
 #: it says when it holds "big" incomplete (the marker record after its first chunks came), then what "big" was
 STOPPED_CONSUMER = """
 import sys, zlib
@@ -285,7 +285,7 @@ import tensorbus as tb
 from tensorbus.running_clock import CLOCK
 
 CLOCK.tick_s, CLOCK.slack_s = 0.1, 0.2
-with tb.Consumer(sys.argv[1], reassembly_timeout_s=2) as consumer:
+with tb.Consumer(sys.argv[1], reassembly_timeout_s=4) as consumer:
     print("ready", flush=True)
     consumer.recv("marker", timeout=60)
     print("holding", consumer.intake.reassembler.pending, flush=True)
@@ -315,7 +315,7 @@ def test_a_consumer_stopped_mid_tensor_for_longer_than_its_reassembly_timeout_co
             try:
                 producer.send(topic_of(url), chunks[-1], partition=0)
                 producer.flush(30)
-                time.sleep(3.5)  # (the stop itself: longer than the 2 s timeout plus the ticker's tick and slack)
+                time.sleep(6.0)  # (the stop itself: longer than the 4 s timeout plus the ticker's tick and slack)
             finally:
                 os.kill(child.pid, signal.SIGCONT)
             assert child.stdout.readline().split() == [str(zlib.crc32(big.tobytes())), "0"]
