@@ -29,6 +29,7 @@ from typing import Any
 from ..rendezvous import Rendezvous
 from ..transports.reactor import TAKEN_EVERY_S, Poller
 from ..transports.socket_consumer import SocketConsumer
+from ..transports.spinning import NEAR_MISS, STRETCH
 from .turns import replying
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,6 @@ READ_AHEAD = 1 << 20
 PAUSED_LOOKS = 2
 #: the most receives that sleep at once, without a spin, after spins that ran out (see `LoopReading.spin`)
 SPIN_BACKOFF = 64
-#: bytes the loop saw within this many `spin_s` after a reply's spin ran out make it a near miss: the peer
-#: answered, only late by its own wake-up from a sleep and its work (the loop's wake-up counted in)
-NEAR_MISS = 2.0
-#: the reply's spin after a near miss lasts this many `spin_s`: long enough for a peer's wake-up (~100 µs on
-#: an idle vCPU of the 2-vCPU VM) and its reply, so that one end at least stays awake (see `_judge`)
-STRETCH = 3.0
 
 
 class LoopPoller(Poller):

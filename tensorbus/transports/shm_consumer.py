@@ -32,6 +32,7 @@ from . import shm_control as control
 from .base import Deliver, Held
 from .leading import Leadership
 from .shm_segments import MAP_POPULATE, SEALS
+from .spinning import NEAR_MISS, STRETCH
 from .stream import proof
 
 if TYPE_CHECKING:
@@ -88,6 +89,8 @@ class ShmListener:
         self._misses = 0  # spins that ran out since one found a message
         self._backoff = 0  # steps that sleep without a spin after the next spin that runs out
         self._skip = 0  # steps left that sleep without a spin
+        self._ran_out: float | None = None  # when the last spin ran out, until the wait after it ended
+        self._stretch = False  # the next spin lasts STRETCH spins (after a near miss: spinning.py)
         self.spins = collections.Counter[str]()  # spins that found a message ("found") or ran out ("out")
         self._answer_due = 0.0  # when the leading thread next answers, urgent or not (`_answer`)
         self.leadership = Leadership(LINGER_S, self.poke)
@@ -172,6 +175,8 @@ class ShmListener:
         if ready is None and not stop():  # (what is left of the wait after a spin that ran out)
             self._answer()
             ready = self._selector.select(None if wait_until is None else max(wait_until - time.monotonic(), 0.0))
+            if self._ran_out is not None:
+                self._judge(ready)
         for selected, _ in ready or ():
             if selected.data == "wake":
                 self._woken()
@@ -192,7 +197,8 @@ class ShmListener:
         LOOK_EVERY polls (a message found is handled at once: one system call a message rather than two).
         From the SPIN_MISSES-th spin in a row that ran out, each makes the next steps sleep at once (1, 2,
         4... up to SPIN_BACKOFF of them): a producer that answers slowly, or a busy machine where the spin
-        takes the CPU the producer needs, costs no spin per step."""
+        takes the CPU the producer needs, costs no spin per step. But a message that came just after a spin
+        ran out (a near miss, `_judge`) makes the next spin longer instead."""
         if self._spin_s <= 0 or (wait is not None and wait <= 0):
             return None
         if self._skip > 0:
@@ -202,7 +208,9 @@ class ShmListener:
         if lone is not None and not (lone.open and lone.authed and lone.held is None):
             lone = None
         select = self._selector.select
-        until = time.monotonic() + (self._spin_s if wait is None else min(self._spin_s, wait))
+        stretched, self._stretch = self._stretch, False
+        spin_s = self._spin_s * (STRETCH if stretched else 1.0)
+        until = time.monotonic() + (spin_s if wait is None else min(spin_s, wait))
         polls = 0
         while not stop():
             polls += 1
@@ -221,8 +229,20 @@ class ShmListener:
         self._misses += 1
         if self._misses >= SPIN_MISSES:
             self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)
+        self._ran_out = None if stretched else time.monotonic()  # (a longer spin that ran out is no near miss)
         self.spins["out"] += 1
         return None
+
+    def _judge(self, ready: list[Any]) -> None:
+        """The wait after a spin that ran out ended: if a producer's message came within NEAR_MISS spins of it
+        (a peer that slept, answering late by its wake-up: spinning.py), the next spin lasts STRETCH spins and
+        the spins that ran out are forgotten, so a ping-pong's ends do not sleep in turn round after round."""
+        ran_out, self._ran_out = self._ran_out, None
+        came = any(selected.data not in (None, "wake") for selected, _ in ready)
+        if came and ran_out is not None and time.monotonic() - ran_out <= NEAR_MISS * self._spin_s:
+            self._stretch = True
+            self._misses = self._backoff = self._skip = 0
+            self.spins["near"] += 1
 
     def poke(self) -> None:
         """Wake the leading thread (from any thread): there are acks to send, or room for a held message."""

@@ -420,6 +420,50 @@ def _send_when(url: str, polled: Any) -> None:
         producer.send("k", np.arange(1024, dtype=np.float32))
 
 
+def _send_late(url: str, starts: list[Any], late_s: list[float]) -> None:
+    """A producer: "warm" at once, then each tensor `late_s` after its receive began to poll (`starts`)."""
+    with tb.Producer(url) as producer:
+        producer.send("warm", np.zeros(4, np.float32))
+        for i, (started, late) in enumerate(zip(starts, late_s, strict=True)):
+            started.wait(10)
+            time.sleep(late)  # (the lateness itself, not a wait for something)
+            producer.send(f"k{i}", np.full(256, i, np.float32))
+        producer.flush(30)
+
+
+def test_a_near_miss_makes_the_next_spin_longer_and_it_catches_a_reply_as_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame that comes soon after a receive's spin ran out (within NEAR_MISS spins: a peer answering late by
+    its own wake-up) makes the next spin last STRETCH spins, which then takes a frame as late without sleeping:
+    two ends of a ping-pong do not sleep in turn round after round (transports/spinning.py)."""
+    monkeypatch.setattr(control, "IDLE_S", 60.0)
+    monkeypatch.setattr(leading, "POLL_S", 60.0)
+    spin_s = 0.2
+    url = endpoint_url("shm")
+    context = multiprocessing.get_context("fork")
+    starts = [context.Event(), context.Event()]
+    # the first frame 1.5 spins after its receive began (the spin ran out half a spin before: a near miss), the
+    # second 2 spins after (past a spin of spin_s, within one of STRETCH spins)
+    with tb.Consumer(url, spin_s=spin_s) as consumer:
+        sender = context.Process(target=_send_late, args=(url, starts, [1.5 * spin_s, 2 * spin_s]))
+        sender.start()
+        try:
+            assert same(consumer.recv("warm", timeout=30), np.zeros(4, np.float32))
+            listener = consumer.transport._listener
+            spy = _SelectSpy(listener, threading.get_ident())
+            before = listener.spins.copy()
+            spy.polled = starts[0]
+            assert same(consumer.recv("k0", timeout=10), np.full(256, 0, np.float32))
+            assert listener.spins["near"] == before["near"] + 1, listener.spins
+            spy.sleeps.clear()
+            out = listener.spins["out"]
+            spy.polled = starts[1]
+            assert same(consumer.recv("k1", timeout=10), np.full(256, 1, np.float32))
+            assert spy.sleeps == [] and listener.spins["out"] == out  # (the longer spin took it)
+        finally:
+            sender.join(30)
+        assert sender.exitcode == 0
+
+
 @pytest.mark.parametrize("spin_s", [0.002, 0.0])
 def test_polls_that_find_nothing_make_the_next_waits_sleep_at_once(spin_s: float) -> None:
     url = endpoint_url("shm")
