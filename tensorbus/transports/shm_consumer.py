@@ -91,7 +91,7 @@ class ShmListener:
         self._skip = 0  # steps left that sleep without a spin
         self._ran_out: float | None = None  # when the last spin ran out, until the wait after it ended
         self._stretch = False  # the next spin lasts STRETCH spins (after a near miss: spinning.py)
-        self.spins = collections.Counter[str]()  # spins that found a message ("found") or ran out ("out")
+        self.spins = collections.Counter[str]()  # spins that found a message ("found"), ran out ("out"), near misses
         self._answer_due = 0.0  # when the leading thread next answers, urgent or not (`_answer`)
         self.leadership = Leadership(LINGER_S, self.poke)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-shm-{name}")
