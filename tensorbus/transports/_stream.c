@@ -181,7 +181,6 @@ ensure_inbox(Reader *self)
     return self->inbox;
 }
 
-
 /* Fill up to `want` bytes of `into` from what was read ahead; read ahead again (one system call)
  * when that is empty, unless this is a frame's body or a large read, which go straight into place
  * (after a large frame, only a short read ahead: see SHORT_READ_AHEAD). `ahead`: the body's read takes

@@ -79,6 +79,9 @@ class PyStreamReader:
         """As the C reader's; `recv_lowat` is not used (the Python reader wakes per packet)."""
         self._sock = sock
         self._tls = sock if isinstance(sock, ssl.SSLSocket) else None  # (its decrypted bytes count as buffered)
+        #: a frame's end may be read together with what follows it (`_take`): not on TLS, nor where the socket
+        #: has no `recvmsg_into` (Windows)
+        self._scatters = self._tls is None and hasattr(sock, "recvmsg_into")
         self._limits = Limits(max_header_bytes=max_header_bytes, max_payload_bytes=max_payload_bytes)
         self._take_buffer, self._crc32c = take_buffer, crc32c
         self._pooled_from, self._checksum_from, self._crc_slice = pooled_from, checksum_from, crc_slice
@@ -267,10 +270,9 @@ class PyStreamReader:
         `recvmsg_into`)."""
         if self._lo == self._hi:
             if into is not None and (straight or want >= READ_AHEAD):
-                if not ahead or self._tls is not None or not hasattr(self._sock, "recvmsg_into"):  # (TLS, Windows)
+                if not ahead or not self._scatters:
                     return self._recv(into[:want])
-                inbox = self._ensure_inbox()
-                n = self._recv_scatter(into[:want], inbox[:ahead])
+                n = self._recv(into[:want], self._ensure_inbox()[:ahead])
                 if n > want:
                     self._lo, self._hi = 0, n - want
                 return min(n, want)
@@ -297,24 +299,19 @@ class PyStreamReader:
                 self._inbox = memoryview(bytearray(READ_AHEAD))
         return self._inbox
 
-    def _recv_scatter(self, into: memoryview, ahead: memoryview) -> int:
-        """One recvmsg into `into` and on into `ahead` (the empty read-ahead buffer): the bytes of both."""
+    def _recv(self, view: memoryview, ahead: memoryview | None = None) -> int:
+        """One system call into `view` (and on into `ahead`, the empty read-ahead buffer, if given: a scatter
+        read); the bytes received, `drained` saying whether they were fewer than asked for (never on TLS)."""
         try:
-            n = self._sock.recvmsg_into([into, ahead])[0]
-        except _WOULD_BLOCK:
-            self.drained = True
-            raise
-        self.drained = n < len(into) + len(ahead)
-        return int(n)
-
-    def _recv(self, view: memoryview) -> int:
-        try:
-            n = self._sock.recv_into(view, len(view))
+            if ahead is None:
+                n = self._sock.recv_into(view, len(view))
+            else:
+                n = self._sock.recvmsg_into([view, ahead])[0]
         except _WOULD_BLOCK:
             self.drained = self._tls is None
             raise
-        self.drained = self._tls is None and n < len(view)
-        return n
+        self.drained = self._tls is None and n < len(view) + (0 if ahead is None else len(ahead))
+        return int(n)
 
     def _give_back_inbox(self) -> None:
         """A drained read-ahead buffer goes back: an idle connection holds none."""

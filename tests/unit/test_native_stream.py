@@ -9,6 +9,7 @@ connection ends must be the same. The sender: the same bytes on the wire.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import select
@@ -16,6 +17,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import crc32c
@@ -475,6 +477,19 @@ def _reader(sock: socket.socket, recv_lowat: int, make: Any = None) -> Any:
     )
 
 
+@contextlib.contextmanager
+def _socketpair_reader(make_reader: Any) -> Iterator[tuple[Any, socket.socket]]:
+    """A reader (`make_reader`'s) of a non-blocking end of a socket pair, and the pair's other end to write to;
+    both ends closed after."""
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    try:
+        yield _reader(ours, recv_lowat=0, make=make_reader), theirs
+    finally:
+        ours.close()
+        theirs.close()
+
+
 def test_fill_says_whether_read_has_anything_and_reads_ahead_between_frames(make_reader: Any) -> None:
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
@@ -518,10 +533,7 @@ def test_after_a_large_frame_the_reader_reads_ahead_only_a_little(make_reader: A
     """A reader behind its producer finds whole frames waiting: past a large frame it reads ahead only
     SHORT_READ_AHEAD bytes (its prefix and header), and the rest of the next frame goes straight into
     place, not read ahead and copied; after a small frame it reads ahead all there is again."""
-    ours, theirs = socket.socketpair()
-    ours.setblocking(False)
-    reader = _reader(ours, recv_lowat=0, make=make_reader)
-    try:
+    with _socketpair_reader(make_reader) as (reader, theirs):
         large = bytes(frame.dumps(np.zeros(20_000), key="big"))  # (160 KB: over LARGE_FRAME)
         small = bytes(frame.dumps(np.arange(3.0), key="k"))
         assert len(large) >= reader_module.LARGE_FRAME > len(small)
@@ -536,9 +548,6 @@ def test_after_a_large_frame_the_reader_reads_ahead_only_a_little(make_reader: A
         theirs.sendall(large + small)
         assert reader.fill() is True and reader.buffered == len(large + small)  # (after a small frame: all again)
         assert bytes(_read_one(reader)[0]) == large and bytes(_read_one(reader)[0]) == small
-    finally:
-        ours.close()
-        theirs.close()
 
 
 def test_the_read_that_ends_a_large_frame_reads_the_start_of_the_next_too(make_reader: Any) -> None:
@@ -546,10 +555,7 @@ def test_the_read_that_ends_a_large_frame_reads_the_start_of_the_next_too(make_r
     into the read-ahead buffer: the frames after it are there with no read of their own, and no byte of the
     large frame is copied out of the read-ahead buffer. A frame of SCATTER_BELOW bytes or more is received to
     its last byte alone."""
-    ours, theirs = socket.socketpair()
-    ours.setblocking(False)
-    reader = _reader(ours, recv_lowat=0, make=make_reader)
-    try:
+    with _socketpair_reader(make_reader) as (reader, theirs):
         large = bytes(frame.dumps(np.arange(8_000.0), key="big"))  # (64 KB: over LARGE_FRAME)
         small = bytes(frame.dumps(np.arange(3.0), key="k"))
         assert len(large) >= reader_module.LARGE_FRAME > reader_module.SHORT_READ_AHEAD > 2 * len(small)
@@ -568,9 +574,6 @@ def test_the_read_that_ends_a_large_frame_reads_the_start_of_the_next_too(make_r
         theirs.sendall(larger + small)
         assert bytes(_read_one(reader)[0]) == larger and not reader.buffered
         assert bytes(_read_one(reader)[0]) == small
-    finally:
-        ours.close()
-        theirs.close()
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
