@@ -240,3 +240,23 @@ def test_a_producer_dropped_while_held_leaves_alone_the_one_that_got_its_descrip
             assert child.stdout.readline() == "B sent b1\n"
             assert consumer.recv("b1", timeout=5)[0] == 7.0  # B is still read
             child.stdin.write("\n")
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "unix"])
+def test_a_backlog_of_64_kb_tensors_is_received_into_the_buffers_the_last_one_left(scheme: str, tmp_path: Any) -> None:
+    """A run of the reader delivers up to `ack_every_bytes` before the application takes any: the pool keeps
+    that many buffers below 1 MiB, so a second backlog of 40 tensors of 64 KB needs no fresh memory."""
+    url = "tcp://127.0.0.1:0" if scheme == "tcp" else f"unix://{tmp_path}/backlog.sock"
+    backlog, tensor = 40, np.arange(16 << 10, dtype=np.float32)  # 40 x 64 KB: 2.5 MiB, past RECYCLED_BYTES
+    with tb.Consumer(url) as consumer, tb.Producer(consumer.address) as producer:
+        pool = consumer.transport._pool  # type: ignore[attr-defined]
+        reused = []
+        for batch in range(2):
+            before = pool.reused
+            for i in range(backlog):
+                producer.send(f"{batch}/{i}", tensor)
+            producer.flush(timeout=30)  # every one of them is in the consumer's table, none taken
+            reused.append(pool.reused - before)
+            for i in range(backlog):
+                assert np.array_equal(consumer.recv(f"{batch}/{i}", timeout=10), tensor)
+        assert reused == [0, backlog]  # the second backlog's frames all went into buffers the first one left
