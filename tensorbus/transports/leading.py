@@ -50,6 +50,10 @@ class Leadership:
         self._state_lock = threading.Lock()
         self._state = threading.Condition(self._state_lock)
         self._wanted = 0  # application threads leading or asking to (under `_state`)
+        self._asked = 0  # how many receives asked to lead, ever (under `_state`)
+        #: whether the background waits longer than `linger_s` for one long receive to end (under `_state`):
+        #: that receive's end then wakes it
+        self._backed_off = False
         self._quiet_from = 0.0  # the background may lead from then on (under `_state`)
         #: whether an application thread holds `_lock`, and which thread does: written by the leader, read
         #: by threads deciding whether to wait for it, both under `_state`
@@ -85,6 +89,7 @@ class Leadership:
     def wait(self, done: threading.Lock, deadline: float | None, step: Step) -> bool:
         """Wait for `done` (a waiting receive's lock) until `deadline`, leading meanwhile where no other
         application thread does (that one delivers this thread's tensor too): True once acquired."""
+        first = True
         while True:
             if done.acquire(blocking=False):
                 return True
@@ -96,12 +101,15 @@ class Leadership:
                 if done.acquire(timeout=slice_end - now):
                     return True
                 continue
-            self._lead(done, slice_end, step)
+            self._lead(done, slice_end, step, first)
+            first = False
 
-    def _lead(self, done: threading.Lock, slice_end: float, step: Step) -> None:
+    def _lead(self, done: threading.Lock, slice_end: float, step: Step, first: bool = True) -> None:
+        """Lead until `done` or `slice_end`; `first`: the receive's first lead (later ones go on waiting)."""
         me = threading.get_ident()
         with self._state_lock:  # (one hold: it asks for the lead, takes it if free, and says so)
             self._wanted += 1
+            self._asked += first
             leads = self._lock.acquire(blocking=False)  # (never waits while `_state_lock` is held)
             if leads:
                 self._leading, self._app_leads = me, True
@@ -122,6 +130,8 @@ class Leadership:
                     self._leading, self._app_leads = None, False
                     self._lock.release()
                 self._wanted -= 1
+                if not self._wanted and self._backed_off:  # (a long receive ended: the background leads on)
+                    self._state.notify()
                 self._quiet_from = time.monotonic() + self.linger_s
 
     def run_in_background(self, step: Step) -> None:
@@ -130,12 +140,18 @@ class Leadership:
         seen, led_at = None if received is None else received(), time.monotonic()
         while not self.stopped:
             with self._state:
+                wait_s, asked = self.linger_s, -1
                 while not self.stopped:
                     left = self._quiet_from - time.monotonic()
                     if not self._wanted and left <= 0:
                         break
-                    # (a timed wait, not a notify per receive: an application receiving in a loop pays nothing)
-                    self._state.wait(max(left, self.linger_s))
+                    # A timed wait, not a notify per receive: an application receiving in a loop pays nothing.
+                    # While one receive goes on waiting (no other asked since), the wait doubles up to POLL_S,
+                    # so an idle `recv` does not wake this thread every `linger_s`; its end wakes it instead.
+                    wait_s = min(wait_s * 2, POLL_S) if self._wanted and self._asked == asked else self.linger_s
+                    asked, self._backed_off = self._asked, wait_s > self.linger_s
+                    self._state.wait(max(left, wait_s))
+                self._backed_off = False
             now = time.monotonic()
             if received is not None and seen != (seen := received()) and now - led_at < ASIDE_AT_MOST_S:
                 with self._state:  # (the application received meanwhile: as if it had led)
