@@ -25,6 +25,8 @@ POOLED_FROM = 1 << 20
 #: smaller ones are cheap to allocate
 RECYCLED_FROM = 32 << 10
 RECYCLED_BYTES = 1 << 20
+#: the most a pool that asks for more (a socket consumer's: a reader's run, `ack_every_bytes`) keeps of them
+RECYCLED_AT_MOST = 8 << 20
 #: where receive buffers start: the frame's payload alignment (`codec.tensors.ALIGN`, which a test holds equal)
 ALIGN = 64
 
@@ -71,6 +73,7 @@ class BufferPool:
         self._buffers: list[np.ndarray] = []  # from POOLED_FROM
         self._recycled: list[np.ndarray] = []  # from RECYCLED_FROM, below POOLED_FROM
         self._recycled_bytes = 0
+        self._other_free = False  # (what the last `_free` saw, under `_lock`)
         self._lock = threading.Lock()
         self.reused = 0
 
@@ -90,15 +93,20 @@ class BufferPool:
             return self._free(n)
 
     def _free(self, n: int, buffers: list[np.ndarray] | None = None) -> memoryview | None:
+        """The first free kept buffer from n to 2n bytes, moved to the back; None if none is (and then
+        `_other_free` says whether a free one of another size was passed)."""
         kept = self._buffers if buffers is None else buffers
+        self._other_free = False
         for index in range(len(kept)):  # (not `enumerate`: its tuple would hold a reference more)
             base = kept[index]
             # references: the list, `base`, and getrefcount's own argument; any more is a live view
-            if n <= len(base) <= 2 * n and sys.getrefcount(base) <= 3:
-                self.reused += 1
-                if index < len(kept) - 1:
-                    kept.append(kept.pop(index))
-                return base.data[:n]
+            if sys.getrefcount(base) <= 3:
+                if n <= len(base) <= 2 * n:
+                    self.reused += 1
+                    if index < len(kept) - 1:
+                        kept.append(kept.pop(index))
+                    return base.data[:n]
+                self._other_free = True
         return None
 
     def _take(self, n: int) -> memoryview:
@@ -129,7 +137,8 @@ class BufferPool:
             base = aligned_empty(n)
             kept = self._recycled
             index = 0
-            while self._recycled_bytes + len(base) > self.recycled_bytes and index < len(kept):
+            # (none free: nothing to let go, and a consumer far behind would look at every busy one again)
+            while self._other_free and self._recycled_bytes + len(base) > self.recycled_bytes and index < len(kept):
                 if sys.getrefcount(kept[index]) <= 2:  # (the list and getrefcount's argument: free)
                     self._recycled_bytes -= len(kept.pop(index))
                 else:

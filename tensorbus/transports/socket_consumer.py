@@ -9,7 +9,7 @@ import urllib.parse
 from collections.abc import Callable
 from contextvars import ContextVar
 
-from ..buffers import RECYCLED_BYTES, BufferPool
+from ..buffers import RECYCLED_AT_MOST, RECYCLED_BYTES, BufferPool
 from ..codec.frame import Limits
 from .base import ConsumerSide, Deliver
 from .listener import Listener
@@ -35,7 +35,8 @@ class SocketConsumer(SocketEndpoint, ConsumerSide):
         self.reactor: Reactor | None = None
         # frames below 1 MiB: a run of the reader delivers up to `ack_every_bytes` of them before the
         # application takes one, so the pool keeps that many for reuse (fewer: the rest are fresh memory)
-        self._pool = BufferPool(options.pooled_buffers, max(RECYCLED_BYTES, options.ack_every_bytes))
+        recycled = min(max(RECYCLED_BYTES, options.ack_every_bytes), RECYCLED_AT_MOST)
+        self._pool = BufferPool(options.pooled_buffers, recycled)
 
     def signing_identity(self, consumer: bool) -> tuple[str, bytes]:
         """ "socket" and this consumer's incarnation."""

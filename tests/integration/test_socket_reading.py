@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus import buffers
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports.reactor import Poller
 from tests.conftest import require_native
@@ -133,6 +134,7 @@ CTRL_C_DURING_THE_SPIN = r"""
 import gc, signal, threading
 import numpy as np
 import tensorbus as tb
+from tensorbus import buffers
 # as Python sets up a program's Ctrl-C, whatever this process was started with (a SIGINT ignored or blocked
 # is inherited across exec)
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -177,6 +179,7 @@ HELD_THEN_GONE = r"""
 import socket, sys
 import numpy as np
 import tensorbus as tb
+from tensorbus import buffers
 from tensorbus.transports.stream import handshake_as_producer
 path = sys.argv[1]
 def frame(key, value, producer, seq):
@@ -260,3 +263,13 @@ def test_a_backlog_of_64_kb_tensors_is_received_into_the_buffers_the_last_one_le
             for i in range(backlog):
                 assert np.array_equal(consumer.recv(f"{batch}/{i}", timeout=10), tensor)
         assert reused == [0, backlog]  # the second backlog's frames all went into buffers the first one left
+
+
+@pytest.mark.parametrize(
+    ("ack_every_bytes", "kept"),
+    [(1 << 40, buffers.RECYCLED_AT_MOST), (4 << 20, 4 << 20), (1024, buffers.RECYCLED_BYTES)],
+    ids=["a huge run: at most 8 MiB", "a run's worth", "a short run: the pool's own 1 MiB"],
+)
+def test_the_pool_keeps_a_run_of_the_reader_within_bounds(ack_every_bytes: int, kept: int) -> None:
+    with tb.Consumer("tcp://127.0.0.1:0", ack_every_bytes=ack_every_bytes) as consumer:
+        assert consumer.transport._pool.recycled_bytes == kept  # type: ignore[attr-defined]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
+import pytest
 
 from tensorbus import buffers
 
@@ -62,3 +66,24 @@ def test_recycled_bytes_is_the_pools_own() -> None:
     pool = buffers.BufferPool(recycled_bytes=4 * ((64 << 10) + buffers.ALIGN))
     live = [pool.take(64 << 10) for _ in range(6)]
     assert len(pool._recycled) == 4 and len(live) == 6
+
+
+def test_a_pool_whose_buffers_are_all_in_use_looks_at_each_once_a_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer far behind keeps every buffer in use: a take looks for a free one, and finding none, does
+    not look at them all again for one to let go."""
+    n = 64 << 10
+    pool = buffers.BufferPool(recycled_bytes=4 * (n + buffers.ALIGN))
+    live = [pool.take(n) for _ in range(4)]
+    looks: list[int] = []
+
+    def getrefcount(obj: object) -> int:
+        looks.append(id(obj))
+        return sys.getrefcount(obj) - 1  # (less this function's own reference)
+
+    monkeypatch.setattr(buffers, "sys", types.SimpleNamespace(getrefcount=getrefcount))
+    live.append(pool.take(n))
+    assert len(looks) == 4 and len(pool._recycled) == 4  # one look each; the new one not kept
+    looks.clear()
+    del live[0]  # one free now, of the same size: taken again
+    live.append(pool.take(n))
+    assert pool.reused == 1 and len(looks) == 1
