@@ -51,8 +51,8 @@ class Leadership:
         self._state = threading.Condition(self._state_lock)
         self._wanted = 0  # application threads leading or asking to (under `_state`)
         self._asked = 0  # how many receives asked to lead, ever (under `_state`)
-        #: whether the background waits longer than `linger_s` for one long receive to end (under `_state`):
-        #: that receive's end then wakes it
+        #: whether the background waits longer than `linger_s` for one long receive (under `_state`): the
+        #: end of each of that receive's leads (a POLL_S slice, or the receive) then wakes it
         self._backed_off = False
         self._quiet_from = 0.0  # the background may lead from then on (under `_state`)
         #: whether an application thread holds `_lock`, and which thread does: written by the leader, read
@@ -130,7 +130,8 @@ class Leadership:
                     self._leading, self._app_leads = None, False
                     self._lock.release()
                 self._wanted -= 1
-                if not self._wanted and self._backed_off:  # (a long receive ended: the background leads on)
+                # (a receive the background waits long for: it may have ended, or only its POLL_S slice did)
+                if not self._wanted and self._backed_off:
                     self._state.notify()
                 self._quiet_from = time.monotonic() + self.linger_s
 
@@ -147,7 +148,8 @@ class Leadership:
                         break
                     # A timed wait, not a notify per receive: an application receiving in a loop pays nothing.
                     # While one receive goes on waiting (no other asked since), the wait doubles up to POLL_S,
-                    # so an idle `recv` does not wake this thread every `linger_s`; its end wakes it instead.
+                    # and the end of each of its POLL_S slices wakes this thread (as its end does): an idle
+                    # `recv` wakes it ~20 times a second, not every `linger_s`.
                     wait_s = min(wait_s * 2, POLL_S) if self._wanted and self._asked == asked else self.linger_s
                     asked, self._backed_off = self._asked, wait_s > self.linger_s
                     self._state.wait(max(left, wait_s))

@@ -3,7 +3,8 @@
 While an application thread waits in `recv`, it leads: the background thread has nothing to do. It used to
 look again every `linger_s` (1 ms) for as long as the receive waited, a thousand wake-ups a second from a
 consumer that only waits. Now, while the same receive goes on waiting, each look waits twice as long as the
-last, up to POLL_S, and the receive's end wakes the background thread at once.
+last, up to POLL_S, and the end of each of the receive's leads (a POLL_S slice, or the receive) wakes the
+background thread at once.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def test_a_receive_waiting_a_second_wakes_the_background_a_few_times_not_every_l
 
 
 def test_the_end_of_a_long_receive_wakes_the_background_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(leading, "POLL_S", 30.0)  # (a background that waited the longest look would lead late)
+    monkeypatch.setattr(leading, "POLL_S", 30.0)  # (the receive is one lead; a background left to its look: late)
     with Endpoint() as endpoint:
         wait_for(lambda: endpoint.background_steps >= 1, 10, "the background to lead")
         assert endpoint.receive(1.0) is False  # (the background's look is ~0.5 s long by then)
