@@ -109,7 +109,8 @@ class Leadership:
         me = threading.get_ident()
         with self._state_lock:  # (one hold: it asks for the lead, takes it if free, and says so)
             self._wanted += 1
-            self._asked += first
+            if first:
+                self._asked += 1
             leads = self._lock.acquire(blocking=False)  # (never waits while `_state_lock` is held)
             if leads:
                 self._leading, self._app_leads = me, True
