@@ -22,6 +22,9 @@ from . import brokers
 from .links import Link
 
 AMQP_PREFETCH = 16  # the tensorbus amqp transport's default prefetch_count
+#: how long a raw kafka-python consumer may wait for its partition before it is made again (a join takes
+#: well under a second here)
+JOIN_ATTEMPT_S = 15.0
 
 
 class _Assembler:
@@ -191,23 +194,30 @@ class KafkaLink(KafkaClientLink):
     """Raw kafka-python: a topic per direction, one partition, chunked records, acks=all."""
 
     def open(self) -> str:
-        from kafka import KafkaConsumer
+        """The topic, and a consumer in its own group that holds its partition: one made again when it got
+        none within JOIN_ATTEMPT_S (kafka-python 3.0 was seen to wait 90 s for an assignment the broker had
+        logged as sent; a new member is given the partition at once)."""
+        import kafka
 
         brokers.create_topic(self.spec["url"], self.name, self.timeout_s)
-        self.consumer = KafkaConsumer(
-            self.name,
-            bootstrap_servers=self.bootstrap,
-            group_id=self.name,
-            auto_offset_reset="earliest",  # otherwise kafka-python's defaults, as a user would start
-            max_partition_fetch_bytes=self.record_bytes,
-            request_timeout_ms=int(max(self.timeout_s, 31) * 1000),
-        )
         deadline = time.monotonic() + self.timeout_s
-        while not self.consumer.assignment() and time.monotonic() < deadline:
-            self.records.extend(r for rs in self.consumer.poll(timeout_ms=200).values() for r in rs)
-        if not self.consumer.assignment():
-            raise TimeoutError(f"kafka consumer got no partition of {self.name} within {self.timeout_s:.0f}s")
-        return self.name
+        while True:
+            self.consumer = kafka.KafkaConsumer(
+                self.name,
+                bootstrap_servers=self.bootstrap,
+                group_id=self.name,
+                auto_offset_reset="earliest",  # otherwise kafka-python's defaults, as a user would start
+                max_partition_fetch_bytes=self.record_bytes,
+                request_timeout_ms=int(max(self.timeout_s, 31) * 1000),
+            )
+            attempt_end = min(deadline, time.monotonic() + JOIN_ATTEMPT_S)
+            while not self.consumer.assignment() and time.monotonic() < attempt_end:
+                self.records.extend(r for rs in self.consumer.poll(timeout_ms=200).values() for r in rs)
+            if self.consumer.assignment():
+                return self.name
+            self.consumer.close(autocommit=False)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"kafka consumer got no partition of {self.name} within {self.timeout_s:.0f}s")
 
     def connect(self, address: str) -> None:
         from kafka import KafkaProducer

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tensorbus.bench import broker_baselines
 from tensorbus.bench.links import make_link
 from tensorbus.cli import main
 from tests.conftest import AMQP_URL, KAFKA_URL, require_broker
@@ -75,5 +76,37 @@ def test_a_raw_kafka_baseline_skips_the_records_its_group_delivers_again(impl: s
         _rewind_to_the_start(link)
         index, body = link.recv(30)
         assert index == 2 and np.frombuffer(body, np.float32)[0] == 2
+    finally:
+        link.close()
+
+
+def test_a_raw_kafka_python_consumer_that_gets_no_partition_is_made_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kafka-python 3.0 was seen to wait out the bench's 90 s for an assignment the broker had sent: the
+    baseline's link makes its consumer again after JOIN_ATTEMPT_S, and the new one gets the partition."""
+    require_broker(KAFKA_URL)
+    import kafka
+
+    made: list[Any] = []
+
+    class FirstGetsNothing(kafka.KafkaConsumer):  # the real client; the first one never sees its partition
+        def __init__(self, *topics: str, **configs: Any) -> None:
+            super().__init__(*topics, **configs)
+            made.append(self)
+
+        def assignment(self) -> set[Any]:
+            return set() if self is made[0] else super().assignment()
+
+    monkeypatch.setattr(kafka, "KafkaConsumer", FirstGetsNothing)
+    monkeypatch.setattr(broker_baselines, "JOIN_ATTEMPT_S", 2.0)
+    spec = {"impl": "kafka-python", "tag": f"join-{uuid.uuid4().hex[:8]}", "url": KAFKA_URL, "timeout_s": 30.0}
+    link = make_link({**spec, "chunk_bytes": 1_000_000}, "B")
+    try:
+        link.connect(link.open())  # the link reads the topic it writes to
+        assert len(made) == 2 and made[1].assignment()
+        link.prepare(4096)
+        link.send(np.full(1024, 7, np.float32), 0)
+        link.finish(30)
+        index, body = link.recv(30)
+        assert index == 0 and np.frombuffer(body, np.float32)[0] == 7
     finally:
         link.close()
