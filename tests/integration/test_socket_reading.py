@@ -134,7 +134,6 @@ CTRL_C_DURING_THE_SPIN = r"""
 import gc, signal, threading
 import numpy as np
 import tensorbus as tb
-from tensorbus import buffers
 # as Python sets up a program's Ctrl-C, whatever this process was started with (a SIGINT ignored or blocked
 # is inherited across exec)
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -179,7 +178,6 @@ HELD_THEN_GONE = r"""
 import socket, sys
 import numpy as np
 import tensorbus as tb
-from tensorbus import buffers
 from tensorbus.transports.stream import handshake_as_producer
 path = sys.argv[1]
 def frame(key, value, producer, seq):
