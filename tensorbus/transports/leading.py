@@ -150,10 +150,13 @@ class Leadership:
                     # A timed wait, not a notify per receive: an application receiving in a loop pays nothing.
                     # While one receive goes on waiting (no other asked since), the wait doubles up to POLL_S,
                     # and the end of each of its POLL_S slices wakes this thread (as its end does): an idle
-                    # `recv` wakes it ~20 times a second, not every `linger_s`.
-                    wait_s = min(wait_s * 2, POLL_S) if self._wanted and self._asked == asked else self.linger_s
-                    asked, self._backed_off = self._asked, wait_s > self.linger_s
-                    self._state.wait(max(left, wait_s))
+                    # `recv` wakes it ~20-40 times a second, not every `linger_s`.
+                    if self._asked != asked:  # a receive asked to lead since the last look: look again soon
+                        wait_s, asked = self.linger_s, self._asked
+                    elif self._wanted:  # the same one waits on (between two of its slices, it keeps its wait)
+                        wait_s = min(wait_s * 2, POLL_S)
+                    self._backed_off = bool(self._wanted) and wait_s > self.linger_s
+                    self._state.wait(max(left, wait_s) if self._wanted else left)
                 self._backed_off = False
             now = time.monotonic()
             if received is not None and seen != (seen := received()) and now - led_at < ASIDE_AT_MOST_S:
