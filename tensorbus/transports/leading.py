@@ -104,7 +104,7 @@ class Leadership:
             self._lead(done, slice_end, step, first)
             first = False
 
-    def _lead(self, done: threading.Lock, slice_end: float, step: Step, first: bool = True) -> None:
+    def _lead(self, done: threading.Lock, slice_end: float, step: Step, first: bool) -> None:
         """Lead until `done` or `slice_end`; `first`: the receive's first lead (later ones go on waiting)."""
         me = threading.get_ident()
         with self._state_lock:  # (one hold: it asks for the lead, takes it if free, and says so)
