@@ -24,6 +24,15 @@ _T = TypeVar("_T")
 Check = Callable[[Any, int, int], "str | None"]
 
 
+def new_loop(spec: dict[str, Any]) -> asyncio.AbstractEventLoop:
+    """A new event loop of the kind the run asked for (`BenchConfig.event_loop`: asyncio's own, or uvloop's)."""
+    if spec.get("event_loop") == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class LoopRounds:
     """An asyncio link's rounds, each one coroutine on its loop: the loops of `Worker.do_send`,
     `do_recv`, `do_ping` and `do_echo`, awaited (a `run_until_complete` per tensor would cost an
@@ -112,7 +121,7 @@ class AioTensorbusLink(LoopRounds, TensorbusLink):
 
     def __init__(self, spec: dict[str, Any], role: str) -> None:
         super().__init__(spec, role)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(spec)
 
     def _run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         return self.loop.run_until_complete(coroutine)
@@ -159,7 +168,7 @@ class ZmqAsyncioLink(LoopRounds, ZmqLink):
 
         self.context.term()
         self.context = zmq.asyncio.Context()  # type: ignore[assignment]  # (the asyncio flavour of the same)
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(spec)
         asyncio.set_event_loop(self.loop)  # (the sockets find their loop when first used)
 
     async def asend(self, array: np.ndarray, index: int) -> None:

@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--round-s", type=float, metavar="S", help="target length of a timed round")
     add("--broker-round-s", type=float, metavar="S", help="the same for amqp, kafka and their raw clients")
     add("--verify", choices=["crc32c", "index"], help="check received tensors by CRC32C (default) or order only")
+    add(
+        "--loop",
+        dest="event_loop",
+        choices=["asyncio", "uvloop"],
+        help="the event loop of the asyncio rows (aio-tcp, aio-unix, zmq-asyncio; default: asyncio's own)",
+    )
     add("--timeout-s", type=float, metavar="S", help="hard limit for any single step")
     add("--amqp-url", metavar="URL", help="broker for amqp and raw pika (env TENSORBUS_AMQP_URL)")
     add("--kafka-url", metavar="URL", help="broker for kafka and raw kafka-python (env TENSORBUS_KAFKA_URL)")
@@ -80,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 _OVERRIDES = (
     "transports", "sizes", "dtype", "repeats", "budget_s", "baselines", "latency_sizes", "warmup_s", "round_s",
-    "broker_round_s", "verify", "timeout_s", "amqp_url", "kafka_url",
+    "broker_round_s", "verify", "timeout_s", "amqp_url", "kafka_url", "event_loop",
 )  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ BASELINES: dict[str, tuple[str, ...]] = {
 #: baselines that are another baseline on a differently declared queue: name -> URL query
 BASELINE_QUERY = {"pika-classic": "queue_type=classic"}
 VERIFY_MODES = ("crc32c", "index")
+#: the event loops the asyncio rows can run on
+EVENT_LOOPS = ("asyncio", "uvloop")
 DEFAULT_CONFIG = Path("config/bench.toml")
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 DEFAULT_KAFKA_URL = "kafka://127.0.0.1:9092"
@@ -118,6 +121,8 @@ class BenchConfig:
     timeout_s: float = 90.0
     amqp_url: str = DEFAULT_AMQP_URL
     kafka_url: str = DEFAULT_KAFKA_URL
+    #: the event loop of the asyncio rows (aio-tcp, aio-unix, zmq-asyncio): "asyncio" or "uvloop"
+    event_loop: str = "asyncio"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,6 +162,10 @@ class BenchConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.warmup_s < 0:
             raise ConfigError(f"warmup_s must not be negative, got {self.warmup_s}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
+        if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ConfigError("event_loop uvloop: uvloop is not installed (pip install 'tensorbus[aio]')")
 
     def chosen_baselines(self) -> list[str]:
         """The baselines to run: "auto" picks those whose transport family is benchmarked."""

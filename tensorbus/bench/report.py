@@ -113,6 +113,9 @@ def _ratio(found: list[Ratio], transport: str, baseline: str, metric: str, size:
     )
 
 
+#: the rows that run on an event loop (`BenchConfig.event_loop` picks which)
+ON_A_LOOP = ("tensorbus-aio", "zmq-asyncio")
+
 #: what the verdict lines are (a missed goal is not a failed run: the exit status says that)
 GOALS_TITLE = "tensorbus's speed goals (from its design issues), judged on this run:"
 
@@ -237,9 +240,12 @@ def table_rows(results: Results) -> tuple[list[str], list[tuple[Method, list[str
 def _title(results: Results) -> str:
     cfg, env = results.config, results.environment
     metrics = " · metrics on (their cost included)" if env.get("metrics") else ""
+    loop = ""
+    if any(m.impl in ON_A_LOOP for m in results.methods):
+        loop = " · asyncio rows on " + ("uvloop" if cfg.event_loop == "uvloop" else "asyncio's own loop")
     return (
         f"tensorbus bench · {cfg.dtype} · {env.get('machine', '')} · loopback · "
-        f"GB/s (tensors/s), median of up to {cfg.repeats} rounds · {results.duration_s:.0f} s{metrics}"
+        f"GB/s (tensors/s), median of up to {cfg.repeats} rounds · {results.duration_s:.0f} s{metrics}{loop}"
     )
 
 

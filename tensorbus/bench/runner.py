@@ -86,6 +86,7 @@ class Runner:
             "tag": tag,
             "dtype": self.config.dtype,
             "verify": self.config.verify,
+            "event_loop": self.config.event_loop,
             "timeout_s": self.config.timeout_s,
             "chunk_bytes": method.chunk_bytes,
             "verbose": self.verbose,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import subprocess
@@ -25,11 +26,11 @@ TINY = [
 ]  # fmt: skip
 
 
-def run_tiny(tmp_path: Path, transports: str, baselines: str) -> dict[str, Any]:
-    """The tiny benchmark with these rows instead (comma-separated): its JSON report, once every row ran and
-    every cell came through without a failed tensor."""
+def run_tiny(tmp_path: Path, transports: str, baselines: str, *more: str) -> dict[str, Any]:
+    """The tiny benchmark with these rows instead (comma-separated) and `more` arguments: its JSON report,
+    once every row ran and every cell came through without a failed tensor."""
     out = tmp_path / "bench.json"
-    argv = [*TINY, "--json", str(out)]
+    argv = [*TINY, *more, "--json", str(out)]
     argv[argv.index("memory,tcp,unix")] = transports
     argv[argv.index("socket")] = baselines
     assert main(argv) == 0
@@ -286,6 +287,28 @@ def test_asyncio_rows_run_tensorbus_aio_against_pyzmq_asyncio(tmp_path: Path) ->
     require_module("zmq", "bench")
     data = run_tiny(tmp_path, "aio-tcp,aio-unix", "zmq-asyncio")
     assert {r["transport"] for r in data["ratios"]} == {"aio-tcp", "aio-unix"}
+
+
+def test_asyncio_rows_run_on_the_loop_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tensorbus.bench.aio_links import AioTensorbusLink, ZmqAsyncioLink
+
+    with pytest.raises(ConfigError, match="event_loop must be one of asyncio, uvloop, got 'trio'"):
+        config.BenchConfig(event_loop="trio")
+    require_module("uvloop", "aio")
+    require_module("zmq", "bench")
+    import uvloop
+
+    spec = {"method": "aio-tcp", "impl": "tensorbus-aio", "url": "tcp://127.0.0.1:0", "tag": "t", "timeout_s": 5.0}
+    for link_type in (AioTensorbusLink, ZmqAsyncioLink):
+        for loop, kind in (("uvloop", uvloop.Loop), ("asyncio", asyncio.BaseEventLoop)):
+            link = link_type({**spec, "event_loop": loop}, "A")
+            try:
+                assert isinstance(link.loop, kind) and isinstance(link.loop, uvloop.Loop) == (loop == "uvloop")
+            finally:
+                link.close()
+    data = run_tiny(tmp_path, "aio-tcp", "zmq-asyncio", "--loop", "uvloop")
+    assert data["config"]["event_loop"] == "uvloop"
+    assert "asyncio rows on uvloop" in capsys.readouterr().out
 
 
 class _QueueRounds:
