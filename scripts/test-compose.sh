@@ -49,5 +49,5 @@ export TENSORBUS_AMQP_CLUSTER_URL=${TENSORBUS_AMQP_CLUSTER_URL:-amqp://guest:gue
 export TENSORBUS_KAFKA_CLUSTER_URL=${TENSORBUS_KAFKA_CLUSTER_URL:-kafka://127.0.0.1:$k,127.0.0.1:$((k + 1)),127.0.0.1:$((k + 2))}
 export TENSORBUS_BROKERS_SH=$PWD/scripts/compose-brokers.sh   # restarts and node kills act on the containers
 # every integration test that talks to a broker (by transport, file or marker) and the CLI's
-"$PYTHON" -m pytest -q tests/integration -k "amqp or kafka or rabbitmq or broker or cluster or test_cli" "$@"
+"$PYTHON" -m pytest -q --durations=15 tests/integration -k "amqp or kafka or rabbitmq or broker or cluster or test_cli" "$@"
 took "tests"

@@ -47,10 +47,10 @@ fi
 .venv/bin/python -m mypy tensorbus
 # say in the log what the folding-CRC tests (tests/unit/test_crc_folding.py) skip for on a CPU without it
 .venv/bin/python -c "from tensorbus.codec import native; m = native.load('tensorbus.codec._crc'); print('[test.sh] folding CRC32C:', 'used (AVX2 + VPCLMULQDQ)' if m and m.ACCELERATED else 'this CPU lacks AVX2 + VPCLMULQDQ: its tests skip, and frames are checksummed (and tested) with the crc32c package')"
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest --durations=30 "$@"   # (the slowest 30 named: where the run's time goes)
 # the Python codec and socket paths alone, as where the C extensions cannot be built (brokers aside:
 # their transports use only the codec, and the unit tests cover its Python path)
-TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q tests/unit tests/integration -m "not broker" \
+TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q --durations=15 tests/unit tests/integration -m "not broker" \
   --ignore=tests/unit/test_native.py --ignore=tests/unit/test_crc_folding.py --ignore=tests/unit/test_native_stream.py --ignore=tests/unit/test_fast_delivery.py --ignore=tests/integration/test_socket_send.py \
   --deselect tests/integration/test_benchmarks.py::test_the_native_speedup_benchmark_runs_both_ways \
   --deselect tests/integration/test_benchmarks.py::test_the_ledger_take_benchmark_receives_what_it_delivered_both_ways \
