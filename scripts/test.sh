@@ -13,6 +13,9 @@ t0=$SECONDS
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[rabbitmq,kafka,kafka-fast,compression,bench,cli,dev,torch,metrics,tracing,aio]"
+# the bytecode of the checkout, once: with PYTHONDONTWRITEBYTECODE set, every process the tests start (CLI
+# runs, spawned producers, consumers and bench workers) would compile tensorbus again (~0.1 s each)
+.venv/bin/python -m compileall -q -j 0 tensorbus tests benchmarks examples >/dev/null
 
 took "venv"
 native=0 compose=0 prep=0 engine_was_up=0

@@ -20,8 +20,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import crc32c as crc32c_package
-
 from ..errors import UnsupportedDtype
 from .dtypes import DTYPES, describe, resolve
 
@@ -97,7 +95,11 @@ def load(name: str) -> ModuleType | None:
 def _crc32c() -> Callable[..., int]:
     """The folding CRC32C where the CPU has AVX2 and VPCLMULQDQ (faster: docs/PERFORMANCE.md), else the package's."""
     fast = load(f"{__package__}._crc")
-    return fast.crc32c if fast is not None and fast.ACCELERATED else crc32c_package.crc32c
+    if fast is not None and fast.ACCELERATED:
+        return fast.crc32c
+    import crc32c as crc32c_package  # (only here: importing it costs a process ~50 ms, `importlib.metadata`)
+
+    return crc32c_package.crc32c
 
 
 #: CRC32C of a buffer, continuing from the CRC `value` of what came before (`crc32c.crc32c`'s call)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
@@ -32,6 +34,16 @@ def test_frames_are_checksummed_by_the_folding_crc_only_where_this_cpu_has_it() 
         assert native.crc32c is crc32c.crc32c
         with pytest.raises(RuntimeError):
             FOLDING.crc32c(b"abc")
+
+
+def test_a_process_checksumming_with_the_folding_crc_does_not_import_the_package() -> None:
+    """Importing the crc32c package costs a process ~50 ms (it reads its metadata): every CLI run, and every
+    process an application spawns. Where the folding CRC serves, importing tensorbus leaves it out; where it
+    cannot, the package serves (`test_frames_are_checksummed_by_the_folding_crc_only_where_this_cpu_has_it`)."""
+    code = "import sys, tensorbus, tensorbus.cli_commands; print({'crc32c', 'importlib.metadata'} & set(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    imported = done.stdout.strip()
+    assert imported == "set()" if FOLDING.ACCELERATED else "'crc32c'" in imported
 
 
 @needs_folding
