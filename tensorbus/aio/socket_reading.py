@@ -35,7 +35,7 @@ from .turns import replying
 log = logging.getLogger(__name__)
 #: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module): a
 #: few 1 MB frames (at 1 MiB the loop stopped and started reading at every one of them; at 8 MiB more of them
-#: were in flight than the pool keeps, and each landed in fresh memory: docs/PERFORMANCE.md)
+#: were in flight than the pool keeps, `pooled_buffers` (4), and many landed in fresh memory: docs/PERFORMANCE.md)
 READ_AHEAD = 4 << 20
 #: readable connections found while reading is paused before the loop stops watching them: a receive
 #: that yields once (turns.py) before it takes ends the pause during the first, most often

@@ -181,4 +181,5 @@ class ZmqAsyncioLink(LoopRounds, ZmqLink):
 
     def close(self) -> None:
         super().close()
+        asyncio.set_event_loop(None)  # (not a closed loop left as the thread's)
         self.loop.close()

@@ -160,7 +160,7 @@ def environment(cfg: BenchConfig, methods: list[Method]) -> dict[str, Any]:
     from .. import __version__
 
     versions = {"tensorbus": __version__, "python": platform.python_version()}
-    for module in ("numpy", "zmq", "pika", "kafka", "confluent_kafka", "crc32c"):
+    for module in ("numpy", "zmq", "pika", "kafka", "confluent_kafka", "crc32c", "uvloop"):
         if importlib.util.find_spec(module) is not None:
             try:
                 versions[module] = getattr(importlib.import_module(module), "__version__", "?")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import format_size
-from .report import display
+from .report import display, loop_note
 from .results import Results
 
 #: one colour per method, the same in both panels; tensorbus transports get the strong colours
@@ -108,7 +108,7 @@ def write_plot(results: Results, path: str | Path) -> None:
     env = results.environment
     fig.suptitle(
         f"tensorbus bench · {cfg.dtype} · {env.get('machine', '')} · loopback · medians of up to {cfg.repeats} "
-        "rounds · dashed/hatched = baselines",
+        f"rounds · dashed/hatched = baselines{loop_note(results)}",
         fontsize=11,
     )
     fig.savefig(path, dpi=110)

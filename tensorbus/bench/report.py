@@ -240,13 +240,18 @@ def table_rows(results: Results) -> tuple[list[str], list[tuple[Method, list[str
 def _title(results: Results) -> str:
     cfg, env = results.config, results.environment
     metrics = " · metrics on (their cost included)" if env.get("metrics") else ""
-    loop = ""
-    if any(m.impl in ON_A_LOOP for m in results.methods):
-        loop = " · asyncio rows on " + ("uvloop" if cfg.event_loop == "uvloop" else "asyncio's own loop")
     return (
         f"tensorbus bench · {cfg.dtype} · {env.get('machine', '')} · loopback · "
-        f"GB/s (tensors/s), median of up to {cfg.repeats} rounds · {results.duration_s:.0f} s{metrics}{loop}"
+        f"GB/s (tensors/s), median of up to {cfg.repeats} rounds · {results.duration_s:.0f} s{metrics}"
+        f"{loop_note(results)}"
     )
+
+
+def loop_note(results: Results) -> str:
+    """ " · asyncio rows on ...", naming the event loop, when a row that ran runs on one; else ""."""
+    if not any(m.impl in ON_A_LOOP and m.status == "ok" for m in results.methods):
+        return ""
+    return " · asyncio rows on " + ("uvloop" if results.config.event_loop == "uvloop" else "asyncio's own loop")
 
 
 def _versions(results: Results) -> str:
@@ -254,7 +259,7 @@ def _versions(results: Results) -> str:
     v = env.get("versions", {})
     parts = [f"{name} {v[key]}" for name, key in (("python", "python"), ("numpy", "numpy"), ("pyzmq", "zmq"),
              ("libzmq", "libzmq"), ("pika", "pika"), ("kafka-python", "kafka"),
-             ("confluent-kafka", "confluent_kafka")) if key in v]  # fmt: skip
+             ("confluent-kafka", "confluent_kafka"), ("uvloop", "uvloop")) if key in v]  # fmt: skip
     brokers = "; ".join(env.get("brokers", {}).values()) or "none reached"
     return f"brokers: {brokers} · {', '.join(parts)}"
 

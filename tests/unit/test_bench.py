@@ -291,9 +291,17 @@ def test_asyncio_rows_run_tensorbus_aio_against_pyzmq_asyncio(tmp_path: Path) ->
 
 def test_asyncio_rows_run_on_the_loop_asked_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from tensorbus.bench.aio_links import AioTensorbusLink, ZmqAsyncioLink
+    from tensorbus.bench.plan import plan
+    from tensorbus.bench.runner import Runner
 
     with pytest.raises(ConfigError, match="event_loop must be one of asyncio, uvloop, got 'trio'"):
         config.BenchConfig(event_loop="trio")
+    for loop in ("asyncio", "uvloop"):  # what each worker pair is told
+        chosen = config.BenchConfig(transports=["aio-tcp"], baselines=["zmq-asyncio"], event_loop=loop)
+        assert {m.name: Runner(chosen)._spec(m)["event_loop"] for m in plan(chosen)} == {
+            "aio-tcp": loop,
+            "zmq-asyncio": loop,
+        }
     require_module("uvloop", "aio")
     require_module("zmq", "bench")
     import uvloop
