@@ -25,6 +25,8 @@ config/bench.toml when it exists), else built-in defaults. A quick look:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare `tensorbus bench`'s options on `parser` (defaults come from the config, not from here)."""
+    from .config import EVENT_LOOPS, VERIFY_MODES  # (the values' one home: the config checks them too)
+
     parser.description = "Compare tensorbus transports with the baselines users would write instead."
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -49,11 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--warmup-s", type=float, metavar="S", help="untimed traffic per cell before timing")
     add("--round-s", type=float, metavar="S", help="target length of a timed round")
     add("--broker-round-s", type=float, metavar="S", help="the same for amqp, kafka and their raw clients")
-    add("--verify", choices=["crc32c", "index"], help="check received tensors by CRC32C (default) or order only")
+    add("--verify", choices=VERIFY_MODES, help="check received tensors by CRC32C (default) or order only")
     add(
         "--loop",
         dest="event_loop",
-        choices=["asyncio", "uvloop"],
+        choices=EVENT_LOOPS,
         help="the event loop of the asyncio rows (aio-tcp, aio-unix, zmq-asyncio; default: asyncio's own)",
     )
     add("--timeout-s", type=float, metavar="S", help="hard limit for any single step")
