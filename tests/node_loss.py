@@ -63,6 +63,9 @@ class NodeLossResult:
     faults: list[str] = dataclasses.field(default_factory=list)
     #: per fault run, whether it ran mid-stream: the producer not done yet and the consumer short of `count`
     mid_stream: list[bool] = dataclasses.field(default_factory=list)
+    #: the indices of the tensors never received, and of those received more than once (for the failure's report)
+    missing: list[int] = dataclasses.field(default_factory=list)
+    repeated: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -251,6 +254,8 @@ def run(
         consumer_error=consumer_error,
         faults=ran,
         mid_stream=mid_stream,
+        missing=[index for index in range(count) if index not in seen],
+        repeated=[index for index, times in seen.items() if times > 1],
     )
 
 
@@ -268,4 +273,17 @@ def table(results: Sequence[NodeLossResult]) -> str:
     for r in results:
         if r.producer_error or r.consumer_error:
             lines.append(f"{r.name}: producer error {r.producer_error!r}, consumer error {r.consumer_error!r}")
+        if r.missing or r.repeated:
+            lines.append(f"{r.name}: never received {_ranges(r.missing)}; received twice or more {_ranges(r.repeated)}")
     return "\n".join(lines)
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """Indices as runs, `3-6, 9` (or `none`)."""
+    runs: list[list[int]] = []
+    for index in sorted(indices):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs) or "none"
