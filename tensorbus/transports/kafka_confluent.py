@@ -105,12 +105,9 @@ class ConfluentKafkaTransport(KafkaTransport):
             }
             try:
                 producer = Producer(config)
-                metadata = producer.list_topics(self.topic, timeout=o.connect_timeout_s)
+                partitions = self._partitions(producer, time.monotonic() + o.connect_timeout_s)
             except KafkaException as exc:
                 raise translate_error(exc.args[0], self._shown) from None
-            partitions = metadata.topics[self.topic].partitions
-            if not partitions:
-                raise TransportError(f"{self._shown}: no partitions known after {o.connect_timeout_s}s")
             self._keyless_partition = random.choice(sorted(partitions))
             self._replaced_now = replaced = threading.Event()
             self._on_delivery = lambda error, message: self._delivered(error, message, not replaced.is_set())
@@ -121,6 +118,19 @@ class ConfluentKafkaTransport(KafkaTransport):
                 self._failed = False
             self._rd_producer = producer
         return self._rd_producer
+
+    def _partitions(self, producer: Producer, deadline: float) -> list[int]:
+        """The topic's partitions, asked for again until a broker knows them (a topic just created, or listed by a
+        broker just restarted, can come back with an error and none), until `deadline`."""
+        while True:
+            topic = producer.list_topics(self.topic, timeout=max(0.1, deadline - time.monotonic())).topics[self.topic]
+            if topic.error is None and topic.partitions:
+                return list(topic.partitions)
+            said = f" ({topic.error.str()})" if topic.error is not None else ""
+            if time.monotonic() >= deadline:
+                raise TransportError(f"{self._shown}: partitions of the topic unknown to the brokers{said}")
+            log.info("%s: partitions of the topic not known yet%s; asking again", self._shown, said)
+            time.sleep(0.1)
 
     def send_message(
         self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, encoding: Encoding

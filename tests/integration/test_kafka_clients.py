@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -223,3 +224,35 @@ def test_librdkafka_errors_become_the_tensorbus_errors_kafka_python_ones_do() ->
     assert isinstance(translate_error(KafkaError(KafkaError._INVALID_ARG), "here"), tb.ConfigError)
     other = translate_error(KafkaError(KafkaError._TRANSPORT), "here")
     assert type(other) is tb.TransportError and other.retriable
+
+
+def test_a_producer_asks_again_while_the_topic_is_listed_without_its_partitions() -> None:
+    """A broker just restarted can list a topic with an error and no partitions: the producer asks again until
+    its partitions are known, and says why if they never are."""
+
+    def listed(error: KafkaError | None, partitions: list[int]) -> Any:
+        topic = SimpleNamespace(error=error, partitions={p: SimpleNamespace(id=p) for p in partitions})
+        return SimpleNamespace(topics={"t": topic})
+
+    class Listing:
+        """What the brokers say, in turn (the last, again and again)."""
+
+        def __init__(self, *answers: Any) -> None:
+            self.answers, self.asked = list(answers), 0
+
+        def list_topics(self, topic: str, timeout: float) -> Any:
+            assert topic == "t" and timeout > 0
+            self.asked += 1
+            return self.answers[min(self.asked, len(self.answers)) - 1]
+
+    producer = tb.Producer("kafka://127.0.0.1:9092/t", client="confluent")
+    transport = producer.transport
+    assert isinstance(transport, ConfluentKafkaTransport)
+    not_yet = listed(KafkaError(KafkaError.LEADER_NOT_AVAILABLE), [])
+    brokers = Listing(not_yet, listed(None, []), listed(None, [0, 1]))
+    assert transport._partitions(brokers, time.monotonic() + 10) == [0, 1]  # type: ignore[arg-type]
+    assert brokers.asked == 3
+    never = Listing(not_yet)
+    with pytest.raises(tb.TransportError, match=r"partitions of the topic unknown to the brokers .*[Ll]eader"):
+        transport._partitions(never, time.monotonic() + 0.3)  # type: ignore[arg-type]
+    assert never.asked >= 2
