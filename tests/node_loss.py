@@ -66,6 +66,8 @@ class NodeLossResult:
     #: the indices of the tensors never received, and of those received more than once (for the failure's report)
     missing: list[int] = dataclasses.field(default_factory=list)
     repeated: list[int] = dataclasses.field(default_factory=list)
+    #: the consumer's counts as it closed (its intake's and table's `stats`: duplicates dropped, rejections, ...)
+    consumer_stats: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -155,6 +157,8 @@ def _consume(
                 intact = checksum(array) == message.metadata["crc"] and array.dtype == np.uint8
                 events.put(("recv", message.metadata["i"], intact, time.monotonic()))
                 window.release()
+            counts = {**consumer.stats, **{f"table {name}": n for name, n in consumer.table.stats.items()}}
+            events.put(("consumer-stats", counts))
         events.put(("consumer-done", None))
     except BaseException as exc:
         events.put(("consumer-done", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -198,6 +202,7 @@ def run(
     ran: list[str] = []
     mid_stream: list[bool] = []
     sent, received, producer_error, consumer_error = 0, 0, None, None
+    consumer_stats: dict[str, int] = {}
     producer_done = consumer_done = False
     try:
         while not consumer_done and time.monotonic() < deadline:
@@ -224,6 +229,8 @@ def run(
                 producer_done, sent, producer_error = True, event[1], event[2]
                 if producer_error is not None:
                     break  # nothing more will come: the consumer is stopped below
+            elif kind == "consumer-stats":
+                consumer_stats = event[1]
             elif kind == "consumer-done":
                 consumer_done, consumer_error = True, event[1]
             while pending and received >= pending[0].after_received:
@@ -256,6 +263,7 @@ def run(
         mid_stream=mid_stream,
         missing=[index for index in range(count) if index not in seen],
         repeated=[index for index, times in seen.items() if times > 1],
+        consumer_stats=consumer_stats,
     )
 
 
@@ -275,6 +283,7 @@ def table(results: Sequence[NodeLossResult]) -> str:
             lines.append(f"{r.name}: producer error {r.producer_error!r}, consumer error {r.consumer_error!r}")
         if r.missing or r.repeated:
             lines.append(f"{r.name}: never received {_ranges(r.missing)}; received twice or more {_ranges(r.repeated)}")
+            lines.append(f"{r.name}: the consumer counted {dict(sorted(r.consumer_stats.items()))}")
     return "\n".join(lines)
 
 
