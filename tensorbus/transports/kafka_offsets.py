@@ -88,6 +88,9 @@ class Offsets(AsyncConsumerRebalanceListener):
         if offset < unseen:
             self.tally.redeliveries += min(unseen - offset, count)
         if offset + count > unseen:
+            if offset > unseen and tp in self._unseen:  # (another member's since a rebalance, compacted, or skipped)
+                log.info("%s: partition %d read from offset %d on, %d to %d not read here", self.shown, tp.partition,
+                         offset, unseen, offset - 1)  # fmt: skip
             self._unseen[tp] = offset + count
         with self._lock:
             stream = self._streams.get(tp)
