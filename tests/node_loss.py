@@ -14,8 +14,10 @@ queue, bounded by `timeout_s`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
+import logging
 import os
 import queue
 import subprocess
@@ -68,6 +70,8 @@ class NodeLossResult:
     repeated: list[int] = dataclasses.field(default_factory=list)
     #: the consumer's counts as it closed (its intake's and table's `stats`: duplicates dropped, rejections, ...)
     consumer_stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: each side's last tensorbus log lines from INFO up (`LOG_LINES` at most), for the failure's report
+    logs: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -97,6 +101,25 @@ def sizes(count: int, large_count: int, large_bytes: int, seed: int = 0) -> list
     return result
 
 
+#: tensorbus log lines each side keeps for a failed case's report (the last ones)
+LOG_LINES = 60
+
+
+class _LogTail(logging.Handler):
+    """The last `LOG_LINES` tensorbus log lines of a producer or consumer process, from INFO up."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+        self.setFormatter(logging.Formatter("%(relativeCreated)8.0f ms %(threadName)s %(name)s: %(message)s"))
+        logger = logging.getLogger("tensorbus")
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
 def _tensor(pool: bytes, index: int, nbytes: int) -> np.ndarray:
     """A tensor of `nbytes` unique to `index`: a slice of a random pool with the index written in front."""
     offset = (index * 7919) % (len(pool) - nbytes + 1)
@@ -111,6 +134,7 @@ def _produce(url: str, options: dict[str, Any], plan: list[int], window: Any, ev
     deadline = time.monotonic() + timeout_s
     pool = np.random.default_rng(1).bytes(max(plan) + (1 << 20))
     sent = 0
+    tail = _LogTail()
     try:
         with tb.Producer(url, **options) as producer:
             events.put(("producer-ready", time.monotonic()))
@@ -125,8 +149,10 @@ def _produce(url: str, options: dict[str, Any], plan: list[int], window: Any, ev
             producer.flush(timeout=max(1.0, deadline - time.monotonic()))
             producer.send(END_KEY, np.zeros(1, np.uint8), metadata={"end": True})
             producer.flush(timeout=max(1.0, deadline - time.monotonic()))
+        events.put(("log", "producer", list(tail.lines)))
         events.put(("producer-done", sent, None))
     except BaseException as exc:
+        events.put(("log", "producer", list(tail.lines)))
         events.put(("producer-done", sent, f"{type(exc).__name__}: {exc}"))
 
 
@@ -137,6 +163,7 @@ def _consume(
 
     deadline = time.monotonic() + timeout_s
     ended_at: float | None = None
+    tail = _LogTail()
     try:
         with tb.Consumer(url, **options) as consumer:
             events.put(("consumer-ready", time.monotonic()))
@@ -159,8 +186,10 @@ def _consume(
                 window.release()
             counts = {**consumer.stats, **{f"table {name}": n for name, n in consumer.table.stats.items()}}
             events.put(("consumer-stats", counts))
+        events.put(("log", "consumer", list(tail.lines)))
         events.put(("consumer-done", None))
     except BaseException as exc:
+        events.put(("log", "consumer", list(tail.lines)))
         events.put(("consumer-done", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
@@ -203,6 +232,7 @@ def run(
     mid_stream: list[bool] = []
     sent, received, producer_error, consumer_error = 0, 0, None, None
     consumer_stats: dict[str, int] = {}
+    logs: dict[str, list[str]] = {}
     producer_done = consumer_done = False
     try:
         while not consumer_done and time.monotonic() < deadline:
@@ -231,6 +261,8 @@ def run(
                     break  # nothing more will come: the consumer is stopped below
             elif kind == "consumer-stats":
                 consumer_stats = event[1]
+            elif kind == "log":
+                logs[event[1]] = event[2]
             elif kind == "consumer-done":
                 consumer_done, consumer_error = True, event[1]
             while pending and received >= pending[0].after_received:
@@ -264,6 +296,7 @@ def run(
         missing=[index for index in range(count) if index not in seen],
         repeated=[index for index, times in seen.items() if times > 1],
         consumer_stats=consumer_stats,
+        logs=logs,
     )
 
 
@@ -284,6 +317,9 @@ def table(results: Sequence[NodeLossResult]) -> str:
         if r.missing or r.repeated:
             lines.append(f"{r.name}: never received {_ranges(r.missing)}; received twice or more {_ranges(r.repeated)}")
             lines.append(f"{r.name}: the consumer counted {dict(sorted(r.consumer_stats.items()))}")
+        if not r.ok:
+            for side, logged in sorted(r.logs.items()):
+                lines += [f"{r.name}: the {side}'s last tensorbus log lines (INFO and up):", *logged]
     return "\n".join(lines)
 
 

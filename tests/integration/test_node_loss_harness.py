@@ -34,12 +34,19 @@ def test_the_harness_counts_a_clean_stream_and_runs_each_fault_once_at_its_point
     assert "| tcp, no fault |" in node_loss.table([result])
     assert result.consumer_stats["received"] == 121  # (the tensors and the end marker, as the consumer counted them)
     assert "never received" not in node_loss.table([result])
+    assert set(result.logs) == {"producer", "consumer"}  # (each side's log tail came back; shown only on a failure)
+    assert "log lines" not in node_loss.table([result])
 
 
 def test_a_failed_case_names_what_was_lost_and_repeated_and_what_the_consumer_counted() -> None:
     result = node_loss.NodeLossResult(
-        "case", 10, 9, 2, 1, 0, 0.5, 3.0, missing=[3, 4, 5, 9], repeated=[7], consumer_stats={"duplicates": 4}
-    )
+        "case", 10, 9, 2, 1, 0, 0.5, 3.0, missing=[3, 4, 5, 9], repeated=[7], consumer_stats={"duplicates": 4},
+        logs={"consumer": ["12 ms MainThread tensorbus.x: something happened"]},
+    )  # fmt: skip
     lines = node_loss.table([result]).splitlines()
+    assert lines[-2:] == [
+        "case: the consumer's last tensorbus log lines (INFO and up):",
+        "12 ms MainThread tensorbus.x: something happened",
+    ]
     assert "case: never received 3-5, 9; received twice or more 7" in lines
     assert "case: the consumer counted {'duplicates': 4}" in lines
