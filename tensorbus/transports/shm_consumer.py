@@ -258,13 +258,17 @@ class ShmListener:
                 pass
 
     def _woken(self) -> None:
+        # The pipe is emptied and `_poked` cleared in one hold of the lock `poke` writes under: a poke
+        # between the two would otherwise leave `_poked` set with its byte read, and every later poke
+        # would then write nothing (a close waited for its thread until the join timed out). What that
+        # poke was for is handled below, after this.
         with self._poke_lock:
-            self._poked = False  # (before the frees are gathered: one released after this wakes again)
-        try:
-            while os.read(self._wake_r, 4096):
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
+            self._poked = False
         for peer in [p for p in self._peers.values() if p.held is not None]:
             self._release(peer)
 

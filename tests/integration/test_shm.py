@@ -7,6 +7,7 @@ import fcntl
 import gc
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import threading
@@ -517,3 +518,41 @@ def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_ma
         # (without the batching: an ack per frame, 200; with it, one per URGENT_COUNT frees or taken, and one
         # each time a receive returned before the frame came and the background read it, then slept)
         assert 1 <= len(acks) <= count // 4, len(acks)
+
+
+def test_a_poke_while_the_leader_empties_its_wake_up_pipe_still_wakes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A poke that lands between the leader's reading of the wake-up pipe and its noting that it was woken is
+    not lost: either it waits until the leader is done, or its byte stays in the pipe. (Lost, every later poke
+    wrote nothing: a consumer's close then waited 10 s for its thread, now and then.)"""
+    consumer = tb.Consumer(endpoint_url("shm"))
+    listener = consumer.transport._listener  # type: ignore[attr-defined]
+    me, read = threading.get_ident(), os.read
+    poked: list[threading.Thread] = []
+    kept: list[bool] = []
+    done = threading.Lock()
+    done.acquire()
+
+    def read_and_be_poked_meanwhile(fd: int, n: int) -> bytes:
+        if threading.get_ident() == me and fd == listener._wake_r and not poked:
+            poked.append(threading.Thread(target=listener.poke))  # (another thread: the leader's own poke is none)
+            poked[0].start()
+            poked[0].join(0.5)  # (done at once where the pipe's emptying does not keep pokes out)
+        return read(fd, n)
+
+    def step(deadline: float | None, stop: Any) -> bool:
+        """This test's thread leads (the background thread steps aside): it wakes as the leader does, poked."""
+        if not kept:
+            with monkeypatch.context() as patched:
+                patched.setattr(os, "read", read_and_be_poked_meanwhile)
+                listener._woken()
+            poked[0].join(5)
+            pending = bool(select.select([listener._wake_r], [], [], 0)[0])
+            kept.append(pending or not listener._poked)
+            done.release()
+        return True
+
+    assert listener.leadership.wait(done, time.monotonic() + 10, step)
+    assert kept == [True], "a poke is noted as pending, but nothing is left in the pipe to wake the leader"
+    started = time.monotonic()
+    consumer.close()
+    assert time.monotonic() - started < 5
