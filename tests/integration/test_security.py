@@ -76,8 +76,8 @@ def test_a_tiny_chunk_claiming_gigabytes_does_not_crowd_out_an_honest_chunked_te
         total, stride = (1 << 31) - (64 << 10), 1024  # leaves less free than the honest tensor needs
         count = total // stride
         header = {"kind": "chunk", "key": "junk", "id": ["evil", 1], "chunk": [count - 1, count, total, stride]}
-        # (a socket consumer never acks a frame of an incomplete message: the attacker cannot flush)
-        quick = {"close_timeout_s": 0.5} if transport in ("tcp", "unix") else {}
+        # (a socket or shm:// consumer never acks a frame of an incomplete message: the attacker cannot flush)
+        quick = {"close_timeout_s": 0.5} if transport in ("tcp", "unix", "shm") else {}
         with tb.Producer(consumer.address, **quick) as attacker:
             attacker.transport.send(encode_raw(header, [bytes(stride)], stride), key="junk")  # ~1.1 KB sent
             wait_for(lambda: consumer.intake.reassembler.pending == 1, 30, "the claim to reach the consumer")
