@@ -117,7 +117,12 @@ class _LogTail(logging.Handler):
         logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
+        self.lines.append(self.format(record))  # (under the handler's lock: `logging.Handler.handle`)
+
+    def snapshot(self) -> list[str]:
+        """The lines so far (another thread may be logging meanwhile)."""
+        with self.lock:  # type: ignore[union-attr]
+            return list(self.lines)
 
 
 def _tensor(pool: bytes, index: int, nbytes: int) -> np.ndarray:
@@ -149,10 +154,10 @@ def _produce(url: str, options: dict[str, Any], plan: list[int], window: Any, ev
             producer.flush(timeout=max(1.0, deadline - time.monotonic()))
             producer.send(END_KEY, np.zeros(1, np.uint8), metadata={"end": True})
             producer.flush(timeout=max(1.0, deadline - time.monotonic()))
-        events.put(("log", "producer", list(tail.lines)))
+        events.put(("log", "producer", tail.snapshot()))
         events.put(("producer-done", sent, None))
     except BaseException as exc:
-        events.put(("log", "producer", list(tail.lines)))
+        events.put(("log", "producer", tail.snapshot()))
         events.put(("producer-done", sent, f"{type(exc).__name__}: {exc}"))
 
 
@@ -186,10 +191,10 @@ def _consume(
                 window.release()
             counts = {**consumer.stats, **{f"table {name}": n for name, n in consumer.table.stats.items()}}
             events.put(("consumer-stats", counts))
-        events.put(("log", "consumer", list(tail.lines)))
+        events.put(("log", "consumer", tail.snapshot()))
         events.put(("consumer-done", None))
     except BaseException as exc:
-        events.put(("log", "consumer", list(tail.lines)))
+        events.put(("log", "consumer", tail.snapshot()))
         events.put(("consumer-done", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
