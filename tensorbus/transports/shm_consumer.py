@@ -51,6 +51,8 @@ SPIN_BACKOFF = 64
 SPIN_MISSES = 3
 #: a spin polling its one producer's socket looks at every socket (new producers, pokes) this often
 LOOK_EVERY = 16
+#: the most receives in a row that do not read on after their frame, after reads on that found nothing (`_read_on`)
+READ_ON_BACKOFF = 64
 
 
 class Peer:
@@ -91,6 +93,8 @@ class ShmListener:
         self._skip = 0  # steps left that sleep without a spin
         self._ran_out: float | None = None  # when the last spin ran out, until the wait after it ended
         self._stretch = False  # the next spin lasts STRETCH spins (after a near miss: spinning.py)
+        self._read_on_backoff = 0  # receives that skip `_read_on` after the next one that finds nothing
+        self._read_on_skip = 0  # receives left that skip it
         self.spins = collections.Counter[str]()  # spins that found a message ("found"), ran out ("out"), near misses
         self._answer_due = 0.0  # when the leading thread next answers, urgent or not (`_answer`)
         self.leadership = Leadership(LINGER_S, self.poke)
@@ -159,7 +163,8 @@ class ShmListener:
         The acks owed go before a wait that may sleep, and otherwise every `control.LINGER_S` or once
         urgent (`Acknowledgements.urgent`), never between a read that served the receive and its return:
         a ping-pong's reply goes first, and a receive that keeps finding frames in its spin (which the
-        producer sends on without waiting for acks) sends one ack for many frames, not one each."""
+        producer sends on without waiting for acks) sends one ack for many frames, not one each. Once a
+        receive's frame is in, the frames sent behind it are read too (`_read_on`), nothing sent."""
         if self._stop.is_set():
             return False
         for peer in [p for p in self._peers.values() if p.held is not None]:
@@ -186,7 +191,28 @@ class ShmListener:
                 self._read(selected.data, stop)
         if not stop():
             self._answer(all_owed=False)
+        elif deadline is not None:
+            self._read_on()
         return not self._stop.is_set()
+
+    def _read_on(self) -> None:
+        """After the frame that served a receive: read what the producers sent already (BATCH each at most), so
+        the receives that follow find it in the table, with no lead of their own (a stream of small tensors:
+        each lead costs several times the frame's own delivery). Where it finds nothing (a ping-pong, whose
+        peer waits for this side's reply), the next 1, 2, 4... up to READ_ON_BACKOFF receives return at once:
+        a reply pays one `recvmsg` that finds nothing now and then, not one a round trip."""
+        if self._read_on_skip > 0:
+            self._read_on_skip -= 1
+            return
+        found = False
+        for peer in list(self._peers.values()):
+            for _ in range(BATCH):
+                if not peer.open or not peer.authed or peer.held is not None or not self._read_one(peer):
+                    break
+                found = True
+        self._read_on_backoff = 0 if found else min(max(1, 2 * self._read_on_backoff), READ_ON_BACKOFF)
+        self._read_on_skip = self._read_on_backoff
+        self.spins["read on" if found else "read on, none"] += 1
 
     def _spin(self, stop: Callable[[], bool], wait: float | None) -> list[Any] | None:
         """A waiting receive polls for up to `spin_s` before it sleeps, as a socket receive does: a thread

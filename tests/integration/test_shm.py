@@ -520,6 +520,51 @@ def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_ma
         assert 1 <= len(acks) <= count // 4, len(acks)
 
 
+def test_a_receive_reads_on_what_the_producer_sent_already_into_the_table() -> None:
+    """A stream: the receive that leads delivers the frames waiting behind its own (up to BATCH), so the receives
+    after it take theirs from the table without leading, each lead costing several times a frame's delivery."""
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        listener = consumer.transport._listener  # type: ignore[attr-defined]
+        listener.leadership.linger_s = 60.0  # (the background thread leads again only after a minute without a receive)
+        producer.send("warm", np.zeros(4, np.float32))
+        consumer.recv("warm", timeout=10)
+        for i in range(10):  # (each "frame" message is in the consumer's socket once its send returns)
+            producer.send(f"k{i}", np.full(1024, i, np.float32))
+        listener._read_on_skip = 0  # (the warm receive's read on found nothing: the next receive would not look)
+        before = listener.spins.copy()
+        assert (consumer.recv("k0", timeout=10) == 0).all()
+        assert listener.spins["read on"] == before["read on"] + 1, listener.spins
+        assert sorted(consumer.table.buffered_keys()) == [f"k{i}" for i in range(1, 10)]
+        for i in range(1, 10):
+            assert (consumer.recv(f"k{i}", timeout=10) == i).all()
+        with pytest.raises(tb.Timeout):  # (a receive that leads: it acknowledges what the table took)
+            consumer.recv("none", timeout=0.05)
+        producer.flush(timeout=10)
+
+
+def test_a_ping_pong_reads_on_rarely_after_reads_on_that_found_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ping-pong's reply never waits behind the receive's frame: the first reads on find nothing, and the next
+    1, 2, 4... up to READ_ON_BACKOFF receives then return without a look."""
+    for module, name in ((control, "IDLE_S"), (control, "LINGER_S"), (leading, "POLL_S")):
+        monkeypatch.setattr(module, name, 60.0)  # (each reply found by the receive's spin, as above)
+    fwd, bwd, count = endpoint_url("shm"), endpoint_url("shm"), 200
+    with tb.Consumer(bwd, spin_s=60.0) as consumer:
+        listener = consumer.transport._listener  # type: ignore[attr-defined]
+        echo = multiprocessing.get_context("fork").Process(target=_echo, args=(fwd, bwd, count))
+        echo.start()
+        try:
+            with tb.Producer(fwd) as producer:
+                for i in range(count):
+                    producer.send("ping", np.full(1024, i, np.float32))
+                    assert (consumer.recv("pong", timeout=30) == i).all()
+        finally:
+            echo.join(30)
+        assert echo.exitcode == 0
+        # (1, 2, 4, ..., 64 receives skipped after each: 200 receives look 8 times; without the back-off, 200)
+        assert listener.spins["read on"] == 0 and 1 <= listener.spins["read on, none"] <= 10, listener.spins
+
+
 def test_a_poke_while_the_leader_empties_its_wake_up_pipe_still_wakes_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A poke that lands between the leader's reading of the wake-up pipe and its noting that it was woken is
     not lost: either it waits until the leader is done, or its byte stays in the pipe. (Lost, every later poke
