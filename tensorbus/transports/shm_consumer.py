@@ -85,6 +85,7 @@ class ShmListener:
         self._poke_lock = threading.Lock()
         self._poked = False
         self._peers: dict[int, Peer] = {}
+        self._pinned = control.PinnedBytes()  # bytes of producers' frames that arrays here still view
         self._stop = threading.Event()
         #: the spin of waiting receives (`_spin`), used by the leading thread only
         self._spin_s = options.spin_s
@@ -333,7 +334,7 @@ class ShmListener:
             sock.close()
             return
         sock.setblocking(False)
-        peer = Peer(sock, control.Acknowledgements(self.deliver.ledger, self.poke))
+        peer = Peer(sock, control.Acknowledgements(self.deliver.ledger, self.poke, self._pinned))
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
         try:
@@ -414,8 +415,7 @@ class ShmListener:
             raise TransportError(f"a frame in an unknown segment {seg_id!r}")
         if offset < 0 or length <= 0 or offset + length > len(mapped):
             raise TransportError("a frame outside its segment")
-        pinned = sum(p.acks.pinned() for p in self._peers.values())
-        if pinned + length > self.options.max_pinned_bytes:  # copied out, its slot freed at once
+        if self._pinned.total + length > self.options.max_pinned_bytes:  # copied out, its slot freed at once
             frame = aligned_empty(length)
             frame[:] = np.frombuffer(mapped, np.uint8, length, offset)
             frame.flags.writeable = False

@@ -129,20 +129,39 @@ def batches(positions: list[int]) -> Iterator[list[int]]:
         yield positions[at : at + MAX_POSITIONS]
 
 
+class PinnedBytes:
+    """The bytes of producers' memory that a consumer's arrays still view, over all its producers (its
+    `max_pinned_bytes` bounds them): added to by the leading thread as it delivers a frame, taken from by
+    whichever thread dropped a frame's last view. One count, not one per producer summed per frame."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._total += nbytes
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._total
+
+
 class Acknowledgements:
     """The consumer's one seam between a producer connection and the acknowledgement ledger (ledger.py).
 
     `record` enters a received frame's position in the connection's ledger stream with what the
     intake made of it; the ledger decides when it is *released* (taken by the application, or settled),
     and `_released` turns that into "taken". `viewed`/`unviewed` count the bytes of the producer's
-    memory that arrays still view, `unviewed` (called from whichever thread dropped the last view)
-    turning into "free"; both wake the consumer's thread in batches only (`URGENT_COUNT`, `URGENT_BYTES`).
-    `pending` gathers the control messages owed: "ack" (cumulative: every frame
+    memory that arrays still view (in the consumer's `PinnedBytes`), `unviewed` (called from whichever
+    thread dropped the last view) turning into "free"; both wake the consumer's thread in batches only
+    (`URGENT_COUNT`, `URGENT_BYTES`). `pending` gathers the control messages owed: "ack" (cumulative: every frame
     before it is in the table or settled, as `Stream.first_unreceived` says), "taken" and "free".
     Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
     """
 
-    def __init__(self, ledger: Ledger, poke: Callable[[], None]) -> None:
+    def __init__(self, ledger: Ledger, poke: Callable[[], None], pinned: PinnedBytes | None = None) -> None:
         self._lock = threading.RLock()
         self._poke = poke
         self._taken: list[int] = []
@@ -150,7 +169,7 @@ class Acknowledgements:
         self._freed_bytes = 0  # of the frees not sent yet
         self._received_bytes = 0  # of the frames received since the last "ack"
         self._acked = 0  # the last cumulative "ack" sent
-        self.pinned_bytes = 0  # bytes of the producer's frames still viewed here
+        self.pinned = PinnedBytes() if pinned is None else pinned  # (the consumer's, shared by its producers)
         self.stream = ledger.stream(self._released)
 
     def record(self, pos: int, result: Delivered, nbytes: int) -> None:
@@ -185,18 +204,12 @@ class Acknowledgements:
         if urgent:
             self._poke()
 
-    def pinned(self) -> int:
-        """Bytes of the producer's frames still viewed here."""
-        with self._lock:
-            return self.pinned_bytes
-
     def viewed(self, nbytes: int) -> None:
-        with self._lock:
-            self.pinned_bytes += nbytes
+        self.pinned.add(nbytes)
 
     def unviewed(self, pos: int, nbytes: int) -> None:
+        self.pinned.add(-nbytes)
         with self._lock:
-            self.pinned_bytes -= nbytes
             self._frees.append(pos)
             self._freed_bytes += nbytes
             urgent = self._freed_bytes >= URGENT_BYTES or len(self._frees) >= URGENT_COUNT

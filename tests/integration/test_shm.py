@@ -137,6 +137,25 @@ def test_past_max_pinned_bytes_frames_are_copied_out_and_freed_at_once() -> None
         wait_for(lambda: sender.poll() or len(sender._inflight) <= 3, 10, "copied-out frames freed")
 
 
+def test_max_pinned_bytes_bounds_the_arrays_of_every_producer_together_even_one_gone() -> None:
+    """One bound for the consumer, not one per producer: arrays kept from a producer that closed still view its
+    memory, and count."""
+    url = endpoint_url("shm")
+    with tb.Consumer(url, max_pinned_bytes=3 * MIB) as consumer:
+        with tb.Producer(url) as first:
+            first.send("a", np.full(MIB // 2, 1, np.float32))  # 2 MiB
+            a = consumer.recv("a", timeout=10)
+        with tb.Producer(url) as second:
+            second.send("b", np.full(MIB // 2, 2, np.float32))  # 2 MiB more: past the bound, copied out
+            b = consumer.recv("b", timeout=10)
+            del a
+            gc.collect()
+            second.send("c", np.full(MIB // 2, 3, np.float32))  # "a" released: within the bound again
+            c = consumer.recv("c", timeout=10)
+        assert not in_shared_memory(b) and in_shared_memory(c)
+        assert (b == 2).all() and (c == 3).all()
+
+
 def test_backpressure_a_send_waits_for_acks_and_times_out_naming_the_endpoint() -> None:
     url = endpoint_url("shm")
     with tb.Consumer(url, max_buffered_bytes=2 * MIB) as consumer:  # takes nothing: holds after 1 MiB

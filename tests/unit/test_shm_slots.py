@@ -84,7 +84,7 @@ def test_acknowledgements_turn_the_ledger_and_the_views_into_control_messages() 
     assert acks.pending() == []  # nothing new
     acks.stream._ledger.taken(("p", 1))
     acks.unviewed(1, 100)
-    assert acks.pinned_bytes == 0 and acks.owed() and pokes == []  # batched: nothing urgent yet
+    assert acks.pinned.total == 0 and acks.owed() and pokes == []  # batched: nothing urgent yet
     assert not acks.urgent()
     unsent = acks.pending()
     assert unsent == [["ack", 2, [1], [1]]]
