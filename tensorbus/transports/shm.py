@@ -110,9 +110,9 @@ class ShmTransport(NamedTransport):
         if head is None:
             return False
         with self._sending:
-            sender = self.sender_side
+            sender = self._sender or self.sender_side
             sender.wait_for_room()
-            sender.send([head, flat_bytes(array)])
+            sender.send_plain(head, flat_bytes(array))
         return True
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:

@@ -135,6 +135,23 @@ class ShmSender:
             raise
         self._notify(slot, slot.offset, total)
 
+    def send_plain(self, head: Buffer, payload: memoryview) -> None:
+        """`send` of a plain array's frame, its head and its bytes (flat), in fewer steps."""
+        if self._ended:
+            self._settle_ended()
+        at = len(head)
+        total = at + payload.nbytes
+        slot = self.slots.take(total, self._reclaim)
+        try:
+            view = slot.segment.view(slot.offset, total)
+            view[:at] = head
+            view[at:] = payload
+            self.stats["copied"] += 1
+        except BaseException:
+            self.slots.give_back(slot)
+            raise
+        self._notify(slot, slot.offset, total)
+
     def _notify(self, slot: Slot, start: int, length: int) -> None:
         if self._positions % POLL_EVERY == 0:  # (the consumer's acks must not fill the socket)
             self.poll()

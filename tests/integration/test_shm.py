@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 
 import tensorbus as tb
+from tensorbus.codec import frame
 from tensorbus.codec.frame import encode_raw
 from tensorbus.transports import leading
 from tensorbus.transports import shm_control as control
+from tensorbus.transports.shm_producer import ShmSender
 from tensorbus.transports.shm_segments import SEALS
 from tensorbus.transports.stream import proof
-from tests.conftest import endpoint_url, require_torch
+from tests.conftest import endpoint_url, require_native, require_torch
 from tests.peers import make_tensor, same
 from tests.waiting import wait_for
 
@@ -135,6 +137,42 @@ def test_past_max_pinned_bytes_frames_are_copied_out_and_freed_at_once() -> None
         producer.flush(10)
         sender = producer.transport.sender_side
         wait_for(lambda: sender.poll() or len(sender._inflight) <= 3, 10, "copied-out frames freed")
+
+
+PLAIN = [
+    ("small", np.arange(1024, dtype=np.float32), {"i": 7, "tag": "x"}),
+    ("scalar", np.array(3.5), None),
+    ("empty", np.zeros((0, 5), np.uint8), {"empty": True}),
+    ("fortran", np.asfortranarray(np.arange(20.0).reshape(4, 5)), None),
+    ("big-endian", np.arange(6, dtype=">i4"), None),
+    ("large", np.arange(MIB, dtype=np.float32), None),
+]
+
+
+def test_a_plain_arrays_frame_made_in_c_is_the_frame_encode_makes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain ndarray's send writes its C-made head and its bytes into the slot (`send_plain`): byte for byte the
+    frame the Python encoder makes, and received as sent."""
+    require_native(frame.NATIVE is not None, "the C codec extension (tensorbus/codec/_native.c)")
+    written: list[bytes] = []
+    send_plain = ShmSender.send_plain
+    monkeypatch.setattr(
+        ShmSender,
+        "send_plain",
+        lambda self, head, payload: (written.append(bytes(head) + bytes(payload)), send_plain(self, head, payload)),
+    )
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        ids = [producer.send(key, tensor, metadata=metadata) for key, tensor, metadata in PLAIN]
+        assert len(written) == len(PLAIN)  # every one of them went the C head's way
+        with monkeypatch.context() as python_only:
+            python_only.setattr(frame, "NATIVE", None)
+            for (key, tensor, metadata), message_id, sent in zip(PLAIN, ids, written, strict=True):
+                expected = tb.dumps(tensor, key=key, metadata=metadata, message_id=message_id, checksum=False)
+                assert sent == bytes(expected)
+        for key, tensor, metadata in PLAIN:
+            message = consumer.recv_message(key, timeout=10)
+            assert message.tensor.dtype == tensor.dtype and np.array_equal(message.tensor, tensor)
+            assert message.metadata == (metadata or {})
 
 
 def test_max_pinned_bytes_bounds_the_arrays_of_every_producer_together_even_one_gone() -> None:
