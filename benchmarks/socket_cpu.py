@@ -1,4 +1,4 @@
-"""CPU per tensor of tcp:// or unix://: a producer process and a consumer process, each side's own.
+"""CPU per tensor of tcp://, unix:// or shm://: a producer process and a consumer process, each side's own.
 
 What it measures
     A `tb.Producer` in one child process sends `--tensors` float32 tensors of `--size` bytes back to back
@@ -10,7 +10,7 @@ What it measures
     wake-ups).
 
 Run
-    python -m benchmarks.socket_cpu [--transport tcp|unix] [--size 4096] [--tensors 100000] [--rounds 1]
+    python -m benchmarks.socket_cpu [--transport tcp|unix|shm] [--size 4096] [--tensors 100000] [--rounds 1]
         [--spin-s SECONDS]
 """
 
@@ -64,7 +64,11 @@ def one_round(
     context = multiprocessing.get_context("spawn")
     addresses: Queue[Any] = context.Queue()
     results: Queue[Any] = context.Queue()
-    url = "tcp://127.0.0.1:0" if transport == "tcp" else f"unix://{tempfile.gettempdir()}/socket-cpu-{os.getpid()}.sock"
+    url = {
+        "tcp": "tcp://127.0.0.1:0",
+        "unix": f"unix://{tempfile.gettempdir()}/socket-cpu-{os.getpid()}.sock",
+        "shm": f"shm://socket-cpu-{os.getpid()}",
+    }[transport]
     consumer = context.Process(target=consume, args=(url, tensors, addresses, results, options or {}))
     consumer.start()
     producer = context.Process(target=produce, args=(addresses.get(timeout=WAIT_S), tensors, size, results))
@@ -79,7 +83,7 @@ def one_round(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--transport", choices=["tcp", "unix"], default="tcp")
+    parser.add_argument("--transport", choices=["tcp", "unix", "shm"], default="tcp")
     parser.add_argument("--size", type=int, default=4096, help="bytes a tensor")
     parser.add_argument("--tensors", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=1)

@@ -67,7 +67,7 @@ def test_the_metrics_cost_benchmark_times_each_stream_in_turn() -> None:
     assert all(len(results) == 2 and all(x > 0 for result in results for x in result) for results in rows.values())
 
 
-@pytest.mark.parametrize("transport", ["tcp", "unix"])
+@pytest.mark.parametrize("transport", ["tcp", "unix", "shm"])
 def test_the_socket_cpu_benchmark_times_each_side_of_a_real_stream(transport: str) -> None:
     sides = socket_cpu.one_round(transport, 4096, 200)
     assert sides.keys() == {"producer", "consumer"}
