@@ -67,6 +67,7 @@ class ShmSender:
         self._ended: list[Slot] = []  # slots whose `empty()` array died (appended by finalizers, any thread)
         self._ended_lock = threading.Lock()
         self.stats = collections.Counter[str]()  # frames sent "in_place" (from `empty()`) and "copied"
+        self._packer = control.packer()  # (this sender is used by one thread at a time: the transport's send lock)
 
     # -- empty() ---------------------------------------------------------------------------------
 
@@ -176,7 +177,7 @@ class ShmSender:
             control.send(self._sock, "seg", segment.seg_id, segment.size, fds=[segment.fd])
             self._announced.add(segment.seg_id)
         slot.pinned = True
-        control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame)
+        control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame, by=self._packer)
 
     def _owe_ack(self, slot: Slot) -> None:
         if self.tally.timed is None:  # (a frame in flight is timed already, mostly: no call)

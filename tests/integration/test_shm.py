@@ -558,7 +558,7 @@ def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_ma
     acks: list[int] = []
     send = control.send
     monkeypatch.setattr(
-        control, "send", lambda sock, *m, fds=None: (acks.append(1) if m[0] == "ack" else None, send(sock, *m, fds=fds))
+        control, "send", lambda sock, *m, **kw: (acks.append(1) if m[0] == "ack" else None, send(sock, *m, **kw))
     )
     fwd, bwd, count = endpoint_url("shm"), endpoint_url("shm"), 200
     with tb.Consumer(bwd, spin_s=60.0) as consumer:

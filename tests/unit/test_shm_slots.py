@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 
+import msgpack
 import pytest
 
 from tensorbus.ledger import Ledger
+from tensorbus.transports import shm_control as control
 from tensorbus.transports.base import Delivered
 from tensorbus.transports.shm_control import URGENT_BYTES, URGENT_COUNT, Acknowledgements
 from tensorbus.transports.shm_segments import MIB, MIN_SLOT, Slots, slot_size
@@ -103,3 +106,14 @@ def test_a_megabyte_received_makes_the_ack_urgent() -> None:
     acks.record_admitted(3, ("p", 3), URGENT_BYTES // 2)
     assert acks.urgent()  # the producer's credit: a megabyte since the last answer goes at the next step
     assert acks.pending() == [["ack", 4, [], []]] and not acks.urgent()
+
+
+def test_a_kept_packer_sends_the_bytes_a_fresh_one_does_message_after_message() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        kept = control.packer()
+        for message in (["frame", 1, 2, 0, 4096], ["frame", 2**40, 7, 1 << 30, 64], ["drop", 3]):
+            control.send(a, *message)
+            control.send(a, *message, by=kept)
+            fresh, reused = b.recv(1 << 16), b.recv(1 << 16)
+            assert fresh == reused and msgpack.unpackb(reused) == message
