@@ -549,10 +549,9 @@ def _echo(fwd: str, bwd: str, count: int) -> None:
         producer.flush(30)
 
 
-def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_many(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # (every bound on a poll but the receive's own deadline lifted: each reply is found polling, no receive sleeps)
+def _ping_pong(monkeypatch: pytest.MonkeyPatch, count: int) -> tuple[Any, list[int]]:
+    """`count` round trips against an echo process, every bound on a poll but the receive's own deadline lifted (each
+    reply is found polling, no receive sleeps): the receiving consumer's listener, and the acks it sent."""
     for module, name in ((control, "IDLE_S"), (control, "LINGER_S"), (leading, "POLL_S")):
         monkeypatch.setattr(module, name, 60.0)
     acks: list[int] = []
@@ -560,8 +559,9 @@ def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_ma
     monkeypatch.setattr(
         control, "send", lambda sock, *m, **kw: (acks.append(1) if m[0] == "ack" else None, send(sock, *m, **kw))
     )
-    fwd, bwd, count = endpoint_url("shm"), endpoint_url("shm"), 200
+    fwd, bwd = endpoint_url("shm"), endpoint_url("shm")
     with tb.Consumer(bwd, spin_s=60.0) as consumer:
+        listener = consumer.transport._listener  # type: ignore[attr-defined]
         echo = multiprocessing.get_context("fork").Process(target=_echo, args=(fwd, bwd, count))
         echo.start()
         try:
@@ -572,9 +572,16 @@ def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_ma
         finally:
             echo.join(30)
         assert echo.exitcode == 0
-        # (without the batching: an ack per frame, 200; with it, one per URGENT_COUNT frees or taken, and one
-        # each time a receive returned before the frame came and the background read it, then slept)
-        assert 1 <= len(acks) <= count // 4, len(acks)
+    return listener, acks
+
+
+def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_many(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, acks = _ping_pong(monkeypatch, 200)
+    # (without the batching: an ack per frame, 200; with it, one per URGENT_COUNT frees or taken, and one
+    # each time a receive returned before the frame came and the background read it, then slept)
+    assert 1 <= len(acks) <= 200 // 4, len(acks)
 
 
 def test_a_receive_reads_on_what_the_producer_sent_already_into_the_table() -> None:
@@ -603,23 +610,9 @@ def test_a_receive_reads_on_what_the_producer_sent_already_into_the_table() -> N
 def test_a_ping_pong_reads_on_rarely_after_reads_on_that_found_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A ping-pong's reply never waits behind the receive's frame: the first reads on find nothing, and the next
     1, 2, 4... up to READ_ON_BACKOFF receives then return without a look."""
-    for module, name in ((control, "IDLE_S"), (control, "LINGER_S"), (leading, "POLL_S")):
-        monkeypatch.setattr(module, name, 60.0)  # (each reply found by the receive's spin, as above)
-    fwd, bwd, count = endpoint_url("shm"), endpoint_url("shm"), 200
-    with tb.Consumer(bwd, spin_s=60.0) as consumer:
-        listener = consumer.transport._listener  # type: ignore[attr-defined]
-        echo = multiprocessing.get_context("fork").Process(target=_echo, args=(fwd, bwd, count))
-        echo.start()
-        try:
-            with tb.Producer(fwd) as producer:
-                for i in range(count):
-                    producer.send("ping", np.full(1024, i, np.float32))
-                    assert (consumer.recv("pong", timeout=30) == i).all()
-        finally:
-            echo.join(30)
-        assert echo.exitcode == 0
-        # (1, 2, 4, ..., 64 receives skipped after each: 200 receives look 8 times; without the back-off, 200)
-        assert listener.spins["read on"] == 0 and 1 <= listener.spins["read on, none"] <= 10, listener.spins
+    listener, _ = _ping_pong(monkeypatch, 200)
+    # (1, 2, 4, ..., 64 receives skipped after each: 200 receives look 8 times; without the back-off, 200)
+    assert listener.spins["read on"] == 0 and 1 <= listener.spins["read on, none"] <= 10, listener.spins
 
 
 def test_a_poke_while_the_leader_empties_its_wake_up_pipe_still_wakes_it(monkeypatch: pytest.MonkeyPatch) -> None:
