@@ -96,6 +96,7 @@ class ShmListener:
         self._stretch = False  # the next spin lasts STRETCH spins (after a near miss: spinning.py)
         self._read_on_backoff = 0  # receives that skip `_read_on` after the next one that finds nothing
         self._read_on_skip = 0  # receives left that skip it
+        self._read_on_turn = 0  # which producer `_read_on` reads first (each in turn)
         self.spins = collections.Counter[str]()  # spins that found a message ("found"), ran out ("out"), near misses
         self._answer_due = 0.0  # when the leading thread next answers, urgent or not (`_answer`)
         self.leadership = Leadership(LINGER_S, self.poke)
@@ -197,20 +198,24 @@ class ShmListener:
         return not self._stop.is_set()
 
     def _read_on(self) -> None:
-        """After the frame that served a receive: read what the producers sent already (BATCH each at most), so
-        the receives that follow find it in the table, with no lead of their own (a stream of small tensors:
-        each lead costs several times the frame's own delivery). Where it finds nothing (a ping-pong, whose
-        peer waits for this side's reply), the next 1, 2, 4... up to READ_ON_BACKOFF receives return at once:
-        a reply pays one `recvmsg` that finds nothing now and then, not one a round trip."""
+        """After the frame that served a receive: read what the producers sent already (BATCH messages in all,
+        the producers taken in turn from one receive to the next), so the receives that follow find it in the
+        table, with no lead of their own (a stream of small tensors: each lead costs several times the frame's
+        own delivery), and the served receive returns soon. Where it finds nothing (a ping-pong, whose peer
+        waits for this side's reply), the next 1, 2, 4... up to READ_ON_BACKOFF receives return at once: a
+        reply pays one `recvmsg` that finds nothing now and then, not one a round trip."""
         if self._read_on_skip > 0:
             self._read_on_skip -= 1
             return
-        found = False
-        for peer in list(self._peers.values()):
-            for _ in range(BATCH):
-                if not peer.open or not peer.authed or peer.held is not None or not self._read_one(peer):
-                    break
-                found = True
+        peers = list(self._peers.values())
+        first = self._read_on_turn % max(len(peers), 1)
+        self._read_on_turn += 1
+        found, left = False, BATCH
+        for peer in peers[first:] + peers[:first]:
+            while left and peer.open and peer.authed and peer.held is None and self._read_one(peer):
+                found, left = True, left - 1
+            if not left:
+                break
         self._read_on_backoff = 0 if found else min(max(1, 2 * self._read_on_backoff), READ_ON_BACKOFF)
         self._read_on_skip = self._read_on_backoff
         self.spins["read on" if found else "read on, none"] += 1

@@ -23,6 +23,7 @@ from tensorbus.codec import frame
 from tensorbus.codec.frame import encode_raw
 from tensorbus.transports import leading
 from tensorbus.transports import shm_control as control
+from tensorbus.transports.shm_consumer import BATCH
 from tensorbus.transports.shm_producer import ShmSender
 from tensorbus.transports.shm_segments import SEALS
 from tensorbus.transports.stream import proof
@@ -584,39 +585,67 @@ def test_a_ping_pong_whose_receives_find_each_frame_polling_sends_one_ack_for_ma
     assert 1 <= len(acks) <= 200 // 4, len(acks)
 
 
+def _lead_and_step(consumer: tb.Consumer, send: Any, served: Any, look: Any) -> Any:
+    """Lead the consumer's reading on this thread, so its background thread steps aside and reads nothing: `send()`,
+    then step as a waiting receive does until `served()`, its read on included; what `look()` saw then."""
+    listener = consumer.transport._listener  # type: ignore[attr-defined]
+    done = threading.Lock()
+    done.acquire()
+    seen: list[Any] = []
+
+    def step(deadline: float | None, stop: Any) -> bool:
+        send()  # (each "frame" message is in the consumer's socket once its send returns)
+        listener._read_on_skip = 0  # (an earlier read on that found nothing would make this receive skip its own)
+        while not served():
+            listener._step(deadline, served)
+        seen.append(look())
+        done.release()
+        return True
+
+    assert listener.leadership.wait(done, time.monotonic() + 10, step)
+    return seen[0]
+
+
 def test_a_receive_reads_on_what_the_producer_sent_already_into_the_table() -> None:
-    """A stream: the receive that leads delivers the frames waiting behind its own (up to BATCH), so the receives
-    after it take theirs from the table without leading, each lead costing several times a frame's delivery."""
+    """A stream: the receive that leads delivers the frames waiting behind its own, so the receives after it take
+    theirs from the table without leading, each lead costing several times a frame's delivery."""
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
-        listener = consumer.transport._listener  # type: ignore[attr-defined]
         producer.send("warm", np.zeros(4, np.float32))  # (connected)
         consumer.recv("warm", timeout=10)
-        done = threading.Lock()
-        done.acquire()
-        seen: list[Any] = []
-
-        def step(deadline: float | None, stop: Any) -> bool:
-            """This test's thread leads (the background thread steps aside, and reads nothing meanwhile): the frames
-            are sent, then it steps as a receive of k0 does until k0 is in."""
-            for i in range(10):  # (each "frame" message is in the consumer's socket once its send returns)
-                producer.send(f"k{i}", np.full(1024, i, np.float32))
-            listener._read_on_skip = 0  # (the warm receive's read on may have found nothing: this one would not look)
-            before = listener.spins["read on"]
-
-            def served() -> bool:
-                return "k0" in consumer.table.buffered_keys()
-
-            while not served():
-                listener._step(deadline, served)
-            seen.extend([listener.spins["read on"] - before, sorted(consumer.table.buffered_keys())])
-            done.release()
-            return True
-
-        assert listener.leadership.wait(done, time.monotonic() + 10, step)
-        assert seen == [1, [f"k{i}" for i in range(10)]]  # (one read on took k1 to k9 in)
+        listener = consumer.transport._listener  # type: ignore[attr-defined]
+        before = listener.spins["read on"]
+        reads_on, keys = _lead_and_step(
+            consumer,
+            lambda: [producer.send(f"k{i}", np.full(1024, i, np.float32)) for i in range(10)],
+            lambda: "k0" in consumer.table.buffered_keys(),
+            lambda: (listener.spins["read on"] - before, sorted(consumer.table.buffered_keys())),
+        )
+        assert (reads_on, keys) == (1, [f"k{i}" for i in range(10)])  # (one read on took k1 to k9 in)
         for i in range(10):
             assert (consumer.recv(f"k{i}", timeout=10) == i).all()
+
+
+def test_a_read_on_takes_batch_messages_in_all_from_every_producer_in_turn() -> None:
+    """A read on is bounded (the served receive returns soon, however many producers are connected), and does not
+    leave one producer's frames behind another's."""
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as a, tb.Producer(url) as b:
+        for name, producer in (("a", a), ("b", b)):
+            producer.send(f"warm-{name}", np.zeros(4, np.float32))
+            consumer.recv(f"warm-{name}", timeout=10)
+
+        def send() -> None:
+            for i in range(40):
+                a.send(f"a{i}", np.full(1024, i, np.float32))
+                b.send(f"b{i}", np.full(1024, i, np.float32))
+
+        keys = _lead_and_step(consumer, send, lambda: len(consumer.table) > 0, consumer.table.buffered_keys)
+        # one frame served, then BATCH messages read on: frames, and the other producer's segment announcement
+        assert BATCH - 1 <= len(keys) - 1 <= BATCH, len(keys)
+        assert {key[0] for key in keys} == {"a", "b"}
+        for i in range(40):
+            assert (consumer.recv(f"a{i}", timeout=10) == i).all() and (consumer.recv(f"b{i}", timeout=10) == i).all()
 
 
 def test_a_ping_pong_reads_on_rarely_after_reads_on_that_found_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
