@@ -74,14 +74,26 @@ def admin() -> KafkaAdminClient:
     return KafkaAdminClient(bootstrap_servers=SERVERS, request_timeout_ms=10000)
 
 
+def described(client: KafkaAdminClient, topic: str) -> dict:
+    """The topic's description, once the broker asked knows it: a new topic's metadata reaches each broker a
+    moment after its first write is acknowledged, and one still without it describes no partitions."""
+    found: list[dict] = []
+
+    def known() -> bool:
+        found[:] = client.describe_topics([topic])
+        return bool(found[0]["partitions"]) and all(p["leader_id"] >= 0 for p in found[0]["partitions"])
+
+    wait_for(known, 30, f"every broker to know topic {topic}")
+    return found[0]
+
+
 def leader(topic: str) -> int:
     """The broker that leads the topic's partition 0 now."""
     client = admin()
     try:
-        [described] = client.describe_topics([topic])
+        return int(described(client, topic)["partitions"][0]["leader_id"])
     finally:
         client.close()
-    return int(described["partitions"][0]["leader_id"])
 
 
 def java_hash(text: str) -> int:
@@ -269,12 +281,18 @@ def topic_layout(topic: str) -> tuple[int, str]:
 
     client = admin()
     try:
-        [described] = client.describe_topics([topic])
+        replicas = len(described(client, topic)["partitions"][0]["replica_nodes"])
         resource = ConfigResource(ConfigResourceType.TOPIC, topic, ["min.insync.replicas"])
-        configs = client.describe_configs([resource])["topic"][topic]
+        configs: dict = {}
+
+        def known() -> bool:  # (a broker that does not know the topic yet answers no configs, and no error)
+            configs.update(client.describe_configs([resource]).get("topic", {}).get(topic, {}))
+            return "min.insync.replicas" in configs
+
+        wait_for(known, 30, f"the configs of topic {topic}")
     finally:
         client.close()
-    return len(described["partitions"][0]["replica_nodes"]), configs["min.insync.replicas"]["value"]
+    return replicas, configs["min.insync.replicas"]["value"]
 
 
 def test_replication_options_in_the_url_shape_a_new_topic_and_not_an_existing_one(
