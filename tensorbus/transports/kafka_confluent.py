@@ -24,7 +24,7 @@ from ..codec.frame import NATIVE, Buffer, Limits, MessageId
 from ..errors import TransportError
 from .base import Deliver, Encoding
 from .kafka import KafkaOptions, KafkaTransport
-from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, client_config, translate_error
+from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, Resends, client_config, translate_error
 from .kafka_reading import RecordReading
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         self._on_timed_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
         self._replaced_now = threading.Event()
         self._reconnects = Reconnects(self)  # (its clients' statistics, with metrics on)
+        self._resends = Resends(self._pending_lock, self._shown)  # records reported delivered, maybe not written
         self._reading: RecordReading | None = None  # a listening consumer's reading of the records
 
     def _current_rd_producer(self) -> Producer:
@@ -166,6 +167,9 @@ class ConfluentKafkaTransport(KafkaTransport):
                 self._raise_error()
                 self._pending_bytes += nbytes
                 self._unconfirmed += 1
+            again = bool(self._resends.due)
+        if again:
+            self._send_again()
         if not room:
             self._wait_for_room(nbytes)
         with self._lock:  # (so no other thread purges and replaces the producer between its choice and produce)
@@ -202,6 +206,9 @@ class ConfluentKafkaTransport(KafkaTransport):
                     self._pending_bytes += nbytes
                     self._unconfirmed += 1
                     return
+                again = bool(self._resends.due)
+            if again:  # (their bytes count as pending until they are written)
+                self._send_again()
             with self._lock:  # (the current one: a producer replaced meanwhile no longer gets the reports due)
                 producer = self._current_rd_producer()
             producer.poll(0.05)
@@ -210,8 +217,32 @@ class ConfluentKafkaTransport(KafkaTransport):
         """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it); `timed`:
         the record is the one timed from its send to its acknowledgement."""
         nbytes = len(message)
+        if error is None and current and not self._resends.written(message):
+            if timed:
+                self.tally.forget_timing()
+            return  # (still pending: settled by the report of its next production, `_send_again`)
         failure = None if error is None else translate_error(error, self._shown, nbytes)
         self._settle(nbytes, failure, current, acked=False if error is not None else self if timed else None)
+
+    def _send_again(self) -> bool:
+        """Produce again the records reported delivered that may not have been written (`Resends`), on the
+        current producer (the caller does not hold `_lock`); whether there were any."""
+        due = self._resends.take()
+        for value, key, partition in due:
+            with self._lock:
+                try:
+                    producer = self._current_rd_producer()
+                    while True:
+                        try:
+                            producer.produce(self.topic, value, key, partition=partition, on_delivery=self._on_delivery)
+                            break
+                        except BufferError:  # (librdkafka's queue is full: let deliveries drain it)
+                            producer.poll(0.05)
+                except KafkaException as exc:
+                    self._settle(len(value), translate_error(exc.args[0], self._shown, len(value)))
+                except TransportError as exc:  # (no producer could be made)
+                    self._settle(len(value), exc)
+        return bool(due)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker has acknowledged every record sent so far; raise the first failure."""
@@ -219,7 +250,12 @@ class ConfluentKafkaTransport(KafkaTransport):
             producer = self._rd_producer
         if producer is None:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         producer.flush(-1 if timeout is None else timeout)  # serves the delivery reports
+        while self._send_again():  # (records reported delivered that may not have been written)
+            with self._lock:
+                producer = self._current_rd_producer()
+            producer.flush(-1.0 if deadline is None else max(0.0, deadline - time.monotonic()))
         self._serve_replaced(self.options.close_timeout_s if timeout is None else timeout)
         with self._pending:
             if self._unconfirmed and not self._error:

@@ -177,6 +177,66 @@ def test_records_sent_by_several_threads_while_the_producer_is_replaced_are_all_
         assert failures and transport._rd_producer is not first  # (refused, and replaced)
 
 
+class _Reported:
+    """A delivery report as librdkafka's `Message` gives it (the parts the producer reads)."""
+
+    def __init__(self, value: bytes, key: bytes, partition: int, offset: int) -> None:
+        self._value, self._key, self._partition, self._offset = value, key, partition, offset
+
+    def value(self) -> bytes:
+        return self._value
+
+    def key(self) -> bytes:
+        return self._key
+
+    def partition(self) -> int:
+        return self._partition
+
+    def offset(self) -> int:
+        return self._offset
+
+    def __len__(self) -> int:
+        return len(self._value)
+
+
+@pytest.mark.broker
+def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_again_and_received_once() -> None:
+    """librdkafka reports a record delivered with no offset (the broker said DUPLICATE_SEQUENCE_NUMBER), or with
+    an earlier batch's (it forgot the partition's sequence: librdkafka #3712): the broker may have dropped it.
+    Such a report settles nothing; the record is produced again, and the consumer gets each tensor once, a copy
+    of one that was written after all dropped as a duplicate."""
+    from confluent_kafka import OFFSET_INVALID
+
+    url = on(endpoint_url("kafka"), "confluent")
+    with tb.Producer(url) as producer, tb.Consumer(url) as consumer:
+        transport = producer.transport
+        assert isinstance(transport, ConfluentKafkaTransport)
+        written = producer.send("a", np.arange(3))
+        producer.flush(30)
+        assert transport._resends._last == {0: 0}  # (one partition: the record of "a" at offset 0)
+        frames = {
+            "a": encode(np.arange(3), key="a", message_id=written),  # written: the copy is a duplicate
+            "b": encode(np.arange(4), key="b", message_id=(written[0], 1000)),  # never produced: as if dropped
+            "c": encode(np.arange(5), key="c", message_id=(written[0], 1001)),
+        }
+        reports = {"a": 0, "b": 0, "c": OFFSET_INVALID}  # offset 0 again, and none
+        for key, frame in frames.items():
+            value = b"".join(frame)
+            with transport._pending_lock:  # (counted as `send` counts a record)
+                transport._pending_bytes += len(value)
+                transport._unconfirmed += 1
+            transport._on_delivery(None, _Reported(value, key.encode(), 0, reports[key]))  # type: ignore[arg-type]
+        assert transport._unconfirmed == 3 and transport._resends.count == 3  # none settled: all due again
+        producer.send("z", np.arange(6))
+        producer.flush(30)
+        assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
+        assert transport._resends._last[0] == 4  # a, then b, c and a again, then z
+        for key, n in [("a", 3), ("b", 4), ("c", 5), ("z", 6)]:
+            assert same(consumer.recv(key, timeout=30), np.arange(n))
+        assert consumer.stats["duplicates"] == 1  # the copy of "a" (z came after it: it was read)
+        assert len(consumer.table) == 0  # nothing else arrived
+
+
 def test_an_unknown_client_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(tb.ConfigError, match="client must be one of kafka-python, confluent"):
         tb.Producer("kafka://127.0.0.1:9092/t?client=librdkafka")
