@@ -173,17 +173,21 @@ class KafkaTransport(KafkaEndpoint):
         marks the producer failed, unless the record was a replaced producer's (`current` false). `acked`:
         False unless the broker acknowledged it, then `self` if it is the record timed, else None (tally.py)."""
         with self._pending_lock:
-            self._pending_bytes -= nbytes
-            self._unconfirmed -= 1
-            if acked is False:
-                self.tally.forget_timing()  # (a record that failed may be the one timed)
-            else:
-                self.tally.acked(1, at=acked)
-            if error is not None:
-                self._failed = self._failed or current
-                self._error = self._error or error
-            if self._pending_waiters:
-                self._pending.notify_all()
+            self._settled(nbytes, error, current, acked)
+
+    def _settled(self, nbytes: int, error: TensorBusError | None, current: bool, acked: Any) -> None:
+        """`_settle`, the caller holding `_pending_lock`."""
+        self._pending_bytes -= nbytes
+        self._unconfirmed -= 1
+        if acked is False:
+            self.tally.forget_timing()  # (a record that failed may be the one timed)
+        else:
+            self.tally.acked(1, at=acked)
+        if error is not None:
+            self._failed = self._failed or current
+            self._error = self._error or error
+        if self._pending_waiters:
+            self._pending.notify_all()
 
     def _wait_pending(self, predicate: Callable[[], Any], timeout: float | None) -> bool:
         """`_pending.wait_for(predicate, timeout)`, counted in `_pending_waiters` (caller holds `_pending`)."""

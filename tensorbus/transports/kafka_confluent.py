@@ -217,12 +217,15 @@ class ConfluentKafkaTransport(KafkaTransport):
         """librdkafka's delivery report (served by `poll` or `flush`, on the thread that called it); `timed`:
         the record is the one timed from its send to its acknowledgement."""
         nbytes = len(message)
-        if error is None and current and not self._resends.written(message):
-            if timed:
-                self.tally.forget_timing()
-            return  # (still pending: settled by the report of its next production, `_send_again`)
-        failure = None if error is None else translate_error(error, self._shown, nbytes)
-        self._settle(nbytes, failure, current, acked=False if error is not None else self if timed else None)
+        if error is not None:
+            self._settle(nbytes, translate_error(error, self._shown, nbytes), current, acked=False)
+            return
+        with self._pending_lock:  # (the check and the settling in one hold: every record's report takes it)
+            if current and not self._resends.written(message):
+                if timed:
+                    self.tally.forget_timing()
+                return  # (still pending: settled by the report of its next production, `_send_again`)
+            self._settled(nbytes, None, current, self if timed else None)
 
     def _send_again(self) -> bool:
         """Produce again the records reported delivered that may not have been written (`Resends`), on the

@@ -139,15 +139,14 @@ class Resends:
 
     def written(self, record: Message) -> bool:
         """Whether an acknowledged record got an offset of its own, past the last one's in its partition;
-        else it is kept in `due`, and a warning says so."""
+        else it is kept in `due`, and a warning says so. The caller holds the lock."""
         offset, partition = record.offset() or 0, record.partition() or 0  # (set on every delivery report)
-        with self._lock:
-            last = self._last.get(partition, -1)
-            if offset > last:
-                self._last[partition] = offset
-                return True
-            self.due.append((record.value() or b"", record.key(), partition))
-            self.count += 1
+        last = self._last.get(partition, -1)
+        if offset > last:
+            self._last[partition] = offset
+            return True
+        self.due.append((record.value() or b"", record.key(), partition))
+        self.count += 1
         log.warning(
             "%s: librdkafka reported a record delivered to partition %d at offset %d, not after %d, the last "
             "there: it may have been dropped as a duplicate; producing it again", self._shown, partition, offset, last
