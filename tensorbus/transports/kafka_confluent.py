@@ -21,7 +21,7 @@ import numpy as np
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
 
 from ..codec.frame import NATIVE, Buffer, Limits, MessageId
-from ..errors import TransportError
+from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding
 from .kafka import KafkaOptions, KafkaTransport
 from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, Resends, client_config, translate_error
@@ -243,7 +243,7 @@ class ConfluentKafkaTransport(KafkaTransport):
                             producer.poll(0.05)
                 except KafkaException as exc:
                     self._settle(len(value), translate_error(exc.args[0], self._shown, len(value)))
-                except TransportError as exc:  # (no producer could be made)
+                except TensorBusError as exc:  # (no producer could be made)
                     self._settle(len(value), exc)
         return bool(due)
 
