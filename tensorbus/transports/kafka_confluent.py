@@ -24,8 +24,9 @@ from ..codec.frame import NATIVE, Buffer, Limits, MessageId
 from ..errors import TensorBusError, TransportError
 from .base import Deliver, Encoding
 from .kafka import KafkaOptions, KafkaTransport
-from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, Resends, client_config, translate_error
+from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, client_config, translate_error
 from .kafka_reading import RecordReading
+from .kafka_resends import Resends
 
 log = logging.getLogger(__name__)
 #: a plain ndarray below this many bytes has its record made whole in C (`ndarray_frame`), then copied into the
@@ -221,7 +222,9 @@ class ConfluentKafkaTransport(KafkaTransport):
             self._settle(nbytes, translate_error(error, self._shown, nbytes), current, acked=False)
             return
         with self._pending_lock:  # (the check and the settling in one hold: every record's report takes it)
-            if current and not self._resends.written(message):
+            partition = message.partition() or 0  # (both set in every delivery report)
+            if current and not self._resends.written(partition, message.offset() or 0):
+                self._resends.keep(message.value() or b"", message.key(), partition)
                 if timed:
                     self.tally.forget_timing()
                 return  # (still pending: settled by the report of its next production, `_send_again`)

@@ -118,48 +118,6 @@ def _client_error(error: KafkaError) -> None:
     log.log(logging.WARNING if error.fatal() else logging.INFO, "librdkafka: %s", error.str())
 
 
-class Resends:
-    """Records librdkafka reported delivered that may never have been written, kept to be produced again.
-
-    An idempotent producer's records reach a partition in the order it produced them, each at an offset past
-    the one before. librdkafka reports a record delivered with no offset when the broker answered
-    DUPLICATE_SEQUENCE_NUMBER (taken for the retry of a write that succeeded), and the broker answers a batch
-    whose sequence numbers repeat a recent one's with that batch's offsets: it happens when librdkafka
-    forgets a partition's sequence (librdkafka #3712: a restarting broker lists the topic as gone), and the
-    records are then dropped as duplicates, reported delivered. Either way each such record is produced
-    again; if it was written after all, the consumer drops the copy (the same message id).
-
-    Its fields are guarded by the transport's `_pending_lock` (any thread serving delivery reports)."""
-
-    def __init__(self, lock: Any, shown: str) -> None:
-        self._lock, self._shown = lock, shown
-        self._last: dict[int, int] = {}  # partition -> the last offset acknowledged there
-        self.due: list[tuple[bytes, bytes | None, int]] = []  # (value, key, partition), to be produced again
-        self.count = 0  # records produced again, in all
-
-    def written(self, record: Message) -> bool:
-        """Whether an acknowledged record got an offset of its own, past the last one's in its partition;
-        else it is kept in `due`, and a warning says so. The caller holds the lock."""
-        offset, partition = record.offset() or 0, record.partition() or 0  # (set on every delivery report)
-        last = self._last.get(partition, -1)
-        if offset > last:
-            self._last[partition] = offset
-            return True
-        self.due.append((record.value() or b"", record.key(), partition))
-        self.count += 1
-        log.warning(
-            "%s: librdkafka reported a record delivered to partition %d at offset %d, not after %d, the last "
-            "there: it may have been dropped as a duplicate; producing it again", self._shown, partition, offset, last
-        )  # fmt: skip
-        return False
-
-    def take(self) -> list[tuple[bytes, bytes | None, int]]:
-        """The records to produce again now (none left due)."""
-        with self._lock:
-            due, self.due = self.due, []
-        return due
-
-
 def batch(consumer: Consumer, most: int, timeout: float) -> list[Message]:
     """Up to `most` records: those already fetched, else the first to arrive within `timeout` and those behind it.
 
