@@ -230,7 +230,7 @@ def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_agai
         producer.send("z", np.arange(6))
         producer.flush(30)
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
-        assert transport._resends._last[0] == 4  # a, then b, c and a again, then z
+        assert transport._resends._last[0] == 4  # a at 0; a again, b and c at 1 to 3; z at 4
         for key, n in [("a", 3), ("b", 4), ("c", 5), ("z", 6)]:
             assert same(consumer.recv(key, timeout=30), np.arange(n))
         assert consumer.stats["duplicates"] == 1  # the copy of "a" (z came after it: it was read)
