@@ -182,17 +182,24 @@ class ConfluentKafkaTransport(KafkaTransport):
             keyless = self._keyless_partition
             partition = keyless if key is None and keyless is not None else -1  # -1: by the key (murmur2)
             timed = self.tally.timed is None and self.tally.timing(self)  # (one record in flight timed: tally.py)
-            reported = self._on_timed_delivery if timed else self._on_delivery
-            while True:
-                try:
-                    producer.produce(self.topic, value, key, partition=partition, on_delivery=reported)
-                    break
-                except BufferError:  # librdkafka's queue is full (its message count): let deliveries drain it
-                    producer.poll(0.05)
-                except KafkaException as exc:
-                    self._settle(nbytes, None)
-                    raise translate_error(exc.args[0], self._shown, nbytes) from None
+            try:
+                self._queue(producer, value, key, partition, self._on_timed_delivery if timed else self._on_delivery)
+            except KafkaException as exc:
+                self._settle(nbytes, None)
+                raise translate_error(exc.args[0], self._shown, nbytes) from None
         producer.poll(0)
+
+    def _queue(
+        self, producer: Producer, value: bytes, key: str | bytes | None, partition: int, reported: Callable[..., None]
+    ) -> None:
+        """`produce` one record (the caller holds `_lock`), serving delivery reports while librdkafka's queue is
+        full (its message count) until it takes it."""
+        while True:
+            try:
+                producer.produce(self.topic, value, key, partition=partition, on_delivery=reported)
+                return
+            except BufferError:
+                producer.poll(0.05)
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Serve delivery reports (which lower the pending bytes) until `nbytes` more fit under max_pending_bytes
@@ -237,13 +244,7 @@ class ConfluentKafkaTransport(KafkaTransport):
         for value, key, partition in due:
             with self._lock:
                 try:
-                    producer = self._current_rd_producer()
-                    while True:
-                        try:
-                            producer.produce(self.topic, value, key, partition=partition, on_delivery=self._on_delivery)
-                            break
-                        except BufferError:  # (librdkafka's queue is full: let deliveries drain it)
-                            producer.poll(0.05)
+                    self._queue(self._current_rd_producer(), value, key, partition, self._on_delivery)
                 except KafkaException as exc:
                     self._settle(len(value), translate_error(exc.args[0], self._shown, len(value)))
                 except TensorBusError as exc:  # (no producer could be made)

@@ -32,7 +32,6 @@ class Resends:
         self._lock, self._shown = lock, shown
         self._last: dict[int, int] = {}  # partition -> the last offset acknowledged there
         self.due: list[Resend] = []  # to be produced again
-        self.count = 0  # records produced again, in all
 
     def written(self, partition: int, offset: int) -> bool:
         """Whether an acknowledged record got an offset of its own, past the last one's in its partition; if not,
@@ -50,7 +49,6 @@ class Resends:
     def keep(self, value: bytes, key: bytes | None, partition: int) -> None:
         """A record not `written`, to produce again (the caller holds the lock)."""
         self.due.append((value, key, partition))
-        self.count += 1
 
     def take(self) -> list[Resend]:
         """The records to produce again now (none left due)."""

@@ -226,7 +226,7 @@ def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_agai
                 transport._pending_bytes += len(value)
                 transport._unconfirmed += 1
             transport._on_delivery(None, _Reported(value, key.encode(), 0, reports[key]))  # type: ignore[arg-type]
-        assert transport._unconfirmed == 3 and transport._resends.count == 3  # none settled: all due again
+        assert transport._unconfirmed == 3 and len(transport._resends.due) == 3  # none settled: all due again
         producer.send("z", np.arange(6))
         producer.flush(30)
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
