@@ -164,13 +164,17 @@ class TensorbusLink(Link):
         return address + (("&" if "?" in address else "?") + options if options else "")
 
     def adopt(self, slots: list[np.ndarray]) -> list[np.ndarray]:
-        """For the rows of `IN_PLACE`: the slots copied once into `producer.empty()` arrays."""
+        """For the rows of `IN_PLACE`: the slots copied once into `producer.empty()` arrays, as many as the
+        producer runs ahead (an array is written again only after it came back, as docs/DELIVERY.md asks:
+        sent again while the consumer still views its last send, it is copied)."""
+        from ..transports.shm_producer import RUN_AHEAD_SLOTS
         from .config import IN_PLACE
 
         if self.spec["method"] not in IN_PLACE or self.producer is None:
             return slots
         adopted = []
-        for slot in slots:
+        for k in range(max(len(slots), RUN_AHEAD_SLOTS)):
+            slot = slots[k % len(slots)]
             array = self.producer.empty(slot.shape, slot.dtype)
             array[...] = slot
             adopted.append(array)

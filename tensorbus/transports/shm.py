@@ -3,7 +3,7 @@
 Frames are written into memfd segments the producer owns (shm_segments.py) and the consumer maps
 read-only; a Unix control socket (shm_control.py) carries where each frame is, the consumer's acks
 and the "free" that hands a frame's memory back once no array views it. Received arrays are
-read-only views of that memory, never copies (up to `max_pinned_bytes` of them at once).
+read-only views of that memory, never copies (up to `max_pinned_bytes` of them kept by the application).
 `Producer.empty()` gives an array that already lives in a segment: sending it copies no tensor bytes.
 
 Why memfd rather than shm_open: a memfd has no name, so nothing can collide between users, nobody
@@ -41,7 +41,7 @@ class ShmOptions(NamedOptions):
     auth_secret: str | bytes | None = None
     connect_timeout_s: float = 5.0
     close_timeout_s: float = 10.0
-    max_pinned_bytes: int = 1 << 30  # consumer: bytes of producers' memory its arrays may view at once
+    max_pinned_bytes: int = 1 << 30  # consumer: bytes of producers' memory the arrays it handed out may view
     spin_s: float = 0.0001  # consumer: how long a waiting recv polls before it sleeps (an idle vCPU wakes late)
     max_connections: int = 1024
     backlog: int = 128

@@ -2,8 +2,8 @@
 
 A received frame is a read-only uint8 array over the producer's segment (`np.frombuffer` of the
 mapping): every array decoded from it is a view that keeps it alive, so a finalizer on it tells the
-producer "free" exactly when the last view is gone. Past `max_pinned_bytes` of frames still viewed,
-a new frame is copied out of shared memory into the consumer's own and freed at once.
+producer "free" exactly when the last view is gone. While the application's arrays (taken tensors) view
+`max_pinned_bytes`, a new frame is copied out of shared memory into the consumer's own and freed at once.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class ShmListener:
         self._poke_lock = threading.Lock()
         self._poked = False
         self._peers: dict[int, Peer] = {}
-        self._pinned = control.PinnedBytes()  # bytes of producers' frames that arrays here still view
+        self._pinned = control.PinnedBytes()  # bytes of producers' frames that taken arrays here still view
         self._stop = threading.Event()
         #: the spin of waiting receives (`_spin`), used by the leading thread only
         self._spin_s = options.spin_s
@@ -427,7 +427,7 @@ class ShmListener:
             peer.acks.unviewed(pos, 0)
         else:
             frame = np.frombuffer(mapped, np.uint8, length, offset)
-            peer.acks.viewed(length)
+            peer.acks.viewed(pos, length)
             weakref.finalize(frame, peer.acks.unviewed, pos, length).atexit = False
         fast = self.deliver.fast
         taken = fast(frame.data, None, peer) if fast is not None else None

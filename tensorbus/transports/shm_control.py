@@ -136,9 +136,10 @@ def batches(positions: list[int]) -> Iterator[list[int]]:
 
 
 class PinnedBytes:
-    """The bytes of producers' memory that a consumer's arrays still view, over all its producers (its
-    `max_pinned_bytes` bounds them): added to by the leading thread as it delivers a frame, taken from by
-    whichever thread dropped a frame's last view. One count, not one per producer summed per frame."""
+    """The bytes of producers' memory that arrays the application took still view, over all the consumer's
+    producers (its `max_pinned_bytes` bounds them; frames not taken yet are `max_buffered_bytes`'s):
+    added to as the ledger releases a viewed frame, taken from by whichever thread dropped a taken
+    frame's last view. One count, not one per producer summed per frame."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -159,9 +160,10 @@ class Acknowledgements:
 
     `record` enters a received frame's position in the connection's ledger stream with what the
     intake made of it; the ledger decides when it is *released* (taken by the application, or settled),
-    and `_released` turns that into "taken". `viewed`/`unviewed` count the bytes of the producer's
-    memory that arrays still view (in the consumer's `PinnedBytes`), `unviewed` (called from whichever
-    thread dropped the last view) turning into "free"; both wake the consumer's thread in batches only
+    and `_released` turns that into "taken". `viewed`/`unviewed` follow the frames whose arrays view the
+    producer's memory: a viewed frame's bytes count in the consumer's `PinnedBytes` from its release
+    (the application has it) to its last view's end; `unviewed` (called from whichever thread dropped
+    the last view) turns into "free"; both wake the consumer's thread in batches only
     (`URGENT_COUNT`, `URGENT_BYTES`). `pending` gathers the control messages owed: "ack" (cumulative: every frame
     before it is in the table or settled, as `Stream.first_unreceived` says), "taken" and "free".
     Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
@@ -172,6 +174,7 @@ class Acknowledgements:
         self._poke = poke
         self._taken: list[int] = []
         self._frees: list[int] = []
+        self._unreleased_views: dict[int, int] = {}  # position -> bytes, of viewed frames not released yet
         self._freed_bytes = 0  # of the frees not sent yet
         self._received_bytes = 0  # of the frames received since the last "ack"
         self._acked = 0  # the last cumulative "ack" sent
@@ -207,15 +210,21 @@ class Acknowledgements:
         with self._lock:
             self._taken.extend(positions)
             urgent = len(self._taken) >= URGENT_COUNT
+            views = self._unreleased_views
+            if views:
+                self.pinned.add(sum(views.pop(pos, 0) for pos in positions))
         if urgent:
             self._poke()
 
-    def viewed(self, nbytes: int) -> None:
-        self.pinned.add(nbytes)
+    def viewed(self, pos: int, nbytes: int) -> None:
+        """The frame at `pos` is delivered as a view of `nbytes` of the producer's memory (before `record`)."""
+        with self._lock:
+            self._unreleased_views[pos] = nbytes
 
     def unviewed(self, pos: int, nbytes: int) -> None:
-        self.pinned.add(-nbytes)
         with self._lock:
+            if self._unreleased_views.pop(pos, None) is None:
+                self.pinned.add(-nbytes)
             self._frees.append(pos)
             self._freed_bytes += nbytes
             urgent = self._freed_bytes >= URGENT_BYTES or len(self._frees) >= URGENT_COUNT

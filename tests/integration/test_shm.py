@@ -140,6 +140,27 @@ def test_past_max_pinned_bytes_frames_are_copied_out_and_freed_at_once() -> None
         wait_for(lambda: sender.poll() or len(sender._inflight) <= 3, 10, "copied-out frames freed")
 
 
+def test_frames_not_taken_yet_view_shared_memory_whatever_max_pinned_bytes_says() -> None:
+    """`max_pinned_bytes` bounds what taken arrays keep viewing; frames in the table are `max_buffered_bytes`'s:
+    six frames waiting in the table stay views past a 3 MiB bound, and only once the application keeps them all
+    is a new frame copied out."""
+    url = endpoint_url("shm")
+    with tb.Consumer(url, max_pinned_bytes=3 * MIB) as consumer, tb.Producer(url) as producer:
+        for i in range(6):
+            producer.send(f"t{i}", np.full(MIB // 4, i, np.float32))  # 1 MiB each, none taken yet
+        producer.flush(10)
+        kept = [consumer.recv(f"t{i}", timeout=10) for i in range(6)]
+        assert all(in_shared_memory(a) and (a == i).all() for i, a in enumerate(kept))
+        producer.send("past", np.full(MIB // 4, 9, np.float32))
+        past = consumer.recv("past", timeout=10)
+        assert not in_shared_memory(past) and (past == 9).all()
+        del kept
+        gc.collect()
+        producer.send("again", np.full(MIB // 4, 7, np.float32))
+        again = consumer.recv("again", timeout=10)
+        assert in_shared_memory(again) and (again == 7).all()
+
+
 PLAIN = [
     ("small", np.arange(1024, dtype=np.float32), {"i": 7, "tag": "x"}),
     ("scalar", np.array(3.5), None),
