@@ -1,7 +1,7 @@
 """The C extensions, when built: the codec's fast path for one plain ndarray per frame (`NATIVE`,
 from `_native.c`), the folding CRC32C (`crc32c`, from `_crc.c`) and, through `load`, the stream
 sockets' (`transports/_stream.c`); None (or the `crc32c` package's function) otherwise. `crc32c_copy` (also
-`_crc.c`) copies what it checksums, in one pass.
+`_crc.c`) copies what it checksums, in one pass; `copy_streamed` copies around the cache.
 
 `frame.encode` and `frame.decode` (and the reassembler) try `NATIVE` first and fall back to Python
 for anything it does not take. Set TENSORBUS_NATIVE=0 to run the Python paths only. A build made
@@ -120,6 +120,25 @@ def _crc32c_copy() -> Callable[..., int]:
 
 #: `dst[:] = src` and the CRC32C of `src` continuing from `value`, in one pass where it can
 crc32c_copy = _crc32c_copy()
+
+
+def plain_copy(dst: Buffer, src: Buffer) -> None:
+    """`copy_streamed`'s readable path: `dst[:] = src` (glibc's memcpy)."""
+    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+
+
+def _copy_streamed() -> Callable[[Buffer, Buffer], None]:
+    """`_crc.c`'s copy with streaming stores where the CPU has AVX2, else `plain_copy`."""
+    fast = load(f"{__package__}._crc")
+    return fast.copy_streamed if fast is not None and fast.ACCELERATED else plain_copy
+
+
+#: `dst[:] = src` around the cache (for `STREAMED` sizes: the bytes go to another core, which reads them from
+#: memory anyway)
+copy_streamed = _copy_streamed()
+#: the sizes `copy_streamed` copies faster than memcpy here: from 4 MiB, past the core's own cache, to 128 MiB,
+#: past which glibc's memcpy streams by itself and faster (docs/PERFORMANCE.md)
+STREAMED = range(4 << 20, 128 << 20)
 
 
 def crc32c_c() -> object:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -129,3 +130,18 @@ def test_both_copying_crcs_refuse_a_target_of_another_length_or_read_only(copy: 
             copy(dst, b"0123456789", 0)
     dst = bytearray(10)
     assert copy(dst, b"0123456789", 0) == crc32c.crc32c(b"0123456789") and dst == b"0123456789"
+
+
+@pytest.mark.parametrize("copy", [native.plain_copy, *([FOLDING.copy_streamed] if FOLDING.ACCELERATED else [])])
+@pytest.mark.parametrize("n", COPY_SIZES)
+def test_both_large_copies_copy_every_byte_and_nothing_beyond(copy: Any, n: int) -> None:
+    data = np.random.default_rng(n).integers(0, 256, n + 64, np.uint8)
+    for src_at, dst_at in ((0, 0), (1, 0), (0, 13), (7, 33)):  # streamed stores start where dst is aligned
+        src = memoryview(data)[src_at : src_at + n]
+        out = np.full(n + 64, 0xAA, np.uint8)
+        copy(memoryview(out)[dst_at : dst_at + n], src)
+        assert bytes(out[dst_at : dst_at + n]) == bytes(src), (n, src_at, dst_at)
+        assert not (out[:dst_at] != 0xAA).any() and not (out[dst_at + n :] != 0xAA).any()
+    for dst in (bytearray(9), bytearray(11), b"0123456789"):
+        with pytest.raises((ValueError, TypeError)):
+            copy(dst, b"0123456789")
