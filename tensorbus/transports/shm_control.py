@@ -212,7 +212,10 @@ class Acknowledgements:
             urgent = len(self._taken) >= URGENT_COUNT
             views = self._unreleased_views
             if views:
-                self.pinned.add(sum(views.pop(pos, 0) for pos in positions))
+                kept = 0
+                for pos in positions:
+                    kept += views.pop(pos, 0)
+                self.pinned.add(kept)
         if urgent:
             self._poke()
 
