@@ -334,7 +334,8 @@ crc32c_copy(PyObject *self, PyObject *args)
 PyDoc_STRVAR(copy_streamed_doc,
 "copy_streamed(dst, src)\n--\n\n"
 "dst[:] = src with streaming stores, around the cache: for copies far larger than it whose bytes another\n"
-"core reads next (a shared memory slot). Only when ACCELERATED (else RuntimeError).");
+"core reads next (a shared memory slot). dst and src must not overlap. Only when ACCELERATED (else\n"
+"RuntimeError).");
 
 static PyObject *
 copy_streamed(PyObject *self, PyObject *args)

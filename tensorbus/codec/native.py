@@ -134,7 +134,7 @@ def _copy_streamed() -> Callable[[Buffer, Buffer], None]:
 
 
 #: `dst[:] = src` around the cache (for `STREAMED` sizes: the bytes go to another core, which reads them from
-#: memory anyway)
+#: memory anyway); `dst` and `src` do not overlap
 copy_streamed = _copy_streamed()
 #: the sizes `copy_streamed` copies faster than memcpy here: from 4 MiB, past the core's own cache, to 128 MiB,
 #: past which glibc's memcpy streams by itself and faster (docs/PERFORMANCE.md)

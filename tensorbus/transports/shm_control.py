@@ -142,7 +142,7 @@ class PinnedBytes:
     frame's last view. One count, not one per producer summed per frame."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a finalizer that ran inside `add` must not wait for itself)
         self._total = 0
 
     def add(self, nbytes: int) -> None:
@@ -162,10 +162,11 @@ class Acknowledgements:
     intake made of it; the ledger decides when it is *released* (taken by the application, or settled),
     and `_released` turns that into "taken". `viewed`/`unviewed` follow the frames whose arrays view the
     producer's memory: a viewed frame's bytes count in the consumer's `PinnedBytes` from its release
-    (the application has it) to its last view's end; `unviewed` (called from whichever thread dropped
-    the last view) turns into "free"; both wake the consumer's thread in batches only
-    (`URGENT_COUNT`, `URGENT_BYTES`). `pending` gathers the control messages owed: "ack" (cumulative: every frame
-    before it is in the table or settled, as `Stream.first_unreceived` says), "taken" and "free".
+    (the application has it) or the connection's end, whichever comes first, to its last view's end;
+    `unviewed` (called from whichever thread dropped the last view) turns into "free"; both wake the
+    consumer's thread in batches only (`URGENT_COUNT`, `URGENT_BYTES`). `pending` gathers the control
+    messages owed: "ack" (cumulative: every frame before it is in the table or settled, as
+    `Stream.first_unreceived` says), "taken" and "free".
     Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
     """
 
@@ -264,5 +265,10 @@ class Acknowledgements:
         self._acked = 0  # (the cumulative ack goes again)
 
     def close(self) -> None:
-        """The connection ended: the ledger forgets its stream (what it did not release is sent again)."""
+        """The connection ended: the ledger forgets its stream (what it did not release is sent again). Its
+        viewed frames count in `PinnedBytes` from now on: the ledger releases none of them any more, so a take
+        would never move them there, and kept from a producer that has gone they still bound the consumer."""
+        with self._lock:
+            views, self._unreleased_views = self._unreleased_views, {}
+            self.pinned.add(sum(views.values()))
         self.stream.close()

@@ -161,6 +161,34 @@ def test_frames_not_taken_yet_view_shared_memory_whatever_max_pinned_bytes_says(
         assert in_shared_memory(again) and (again == 7).all()
 
 
+def test_frames_of_a_producer_gone_count_once_taken_and_acknowledged_ones_under_manual_acks() -> None:
+    """The ledger releases nothing of a closed connection: its viewed frames count from its end. Under ack="manual"
+    a frame counts once acknowledged (until then the table's `max_buffered_bytes` counts it)."""
+    url = endpoint_url("shm")
+    with tb.Consumer(url, max_pinned_bytes=3 * MIB) as consumer:
+        with tb.Producer(url) as first:
+            for i in range(4):
+                first.send(f"t{i}", np.full(MIB // 4, i, np.float32))  # 1 MiB each
+            first.flush(10)
+        kept = [consumer.recv(f"t{i}", timeout=10) for i in range(4)]  # (the producer's end may come before or after)
+        assert all(in_shared_memory(a) and (a == i).all() for i, a in enumerate(kept))
+        with tb.Producer(url) as second:
+            second.send("past", np.full(MIB // 4, 9, np.float32))
+            assert not in_shared_memory(consumer.recv("past", timeout=10))
+    url = endpoint_url("shm")
+    with tb.Consumer(url, max_pinned_bytes=3 * MIB, ack="manual") as consumer, tb.Producer(url) as producer:
+        for i in range(4):
+            producer.send(f"m{i}", np.full(MIB // 4, i, np.float32))
+        messages = [consumer.recv_message(f"m{i}", timeout=10) for i in range(4)]
+        producer.send("unacked", np.full(MIB // 4, 5, np.float32))  # none acknowledged: none counts yet
+        assert in_shared_memory(consumer.recv("unacked", timeout=10))
+        for message in messages:
+            consumer.ack(message)
+        producer.send("acked", np.full(MIB // 4, 6, np.float32))  # four kept and acknowledged: past the bound
+        assert not in_shared_memory(consumer.recv("acked", timeout=10))
+        assert all(in_shared_memory(m.tensor) and (m.tensor == i).all() for i, m in enumerate(messages))
+
+
 PLAIN = [
     ("small", np.arange(1024, dtype=np.float32), {"i": 7, "tag": "x"}),
     ("scalar", np.array(3.5), None),
