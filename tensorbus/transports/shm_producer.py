@@ -106,12 +106,17 @@ class ShmSender:
 
     def send_in_place(self, tensor: np.ndarray, buffers: list[Buffer]) -> bool:
         """Send an `empty()` array's frame where the array is, its header written just before it: True if
-        sent so. False (the caller copies it) while the consumer still has its last send, or when the
-        frame is not one header and the array's bytes (compressed, or a header past `HEAD_ROOM`)."""
+        sent so. False (the caller copies it) while the consumer still has its last send (its acks read
+        first: it may have let it go), or when the frame is not one header and the array's bytes
+        (compressed, or a header past `HEAD_ROOM`)."""
         data = int(tensor.__array_interface__["data"][0])
         slot = self._leases.get(data)
-        if slot is None or slot.untaken or slot.pinned or not buffers:
+        if slot is None or not buffers:
             return False
+        if slot.untaken or slot.pinned:
+            self.poll()
+            if slot.untaken or slot.pinned:
+                return False
         head, payload = buffers[:-1], memoryview(buffers[-1])
         head_bytes = sum(memoryview(b).nbytes for b in head)
         if payload.nbytes != tensor.nbytes or head_bytes > HEAD_ROOM or head_bytes % 64 or address(payload) != data:

@@ -125,6 +125,24 @@ def test_empty_is_sent_in_place_without_copying_its_bytes() -> None:
         other.empty((2,), np.float32)
 
 
+def test_an_empty_array_sent_again_once_its_last_send_was_let_go_goes_in_place() -> None:
+    """The producer reads the consumer's "free" before it decides: an `empty()` array whose last send no array
+    views any more is sent in place again, not copied, whether or not the producer had read that yet."""
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        array = producer.empty((MIB // 4,), np.float32)
+        listener = consumer.transport._listener
+        for i in range(3):
+            array[:] = i  # (written again only once it came back)
+            producer.send("e", array)
+            got = consumer.recv("e", timeout=10)
+            assert (got == i).all() and in_shared_memory(got)
+            del got
+            gc.collect()
+            wait_for(lambda: not any(p.acks.owed() for p in listener._peers.values()), 10, "the consumer's free sent")
+        assert producer.transport.sender_side.stats == {"in_place": 3}
+
+
 def test_past_max_pinned_bytes_frames_are_copied_out_and_freed_at_once() -> None:
     url = endpoint_url("shm")
     with tb.Consumer(url, max_pinned_bytes=3 * MIB) as consumer, tb.Producer(url) as producer:
