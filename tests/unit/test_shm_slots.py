@@ -80,12 +80,14 @@ def test_reclaim_is_asked_before_a_new_segment_is_made() -> None:
 def test_acknowledgements_turn_the_ledger_and_the_views_into_control_messages() -> None:
     pokes: list[int] = []
     acks = Acknowledgements(Ledger("take"), lambda: pokes.append(1))
-    acks.viewed(100)
+    acks.viewed(1, 100)
     acks.record(1, Delivered(("p", 1), True, admitted=True), 100)
     acks.record(2, Delivered(("p", 2), False), 100)  # chunks missing: not received
     assert acks.pending() == [["ack", 2, [], []]]  # cumulative: position 1 is in the table, 2 is not
     assert acks.pending() == []  # nothing new
+    assert acks.pinned.total == 0  # viewed, in the table: max_buffered_bytes counts it, not max_pinned_bytes
     acks.stream._ledger.taken(("p", 1))
+    assert acks.pinned.total == 100  # the application has it
     acks.unviewed(1, 100)
     assert acks.pinned.total == 0 and acks.owed() and pokes == []  # batched: nothing urgent yet
     assert not acks.urgent()
@@ -96,6 +98,22 @@ def test_acknowledgements_turn_the_ledger_and_the_views_into_control_messages() 
     for pos in range(3, 3 + URGENT_COUNT):
         acks.unviewed(pos, 0)
     assert pokes and acks.urgent()  # enough frees wake the thread, and go with its next step
+
+
+def test_a_closed_connections_viewed_frames_count_from_its_end_and_each_view_once() -> None:
+    acks = Acknowledgements(Ledger("take"), lambda: None)
+    for pos, nbytes in ((1, 10), (2, 20), (3, 40)):
+        acks.viewed(pos, nbytes)
+        acks.record_admitted(pos, ("p", pos), nbytes)
+    acks.stream._ledger.taken(("p", 1))
+    acks.unviewed(2, 20)  # dropped untaken (a duplicate, say): never counted
+    assert acks.pinned.total == 10
+    acks.close()  # the ledger will release nothing more of this connection: what is still viewed counts now
+    assert acks.pinned.total == 50
+    acks.stream._ledger.taken(("p", 3))  # (a take after the end releases nothing)
+    acks.unviewed(3, 40)
+    acks.unviewed(1, 10)
+    assert acks.pinned.total == 0
 
 
 def test_a_megabyte_received_makes_the_ack_urgent() -> None:
