@@ -304,31 +304,44 @@ PyDoc_STRVAR(crc32c_copy_doc,
 "from `value`: crc32c(src, value) and dst[:] = src in one pass over src. Only when ACCELERATED (else\n"
 "RuntimeError).");
 
+/* A copy's arguments, parsed by `format` (dst, src and, for crc32c_copy, value): 0, or -1 with the error set
+ * and no buffer held (not ACCELERATED, or dst and src of different lengths) */
+static int
+copy_arguments(PyObject *args, const char *format, Py_buffer *dst, Py_buffer *src, unsigned int *value)
+{
+    if (!PyArg_ParseTuple(args, format, dst, src, value)) {
+        return -1;
+    }
+    const char *name = strchr(format, ':') + 1;
+    if (!g_accelerated) {
+        PyErr_Format(PyExc_RuntimeError, "%s: this CPU lacks VPCLMULQDQ/AVX2 (use the Python path)", name);
+    } else if (dst->len != src->len) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes into a buffer of %zd", name, src->len, dst->len);
+    } else {
+        return 0;
+    }
+    PyBuffer_Release(dst);
+    PyBuffer_Release(src);
+    return -1;
+}
+
 static PyObject *
 crc32c_copy(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
     unsigned int value = 0;
-    if (!PyArg_ParseTuple(args, "w*y*|I:crc32c_copy", &dst, &src, &value)) {
+    if (copy_arguments(args, "w*y*|I:crc32c_copy", &dst, &src, &value) < 0) {
         return NULL;
     }
-    PyObject *result = NULL;
-    if (!g_accelerated) {
-        PyErr_SetString(PyExc_RuntimeError, "crc32c_copy: this CPU lacks VPCLMULQDQ/AVX2 (use crc32c and a copy)");
-    } else if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "crc32c_copy: %zd bytes into a buffer of %zd", src.len, dst.len);
-    } else {
-        uint32_t state = ~(uint32_t)value;
+    uint32_t state = ~(uint32_t)value;
 #if HAVE_FOLD
-        Py_BEGIN_ALLOW_THREADS
-        state = crc_copy(state, dst.buf, src.buf, (size_t)src.len);
-        Py_END_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS
+    state = crc_copy(state, dst.buf, src.buf, (size_t)src.len);
+    Py_END_ALLOW_THREADS
 #endif
-        result = PyLong_FromUnsignedLong(~state);
-    }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
-    return result;
+    return PyLong_FromUnsignedLong(~state);
 }
 
 PyDoc_STRVAR(copy_streamed_doc,
@@ -341,26 +354,18 @@ static PyObject *
 copy_streamed(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:copy_streamed", &dst, &src)) {
+    if (copy_arguments(args, "w*y*:copy_streamed", &dst, &src, NULL) < 0) {
         return NULL;
     }
-    PyObject *result = NULL;
-    if (!g_accelerated) {
-        PyErr_SetString(PyExc_RuntimeError, "copy_streamed: this CPU lacks VPCLMULQDQ/AVX2 (use a plain copy)");
-    } else if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "copy_streamed: %zd bytes into a buffer of %zd", src.len, dst.len);
-    } else {
 #if HAVE_FOLD
-        Py_BEGIN_ALLOW_THREADS
-        stream_copy(dst.buf, src.buf, (size_t)src.len);
-        _mm_sfence();
-        Py_END_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS
+    stream_copy(dst.buf, src.buf, (size_t)src.len);
+    _mm_sfence();
+    Py_END_ALLOW_THREADS
 #endif
-        result = Py_NewRef(Py_None);
-    }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
-    return result;
+    Py_RETURN_NONE;
 }
 
 /* a(x) * b(x) modulo P, bit-reflected: crc.py's _multmodp */
