@@ -92,10 +92,16 @@ def load(name: str) -> ModuleType | None:
     return checked(module)
 
 
+def _folding() -> ModuleType | None:
+    """`_crc.c` where it is built and the CPU has AVX2 and VPCLMULQDQ (its functions need both), else None."""
+    fast = load(f"{__package__}._crc")
+    return fast if fast is not None and fast.ACCELERATED else None
+
+
 def _crc32c() -> Callable[..., int]:
     """The folding CRC32C where the CPU has AVX2 and VPCLMULQDQ (faster: docs/PERFORMANCE.md), else the package's."""
-    fast = load(f"{__package__}._crc")
-    if fast is not None and fast.ACCELERATED:
+    fast = _folding()
+    if fast is not None:
         return fast.crc32c
     import crc32c as crc32c_package  # (only here: importing it costs a process ~50 ms, `importlib.metadata`)
 
@@ -106,31 +112,31 @@ def _crc32c() -> Callable[..., int]:
 crc32c = _crc32c()
 
 
+def plain_copy(dst: Buffer, src: Buffer) -> None:
+    """`copy_streamed`'s readable path: `dst[:] = src` (glibc's memcpy)."""
+    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+
+
 def copy_then_crc(dst: Buffer, src: Buffer, value: int = 0) -> int:
     """`crc32c_copy`'s readable path: `src` copied into `dst` (as long), then its CRC32C (a second read of it)."""
-    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+    plain_copy(dst, src)
     return crc32c(src, value)
 
 
 def _crc32c_copy() -> Callable[..., int]:
     """The folding CRC32C that copies what it reads where the CPU has it (one pass: `_crc.c`), else `copy_then_crc`."""
-    fast = load(f"{__package__}._crc")
-    return fast.crc32c_copy if fast is not None and fast.ACCELERATED else copy_then_crc
+    fast = _folding()
+    return copy_then_crc if fast is None else fast.crc32c_copy
 
 
 #: `dst[:] = src` and the CRC32C of `src` continuing from `value`, in one pass where it can
 crc32c_copy = _crc32c_copy()
 
 
-def plain_copy(dst: Buffer, src: Buffer) -> None:
-    """`copy_streamed`'s readable path: `dst[:] = src` (glibc's memcpy)."""
-    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
-
-
 def _copy_streamed() -> Callable[[Buffer, Buffer], None]:
-    """`_crc.c`'s copy with streaming stores where the CPU has AVX2, else `plain_copy`."""
-    fast = load(f"{__package__}._crc")
-    return fast.copy_streamed if fast is not None and fast.ACCELERATED else plain_copy
+    """`_crc.c`'s copy with streaming stores where the CPU has it, else `plain_copy`."""
+    fast = _folding()
+    return plain_copy if fast is None else fast.copy_streamed
 
 
 #: `dst[:] = src` around the cache (for `STREAMED` sizes: the bytes go to another core, which reads them from
@@ -144,8 +150,8 @@ STREAMED = range(4 << 20, 128 << 20)
 def crc32c_c() -> object:
     """`crc32c` as a C function for the other extensions (`_crc`'s CRC32C_C capsule) where it is the folding one,
     else None."""
-    fast = load(f"{__package__}._crc")
-    return fast.CRC32C_C if fast is not None and fast.ACCELERATED and crc32c is fast.crc32c else None
+    fast = _folding()
+    return fast.CRC32C_C if fast is not None and crc32c is fast.crc32c else None
 
 
 def configure(native: ModuleType) -> None:

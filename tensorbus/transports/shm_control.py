@@ -138,8 +138,8 @@ def batches(positions: list[int]) -> Iterator[list[int]]:
 class PinnedBytes:
     """The bytes of producers' memory that arrays the application took still view, over all the consumer's
     producers (its `max_pinned_bytes` bounds them; frames not taken yet are `max_buffered_bytes`'s):
-    added to as the ledger releases a viewed frame, taken from by whichever thread dropped a taken
-    frame's last view. One count, not one per producer summed per frame."""
+    added to as the ledger releases a viewed frame (or its connection ends), taken from by whichever thread
+    dropped such a frame's last view. One count, not one per producer summed per frame."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # (a finalizer that ran inside `add` must not wait for itself)
