@@ -3,22 +3,26 @@
 What it measures
     A `tb.Producer` in one child process sends `--tensors` float32 tensors of `--size` bytes back to back
     (`send(key, array, metadata={"i": n})`, as the bench's link does), a `tb.Consumer` in another receives them
-    (`recv_message` in a loop). Printed: each side's CPU time per tensor (`time.process_time`, the first tensor
-    left out) and the consumer's tensors/s. On a shared machine CPU per tensor moves far less with the load than
-    wall time does. The consumer's reader spins while it waits for bytes, so its figure is an upper bound when
-    the producer is the slower side; `--spin-s 0` makes it sleep at once instead (its CPU is then its work and its
-    wake-ups).
+    (`recv_message` in a loop, each message kept until the next comes, as a `for` loop keeps it). Printed: each
+    side's CPU time per tensor (`time.process_time`, the first tensor left out), the consumer's tensors/s and its
+    minor page faults per tensor (a frame received into fresh memory faults its pages in). On a shared machine
+    CPU per tensor moves far less with the load than wall time does. The consumer's reader spins while it waits
+    for bytes, so its figure is an upper bound when the producer is the slower side; `--spin-s 0` makes it sleep
+    at once instead (its CPU is then its work and its wake-ups). With `--aio` the consumer is tensorbus.aio's,
+    on uvloop (asyncio's loop without it), receiving in arrival order (`async for`).
 
 Run
     python -m benchmarks.socket_cpu [--transport tcp|unix|shm] [--size 4096] [--tensors 100000] [--rounds 1]
-        [--spin-s SECONDS]
+        [--spin-s SECONDS] [--aio]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing
 import os
+import resource
 import tempfile
 import time
 from multiprocessing.queues import Queue
@@ -31,16 +35,54 @@ WAIT_S = 120.0
 
 
 def consume(url: str, tensors: int, addresses: Queue[Any], results: Queue[Any], options: dict[str, Any]) -> None:
-    """Receive `tensors` tensors; report CPU per tensor and tensors/s after the first."""
+    """Receive `tensors` tensors; report CPU per tensor, tensors/s and minor faults per tensor after the first."""
     import tensorbus as tb
 
+    if options.pop("aio", False):
+        try:
+            import uvloop
+
+            run: Any = uvloop.run
+        except ImportError:
+            run = asyncio.run
+        run(consume_async(url, tensors, addresses, results, options))
+        return
     with tb.Consumer(url, **options) as consumer:
         addresses.put(consumer.address)
-        consumer.recv_message(KEY, WAIT_S)
-        cpu, wall = time.process_time(), time.perf_counter()
+        message = consumer.recv_message(KEY, WAIT_S)
+        start = _usage()
         for _ in range(tensors - 1):
-            consumer.recv_message(KEY, WAIT_S)
-        results.put(("consumer", (time.process_time() - cpu) / (tensors - 1), time.perf_counter() - wall))
+            message = consumer.recv_message(KEY, WAIT_S)  # (kept until the next comes, as a `for` loop keeps it)
+        del message
+        results.put(("consumer", *_since(start, tensors - 1)))
+
+
+async def consume_async(
+    url: str, tensors: int, addresses: Queue[Any], results: Queue[Any], options: dict[str, Any]
+) -> None:
+    """`consume` through tensorbus.aio, on the running loop."""
+    import tensorbus.aio as tba
+
+    async with tba.Consumer(url, **options) as consumer:
+        addresses.put(consumer.address)
+        arrivals = aiter(consumer)
+        message = await anext(arrivals)
+        start = _usage()
+        for _ in range(tensors - 1):
+            message = await anext(arrivals)
+        del message
+        results.put(("consumer", *_since(start, tensors - 1)))
+
+
+def _usage() -> tuple[float, float, int]:
+    """CPU seconds, wall seconds, minor page faults, now."""
+    return time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _since(start: tuple[float, float, int], tensors: int) -> tuple[float, float, float]:
+    """CPU seconds per tensor, wall seconds, minor faults per tensor since `start`."""
+    cpu, wall, faults = (now - then for now, then in zip(_usage(), start, strict=True))
+    return cpu / tensors, wall, faults / tensors
 
 
 def produce(address: str, tensors: int, size: int, results: Queue[Any]) -> None:
@@ -53,14 +95,14 @@ def produce(address: str, tensors: int, size: int, results: Queue[Any]) -> None:
         cpu, wall = time.process_time(), time.perf_counter()
         for index in range(1, tensors):
             producer.send(KEY, array, metadata={"i": index})
-        results.put(("producer", (time.process_time() - cpu) / (tensors - 1), time.perf_counter() - wall))
+        results.put(("producer", (time.process_time() - cpu) / (tensors - 1), time.perf_counter() - wall, 0.0))
         producer.flush(WAIT_S)
 
 
 def one_round(
     transport: str, size: int, tensors: int, options: dict[str, Any] | None = None
-) -> dict[str, tuple[float, float]]:
-    """Each side's (CPU seconds per tensor, wall seconds) for one round."""
+) -> dict[str, tuple[float, float, float]]:
+    """Each side's (CPU seconds per tensor, wall seconds, minor faults per tensor) for one round."""
     context = multiprocessing.get_context("spawn")
     addresses: Queue[Any] = context.Queue()
     results: Queue[Any] = context.Queue()
@@ -74,7 +116,9 @@ def one_round(
     producer = context.Process(target=produce, args=(addresses.get(timeout=WAIT_S), tensors, size, results))
     producer.start()
     try:
-        return {side: (cpu, wall) for side, cpu, wall in (results.get(timeout=WAIT_S) for _ in range(2))}
+        return {
+            side: (cpu, wall, faults) for side, cpu, wall, faults in (results.get(timeout=WAIT_S) for _ in range(2))
+        }
     finally:
         for process in (producer, consumer):
             process.join(WAIT_S)
@@ -88,14 +132,18 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--spin-s", type=float, default=None, help="the consumer's spin_s (default: its own)")
+    parser.add_argument("--aio", action="store_true", help="the consumer through tensorbus.aio")
     args = parser.parse_args()
     for _ in range(args.rounds):
-        options = {} if args.spin_s is None else {"spin_s": args.spin_s}
+        options: dict[str, Any] = {} if args.spin_s is None else {"spin_s": args.spin_s}
+        if args.aio:
+            options["aio"] = True
         sides = one_round(args.transport, args.size, args.tensors, options)
-        (producer_cpu, _), (consumer_cpu, consumer_wall) = sides["producer"], sides["consumer"]
+        (producer_cpu, _, _), (consumer_cpu, consumer_wall, faults) = sides["producer"], sides["consumer"]
         print(
-            f"{args.transport} {args.size} B: producer {producer_cpu * 1e6:.2f} µs/tensor, consumer "
-            f"{consumer_cpu * 1e6:.2f} µs/tensor, {(args.tensors - 1) / consumer_wall / 1e3:.1f}k tensors/s",
+            f"{args.transport}{' (aio consumer)' if args.aio else ''} {args.size} B: producer "
+            f"{producer_cpu * 1e6:.2f} µs/tensor, consumer {consumer_cpu * 1e6:.2f} µs/tensor, "
+            f"{faults:.1f} faults/tensor, {(args.tensors - 1) / consumer_wall / 1e3:.1f}k tensors/s",
             flush=True,
         )
 

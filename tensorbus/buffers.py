@@ -77,6 +77,11 @@ class BufferPool:
         self._lock = threading.Lock()
         self.reused = 0
 
+    def keep_more(self, count: int) -> None:
+        """Keep `count` more buffers of 1 MiB and more (a reader that runs further ahead of its receives)."""
+        with self._lock:
+            self.max_buffers += count
+
     def take(self, n: int) -> memoryview:
         """A buffer of exactly `n` bytes (a view of a pooled one when a free one fits)."""
         try:

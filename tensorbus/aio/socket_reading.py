@@ -34,8 +34,8 @@ from .turns import replying
 
 log = logging.getLogger(__name__)
 #: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module): a
-#: few 1 MB frames (at 1 MiB the loop stopped and started reading at every one of them; at 8 MiB more of them
-#: were in flight than the pool keeps, `pooled_buffers` (4), and many landed in fresh memory: docs/PERFORMANCE.md)
+#: few 1 MB frames (at 1 MiB the loop stopped and started reading at every one of them; the consumer's pool
+#: keeps as many 1 MiB buffers more than `pooled_buffers`, lest they land in fresh memory: docs/PERFORMANCE.md)
 READ_AHEAD = 4 << 20
 #: readable connections found while reading is paused before the loop stops watching them: a receive
 #: that yields once (turns.py) before it takes ends the pause during the first, most often
@@ -157,6 +157,7 @@ class LoopReading:
         listener = transport._listener
         assert listener is not None
         self._consumer, self._loop, self._table = transport, loop, table
+        transport.read_ahead(READ_AHEAD)
         self.poller.attach(loop, self._ready)
         self._listening = listener.selector
         loop.add_reader(self._listening, self._turn)

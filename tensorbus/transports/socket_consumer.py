@@ -9,7 +9,7 @@ import urllib.parse
 from collections.abc import Callable
 from contextvars import ContextVar
 
-from ..buffers import RECYCLED_AT_MOST, RECYCLED_BYTES, BufferPool
+from ..buffers import POOLED_FROM, RECYCLED_AT_MOST, RECYCLED_BYTES, BufferPool
 from ..codec.frame import Limits
 from .base import ConsumerSide, Deliver
 from .listener import Listener
@@ -62,6 +62,11 @@ class SocketConsumer(SocketEndpoint, ConsumerSide):
             deliver, limits, self.options, self._pool, None if loop_poller is None else loop_poller()
         )
         self._listener.start(self.reactor, context, thread=loop_poller is None)
+
+    def read_ahead(self, nbytes: int) -> None:
+        """Frames are read up to `nbytes` ahead of the receives (an event loop's reading): keep that many more
+        pooled buffers, so that those frames too land in memory used before."""
+        self._pool.keep_more(nbytes // POOLED_FROM)
 
     def sender(self) -> str | None:
         """The address of the producer connection being read (on the reading thread)."""

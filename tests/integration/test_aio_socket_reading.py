@@ -21,6 +21,7 @@ import tensorbus as tb
 import tensorbus.aio as tba
 from tensorbus.aio import socket_reading
 from tensorbus.transports import peer_frames
+from tensorbus.transports.stream import SocketOptions
 from tests.waiting import wait_for
 
 FRAMES = 20
@@ -213,5 +214,34 @@ def test_a_served_turn_looks_up_no_connection_while_a_receive_waits_again_and_no
         assert True not in calls, calls  # (one call per round, owed_only, before)
         assert calls[-1:] == [False]  # the last receive: none waits after it, everything is acked
         wait_for(lambda: _acks_read(producer) == 1 + rounds, 10, "every frame acknowledged after the last receive")
+    finally:
+        _close(loop, consumer, producer)
+
+
+def test_frames_read_ahead_of_the_receives_land_in_buffers_the_pool_keeps(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop reads up to READ_AHEAD ahead of the receives: with one tensor held, more 1 MiB frames are alive
+    at once than `pooled_buffers` (4), and the pool keeps a buffer for each, so every frame's buffer is one it
+    reused or keeps for reuse, none fresh memory let go. (`linger_s` long: reading never goes free of the
+    bound between two receives of a busy machine.)"""
+    consumer = loop.run_until_complete(tba.Consumer("tcp://127.0.0.1:0", linger_s=60).open())
+    producer = tb.Producer(consumer.address)
+    tensor, count = np.ones(1 << 18, np.float32), 12  # 1 MiB each
+    pool = consumer.blocking.transport._pool  # type: ignore[attr-defined]
+
+    async def run() -> None:
+        sending = asyncio.ensure_future(
+            asyncio.to_thread(lambda: [producer.send(f"{i}", tensor) for i in range(count)])
+        )
+        ahead = lambda: consumer.table.buffered_bytes >= socket_reading.READ_AHEAD  # noqa: E731
+        await asyncio.to_thread(wait_for, ahead, 30, "the loop to read READ_AHEAD ahead")
+        for i in range(count):  # each held until the next comes, as an application that checks it does
+            held = await consumer.recv(f"{i}", timeout=30)
+            assert np.array_equal(held, tensor)
+        await sending
+
+    try:
+        loop.run_until_complete(run())
+        assert len(pool._buffers) > SocketOptions().pooled_buffers  # (the case under test)
+        assert pool.reused + len(pool._buffers) == count
     finally:
         _close(loop, consumer, producer)
