@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..rendezvous import Rendezvous
+from ..transports.peer_frames import UNBOUNDED
 from ..transports.reactor import TAKEN_EVERY_S, Poller
 from ..transports.socket_consumer import SocketConsumer
 from ..transports.spinning import NEAR_MISS, STRETCH
@@ -193,7 +194,7 @@ class LoopReading:
             elif self._ran_out is not None:
                 self._judge(time.monotonic() - self._ran_out <= NEAR_MISS * self._consumer.reactor.spin_s)
         served = self._receive_waits()  # (a receive this turn may serve: its reply first, then the acks)
-        if self._consumer.reactor.read_ready([data], self._enough, ack=not served) and self._again is None:
+        if self._consumer.reactor.read_ready([data], self._room, ack=not served) and self._again is None:
             self._again = self._loop.call_soon(self._read_ahead)
         if served:
             self._ack_soon()
@@ -224,9 +225,15 @@ class LoopReading:
         table = self._table
         return table is not None and any(table._waiters.values())
 
-    def _enough(self) -> bool:
-        """Whether a turn has read ahead far enough (`Reactor.read_ready` stops between two frames)."""
-        return not self._wanted()
+    def _room(self) -> int:
+        """The bytes a turn may still read ahead (`Reactor.read_ready` stops with the frame that uses them up):
+        READ_AHEAD less what the table holds, at least a frame while a receive waits, no bound while free;
+        0 or less once `_wanted` says no."""
+        table = self._table
+        if self._free or table is None:
+            return UNBOUNDED
+        left = READ_AHEAD - table.buffered_bytes
+        return left if left > 0 or not self._receive_waits() else 1
 
     def _go_free(self) -> None:
         """No receive came for `linger_s` while reading was paused: read on freely."""
@@ -329,7 +336,7 @@ class LoopReading:
         if not self._wanted():  # (bytes read ahead wait too: `resume` comes back here)
             self._stop_reading()
             return
-        if self._consumer.reactor.read_ready([], self._enough):
+        if self._consumer.reactor.read_ready([], self._room):
             self._again = self._loop.call_soon(self._read_ahead)
 
     def _ack_soon(self) -> None:

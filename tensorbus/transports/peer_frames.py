@@ -29,8 +29,16 @@ FAIR_SHARE = 16
 TAKEN_WITHOUT_ID = Delivered(None, True)
 
 
+#: what a turn may read when nothing bounds it but FAIR_SHARE and the acks (`_read`'s `room`)
+UNBOUNDED = 1 << 62
+
+
 def never() -> bool:
     return False
+
+
+def unbounded() -> int:
+    return UNBOUNDED
 
 
 class PeerFrames(Peers):
@@ -45,18 +53,21 @@ class PeerFrames(Peers):
         self._largest_read = 0  # the largest frame read since an application thread took the lead
         self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
 
-    def _read(self, peer: Peer, stop: Callable[[], bool], enough: Callable[[], bool] = never) -> None:
+    def _read(self, peer: Peer, stop: Callable[[], bool], room: Callable[[], int] = unbounded) -> None:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds (and
-        nothing is read ahead) or `enough()` does (bytes read ahead then wait in `_pending`)."""
+        nothing is read ahead) or `room()`, the bytes the caller lets it read on (an event loop's read-ahead),
+        is used up (bytes read ahead then wait in `_pending`). A run of frames read in C goes no further than
+        the frame that uses it up, as a frame at a time would."""
         self.reading = peer.name
-        runs = self._fast is not None and enough is never  # (an event loop's turn may stop between any two frames)
+        runs = self._fast is not None
         try:
             steps = 0
             while steps < FAIR_SHARE:
-                if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)) or enough():
+                left = room()
+                if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)) or left <= 0:
                     break  # held back, done and nothing read ahead says more is on its way, or enough read ahead
                 if runs and peer.replay is None:
-                    taken, more = self._run(peer, FAIR_SHARE - steps)
+                    taken, more = self._run(peer, FAIR_SHARE - steps, left)
                     steps += taken
                     if not more:
                         break
@@ -112,16 +123,17 @@ class PeerFrames(Peers):
             self._event(peer, event)
         return True
 
-    def _run(self, peer: Peer, most: int) -> tuple[int, bool]:
+    def _run(self, peer: Peer, most: int, most_bytes: int = UNBOUNDED) -> tuple[int, bool]:
         """Up to `most` steps in one call of the reader (`read_taken`): the plain frames the C delivery
         takes, read and delivered without a Python step each, then booked as `_step` books them; the
         event that ended the run is handled as `_step` handles it. Returns the steps taken and whether
-        to read on. The run ends where `_booked` would ack, so the acks go out where they did."""
+        to read on. The run ends where `_booked` would ack, so the acks go out where they did, and with
+        the frame that brings its bytes to `most_bytes` (at least one frame is read)."""
         every_frames, every_bytes = self._ack_every
         frames = 1 if peer.ack_owed else max(min(most, every_frames - (peer.frames - peer.acked)), 1)
         reader = peer.reader
         ids, event, nbytes, largest = reader.read_taken(
-            self._fast, peer.source, frames, every_bytes - peer.unacked_bytes
+            self._fast, peer.source, frames, min(every_bytes - peer.unacked_bytes, most_bytes)
         )
         if ids:
             peer.positions.record_admitted_run(peer.frames, ids)  # (`_finish` of a plain tensor, each)

@@ -27,7 +27,7 @@ from ..buffers import BufferPool
 from ..codec.frame import Limits
 from .base import Deliver
 from .idle import IdleSweep
-from .peer_frames import FAIR_SHARE, PeerFrames, never
+from .peer_frames import FAIR_SHARE, PeerFrames, never, unbounded
 from .poller import IdleClock, Poller
 from .stream import NATIVE_STREAM, SocketOptions
 
@@ -217,11 +217,12 @@ class ReadingLoop(PeerFrames):
             self._taken_due = now + TAKEN_EVERY_S
             self.send_taken()
 
-    def read_ready(self, ready: list[Any], enough: Callable[[], bool] = never, ack: bool = True) -> bool:
+    def read_ready(self, ready: list[Any], room: Callable[[], int] = unbounded, ack: bool = True) -> bool:
         """An event loop's turn, in place of a leading thread: read each connection in `ready` (None: the
         wake-up pipe) and each with bytes read ahead, as far as its bytes go (FAIR_SHARE frames at most,
-        and no frame more once `enough()` holds: a TCP receive buffer grown to megabytes would otherwise
-        be drained whole in one turn, into fresh buffers, while a receive waits), and do the upkeep.
+        and no frame more once the bytes `room()` gives are read: a TCP receive buffer grown to megabytes
+        would otherwise be drained whole in one turn, into fresh buffers, while a receive waits), and do
+        the upkeep.
         True while bytes read ahead wait, which the loop cannot see: call again soon.
 
         Every frame a turn delivered is acked before it ends, whether or not bytes wait read ahead: the
@@ -245,7 +246,7 @@ class ReadingLoop(PeerFrames):
                     peers.add(peer)
             for peer in peers:
                 if not peer.gone and peer.held is None:
-                    self._read(peer, never, enough)
+                    self._read(peer, never, room)
                     if ack and not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
                         self._ack_now(peer)
             self._upkeep(time.monotonic())

@@ -21,7 +21,10 @@ import tensorbus as tb
 import tensorbus.aio as tba
 from tensorbus.aio import socket_reading
 from tensorbus.transports import peer_frames
+from tensorbus.transports import reader as reader_module
+from tensorbus.transports.peer_frames import PeerFrames
 from tensorbus.transports.stream import SocketOptions
+from tests.conftest import require_native
 from tests.waiting import wait_for
 
 FRAMES = 20
@@ -243,5 +246,26 @@ def test_frames_read_ahead_of_the_receives_land_in_buffers_the_pool_keeps(loop: 
         loop.run_until_complete(run())
         assert len(pool._buffers) > SocketOptions().pooled_buffers  # (the case under test)
         assert pool.reused + len(pool._buffers) == count
+    finally:
+        _close(loop, consumer, producer)
+
+
+def test_a_turn_delivers_plain_frames_in_runs_read_in_c(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's turns read plain frames in runs of the C reader (`read_taken`), as a reading thread does,
+    not a Python step each; each run stops with the frame that uses up READ_AHEAD, so a turn reads no
+    further ahead than it did a frame at a time (`test_a_turn_reads_no_further_ahead_than_read_ahead_allows`)."""
+    require_native(reader_module.NATIVE_STREAM is not None, "the C stream reader (tensorbus/transports/_stream.c)")
+    consumer, producer = _connected(loop)
+    stepped, runs = [], []
+    step, run = PeerFrames._step, PeerFrames._run
+    monkeypatch.setattr(PeerFrames, "_step", lambda self, peer: stepped.append(peer) or step(self, peer))
+    monkeypatch.setattr(PeerFrames, "_run", lambda self, *args: runs.append(run(self, *args)) or runs[-1])
+    try:
+        _send_while_the_loop_stands(consumer, producer)
+        assert loop.run_until_complete(_receive(consumer, FRAMES)) == list(range(FRAMES))
+        assert stepped == []
+        assert sum(taken for taken, _ in runs) >= FRAMES and len(runs) < FRAMES  # (runs of several frames)
     finally:
         _close(loop, consumer, producer)
