@@ -17,7 +17,9 @@ import contextlib
 import os
 import platform
 import re
+import selectors
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -31,6 +33,11 @@ from .poller import IdleClock, Poller
 from .reader import stream_reader
 from .reading_loop import OVERLAP_FROM, TAKEN_EVERY_S, ReadingLoop
 from .stream import SocketOptions, tune_connection
+
+#: how long a closing consumer reads and drops what its producers still send after its last acks (an ack
+#: request of a `flush` under way), until each closes its end: a socket closed with bytes unread, or that
+#: bytes reach after, is reset, and a reset makes Linux drop the acks its producer had not read yet
+CLOSE_LINGER_S = 0.05
 
 __all__ = ["LOOP_READ_BUDGET", "OVERLAP_FROM", "RECV_LOWAT", "TAKEN_EVERY_S", "IdleClock", "Poller", "Reactor"]
 
@@ -117,13 +124,16 @@ class Reactor(ReadingLoop):
                 self._state.notify_all()
             if self._background is not None:
                 self._background.join(timeout)
-            for peer in self._peer_list():
+            peers = self._peer_list()
+            for peer in peers:
                 with contextlib.suppress(OSError, PeerGone, *WOULD_BLOCK):
                     if got:
                         self._ack(peer)  # what was received and taken: the producer sends the rest to the next one
                 peer.positions.close()
                 with contextlib.suppress(OSError):
-                    peer.conn.shutdown(socket.SHUT_RDWR)
+                    peer.conn.shutdown(socket.SHUT_WR)  # (the end of the stream, after those acks)
+            _discard_until_closed([peer.conn for peer in peers], min(CLOSE_LINGER_S, timeout))
+            for peer in peers:
                 peer.conn.close()
             with self._peers_lock:
                 self._peers.clear()
@@ -134,3 +144,25 @@ class Reactor(ReadingLoop):
         finally:
             if got:
                 self._leader.release()
+
+
+def _discard_until_closed(conns: list[Any], timeout: float) -> None:
+    """Read and drop what arrives on `conns` (their consumer closing) until each reaches its end, for at most
+    `timeout` seconds: closed with nothing unread, a socket ends with a FIN, not a reset."""
+    if not conns:
+        return
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        for conn in conns:
+            with contextlib.suppress(OSError, ValueError):
+                selector.register(conn, selectors.EVENT_READ)
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                try:
+                    ended = not key.fileobj.recv(1 << 16)  # type: ignore[union-attr]
+                except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+                    continue
+                except OSError:
+                    ended = True
+                if ended:
+                    selector.unregister(key.fileobj)

@@ -22,6 +22,7 @@ from tensorbus.transports import reactor
 from tensorbus.transports import reader as reader_module
 from tensorbus.transports.stream import (
     ACK,
+    ACK_REQUEST_MARKER,
     HELLO,
     HELLO_AUTH,
     HELLO_EVERY_CONSUMER,
@@ -191,6 +192,41 @@ def test_a_consumer_that_closes_after_receiving_everything_acks_it_on_the_way_ou
     assert producer.transport._unacked  # sent, received, but not acknowledged yet
     consumer.close()
     producer.flush(5)  # no reconnect (nobody listens any more) and no resend: the farewell ack covered it
+    assert not producer.transport._unacked
+    producer.close()
+
+
+TCP_ESTABLISHED, TCP_CLOSE_WAIT = 1, 8  # (include/net/tcp_states.h)
+
+
+def test_a_closing_consumer_reads_what_comes_after_its_farewell_ack_and_ends_the_stream_without_a_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ack request (a `flush` under way) that reaches a closing consumer after its last read is read and
+    dropped before the socket closes: the producer reads the farewell ack, then the end of the stream. Closed
+    with bytes unread, a socket is reset instead, and a producer that meets the reset before it read the acks
+    (sending its next request) reconnects to nobody: its flush fails though every tensor was taken.
+    (The producer's socket says which: CLOSE_WAIT after a FIN, CLOSE after a reset.)"""
+    consumer = tb.Consumer("tcp://127.0.0.1:0", ack_every_frames=1000)  # no ack goes out on its own
+    producer = tb.Producer(consumer.address, reconnect_timeout_s=1)
+    send_numbered(producer, range(5))
+    assert [consumer.recv(f"a{i}", timeout=10)[0] for i in range(5)] == list(range(5))
+    sock = producer.transport._sock
+    ack = reactor.Reactor._ack
+
+    def farewell_then_a_request(self: reactor.Reactor, peer: Any) -> None:
+        ack(self, peer)
+        if self._closed:  # the close's farewell ack: a request comes after it, before the socket closes
+            sock.sendall(ACK_REQUEST_MARKER)
+            unread = lambda: peer.conn.recv(64, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # noqa: E731
+            wait_for(unread, 10, "the request in the closing consumer's socket")
+
+    monkeypatch.setattr(reactor.Reactor, "_ack", farewell_then_a_request)
+    consumer.close()
+    state = lambda: sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]  # noqa: E731  # (Linux: tcpi_state)
+    wait_for(lambda: state() != TCP_ESTABLISHED, 10, "the consumer's end of the stream")
+    assert state() == TCP_CLOSE_WAIT  # its end was closed, not reset (TCP_CLOSE, 7)
+    producer.flush(5)  # the farewell ack, read
     assert not producer.transport._unacked
     producer.close()
 
