@@ -74,13 +74,15 @@ class BufferPool:
         self._recycled: list[np.ndarray] = []  # from RECYCLED_FROM, below POOLED_FROM
         self._recycled_bytes = 0
         self._other_free = False  # (what the last `_free` saw, under `_lock`)
+        self._more, self._more_up_to = 0, 0  # `keep_more`'s (under `_lock`)
         self._lock = threading.Lock()
         self.reused = 0
 
-    def keep_more(self, count: int) -> None:
-        """Keep `count` more buffers of 1 MiB and more (a reader that runs further ahead of its receives)."""
+    def keep_more(self, count: int, each_at_most: int) -> None:
+        """Keep `count` more buffers of 1 MiB up to `each_at_most` bytes (a reader that runs that many frames
+        ahead of its receives): at most `count * each_at_most` bytes more than `max_buffers` keep."""
         with self._lock:
-            self.max_buffers += count
+            self._more, self._more_up_to = count, each_at_most
 
     def take(self, n: int) -> memoryview:
         """A buffer of exactly `n` bytes (a view of a pooled one when a free one fits)."""
@@ -124,11 +126,12 @@ class BufferPool:
             if reused is not None:
                 return reused
             base = aligned_empty(n)
-            if len(self._buffers) >= self.max_buffers:  # evict the first free buffer, if any
+            kept = self.max_buffers + (self._more if n <= self._more_up_to else 0)
+            if len(self._buffers) >= kept:  # evict the first free buffer, if any
                 free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]
                 if free:
                     del self._buffers[free[0]]
-            if len(self._buffers) < self.max_buffers:
+            if len(self._buffers) < kept:
                 self._buffers.append(base)
             return base.data[:n]
 

@@ -64,9 +64,11 @@ class SocketConsumer(SocketEndpoint, ConsumerSide):
         self._listener.start(self.reactor, context, thread=loop_poller is None)
 
     def read_ahead(self, nbytes: int) -> None:
-        """Frames are read up to `nbytes` ahead of the receives (an event loop's reading): keep that many more
-        pooled buffers, so that those frames too land in memory used before."""
-        self._pool.keep_more(nbytes // POOLED_FROM)
+        """Frames are read up to `nbytes` ahead of the receives (an event loop's reading): the pool keeps as
+        many more buffers of up to half that (several such frames fit), so those frames too land in memory used
+        before; none more if `pooled_buffers` is 0."""
+        if self.options.pooled_buffers:
+            self._pool.keep_more(nbytes // POOLED_FROM, nbytes // 2)
 
     def sender(self) -> str | None:
         """The address of the producer connection being read (on the reading thread)."""

@@ -51,6 +51,19 @@ def test_small_and_large_buffers_keep_their_own_rules() -> None:
     assert pool.reused == 1
 
 
+def test_the_buffers_kept_more_are_only_those_of_up_to_their_size() -> None:
+    """`keep_more` (a reader running ahead of its receives) keeps more buffers of a bounded size only:
+    larger ones still keep to `max_buffers`, so the bytes kept grow by at most count x size."""
+    pool = buffers.BufferPool(max_buffers=1)
+    pool.keep_more(2, 2 << 20)
+    small = [pool.take(3 << 19) for _ in range(3)]  # 1.5 MiB each, in use at once: one plus two more kept
+    large = pool.take(4 << 20)  # past the extra ones' size, and `max_buffers` is taken: not kept
+    assert sorted(len(kept) for kept in pool._buffers) == [3 << 19] * 3
+    del small, large
+    again = [pool.take(3 << 19) for _ in range(3)]
+    assert pool.reused == 3 and len(again) == 3
+
+
 def test_a_reused_buffer_goes_to_the_back_so_the_one_used_longest_ago_is_looked_at_first() -> None:
     pool = buffers.BufferPool(recycled_bytes=8 << 20)
     n = 64 << 10
