@@ -35,9 +35,11 @@ from .reading_loop import OVERLAP_FROM, TAKEN_EVERY_S, ReadingLoop
 from .stream import SocketOptions, tune_connection
 
 #: how long a closing consumer reads and drops what its producers still send after its last acks (an ack
-#: request of a `flush` under way), until each closes its end: a socket closed with bytes unread, or that
-#: bytes reach after, is reset, and a reset makes Linux drop the acks its producer had not read yet
+#: request of a `flush` under way), until each closes its end or none sent anything for CLOSE_QUIET_S (a
+#: producer runs no thread: an idle one closes its end only at its next call): a socket closed with bytes
+#: unread, or that bytes reach after, is reset, and a reset can cost its producer the acks not read yet
 CLOSE_LINGER_S = 0.05
+CLOSE_QUIET_S = 0.01
 
 __all__ = ["LOOP_READ_BUDGET", "OVERLAP_FROM", "RECV_LOWAT", "TAKEN_EVERY_S", "IdleClock", "Poller", "Reactor"]
 
@@ -125,16 +127,20 @@ class Reactor(ReadingLoop):
             if self._background is not None:
                 self._background.join(timeout)
             peers = self._peer_list()
-            for peer in peers:
-                with contextlib.suppress(OSError, PeerGone, *WOULD_BLOCK):
-                    if got:
-                        self._ack(peer)  # what was received and taken: the producer sends the rest to the next one
-                peer.positions.close()
-                with contextlib.suppress(OSError):
-                    peer.conn.shutdown(socket.SHUT_WR)  # (the end of the stream, after those acks)
-            _discard_until_closed([peer.conn for peer in peers], min(CLOSE_LINGER_S, timeout))
-            for peer in peers:
-                peer.conn.close()
+            try:
+                for peer in peers:
+                    with contextlib.suppress(OSError, PeerGone, *WOULD_BLOCK):
+                        if got:
+                            self._ack(peer)  # what was received and taken: the producer sends the rest to the next one
+                    peer.positions.close()
+                    with contextlib.suppress(OSError):
+                        peer.conn.shutdown(socket.SHUT_WR)  # (the end of the stream, after those acks)
+                if got:  # (else another thread leads, and reads these: nothing was acked to protect anyway)
+                    with contextlib.suppress(OSError):  # (e.g. no descriptor left for a selector)
+                        _discard_until_closed([peer.conn for peer in peers], min(CLOSE_LINGER_S, timeout))
+            finally:
+                for peer in peers:
+                    peer.conn.close()
             with self._peers_lock:
                 self._peers.clear()
             self._poller.close()
@@ -147,8 +153,9 @@ class Reactor(ReadingLoop):
 
 
 def _discard_until_closed(conns: list[Any], timeout: float) -> None:
-    """Read and drop what arrives on `conns` (their consumer closing) until each reaches its end, for at most
-    `timeout` seconds: closed with nothing unread, a socket ends with a FIN, not a reset."""
+    """Read and drop what arrives on `conns` (their consumer closing) until each reaches its end, nothing came
+    for CLOSE_QUIET_S, or `timeout` seconds passed: closed with nothing unread, a socket ends with a FIN, not a
+    reset."""
     if not conns:
         return
     deadline = time.monotonic() + timeout
@@ -157,7 +164,10 @@ def _discard_until_closed(conns: list[Any], timeout: float) -> None:
             with contextlib.suppress(OSError, ValueError):
                 selector.register(conn, selectors.EVENT_READ)
         while selector.get_map() and (left := deadline - time.monotonic()) > 0:
-            for key, _ in selector.select(left):
+            ready = selector.select(min(left, CLOSE_QUIET_S))
+            if not ready:
+                return
+            for key, _ in ready:
                 try:
                     ended = not key.fileobj.recv(1 << 16)  # type: ignore[union-attr]
                 except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
