@@ -36,7 +36,8 @@ from .turns import replying
 log = logging.getLogger(__name__)
 #: bytes buffered in the table past which the loop stops reading ahead of the receives (see the module): a
 #: few 1 MB frames (at 1 MiB the loop stopped and started reading at every one of them; the consumer's pool
-#: keeps as many 1 MiB buffers more than `pooled_buffers`, lest they land in fresh memory: docs/PERFORMANCE.md)
+#: keeps that many buffers of up to 2 MiB more than `pooled_buffers`, lest they land in fresh memory:
+#: `SocketConsumer.read_ahead`, docs/PERFORMANCE.md)
 READ_AHEAD = 4 << 20
 #: readable connections found while reading is paused before the loop stops watching them: a receive
 #: that yields once (turns.py) before it takes ends the pause during the first, most often
