@@ -215,25 +215,22 @@ class LoopReading:
 
     def _wanted(self, below: int | None = None) -> bool:
         """Whether the loop should read the connections now: no receive came for a while, fewer than
-        `below` bytes (READ_AHEAD) are buffered, or a receive waits."""
-        table = self._table
-        if self._free or table is None:
-            return True
-        return table.buffered_bytes < (READ_AHEAD if below is None else below) or self._receive_waits()
+        `below` bytes (READ_AHEAD) are buffered, or a receive waits (`_room`'s rule)."""
+        return self._room(below) > 0
 
     def _receive_waits(self) -> bool:
         """Whether a receive (of any key) waits in the table."""
         table = self._table
         return table is not None and any(table._waiters.values())
 
-    def _room(self) -> int:
+    def _room(self, limit: int | None = None) -> int:
         """The bytes a turn may still read ahead (`Reactor.read_ready` stops with the frame that uses them up):
-        READ_AHEAD less what the table holds, at least a frame while a receive waits, no bound while free;
-        0 or less once `_wanted` says no."""
+        `limit` (READ_AHEAD) less what the table holds, at least a frame while a receive waits, no bound while free (no
+        receive came for a while); 0 or less when the loop should not read."""
         table = self._table
         if self._free or table is None:
             return UNBOUNDED
-        left = READ_AHEAD - table.buffered_bytes
+        left = (READ_AHEAD if limit is None else limit) - table.buffered_bytes
         return left if left > 0 or not self._receive_waits() else 1
 
     def _go_free(self) -> None:
