@@ -92,10 +92,10 @@ def produce(address: str, tensors: int, size: int, results: Queue[Any]) -> None:
     array = np.ones(size // 4, np.float32)
     with tb.Producer(address) as producer:
         producer.send(KEY, array, metadata={"i": 0})
-        cpu, wall = time.process_time(), time.perf_counter()
+        start = _usage()
         for index in range(1, tensors):
             producer.send(KEY, array, metadata={"i": index})
-        results.put(("producer", (time.process_time() - cpu) / (tensors - 1), time.perf_counter() - wall, 0.0))
+        results.put(("producer", *_since(start, tensors - 1)))
         producer.flush(WAIT_S)
 
 
