@@ -9,11 +9,12 @@ What it measures
     CPU per tensor moves far less with the load than wall time does. The consumer's reader spins while it waits
     for bytes, so its figure is an upper bound when the producer is the slower side; `--spin-s 0` makes it sleep
     at once instead (its CPU is then its work and its wake-ups). With `--aio` the consumer is tensorbus.aio's,
-    on uvloop (asyncio's loop without it), receiving in arrival order (`async for`).
+    on uvloop (asyncio's loop without it), receiving in arrival order (`async for`); with `--aio-producer` the
+    producer is tensorbus.aio's, awaiting each send.
 
 Run
     python -m benchmarks.socket_cpu [--transport tcp|unix|shm] [--size 4096] [--tensors 100000] [--rounds 1]
-        [--spin-s SECONDS] [--aio]
+        [--spin-s SECONDS] [--aio] [--aio-producer]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import resource
 import tempfile
 import time
+from collections.abc import Coroutine
 from multiprocessing.queues import Queue
 from typing import Any
 
@@ -39,13 +41,7 @@ def consume(url: str, tensors: int, addresses: Queue[Any], results: Queue[Any], 
     import tensorbus as tb
 
     if options.pop("aio", False):
-        try:
-            import uvloop
-
-            run: Any = uvloop.run
-        except ImportError:
-            run = asyncio.run
-        run(consume_async(url, tensors, addresses, results, options))
+        _run_loop(consume_async(url, tensors, addresses, results, options))
         return
     with tb.Consumer(url, **options) as consumer:
         addresses.put(consumer.address)
@@ -74,6 +70,17 @@ async def consume_async(
         results.put(("consumer", *_since(start, tensors - 1)))
 
 
+def _run_loop(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run `coroutine` on uvloop, or on asyncio's own loop without it."""
+    try:
+        import uvloop
+
+        run: Any = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    run(coroutine)
+
+
 def _usage() -> tuple[float, float, int]:
     """CPU seconds, wall seconds, minor page faults, now."""
     return time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -85,11 +92,14 @@ def _since(start: tuple[float, float, int], tensors: int) -> tuple[float, float,
     return cpu / tensors, wall, faults / tensors
 
 
-def produce(address: str, tensors: int, size: int, results: Queue[Any]) -> None:
+def produce(address: str, tensors: int, size: int, results: Queue[Any], aio: bool = False) -> None:
     """Send `tensors` tensors of `size` bytes; report CPU per tensor after the first, then flush."""
     import tensorbus as tb
 
     array = np.ones(size // 4, np.float32)
+    if aio:
+        _run_loop(produce_async(address, tensors, array, results))
+        return
     with tb.Producer(address) as producer:
         producer.send(KEY, array, metadata={"i": 0})
         start = _usage()
@@ -99,8 +109,21 @@ def produce(address: str, tensors: int, size: int, results: Queue[Any]) -> None:
         producer.flush(WAIT_S)
 
 
+async def produce_async(address: str, tensors: int, array: np.ndarray, results: Queue[Any]) -> None:
+    """`produce` through tensorbus.aio, on the running loop."""
+    import tensorbus.aio as tba
+
+    async with tba.Producer(address) as producer:
+        await producer.send(KEY, array, metadata={"i": 0})
+        start = _usage()
+        for index in range(1, tensors):
+            await producer.send(KEY, array, metadata={"i": index})
+        results.put(("producer", *_since(start, tensors - 1)))
+        await producer.flush(WAIT_S)
+
+
 def one_round(
-    transport: str, size: int, tensors: int, options: dict[str, Any] | None = None
+    transport: str, size: int, tensors: int, options: dict[str, Any] | None = None, aio_producer: bool = False
 ) -> dict[str, tuple[float, float, float]]:
     """Each side's (CPU seconds per tensor, wall seconds, minor faults per tensor) for one round."""
     context = multiprocessing.get_context("spawn")
@@ -113,7 +136,9 @@ def one_round(
     }[transport]
     consumer = context.Process(target=consume, args=(url, tensors, addresses, results, options or {}))
     consumer.start()
-    producer = context.Process(target=produce, args=(addresses.get(timeout=WAIT_S), tensors, size, results))
+    producer = context.Process(
+        target=produce, args=(addresses.get(timeout=WAIT_S), tensors, size, results, aio_producer)
+    )
     producer.start()
     try:
         return {
@@ -133,15 +158,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--spin-s", type=float, default=None, help="the consumer's spin_s (default: its own)")
     parser.add_argument("--aio", action="store_true", help="the consumer through tensorbus.aio")
+    parser.add_argument("--aio-producer", action="store_true", help="the producer through tensorbus.aio")
     args = parser.parse_args()
     for _ in range(args.rounds):
         options: dict[str, Any] = {} if args.spin_s is None else {"spin_s": args.spin_s}
         if args.aio:
             options["aio"] = True
-        sides = one_round(args.transport, args.size, args.tensors, options)
+        sides = one_round(args.transport, args.size, args.tensors, options, args.aio_producer)
         (producer_cpu, _, _), (consumer_cpu, consumer_wall, faults) = sides["producer"], sides["consumer"]
         print(
-            f"{args.transport}{' (aio consumer)' if args.aio else ''} {args.size} B: producer "
+            f"{args.transport}{' (aio consumer)' if args.aio else ''}{' (aio producer)' if args.aio_producer else ''} "
+            f"{args.size} B: producer "
             f"{producer_cpu * 1e6:.2f} µs/tensor, consumer {consumer_cpu * 1e6:.2f} µs/tensor, "
             f"{faults:.1f} faults/tensor, {(args.tensors - 1) / consumer_wall / 1e3:.1f}k tensors/s",
             flush=True,

@@ -67,9 +67,14 @@ def test_the_metrics_cost_benchmark_times_each_stream_in_turn() -> None:
     assert all(len(results) == 2 and all(x > 0 for result in results for x in result) for results in rows.values())
 
 
-@pytest.mark.parametrize(("transport", "aio"), [("tcp", False), ("unix", False), ("shm", False), ("tcp", True)])
-def test_the_socket_cpu_benchmark_times_each_side_of_a_real_stream(transport: str, aio: bool) -> None:
-    sides = socket_cpu.one_round(transport, 4096, 200, {"aio": True} if aio else None)
+@pytest.mark.parametrize(
+    ("transport", "aio", "aio_producer"),
+    [("tcp", False, False), ("unix", False, False), ("shm", False, False), ("tcp", True, False), ("tcp", False, True)],
+)
+def test_the_socket_cpu_benchmark_times_each_side_of_a_real_stream(
+    transport: str, aio: bool, aio_producer: bool
+) -> None:
+    sides = socket_cpu.one_round(transport, 4096, 200, {"aio": True} if aio else None, aio_producer)
     assert sides.keys() == {"producer", "consumer"}
     assert all(cpu > 0 and wall > 0 and faults >= 0 for cpu, wall, faults in sides.values())
 
