@@ -2,7 +2,7 @@
 # Run the whole test suite from nothing: a venv with every extra (and the checkout's bytecode), the
 # brokers started natively (scripts/brokers.sh), ruff (lint and format), mypy on the package, pytest,
 # then the unit and socket tests again on the Python paths alone (TENSORBUS_NATIVE=0); the native
-# brokers are stopped again, and the broker and CLI integration tests run once more against Docker
+# brokers are stopped again, and the broker integration tests run once more against Docker
 # Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the background
 # meanwhile; TENSORBUS_COMPOSE=0 leaves that out). Each part says how long it took, each pytest pass
 # which tests took longest.
