@@ -9,6 +9,9 @@
 #
 # `--prepare` only installs and starts the engine and builds the images, and leaves the engine running
 # (scripts/test.sh runs it in the background, at the lowest priority, while the native passes run).
+# `--up` does that and starts the brokers, and leaves them running; `--tests` then runs the tests against
+# them and takes them down (scripts/test.sh starts them while its last native pass, which needs no broker, runs);
+# `--down` only takes them down.
 #
 # Env: TENSORBUS_TEST_PYTHON (.venv/bin/python) and pytest arguments after the script's name.
 set -euo pipefail
@@ -21,25 +24,34 @@ profile=()   # the clusters, once the native launcher has them (scripts/brokers/
 if compgen -G "scripts/brokers/*_cluster.sh" >/dev/null; then profile=(--profile cluster); fi
 compose=(docker compose "${profile[@]}")
 
-prepare_only=0
-if [[ ${1:-} == --prepare ]]; then prepare_only=1; shift; fi
+mode=all
+case ${1:-} in --prepare | --up | --tests | --down) mode=${1#--}; shift ;; esac
+if [[ $mode == down ]]; then "${compose[@]}" down -v --timeout 120; exit; fi
 engine_was_up=0
 timeout 20 docker info >/dev/null 2>&1 && engine_was_up=1
-bash scripts/docker.sh up
-((engine_was_up || prepare_only)) || trap 'bash scripts/docker.sh down' EXIT
-took "engine and Compose"
-bash scripts/docker.sh prepare
-took "base image and Kafka's jars"
-"${compose[@]}" build --quiet
-docker image prune -f >/dev/null   # the untagged images earlier builds left behind (the build cache stays)
-took "images built"
-((prepare_only)) && exit 0
-# `down` before `up`: containers a killed run left behind would hold the ports
-"${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+if [[ $mode != tests ]]; then
+  bash scripts/docker.sh up
+  [[ $engine_was_up == 1 || $mode != all ]] || trap 'bash scripts/docker.sh down' EXIT
+  took "engine and Compose"
+  bash scripts/docker.sh prepare
+  took "base image and Kafka's jars"
+  "${compose[@]}" build --quiet
+  docker image prune -f >/dev/null   # the untagged images earlier builds left behind (the build cache stays)
+  took "images built"
+  [[ $mode == prepare ]] && exit 0
+  # `down` before `up`: containers a killed run left behind would hold the ports
+  "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+fi
+# (`--tests` after `--up`: the engine was started by this run's preparation, and is left to the caller)
 down() { "${compose[@]}" down -v --timeout 120 || true; ((engine_was_up)) || bash scripts/docker.sh down; }
-trap down EXIT
-"${compose[@]}" up -d --wait --wait-timeout 600 || { "${compose[@]}" logs --tail 60; exit 1; }
-took "brokers up"
+if [[ $mode != tests ]]; then
+  [[ $mode == up ]] || trap down EXIT
+  "${compose[@]}" up -d --wait --wait-timeout 600 || { "${compose[@]}" logs --tail 60; [[ $mode != up ]] || down; exit 1; }
+  took "brokers up"
+  [[ $mode == up ]] && exit 0
+else
+  trap down EXIT
+fi
 "${compose[@]}" ps
 
 export TENSORBUS_AMQP_URL=${TENSORBUS_AMQP_URL:-amqp://guest:guest@127.0.0.1:${TENSORBUS_AMQP_PORT:-5672}/%2F}

@@ -2,9 +2,10 @@
 # Run the whole test suite from nothing: a venv with every extra (and the checkout's bytecode), the
 # brokers started natively (scripts/brokers.sh), ruff (lint and format), mypy on the package, pytest,
 # then the unit and socket tests again on the Python paths alone (TENSORBUS_NATIVE=0); the native
-# brokers are stopped again, and the broker integration tests run once more against Docker
-# Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the background
-# meanwhile; TENSORBUS_COMPOSE=0 leaves that out). Each part says how long it took, each pytest pass
+# brokers are stopped before that pass, which needs none, and the broker integration tests run once more
+# against Docker Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the
+# background meanwhile, and whose brokers start during the pass of the Python paths; TENSORBUS_COMPOSE=0
+# leaves that out). Each part says how long it took, each pytest pass
 # which tests took longest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,13 +21,15 @@ python3 -m venv .venv
   || echo "[test.sh] compileall: some files did not compile (ruff and pytest below say which)" >&2
 
 took "venv"
-native=0 compose=0 prep=0 engine_was_up=0
+native=0 compose=0 prep=0 up=0 compose_up=0 engine_was_up=0
 [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && native=1
 ((native)) && [ "${TENSORBUS_COMPOSE:-1}" != 0 ] && compose=1
 native_down() { bash scripts/brokers.sh cluster down; bash scripts/brokers.sh down; }
 cleanup() {  # (errexit is off here: one failing step must not skip the others)
   set +e
   if ((prep)); then kill -- -"$prep" 2>/dev/null; fi
+  if ((up)); then kill "$up" 2>/dev/null; wait "$up"; fi
+  if ((compose_up)); then bash scripts/test-compose.sh --down >/dev/null 2>&1; fi   # (a pass that failed first)
   if ((native)); then native_down; fi
   if ((compose && !engine_was_up)); then bash scripts/docker.sh down; fi
   return 0
@@ -53,24 +56,41 @@ fi
 # say in the log what the folding-CRC tests (tests/unit/test_crc_folding.py) skip for on a CPU without it
 .venv/bin/python -c "from tensorbus.codec import native; m = native.load('tensorbus.codec._crc'); print('[test.sh] folding CRC32C:', 'used (AVX2 + VPCLMULQDQ)' if m and m.ACCELERATED else 'this CPU lacks AVX2 + VPCLMULQDQ: its tests skip, and frames are checksummed (and tested) with the crc32c package')"
 .venv/bin/python -m pytest --durations=30 "$@"   # (the slowest 30 named: where the run's time goes)
-# the Python codec and socket paths alone, as where the C extensions cannot be built (brokers aside:
-# their transports use only the codec, and the unit tests cover its Python path)
-TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q --durations=15 tests/unit tests/integration -m "not broker" \
-  --ignore=tests/unit/test_native.py --ignore=tests/unit/test_crc_folding.py --ignore=tests/unit/test_native_stream.py --ignore=tests/unit/test_fast_delivery.py --ignore=tests/integration/test_socket_send.py \
-  --deselect tests/integration/test_benchmarks.py::test_the_native_speedup_benchmark_runs_both_ways \
-  --deselect tests/integration/test_benchmarks.py::test_the_ledger_take_benchmark_receives_what_it_delivered_both_ways \
-  --deselect tests/integration/test_socket.py::test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python \
-  --deselect tests/integration/test_socket.py::test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once \
-  --deselect tests/integration/test_socket_reading.py::test_with_one_producer_a_waiting_recv_busy_polls_by_reading_the_connection
-took "native pass"
-
-if ((compose)); then
+took "ruff, mypy, pytest"
+if ((compose)); then  # Compose's brokers start while the next pass, which needs none, runs
   native_down   # the compose brokers take the same ports
   native=0
   wait "$prep" || { tail -n 40 .brokers/compose-prepare.log; echo "[test.sh] preparing Docker failed (log above)" >&2; exit 1; }
   prep=0
   grep '^\[compose\]' .brokers/compose-prepare.log >&2 || true
-  took "waiting for Docker's preparation"
-  bash scripts/test-compose.sh
+  took "stopping the native brokers, waiting for Docker's preparation"
+  compose_up=1
+  bash scripts/test-compose.sh --up >.brokers/compose-up.log 2>&1 &
+  up=$!
+fi
+# the Python codec and socket paths alone, as where the C extensions cannot be built (brokers aside:
+# their transports use only the codec, and the unit tests cover its Python path). Not again here: the
+# tests of the layers above the API (the CLI, the README's examples, the bench's harness and scripts,
+# the API's signatures as mypy sees them), which run in the pass above and reach the Python paths only
+# through the API the tests here call directly.
+TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q --durations=15 tests/unit tests/integration -m "not broker" \
+  --ignore=tests/integration/test_cli.py --ignore=tests/integration/test_fanout_cli.py \
+  --ignore=tests/integration/test_readme.py --ignore=tests/integration/test_benchmarks.py \
+  --ignore=tests/unit/test_bench.py --deselect tests/unit/test_api_signature.py::test_mypy_sees_the_option_types \
+  --ignore=tests/unit/test_native.py --ignore=tests/unit/test_crc_folding.py --ignore=tests/unit/test_native_stream.py --ignore=tests/unit/test_fast_delivery.py --ignore=tests/integration/test_socket_send.py \
+  --deselect tests/integration/test_socket.py::test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python \
+  --deselect tests/integration/test_socket.py::test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once \
+  --deselect tests/integration/test_socket_reading.py::test_with_one_producer_a_waiting_recv_busy_polls_by_reading_the_connection
+took "the pass of the Python paths"
+
+if ((compose)); then
+  status=0
+  wait "$up" || status=$?
+  up=0
+  cat .brokers/compose-up.log >&2
+  ((status == 0)) || { echo "[test.sh] starting Compose's brokers failed (log above)" >&2; exit 1; }
+  took "waiting for Compose's brokers"
+  bash scripts/test-compose.sh --tests   # (which takes them down)
+  compose_up=0
   took "compose pass"
 fi
