@@ -11,7 +11,7 @@
 # (scripts/test.sh runs it in the background, at the lowest priority, while the native passes run).
 # `--up` does that and starts the brokers, and leaves them running; `--tests` then runs the tests against
 # them and takes them down (scripts/test.sh starts them while its last native pass, which needs no broker, runs);
-# `--down` only takes them down.
+# `--down` only takes them down; neither stops an engine they found or started (`bash scripts/docker.sh down`).
 #
 # Env: TENSORBUS_TEST_PYTHON (.venv/bin/python) and pytest arguments after the script's name.
 set -euo pipefail

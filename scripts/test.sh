@@ -28,8 +28,11 @@ native_down() { bash scripts/brokers.sh cluster down; bash scripts/brokers.sh do
 cleanup() {  # (errexit is off here: one failing step must not skip the others)
   set +e
   if ((prep)); then kill -- -"$prep" 2>/dev/null; fi
-  if ((up)); then kill "$up" 2>/dev/null; wait "$up"; fi
-  if ((compose_up)); then bash scripts/test-compose.sh --down >/dev/null 2>&1; fi   # (a pass that failed first)
+  if ((up)); then kill -- -"$up" 2>/dev/null; wait "$up"; fi   # (its own process group: compose too)
+  if ((compose_up)); then  # (a pass failed before Compose's tests ran)
+    tail -n 20 .brokers/compose-up.log >&2
+    bash scripts/test-compose.sh --down >/dev/null 2>&1
+  fi
   if ((native)); then native_down; fi
   if ((compose && !engine_was_up)); then bash scripts/docker.sh down; fi
   return 0
@@ -57,16 +60,19 @@ fi
 .venv/bin/python -c "from tensorbus.codec import native; m = native.load('tensorbus.codec._crc'); print('[test.sh] folding CRC32C:', 'used (AVX2 + VPCLMULQDQ)' if m and m.ACCELERATED else 'this CPU lacks AVX2 + VPCLMULQDQ: its tests skip, and frames are checksummed (and tested) with the crc32c package')"
 .venv/bin/python -m pytest --durations=30 "$@"   # (the slowest 30 named: where the run's time goes)
 took "ruff, mypy, pytest"
+prepared=0
 if ((compose)); then  # Compose's brokers start while the next pass, which needs none, runs
   native_down   # the compose brokers take the same ports
   native=0
-  wait "$prep" || { tail -n 40 .brokers/compose-prepare.log; echo "[test.sh] preparing Docker failed (log above)" >&2; exit 1; }
+  wait "$prep" && prepared=1   # (a failure is reported after the next pass, which runs all the same)
   prep=0
   grep '^\[compose\]' .brokers/compose-prepare.log >&2 || true
   took "stopping the native brokers, waiting for Docker's preparation"
-  compose_up=1
-  bash scripts/test-compose.sh --up >.brokers/compose-up.log 2>&1 &
-  up=$!
+  if ((prepared)); then
+    compose_up=1
+    setsid bash scripts/test-compose.sh --up >.brokers/compose-up.log 2>&1 &
+    up=$!
+  fi
 fi
 # the Python codec and socket paths alone, as where the C extensions cannot be built (brokers aside:
 # their transports use only the codec, and the unit tests cover its Python path). Not again here: the
@@ -84,13 +90,14 @@ TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q --durations=15 tests/unit tests
 took "the pass of the Python paths"
 
 if ((compose)); then
+  ((prepared)) || { tail -n 40 .brokers/compose-prepare.log; echo "[test.sh] preparing Docker failed (log above)" >&2; exit 1; }
   status=0
   wait "$up" || status=$?
   up=0
   cat .brokers/compose-up.log >&2
   ((status == 0)) || { echo "[test.sh] starting Compose's brokers failed (log above)" >&2; exit 1; }
   took "waiting for Compose's brokers"
-  bash scripts/test-compose.sh --tests   # (which takes them down)
-  compose_up=0
+  compose_up=0   # (`--tests` takes them down, whatever the tests do)
+  bash scripts/test-compose.sh --tests
   took "compose pass"
 fi
