@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import api
-from ..codec.frame import Buffer, MessageId, flat_bytes
+from ..codec.frame import Buffer, MessageId
 from ..codec.native import crc32c
 from ..errors import Closed, Rejected, TransportError
 from ..options import finite_timeout
@@ -255,10 +255,10 @@ class LoopSender:
         """The frames of one message: a plain ndarray's head built in C where it can be (as
         `SocketProducer._send_ndarray`), else the producer's encoding (in chunks past `max_frame_bytes`)."""
         t, encoding = self.transport, self.producer._encoding
-        if t._c_head is not None and encoding.plain_flags is not None and type(tensor) is np.ndarray:
-            head = t._c_head(tensor, key, metadata, message_id, encoding.plain_flags)
-            if head is not None:
-                return [[head, flat_bytes(tensor)] if tensor.nbytes else [head]]
+        if encoding.plain_flags is not None and type(tensor) is np.ndarray:
+            frame = t.plain_frame(tensor, key, metadata, message_id, encoding.plain_flags)
+            if frame is not None:
+                return [frame]
         bound_key = t._frame_key(encoding.signing_key)
         if t.max_frame_bytes is None:
             return [encoding.encode(tensor, key, metadata, message_id, bound_key)]

@@ -226,13 +226,12 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
         A small tensor's time is mostly such steps. False, with nothing sent, where it does not apply
         (no C extension, TLS, chunked frames, no room, a tensor the C head leaves to `encode`).
         """
-        c_head, c_send = self._c_head, self._c_send
-        if c_head is None or c_send is None:
+        c_send = self._c_send
+        if c_send is None:
             return False
-        head = c_head(array, key, metadata, message_id, flags)
-        if head is None:
+        frame = self.plain_frame(array, key, metadata, message_id, flags)
+        if frame is None:
             return False
-        frame: list[Buffer] = [head, self._c_flat(array) or flat_bytes(array)] if array.nbytes else [head]
         with self._lock:
             limit = self.options.max_unacked_bytes
             if self._rejections or self._closed or self._unacked_bytes >= limit:  # (one test, mostly)
@@ -251,6 +250,18 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
                     sent = self._send_retrying(frame, exc)
             self._keep_until_acked(frame, self._send_retrying(frame) if sent is None else sent)
         return True
+
+    def plain_frame(
+        self, array: np.ndarray, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, flags: int
+    ) -> list[Buffer] | None:
+        """One plain ndarray's frame, its head built in C and its bytes not copied; None where the C head
+        does not apply (no C extension, TLS, chunked frames, a tensor it leaves to `encode`)."""
+        if self._c_head is None:
+            return None
+        head = self._c_head(array, key, metadata, message_id, flags)
+        if head is None:
+            return None
+        return [head, self._c_flat(array) or flat_bytes(array)] if array.nbytes else [head]
 
     def _send_retrying(self, frame: list[Buffer], failed: BaseException | None = None) -> int:
         """Send `frame` (`failed`: how a first attempt ended), reconnecting once after a broken connection.
