@@ -10,8 +10,9 @@
 # `--prepare` only installs and starts the engine and builds the images, and leaves the engine running
 # (scripts/test.sh runs it in the background, at the lowest priority, while the native passes run).
 # `--up` does that and starts the brokers, and leaves them running; `--tests` then runs the tests against
-# them and takes them down (scripts/test.sh starts them while its last native pass, which needs no broker, runs);
-# `--down` only takes them down; neither stops an engine they found or started (`bash scripts/docker.sh down`).
+# them and takes them down (scripts/test.sh starts them while its last native pass, which needs no
+# broker, runs); `--down` only takes them down. None of these three stops the engine
+# (`bash scripts/docker.sh down` does).
 #
 # Env: TENSORBUS_TEST_PYTHON (.venv/bin/python) and pytest arguments after the script's name.
 set -euo pipefail

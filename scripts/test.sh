@@ -5,8 +5,7 @@
 # brokers are stopped before that pass, which needs none, and the broker integration tests run once more
 # against Docker Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the
 # background meanwhile, and whose brokers start during the pass of the Python paths; TENSORBUS_COMPOSE=0
-# leaves that out). Each part says how long it took, each pytest pass
-# which tests took longest.
+# leaves that out). Each part says how long it took, each pytest pass which tests took longest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 took() { echo "[test.sh] $1: $((SECONDS - t0))s" >&2; t0=$SECONDS; }

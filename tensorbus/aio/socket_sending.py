@@ -252,8 +252,8 @@ class LoopSender:
         return message_id
 
     def _frames(self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId) -> Any:
-        """The frames of one message: a plain ndarray's head built in C where it can be (as
-        `SocketProducer._send_ndarray`), else the producer's encoding (in chunks past `max_frame_bytes`)."""
+        """The frames of one message: a plain ndarray's made as the blocking send makes it where it can be
+        (`SocketProducer.plain_frame`), else the producer's encoding (in chunks past `max_frame_bytes`)."""
         t, encoding = self.transport, self.producer._encoding
         if encoding.plain_flags is not None and type(tensor) is np.ndarray:
             frame = t.plain_frame(tensor, key, metadata, message_id, encoding.plain_flags)
