@@ -30,7 +30,10 @@ case ${1:-} in --prepare | --up | --tests | --down) mode=${1#--}; shift ;; esac
 if [[ $mode == down ]]; then "${compose[@]}" down -v --timeout 120; exit; fi
 engine_was_up=0
 timeout 20 docker info >/dev/null 2>&1 && engine_was_up=1
-if [[ $mode != tests ]]; then
+down() { "${compose[@]}" down -v --timeout 120 || true; ((engine_was_up)) || bash scripts/docker.sh down; }
+if [[ $mode == tests ]]; then  # (after `--up`: the engine answered, so it is left to the caller)
+  trap down EXIT
+else
   bash scripts/docker.sh up
   [[ $engine_was_up == 1 || $mode != all ]] || trap 'bash scripts/docker.sh down' EXIT
   took "engine and Compose"
@@ -42,16 +45,10 @@ if [[ $mode != tests ]]; then
   [[ $mode == prepare ]] && exit 0
   # `down` before `up`: containers a killed run left behind would hold the ports
   "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
-fi
-# (`--tests` after `--up`: the engine was started by this run's preparation, and is left to the caller)
-down() { "${compose[@]}" down -v --timeout 120 || true; ((engine_was_up)) || bash scripts/docker.sh down; }
-if [[ $mode != tests ]]; then
   [[ $mode == up ]] || trap down EXIT
   "${compose[@]}" up -d --wait --wait-timeout 600 || { "${compose[@]}" logs --tail 60; [[ $mode != up ]] || down; exit 1; }
   took "brokers up"
   [[ $mode == up ]] && exit 0
-else
-  trap down EXIT
 fi
 "${compose[@]}" ps
 
