@@ -101,28 +101,33 @@ def sizes(count: int, large_count: int, large_bytes: int, seed: int = 0) -> list
     return result
 
 
-#: tensorbus log lines each side keeps for a failed case's report (the last ones)
-LOG_LINES = 60
+#: tensorbus log lines each side keeps for a failed case's report (the last ones): its own, and apart from them
+#: the Kafka client's (librdkafka logs each refused reconnect to a dead broker, which would crowd out the rest)
+LOG_LINES, CLIENT_LOG_LINES = 60, 15
 
 
 class _LogTail(logging.Handler):
-    """The last `LOG_LINES` tensorbus log lines of a producer or consumer process, from INFO up."""
+    """The last tensorbus log lines of a producer or consumer process, from INFO up: `LOG_LINES` of its own and
+    `CLIENT_LOG_LINES` relayed from librdkafka."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+        self.client_lines: collections.deque[str] = collections.deque(maxlen=CLIENT_LOG_LINES)
         self.setFormatter(logging.Formatter("%(relativeCreated)8.0f ms %(threadName)s %(name)s: %(message)s"))
         logger = logging.getLogger("tensorbus")
         logger.setLevel(logging.INFO)
         logger.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))  # (under the handler's lock: `logging.Handler.handle`)
+        relayed = record.name == "tensorbus.librdkafka" or record.getMessage().startswith("librdkafka: ")
+        (self.client_lines if relayed else self.lines).append(self.format(record))  # (under the handler's lock)
 
     def snapshot(self) -> list[str]:
-        """The lines so far (another thread may be logging meanwhile)."""
+        """The lines so far (another thread may be logging meanwhile): its own, then librdkafka's."""
         with self.lock:  # type: ignore[union-attr]
-            return list(self.lines)
+            relayed = ["  (librdkafka's last lines:)", *self.client_lines] if self.client_lines else []
+            return [*self.lines, *relayed]
 
 
 def _tensor(pool: bytes, index: int, nbytes: int) -> np.ndarray:

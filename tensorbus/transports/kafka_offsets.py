@@ -91,6 +91,8 @@ class Offsets(AsyncConsumerRebalanceListener):
             if offset > unseen and tp in self._unseen:  # (another member's since a rebalance, compacted, or skipped)
                 log.info("%s: partition %d read from offset %d on, %d to %d not read here", self.shown, tp.partition,
                          offset, unseen, offset - 1)  # fmt: skip
+            elif offset > 0 and tp not in self._unseen:  # (the group's commit, or the log's start after retention)
+                log.info("%s: partition %d first read at offset %d", self.shown, tp.partition, offset)
             self._unseen[tp] = offset + count
         with self._lock:
             stream = self._streams.get(tp)

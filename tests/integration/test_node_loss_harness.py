@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import threading
+import urllib.parse
 
-from tests import faults, node_loss
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tests import faults, kafka_log, node_loss
+from tests.conftest import endpoint_url, with_query
 
 
 def test_the_harness_counts_a_clean_stream_and_runs_each_fault_once_at_its_point() -> None:
@@ -50,3 +56,25 @@ def test_a_failed_case_names_what_was_lost_and_repeated_and_what_the_consumer_co
     ]
     assert "case: never received 3-5, 9; received twice or more 7" in lines
     assert "case: the consumer counted {'duplicates': 4}" in lines
+
+
+@pytest.mark.broker
+def test_a_kafka_cases_log_scan_says_where_each_missing_tensor_sits_in_the_topic_or_that_it_is_not_there() -> None:
+    """`kafka_log.report`, which a failed Kafka node-loss case adds to its report, read on the single-node broker."""
+    url = with_query(endpoint_url("kafka"), "max_frame_bytes=200000")  # (so that one tensor goes in chunks)
+    sizes = [4096, 4096, 1 << 20, 4096]
+    with tb.Producer(url) as producer:
+        for index, nbytes in enumerate(sizes):
+            producer.send(node_loss.KEY, np.zeros(nbytes, np.uint8), metadata={"i": index})
+        producer.send(node_loss.END_KEY, np.zeros(1, np.uint8), metadata={"end": True})
+        producer.flush(30)
+    parts = urllib.parse.urlsplit(url)
+    report = kafka_log.report(parts.netloc.split(","), parts.path.lstrip("/"), [1, 7])
+    lines = report.splitlines()
+    assert lines[0] == "tensor 1: in the log at partition 0 offset 1", report
+    assert lines[1] == "tensor 7: not in the log as a whole record", report
+    chunks = (1 << 20) // 200000 + 1
+    assert lines[2].startswith(
+        f"partition 0: {4 + chunks} records from offset 0; the first: 0: i=0, 1: i=1, 2: chunk 0 of"
+    ), report
+    assert f"{2 + chunks}: i=3, {3 + chunks}: end" in lines[2], report

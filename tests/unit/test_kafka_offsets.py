@@ -29,4 +29,6 @@ def test_a_partition_read_on_past_offsets_it_never_had_is_logged_and_one_read_ag
         caplog.clear()
         offsets.record_admitted_run(tp, 1, [("p", 1), ("p", 2)])  # read again (a rewind, a rebalance)
         assert not caplog.records and tally.redeliveries == 2
-    assert offsets.unseen() == {0: 6}
+        offsets.record_admitted(TopicPartition("t", 1), 7, ("p", 9))  # a partition first read past its offset 0
+        assert [r.getMessage() for r in caplog.records] == ["kafka://here/t: partition 1 first read at offset 7"]
+    assert offsets.unseen() == {0: 6, 1: 8}
