@@ -230,7 +230,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             return
         with self._pending_lock:  # (the check and the settling in one hold: every record's report takes it)
             partition = message.partition() or 0  # (both set in every delivery report)
-            if current and not self._resends.written(partition, message.offset() or 0):
+            if current and not self._resends.written(partition, message.offset()):  # (None: no offset)
                 self._resends.keep(message.value() or b"", message.key(), partition)
                 if timed:
                     self.tally.forget_timing()

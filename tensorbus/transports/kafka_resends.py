@@ -33,16 +33,22 @@ class Resends:
         self._last: dict[int, int] = {}  # partition -> the last offset acknowledged there
         self.due: list[Resend] = []  # to be produced again
 
-    def written(self, partition: int, offset: int) -> bool:
-        """Whether an acknowledged record got an offset of its own, past the last one's in its partition; if not,
+    def written(self, partition: int, offset: int | None) -> bool:
+        """Whether an acknowledged record got an offset of its own, past the last one's in its partition; if not (no
+        offset at all, as confluent-kafka gives librdkafka's invalid one: None, even for a partition's first record),
         a warning says so, and the caller `keep`s it. The caller holds the lock."""
         last = self._last.get(partition, -1)
-        if offset > last:
+        if offset is not None and offset > last:
             self._last[partition] = offset
             return True
+        how = (
+            "with no offset"
+            if offset is None or offset < 0
+            else f"at offset {offset}, not after {last}, the last there"
+        )
         log.warning(
-            "%s: a record was reported delivered to partition %d at offset %d, not after %d, the last there: it "
-            "may have been dropped as a duplicate; producing it again", self._shown, partition, offset, last
+            "%s: a record was reported delivered to partition %d %s: it may have been dropped as a duplicate; "
+            "producing it again", self._shown, partition, how
         )  # fmt: skip
         return False
 

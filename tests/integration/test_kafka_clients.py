@@ -180,7 +180,7 @@ def test_records_sent_by_several_threads_while_the_producer_is_replaced_are_all_
 class _Reported:
     """A delivery report as librdkafka's `Message` gives it (the parts the producer reads)."""
 
-    def __init__(self, value: bytes, key: bytes, partition: int, offset: int) -> None:
+    def __init__(self, value: bytes, key: bytes, partition: int, offset: int | None) -> None:
         self._value, self._key, self._partition, self._offset = value, key, partition, offset
 
     def value(self) -> bytes:
@@ -192,8 +192,8 @@ class _Reported:
     def partition(self) -> int:
         return self._partition
 
-    def offset(self) -> int:
-        return self._offset
+    def offset(self) -> int | None:
+        return self._offset  # (None: librdkafka's invalid offset, as confluent-kafka gives it)
 
     def __len__(self) -> int:
         return len(self._value)
@@ -201,37 +201,38 @@ class _Reported:
 
 @pytest.mark.broker
 def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_again_and_received_once() -> None:
-    """librdkafka reports a record delivered with no offset (the broker said DUPLICATE_SEQUENCE_NUMBER), or with
-    an earlier batch's (it forgot the partition's sequence: librdkafka #3712): the broker may have dropped it.
-    Such a report settles nothing; the record is produced again, and the consumer gets each tensor once, a copy
-    of one that was written after all dropped as a duplicate."""
-    from confluent_kafka import OFFSET_INVALID
-
+    """librdkafka reports a record delivered with no offset (the broker said DUPLICATE_SEQUENCE_NUMBER; confluent-kafka
+    gives None), or with an earlier batch's (it forgot the partition's sequence: librdkafka #3712): the broker may have
+    dropped it. Such a report settles nothing, even for a partition's first record; the record is produced again, and
+    the consumer gets each tensor once, a copy of one that was written after all dropped as a duplicate."""
     url = on(endpoint_url("kafka"), "confluent")
     with tb.Producer(url) as producer, tb.Consumer(url) as consumer:
         transport = producer.transport
         assert isinstance(transport, ConfluentKafkaTransport)
-        written = producer.send("a", np.arange(3))
-        producer.flush(30)
-        assert transport._resends._last == {0: 0}  # (one partition: the record of "a" at offset 0)
-        frames = {
-            "a": encode(np.arange(3), key="a", message_id=written),  # written: the copy is a duplicate
-            "b": encode(np.arange(4), key="b", message_id=(written[0], 1000)),  # never produced: as if dropped
-            "c": encode(np.arange(5), key="c", message_id=(written[0], 1001)),
-        }
-        reports = {"a": 0, "b": 0, "c": OFFSET_INVALID}  # offset 0 again, and none
-        for key, frame in frames.items():
+        pid = producer.producer_id
+
+        def report(key: str, frame: list[Any], offset: int | None) -> None:
             value = b"".join(frame)
             with transport._pending_lock:  # (counted as `send` counts a record)
                 transport._pending_bytes += len(value)
                 transport._unconfirmed += 1
-            transport._on_delivery(None, _Reported(value, key.encode(), 0, reports[key]))  # type: ignore[arg-type]
+            transport._on_delivery(None, _Reported(value, key.encode(), 0, offset))  # type: ignore[arg-type]
+
+        # the partition's first report, with no offset: as if dropped (a lost first tensor, 2026-11-30)
+        report("first", encode(np.arange(2), key="first", message_id=(pid, 999)), None)
+        assert transport._unconfirmed == 1 and len(transport._resends.due) == 1 and not transport._resends._last
+        written = producer.send("a", np.arange(3))  # ("first" is produced again before it)
+        producer.flush(30)
+        assert transport._resends._last == {0: 1}  # (one partition: "first" at offset 0, "a" at 1)
+        report("a", encode(np.arange(3), key="a", message_id=written), 1)  # written: the copy is a duplicate
+        report("b", encode(np.arange(4), key="b", message_id=(pid, 1000)), 0)  # never produced: as if dropped
+        report("c", encode(np.arange(5), key="c", message_id=(pid, 1001)), None)
         assert transport._unconfirmed == 3 and len(transport._resends.due) == 3  # none settled: all due again
         producer.send("z", np.arange(6))
         producer.flush(30)
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
-        assert transport._resends._last[0] == 4  # a at 0; a again, b and c at 1 to 3; z at 4
-        for key, n in [("a", 3), ("b", 4), ("c", 5), ("z", 6)]:
+        assert transport._resends._last[0] == 5  # first at 0, a at 1; a again, b and c at 2 to 4; z at 5
+        for key, n in [("first", 2), ("a", 3), ("b", 4), ("c", 5), ("z", 6)]:
             assert same(consumer.recv(key, timeout=30), np.arange(n))
         assert consumer.stats["duplicates"] == 1  # the copy of "a" (z came after it: it was read)
         assert len(consumer.table) == 0  # nothing else arrived
