@@ -3,7 +3,8 @@
 Each frame (or chunk frame) is one record keyed by the tensor key (UTF-8), so all chunks of a tensor
 land in one partition, in order (a producer pins its keyless records to one partition). Records go
 out through the idempotent producer with `acks=all`; `send` only queues them, `flush` waits for the
-acks and raises the first failure. The consumer, a consumer-group member on one thread (kafka-python's
+acks and raises the first failure; a record acknowledged with no offset is produced again
+(kafka_resends.py). The consumer, a consumer-group member on one thread (kafka-python's
 consumer is not thread-safe), commits a partition only up to the oldest record the consumer's ledger
 has not released (a tensor the application has not taken, or one whose chunks are incomplete): a
 consumer that dies or closes loses nothing, its successor re-reads from there, and the duplicates
@@ -44,6 +45,7 @@ from .kafka_python import (
     retrying,
     translate,
 )
+from .kafka_resends import Resends
 from .kafka_topic import KafkaEndpoint
 
 __all__ = [
@@ -97,6 +99,7 @@ class KafkaTransport(KafkaEndpoint):
         self._pending_waiters = 0  # threads waiting on `_pending` (under it): a record settled with none wakes none
         self._pending_bytes = self._unconfirmed = 0
         self._error: TensorBusError | None = None
+        self._resends = Resends(self._pending_lock, self._shown)  # records reported delivered, maybe not written
         self._offsets: Offsets | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -158,15 +161,50 @@ class KafkaTransport(KafkaEndpoint):
             self._raise_error()
             self._pending_bytes += nbytes
             self._unconfirmed += 1
+        if self._resends.due:
+            self._produce_again(producer)
         timed = self if self.tally.timing(self) else None  # (before the send: its callback may come at once)
         try:
-            with map_errors(self._shown):
-                future = producer.send(self.topic, value=value, key=kafka_key, partition=partition)
+            self._send_record(producer, value, kafka_key, partition, timed)
         except TensorBusError:
             self._settle(nbytes, None)
             raise
-        future.add_callback(lambda _, n=nbytes, t=timed: self._settle(n, None, acked=t))
-        future.add_errback(lambda exc, n=nbytes: self._settle(n, translate(exc, self._shown, n)))
+
+    def _send_record(
+        self, producer: KafkaProducer, value: bytes, key: bytes | None, partition: int | None, timed: Any = None
+    ) -> None:
+        """Hand one record to kafka-python, settled by its acknowledgement (`_acked`) or its failure. Its value is
+        kept until then: a record reported delivered with no offset is produced again (kafka_resends.py)."""
+        with map_errors(self._shown):
+            future = producer.send(self.topic, value=value, key=key, partition=partition)
+        future.add_callback(lambda metadata, t=timed: self._acked(metadata, value, key, t))
+        nbytes = len(value)
+        future.add_errback(lambda exc: self._settle(nbytes, translate(exc, self._shown, nbytes)))
+
+    def _acked(self, metadata: Any, value: bytes, key: bytes | None, timed: Any) -> None:
+        """kafka-python acknowledged a record (on its sender thread): settled, unless the broker answered
+        DUPLICATE_SEQUENCE_NUMBER (taken for success, with offset -1), when it is kept to be produced again."""
+        with self._pending_lock:
+            offset = metadata.offset if metadata.offset >= 0 else None
+            if not self._resends.written(metadata.partition, offset):
+                self._resends.keep(value, key, metadata.partition)
+                if timed is not None:
+                    self.tally.forget_timing()
+                if self._pending_waiters:  # (a flush waiting produces it again)
+                    self._pending.notify_all()
+                return
+            self._settled(len(value), None, True, timed)
+
+    def _produce_again(self, producer: KafkaProducer) -> bool:
+        """Produce again the records reported delivered with no offset (`Resends`), on the application's thread
+        (kafka-python's sender thread must not wait for room in its own buffer); whether there were any."""
+        due = self._resends.take()
+        for value, key, partition in due:
+            try:
+                self._send_record(producer, value, key, partition)
+            except TensorBusError as exc:
+                self._settle(len(value), exc)
+        return bool(due)
 
     def _settle(self, nbytes: int, error: TensorBusError | None, current: bool = True, acked: Any = False) -> None:
         """A record was acknowledged or failed for good (called on kafka-python's sender thread); a failure
@@ -209,11 +247,18 @@ class KafkaTransport(KafkaEndpoint):
         deadline = None if timeout is None else time.monotonic() + timeout
         with contextlib.suppress(TransportError), map_errors(self._shown):
             self._producer.flush(timeout)  # a timeout is reported below, with the count
-        with self._pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._wait_pending(lambda: self._error or not self._unconfirmed, remaining):
-                raise TransportError(f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s")
-            self._raise_error()
+        done = lambda: self._error or not self._unconfirmed or self._resends.due  # noqa: E731
+        while True:
+            with self._pending:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._wait_pending(done, remaining):
+                    raise TransportError(
+                        f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s"
+                    )
+                if self._error or not self._resends.due:
+                    self._raise_error()
+                    return
+            self._produce_again(self._producer)  # (not under the lock: a send may wait for room the acks make)
 
     # -- consumer side -------------------------------------------------------------------------------
 

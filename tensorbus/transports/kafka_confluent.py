@@ -26,7 +26,6 @@ from .base import Deliver, Encoding
 from .kafka import KafkaOptions, KafkaTransport
 from .kafka_rdkafka import CONSUMER, PRODUCER, Commits, Reconnects, client_config, translate_error
 from .kafka_reading import RecordReading
-from .kafka_resends import Resends
 
 log = logging.getLogger(__name__)
 #: a plain ndarray below this many bytes has its record made whole in C (`ndarray_frame`), then copied into the
@@ -58,7 +57,6 @@ class ConfluentKafkaTransport(KafkaTransport):
         self._on_timed_delivery: Callable[[KafkaError | None, Message], None] = self._delivered
         self._replaced_now = threading.Event()
         self._reconnects = Reconnects(self)  # (its clients' statistics, with metrics on)
-        self._resends = Resends(self._pending_lock, self._shown)  # records reported delivered, maybe not written
         self._reading: RecordReading | None = None  # a listening consumer's reading of the records
 
     def _current_rd_producer(self) -> Producer:

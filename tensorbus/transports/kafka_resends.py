@@ -1,15 +1,16 @@
-"""Records librdkafka reported delivered that may never have been written, kept to be produced again
-(kafka:// with `client="confluent"`).
+"""Records a Kafka client reported delivered that may never have been written, kept to be produced again (kafka://,
+both clients).
 
 An idempotent producer's records reach a partition in the order it produced them, each at an offset past the one
-before. librdkafka reports a record delivered when the broker answers DUPLICATE_SEQUENCE_NUMBER (taken for the
-retry of a write that succeeded), with no offset; and the broker answers a batch whose sequence numbers repeat a
-recent one's with that batch's offsets: it happens when the client forgets a partition's sequence (librdkafka
-#3712: a restarting broker lists the topic as gone), and the records are then dropped as duplicates, reported
-delivered. Either way each such record is produced again; if it was written after all, the consumer drops the
-copy (the same message id). librdkafka's delivery report hands the record's bytes back, so nothing is kept for
-it meanwhile. (kafka-python takes DUPLICATE_SEQUENCE_NUMBER for success too, but gives no record's bytes back:
-producing one again would mean keeping a second copy of every record until it is acknowledged.)
+before. Both clients report a record delivered when the broker answers DUPLICATE_SEQUENCE_NUMBER (taken for the
+retry of a write that succeeded), with no offset (confluent-kafka gives None, kafka-python -1); and the broker
+answers a batch whose sequence numbers repeat a recent one's with that batch's offsets: it happens when the client
+forgets a partition's sequence (librdkafka #3712: a restarting broker lists the topic as gone), and the records
+are then dropped as duplicates, reported delivered. Either way each such record is produced again; if it was
+written after all, the consumer drops the copy (the same message id). librdkafka's delivery report hands the
+record's bytes back, so nothing is kept for it meanwhile; kafka-python's does not, so its transport keeps each
+record's value until the record is acknowledged (kafka-python copies it into its own batch: at most
+`max_pending_bytes` more held).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-log = logging.getLogger("tensorbus.transports.kafka_confluent")
+log = logging.getLogger("tensorbus.transports.kafka")  # (the Kafka transport's, either client's)
 
 #: a record to produce again: its value, key and partition
 Resend = tuple[bytes, bytes | None, int]

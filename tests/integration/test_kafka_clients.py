@@ -21,6 +21,7 @@ from tensorbus.transports.kafka_python import KafkaConsumer, TopicPartition
 from tensorbus.transports.kafka_rdkafka import client_config, translate_error
 from tests.conftest import KAFKA_URL, endpoint_url, with_query
 from tests.peers import same
+from tests.waiting import wait_for
 
 BOOTSTRAP = urllib.parse.urlsplit(KAFKA_URL).netloc
 KEYS = [f"key-{i}" for i in range(40)]
@@ -235,6 +236,40 @@ def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_agai
         for key, n in [("first", 2), ("a", 3), ("b", 4), ("c", 5), ("z", 6)]:
             assert same(consumer.recv(key, timeout=30), np.arange(n))
         assert consumer.stats["duplicates"] == 1  # the copy of "a" (z came after it: it was read)
+        assert len(consumer.table) == 0  # nothing else arrived
+
+
+@pytest.mark.broker
+def test_a_kafka_python_record_acknowledged_with_no_offset_past_the_last_is_produced_again_and_received_once() -> None:
+    """kafka-python takes DUPLICATE_SEQUENCE_NUMBER for success too, reporting offset -1: the record is kept until
+    then and produced again, as on confluent (a partition's first one too); `flush` produces again what is due."""
+    url = on(endpoint_url("kafka"), "kafka-python")
+    with tb.Producer(url) as producer, tb.Consumer(url) as consumer:
+        transport = producer.transport
+        assert type(transport) is KafkaTransport
+        pid = producer.producer_id
+
+        def report(key: str, frame: list[Any], offset: int) -> None:
+            value = b"".join(frame)
+            with transport._pending_lock:  # (counted as `send` counts a record)
+                transport._pending_bytes += len(value)
+                transport._unconfirmed += 1
+            transport._acked(SimpleNamespace(partition=0, offset=offset), value, key.encode(), None)
+
+        report("first", encode(np.arange(2), key="first", message_id=(pid, 999)), -1)  # the partition's first report
+        assert transport._unconfirmed == 1 and len(transport._resends.due) == 1 and not transport._resends._last
+        written = producer.send("a", np.arange(3))  # ("first" is produced again before it)
+        producer.flush(30)
+        assert transport._resends._last == {0: 1}  # (one partition: "first" at offset 0, "a" at 1)
+        report("a", encode(np.arange(3), key="a", message_id=written), -1)  # written: the copy is a duplicate
+        report("b", encode(np.arange(4), key="b", message_id=(pid, 1000)), 1)  # not past the last: as if dropped
+        assert transport._unconfirmed == 2 and len(transport._resends.due) == 2
+        producer.flush(30)  # (produces them again itself)
+        assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
+        assert transport._resends._last[0] == 3  # first at 0, a at 1; a again and b at 2 and 3
+        for key, n in [("first", 2), ("a", 3), ("b", 4)]:
+            assert same(consumer.recv(key, timeout=30), np.arange(n))
+        wait_for(lambda: consumer.stats["duplicates"] == 1, 30, "the copy of a dropped as a duplicate")
         assert len(consumer.table) == 0  # nothing else arrived
 
 
