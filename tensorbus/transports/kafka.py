@@ -161,7 +161,8 @@ class KafkaTransport(KafkaEndpoint):
             self._raise_error()
             self._pending_bytes += nbytes
             self._unconfirmed += 1
-        if self._resends.due:
+            again = bool(self._resends.due)
+        if again:
             self._produce_again(producer)
         timed = self if self.tally.timing(self) else None  # (before the send: its callback may come at once)
         try:
