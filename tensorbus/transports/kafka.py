@@ -153,15 +153,21 @@ class KafkaTransport(KafkaEndpoint):
         kafka_key, partition = (None, self._keyless_partition) if key is None else (key.encode(), None)
         limit = self.options.max_pending_bytes - nbytes
         room = lambda: self._error or not self._pending_bytes or self._pending_bytes <= limit  # noqa: E731
-        with self._pending:
-            if not room():  # backpressure: its seconds counted under `_pending` (tally.py)
-                started = time.monotonic()
-                self._wait_pending(room, None)
-                self.tally.blocked(started)
-            self._raise_error()
-            self._pending_bytes += nbytes
-            self._unconfirmed += 1
-            again = bool(self._resends.due)
+        started: float | None = None  # backpressure: its seconds counted under `_pending` (tally.py)
+        while True:
+            with self._pending:
+                if not room() and not self._resends.due:
+                    started = time.monotonic() if started is None else started
+                    self._wait_pending(lambda: room() or self._resends.due, None)
+                if room():
+                    if started is not None:
+                        self.tally.blocked(started)
+                    self._raise_error()
+                    self._pending_bytes += nbytes
+                    self._unconfirmed += 1
+                    again = bool(self._resends.due)
+                    break
+            self._produce_again(producer)  # (records due again count as pending: they make the room)
         if again:
             self._produce_again(producer)
         timed = self if self.tally.timing(self) else None  # (before the send: its callback may come at once)
@@ -259,7 +265,9 @@ class KafkaTransport(KafkaEndpoint):
                 if self._error or not self._resends.due:
                     self._raise_error()
                     return
-            self._produce_again(self._producer)  # (not under the lock: a send may wait for room the acks make)
+            self._produce_again(self._start_producer())  # (not under the lock: the acks' callbacks take it)
+            with contextlib.suppress(TransportError), map_errors(self._shown):
+                self._producer.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     # -- consumer side -------------------------------------------------------------------------------
 

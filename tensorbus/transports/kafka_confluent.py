@@ -228,7 +228,7 @@ class ConfluentKafkaTransport(KafkaTransport):
             return
         with self._pending_lock:  # (the check and the settling in one hold: every record's report takes it)
             partition = message.partition() or 0  # (both set in every delivery report)
-            if current and not self._resends.written(partition, message.offset()):  # (None: no offset)
+            if not self._resends.written(partition, message.offset(), ordered=current):  # (None: no offset)
                 self._resends.keep(message.value() or b"", message.key(), partition)
                 if timed:
                     self.tally.forget_timing()
@@ -257,15 +257,21 @@ class ConfluentKafkaTransport(KafkaTransport):
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         producer.flush(-1 if timeout is None else timeout)  # serves the delivery reports
-        while self._send_again():  # (records reported delivered that may not have been written)
-            with self._lock:
-                producer = self._current_rd_producer()
-            producer.flush(-1.0 if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._flush_again(deadline)
         self._serve_replaced(self.options.close_timeout_s if timeout is None else timeout)
+        self._flush_again(deadline)  # (a replaced producer's record reported with no offset goes on the current one)
         with self._pending:
             if self._unconfirmed and not self._error:
                 raise TransportError(f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s")
             self._raise_error()
+
+    def _flush_again(self, deadline: float | None) -> None:
+        """Produce again, and flush, the records reported delivered that may not have been written, until none is
+        due (`_send_again`; each flush serves their reports, which may make some due again)."""
+        while self._send_again():
+            with self._lock:
+                producer = self._current_rd_producer()
+            producer.flush(-1.0 if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def listen(self, deliver: Deliver, limits: Limits) -> None:
         """Create the topic if needed, join the group, and read records: on a waiting receive's thread, or a

@@ -34,13 +34,15 @@ class Resends:
         self._last: dict[int, int] = {}  # partition -> the last offset acknowledged there
         self.due: list[Resend] = []  # to be produced again
 
-    def written(self, partition: int, offset: int | None) -> bool:
-        """Whether an acknowledged record got an offset of its own, past the last one's in its partition; if not (no
-        offset at all, as confluent-kafka gives librdkafka's invalid one: None, even for a partition's first record),
-        a warning says so, and the caller `keep`s it. The caller holds the lock."""
+    def written(self, partition: int, offset: int | None, ordered: bool = True) -> bool:
+        """Whether an acknowledged record got an offset of its own, past the last one's in its partition (`ordered`:
+        not for a replaced producer's, whose reports come after the current one's); if not (no offset at all, as
+        confluent-kafka gives librdkafka's invalid one: None, even for a partition's first record), a warning says
+        so, and the caller `keep`s it. The caller holds the lock."""
         last = self._last.get(partition, -1)
-        if offset is not None and offset > last:
-            self._last[partition] = offset
+        if offset is not None and (offset > last or not ordered):
+            if ordered:
+                self._last[partition] = offset
             return True
         how = (
             "with no offset"

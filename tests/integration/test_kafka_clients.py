@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -212,12 +213,16 @@ def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_agai
         assert isinstance(transport, ConfluentKafkaTransport)
         pid = producer.producer_id
 
-        def report(key: str, frame: list[Any], offset: int | None) -> None:
+        def report(key: str, frame: list[Any], offset: int | None, current: bool = True) -> None:
             value = b"".join(frame)
             with transport._pending_lock:  # (counted as `send` counts a record)
                 transport._pending_bytes += len(value)
                 transport._unconfirmed += 1
-            transport._on_delivery(None, _Reported(value, key.encode(), 0, offset))  # type: ignore[arg-type]
+            reported = _Reported(value, key.encode(), 0, offset)
+            if current:
+                transport._on_delivery(None, reported)  # type: ignore[arg-type]
+            else:  # a replaced producer's report (served after the current one's)
+                transport._delivered(None, reported, False)  # type: ignore[arg-type]
 
         # the partition's first report, with no offset: as if dropped (a lost first tensor, 2026-11-30)
         report("first", encode(np.arange(2), key="first", message_id=(pid, 999)), None)
@@ -228,12 +233,13 @@ def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_agai
         report("a", encode(np.arange(3), key="a", message_id=written), 1)  # written: the copy is a duplicate
         report("b", encode(np.arange(4), key="b", message_id=(pid, 1000)), 0)  # never produced: as if dropped
         report("c", encode(np.arange(5), key="c", message_id=(pid, 1001)), None)
-        assert transport._unconfirmed == 3 and len(transport._resends.due) == 3  # none settled: all due again
+        report("d", encode(np.arange(7), key="d", message_id=(pid, 1002)), None, current=False)
+        assert transport._unconfirmed == 4 and len(transport._resends.due) == 4  # none settled: all due again
         producer.send("z", np.arange(6))
         producer.flush(30)
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
-        assert transport._resends._last[0] == 5  # first at 0, a at 1; a again, b and c at 2 to 4; z at 5
-        for key, n in [("first", 2), ("a", 3), ("b", 4), ("c", 5), ("z", 6)]:
+        assert transport._resends._last[0] == 6  # first at 0, a at 1; a again, b, c and d at 2 to 5; z at 6
+        for key, n in [("first", 2), ("a", 3), ("b", 4), ("c", 5), ("d", 7), ("z", 6)]:
             assert same(consumer.recv(key, timeout=30), np.arange(n))
         assert consumer.stats["duplicates"] == 1  # the copy of "a" (z came after it: it was read)
         assert len(consumer.table) == 0  # nothing else arrived
@@ -271,6 +277,47 @@ def test_a_kafka_python_record_acknowledged_with_no_offset_past_the_last_is_prod
             assert same(consumer.recv(key, timeout=30), np.arange(n))
         wait_for(lambda: consumer.stats["duplicates"] == 1, 30, "the copy of a dropped as a duplicate")
         assert len(consumer.table) == 0  # nothing else arrived
+
+
+@pytest.mark.broker
+def test_a_kafka_python_record_found_undelivered_while_a_send_waits_for_room_or_a_flush_waits_is_produced_again() -> (
+    None
+):
+    """The acknowledgement with no offset comes (on kafka-python's thread) while the application waits: a `send`
+    over `max_pending_bytes`, then a `flush`. Each produces the record again and goes on; neither waits for good."""
+    url = with_query(on(endpoint_url("kafka"), "kafka-python"), "max_pending_bytes=65536")
+    with tb.Producer(url) as producer, tb.Consumer(url) as consumer:
+        transport = producer.transport
+        assert type(transport) is KafkaTransport
+        pid = producer.producer_id
+        producer.send("w", np.arange(1))  # (the producer made, and the partition's first offset taken)
+        producer.flush(30)
+
+        def pending(key: str, n: int, sequence: int) -> bytes:
+            """A record counted as pending, as `send` counts one, not yet acknowledged."""
+            value = b"".join(encode(np.arange(n), key=key, message_id=(pid, sequence)))
+            with transport._pending_lock:
+                transport._pending_bytes += len(value)
+                transport._unconfirmed += 1
+            return value
+
+        def waits(call: Callable[[], Any]) -> threading.Thread:
+            """`call` on a thread of its own, once it waits under the pending lock."""
+            thread = threading.Thread(target=call, daemon=True)
+            thread.start()
+            wait_for(lambda: transport._pending_waiters == 1, 30, "the call to wait")
+            return thread
+
+        for key, sequence, blocked in [("k", 1000, lambda: producer.send("z", np.arange(2))), ("m", 1001, None)]:
+            value = pending(key, 9000, sequence)  # (72 KB: over max_pending_bytes)
+            thread = waits(blocked or (lambda: producer.flush(30)))
+            transport._acked(SimpleNamespace(partition=0, offset=-1), value, key.encode(), None)
+            thread.join(30)
+            assert not thread.is_alive(), f"the waiting call after {key}'s report waits still"
+        producer.flush(30)
+        assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
+        for key, n in [("w", 1), ("k", 9000), ("z", 2), ("m", 9000)]:
+            assert same(consumer.recv(key, timeout=30), np.arange(n))
 
 
 def test_an_unknown_client_is_refused_naming_the_known_ones() -> None:
