@@ -204,7 +204,7 @@ class KafkaTransport(KafkaEndpoint):
 
     def _produce_again(self, producer: KafkaProducer) -> bool:
         """Produce again the records reported delivered with no offset (`Resends`), on the application's thread
-        (kafka-python's sender thread must not wait for room in its own buffer); whether there were any."""
+        (a send may wait, for metadata: never on kafka-python's own thread); whether there were any."""
         due = self._resends.take()
         for value, key, partition in due:
             try:
