@@ -301,9 +301,18 @@ def test_a_kafka_python_record_found_undelivered_while_a_send_waits_for_room_or_
                 transport._unconfirmed += 1
             return value
 
+        failures: list[BaseException] = []
+
         def waits(call: Callable[[], Any]) -> threading.Thread:
-            """`call` on a thread of its own, once it waits under the pending lock."""
-            thread = threading.Thread(target=call, daemon=True)
+            """`call` on a thread of its own (what it raises kept in `failures`), once it waits under the lock."""
+
+            def run() -> None:
+                try:
+                    call()
+                except BaseException as exc:
+                    failures.append(exc)
+
+            thread = threading.Thread(target=run, daemon=True)
             thread.start()
             wait_for(lambda: transport._pending_waiters == 1, 30, "the call to wait")
             return thread
@@ -314,6 +323,7 @@ def test_a_kafka_python_record_found_undelivered_while_a_send_waits_for_room_or_
             transport._acked(SimpleNamespace(partition=0, offset=-1), value, key.encode(), None)
             thread.join(30)
             assert not thread.is_alive(), f"the waiting call after {key}'s report waits still"
+            assert not failures, failures
         producer.flush(30)
         assert transport._unconfirmed == 0 and transport._pending_bytes == 0 and not transport._resends.due
         for key, n in [("w", 1), ("k", 9000), ("z", 2), ("m", 9000)]:
