@@ -192,8 +192,7 @@ class KafkaTransport(KafkaEndpoint):
         """kafka-python acknowledged a record (on its sender thread): settled, unless the broker answered
         DUPLICATE_SEQUENCE_NUMBER (taken for success, with offset -1), when it is kept to be produced again."""
         with self._pending_lock:
-            offset = metadata.offset if metadata.offset >= 0 else None
-            if not self._resends.written(metadata.partition, offset):
+            if not self._resends.written(metadata.partition, metadata.offset):
                 self._resends.keep(value, key, metadata.partition)
                 if timed is not None:
                     self.tally.forget_timing()

@@ -38,17 +38,15 @@ class Resends:
         """Whether an acknowledged record got an offset of its own, past the last one's in its partition (`ordered`:
         not for a replaced producer's, whose reports come after the current one's); if not (no offset at all, as
         confluent-kafka gives librdkafka's invalid one: None, even for a partition's first record), a warning says
-        so, and the caller `keep`s it. The caller holds the lock."""
+        so, and the caller `keep`s it; kafka-python's -1 is no offset too. The caller holds the lock."""
         last = self._last.get(partition, -1)
+        if offset is not None and offset < 0:
+            offset = None
         if offset is not None and (offset > last or not ordered):
             if ordered:
                 self._last[partition] = offset
             return True
-        how = (
-            "with no offset"
-            if offset is None or offset < 0
-            else f"at offset {offset}, not after {last}, the last there"
-        )
+        how = "with no offset" if offset is None else f"at offset {offset}, not after {last}, the last there"
         log.warning(
             "%s: a record was reported delivered to partition %d %s: it may have been dropped as a duplicate; "
             "producing it again", self._shown, partition, how

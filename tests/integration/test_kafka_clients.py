@@ -179,6 +179,15 @@ def test_records_sent_by_several_threads_while_the_producer_is_replaced_are_all_
         assert failures and transport._rd_producer is not first  # (refused, and replaced)
 
 
+def _counted(transport: KafkaTransport, frame: list[Any]) -> bytes:
+    """A record's value, counted as pending as `send` counts one, not yet acknowledged."""
+    value = b"".join(frame)
+    with transport._pending_lock:
+        transport._pending_bytes += len(value)
+        transport._unconfirmed += 1
+    return value
+
+
 class _Reported:
     """A delivery report as librdkafka's `Message` gives it (the parts the producer reads)."""
 
@@ -214,11 +223,7 @@ def test_a_record_reported_delivered_at_no_offset_past_the_last_is_produced_agai
         pid = producer.producer_id
 
         def report(key: str, frame: list[Any], offset: int | None, current: bool = True) -> None:
-            value = b"".join(frame)
-            with transport._pending_lock:  # (counted as `send` counts a record)
-                transport._pending_bytes += len(value)
-                transport._unconfirmed += 1
-            reported = _Reported(value, key.encode(), 0, offset)
+            reported = _Reported(_counted(transport, frame), key.encode(), 0, offset)
             if current:
                 transport._on_delivery(None, reported)  # type: ignore[arg-type]
             else:  # a replaced producer's report (served after the current one's)
@@ -256,11 +261,8 @@ def test_a_kafka_python_record_acknowledged_with_no_offset_past_the_last_is_prod
         pid = producer.producer_id
 
         def report(key: str, frame: list[Any], offset: int) -> None:
-            value = b"".join(frame)
-            with transport._pending_lock:  # (counted as `send` counts a record)
-                transport._pending_bytes += len(value)
-                transport._unconfirmed += 1
-            transport._acked(SimpleNamespace(partition=0, offset=offset), value, key.encode(), None)
+            metadata = SimpleNamespace(partition=0, offset=offset)
+            transport._acked(metadata, _counted(transport, frame), key.encode(), None)
 
         report("first", encode(np.arange(2), key="first", message_id=(pid, 999)), -1)  # the partition's first report
         assert transport._unconfirmed == 1 and len(transport._resends.due) == 1 and not transport._resends._last
@@ -293,14 +295,6 @@ def test_a_kafka_python_record_found_undelivered_while_a_send_waits_for_room_or_
         producer.send("w", np.arange(1))  # (the producer made, and the partition's first offset taken)
         producer.flush(30)
 
-        def pending(key: str, n: int, sequence: int) -> bytes:
-            """A record counted as pending, as `send` counts one, not yet acknowledged."""
-            value = b"".join(encode(np.arange(n), key=key, message_id=(pid, sequence)))
-            with transport._pending_lock:
-                transport._pending_bytes += len(value)
-                transport._unconfirmed += 1
-            return value
-
         failures: list[BaseException] = []
 
         def waits(call: Callable[[], Any]) -> threading.Thread:
@@ -318,7 +312,8 @@ def test_a_kafka_python_record_found_undelivered_while_a_send_waits_for_room_or_
             return thread
 
         for key, sequence, blocked in [("k", 1000, lambda: producer.send("z", np.arange(2))), ("m", 1001, None)]:
-            value = pending(key, 9000, sequence)  # (72 KB: over max_pending_bytes)
+            frame = encode(np.arange(9000), key=key, message_id=(pid, sequence))  # (72 KB: over max_pending_bytes)
+            value = _counted(transport, frame)
             thread = waits(blocked or (lambda: producer.flush(30)))
             transport._acked(SimpleNamespace(partition=0, offset=-1), value, key.encode(), None)
             thread.join(30)
