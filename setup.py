@@ -1,4 +1,4 @@
-"""Builds the optional C fast paths (the codec's, the stream sockets', the intake's, the aligned copy's);
+"""Builds the optional C fast paths (the codec's, the stream sockets', shm://'s ring, the intake's, the aligned copy's);
 the rest is in pyproject.toml.
 
 Both are optional: without a C compiler tensorbus installs and runs on its Python paths.
@@ -38,6 +38,7 @@ setup(
         extension("tensorbus.codec._native", include_dirs=[numpy.get_include()]),
         extension("tensorbus.codec._crc"),
         extension("tensorbus.transports._stream"),
+        extension("tensorbus.transports._ring"),
         extension("tensorbus._intake"),
     ]
 )

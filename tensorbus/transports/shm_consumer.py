@@ -29,6 +29,7 @@ import numpy as np
 from ..buffers import aligned_empty
 from ..errors import TransportError
 from . import shm_control as control
+from . import shm_ring
 from .base import Deliver, Held
 from .leading import Leadership
 from .shm_segments import MAP_POPULATE, SEALS
@@ -66,6 +67,7 @@ class Peer:
         self.maps: dict[int, mmap.mmap] = {}
         self.acks = acks
         self.held: Held | None = None
+        self.ring: Any = None  # the producer's notification ring (shm_ring.py), once it passed one
 
 
 class ShmListener:
@@ -181,7 +183,7 @@ class ShmListener:
         ready = self._spin(stop, wait) if deadline is not None else None
         if ready is None and not stop():  # (what is left of the wait after a spin that ran out)
             self._answer()
-            ready = self._selector.select(None if wait_until is None else max(wait_until - time.monotonic(), 0.0))
+            ready = self._sleep(None if wait_until is None else max(wait_until - time.monotonic(), 0.0))
             if self._ran_out is not None:
                 self._judge(ready)
         for selected, _ in ready or ():
@@ -196,6 +198,31 @@ class ShmListener:
         elif deadline is not None:
             self._read_on()
         return not self._stop.is_set()
+
+    def _sleep(self, timeout: float | None) -> list[Any]:
+        """The selector's wait, up to `timeout`. A producer with a ring is told first that this side sleeps (its
+        next notice sends a datagram to wake it); one whose ring has notices meanwhile is read at once instead."""
+        rings = [peer for peer in self._peers.values() if peer.ring is not None and peer.held is None]
+        if not rings or timeout == 0:
+            return self._selector.select(timeout)
+        noticed = [peer for peer in rings if not peer.ring.sleep()]
+        try:
+            if noticed:
+                return [(self._selector.get_key(peer.sock), selectors.EVENT_READ) for peer in noticed]
+            return self._selector.select(timeout)
+        finally:
+            for peer in rings:
+                if peer.ring is not None:
+                    peer.ring.awake()
+
+    def _noticing(self) -> list[Any] | None:
+        """The selector keys of the producers whose ring holds notices (a spin's look at memory), or None."""
+        keys = [
+            self._selector.get_key(peer.sock)
+            for peer in self._peers.values()
+            if peer.ring is not None and peer.held is None and peer.ring.pending()
+        ]
+        return [(key, selectors.EVENT_READ) for key in keys] or None
 
     def _read_on(self) -> None:
         """After the frame that served a receive: read what the producers sent already (BATCH messages in all,
@@ -244,10 +271,15 @@ class ShmListener:
         spin_s = self._spin_s * (STRETCH if stretched else 1.0)
         until = time.monotonic() + (spin_s if wait is None else min(spin_s, wait))
         polls = 0
+        ring = None if lone is None else lone.ring
         while not stop():
             polls += 1
             if lone is None or polls % LOOK_EVERY == 1:  # (the listening socket and the wake-up pipe too)
-                ready = select(0) or None
+                ready = select(0) or (self._noticing() if ring is None else None)
+                if ready and lone is not None and all(key.data is lone for key, _ in ready):
+                    ready = [] if self._read_one(lone) else None  # (a late wake-up alone is nothing found)
+            elif ring is not None:  # (its notices in memory: a system call only every LOOK_EVERY polls)
+                ready = [] if ring.pending() and self._read_one(lone) else None
             else:
                 ready = [] if self._read_one(lone) else None
             if ready is not None:
@@ -343,7 +375,7 @@ class ShmListener:
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
         try:
-            control.send(sock, "hello", peer.nonce, self._secret is not None)
+            control.send(sock, "hello", peer.nonce, self._secret is not None, shm_ring.available())
         except OSError:
             self._close(peer)
 
@@ -355,18 +387,41 @@ class ShmListener:
                 return
 
     def _read_one(self, peer: Peer) -> bool:
-        """Handle one control message of `peer`'s: False if none was waiting."""
+        """Handle one notice in `peer`'s ring, or else one control message of its: False if none was waiting."""
         try:
+            ring = peer.ring
+            if ring is not None:
+                notice = ring.take()
+                if notice is not None:
+                    self._noticed(peer, notice)
+                    return True
             got = control.receive(peer.sock, blocking=False)
             if got is None:
                 return False
+            if got[0][0] == "wake" and ring is not None and not got[1]:
+                notice = ring.take()  # (None: its notice was read already, the wake-up came late)
+                if notice is None:
+                    return False
+                self._noticed(peer, notice)
+                return True
             self._handle(peer, *got)
         except (OSError, TransportError, ValueError, TypeError, LookupError, MemoryError) as exc:
-            # a malformed control message, or a frame the intake could not afford: that producer only
+            # a malformed control message or ring, or a frame the intake could not afford: that producer only
             if not isinstance(exc, ConnectionError):
                 log.warning("shm://%s: dropped a producer: %s", self.name, str(exc))  # (not exc: its frames map memory)
             self._close(peer)
         return True
+
+    def _noticed(self, peer: Peer, notice: tuple[int, int, int, int]) -> None:
+        """A frame's notice from the ring: its segment's announcement, sent before it, is read first if it is
+        still in the socket."""
+        seg_id = notice[1]
+        while seg_id not in peer.maps:
+            got = control.receive(peer.sock, blocking=False)
+            if got is None:
+                raise TransportError(f"a frame in an unknown segment {seg_id!r}")
+            self._handle(peer, *got)
+        self._frame(peer, *notice)
 
     def _handle(self, peer: Peer, message: list[Any], fds: list[int]) -> None:
         kind = message[0]
@@ -387,6 +442,8 @@ class ShmListener:
             self._frame(peer, *message[1:])
         elif kind == "drop" and not fds and len(message) == 2:
             peer.maps.pop(message[1], None)  # (the mapping goes with the last frame viewing it)
+        elif kind == "ring" and len(fds) == 1 and len(message) == 2 and peer.ring is None:
+            peer.ring = shm_ring.consumer_ring(fds[0], message[1])
         else:
             for fd in fds:
                 os.close(fd)
@@ -462,6 +519,9 @@ class ShmListener:
         peer.maps.clear()  # (first: whoever sees the socket close sees the mappings gone)
         if peer.open:
             peer.open = False
+            if peer.ring is not None:
+                peer.ring.close()
+                peer.ring = None
             self._selector.unregister(peer.sock)
             self._peers.pop(peer.sock.fileno(), None)
             peer.sock.close()

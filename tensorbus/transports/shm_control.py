@@ -7,11 +7,15 @@ it), so two users' endpoints of the same name never meet and another user cannot
 
 Every message is one msgpack list, its first item the kind:
 
-    consumer -> producer   ["hello", nonce, auth]        on accept (auth: a proof is required)
+    consumer -> producer   ["hello", nonce, auth, ring]  on accept (auth: a proof is required; ring: it can
+                                                         read a notification ring, shm_ring.py)
     producer -> consumer   ["proof", proof]              HMAC of the nonce with auth_secret (stream.proof)
     consumer -> producer   ["ok"] | ["refused", reason]
+    producer -> consumer   ["ring", capacity]            with the ring's descriptor, if both sides have it
     producer -> consumer   ["seg", seg_id, size]         with the segment's descriptor
-    producer -> consumer   ["frame", pos, seg_id, offset, length]
+    producer -> consumer   ["frame", pos, seg_id, offset, length]   without a ring; with one, the same four
+                                                         numbers are a notice in the ring, and
+    producer -> consumer   ["wake"]                      tells a consumer that said it sleeps to read it
     producer -> consumer   ["drop", seg_id]              the producer will never name this segment again
     consumer -> producer   ["ack", pos, [taken...], [free...]]
                            every frame before pos is in the table or settled; "taken" positions were

@@ -28,7 +28,9 @@ from ..codec.frame import Buffer, join_into
 from ..codec.native import STREAMED, copy_streamed
 from ..errors import Timeout, TransportError
 from . import shm_control as control
+from . import shm_ring
 from .base import backoff_s
+from .shm_ring import ProducerRing
 from .shm_segments import Slot, Slots
 from .stream import proof
 from .tally import Tally
@@ -47,6 +49,8 @@ _CREDENTIALS = struct.Struct("3i")
 POLL_EVERY = 16
 #: slots of one size a producer fills before it waits for the consumer to receive (see `_reclaim`)
 RUN_AHEAD_SLOTS = 4
+#: how often a producer waiting for room in a full notification ring looks at it again, at most
+RING_RECHECK_S = 0.005
 
 
 class ShmSender:
@@ -59,6 +63,7 @@ class ShmSender:
         self._secret = secret.encode() if isinstance(secret, str) else secret
         self.slots = Slots(POOLED_BYTES, RUN_AHEAD_SLOTS)
         self._sock: socket.socket | None = None
+        self._ring: ProducerRing | None = None  # the connection's notification ring, if both sides have it
         self._announced: set[int] = set()  # segments whose descriptor the current consumer has
         self._inflight: dict[int, Slot] = {}  # position -> its slot, while busy
         self._unacked: collections.deque[Slot] = collections.deque()  # slots not yet acked, oldest first
@@ -180,13 +185,26 @@ class ShmSender:
         self._connect()  # (it sends every untaken frame, this one too)
 
     def _tell(self, slot: Slot) -> None:
+        """Tell the consumer of `slot`'s frame: in the ring (a datagram only to wake a consumer that sleeps), or
+        in a "frame" datagram; a segment it has not seen is announced first (the notice must not overtake it)."""
         assert self._sock is not None
         segment = slot.segment
         if segment.seg_id not in self._announced:
             control.send(self._sock, "seg", segment.seg_id, segment.size, fds=[segment.fd])
             self._announced.add(segment.seg_id)
         slot.pinned = True
-        control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame, by=self._packer)
+        ring = self._ring
+        if ring is None:
+            control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame, by=self._packer)
+            return
+        told = ring.put(slot.pos, segment.seg_id, *slot.frame)
+        if told < 0:  # (full: the resends of a reconnect; a send waits for room first, `wait_for_room`)
+            self._wait(lambda: self._ring is not ring or ring.free() > 0, self.options.send_timeout_s, "resend")
+            if self._ring is not ring:
+                raise ConnectionResetError("the consumer went away")
+            told = ring.put(slot.pos, segment.seg_id, *slot.frame)
+        if told > 0:
+            control.send(self._sock, "wake")
 
     def _owe_ack(self, slot: Slot) -> None:
         if self.tally.timed is None:  # (a frame in flight is timed already, mostly: no call)
@@ -196,12 +214,16 @@ class ShmSender:
         self._unacked.append(slot)
 
     def wait_for_room(self) -> None:
-        """Wait while `max_unacked_bytes` are unacknowledged, up to `send_timeout_s`."""
+        """Wait while `max_unacked_bytes` are unacknowledged, or the notification ring is full (the consumer
+        has not read what it holds), up to `send_timeout_s`."""
         limit = self.options.max_unacked_bytes
         if self._sock is not None and self.unacked_bytes >= limit:
             self.poll()
         if self._sock is not None and self.unacked_bytes >= limit:
             self._wait_for_room(lambda: self.unacked_bytes < limit)
+        ring = self._ring
+        if ring is not None and not ring.free():
+            self._wait_for_room(lambda: self._ring is not ring or ring.free() > 0)
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the consumer has every frame sent in its table; one that went away is replaced by
@@ -213,6 +235,9 @@ class ShmSender:
             self._wait(lambda: not self.unacked_bytes, timeout, "flush")
 
     def _wait(self, done: Any, timeout: float | None, what: str) -> None:
+        """Wait until `done()`, reading the consumer's messages, for up to `timeout` seconds (then `Timeout`).
+        A ring's room shows in memory, not as a message: with a ring, `done` is asked again every `RING_RECHECK_S`
+        (the consumer's acks, sent as it reads, mostly wake the wait sooner)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
@@ -226,6 +251,8 @@ class ShmSender:
             sock = self._sock
             assert sock is not None
             # (the socket stays blocking without a timeout: Python waits out a socket timeout even with MSG_DONTWAIT)
+            if self._ring is not None:
+                left = RING_RECHECK_S if left is None else min(left, RING_RECHECK_S)
             readable, _, _ = select.select([sock], [], [], left)
             if readable:
                 self.poll()
@@ -354,7 +381,7 @@ class ShmSender:
                 raise TransportError(f"shm://{self.name} is served by another user (uid {uid}); set auth_secret")
             hello = control.receive(sock)
             assert hello is not None
-            (kind, nonce, *_), _fds = hello
+            (kind, nonce, *offers), _fds = hello
             if kind != "hello" or not isinstance(nonce, bytes):
                 raise TransportError(f"shm://{self.name}: unexpected greeting {kind!r}")
             control.send(sock, "proof", proof(self._secret, nonce))
@@ -363,6 +390,14 @@ class ShmSender:
             if verdict[0][0] != "ok":
                 reason = verdict[0][1] if len(verdict[0]) > 1 else "refused"
                 raise TransportError(f"shm://{self.name} refused this producer: {reason}")
+            if offers[1:2] == [True] and shm_ring.available():  # (["hello", nonce, auth, ring offered])
+                ring = ProducerRing()
+                try:
+                    control.send(sock, "ring", ring.capacity, fds=[ring.fd])
+                except BaseException:
+                    ring.close()
+                    raise
+                self._ring = ring
             sock.settimeout(None)
             return sock
         except BaseException:
@@ -375,6 +410,7 @@ class ShmSender:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._close_ring()
         self._unacked.clear()
         self.unacked_bytes = 0
         for pos in sorted(self._inflight):
@@ -385,6 +421,11 @@ class ShmSender:
                 slot.pinned = False
             self._settle(slot)
         self.slots.dropped.clear()
+
+    def _close_ring(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
 
     def close(self, timeout: float | None) -> None:
         """Wait up to `timeout` for the consumer's acks (while connected), then let go of the connection and
@@ -399,6 +440,7 @@ class ShmSender:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+            self._close_ring()
             self.slots.close()
             # (frames never to be sent again: their segments' mappings go with the last array viewing them,
             # not with this sender, whose last frees may not have come before close)

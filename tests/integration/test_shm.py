@@ -450,7 +450,7 @@ def _raw_producer(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(10)
     sock.connect(path)
-    (kind, nonce, _), _ = control.receive(sock)
+    (kind, nonce, *_), _ = control.receive(sock)
     assert kind == "hello"
     control.send(sock, "proof", proof(None, nonce))
     assert control.receive(sock)[0] == ["ok"]

@@ -1,0 +1,282 @@
+/* shm://'s notification ring: a producer's "frame" notices to its consumer through shared memory, in C
+ * (shm_ring.py says what it is for and when it is used; without this extension every notice is a datagram).
+ *
+ * One producer writes, one consumer reads. The memory (a sealed memfd the producer passes over the control
+ * socket) holds, each word on a cache line of its own so the two sides do not take turns owning one line:
+ *
+ *     0    magic, capacity                  written once by the producer, before the consumer maps it
+ *     64   tail      entries written        the producer's
+ *     128  head      entries read           the consumer's
+ *     192  sleeping  1: the consumer is about to sleep on its control socket; set by the consumer,
+ *                    taken back (exchanged for 0) by whichever side sees it first
+ *     256  capacity entries of four uint64: position, segment id, offset, length
+ *
+ * Waking: the producer publishes an entry (tail, sequentially consistent) and then reads `sleeping`; the
+ * consumer sets `sleeping` and then reads tail. With both in one total order, at least one side sees the
+ * other: the producer sees `sleeping` (and sends a wake-up datagram) or the consumer sees the entry (and does
+ * not sleep). A wake-up nobody needed is harmless; a missed one cannot happen.
+ *
+ * Neither side trusts the other's words: the capacity each side uses is its own copy (checked against the
+ * mapping's size), a tail or head out of range is a ValueError, and the consumer copies an entry out before
+ * anyone checks it (shm_consumer.py checks its segment and bounds).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RING_MAGIC 0x31474e4952425455ULL /* "UTBRING1", little-endian */
+#define TAIL_AT 64
+#define HEAD_AT 128
+#define SLEEPING_AT 192
+#define ENTRIES_AT 256
+#define ENTRY_WORDS 4
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    uint64_t capacity;
+    uint64_t *tail, *head, *sleeping, *entries;
+} Ring;
+
+static int
+ring_init(Ring *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"buffer", "capacity", "fresh", NULL};
+    PyObject *buffer;
+    unsigned long long capacity;
+    int fresh = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OK|p", names, &buffer, &capacity, &fresh)) {
+        return -1;
+    }
+    if (self->has_view) {
+        PyErr_SetString(PyExc_TypeError, "a Ring is initialised once");
+        return -1;
+    }
+    if (capacity == 0 || (capacity & (capacity - 1)) != 0 || capacity > (1ULL << 24)) {
+        PyErr_SetString(PyExc_ValueError, "a ring's capacity is a power of two up to 2**24");
+        return -1;
+    }
+    if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE) < 0) {
+        return -1;
+    }
+    self->has_view = 1;
+    uint64_t need = ENTRIES_AT + capacity * ENTRY_WORDS * sizeof(uint64_t);
+    if ((uint64_t)self->view.len < need || ((uintptr_t)self->view.buf & 63) != 0) {
+        PyErr_Format(PyExc_ValueError, "a ring of %llu entries needs %llu aligned bytes, not %zd", capacity,
+                     (unsigned long long)need, self->view.len);
+        return -1;
+    }
+    uint8_t *base = self->view.buf;
+    uint64_t *words = (uint64_t *)base;
+    if (fresh) {
+        memset(base, 0, ENTRIES_AT);
+        words[0] = RING_MAGIC;
+        words[1] = capacity;
+    } else if (words[0] != RING_MAGIC || words[1] != capacity) {
+        PyErr_SetString(PyExc_ValueError, "not a ring of the announced capacity");
+        return -1;
+    }
+    self->capacity = capacity;
+    self->tail = (uint64_t *)(base + TAIL_AT);
+    self->head = (uint64_t *)(base + HEAD_AT);
+    self->sleeping = (uint64_t *)(base + SLEEPING_AT);
+    self->entries = (uint64_t *)(base + ENTRIES_AT);
+    return 0;
+}
+
+static int
+ready(Ring *self)
+{
+    if (!self->has_view) {
+        PyErr_SetString(PyExc_ValueError, "the ring is closed");
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(put_doc, "put(pos, seg_id, offset, length) -> int: the producer's notice of a frame.\n\n"
+                      "-1: the ring is full (nothing written); 1: written, and the consumer was about to sleep "
+                      "(send it a wake-up); 0: written.");
+
+static PyObject *
+ring_put(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!ready(self)) {
+        return NULL;
+    }
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "put(pos, seg_id, offset, length)");
+        return NULL;
+    }
+    uint64_t entry[ENTRY_WORDS];
+    for (int i = 0; i < ENTRY_WORDS; i++) {
+        entry[i] = PyLong_AsUnsignedLongLong(args[i]);
+        if (entry[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    uint64_t tail = __atomic_load_n(self->tail, __ATOMIC_RELAXED); /* (this side's own word) */
+    uint64_t head = __atomic_load_n(self->head, __ATOMIC_ACQUIRE);
+    if (tail - head > self->capacity) {
+        PyErr_SetString(PyExc_ValueError, "the consumer's ring head is out of range");
+        return NULL;
+    }
+    if (tail - head == self->capacity) {
+        return PyLong_FromLong(-1);
+    }
+    memcpy(self->entries + (tail & (self->capacity - 1)) * ENTRY_WORDS, entry, sizeof entry);
+    __atomic_store_n(self->tail, tail + 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(self->sleeping, __ATOMIC_SEQ_CST) &&
+        __atomic_exchange_n(self->sleeping, 0, __ATOMIC_SEQ_CST)) {
+        return PyLong_FromLong(1);
+    }
+    return PyLong_FromLong(0);
+}
+
+PyDoc_STRVAR(take_doc, "take() -> (pos, seg_id, offset, length) | None: the consumer's next notice, if any.");
+
+static PyObject *
+ring_take(Ring *self, PyObject *unused)
+{
+    if (!ready(self)) {
+        return NULL;
+    }
+    uint64_t head = __atomic_load_n(self->head, __ATOMIC_RELAXED); /* (this side's own word) */
+    uint64_t tail = __atomic_load_n(self->tail, __ATOMIC_ACQUIRE);
+    if (tail == head) {
+        Py_RETURN_NONE;
+    }
+    if (tail - head > self->capacity) {
+        PyErr_SetString(PyExc_ValueError, "the producer's ring tail is out of range");
+        return NULL;
+    }
+    uint64_t entry[ENTRY_WORDS];
+    memcpy(entry, self->entries + (head & (self->capacity - 1)) * ENTRY_WORDS, sizeof entry);
+    __atomic_store_n(self->head, head + 1, __ATOMIC_RELEASE);
+    return Py_BuildValue("(KKKK)", (unsigned long long)entry[0], (unsigned long long)entry[1],
+                         (unsigned long long)entry[2], (unsigned long long)entry[3]);
+}
+
+PyDoc_STRVAR(pending_doc, "pending() -> bool: whether a notice waits to be taken.");
+
+static PyObject *
+ring_pending(Ring *self, PyObject *unused)
+{
+    if (!ready(self)) {
+        return NULL;
+    }
+    uint64_t head = __atomic_load_n(self->head, __ATOMIC_RELAXED);
+    return PyBool_FromLong(__atomic_load_n(self->tail, __ATOMIC_ACQUIRE) != head);
+}
+
+PyDoc_STRVAR(sleep_doc, "sleep() -> bool: the consumer says it will sleep; False (and it does not) if a notice "
+                        "came meanwhile.\n\nTrue: the producer's next notice sends a wake-up datagram.");
+
+static PyObject *
+ring_sleep(Ring *self, PyObject *unused)
+{
+    if (!ready(self)) {
+        return NULL;
+    }
+    __atomic_store_n(self->sleeping, 1, __ATOMIC_SEQ_CST);
+    uint64_t head = __atomic_load_n(self->head, __ATOMIC_RELAXED);
+    if (__atomic_load_n(self->tail, __ATOMIC_SEQ_CST) != head) {
+        __atomic_store_n(self->sleeping, 0, __ATOMIC_SEQ_CST);
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(awake_doc, "awake(): the consumer is awake again (the producer need not wake it).");
+
+static PyObject *
+ring_awake(Ring *self, PyObject *unused)
+{
+    if (!ready(self)) {
+        return NULL;
+    }
+    __atomic_store_n(self->sleeping, 0, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(free_doc, "free() -> int: room for this many notices more (the producer's view).");
+
+static PyObject *
+ring_free(Ring *self, PyObject *unused)
+{
+    if (!ready(self)) {
+        return NULL;
+    }
+    uint64_t tail = __atomic_load_n(self->tail, __ATOMIC_RELAXED);
+    uint64_t used = tail - __atomic_load_n(self->head, __ATOMIC_ACQUIRE);
+    return PyLong_FromUnsignedLongLong(used > self->capacity ? 0 : self->capacity - used);
+}
+
+PyDoc_STRVAR(close_doc, "close(): let go of the buffer (its mapping may then be closed); idempotent.");
+
+static PyObject *
+ring_close(Ring *self, PyObject *unused)
+{
+    if (self->has_view) {
+        self->has_view = 0;
+        PyBuffer_Release(&self->view);
+    }
+    Py_RETURN_NONE;
+}
+
+static void
+ring_dealloc(Ring *self)
+{
+    if (self->has_view) {
+        PyBuffer_Release(&self->view);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef ring_methods[] = {
+    {"put", (PyCFunction)(void (*)(void))ring_put, METH_FASTCALL, put_doc},
+    {"take", (PyCFunction)ring_take, METH_NOARGS, take_doc},
+    {"pending", (PyCFunction)ring_pending, METH_NOARGS, pending_doc},
+    {"sleep", (PyCFunction)ring_sleep, METH_NOARGS, sleep_doc},
+    {"awake", (PyCFunction)ring_awake, METH_NOARGS, awake_doc},
+    {"free", (PyCFunction)ring_free, METH_NOARGS, free_doc},
+    {"close", (PyCFunction)ring_close, METH_NOARGS, close_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._ring.Ring",
+    .tp_doc = PyDoc_STR("Ring(buffer, capacity, fresh=False): one side of a notification ring in `buffer`."),
+    .tp_basicsize = sizeof(Ring),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ring_init,
+    .tp_dealloc = (destructor)ring_dealloc,
+    .tp_methods = ring_methods,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_ring", "shm://'s notification ring (see _ring.c).", -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__ring(void)
+{
+    if (PyType_Ready(&RingType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
+        PyModule_AddIntConstant(m, "ENTRIES_AT", ENTRIES_AT) < 0 ||
+        PyModule_AddIntConstant(m, "ENTRY_BYTES", ENTRY_WORDS * sizeof(uint64_t)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,249 @@
+"""shm://'s notification ring: frames noticed through shared memory, a sleeping consumer woken, a full ring
+waited on, the datagram protocol kept with a peer on the Python paths, and a hostile ring refused."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tensorbus as tb
+from tensorbus.transports import leading, shm_ring
+from tensorbus.transports import shm_control as control
+from tensorbus.transports.shm_producer import ShmSender
+from tensorbus.transports.shm_segments import SEALS
+from tensorbus.transports.stream import proof
+from tests.conftest import endpoint_url, require_native
+from tests.peers import same
+from tests.waiting import wait_for
+
+require_native(shm_ring.available(), "shm://'s notification ring (tensorbus/transports/_ring.c)")
+
+
+def _peer(consumer: tb.Consumer) -> Any:
+    """The consumer's one producer connection."""
+    listener = consumer.transport._listener  # type: ignore[attr-defined]
+    wait_for(lambda: len(listener._peers) == 1, 10, "one producer connected")
+    return next(iter(listener._peers.values()))
+
+
+def _counting_sends(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the control messages sent from this process, by kind."""
+    counts: dict[str, int] = {}
+    send = control.send
+
+    def counted(sock: socket.socket, *message: Any, **options: Any) -> None:
+        counts[message[0]] = counts.get(message[0], 0) + 1
+        send(sock, *message, **options)
+
+    monkeypatch.setattr(control, "send", counted)
+    return counts
+
+
+def test_frames_are_noticed_through_the_ring_not_one_datagram_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = _counting_sends(monkeypatch)
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        for i in range(200):
+            producer.send(f"k{i}", np.full(1024, i, np.float32))
+        for i in range(200):
+            assert same(consumer.recv(f"k{i}", timeout=10), np.full(1024, i, np.float32))
+        assert _peer(consumer).ring is not None and producer.transport.sender_side._ring is not None  # type: ignore[attr-defined]
+    assert counts.get("frame", 0) == 0 and counts["ring"] == 1, counts
+
+
+class _Watched:
+    """A consumer's ring, noting (in an event another process can wait on) when its consumer said it sleeps."""
+
+    def __init__(self, ring: Any, slept: Any) -> None:
+        self._ring, self.slept = ring, slept
+
+    def sleep(self) -> bool:
+        asleep = bool(self._ring.sleep())
+        if asleep:
+            self.slept.set()
+        return asleep
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ring, name)
+
+
+def _send_once_asleep(url: str, slept: Any, wakes: Any) -> None:
+    """A producer: "warm" at once, then "k" once the consumer sleeps; puts how many wake-ups it sent."""
+    counts: dict[str, int] = {}
+    send = control.send
+
+    def counted(sock: socket.socket, *message: Any, **options: Any) -> None:
+        counts[message[0]] = counts.get(message[0], 0) + 1
+        send(sock, *message, **options)
+
+    control.send = counted
+    with tb.Producer(url) as producer:
+        producer.send("warm", np.zeros(1024, np.float32))  # (k's size: in the segment already announced)
+        slept.wait(30)
+        producer.send("k", np.arange(1024, dtype=np.float32))
+        producer.flush(30)
+    wakes.put(counts.get("wake", 0))
+
+
+def test_a_consumer_asleep_on_its_socket_is_woken_by_the_next_notice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The consumer sleeps with no spin and nothing else to wake it for a minute: only the producer's wake-up
+    datagram, sent because the ring said it sleeps, brings the frame within the receive's 10 s."""
+    for name in ("IDLE_S", "LINGER_S"):
+        monkeypatch.setattr(control, name, 60.0)
+    monkeypatch.setattr(leading, "POLL_S", 60.0)
+    url = endpoint_url("shm")
+    context = multiprocessing.get_context("fork")
+    slept, wakes = context.Event(), context.Queue()
+    with tb.Consumer(url, spin_s=0) as consumer:
+        sender = context.Process(target=_send_once_asleep, args=(url, slept, wakes))
+        sender.start()
+        try:
+            assert same(consumer.recv("warm", timeout=30), np.zeros(1024, np.float32))
+            peer = _peer(consumer)
+            peer.ring = _Watched(peer.ring, slept)
+            assert same(consumer.recv("k", timeout=10), np.arange(1024, dtype=np.float32))
+        finally:
+            sender.join(30)
+        assert sender.exitcode == 0 and wakes.get(timeout=10) >= 1
+
+
+def test_a_full_ring_makes_a_send_wait_and_nothing_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer whose table is full reads no notices; the producer's sends wait for room in its ring of 4, then
+    go on as the application takes tensors: every one arrives, in order."""
+    monkeypatch.setattr(shm_ring, "CAPACITY", 4)
+    waits = []
+    wait_for_room = ShmSender._wait_for_room
+
+    def counted(self: ShmSender, done: Any) -> None:
+        waits.append(self._ring is not None and self._ring.free() == 0)
+        wait_for_room(self, done)
+
+    monkeypatch.setattr(ShmSender, "_wait_for_room", counted)
+    url = endpoint_url("shm")
+    with tb.Consumer(url, max_buffered_bytes=4 * 4096) as consumer, tb.Producer(url) as producer:
+        sending = threading.Thread(
+            target=lambda: [producer.send("k", np.full(1024, i, np.float32)) for i in range(100)], daemon=True
+        )
+        sending.start()
+        wait_for(lambda: any(waits), 30, "a send waiting for room in the ring")
+        for i in range(100):
+            assert same(consumer.recv("k", timeout=30), np.full(1024, i, np.float32))
+        sending.join(30)
+        assert not sending.is_alive()
+
+
+def test_a_reconnect_resends_more_untaken_frames_than_the_ring_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_ring, "CAPACITY", 4)
+    url = endpoint_url("shm")
+    with tb.Producer(url, reconnect_timeout_s=30) as producer:
+        with tb.Consumer(url) as first:
+            for i in range(10):
+                producer.send(f"k{i}", np.full(1024, i, np.float32))
+            producer.flush(30)
+            assert len(first.table) == 10
+        with tb.Consumer(url) as second:
+            producer.flush(30)  # (reconnects, and resends the ten the first left untaken)
+            for i in range(10):
+                assert same(second.recv(f"k{i}", timeout=30), np.full(1024, i, np.float32))
+
+
+_PYTHON_PATHS = {**os.environ, "TENSORBUS_NATIVE": "0"}
+
+
+def _run_python_paths(code: str) -> subprocess.Popen[str]:
+    """`code` in a process on the Python paths alone (TENSORBUS_NATIVE=0: no ring)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], env=_PYTHON_PATHS, text=True, stdout=subprocess.PIPE
+    )  # (used with `with`: its pipe closed and the process waited for)
+
+
+def test_a_producer_on_the_python_paths_sends_datagrams_to_a_consumer_with_the_ring() -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer:
+        with _run_python_paths(f"""
+            import numpy as np, tensorbus as tb
+            with tb.Producer({url!r}) as producer:
+                for i in range(50):
+                    producer.send("k", np.full(1024, i, np.float32))
+                producer.flush(30)
+            """) as child:
+            for i in range(50):
+                assert same(consumer.recv("k", timeout=30), np.full(1024, i, np.float32))
+            assert _peer(consumer).ring is None
+            assert child.wait(30) == 0
+
+
+def test_a_consumer_on_the_python_paths_is_sent_datagrams_by_a_producer_with_the_ring() -> None:
+    url = endpoint_url("shm")
+    with _run_python_paths(f"""
+        import numpy as np, tensorbus as tb
+        with tb.Consumer({url!r}) as consumer:
+            print("listening", flush=True)
+            for i in range(50):
+                assert (consumer.recv("k", timeout=30) == np.full(1024, i, np.float32)).all()
+        print("ok", flush=True)
+        """) as child:
+        assert child.stdout is not None and child.stdout.readline().strip() == "listening"
+        with tb.Producer(url) as producer:
+            for i in range(50):
+                producer.send("k", np.full(1024, i, np.float32))
+            producer.flush(30)
+            assert producer.transport.sender_side._ring is None  # type: ignore[attr-defined]
+        assert child.stdout.readline().strip() == "ok" and child.wait(30) == 0
+
+
+def _raw_producer(path: str) -> socket.socket:
+    """A control connection that has passed the handshake, for sending what no honest producer would."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(10)
+    sock.connect(path)
+    (kind, nonce, _auth, offered), _ = control.receive(sock)
+    assert kind == "hello" and offered is True
+    control.send(sock, "proof", proof(None, nonce))
+    assert control.receive(sock)[0] == ["ok"]
+    return sock
+
+
+@pytest.mark.parametrize("attack", ["unsealed ring", "too large", "tail out of range", "unknown segment", "two rings"])
+def test_a_hostile_ring_drops_its_producer_and_the_consumer_serves_on(attack: str) -> None:
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, contextlib.closing(_raw_producer(consumer.transport.path)) as sock:  # type: ignore[attr-defined]
+        if attack == "unsealed ring":
+            fd = os.memfd_create("hostile-ring")
+            os.ftruncate(fd, shm_ring.size(4))
+            control.send(sock, "ring", 4, fds=[fd])
+            os.close(fd)
+        elif attack == "too large":  # (more notices than a consumer takes from a producer)
+            fd = os.memfd_create("hostile-ring", os.MFD_ALLOW_SEALING)
+            os.ftruncate(fd, shm_ring.size(2 * shm_ring.CAPACITY))
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            control.send(sock, "ring", 2 * shm_ring.CAPACITY, fds=[fd])
+            os.close(fd)
+        else:
+            ring = shm_ring.ProducerRing(4)
+            control.send(sock, "ring", 4, fds=[ring.fd])
+            if attack == "two rings":
+                control.send(sock, "ring", 4, fds=[ring.fd])
+            elif attack == "unknown segment":
+                assert ring.put(1, 99, 0, 64) >= 0
+                control.send(sock, "wake")
+            else:  # a tail far past the head
+                ring._map[64:72] = (1000).to_bytes(8, "little")
+                control.send(sock, "wake")
+        with pytest.raises((ConnectionError, OSError)):  # dropped: the next receive sees the end
+            while control.receive(sock) is not None:
+                pass
+        with tb.Producer(url) as producer:
+            producer.send("after", np.arange(3))
+        assert same(consumer.recv("after", timeout=10), np.arange(3))
