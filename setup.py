@@ -1,7 +1,7 @@
-"""Builds the optional C fast paths (the codec's, the stream sockets', shm://'s ring, the intake's, the aligned copy's);
-the rest is in pyproject.toml.
+"""Builds the optional C fast paths (the codec's, the stream sockets', shm://'s ring and frame views, the
+intake's, the aligned copy's); the rest is in pyproject.toml.
 
-Both are optional: without a C compiler tensorbus installs and runs on its Python paths.
+Each is optional: without a C compiler tensorbus installs and runs on its Python paths.
 Each has its source's hash compiled in (its .c and the header the extensions share), so a checkout
 whose C changed after the build notices (tensorbus/codec/native.py) instead of running a stale binary.
 """
@@ -38,7 +38,7 @@ setup(
         extension("tensorbus.codec._native", include_dirs=[numpy.get_include()]),
         extension("tensorbus.codec._crc"),
         extension("tensorbus.transports._stream"),
-        extension("tensorbus.transports._ring"),
+        extension("tensorbus.transports._shm"),
         extension("tensorbus._intake"),
     ]
 )

@@ -1,9 +1,10 @@
 """The shm:// consumer: one thread accepts producers, maps their segments read-only and delivers frames.
 
-A received frame is a read-only uint8 array over the producer's segment (`np.frombuffer` of the
-mapping): every array decoded from it is a view that keeps it alive, so a finalizer on it tells the
-producer "free" exactly when the last view is gone. While the application's arrays (taken tensors) view
-`max_pinned_bytes`, a new frame is copied out of shared memory into the consumer's own and freed at once.
+A received frame is a read-only view of the producer's segment (`_view`: a `_shm.FrameView`, or an ndarray
+over the mapping on the Python paths): every array decoded from it is a view that keeps it alive, so its
+callback tells the producer "free" exactly when the last view is gone. While the application's arrays (taken
+tensors) view `max_pinned_bytes`, a new frame is copied out of shared memory into the consumer's own and freed
+at once.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers import aligned_empty
+from ..codec import native
 from ..errors import TransportError
 from . import shm_control as control
 from . import shm_ring
@@ -40,6 +42,9 @@ if TYPE_CHECKING:
     from .shm import ShmOptions
 
 log = logging.getLogger(__name__)
+#: a frame's read-only bytes that call back when their last view goes (`_shm.c`), where built; else an ndarray
+#: over the mapping with a `weakref.finalize` (`_view`)
+_FRAME_VIEW: Any = getattr(native.load("tensorbus.transports._shm"), "FrameView", None)
 _CREDENTIALS = struct.Struct("3i")
 #: control messages read from one producer before the others get a turn
 BATCH = 64
@@ -68,6 +73,17 @@ class Peer:
         self.acks = acks
         self.held: Held | None = None
         self.ring: Any = None  # the producer's notification ring (shm_ring.py), once it passed one
+
+
+def _view(mapped: mmap.mmap, offset: int, length: int, unviewed: Callable[[int, int], None], pos: int) -> memoryview:
+    """`length` read-only bytes of `mapped` from `offset`, calling `unviewed(pos, length)` once nothing views them:
+    a `_shm.FrameView` where built, else an ndarray over the mapping (every array decoded from it is a view that
+    keeps it alive) with a finalizer."""
+    if _FRAME_VIEW is not None:
+        return memoryview(_FRAME_VIEW(mapped, offset, length, unviewed, pos))
+    frame = np.frombuffer(mapped, np.uint8, length, offset)
+    weakref.finalize(frame, unviewed, pos, length).atexit = False
+    return frame.data
 
 
 class ShmListener:
@@ -478,21 +494,21 @@ class ShmListener:
         if offset < 0 or length <= 0 or offset + length > len(mapped):
             raise TransportError("a frame outside its segment")
         if self._pinned.total + length > self.options.max_pinned_bytes:  # copied out, its slot freed at once
-            frame = aligned_empty(length)
-            frame[:] = np.frombuffer(mapped, np.uint8, length, offset)
-            frame.flags.writeable = False
+            copied = aligned_empty(length)
+            copied[:] = np.frombuffer(mapped, np.uint8, length, offset)
+            copied.flags.writeable = False
+            frame = copied.data
             peer.acks.unviewed(pos, 0)
         else:
-            frame = np.frombuffer(mapped, np.uint8, length, offset)
             peer.acks.viewed(pos, length)
-            weakref.finalize(frame, peer.acks.unviewed, pos, length).atexit = False
+            frame = _view(mapped, offset, length, peer.acks.unviewed, pos)
         fast = self.deliver.fast
-        taken = fast(frame.data, None, peer) if fast is not None else None
+        taken = fast(frame, None, peer) if fast is not None else None
         if taken is not None:  # a plain tensor the C delivery took: booked in the fewest steps
             del frame
             peer.acks.record_admitted(pos, taken.message_id, length)
             return
-        result = self.deliver(frame.data, may_hold=True, source=peer)
+        result = self.deliver(frame, may_hold=True, source=peer)
         del frame  # (the intake and the arrays it made keep it alive now, or nothing does)
         peer.acks.record(pos, result, length)
         if result.held is not None:

@@ -27,7 +27,7 @@ from tests.conftest import endpoint_url, require_native
 from tests.peers import same
 from tests.waiting import wait_for
 
-require_native(shm_ring.available(), "shm://'s notification ring (tensorbus/transports/_ring.c)")
+require_native(shm_ring.available(), "shm://'s notification ring (tensorbus/transports/_shm.c)")
 
 
 def _peer(consumer: tb.Consumer) -> Any:

@@ -1,17 +1,19 @@
-"""shm://'s notification ring (`_ring.c`), its two sides over one piece of memory in one process."""
+"""shm://'s notification ring (`_shm.c`), its two sides over one piece of memory in one process."""
 
 from __future__ import annotations
 
 import mmap
+import sys
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tensorbus.transports import shm_ring
 from tests.conftest import require_native
 
-require_native(shm_ring.available(), "shm://'s notification ring (tensorbus/transports/_ring.c)")
-Ring: Any = shm_ring._ring.Ring
+require_native(shm_ring.available(), "shm://'s notification ring (tensorbus/transports/_shm.c)")
+Ring: Any = shm_ring._shm.Ring
 
 
 def sides(capacity: int = 4) -> tuple[Any, Any, mmap.mmap]:
@@ -78,3 +80,36 @@ def test_a_closed_side_refuses_and_lets_its_memory_go() -> None:
         consumer.take()
     producer.close()
     memory.close()  # (no buffer exported any more)
+
+
+FrameView: Any = shm_ring._shm.FrameView
+
+
+def test_a_frame_view_calls_back_once_when_its_last_view_is_gone() -> None:
+    memory = mmap.mmap(-1, 8192)
+    memory[4096:4104] = bytes(range(8))
+    freed: list[tuple[int, int]] = []
+    view = memoryview(FrameView(memory, 4096, 64, lambda pos, length: freed.append((pos, length)), 7))
+    array = np.frombuffer(view[:8], np.uint8)  # (a slice of the view, and an array over it)
+    del view
+    assert freed == [] and array.tolist() == list(range(8)) and not array.flags.writeable
+    del array
+    assert freed == [(7, 64)]
+
+
+def test_a_frame_view_outside_its_mapping_is_refused_and_a_failing_callback_is_reported() -> None:
+    memory = mmap.mmap(-1, 4096)
+    with pytest.raises(ValueError, match="outside its segment"):
+        FrameView(memory, 4000, 200, print, 1)
+
+    def fails(pos: int, length: int) -> None:
+        raise RuntimeError("the callback failed")
+
+    reported: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, reported.append
+    try:
+        view = FrameView(memory, 0, 64, fails, 1)
+        del view
+    finally:
+        sys.unraisablehook = hook
+    assert [str(report.exc_value) for report in reported] == ["the callback failed"]

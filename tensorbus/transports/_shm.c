@@ -1,5 +1,7 @@
-/* shm://'s notification ring: a producer's "frame" notices to its consumer through shared memory, in C
- * (shm_ring.py says what it is for and when it is used; without this extension every notice is a datagram).
+/* shm://'s C: the notification ring (Ring) and the consumer's view of a frame (FrameView).
+ *
+ * Ring: a producer's "frame" notices to its consumer through shared memory (shm_ring.py says what it is
+ * for and when it is used; without this extension every notice is a datagram).
  *
  * One producer writes, one consumer reads. The memory (a sealed memfd the producer passes over the control
  * socket) holds, each word on a cache line of its own so the two sides do not take turns owning one line:
@@ -247,7 +249,7 @@ static PyMethodDef ring_methods[] = {
 };
 
 static PyTypeObject RingType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._ring.Ring",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._shm.Ring",
     .tp_doc = PyDoc_STR("Ring(buffer, capacity, fresh=False): one side of a notification ring in `buffer`."),
     .tp_basicsize = sizeof(Ring),
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -257,14 +259,104 @@ static PyTypeObject RingType = {
     .tp_methods = ring_methods,
 };
 
+/* FrameView: `length` bytes of a producer's segment from `offset`, read-only, as a buffer; when the last
+ * view of it (memoryviews, arrays, anything over them) is gone, it calls `on_free(pos, length)`. The consumer's
+ * readable twin is an ndarray from np.frombuffer with a weakref.finalize on it (shm_consumer.py): one object made
+ * a frame instead of three, and no registry of finalizers. */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer source; /* the mapping's, held while this lives */
+    int has_source;
+    char *start;
+    Py_ssize_t length;
+    PyObject *on_free, *pos;
+} FrameView;
+
+static int
+view_init(FrameView *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"mapped", "offset", "length", "on_free", "pos", NULL};
+    PyObject *mapped, *on_free, *pos;
+    Py_ssize_t offset, length;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OnnOO", names, &mapped, &offset, &length, &on_free, &pos)) {
+        return -1;
+    }
+    if (self->has_source) {
+        PyErr_SetString(PyExc_TypeError, "a FrameView is initialised once");
+        return -1;
+    }
+    if (PyObject_GetBuffer(mapped, &self->source, PyBUF_SIMPLE) < 0) {
+        return -1;
+    }
+    self->has_source = 1;
+    if (offset < 0 || length <= 0 || offset > self->source.len - length) {
+        PyErr_SetString(PyExc_ValueError, "a frame outside its segment");
+        return -1;
+    }
+    self->start = (char *)self->source.buf + offset;
+    self->length = length;
+    Py_INCREF(on_free);
+    Py_XSETREF(self->on_free, on_free);
+    Py_INCREF(pos);
+    Py_XSETREF(self->pos, pos);
+    return 0;
+}
+
+static int
+view_getbuffer(FrameView *self, Py_buffer *view, int flags)
+{
+    if (!self->has_source || self->on_free == NULL) {
+        PyErr_SetString(PyExc_BufferError, "an uninitialised FrameView");
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->start, self->length, 1, flags);
+}
+
+static PyBufferProcs view_as_buffer = {(getbufferproc)view_getbuffer, NULL};
+
+static void
+view_dealloc(FrameView *self)
+{
+    if (self->on_free != NULL && !_Py_IsFinalizing()) { /* (as weakref.finalize's atexit=False: not at exit) */
+        PyObject *error_type, *error, *trace;
+        PyErr_Fetch(&error_type, &error, &trace);
+        PyObject *length = PyLong_FromSsize_t(self->length);
+        PyObject *result = length == NULL ? NULL : PyObject_CallFunctionObjArgs(self->on_free, self->pos, length, NULL);
+        if (result == NULL) {
+            PyErr_WriteUnraisable(self->on_free);
+        }
+        Py_XDECREF(result);
+        Py_XDECREF(length);
+        PyErr_Restore(error_type, error, trace);
+    }
+    if (self->has_source) {
+        PyBuffer_Release(&self->source);
+    }
+    Py_XDECREF(self->on_free);
+    Py_XDECREF(self->pos);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject FrameViewType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tensorbus.transports._shm.FrameView",
+    .tp_doc = PyDoc_STR("FrameView(mapped, offset, length, on_free, pos): a frame's bytes, read-only; "
+                        "on_free(pos, length) once no view of it is left."),
+    .tp_basicsize = sizeof(FrameView),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)view_init,
+    .tp_dealloc = (destructor)view_dealloc,
+    .tp_as_buffer = &view_as_buffer,
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_ring", "shm://'s notification ring (see _ring.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_shm", "shm://'s notification ring and frame views (see _shm.c).", -1, NULL,
 };
 
 PyMODINIT_FUNC
-PyInit__ring(void)
+PyInit__shm(void)
 {
-    if (PyType_Ready(&RingType) < 0) {
+    if (PyType_Ready(&RingType) < 0 || PyType_Ready(&FrameViewType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
@@ -272,6 +364,7 @@ PyInit__ring(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0 ||
+        PyModule_AddObjectRef(m, "FrameView", (PyObject *)&FrameViewType) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_HASH", TENSORBUS_SOURCE_HASH) < 0 ||
         PyModule_AddIntConstant(m, "ENTRIES_AT", ENTRIES_AT) < 0 ||
         PyModule_AddIntConstant(m, "ENTRY_BYTES", ENTRY_WORDS * sizeof(uint64_t)) < 0) {
