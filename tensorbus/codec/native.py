@@ -139,12 +139,14 @@ def _copy_streamed() -> Callable[[Buffer, Buffer], None]:
     return plain_copy if fast is None else fast.copy_streamed
 
 
-#: `dst[:] = src` around the cache (for `STREAMED` sizes: the bytes go to another core, which reads them from
-#: memory anyway); `dst` and `src` do not overlap
+#: `dst[:] = src` around the cache (from `STREAMED_FROM` bytes: the bytes go to another core, which reads them
+#: from memory anyway); `dst` and `src` do not overlap
 copy_streamed = _copy_streamed()
-#: the sizes `copy_streamed` copies faster than memcpy here: from 4 MiB, past the core's own cache, to 128 MiB,
-#: past which glibc's memcpy streams by itself and faster (docs/PERFORMANCE.md)
-STREAMED = range(4 << 20, 128 << 20)
+#: the size from which `copy_streamed` copies faster than memcpy here: past the core's own cache (4 MiB). Above
+#: 128 MiB glibc's memcpy streams by itself, up to a tenth faster when the two addresses lie alike in their pages,
+#: but at a third of the speed when the destination is a little past the source (a frame's head before a tensor's
+#: bytes, the source 16 bytes into its page, as large numpy arrays are): docs/PERFORMANCE.md
+STREAMED_FROM = 4 << 20
 
 
 def crc32c_c() -> object:

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..buffers import address
 from ..codec.frame import Buffer, join_into
-from ..codec.native import STREAMED, copy_streamed
+from ..codec.native import STREAMED_FROM, copy_streamed
 from ..errors import Timeout, TransportError
 from . import shm_control as control
 from . import shm_ring
@@ -157,7 +157,7 @@ class ShmSender:
         try:
             view = slot.segment.view(slot.offset, total)
             view[:at] = head
-            if payload.nbytes in STREAMED:  # (the consumer reads it from memory: no cache line read first)
+            if payload.nbytes >= STREAMED_FROM:  # (the consumer reads it from memory: no cache line read first)
                 copy_streamed(view[at:], payload)
             else:
                 view[at:] = payload
@@ -199,7 +199,11 @@ class ShmSender:
             return
         told = ring.put(slot.pos, segment.seg_id, *slot.frame)
         if told < 0:  # (full: the resends of a reconnect; a send waits for room first, `wait_for_room`)
-            self._wait(lambda: self._ring is not ring or ring.free() > 0, self.options.send_timeout_s, "resend")
+
+            def room() -> bool:
+                return self._ring is not ring or ring.free() > 0
+
+            self._wait(room, self.options.send_timeout_s, "resend", poll_s=RING_RECHECK_S)
             if self._ring is not ring:
                 raise ConnectionResetError("the consumer went away")
             told = ring.put(slot.pos, segment.seg_id, *slot.frame)
@@ -223,7 +227,7 @@ class ShmSender:
             self._wait_for_room(lambda: self.unacked_bytes < limit)
         ring = self._ring
         if ring is not None and not ring.free():
-            self._wait_for_room(lambda: self._ring is not ring or ring.free() > 0)
+            self._wait_for_room(lambda: self._ring is not ring or ring.free() > 0, poll_s=RING_RECHECK_S)
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the consumer has every frame sent in its table; one that went away is replaced by
@@ -234,10 +238,10 @@ class ShmSender:
         if self.unacked_bytes:
             self._wait(lambda: not self.unacked_bytes, timeout, "flush")
 
-    def _wait(self, done: Any, timeout: float | None, what: str) -> None:
-        """Wait until `done()`, reading the consumer's messages, for up to `timeout` seconds (then `Timeout`).
-        A ring's room shows in memory, not as a message: with a ring, `done` is asked again every `RING_RECHECK_S`
-        (the consumer's acks, sent as it reads, mostly wake the wait sooner)."""
+    def _wait(self, done: Any, timeout: float | None, what: str, poll_s: float | None = None) -> None:
+        """Wait until `done()`, reading the consumer's messages, for up to `timeout` seconds (then `Timeout`), and
+        asking `done` again every `poll_s` at least: a ring's room shows in memory, not as a message (the acks the
+        consumer sends as it reads mostly end the wait sooner)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
@@ -251,8 +255,8 @@ class ShmSender:
             sock = self._sock
             assert sock is not None
             # (the socket stays blocking without a timeout: Python waits out a socket timeout even with MSG_DONTWAIT)
-            if self._ring is not None:
-                left = RING_RECHECK_S if left is None else min(left, RING_RECHECK_S)
+            if poll_s is not None:
+                left = poll_s if left is None else min(left, poll_s)
             readable, _, _ = select.select([sock], [], [], left)
             if readable:
                 self.poll()
@@ -268,12 +272,12 @@ class ShmSender:
             return
         self._wait_for_room(lambda: self.slots.has_free(size) or not self.unacked_bytes)
 
-    def _wait_for_room(self, done: Any) -> None:
+    def _wait_for_room(self, done: Any, poll_s: float | None = None) -> None:
         """Wait until `done()` for up to `send_timeout_s`, the seconds waited counted as backpressure (the
         tally's `blocked_s`: written by the sending thread, under the transport's send lock)."""
         started = time.monotonic()
         try:
-            self._wait(done, self.options.send_timeout_s, "wait for room")
+            self._wait(done, self.options.send_timeout_s, "wait for room", poll_s)
         finally:
             self.tally.blocked(started)
 
@@ -346,7 +350,7 @@ class ShmSender:
         while True:
             while True:
                 try:
-                    self._sock = self._handshake()
+                    self._sock, self._ring = self._handshake()
                     break
                 except (TimeoutError, FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as exc:
                     if time.monotonic() + 0.05 > deadline:
@@ -371,7 +375,8 @@ class ShmSender:
                         f"within reconnect_timeout_s={self.options.reconnect_timeout_s}s"
                     ) from None
 
-    def _handshake(self) -> socket.socket:
+    def _handshake(self) -> tuple[socket.socket, ProducerRing | None]:
+        """A connection to the consumer, past its proof, and its notification ring if both sides have one."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(self.options.connect_timeout_s)
@@ -390,6 +395,7 @@ class ShmSender:
             if verdict[0][0] != "ok":
                 reason = verdict[0][1] if len(verdict[0]) > 1 else "refused"
                 raise TransportError(f"shm://{self.name} refused this producer: {reason}")
+            ring = None
             if offers[1:2] == [True] and shm_ring.available():  # (["hello", nonce, auth, ring offered])
                 ring = ProducerRing()
                 try:
@@ -397,9 +403,8 @@ class ShmSender:
                 except BaseException:
                     ring.close()
                     raise
-                self._ring = ring
             sock.settimeout(None)
-            return sock
+            return sock, ring
         except BaseException:
             sock.close()
             raise

@@ -125,9 +125,9 @@ def test_a_full_ring_makes_a_send_wait_and_nothing_is_lost(monkeypatch: pytest.M
     waits = []
     wait_for_room = ShmSender._wait_for_room
 
-    def counted(self: ShmSender, done: Any) -> None:
+    def counted(self: ShmSender, done: Any, poll_s: float | None = None) -> None:
         waits.append(self._ring is not None and self._ring.free() == 0)
-        wait_for_room(self, done)
+        wait_for_room(self, done, poll_s)
 
     monkeypatch.setattr(ShmSender, "_wait_for_room", counted)
     url = endpoint_url("shm")
