@@ -168,8 +168,9 @@ class ShmSender:
         self._notify(slot, slot.offset, total)
 
     def _notify(self, slot: Slot, start: int, length: int) -> None:
-        if self._positions % POLL_EVERY == 0:  # (the consumer's acks must not fill the socket)
-            self.poll()
+        """Tell the consumer of the frame in `slot`, then (every POLL_EVERY frames) take what it said: the acks
+        must not fill the socket, and read after the notice they keep no frame from it (a ping's round trip
+        paid for a whole read of acks every POLL_EVERY sends, before the ping went)."""
         if slot.pos:  # (an `empty()` array sent again: its last send is settled)
             self._inflight.pop(slot.pos, None)
         self._positions += 1
@@ -179,9 +180,12 @@ class ShmSender:
             try:
                 self._owe_ack(slot)
                 self._tell(slot)
-                return
             except OSError:
                 self._lost()
+            else:
+                if self._positions % POLL_EVERY == 0:
+                    self.poll()
+                return
         self._connect()  # (it sends every untaken frame, this one too)
 
     def _tell(self, slot: Slot) -> None:
