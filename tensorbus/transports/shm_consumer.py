@@ -117,6 +117,7 @@ class ShmListener:
         self._read_on_turn = 0  # which producer `_read_on` reads first (each in turn)
         self.spins = collections.Counter[str]()  # spins that found a message ("found"), ran out ("out"), near misses
         self._answer_due = 0.0  # when the leading thread next answers, urgent or not (`_answer`)
+        self._asked = False  # a producer asked for what it is owed (it waits): the next `_answer` sends all
         self.leadership = Leadership(LINGER_S, self.poke)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"tensorbus-shm-{name}")
         self._thread.start()
@@ -180,11 +181,13 @@ class ShmListener:
         """One round on the leading thread: wait for control messages until `deadline` (None: a background
         thread's wait; else a waiting receive's, which spins first), handle them; False once closing.
 
-        The acks owed go before a wait that may sleep, and otherwise every `control.LINGER_S` or once
-        urgent (`Acknowledgements.urgent`), never between a read that served the receive and its return:
-        a ping-pong's reply goes first, and a receive that keeps finding frames in its spin (which the
-        producer sends on without waiting for acks) sends one ack for many frames, not one each. Once a
-        receive's frame is in, the frames sent behind it are read too (`_read_on`), nothing sent."""
+        The acks owed go every `control.LINGER_S`, once urgent (`Acknowledgements.urgent`), or as soon as a
+        producer asks (it waits for them: a `flush`, room), never between a read that served the receive and
+        its return: a ping-pong's reply goes first, and a receive that keeps finding frames in its spin (which
+        the producer sends on without waiting for acks) sends one ack for many frames, not one each. A wait
+        that may sleep sends none first: one each time a ping-pong's end slept cost its peer a read of them,
+        which in turn made this end's spin run out. Once a receive's frame is in, the frames sent behind it
+        are read too (`_read_on`), nothing sent."""
         if self._stop.is_set():
             return False
         for peer in [p for p in self._peers.values() if p.held is not None]:
@@ -198,7 +201,7 @@ class ShmListener:
         wait_until = None if wait is None else time.monotonic() + wait
         ready = self._spin(stop, wait) if deadline is not None else None
         if ready is None and not stop():  # (what is left of the wait after a spin that ran out)
-            self._answer()
+            self._answer(all_owed=False)
             ready = self._sleep(None if wait_until is None else max(wait_until - time.monotonic(), 0.0))
             if self._ran_out is not None:
                 self._judge(ready)
@@ -356,6 +359,8 @@ class ShmListener:
         """Send each producer the acks owed to it (what its full socket cannot take yet: next time); with
         `all_owed` False, only once `control.LINGER_S` passed since the last answer, or one is urgent."""
         now = time.monotonic()
+        if self._asked:
+            all_owed, self._asked = True, False
         if not all_owed and now < self._answer_due and not any(p.acks.urgent() for p in self._peers.values()):
             return
         self._answer_due = now + control.LINGER_S
@@ -458,6 +463,8 @@ class ShmListener:
             self._frame(peer, *message[1:])
         elif kind == "drop" and not fds and len(message) == 2:
             peer.maps.pop(message[1], None)  # (the mapping goes with the last frame viewing it)
+        elif kind == "ask" and not fds and len(message) == 1:
+            self._asked = True  # (answered at the end of this step, or the next one's start)
         elif kind == "ring" and len(fds) == 1 and len(message) == 2 and peer.ring is None:
             peer.ring = shm_ring.consumer_ring(fds[0], message[1])
         else:

@@ -17,6 +17,8 @@ Every message is one msgpack list, its first item the kind:
                                                          numbers are a notice in the ring, and
     producer -> consumer   ["wake"]                      tells a consumer that said it sleeps to read it
     producer -> consumer   ["drop", seg_id]              the producer will never name this segment again
+    producer -> consumer   ["ask"]                       it waits for acks (flush, room): the consumer sends
+                                                         what it owes at once, not within LINGER_S
     consumer -> producer   ["ack", pos, [taken...], [free...]]
                            every frame before pos is in the table or settled; "taken" positions were
                            released by the ledger (never to be sent again); "free" ones are viewed by

@@ -247,6 +247,7 @@ class ShmSender:
         asking `done` again every `poll_s` at least: a ring's room shows in memory, not as a message (the acks the
         consumer sends as it reads mostly end the wait sooner)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        asked = False  # (the consumer sends what it owes at once when asked, else within its LINGER_S)
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -256,8 +257,16 @@ class ShmSender:
                 )
             if self._sock is None:
                 self._connect()
+                asked = False
             sock = self._sock
             assert sock is not None
+            if not asked:
+                asked = True
+                try:
+                    control.send(sock, "ask")
+                except OSError:
+                    self._lost()
+                    continue
             # (the socket stays blocking without a timeout: Python waits out a socket timeout even with MSG_DONTWAIT)
             if poll_s is not None:
                 left = poll_s if left is None else min(left, poll_s)

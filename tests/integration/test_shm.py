@@ -282,6 +282,20 @@ def test_backpressure_a_send_waits_for_acks_and_times_out_naming_the_endpoint() 
             assert len(consumer.table) >= 1
 
 
+def test_a_flush_asks_a_sleeping_consumer_for_its_acks_and_gets_them_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer owes acks only for what it received (nothing taken, nothing urgent) and sleeps for a minute
+    (its LINGER_S and IDLE_S): the producer's flush asks, and the answer comes within the flush's 10 s."""
+    for name in ("IDLE_S", "LINGER_S"):
+        monkeypatch.setattr(control, name, 60.0)
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        for i in range(3):
+            producer.send(f"k{i}", np.full(1024, i, np.float32))
+        wait_for(lambda: len(consumer.table) == 3, 10, "three tensors in the table")
+        producer.flush(10)
+        assert producer.transport.sender_side.unacked_bytes == 0  # type: ignore[attr-defined]
+
+
 def test_auth_secret_guards_the_control_socket() -> None:
     url = endpoint_url("shm")
     with tb.Consumer(url, auth_secret="s3cret") as consumer:
