@@ -273,6 +273,16 @@ typedef struct {
 } FrameView;
 
 static int
+is_finalizing(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing();
+#else
+    return _Py_IsFinalizing();
+#endif
+}
+
+static int
 view_init(FrameView *self, PyObject *args, PyObject *kwargs)
 {
     static char *names[] = {"mapped", "offset", "length", "on_free", "pos", NULL};
@@ -317,7 +327,7 @@ static PyBufferProcs view_as_buffer = {(getbufferproc)view_getbuffer, NULL};
 static void
 view_dealloc(FrameView *self)
 {
-    if (self->on_free != NULL && !_Py_IsFinalizing()) { /* (as weakref.finalize's atexit=False: not at exit) */
+    if (self->on_free != NULL && !is_finalizing()) { /* (as weakref.finalize's atexit=False: not at exit) */
         PyObject *error_type, *error, *trace;
         PyErr_Fetch(&error_type, &error, &trace);
         PyObject *length = PyLong_FromSsize_t(self->length);

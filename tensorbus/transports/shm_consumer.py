@@ -226,8 +226,11 @@ class ShmListener:
             return self._selector.select(timeout)
         noticed = [peer for peer in rings if not peer.ring.sleep()]
         try:
-            if noticed:
-                return [(self._selector.get_key(peer.sock), selectors.EVENT_READ) for peer in noticed]
+            if noticed:  # (with whatever else is ready: rings kept full must not keep the sockets waiting)
+                ready = self._selector.select(0)
+                seen = {key.data for key, _ in ready}
+                keys = [self._selector.get_key(peer.sock) for peer in noticed if peer not in seen]
+                return ready + [(key, selectors.EVENT_READ) for key in keys]
             return self._selector.select(timeout)
         finally:
             for peer in rings:
@@ -463,6 +466,8 @@ class ShmListener:
             self._frame(peer, *message[1:])
         elif kind == "drop" and not fds and len(message) == 2:
             peer.maps.pop(message[1], None)  # (the mapping goes with the last frame viewing it)
+        elif kind == "wake" and not fds and len(message) == 1 and peer.ring is not None:
+            pass  # (a wake-up for notices read already: one read before a segment's announcement, `_noticed`)
         elif kind == "ask" and not fds and len(message) == 1:
             self._asked = True  # (answered at the end of this step, or the next one's start)
         elif kind == "ring" and len(fds) == 1 and len(message) == 2 and peer.ring is None:

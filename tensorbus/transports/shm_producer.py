@@ -64,6 +64,7 @@ class ShmSender:
         self.slots = Slots(POOLED_BYTES, RUN_AHEAD_SLOTS)
         self._sock: socket.socket | None = None
         self._ring: ProducerRing | None = None  # the connection's notification ring, if both sides have it
+        self._untold: collections.deque[Slot] = collections.deque()  # frames the full ring has no room for yet
         self._announced: set[int] = set()  # segments whose descriptor the current consumer has
         self._inflight: dict[int, Slot] = {}  # position -> its slot, while busy
         self._unacked: collections.deque[Slot] = collections.deque()  # slots not yet acked, oldest first
@@ -197,22 +198,31 @@ class ShmSender:
             control.send(self._sock, "seg", segment.seg_id, segment.size, fds=[segment.fd])
             self._announced.add(segment.seg_id)
         slot.pinned = True
-        ring = self._ring
-        if ring is None:
+        if self._ring is None:
             control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame, by=self._packer)
             return
-        told = ring.put(slot.pos, segment.seg_id, *slot.frame)
-        if told < 0:  # (full: the resends of a reconnect; a send waits for room first, `wait_for_room`)
+        self._untold.append(slot)
+        self._tell_untold()
 
-            def room() -> bool:
-                return self._ring is not ring or ring.free() > 0
-
-            self._wait(room, self.options.send_timeout_s, "resend", poll_s=RING_RECHECK_S)
-            if self._ring is not ring:
-                raise ConnectionResetError("the consumer went away")
-            told = ring.put(slot.pos, segment.seg_id, *slot.frame)
-        if told > 0:
-            control.send(self._sock, "wake")
+    def _tell_untold(self) -> None:
+        """Put the notices of `_untold` frames into the ring, oldest first, while it has room: a full ring (a
+        reconnect's resends, a tensor's chunks) keeps the rest, and the frames after them wait behind them, told
+        by the next send's `wait_for_room`, a flush, or a wait's look (never a wait inside `_tell`)."""
+        ring, sock = self._ring, self._sock
+        assert ring is not None and sock is not None
+        wake = False
+        while self._untold:
+            slot = self._untold[0]
+            try:
+                told = ring.put(slot.pos, slot.segment.seg_id, *slot.frame)
+            except ValueError as exc:  # (the consumer's words in the ring are out of range)
+                raise ConnectionResetError(f"the consumer's notification ring is corrupt: {exc}") from None
+            if told < 0:
+                break
+            self._untold.popleft()
+            wake = wake or told > 0
+        if wake:
+            control.send(sock, "wake")
 
     def _owe_ack(self, slot: Slot) -> None:
         if self.tally.timed is None:  # (a frame in flight is timed already, mostly: no call)
@@ -229,18 +239,27 @@ class ShmSender:
             self.poll()
         if self._sock is not None and self.unacked_bytes >= limit:
             self._wait_for_room(lambda: self.unacked_bytes < limit)
+        if self._untold and self._sock is not None:
+            self._poll_untold()
         ring = self._ring
-        if ring is not None and not ring.free():
-            self._wait_for_room(lambda: self._ring is not ring or ring.free() > 0, poll_s=RING_RECHECK_S)
+        if ring is not None and (self._untold or not ring.free()):
+            self._wait_for_room(
+                lambda: self._ring is not ring or (not self._untold and ring.free() > 0), poll_s=RING_RECHECK_S
+            )
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the consumer has every frame sent in its table; one that went away is replaced by
         the next consumer of the name, which is sent every frame the first did not hand out."""
-        self.poll()  # (finds a consumer gone)
-        if self._sock is None and any(slot.untaken for slot in self._inflight.values()):
-            self._connect()
-        if self.unacked_bytes:
-            self._wait(lambda: not self.unacked_bytes, timeout, "flush")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.poll()  # (finds a consumer gone)
+            if self._sock is None and any(slot.untaken for slot in self._inflight.values()):
+                self._connect()
+            if not self.unacked_bytes:
+                return
+            # (a consumer lost meanwhile settles every ack owed: the loop then dials the next and waits for it)
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            self._wait(lambda: not self.unacked_bytes, left, "flush")
 
     def _wait(self, done: Any, timeout: float | None, what: str, poll_s: float | None = None) -> None:
         """Wait until `done()`, reading the consumer's messages, for up to `timeout` seconds (then `Timeout`), and
@@ -251,8 +270,10 @@ class ShmSender:
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                full = self._ring is not None and (self._untold or not self._ring.free())
+                ring = f", its notification ring full ({len(self._untold)} frames wait for room)" if full else ""
                 raise Timeout(
-                    f"{what}: {self.unacked_bytes} bytes unacknowledged by shm://{self.name} after {timeout}s "
+                    f"{what}: {self.unacked_bytes} bytes unacknowledged by shm://{self.name}{ring} after {timeout}s "
                     f"(max_unacked_bytes={self.options.max_unacked_bytes}): is its consumer receiving, or aborted?"
                 )
             if self._sock is None:
@@ -260,6 +281,11 @@ class ShmSender:
                 asked = False
             sock = self._sock
             assert sock is not None
+            if self._untold:  # (room shows in memory, not as a message: looked at every RING_RECHECK_S)
+                self._poll_untold()
+                poll_s = RING_RECHECK_S if poll_s is None else min(poll_s, RING_RECHECK_S)
+                if done() or self._sock is None:
+                    continue
             if not asked:
                 asked = True
                 try:
@@ -293,6 +319,13 @@ class ShmSender:
             self._wait(done, self.options.send_timeout_s, "wait for room", poll_s)
         finally:
             self.tally.blocked(started)
+
+    def _poll_untold(self) -> None:
+        """`_tell_untold`, a consumer gone meanwhile noticed (its untold frames wait for the next)."""
+        try:
+            self._tell_untold()
+        except OSError:
+            self._lost()
 
     def poll(self) -> None:
         """Take what the consumer has said so far (acks, frees), without waiting."""
@@ -429,6 +462,7 @@ class ShmSender:
             self._sock.close()
             self._sock = None
         self._close_ring()
+        self._untold.clear()  # (untaken: sent to the next consumer)
         self._unacked.clear()
         self.unacked_bytes = 0
         for pos in sorted(self._inflight):
