@@ -23,9 +23,9 @@ from tensorbus.transports import leading, shm_ring
 from tensorbus.transports import shm_control as control
 from tensorbus.transports.shm_producer import ShmSender
 from tensorbus.transports.shm_segments import SEALS
-from tensorbus.transports.stream import proof
 from tests.conftest import endpoint_url, require_native
 from tests.peers import same
+from tests.shm_hostile import dropped_and_served_on, raw_producer
 from tests.waiting import wait_for
 
 require_native(shm_ring.available(), "shm://'s notification ring (tensorbus/transports/_shm.c)")
@@ -334,16 +334,30 @@ def test_a_consumer_on_the_python_paths_is_sent_datagrams_by_a_producer_with_the
         assert child.stdout.readline().strip() == "ok" and child.wait(30) == 0
 
 
-def _raw_producer(path: str) -> socket.socket:
-    """A control connection that has passed the handshake, for sending what no honest producer would."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    sock.settimeout(10)
-    sock.connect(path)
-    (kind, nonce, _auth, offered), _ = control.receive(sock)
-    assert kind == "hello" and offered is True
-    control.send(sock, "proof", proof(None, nonce))
-    assert control.receive(sock)[0] == ["ok"]
-    return sock
+def _attack(sock: socket.socket, attack: str) -> None:
+    """Send the consumer a ring, or ring notices, that no honest producer would."""
+    if attack == "unsealed ring":
+        fd = os.memfd_create("hostile-ring")
+        os.ftruncate(fd, shm_ring.size(4))
+        control.send(sock, "ring", 4, fds=[fd])
+        os.close(fd)
+    elif attack == "too large":  # (more notices than a consumer takes from a producer)
+        fd = os.memfd_create("hostile-ring", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, shm_ring.size(2 * shm_ring.CAPACITY))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        control.send(sock, "ring", 2 * shm_ring.CAPACITY, fds=[fd])
+        os.close(fd)
+    else:
+        ring = shm_ring.ProducerRing(4)
+        control.send(sock, "ring", 4, fds=[ring.fd])
+        if attack == "two rings":
+            control.send(sock, "ring", 4, fds=[ring.fd])
+        elif attack == "unknown segment":
+            assert ring.put(1, 99, 0, 64) >= 0
+            control.send(sock, "wake")
+        else:  # a tail far past the head
+            ring._map[64:72] = (1000).to_bytes(8, "little")
+            control.send(sock, "wake")
 
 
 @pytest.mark.parametrize(
@@ -360,33 +374,10 @@ def test_a_hostile_ring_drops_its_producer_and_the_consumer_serves_on(
     attack: str, reason: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url = endpoint_url("shm")
-    with tb.Consumer(url) as consumer, contextlib.closing(_raw_producer(consumer.transport.path)) as sock:  # type: ignore[attr-defined]
-        if attack == "unsealed ring":
-            fd = os.memfd_create("hostile-ring")
-            os.ftruncate(fd, shm_ring.size(4))
-            control.send(sock, "ring", 4, fds=[fd])
-            os.close(fd)
-        elif attack == "too large":  # (more notices than a consumer takes from a producer)
-            fd = os.memfd_create("hostile-ring", os.MFD_ALLOW_SEALING)
-            os.ftruncate(fd, shm_ring.size(2 * shm_ring.CAPACITY))
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            control.send(sock, "ring", 2 * shm_ring.CAPACITY, fds=[fd])
-            os.close(fd)
-        else:
-            ring = shm_ring.ProducerRing(4)
-            control.send(sock, "ring", 4, fds=[ring.fd])
-            if attack == "two rings":
-                control.send(sock, "ring", 4, fds=[ring.fd])
-            elif attack == "unknown segment":
-                assert ring.put(1, 99, 0, 64) >= 0
-                control.send(sock, "wake")
-            else:  # a tail far past the head
-                ring._map[64:72] = (1000).to_bytes(8, "little")
-                control.send(sock, "wake")
-        with pytest.raises((ConnectionError, OSError)):  # dropped: the next receive sees the end
-            while control.receive(sock) is not None:
-                pass
-        with tb.Producer(url) as producer:
-            producer.send("after", np.arange(3))
-        assert same(consumer.recv("after", timeout=10), np.arange(3))
+    with tb.Consumer(url) as consumer:
+        sock, offers = raw_producer(consumer.transport.path)  # type: ignore[attr-defined]
+        assert offers[1] is True  # (the ring offered)
+        with contextlib.closing(sock):
+            _attack(sock, attack)
+            dropped_and_served_on(sock, consumer, url)
     assert reason in caplog.text, caplog.text
