@@ -333,7 +333,7 @@ class ShmListener:
     def poke(self) -> None:
         """Wake the leading thread (from any thread): there are acks to send, or room for a held message."""
         if self.leadership.is_leading():
-            return  # (it answers every producer, and offers held messages again, before it waits again)
+            return  # (it sends what is urgent, and offers held messages again, before it waits again)
         with self._poke_lock:  # (also keeps the descriptor from being closed, and reused, under the write)
             if self._poked or self._wake_w < 0:
                 return
