@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import fcntl
 import hmac
 import logging
 import mmap
@@ -34,7 +33,7 @@ from . import shm_control as control
 from . import shm_ring
 from .base import Deliver, Held
 from .leading import Leadership
-from .shm_segments import MAP_POPULATE, SEALS
+from .shm_segments import MAP_POPULATE, sealed_at
 from .spinning import NEAR_MISS, STRETCH
 from .stream import proof
 
@@ -491,7 +490,7 @@ class ShmListener:
             _, seg_id, size = message
             if len(fds) != 1 or type(seg_id) is not int or type(size) is not int or size <= 0:
                 raise TransportError("malformed segment announcement")
-            if fcntl.fcntl(fds[0], fcntl.F_GET_SEALS) & SEALS != SEALS or os.fstat(fds[0]).st_size < size:
+            if not sealed_at(fds[0], size):
                 raise TransportError("a segment that is not sealed at its size")
             flags = mmap.MAP_SHARED | MAP_POPULATE
             peer.maps[seg_id] = mmap.mmap(fds[0], size, flags=flags, prot=mmap.PROT_READ)

@@ -14,14 +14,13 @@ peer without the ring: the consumer offers it in its "hello", the producer takes
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 from typing import Any
 
 from ..codec import native
 from ..errors import TransportError
-from .shm_segments import SEALS
+from .shm_segments import sealed_at, sealed_memfd
 
 _shm: Any = native.load("tensorbus.transports._shm")
 #: notices a ring holds: a producer that fills it waits for the consumer to read (as for a full socket)
@@ -45,19 +44,7 @@ class ProducerRing:
     def __init__(self, capacity: int | None = None) -> None:
         assert _shm is not None
         self.capacity = capacity = CAPACITY if capacity is None else capacity
-        nbytes = size(capacity)
-        try:
-            self.fd = os.memfd_create("tensorbus-shm-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            raise TransportError(f"shm:// cannot create its notification ring: {exc}") from None
-        try:
-            os.ftruncate(self.fd, nbytes)
-            os.posix_fallocate(self.fd, 0, nbytes)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
-            self._map = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
-        except OSError as exc:
-            os.close(self.fd)
-            raise TransportError(f"shm:// cannot reserve its notification ring: {exc}") from None
+        self.fd, self._map = sealed_memfd("tensorbus-shm-ring", size(capacity), "its notification ring")
         self._ring = _shm.Ring(self._map, capacity, fresh=True)
         self.put = self._ring.put  # (pos, seg_id, offset, length) -> -1 full, 1 wake the consumer, 0
         self.free = self._ring.free
@@ -80,7 +67,7 @@ def consumer_ring(fd: int, capacity: Any) -> Any:
         if type(capacity) is not int or capacity <= 0 or capacity & (capacity - 1) or capacity > CAPACITY:
             raise TransportError(f"a notification ring of {capacity!r} notices")
         nbytes = size(capacity)
-        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS or os.fstat(fd).st_size < nbytes:
+        if not sealed_at(fd, nbytes):
             raise TransportError("a notification ring that is not sealed at its size")
         mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:

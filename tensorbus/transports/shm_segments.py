@@ -52,6 +52,32 @@ def check_available() -> None:
         )
 
 
+def sealed_memfd(name: str, nbytes: int, what: str, flags: int = 0) -> tuple[int, mmap.mmap]:
+    """A new memfd of `nbytes` (its descriptor, and a writable mapping of it with `flags` added), its pages
+    reserved now (`posix_fallocate`: no SIGBUS when one is first touched) and sealed at that size; a failure is
+    a `TransportError` naming `what` it was for."""
+    try:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise TransportError(f"shm:// cannot create {what}: {exc}") from None
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | flags)
+    except OSError as exc:
+        os.close(fd)
+        raise TransportError(
+            f"shm:// cannot reserve {what} of {nbytes} bytes: {exc} (is memory, or the memory cgroup, full?)"
+        ) from None
+
+
+def sealed_at(fd: int, nbytes: int) -> bool:
+    """Whether a peer's memfd is sealed against shrinking and has `nbytes` at least: a mapping of them can trust
+    its size (a file shrunk under it would raise SIGBUS)."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS and os.fstat(fd).st_size >= nbytes)
+
+
 def slot_size(nbytes: int) -> int:
     """The size class of a frame of `nbytes`: a power of two up to 1 MiB, then a multiple of 1 MiB."""
     if nbytes <= MIB:
@@ -66,22 +92,7 @@ class Segment:
         self.seg_id, self.slot, self.slots = seg_id, slot, slots
         self.size = slot * slots
         check_available()
-        try:
-            fd = os.memfd_create("tensorbus-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            raise TransportError(f"shm:// cannot create a shared memory segment: {exc}") from None
-        try:
-            os.ftruncate(fd, self.size)
-            os.posix_fallocate(fd, 0, self.size)  # reserved now: no SIGBUS when a page is first touched
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | MAP_POPULATE)
-        except OSError as exc:
-            os.close(fd)
-            raise TransportError(
-                f"shm:// cannot reserve a {self.size}-byte shared memory segment: {exc} (is memory, or the "
-                "memory cgroup, full?)"
-            ) from None
-        self.fd = fd
+        self.fd, self._map = sealed_memfd("tensorbus-shm", self.size, "a shared memory segment", MAP_POPULATE)
         self.array = np.frombuffer(self._map, np.uint8)  # (writable: the producer's side)
         self.in_use = 0  # slots handed out
         self.retired = False  # a consumer that went away may still map it: never written again
