@@ -228,8 +228,7 @@ class ShmListener:
             if noticed:  # (with whatever else is ready: rings kept full must not keep the sockets waiting)
                 ready = self._selector.select(0)
                 seen = {key.data for key, _ in ready}
-                keys = [self._selector.get_key(peer.sock) for peer in noticed if peer not in seen]
-                return ready + [(key, selectors.EVENT_READ) for key in keys]
+                return ready + self._ready([peer for peer in noticed if peer not in seen])
             return self._selector.select(timeout)
         finally:
             for peer in rings:
@@ -237,13 +236,14 @@ class ShmListener:
                     peer.ring.awake()
 
     def _noticing(self) -> list[Any] | None:
-        """The selector keys of the producers whose ring holds notices (a spin's look at memory), or None."""
-        keys = [
-            self._selector.get_key(peer.sock)
-            for peer in self._peers.values()
-            if peer.ring is not None and peer.held is None and peer.ring.pending()
-        ]
-        return [(key, selectors.EVENT_READ) for key in keys] or None
+        """The producers whose ring holds notices (a spin's look at memory), as the selector gives ready ones;
+        None if none does."""
+        noticed = [p for p in self._peers.values() if p.ring is not None and p.held is None and p.ring.pending()]
+        return self._ready(noticed) or None
+
+    def _ready(self, peers: list[Peer]) -> list[Any]:
+        """`peers` as the selector gives readable connections (key and event), for `_step` to read."""
+        return [(self._selector.get_key(peer.sock), selectors.EVENT_READ) for peer in peers]
 
     def _read_on(self) -> None:
         """After the frame that served a receive: read what the producers sent already (BATCH messages in all,
@@ -413,21 +413,18 @@ class ShmListener:
         """Handle one notice in `peer`'s ring, or else one control message of its: False if none was waiting."""
         try:
             ring = peer.ring
-            if ring is not None:
-                notice = ring.take()
-                if notice is not None:
-                    self._noticed(peer, notice)
+            notice = None if ring is None else ring.take()
+            if notice is None:
+                got = control.receive(peer.sock, blocking=False)
+                if got is None:
+                    return False
+                if got[0][0] != "wake" or ring is None or got[1]:
+                    self._handle(peer, *got)
                     return True
-            got = control.receive(peer.sock, blocking=False)
-            if got is None:
-                return False
-            if got[0][0] == "wake" and ring is not None and not got[1]:
-                notice = ring.take()  # (None: its notice was read already, the wake-up came late)
+                notice = ring.take()  # (None: its notice was read already, the wake-up came late: nothing found)
                 if notice is None:
                     return False
-                self._noticed(peer, notice)
-                return True
-            self._handle(peer, *got)
+            self._noticed(peer, notice)
         except (OSError, TransportError, ValueError, TypeError, LookupError, MemoryError) as exc:
             # a malformed control message or ring, or a frame the intake could not afford: that producer only
             if not isinstance(exc, ConnectionError):

@@ -200,29 +200,27 @@ class ShmSender:
         slot.pinned = True
         if self._ring is None:
             control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame, by=self._packer)
-            return
-        self._untold.append(slot)
-        self._tell_untold()
+        elif self._untold or not self._put(slot):  # (behind frames waiting for room, or the ring is full)
+            self._untold.append(slot)
+
+    def _put(self, slot: Slot) -> bool:
+        """Put `slot`'s notice into the ring, waking the consumer if it said it sleeps: False if the ring is full."""
+        ring, sock = self._ring, self._sock
+        assert ring is not None and sock is not None
+        try:
+            told = ring.put(slot.pos, slot.segment.seg_id, *slot.frame)
+        except ValueError as exc:  # (the consumer's words in the ring are out of range)
+            raise ConnectionResetError(f"the consumer's notification ring is corrupt: {exc}") from None
+        if told > 0:  # (at most once a sleep: `put` takes the consumer's word back)
+            control.send(sock, "wake")
+        return told >= 0
 
     def _tell_untold(self) -> None:
         """Put the notices of `_untold` frames into the ring, oldest first, while it has room: a full ring (a
         reconnect's resends, a tensor's chunks) keeps the rest, and the frames after them wait behind them, told
         by the next send's `wait_for_room`, a flush, or a wait's look (never a wait inside `_tell`)."""
-        ring, sock = self._ring, self._sock
-        assert ring is not None and sock is not None
-        wake = False
-        while self._untold:
-            slot = self._untold[0]
-            try:
-                told = ring.put(slot.pos, slot.segment.seg_id, *slot.frame)
-            except ValueError as exc:  # (the consumer's words in the ring are out of range)
-                raise ConnectionResetError(f"the consumer's notification ring is corrupt: {exc}") from None
-            if told < 0:
-                break
+        while self._untold and self._put(self._untold[0]):
             self._untold.popleft()
-            wake = wake or told > 0
-        if wake:
-            control.send(sock, "wake")
 
     def _owe_ack(self, slot: Slot) -> None:
         if self.tally.timed is None:  # (a frame in flight is timed already, mostly: no call)
