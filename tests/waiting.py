@@ -23,6 +23,18 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
+def catching(failures: list[BaseException], call: Callable[..., Any], *args: Any) -> Callable[[], None]:
+    """`call(*args)` as a thread's target, whatever it raises kept in `failures` (for the test to assert on)."""
+
+    def run() -> None:
+        try:
+            call(*args)
+        except BaseException as exc:
+            failures.append(exc)
+
+    return run
+
+
 def once(condition: Callable[[], Any], action: Callable[[], Any], what: str, timeout: float = 30) -> threading.Thread:
     """Run `action()` on a new thread as soon as `condition()` holds (waited for as `wait_for` does): the
     thread, started, for the caller to join."""

@@ -22,7 +22,7 @@ from tensorbus.transports.kafka_python import KafkaConsumer, TopicPartition
 from tensorbus.transports.kafka_rdkafka import client_config, translate_error
 from tests.conftest import KAFKA_URL, endpoint_url, with_query
 from tests.peers import same
-from tests.waiting import wait_for
+from tests.waiting import catching, wait_for
 
 BOOTSTRAP = urllib.parse.urlsplit(KAFKA_URL).netloc
 KEYS = [f"key-{i}" for i in range(40)]
@@ -299,14 +299,7 @@ def test_a_kafka_python_record_found_undelivered_while_a_send_waits_for_room_or_
 
         def waits(call: Callable[[], Any]) -> threading.Thread:
             """`call` on a thread of its own (what it raises kept in `failures`), once it waits under the lock."""
-
-            def run() -> None:
-                try:
-                    call()
-                except BaseException as exc:
-                    failures.append(exc)
-
-            thread = threading.Thread(target=run, daemon=True)
+            thread = threading.Thread(target=catching(failures, call), daemon=True)
             thread.start()
             wait_for(lambda: transport._pending_waiters == 1, 30, "the call to wait")
             return thread

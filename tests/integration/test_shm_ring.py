@@ -27,7 +27,7 @@ from tensorbus.transports.shm_segments import SEALS
 from tests.conftest import endpoint_url, require_native
 from tests.peers import same
 from tests.shm_hostile import dropped_and_served_on, raw_producer
-from tests.waiting import wait_for
+from tests.waiting import catching, wait_for
 
 require_native(shm_ring.available(), "shm://'s notification ring (tensorbus/transports/_shm.c)")
 
@@ -229,7 +229,7 @@ def test_resends_behind_a_full_ring_wait_their_turn_past_send_timeout_s(monkeypa
         with tb.Consumer(url, max_buffered_bytes=3 * 4096) as second:
             sender = producer.transport.sender_side  # type: ignore[attr-defined]  # (not during the flush: its lock)
             errors: list[BaseException] = []
-            flushing = threading.Thread(target=_catching(errors, producer.flush, 30))
+            flushing = threading.Thread(target=catching(errors, producer.flush, 30))
             flushing.start()
             wait_for(lambda: sender._untold, 10, "resends waiting for room in the ring")
             time.sleep(1.0)  # (the application takes nothing for twice send_timeout_s: the condition tested)
@@ -258,7 +258,7 @@ def test_a_flush_whose_consumer_goes_away_waits_for_the_next_one_which_gets_ever
             for i in range(10):
                 producer.send(f"k{i}", np.full(1024, i, np.float32))
             errors: list[BaseException] = []
-            thread = threading.Thread(target=_catching(errors, producer.flush, 30))
+            thread = threading.Thread(target=catching(errors, producer.flush, 30))
             thread.start()
             wait_for(flushing.is_set, 10, "the flush waiting for acks")
         finally:
@@ -268,18 +268,6 @@ def test_a_flush_whose_consumer_goes_away_waits_for_the_next_one_which_gets_ever
                 assert same(second.recv(f"k{i}", timeout=30), np.full(1024, i, np.float32))
             thread.join(30)
             assert not thread.is_alive() and errors == []
-
-
-def _catching(errors: list[BaseException], call: Any, *args: Any) -> Any:
-    """`call(*args)` for a thread, whatever it raises kept in `errors`."""
-
-    def run() -> None:
-        try:
-            call(*args)
-        except BaseException as exc:
-            errors.append(exc)
-
-    return run
 
 
 _PYTHON_PATHS = {**os.environ, "TENSORBUS_NATIVE": "0"}
