@@ -46,7 +46,7 @@ static PyObject *g_chunk_mark = NULL;   /* frame.CHUNK_MARK: the bytes a chunk's
 static Py_ssize_t g_chunk_at = -1;      /* ... this far into its frame */
 
 static PyObject *s_acquire, *s_release, *s_popleft, *s_append, *s_pop, *s_popitem, *s_callback, *s_done, *s_result,
-    *s_received, *s_buffered, *s_semicolon, *s_one, *s_error, *s_partition, *s_offset, *s_value, *s_complete;
+    *s_received, *s_buffered, *s_semicolon, *s_one, *s_zero, *s_error, *s_partition, *s_offset, *s_value, *s_complete;
 
 /* ---- the state ------------------------------------------------------------------------------------------ */
 
@@ -170,8 +170,8 @@ PyDoc_STRVAR(take_buffered_doc,
 "oldest message of `key`, out of the table and counted as taken (the caller then hands it out). None\n"
 "where it changed nothing, and the Python way decides: no such message, a timeout that is not a\n"
 "plain number of seconds or None (Python says why), an aborted table, its lock held by another\n"
-"thread, a message counted against a producer (`source`), or a take that opens room in a full table\n"
-"(what waits for room is woken by Python).");
+"thread, or a take that opens room in a full table or a producer's room at its share (what waits for\n"
+"room is woken by Python). A message counted against its producer is uncounted here, as Python does.");
 
 static PyMethodDef table_methods[] = {
     {"_take_buffered", (PyCFunction)(void (*)(void))take_buffered, METH_FASTCALL, take_buffered_doc},
@@ -285,6 +285,7 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
         return locked < 0 ? NULL : Py_NewRef(Py_None);
     }
     PyObject *result = NULL, *number = NULL, *entry = NULL, *left = NULL, *taken = NULL, *popped = NULL;
+    PyObject *source_left = NULL;
     PyObject *numbers = PyDict_GetItemWithError(t->by_key, key); /* (borrowed) */
     Py_ssize_t queued = numbers == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_Length(numbers);
     if (queued <= 0 || t->aborted != Py_None) {
@@ -295,12 +296,13 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
     if ((number = PySequence_GetItem(numbers, 0)) == NULL || (entry = PyObject_GetItem(t->arrivals, number)) == NULL) {
         goto out;
     }
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || PyTuple_GET_ITEM(entry, 2) != Py_None) {
-        result = Py_NewRef(Py_None); /* counted against a producer: Python uncounts it (and may open its room) */
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyDict_Check(t->by_source) ||
+        t->max_source_bytes == NULL) {
+        result = Py_NewRef(Py_None);
         goto out;
     }
-    if ((left = PyNumber_Subtract(t->buffered_bytes, PyTuple_GET_ITEM(entry, 1))) == NULL ||
-        (taken = PyNumber_Add(t->taken, s_one)) == NULL) {
+    PyObject *nbytes = PyTuple_GET_ITEM(entry, 1), *source = PyTuple_GET_ITEM(entry, 2); /* (borrowed) */
+    if ((left = PyNumber_Subtract(t->buffered_bytes, nbytes)) == NULL || (taken = PyNumber_Add(t->taken, s_one)) == NULL) {
         goto out;
     }
     int full = PyObject_RichCompareBool(t->buffered_bytes, t->max_buffered_bytes, Py_GE);
@@ -308,6 +310,29 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
     if (full < 0 || room < 0 || room) {
         result = full < 0 || room < 0 ? NULL : Py_NewRef(Py_None); /* room opens: Python wakes what waits for it */
         goto out;
+    }
+    /* a message counted against its producer (Rendezvous._uncount): what the source has left, unless that
+     * opens the source's room (it was at its share: Python wakes what waits for it) */
+    if (source != Py_None) {
+        PyObject *had = PyDict_GetItemWithError(t->by_source, source); /* (borrowed) */
+        if (had == NULL) {
+            result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None); /* (not counted after all: Python's to judge) */
+            goto out;
+        }
+        if ((source_left = PyNumber_Subtract(had, nbytes)) == NULL) {
+            goto out;
+        }
+        int at_share = PyObject_RichCompareBool(had, t->max_source_bytes, Py_GE);
+        int opens = at_share > 0 ? PyObject_RichCompareBool(source_left, t->max_source_bytes, Py_LT) : 0;
+        int gone = opens == 0 ? PyObject_RichCompareBool(source_left, s_zero, Py_LE) : 0;
+        if (at_share < 0 || opens < 0 || gone < 0 || opens) {
+            result = at_share < 0 || opens < 0 || gone < 0 ? NULL : Py_NewRef(Py_None);
+            goto out;
+        }
+        /* (a dict's existing key replaced or deleted: neither allocates) */
+        if ((gone ? PyDict_DelItem(t->by_source, source) : PyDict_SetItem(t->by_source, source, source_left)) < 0) {
+            goto out;
+        }
     }
     /* then the writes, none of which fails: a deque that has the number, keys that are there */
     if ((popped = PyObject_CallMethodNoArgs(numbers, s_popleft)) == NULL || PyObject_DelItem(t->arrivals, number) < 0 ||
@@ -323,6 +348,7 @@ out:
     Py_XDECREF(left);
     Py_XDECREF(taken);
     Py_XDECREF(popped);
+    Py_XDECREF(source_left);
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback); /* (release() with an error set would turn it into a SystemError) */
     if (unlock(t->lock) < 0) {
@@ -1061,8 +1087,8 @@ PyInit__intake(void)
             return NULL;
         }
     }
-    if (find_main_thread() < 0 || (s_one = PyLong_FromLong(1)) == NULL || PyType_Ready(&TableStateType) < 0 ||
-        PyType_Ready(&IntakeStateType) < 0 || PyType_Ready(&FastDeliveryType) < 0 ||
+    if (find_main_thread() < 0 || (s_one = PyLong_FromLong(1)) == NULL || (s_zero = PyLong_FromLong(0)) == NULL ||
+        PyType_Ready(&TableStateType) < 0 || PyType_Ready(&IntakeStateType) < 0 || PyType_Ready(&FastDeliveryType) < 0 ||
         PyType_Ready(&WakeupType) < 0) {
         return NULL;
     }

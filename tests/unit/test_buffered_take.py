@@ -97,11 +97,34 @@ def test_a_lock_held_by_another_thread_leaves_the_take_to_python() -> None:
     assert table._take_buffered("k", None) is not None  # type: ignore[misc]  # (and once it is free, C takes it)
 
 
-def test_a_message_counted_against_a_producer_is_left_to_python_which_uncounts_it() -> None:
-    table = Rendezvous(max_buffered_bytes=1000, max_buffered_bytes_per_producer=500)
-    table.put(Message("k", np.zeros(100, np.uint8), {}), source=7)
-    _unchanged(table, "k")
-    assert table.recv_message("k").tensor.nbytes == 100 and table._by_source == {} and table.buffered_bytes == 0
+def test_messages_counted_against_their_producers_are_taken_in_c_and_uncounted_as_python_does() -> None:
+    c_side, python_side, c_handed, python_handed = twins(max_buffered_bytes=10_000, max_buffered_bytes_per_producer=500)
+    c_side._take = _no_python_take  # type: ignore[method-assign]  # (every take below is C's)
+    sent = [("a", 7, 100), ("b", 8, 50), ("a", 7, 30), ("a", None, 20), ("b", 7, 10)]
+    for table in (c_side, python_side):
+        for key, source, n in sent:
+            table.put(Message(key, np.zeros(n, np.uint8), {"n": n}), source=source)
+    assert c_side._by_source == {7: 140, 8: 50}
+    for key in ["a", "b", "a", "b", "a"]:
+        c_side.recv_message(key), python_side.recv_message(key)
+        assert state(c_side) == state(python_side)
+    assert [m.metadata["n"] for m in c_handed] == [m.metadata["n"] for m in python_handed] == [100, 50, 30, 10, 20]
+    assert c_side._by_source == {} and c_side.buffered_bytes == 0
+
+
+def test_a_take_that_gives_a_producer_at_its_share_room_is_left_to_python_which_wakes_what_waits() -> None:
+    c_side, python_side, _, _ = twins(max_buffered_bytes=10_000, max_buffered_bytes_per_producer=500)
+    opened: list[str] = []
+    for name, table in (("c", c_side), ("python", python_side)):
+        table.room_opened = lambda name=name: opened.append(name)
+        for _ in range(3):
+            table.put(Message("k", np.zeros(200, np.uint8), {}), source=7)  # (600 bytes: at its share of 500)
+    _unchanged(c_side, "k")
+    for table in (c_side, python_side):
+        table.recv_message("k")
+    assert opened == ["c", "python"] and state(c_side) == state(python_side) and c_side._by_source == {7: 400}
+    assert c_side._take_buffered("k", None) is not None  # type: ignore[misc]  # (under its share already: C takes it)
+    assert c_side._by_source == {7: 200}
 
 
 def test_a_take_that_opens_room_in_a_full_table_is_left_to_python_which_wakes_what_waits() -> None:
