@@ -277,7 +277,8 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
     PyObject *key = args[0];
     if ((key != Py_None && !PyUnicode_CheckExact(key)) || !plain_timeout(args[1]) || t->lock == NULL ||
         t->arrivals == NULL || t->by_key == NULL || !PyDict_Check(t->by_key) || t->buffered_bytes == NULL ||
-        t->max_buffered_bytes == NULL || t->taken == NULL || t->aborted != Py_None) {
+        t->max_buffered_bytes == NULL || t->taken == NULL || t->by_source == NULL || t->max_source_bytes == NULL ||
+        !PyDict_Check(t->by_source) || t->aborted != Py_None) {
         Py_RETURN_NONE; /* (ANY, arrival order, is Python's too) */
     }
     int locked = try_lock(t->lock);
@@ -285,7 +286,7 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
         return locked < 0 ? NULL : Py_NewRef(Py_None);
     }
     PyObject *result = NULL, *number = NULL, *entry = NULL, *left = NULL, *taken = NULL, *popped = NULL;
-    PyObject *source_left = NULL;
+    PyObject *had = NULL, *source_left = NULL;
     PyObject *numbers = PyDict_GetItemWithError(t->by_key, key); /* (borrowed) */
     Py_ssize_t queued = numbers == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_Length(numbers);
     if (queued <= 0 || t->aborted != Py_None) {
@@ -296,8 +297,7 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
     if ((number = PySequence_GetItem(numbers, 0)) == NULL || (entry = PyObject_GetItem(t->arrivals, number)) == NULL) {
         goto out;
     }
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyDict_Check(t->by_source) ||
-        t->max_source_bytes == NULL) {
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3) {
         result = Py_NewRef(Py_None);
         goto out;
     }
@@ -314,7 +314,7 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
     /* a message counted against its producer (Rendezvous._uncount): what the source has left, unless that
      * opens the source's room (it was at its share: Python wakes what waits for it) */
     if (source != Py_None) {
-        PyObject *had = PyDict_GetItemWithError(t->by_source, source); /* (borrowed) */
+        had = Py_XNewRef(PyDict_GetItemWithError(t->by_source, source)); /* (held: comparing it may run code) */
         if (had == NULL) {
             result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None); /* (not counted after all: Python's to judge) */
             goto out;
@@ -324,7 +324,7 @@ take_buffered(TableState *t, PyObject *const *args, Py_ssize_t nargs)
         }
         int at_share = PyObject_RichCompareBool(had, t->max_source_bytes, Py_GE);
         int opens = at_share > 0 ? PyObject_RichCompareBool(source_left, t->max_source_bytes, Py_LT) : 0;
-        int gone = opens == 0 ? PyObject_RichCompareBool(source_left, s_zero, Py_LE) : 0;
+        int gone = at_share >= 0 && opens == 0 ? PyObject_RichCompareBool(source_left, s_zero, Py_LE) : 0;
         if (at_share < 0 || opens < 0 || gone < 0 || opens) {
             result = at_share < 0 || opens < 0 || gone < 0 ? NULL : Py_NewRef(Py_None);
             goto out;
@@ -348,6 +348,7 @@ out:
     Py_XDECREF(left);
     Py_XDECREF(taken);
     Py_XDECREF(popped);
+    Py_XDECREF(had);
     Py_XDECREF(source_left);
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback); /* (release() with an error set would turn it into a SystemError) */

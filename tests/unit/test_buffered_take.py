@@ -8,6 +8,7 @@ counted, the take's hook called); a case it leaves to Python must change nothing
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -139,3 +140,37 @@ def test_a_take_that_opens_room_in_a_full_table_is_left_to_python_which_wakes_wh
         table.recv_message("k")
     assert opened == ["c", "python"] and state(c_side) == state(python_side)
     assert c_side._take_buffered("k", None) is not None  # type: ignore[misc]  # (room open already: C takes it)
+
+
+def test_a_producer_over_its_share_that_stays_there_is_taken_in_c_and_one_not_counted_is_left_to_python() -> None:
+    c_side, python_side, _, _ = twins(max_buffered_bytes=10_000, max_buffered_bytes_per_producer=500)
+    c_side._take = _no_python_take  # type: ignore[method-assign]  # (the first take below is C's)
+    for table in (c_side, python_side):
+        for _ in range(4):
+            table.put(Message("k", np.zeros(200, np.uint8), {}), source=7)  # (800 bytes: one take leaves 600)
+        table.recv_message("k")
+    assert state(c_side) == state(python_side) and c_side._by_source == {7: 600}
+    del c_side._by_source[7]  # (a count that is not there: Python's to judge, nothing changed)
+    _unchanged(c_side, "k")
+
+
+def test_an_error_while_uncounting_reaches_the_caller_with_nothing_changed() -> None:
+    class Refusing(int):
+        def __ge__(self, other: object) -> bool:
+            raise ValueError("refused to compare")
+
+        def __sub__(self, other: object) -> Refusing:
+            return Refusing(int(self) - int(other))  # type: ignore[call-overload]
+
+    table = Rendezvous(max_buffered_bytes=10_000, max_buffered_bytes_per_producer=500)
+    table.put(Message("k", np.zeros(10, np.uint8), {}), source=7)
+    table._by_source[7] = Refusing(10)
+    before = state(table)
+    with pytest.raises(ValueError, match="refused to compare"):
+        table._take_buffered("k", None)  # type: ignore[misc]
+    assert state(table) == before
+    got: list[bool] = []
+    elsewhere = threading.Thread(target=lambda: got.append(table._lock.acquire(timeout=5)))
+    elsewhere.start()
+    elsewhere.join()
+    assert got == [True]  # (the table's lock was let go)
