@@ -25,7 +25,7 @@ from ..options import build, defaults, finite_timeout, merge, redact
 from ..transports import resolve_transport
 from .latest import Latest
 from .retained import Published, Retained
-from .versions import Encoder, VersionedMessage, check_version, versioned
+from .versions import Encoder, VersionedMessage, check_published_key, check_version, versioned
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,7 @@ class Publisher:
         `snapshot=False`: no copy of the arrays is taken; the caller promises not to change them while
         any subscriber may still be sent this version (until a newer one of the key is published).
         """
+        check_published_key(key)
         check_version(version)
         with self.retained.lock:
             if self._closed:

@@ -1,7 +1,7 @@
 """`memory://NAME`: publisher and subscribers in one process.
 
-A subscriber receives on the publisher's thread (taking a version is a dictionary update, so a
-publish never waits), each its own copy of the frame, as over a socket. Subscribers may start
+A subscriber receives on the publisher's thread, each its own copy of the frame, checked as over a
+socket: a publish costs a copy and a check per subscriber, and never waits for a receive. Subscribers may start
 before the publisher; a publisher that closes leaves them waiting for the next one of the name.
 """
 

@@ -5,7 +5,8 @@ The publisher accepts subscribers with the socket consumer's `Listener` (TLS, `a
 per key: a publish replaces the key's version there (conflation) and never waits for a socket; the
 frame being written stays in flight. A subscriber reads frames on a thread of its own and, when the
 connection breaks, reconnects with backoff until closed; the publisher then sends the latest of
-every key again (versions it already holds are dropped).
+every key again (versions it already holds are dropped). A frame the subscriber refuses (over its
+limits, failing its checks) is skipped, as on every other transport: the stream stays in step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -21,8 +23,8 @@ import urllib.parse
 from typing import Any
 
 from ..buffers import BufferPool
-from ..codec.frame import PREFIX, frame_length
-from ..errors import CodecError, TransportError
+from ..codec.frame import PREFIX, Limits, frame_length
+from ..errors import CodecError, LimitExceeded, TransportError
 from ..transports.base import backoff_s
 from ..transports.listener import Listener
 from ..transports.socket_endpoint import SocketEndpoint
@@ -44,6 +46,15 @@ log = logging.getLogger(__name__)
 #: the socket protocol's own): a producer or consumer at the other end is told apart at once
 SUBSCRIBE = b"TBSB" + bytes(20)
 PUBLISHING = b"TBPB" + bytes(20)
+#: a subscriber's mailbox with nothing to send looks this often whether its subscriber went away (it sends
+#: nothing after subscribing: a readable connection is one closed, or one that misbehaves), so a subscriber
+#: gone frees its thread and its place under `max_connections` without waiting for the next publish
+GONE_CHECK_S = 0.5
+#: a subscriber's TCP connection is probed after this long without bytes, then every KEEPALIVE_INTERVAL_S, and
+#: given up after KEEPALIVE_PROBES unanswered: a publisher whose host went away is noticed (and dialled again)
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+#: the length of a frame whatever a subscriber's limits (to read past one over them)
+_UNLIMITED = Limits(max_header_bytes=1 << 62, max_payload_bytes=1 << 62)
 
 
 class _NotAPublisher(TransportError):
@@ -82,16 +93,20 @@ class _Mailbox:
             return sum(p.nbytes for p in self._pending.values())
 
     def run(self) -> None:
-        """Write versions, oldest update first, until closed or the connection fails."""
+        """Write versions, oldest update first, until closed, the connection fails or the subscriber goes."""
         try:
             while True:
                 with self._cond:
-                    while not self._pending and not self._closed:
-                        self._cond.wait()
+                    if not self._pending and not self._closed:
+                        self._cond.wait(GONE_CHECK_S)
                     if self._closed:
                         return
-                    _, published = self._pending.popitem(last=False)
-                sendmsg_all(self.conn, published.frame)
+                    published = self._pending.popitem(last=False)[1] if self._pending else None
+                if published is not None:
+                    sendmsg_all(self.conn, published.frame)
+                elif select.select([self.conn], [], [], 0)[0]:
+                    log.info("subscriber %s went away", self.name)
+                    return
         except OSError as exc:
             log.info("subscriber %s dropped: %s", self.name, exc)
         finally:
@@ -126,11 +141,12 @@ class PublishingSide:
         self._listener = Listener(
             self._where.family, self._where.target, options, self._where.secret, lambda: self.address, b""
         )
+        context = self._where._ssl_context(server_side=True)  # (before binding: a missing certificate binds nothing)
         bound = self._listener.bind()
         if self._where.family != socket.AF_UNIX:
             host, port = bound[:2]
             self._where.url = self._where.url._replace(netloc=f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        self._listener.start(self, self._where._ssl_context(server_side=True))
+        self._listener.start(self, context)
 
     @property
     def address(self) -> str:
@@ -233,27 +249,34 @@ class SubscribingSide:
         self.connects = 0  # connections made so far
         #: frames are read into reused buffers (the one a held version views, one being read, a spare)
         self._pool = BufferPool(max_buffers=3)
+        self.frames = 0  # frames read whole so far (taken or skipped)
+        self.skipped = 0  # of them, those refused (over the limits, failing their checks, no memory for them)
         self._thread = threading.Thread(target=self._run, daemon=True, name="tensorbus-fanout-recv")
         self._thread.start()
 
     def _run(self) -> None:
         delays = backoff_s()
         while not self._closed.is_set():
+            frames_before = self.frames
             try:
-                sock = self._connect()
-                delays = backoff_s()
-                self._read(sock)
+                self._read(self._connect())
             except (AuthRefused, _NotAPublisher, ssl.SSLCertVerificationError) as exc:
                 self._receive.latest.fail(TransportError(f"{self._where.address}: {exc}"))
                 return
             except (OSError, TransportError, CodecError) as exc:
                 if self._closed.is_set():
                     return
+                if self.frames > frames_before:  # (a connection that carried frames: dial again soon; one that
+                    delays = backoff_s()  # fails before its first frame backs off further each time)
                 delay = next(delays)
                 # (a bad frame: a wrong key? no answer: a wrong URL? else the publisher is away, as it may be)
                 level = logging.ERROR if isinstance(exc, CodecError | _Unanswered) else logging.INFO
                 log.log(level, "subscriber of %s: %s; reconnecting in %.2fs", self._where.address, exc, delay)
                 self._closed.wait(delay)
+            except Exception as exc:  # a fault of this side's own: the receives are told, rather than left to wait
+                log.exception("subscriber of %s: receiving failed", self._where.address)
+                self._receive.latest.fail(TransportError(f"{self._where.address}: receiving failed: {exc!r}"))
+                return
             finally:
                 with self._lock:
                     if self._sock is not None:
@@ -288,21 +311,49 @@ class SubscribingSide:
         if bytes(answer) != PUBLISHING:
             raise _NotAPublisher(f"{where.address} is not a tensorbus Publisher (a Consumer?)")
         sock.settimeout(None)
+        if sock.family != socket.AF_UNIX:
+            keep_alive(sock)
         self.connects += 1
         return sock
 
     def _read(self, sock: socket.socket) -> None:
-        """Read frames until the connection ends; a frame that fails its checks ends it too (the stream is suspect)."""
+        """Read frames until the connection ends. A frame read whole that is refused (over this subscriber's limits,
+        failing its checks, or too large for the memory left) is skipped, and the next one read: its prefix said
+        where it ends. A prefix that is no frame's ends the connection (the stream is suspect)."""
         limits = self._receive.limits
         prefix = memoryview(bytearray(PREFIX.size))
         while True:
             if recv_exact(sock, prefix) < PREFIX.size:
                 raise TransportError("the publisher closed the connection")
-            frame = self._pool.take(frame_length(prefix, limits))
+            try:
+                length = frame_length(prefix, limits)
+                frame = self._pool.take(length)
+            except (LimitExceeded, MemoryError) as exc:
+                self._skip(sock, frame_length(prefix, _UNLIMITED) - PREFIX.size, exc)
+                continue
             frame[: PREFIX.size] = prefix
             if recv_exact(sock, frame[PREFIX.size :]) < len(frame) - PREFIX.size:
                 raise TransportError("the publisher closed the connection mid-frame")
-            self._receive(frame)
+            self.frames += 1
+            try:
+                self._receive(frame)
+            except CodecError as exc:
+                self._refused(exc)
+
+    def _skip(self, sock: socket.socket, nbytes: int, why: BaseException) -> None:
+        """Read past the rest of a refused frame, into a small buffer (a frame over the limits is never held)."""
+        scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
+        while nbytes > 0:
+            got = recv_exact(sock, scratch[: min(nbytes, len(scratch))])
+            if got == 0:
+                raise TransportError("the publisher closed the connection mid-frame")
+            nbytes -= got
+        self.frames += 1
+        self._refused(why)
+
+    def _refused(self, why: BaseException) -> None:
+        self.skipped += 1
+        log.error("subscriber of %s: a frame skipped: %s", self._where.address, why)
 
     def close(self) -> None:
         """Stop receiving: the receiving thread ends (a connect under way is given up) and its socket is closed."""
@@ -313,3 +364,16 @@ class SubscribingSide:
                     self._sock.shutdown(socket.SHUT_RDWR)
         if threading.current_thread() is not self._thread:
             self._thread.join(self.options.connect_timeout_s)
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive probes on a subscriber's connection (see KEEPALIVE_IDLE_S), where the system has them."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)

@@ -15,7 +15,8 @@ from typing import Any
 from ..buffers import BufferPool
 from ..codec.frame import PREFIX, Buffer, Limits, Message, _unpack_header, decode, encode, join_into, parse
 from ..codec.tensors import align
-from ..errors import CodecError, ConfigError, MalformedHeader
+from ..errors import CodecError, ConfigError, MalformedHeader, brief
+from ..keys import check_key
 
 #: the metadata field a version travels in (taken out again before the subscriber sees the metadata)
 VERSION_FIELD = "tb.version"
@@ -33,6 +34,15 @@ def check_version(version: object) -> int:
     if type(version) is not int or version < 0:
         raise ConfigError(f"version must be a non-negative int, got {version!r}")
     return version
+
+
+def check_published_key(key: object) -> str:
+    """A published key: a str (subscribers ask for keys by name: a version of no key could not be asked for),
+    no longer than any key may be."""
+    if not isinstance(key, str):
+        raise ConfigError(f"a published key must be a str, got {type(key).__name__}: {brief(key)}")
+    check_key(key)
+    return key
 
 
 class Encoder:

@@ -45,12 +45,15 @@ class SocketEndpoint(Endpoint):
         if self.options.ssl_context is not None:
             return self.options.ssl_context
         o = self.options
-        if server_side:
-            if not o.ssl_certfile:
-                raise ConfigError("a tcps:// consumer needs ssl_certfile (and ssl_keyfile) or ssl_context")
-            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=o.ssl_cafile)
-        else:
-            context = ssl.create_default_context(cafile=o.ssl_cafile)
-        if o.ssl_certfile:
-            context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
+        if server_side and not o.ssl_certfile:
+            raise ConfigError("a tcps:// consumer needs ssl_certfile (and ssl_keyfile) or ssl_context")
+        try:
+            purpose = ssl.Purpose.CLIENT_AUTH if server_side else ssl.Purpose.SERVER_AUTH
+            context = ssl.create_default_context(purpose, cafile=o.ssl_cafile)
+            if o.ssl_certfile:
+                context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:  # (a file missing or unreadable, a certificate or key that is not one)
+            files = {"ssl_cafile": o.ssl_cafile, "ssl_certfile": o.ssl_certfile, "ssl_keyfile": o.ssl_keyfile}
+            named = ", ".join(f"{name}={path!r}" for name, path in files.items() if path)
+            raise ConfigError(f"cannot load the TLS files ({named}): {exc}") from exc
         return context

@@ -320,3 +320,62 @@ def test_closing_a_subscriber_while_it_connects_ends_its_thread_and_socket() -> 
             assert not sub.side._thread.is_alive()  # type: ignore[attr-defined]
             peer.settimeout(10)
             assert peer.recv(1) == b""  # the subscriber's end is closed
+
+
+def test_a_frame_a_subscriber_refuses_is_skipped_and_later_versions_still_come(ends: Ends) -> None:
+    url, pub_options, sub_options = ends
+    with tb.Publisher(url, **pub_options) as pub:
+        with tb.Subscriber(pub.address, max_payload_bytes=1000, **sub_options) as sub:
+            pub.publish("small", np.zeros(10, np.float32), version=1)
+            assert sub.latest("small", timeout=30).version == 1
+            pub.publish("big", np.zeros(20_000, np.float32), version=1)  # (80 KB: over this subscriber's limit)
+            pub.publish("small", np.ones(10, np.float32), version=2)
+            newer = sub.latest("small", newer_than=1, timeout=30)
+            assert (newer.version, newer.tensor.tolist()) == (2, [1.0] * 10)
+            with pytest.raises(tb.Timeout):
+                sub.latest("big", timeout=0.2)
+            if not url.startswith("memory"):  # (read past, on the same connection)
+                assert (sub.side.skipped, sub.side.connects) == (1, 1)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "unix"])
+def test_subscribers_that_went_away_free_their_places_before_the_next_publish(scheme: str, tls: dict[str, str]) -> None:
+    url, pub_options, sub_options = _ends(scheme, tls)
+    with tb.Publisher(url, max_connections=2, **pub_options) as pub:
+        pub.publish("w", np.arange(4), version=1)
+        for _ in range(2):
+            with tb.Subscriber(pub.address, **sub_options) as gone:
+                assert gone.latest("w", timeout=30).version == 1
+        wait_for(lambda: pub.side.connections == 0, 10, "the closed subscribers' places freed")
+        with tb.Subscriber(pub.address, **sub_options) as third:
+            assert third.latest("w", timeout=30).version == 1
+
+
+def test_a_subscriber_over_tcp_probes_a_quiet_publisher_with_keepalives() -> None:
+    from tensorbus.fanout.sockets import KEEPALIVE_IDLE_S
+
+    with tb.Publisher("tcp://127.0.0.1:0") as pub, tb.Subscriber(pub.address) as sub:
+        pub.publish("w", np.arange(4), version=1)
+        assert sub.latest("w", timeout=30).version == 1
+        conn = sub.side._sock  # type: ignore[attr-defined]
+        assert conn.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+
+
+def test_a_fault_in_a_subscribers_receiving_thread_fails_its_receives(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorbus.fanout.api import Receiver
+
+    def broken(self: Receiver, frame: Any) -> bool:
+        raise RuntimeError("a fault of the receiving side's own")
+
+    monkeypatch.setattr(Receiver, "__call__", broken)
+    with tb.Publisher("tcp://127.0.0.1:0") as pub, tb.Subscriber(pub.address) as sub:
+        pub.publish("w", np.arange(4), version=1)
+        with pytest.raises(tb.TransportError, match="receiving failed"):
+            sub.latest("w", timeout=30)  # (told, rather than left waiting)
+
+
+def test_a_tcps_publisher_whose_certificate_is_missing_says_so() -> None:
+    for end in (tb.Publisher, tb.Consumer):
+        with pytest.raises(tb.ConfigError, match=r"cannot load the TLS files.*missing\.pem"):
+            end("tcps://127.0.0.1:0", ssl_certfile="/nonexistent/missing.pem")

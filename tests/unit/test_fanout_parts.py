@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 
 import numpy as np
 import pytest
@@ -176,3 +177,11 @@ def test_memory_names_are_forgotten_once_unused_and_reassembly_timeout_s_is_the_
         pub.publish("w", np.ones(4), version=1)  # a name used again works as a new one
         assert late.latest("w", timeout=10).tensor[0] == 1.0
     assert name not in memory._TOPICS
+
+
+@pytest.mark.parametrize("key", [None, 3, b"w"])
+def test_a_published_key_must_be_a_str(key: object) -> None:
+    with tb.Publisher(f"memory://keys-{uuid.uuid4().hex[:8]}") as pub:
+        with pytest.raises(tb.ConfigError, match="a published key must be a str"):
+            pub.publish(key, np.arange(3), version=1)  # type: ignore[arg-type]
+        assert pub.versions() == {}
