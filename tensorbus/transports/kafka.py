@@ -248,7 +248,9 @@ class KafkaTransport(KafkaEndpoint):
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the broker has acknowledged every record sent so far; raise the first failure."""
-        if self._producer is None:
+        if self._producer is None:  # (none yet, or one closed after a failure and none made since: its records'
+            with self._pending:  # failures, reported as it closed, still count)
+                self._raise_error()
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         with contextlib.suppress(TransportError), map_errors(self._shown):

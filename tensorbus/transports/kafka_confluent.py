@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 #: a plain ndarray below this many bytes has its record made whole in C (`ndarray_frame`), then copied into the
 #: `bytes` librdkafka takes: the Python steps saved outweigh that extra copy for small tensors, not for large ones
 WHOLE_IN_C_BELOW = 64 << 10
+#: a flush that finds records still unacknowledged after librdkafka's own flush (sent by another thread
+#: meanwhile) serves reports in slices of this long until they settle or its timeout ends
+FLUSH_SLICE_S = 0.05
 #: producers a forked child let go of (see `ConfluentKafkaTransport.abandon`)
 _ABANDONED: list[Producer] = []
 
@@ -253,17 +256,29 @@ class ConfluentKafkaTransport(KafkaTransport):
         """Wait until the broker has acknowledged every record sent so far; raise the first failure."""
         with self._lock:
             producer = self._rd_producer
-        if producer is None:
+        if producer is None:  # (none yet, or one replaced after a failure and none made since: its records'
+            self._serve_replaced(self.options.close_timeout_s if timeout is None else timeout)  # failures still count)
+            with self._pending:
+                self._raise_error()
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         producer.flush(-1 if timeout is None else timeout)  # serves the delivery reports
         self._flush_again(deadline)
         self._serve_replaced(self.options.close_timeout_s if timeout is None else timeout)
         self._flush_again(deadline)  # (a replaced producer's record reported with no offset goes on the current one)
-        with self._pending:
-            if self._unconfirmed and not self._error:
+        while True:
+            with self._pending:
+                if self._error or not self._unconfirmed:
+                    self._raise_error()
+                    return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise TransportError(f"{self._unconfirmed} records unacknowledged by {self._shown} after {timeout}s")
-            self._raise_error()
+            # (records a send on another thread counted before it produced them, after the flush above began)
+            with self._lock:
+                producer = self._current_rd_producer()
+            producer.flush(FLUSH_SLICE_S if left is None else min(FLUSH_SLICE_S, left))
+            self._flush_again(deadline)
 
     def _flush_again(self, deadline: float | None) -> None:
         """Produce again, and flush, the records reported delivered that may not have been written, until none is

@@ -397,3 +397,48 @@ def test_a_producer_asks_again_while_the_topic_is_listed_without_its_partitions(
     with pytest.raises(tb.TransportError, match=r"partitions of the topic unknown to the brokers .*[Ll]eader"):
         transport._partitions(never, time.monotonic() + 0.3)  # type: ignore[arg-type]
     assert never.asked >= 2
+
+
+def test_a_flush_after_the_failed_producer_was_purged_and_no_new_one_could_be_made_raises_the_failure() -> None:
+    """After a failed record, the next send purges the producer's queued records (each reported failed) and makes
+    a new producer; if none can be made (the brokers still away), that send raises, and the purged records'
+    failure is what the next flush must raise: it returned as if all were delivered."""
+    url = urllib.parse.urlsplit("kafka://127.0.0.1:1/t")
+    transport = KafkaTransport(url, KafkaTransport.Options(client="confluent"))
+    assert isinstance(transport, ConfluentKafkaTransport)
+
+    class Failed:
+        """The failed producer, still holding two records (counted as pending)."""
+
+        def __init__(self) -> None:
+            self.held = [b"r2xx", b"r3xx"]
+
+        def purge(self) -> None:
+            for value in self.held:
+                transport._on_delivery(KafkaError(KafkaError._PURGE_QUEUE), _Reported(value, b"", 0, None))
+            self.held = []
+
+        def poll(self, timeout: float) -> None:
+            pass
+
+        def __len__(self) -> int:
+            return len(self.held)
+
+    def no_broker() -> Any:
+        raise tb.TransportError("no broker answered")
+
+    transport._rd_producer = Failed()  # type: ignore[assignment]
+    transport._pending_bytes, transport._unconfirmed, transport._failed = 8, 2, True
+    transport._start_rd_producer = no_broker  # type: ignore[method-assign]
+    with pytest.raises(tb.TransportError, match="no broker answered"):
+        transport.send([b"r7xx"], key=None)
+    with pytest.raises(tb.TransportError, match="Purged"):
+        transport.flush(1.0)
+    transport.flush(1.0)  # (raised once: nothing more failed)
+
+
+def test_a_kafka_python_flush_with_no_producer_left_raises_the_failure_its_close_reported() -> None:
+    transport = KafkaTransport(urllib.parse.urlsplit("kafka://127.0.0.1:1/t"), KafkaTransport.Options())
+    transport._error = tb.TransportError("a record failed as the producer closed")
+    with pytest.raises(tb.TransportError, match="failed as the producer closed"):
+        transport.flush(1.0)
