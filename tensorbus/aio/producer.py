@@ -1,10 +1,12 @@
 """The asyncio producer: a `tensorbus.Producer` whose sends are awaited on the event loop.
 
 tcp:// and unix:// producers send on the loop itself (socket_sending.py: no thread). Every other
-producer (memory://, tcps://, brokers; any with metrics or tracing on) is driven from one worker thread
-of its own (`tensorbus-aio-send`): every call runs there, in order, and the coroutine awaits its result,
+producer (memory://, tcps://, brokers; any with metrics, tracing, compression or signing on) is driven
+from one worker thread of its own (`tensorbus-aio-send`): every call runs there, in order, and the
+coroutine awaits its result,
 so a send that waits for the consumer (`max_unacked_bytes`, bounded by `send_timeout_s`), for a
-broker's confirm or for a socket's room waits there, never on the loop.
+broker's confirm or for a socket's room waits there, never on the loop. A producer that sends on the loop
+makes a large strided array contiguous on that worker thread first (numpy lets go of the GIL as it copies).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
+
 from .. import api
 from ..codec import MessageId
 from ..errors import Closed
@@ -22,6 +26,9 @@ from .socket_sending import SCHEMES, LoopSender, sends_on_loop
 from .turns import sent
 
 _T = TypeVar("_T")
+#: a strided (not C-contiguous) ndarray of this many bytes or more, sent on the loop, is copied into one piece
+#: on the worker thread first (the frame needs its bytes in one piece: copied on the loop, 64 MB held it 150 ms)
+STRIDED_OFF_LOOP_FROM = 1 << 20
 
 
 class Producer:
@@ -42,8 +49,14 @@ class Producer:
 
     async def _run(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         if self._worker is None:
+            if self._closed:  # (no worker is made for a producer closed already)
+                raise Closed(f"the Producer of {self.url} is closed")
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-send")
-        return await asyncio.wrap_future(self._worker.submit(call, *args, **kwargs))
+        try:
+            future = self._worker.submit(call, *args, **kwargs)
+        except RuntimeError:  # (its worker shut down: `close` ran meanwhile)
+            raise Closed(f"the Producer of {self.url} is closed") from None
+        return await asyncio.wrap_future(future)
 
     async def open(self) -> Producer:
         """Make the producer (idempotent; `send` opens a producer not opened). Sockets connect at the first send."""
@@ -79,6 +92,8 @@ class Producer:
             await self.open()
         sent()  # (a receive that waits next on this thread waits for a reply: turns.py)
         if self._sender is not None:
+            if type(tensor) is np.ndarray and tensor.nbytes >= STRIDED_OFF_LOOP_FROM and not tensor.flags.c_contiguous:
+                tensor = await self._run(np.ascontiguousarray, tensor)
             return await self._sender.send(key, tensor, metadata)
         return await self._run(self._send, key, tensor, metadata)
 
@@ -87,6 +102,8 @@ class Producer:
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until the transport confirms everything sent so far (where it confirms at all)."""
+        if self._closed:
+            raise Closed("flush on a closed Producer")
         if self._sender is not None:
             await self._sender.flush(timeout)
             return

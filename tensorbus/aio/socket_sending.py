@@ -62,9 +62,15 @@ C_SENDS_BELOW = c_sends_below(True)
 
 def sends_on_loop(producer: api.Producer) -> bool:
     """Whether the loop can send this producer's frames itself (tcp://, unix://; no metrics or tracing,
-    whose hooks wrap the blocking send)."""
+    whose hooks wrap the blocking send; no compression or signing, which would run over a whole tensor on
+    the loop: those producers send on their worker thread)."""
     transport = producer.transport
-    return isinstance(transport, SocketProducer) and transport.url.scheme in SCHEMES and producer._monitor is None
+    return (
+        isinstance(transport, SocketProducer)
+        and transport.url.scheme in SCHEMES
+        and producer._monitor is None
+        and producer._encoding.plain_flags is not None
+    )
 
 
 def _settle(future: asyncio.Future[bool], value: bool) -> None:

@@ -266,9 +266,15 @@ class ProducerAcks(ProducerSide):
         copied = looked = 0
         for frame, _ in list(self._unacked):  # (a frame acked during a pause is copied all the same: harmless)
             for index, part in enumerate(frame):
-                if not isinstance(part, (bytes, bytearray)):  # (a view of an array; heads and signatures are owned)
-                    frame[index] = owned = bytes(part)
-                    copied += len(owned)
+                if isinstance(part, (bytes, bytearray)):  # (heads and signatures are owned; the rest views arrays)
+                    continue
+                view = memoryview(part).cast("B")
+                owned = bytearray(view[:OWN_SLICE_BYTES])
+                while len(owned) < view.nbytes:  # (a large array's bytes a slice at a time too)
+                    yield AckIO.PAUSE, 0.0
+                    owned += view[len(owned) : len(owned) + OWN_SLICE_BYTES]
+                frame[index] = owned
+                copied += len(owned)
             looked += 1
             if copied >= OWN_SLICE_BYTES or looked >= OWN_SLICE_FRAMES:
                 copied = looked = 0

@@ -654,3 +654,53 @@ def test_the_loop_is_never_blocked_while_tensors_cross_tcp(run: Any) -> None:
     )
     assert len(late) > 100
     assert worst < 0.050 and p99 < 0.020, (worst, p99)
+
+
+@pytest.mark.parametrize("options", [{"compression": "zstd"}, {"signing_key": "k"}])
+def test_a_producer_that_compresses_or_signs_sends_off_the_loop(
+    run: Callable[[Coroutine[Any, Any, Any]], Any], options: dict[str, Any]
+) -> None:
+    """Compressing or signing runs over a whole tensor: such a producer sends from its worker thread, not the loop."""
+    array = np.arange(1 << 16, dtype=np.float32)
+
+    async def main() -> None:
+        async with tba.Consumer("tcp://127.0.0.1:0", signing_key=options.get("signing_key")) as consumer:
+            async with tba.Producer(consumer.address, **options) as producer:
+                await producer.send("w", array)
+                assert producer._sender is None and producer._worker is not None
+                same(await consumer.recv("w", timeout=30), array)
+
+    run(main())
+
+
+def test_a_large_strided_array_is_made_contiguous_off_the_loop(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    strided = np.arange(1 << 21, dtype=np.float32).reshape(1024, 2048)[:, ::2]  # (4 MiB, every other column)
+
+    async def main() -> None:
+        async with tba.Consumer("tcp://127.0.0.1:0") as consumer:
+            async with tba.Producer(consumer.address) as producer:
+                await producer.send("w", strided)
+                assert producer._sender is not None and producer._worker is not None  # (the copy's thread)
+                same(await consumer.recv("w", timeout=30), np.ascontiguousarray(strided))
+
+    run(main())
+
+
+@pytest.mark.parametrize("url", ["memory://closed-flush", "tcp://127.0.0.1:0"])
+def test_a_flush_after_close_says_the_producer_is_closed(
+    run: Callable[[Coroutine[Any, Any, Any]], Any], url: str
+) -> None:
+    async def main() -> None:
+        async with tba.Consumer(url) as consumer:
+            producer = tba.Producer(consumer.address)
+            await producer.send("w", np.arange(3))
+            await producer.close()
+            with pytest.raises(tb.Closed):
+                await producer.flush(5)
+            never_opened = tba.Producer(consumer.address)
+            await never_opened.close()
+            with pytest.raises(tb.Closed):
+                await never_opened.flush(5)
+            assert never_opened._worker is None  # (no thread made for it)
+
+    run(main())

@@ -354,6 +354,50 @@ def test_an_asyncio_flush_copies_untaken_frames_in_slices_the_loop_runs_between(
         np.testing.assert_array_equal(consumer.recv("t7", timeout=WAIT_S), tensor(7))
 
 
+def test_an_asyncio_flush_copies_one_large_untaken_tensor_in_slices_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single array of many slices is copied a slice at a time as well: the loop's other tasks run between."""
+    loop = asyncio.new_event_loop()
+    big = np.arange(4 << 20, dtype=np.float32)  # (16 MiB: 16 slices of OWN_SLICE_BYTES)
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        producer = tba.Producer(consumer.address)
+        try:
+            loop.run_until_complete(producer.open())
+            kept: Any = producer.blocking.transport
+            turns, during = [0], []
+            original = kept._own_untaken
+
+            def watched() -> Iterator[Any]:
+                before = turns[0]
+                yield from original()
+                during.append(turns[0] - before)
+
+            monkeypatch.setattr(kept, "_own_untaken", watched)
+
+            async def flush_beside_a_task() -> None:
+                stop = asyncio.Event()
+
+                async def other_task() -> None:
+                    while not stop.is_set():
+                        turns[0] += 1
+                        await asyncio.sleep(0)
+
+                beside = asyncio.create_task(other_task())
+                await producer.send("big", big)
+                wait_for(lambda: len(consumer.table) == 1, WAIT_S, "the tensor in the table, untaken")
+                await producer.flush(WAIT_S)
+                stop.set()
+                await beside
+
+            loop.run_until_complete(flush_beside_a_task())
+            assert during and during[0] >= big.nbytes // socket_acks.OWN_SLICE_BYTES - 1  # a turn after each slice
+            assert all(isinstance(part, (bytes, bytearray)) for frame, _ in kept._unacked for part in frame)
+            big[:] = -1  # (the producer's copy is its own now)
+        finally:
+            loop.run_until_complete(producer.close())
+            loop.close()
+        np.testing.assert_array_equal(consumer.recv("big", timeout=WAIT_S), np.arange(4 << 20, dtype=np.float32))
+
+
 @pytest.mark.broker
 def test_a_channel_rabbitmq_closes_over_untaken_deliveries_loses_nothing_and_hands_out_each_once() -> None:
     # What RabbitMQ's consumer_timeout does to a consumer holding untaken tensors past it: it closes the
