@@ -360,12 +360,15 @@ class LoopSender:
         p, t = self.producer, self.transport
         t._rejections.clear()  # (each was logged as it came)
         if t._acked < t._sent and not t._closed:
+            timeout = finite_timeout(t.options.close_timeout_s)
             try:
-                await self.flush(t.options.close_timeout_s)
+                await asyncio.wait_for(self.flush(timeout), timeout)  # (the wait for a stuck send's turn counts too)
             except Rejected:
                 pass
             except TransportError as exc:
                 log.warning("closing with frames not acknowledged: %s", exc)
+            except asyncio.TimeoutError:
+                log.warning("closing with frames not acknowledged within close_timeout_s=%s", timeout)
         t._closed = p._closed = True
         if self._turn.locked() and t._sock is not None:  # a send awaits a consumer that stopped reading: wake it
             with contextlib.suppress(OSError):

@@ -704,3 +704,31 @@ def test_a_flush_after_close_says_the_producer_is_closed(
             assert never_opened._worker is None  # (no thread made for it)
 
     run(main())
+
+
+def test_close_wakes_a_send_waiting_for_a_consumer_that_stopped_reading(
+    run: Callable[[Coroutine[Any, Any, Any]], Any],
+) -> None:
+    """The close's flush waits `close_timeout_s` at most, its wait for the stuck send's turn included; the send
+    then fails with `Closed` (with no `send_timeout_s` it would have waited for ever)."""
+
+    async def main() -> None:
+        async with tba.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=2 << 20, max_untaken_bytes=1 << 20) as consumer:
+            producer = tba.Producer(consumer.address, max_unacked_bytes=1 << 20, send_timeout_s=None, close_timeout_s=1)
+            await producer.open()
+
+            async def send_on() -> None:
+                for _ in range(100):  # (12.5 MiB: far past what the consumer takes in without a receive)
+                    await producer.send("k", np.zeros(1 << 17))
+
+            sending = asyncio.create_task(send_on())
+            sender: Any = producer._sender
+            await until(  # (the send suspended inside its turn, past max_unacked_bytes: waiting for acks)
+                lambda: sender._turn.locked() and producer.blocking.transport._unacked_bytes >= 1 << 20,
+                "the send waiting for acks",
+            )
+            await asyncio.wait_for(producer.close(), 20)
+            with pytest.raises(tb.Closed):
+                await asyncio.wait_for(sending, 20)
+
+    run(main())
