@@ -61,6 +61,9 @@ class Offsets(AsyncConsumerRebalanceListener):
         #: the next offset of each partition this consumer has not had yet, kept across rebalances (the
         #: consumer thread's): a record below it is one the group delivers to it again
         self._unseen: dict[TopicPartition, int] = {}
+        #: the next offset of each partition not read under its current stream (under `_lock`): where reading
+        #: starts again after an interruption (`read_to`); gone with the stream
+        self._read_to: dict[TopicPartition, int] = {}
 
     def record(self, tp: TopicPartition, offset: int, result: Delivered) -> None:
         """The consumer thread delivered the record at `offset` of `tp` (`result`): its ledger stream
@@ -98,11 +101,17 @@ class Offsets(AsyncConsumerRebalanceListener):
             stream = self._streams.get(tp)
             if stream is None:
                 stream = self._streams[tp] = self.deliver.ledger.stream()
+            if offset + count > self._read_to.get(tp, 0):
+                self._read_to[tp] = offset + count
         return stream
 
-    def unseen(self) -> dict[int, int]:
-        """Per partition, the first offset this consumer has not had yet (read by the thread that records)."""
-        return {tp.partition: offset for tp, offset in self._unseen.items()}
+    def read_to(self) -> dict[int, int]:
+        """Per partition with a stream open, the first offset not read under it: where to read on after an
+        interruption. Not `_unseen`: a partition given back after a rebalance may hold records before that
+        untaken here under its closed stream; read again from the group's commit, the new stream books them
+        as duplicates and holds its commits behind them, where a seek past them would let it commit past."""
+        with self._lock:
+            return {tp.partition: offset for tp, offset in self._read_to.items()}
 
     def committable(self) -> dict[TopicPartition, OffsetAndMetadata]:
         """Offsets safe to commit that differ from the last commit."""
@@ -166,4 +175,5 @@ class Offsets(AsyncConsumerRebalanceListener):
                 if stream is not None:
                     stream.close()
                 self._committed.pop(tp, None)
+                self._read_to.pop(tp, None)
         self.assigned -= {tp.partition for tp in lost}

@@ -181,12 +181,13 @@ class RecordReading:
 
     def _rewind(self) -> None:
         """After a receive was interrupted while it read: the records `consume` had taken may be gone with it.
-        Each partition is read again from its first record not delivered (the backlog's come again)."""
+        Each partition is read again from its first record not read under its stream (the backlog's come again),
+        one with no stream from the group's commit."""
         self._backlog.clear()  # (no record of it was offered yet: the backlog was empty)
         try:
-            unseen = self._commits.unseen()
-            had = [RdTopicPartition(self._topic, p, unseen[p]) for p in self._commits.assigned if p in unseen]
-            others = [RdTopicPartition(self._topic, p) for p in self._commits.assigned if p not in unseen]
+            read_to = self._commits.read_to()
+            had = [RdTopicPartition(self._topic, p, read_to[p]) for p in self._commits.assigned if p in read_to]
+            others = [RdTopicPartition(self._topic, p) for p in self._commits.assigned if p not in read_to]
             stored = self._consumer.committed(others, timeout=5) if others else []
             for position in had + stored:  # (none committed: from the start, as auto.offset.reset says)
                 position.offset = position.offset if position.offset >= 0 else OFFSET_BEGINNING

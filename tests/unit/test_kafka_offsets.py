@@ -31,4 +31,17 @@ def test_a_partition_read_on_past_offsets_it_never_had_is_logged_and_one_read_ag
         assert not caplog.records and tally.redeliveries == 2
         offsets.record_admitted(TopicPartition("t", 1), 7, ("p", 9))  # a partition first read past its offset 0
         assert [r.getMessage() for r in caplog.records] == ["kafka://here/t: partition 1 first read at offset 7"]
-    assert offsets.unseen() == {0: 6, 1: 8}
+    assert offsets.read_to() == {0: 6, 1: 8}
+
+
+def test_a_partition_given_back_is_read_on_from_its_new_streams_records_not_from_what_it_had_before() -> None:
+    """After a partition was revoked and given back, an interrupted read must not seek past records the consumer
+    had under its closed stream (they may be untaken here): read them again, booked by the new stream."""
+    offsets = Offsets(None, SimpleNamespace(ledger=Ledger()), "kafka://here/t", Tally())  # type: ignore[arg-type]
+    tp = TopicPartition("t", 0)
+    offsets.record_admitted_run(tp, 10, [("p", n) for n in range(10, 21)])
+    assert offsets.read_to() == {0: 21}
+    offsets._forget({tp})  # (revoked: its stream closed)
+    assert offsets.read_to() == {}  # (read again from the group's commit)
+    offsets.record_admitted_run(tp, 10, [("p", 10), ("p", 11)])  # given back, read again from the commit (10)
+    assert offsets.read_to() == {0: 12}
