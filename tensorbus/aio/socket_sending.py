@@ -246,14 +246,14 @@ class LoopSender:
             if t._sock is None:
                 await self._connect()
             frames = self._frames(tensor, key, metadata, message_id)
-            sent = 0
+            sent: list[list[Buffer]] = []
             try:
                 for frame in frames:
                     await self._send_retrying(frame)
-                    sent += 1
+                    sent.append(frame)
             except BaseException:
                 if sent:  # the chunks that went out can never make a whole tensor: don't resend them
-                    t.forget_last(sent)
+                    t.forget(sent)
                 raise
         return message_id
 

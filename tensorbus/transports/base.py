@@ -256,7 +256,7 @@ class Endpoint:
 class ProducerSide(Endpoint):
     """What a `Producer` holds: `send_message` (and `send`), `flush`, `wait_for_room`.
 
-    The optional methods (`encoding`, `forget_last`, `flush`, `wait_for_room`) have a default that
+    The optional methods (`encoding`, `forget`, `flush`, `wait_for_room`) have a default that
     is right for a transport without the capability.
     """
 
@@ -291,14 +291,14 @@ class ProducerSide(Endpoint):
             self.send(encoding.encode(tensor, key, metadata, message_id, bound_key), key=key)
             return
         parts = encoding.encode_chunks(tensor, key, metadata, message_id, limit, bound_key)
-        sent = 0
+        sent: list[list[Buffer]] = []
         try:
             for part in parts:
                 self.send(part, key=key)
-                sent += 1
+                sent.append(part)
         except BaseException:  # (a Ctrl-C between or inside chunks too)
             if sent:  # the chunks that went out can never make a whole tensor: don't resend them
-                self.forget_last(sent)
+                self.forget(sent)
             raise
 
     def _send_ndarray(
@@ -323,8 +323,8 @@ class ProducerSide(Endpoint):
             self._bound = (signing_key, endpoint, run), frame_key(signing_key, endpoint, run)
         return self._bound[1]
 
-    def forget_last(self, count: int) -> None:
-        """Drop the last `count` frames sent from anything kept for resending (a message failed part way)."""
+    def forget(self, frames: list[list[Buffer]]) -> None:
+        """Drop these sent frames from anything kept for resending (the chunks of a message failed part way)."""
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every sent frame is confirmed by the endpoint (a no-op where nothing is pending)."""

@@ -187,7 +187,8 @@ class Peers:
             except WOULD_BLOCK:
                 peer.ack_owed = True
                 return
-        received, taken = peer.positions.first_unreceived(), peer.positions.first_open()
+        received = peer.positions.first_unreceived()
+        taken = min(peer.positions.first_open(), received)  # (read after: a release meanwhile may pass `received`)
         record = ACK.pack(received) if taken == peer.taken else ACK.pack(received) + ACK.pack(taken | TAKEN)
         try:
             sent = peer.conn.send(record)

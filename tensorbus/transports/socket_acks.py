@@ -108,23 +108,32 @@ class ProducerAcks(ProducerSide):
         self._rejections: collections.deque[Rejected] = collections.deque()
         self._last_refused: MessageId | None = None  # (a message's other chunks are refused too: told once)
 
-    def forget_last(self, count: int) -> None:
-        """Drop the last `count` frames sent (the chunks of a message that failed part way) from those
-        resent on reconnect: a message that can never complete would hold up the consumer's acks.
+    def forget(self, frames: list[list[Buffer]]) -> None:
+        """Drop `frames` (the chunks of a message that failed part way) from those resent on reconnect: a
+        message that can never complete would hold up the consumer's acks. Found by identity, not as the
+        last ones sent: another thread's frames may have gone out between two chunks, and stay.
 
         A failed send has dropped the connection already; after an interrupt between two chunks it
         is dropped here, as its acks would wait for the rest of the message too.
         """
+        doomed = {id(frame) for frame in frames}
         with self._lock:
             self._drop_connection()
-            for _ in range(min(count, len(self._unacked))):
-                _, n = self._unacked.pop()
-                self._sent -= 1
-                if self._sent < self._acked:  # (received already)
-                    self._acked = self._sent
+            kept: collections.deque[tuple[list[Buffer], int]] = collections.deque()
+            gone = gone_received = 0
+            for index, (frame, n) in enumerate(self._unacked):
+                if id(frame) not in doomed:
+                    kept.append((frame, n))
+                    continue
+                gone += 1
+                if self._taken + index < self._acked:  # (received already: its copy counted as untaken)
+                    gone_received += 1
                     self._untaken_bytes -= n
                 else:
                     self._unacked_bytes -= n
+            self._unacked = kept
+            self._sent -= gone
+            self._acked -= gone_received
 
     def abandon(self) -> None:
         """Close this process's descriptor of the connection: the parent's stays open (no shutdown, no FIN)."""

@@ -1202,3 +1202,36 @@ def test_each_family_of_connection_gets_its_settings_at_both_ends(scheme: str, t
                 with open("/proc/sys/net/core/wmem_max") as wmem_max:
                     expected = 2 * min(UNIX_SEND_BUFFER, int(wmem_max.read()))
                 assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == expected
+
+
+def test_a_chunked_send_that_fails_part_way_forgets_its_own_chunks_not_another_threads_tensor(tmp_path: Any) -> None:
+    """Another thread's tensor can go out between two chunks of a message: when that message fails part way, the
+    frames kept for resending lose its chunks, not the other thread's (they were the last ones sent)."""
+    url = f"unix://{tmp_path}/chunks.sock"
+    first = tb.Consumer(url)
+    producer = tb.Producer(url, max_frame_bytes=4096, reconnect_timeout_s=0.3)
+    transport: Any = producer.transport
+    send, chunks = transport.send, [0]
+    b = np.arange(4.0)
+
+    def send_then_meddle(part: Any, *, key: str | None) -> None:
+        send(part, key=key)
+        chunks[0] += key == "A"
+        if key == "A" and chunks[0] == 1:  # between A's first and second chunk:
+            other = threading.Thread(target=producer.send, args=("B", b))  # another thread's whole tensor
+            other.start()
+            other.join()
+            first.close()  # the consumer goes with B untaken
+            transport._sock.shutdown(socket.SHUT_RDWR)  # A's next chunk finds the connection broken
+
+    transport.send = send_then_meddle
+    try:
+        with pytest.raises(tb.TransportError):
+            producer.send("A", np.zeros(5000, np.float32))  # (5 chunks: no consumer to reconnect to for the second)
+        with tb.Consumer(url) as successor:
+            producer.flush(30)
+            np.testing.assert_array_equal(successor.recv("B", timeout=30), b)
+            with pytest.raises(tb.Timeout):
+                successor.recv("A", timeout=0.1)
+    finally:
+        producer.close()
