@@ -715,6 +715,13 @@ get_mid_frame(Reader *self, void *closure)
 }
 
 static PyObject *
+get_progress(Reader *self, void *closure)
+{
+    /* (grows or shrinks with every byte taken in: a connection stalled part way through a frame keeps it) */
+    return PyLong_FromLongLong((long long)self->got + self->prefix_got + self->in_hi - (long long)self->skip_left);
+}
+
+static PyObject *
 get_crc_after(Reader *self, void *closure)
 {
     return PyBool_FromLong(self->crc_after);
@@ -763,6 +770,7 @@ static PyGetSetDef reader_getset[] = {
     {"prefix", (getter)get_prefix, NULL, "the last prefix read (its TRAILING_CRC bit cleared)", NULL},
     {"buffered", (getter)get_buffered, NULL, "bytes read ahead and not yet taken", NULL},
     {"mid_frame", (getter)get_mid_frame, NULL, "whether part of a frame has been read", NULL},
+    {"progress", (getter)get_progress, NULL, "a figure that changes as bytes of the frame under way come in", NULL},
     {"crc_after", (getter)get_crc_after, NULL, "whether the last prefix said its CRC follows the frame", NULL},
     {"inbox_held", (getter)get_inbox_held, NULL, "whether it holds a read-ahead buffer now", NULL},
     {"last_total", (getter)get_last_total, NULL, "bytes the last frame (or skipped frame's prefix) took", NULL},

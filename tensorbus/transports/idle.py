@@ -5,7 +5,8 @@ last look, none part-read, none held back or unacknowledged, no chunked message 
 quiet connection with frames delivered but not yet acknowledged is acknowledged first, and is
 idle from then on. The producer keeps nothing unacknowledged then, and notices the closed
 connection before its next send (see `SocketProducer`), so it just connects again.
-A connection stalled in the middle of a frame is not idle: `max_connections` bounds those.
+A connection stalled in the middle of a frame (no byte of it for `idle_timeout_s`) is closed too: what
+it sent of that frame is dropped, and its producer sends the frame again on its next connection.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class IdleSweep:
         self.every_s = 0.0 if timeout_s is None else min(max(timeout_s / 4, SWEEP_S[0]), SWEEP_S[1])
         self.next_at = time.monotonic() + self.every_s
         self._quiet: dict[int, tuple[Any, int, float]] = {}  # fd -> (peer, its frame count, quiet since)
+        self._stalled: dict[int, tuple[Any, int, float]] = {}  # fd -> (peer, its reader's progress, since)
         self.dropped = 0
 
     def due(self, now: float) -> bool:
@@ -47,8 +49,20 @@ class IdleSweep:
         assert self.timeout_s is not None
         self.next_at = now + self.every_s
         quiet: dict[int, tuple[Any, int, float]] = {}
+        stalled: dict[int, tuple[Any, int, float]] = {}
         for peer in reactor._peer_list():
             fd = peer.fd
+            if peer.reader.mid_frame and not peer.reader.buffered:  # (part of a frame in, waiting for the rest)
+                progress = peer.reader.progress
+                seen = self._stalled.get(fd)
+                since = seen[2] if seen is not None and seen[0] is peer and seen[1] == progress else now
+                if now - since >= self.timeout_s:
+                    self.dropped += 1
+                    reason = f"closed after {self.timeout_s:g} s stalled mid-frame (idle_timeout_s)"
+                    reactor._drop(peer, reason, logging.WARNING)
+                    continue
+                stalled[fd] = (peer, progress, since)
+                continue
             if in_flight(peer):
                 continue
             seen = self._quiet.get(fd)
@@ -65,4 +79,4 @@ class IdleSweep:
                 reactor._drop(peer, f"closed after {self.timeout_s:g} s idle (idle_timeout_s)", logging.INFO)
                 continue
             quiet[fd] = (peer, peer.frames, since)
-        self._quiet = quiet
+        self._quiet, self._stalled = quiet, stalled

@@ -11,7 +11,7 @@ Both turn bytes off a non-blocking stream socket into events, with one interface
 - `read_taken(take, source, max_frames, max_bytes)`: `read()` on, handing each whole frame to `take`
   (the consumer's C delivery) while it takes them, in one call: a small tensor's read and delivery
   without a Python step each (the C reader's; the Python one is its readable twin, see `read_taken`).
-- `skip(n)`, and `prefix`, `buffered`, `mid_frame`, `crc_after`, `inbox_held`, `last_total`.
+- `skip(n)`, and `prefix`, `buffered`, `mid_frame`, `progress`, `crc_after`, `inbox_held`, `last_total`.
 - `drained`: whether the last read found the socket empty (it took less than it asked for; never on TLS,
   whose records come one at a time): then nothing is there to read until a poll says so, and a reader
   that stops there saves the system call that would find nothing.
@@ -124,6 +124,11 @@ class PyStreamReader:
     def mid_frame(self) -> bool:
         """Whether part of a frame has been read."""
         return self._frame is not None or self._skip_left > 0 or self._prefix_got > 0
+
+    @property
+    def progress(self) -> int:
+        """A figure that changes as bytes of the frame under way come in (a stalled connection keeps it)."""
+        return self._got + self._prefix_got + self._hi - self._skip_left
 
     @property
     def inbox_held(self) -> bool:

@@ -118,6 +118,23 @@ def test_an_idle_connection_is_closed_after_idle_timeout_s() -> None:
         idle.close()
 
 
+def test_connections_stalled_mid_frame_are_closed_and_free_their_places() -> None:
+    """A peer that sends part of a frame and then nothing is closed after idle_timeout_s (its producer, were it
+    one, would send the frame again): a few such peers cannot keep an honest producer out of max_connections.
+    (The C reader here; the Python one in CI's TENSORBUS_NATIVE=0 pass.)"""
+    with tb.Consumer("tcp://127.0.0.1:0", max_connections=2, idle_timeout_s=0.5) as consumer:
+        stalled = [raw_peer(consumer.address) for _ in range(2)]
+        for peer in stalled:
+            peer.sendall(b"TB")  # (two bytes of a frame's prefix, then nothing)
+            peer.settimeout(30)
+        for peer in stalled:
+            assert peer.recv(1) == b""  # closed by the consumer
+            peer.close()
+        with tb.Producer(consumer.address) as honest:
+            honest.send("k", np.ones(4))
+            assert consumer.recv("k", timeout=30).tolist() == [1.0] * 4
+
+
 def test_a_connection_with_a_message_in_flight_is_not_idle() -> None:
     with tb.Consumer("tcp://127.0.0.1:0", idle_timeout_s=0.3) as consumer:
         waiting = raw_peer(consumer.address)
