@@ -271,12 +271,18 @@ class Ledger:
         message_id = result.message_id
         self._promote(message_id)
         settled = result.done and not result.admitted and not result.turned_away
-        if settled and result.refused is None and message_id in self._messages:
-            # a copy of a message still open here (in the table untaken, say, and sent again on a new
-            # connection, or redelivered by a broker): released with it, not before (nor does it release it)
+        open_here = None if message_id is None else self._messages.get(message_id)
+        if settled and result.refused is None and open_here is not None:
             stream._open[position] = kept
-            self._messages[message_id].positions.append((stream, position))
-            return []
+            open_here.positions.append((stream, position))
+            if open_here.admitted:
+                # a copy of a message still open here (in the table untaken, say, and sent again on a new
+                # connection, or redelivered by a broker): released with it, not before (nor does it release it)
+                return []
+            # the last chunk of a copy of a message released already, whose earlier chunks opened it here
+            # again (the reassembler had forgotten the first copy's id; the intake had not): all of it goes
+            assert message_id is not None  # (open here: it has one)
+            return self._release(message_id)
         if message_id is None or (settled and result.refused is None):
             # a duplicate of a message released already, a frame without an id, a chunk of a message done
             # or given up: only this frame goes

@@ -83,6 +83,21 @@ def test_a_copy_of_a_tensor_still_untaken_is_released_with_it_and_does_not_relea
     assert released_second == [0, 1]
 
 
+def test_a_chunked_copy_of_a_tensor_released_already_is_released_whole_as_a_duplicate() -> None:
+    """The reassembler forgets finished ids sooner than the intake's dedup window: a chunked copy of a tensor taken
+    long ago is rebuilt, its chunks open it here again, and the intake calls the whole a duplicate: all of it goes."""
+    ledger = Ledger()
+    stream, released = recorded(ledger)
+    stream.record(0, Delivered(A, **ADMITTED))
+    ledger.taken(A)
+    assert released == [0]
+    stream.record(1, Delivered(A, False))  # the copy's first chunk: pending
+    stream.record(2, Delivered(A, False))
+    assert released == [0] and stream.first_open() == 1
+    stream.record(3, Delivered(A, True))  # its last chunk: the whole is a duplicate
+    assert sorted(released) == [0, 1, 2, 3] and stream.first_open() == 4 and stream.first_unreceived() == 4
+
+
 def test_refused_frames_are_released_with_every_chunk_of_their_tensor() -> None:
     ledger = Ledger()
     stream, released = recorded(ledger)
