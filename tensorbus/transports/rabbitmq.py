@@ -97,6 +97,7 @@ class RabbitMQOptions(TransportOptions):
     connect_timeout_s: float = 10.0
     reconnect_timeout_s: float = 60.0
     confirm_timeout_s: float = 60.0
+    close_timeout_s: float = 30.0
     max_pending_bytes: int = 256 * 1024 * 1024
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
@@ -295,7 +296,7 @@ class RabbitMQTransport(Transport):
     def close(self) -> None:
         """Stop the I/O thread(s); the publisher first publishes what is queued, the consumer acks what it delivered."""
         if self._publisher is not None:
-            self._publisher.close(timeout=30)
+            self._publisher.close(timeout=self.options.close_timeout_s)
         if self.consumer is not None:
             self.consumer.close()
 

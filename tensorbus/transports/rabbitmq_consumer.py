@@ -29,13 +29,14 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import pika.exceptions as px
 import pika.spec
 
 from ..errors import TransportError
-from .base import Deliver
+from .base import Deliver, backoff_s
 
 if TYPE_CHECKING:
     from .rabbitmq import RabbitMQTransport
@@ -45,6 +46,9 @@ _STOP = object()
 _HOLD, _ACK = object(), object()  # what `_post` hands the I/O thread: a delivery to hold, released ones to ack
 #: (channel generation, delivery tag, consumer tag) of one delivery
 Delivery = tuple[int, int, str]
+#: a connection that failed sooner than this after it was made is made again only after a backoff (0.1 s doubling
+#: to 5 s): one refused at once (credentials, a vhost, a 403 on consume) would otherwise be retried in a tight loop
+QUICK_FAILURE_S = 10.0
 #: bytes the consumer's connection reads from its socket at a time: two of the largest AMQP frames.
 #: pika reads 4 KiB and appends each read to its frame buffer, a copy of that buffer, so a full
 #: body frame costs 32 reads and about 16 copies of itself; read two frames at once, about one.
@@ -71,6 +75,9 @@ class QueueConsumer:
         self.deliver = deliver
         self.stream = transport.offset is not None
         self.ready, self.stop = threading.Event(), threading.Event()
+        #: set by the worker when a delivery failed for want of memory: the I/O thread reconnects, and RabbitMQ
+        #: delivers again what this consumer had not acknowledged (as a socket consumer drops the connection)
+        self.again = threading.Event()
         self.error: TransportError | None = None
         #: channels opened so far; deliveries of an older one cannot be acked (the broker requeued them)
         self.generation = 0
@@ -104,7 +111,9 @@ class QueueConsumer:
     # -- the I/O thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        delays = backoff_s(0.1, 5.0)
         while not self.stop.is_set():
+            started = time.monotonic()
             try:
                 self._serve()
             except Exception as exc:  # whatever failed, reconnect: a dead I/O thread would stop all delivery
@@ -120,6 +129,10 @@ class QueueConsumer:
                     with contextlib.suppress(Exception):
                         self._connection.close()
                     self.t.fail_over()  # the node may be gone: the next one first
+                    if time.monotonic() - started >= QUICK_FAILURE_S:  # (it served a while: again at once)
+                        delays = backoff_s(0.1, 5.0)
+                    else:  # (refused at once, say: credentials, a vhost, a 403 on consume): not in a tight loop
+                        self.stop.wait(next(delays))
         with contextlib.suppress(Exception):
             self._connection.close()
 
@@ -147,6 +160,9 @@ class QueueConsumer:
                 raise TransportError(f"RabbitMQ cancelled the consumer of {self.t.shown}")
             if channel.is_closed:  # by the broker (e.g. `consumer_timeout`, 406): it requeued what was unacked
                 raise TransportError(f"RabbitMQ closed the channel of {self.t.shown} (pika logged why)")
+            if self.again.is_set():
+                self.again.clear()
+                raise TransportError(f"{self.t.shown}: a message could not be delivered for want of memory")
         connection.process_data_events(time_limit=0)  # the acks `close` waited for go out
 
     def _consume(self) -> str:
@@ -244,7 +260,13 @@ class QueueConsumer:
             if item is _STOP:
                 return
             delivery, offset, body, redelivered = item
-            result = self.deliver(body, redelivered=bool(redelivered))  # (RabbitMQ's mark: see `Deliver`)
+            try:
+                result = self.deliver(body, redelivered=bool(redelivered))  # (RabbitMQ's mark: see `Deliver`)
+            except Exception as exc:  # (no memory for it: not the message's fault; anything else: a bug of ours)
+                if not isinstance(exc, MemoryError):
+                    log.exception("%s: delivering a message failed", self.t.shown)
+                self.again.set()  # unacknowledged, it comes again on the next connection; this thread goes on
+                continue
             if result.turned_away:  # aborted: take nothing more; what is unacked goes back to the queue
                 self.stop.set()  # the I/O thread closes the connection (after the acks posted before this)
                 return

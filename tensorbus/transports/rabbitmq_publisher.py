@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 IN_FLIGHT_BYTES = 64 << 20
 #: unconfirmed messages kept in flight
 IN_FLIGHT_MESSAGES = 256
+#: how long a close that gave up on confirms waits for the I/O thread to close its connection and end
+GIVE_UP_S = 5.0
 _MESSAGE_SIZE = re.compile(r"message size (\d+)")
 
 
@@ -124,10 +126,20 @@ class Publisher:
             raise error
 
     def close(self, timeout: float) -> None:
-        """Publish what is queued, wait for its confirms (up to `timeout`), then close the connection."""
+        """Publish what is queued, wait for its confirms (up to `timeout`), then close the connection; what is
+        still unconfirmed then is given up on, said in the log (a `flush` before `close` raises it instead)."""
         self._stop.set()
         self._wake()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            return
+        log.warning("%s: closing with messages not confirmed within close_timeout_s=%g", self.t.shown, timeout)
+        with self._pending:
+            connection = self._connection
+        if connection is not None:  # (its I/O thread then sees the connection closed, and stopped: it ends)
+            with contextlib.suppress(Exception):
+                connection.ioloop.add_callback_threadsafe(connection.close)
+        self._thread.join(GIVE_UP_S)
 
     def _wake(self) -> None:
         """Have the I/O thread publish what is queued (one wake-up at a time)."""

@@ -363,3 +363,17 @@ def test_deliveries_taken_after_an_untaken_one_are_acked_without_it(url: str, ta
         with pytest.raises(tb.Timeout):
             message = successor.next_message(timeout=2)
             pytest.fail(f"the successor got {message.key} again")
+
+
+def test_running_out_of_memory_for_a_message_reconnects_and_the_message_comes_again(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The delivering thread lives on: the consumer reconnects, and RabbitMQ delivers again what it had not acked."""
+    from tests.faults import fail_feed_once
+
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        raised = fail_feed_once(monkeypatch, consumer, MemoryError())
+        producer.send("k", np.arange(3))
+        producer.flush(timeout=30)
+        assert consumer.recv("k", timeout=60).tolist() == [0, 1, 2]
+        assert len(raised) == 1 and consumer.transport.consumer.worker.is_alive()  # type: ignore[attr-defined]
