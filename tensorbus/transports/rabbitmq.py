@@ -287,7 +287,7 @@ class RabbitMQTransport(Transport):
         self.consumer = QueueConsumer(self, deliver)
         o = self.options
         if not self.consumer.ready.wait(o.reconnect_timeout_s + 3 * o.connect_timeout_s):
-            self.consumer.stop.set()
+            self.consumer.give_up()
             raise TransportError(f"RabbitMQ at {self.shown} did not answer in time")
         if self.consumer.error is not None:
             self.consumer.close()  # (its worker thread)

@@ -296,6 +296,11 @@ class QueueConsumer:
         except Exception:  # connection gone: unacked messages come back anyway (a new one resets the flag)
             pass
 
+    def give_up(self) -> None:
+        """Stop both threads without waiting for them (it never got to consume: nothing to deliver or ack)."""
+        self.stop.set()
+        self._inbox.put(_STOP)
+
     def close(self) -> None:
         """Deliver what is queued and post its acks, then stop the I/O thread (which sends them)."""
         self._inbox.put(_STOP)
