@@ -168,7 +168,7 @@ class Intake:
                 self.stats["chunks"] += 1
                 return Delivered(message_id, not self.reassembler.is_pending(message_id))
             if self._is_duplicate(message_id):
-                return Delivered(message_id, True)
+                return Delivered(message_id, True, duplicate=True)
             full = self._full()
             if may_hold and (full or self.table.at_share(source)) and not self.table.has_room_for(message.key, source):
                 self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped

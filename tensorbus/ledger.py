@@ -275,9 +275,10 @@ class Ledger:
         if settled and result.refused is None and open_here is not None:
             stream._open[position] = kept
             open_here.positions.append((stream, position))
-            if open_here.admitted:
-                # a copy of a message still open here (in the table untaken, say, and sent again on a new
-                # connection, or redelivered by a broker): released with it, not before (nor does it release it)
+            if open_here.admitted or not result.duplicate:
+                # a copy of a message still open here (in the table untaken, say, or held back for room, and
+                # sent again on a new connection, or redelivered by a broker): released with it, not before
+                # (nor does it release it)
                 return []
             # the last chunk of a copy of a message released already, whose earlier chunks opened it here
             # again (the reassembler had forgotten the first copy's id; the intake had not): all of it goes

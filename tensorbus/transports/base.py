@@ -131,7 +131,8 @@ class Delivered(NamedTuple):
     incarnation...), for a transport that can tell its producer; None when it took it.
     `admitted` is True when the message went into the table (or straight to a receiver): its frames
     are released once the application took it (see ledger.py); a `done` message not admitted was
-    settled otherwise (a duplicate, refused, given up on).
+    settled otherwise (a duplicate, refused, given up on). `duplicate` is True for a whole message whose id the
+    consumer had taken in already (a copy, dropped).
     """
 
     message_id: MessageId | None
@@ -140,6 +141,7 @@ class Delivered(NamedTuple):
     held: Held | None = None
     refused: str | None = None
     admitted: bool = False
+    duplicate: bool = False
 
 
 class Deliver(Protocol):

@@ -94,8 +94,25 @@ def test_a_chunked_copy_of_a_tensor_released_already_is_released_whole_as_a_dupl
     stream.record(1, Delivered(A, False))  # the copy's first chunk: pending
     stream.record(2, Delivered(A, False))
     assert released == [0] and stream.first_open() == 1
-    stream.record(3, Delivered(A, True))  # its last chunk: the whole is a duplicate
+    stream.record(3, Delivered(A, True, duplicate=True))  # its last chunk: the whole is a duplicate
     assert sorted(released) == [0, 1, 2, 3] and stream.first_open() == 4 and stream.first_unreceived() == 4
+
+
+def test_a_copys_chunks_of_a_tensor_held_back_wait_for_it_and_do_not_release_it() -> None:
+    """A chunked tensor held back for room (not admitted), and its chunks sent again on a new connection: the
+    reassembler calls them done, and they wait with the original, which nothing has taken yet."""
+    ledger = Ledger()
+    first, released_first = recorded(ledger)
+    second, released_second = recorded(ledger)
+    first.record(0, Delivered(A, False))
+    first.record(1, Delivered(A, False))
+    first.record(2, Delivered(A, False, held=Held(None, None, "k", A)))  # complete, held back
+    second.record(0, Delivered(A, True))  # the resent chunks: done (the reassembler finished A)
+    second.record(1, Delivered(A, True))
+    assert released_first == [] and released_second == []
+    ledger.apply(Delivered(A, True, admitted=True))  # the table took it in
+    ledger.taken(A)
+    assert sorted(released_first) == [0, 1, 2] and sorted(released_second) == [0, 1]
 
 
 def test_refused_frames_are_released_with_every_chunk_of_their_tensor() -> None:
