@@ -127,8 +127,8 @@ TRANSPORT_OPTIONS = """
     - shm://: shm_dir, auth_secret, connect_timeout_s, reconnect_timeout_s, send_timeout_s, close_timeout_s,
       max_unacked_bytes, max_pinned_bytes, max_connections, backlog, spin_s
     - amqp://, amqps://: queue, queue_type, offset, durable, persistent, prefetch_count, heartbeat_s,
-      connect_timeout_s, reconnect_timeout_s, confirm_timeout_s, max_pending_bytes, ssl_cafile, ssl_certfile,
-      ssl_keyfile
+      connect_timeout_s, reconnect_timeout_s, confirm_timeout_s, close_timeout_s, max_pending_bytes, ssl_cafile,
+      ssl_certfile, ssl_keyfile
     - kafka://, kafkas://: client, batch_linger_s, max_request_size, partitions, replication_factor,
       min_insync_replicas, delivery_timeout_s, group, max_pending_bytes, connect_timeout_s, close_timeout_s,
       fetch_max_bytes, max_partition_fetch_bytes, max_poll_records, max_poll_interval_s, session_timeout_s,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import select
 import socket
 import ssl
 import threading
@@ -27,6 +26,7 @@ from ..codec.frame import PREFIX, Limits, frame_length
 from ..errors import CodecError, LimitExceeded, TransportError
 from ..transports.base import backoff_s
 from ..transports.listener import Listener
+from ..transports.socket_acks import readable
 from ..transports.socket_endpoint import SocketEndpoint
 from ..transports.stream import (
     REFUSALS_WANTED,
@@ -53,6 +53,8 @@ GONE_CHECK_S = 0.5
 #: a subscriber's TCP connection is probed after this long without bytes, then every KEEPALIVE_INTERVAL_S, and
 #: given up after KEEPALIVE_PROBES unanswered: a publisher whose host went away is noticed (and dialled again)
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+#: a subscriber logs its first skipped frames, then every this many
+LOGGED_SKIPS = 10
 #: the length of a frame whatever a subscriber's limits (to read past one over them)
 _UNLIMITED = Limits(max_header_bytes=1 << 62, max_payload_bytes=1 << 62)
 
@@ -104,7 +106,7 @@ class _Mailbox:
                     published = self._pending.popitem(last=False)[1] if self._pending else None
                 if published is not None:
                     sendmsg_all(self.conn, published.frame)
-                elif select.select([self.conn], [], [], 0)[0]:
+                elif readable(self.conn):
                     log.info("subscriber %s went away", self.name)
                     return
         except OSError as exc:
@@ -337,7 +339,7 @@ class SubscribingSide:
             self.frames += 1
             try:
                 self._receive(frame)
-            except CodecError as exc:
+            except (CodecError, MemoryError) as exc:
                 self._refused(exc)
 
     def _skip(self, sock: socket.socket, nbytes: int, why: BaseException) -> None:
@@ -353,7 +355,8 @@ class SubscribingSide:
 
     def _refused(self, why: BaseException) -> None:
         self.skipped += 1
-        log.error("subscriber of %s: a frame skipped: %s", self._where.address, why)
+        if self.skipped <= LOGGED_SKIPS or self.skipped % LOGGED_SKIPS == 0:  # (a wrong key refuses every frame)
+            log.error("subscriber of %s: a frame skipped (%d so far): %r", self._where.address, self.skipped, why)
 
     def close(self) -> None:
         """Stop receiving: the receiving thread ends (a connect under way is given up) and its socket is closed."""

@@ -38,7 +38,7 @@ class IdleSweep:
         self.every_s = 0.0 if timeout_s is None else min(max(timeout_s / 4, SWEEP_S[0]), SWEEP_S[1])
         self.next_at = time.monotonic() + self.every_s
         self._quiet: dict[int, tuple[Any, int, float]] = {}  # fd -> (peer, its frame count, quiet since)
-        self._stalled: dict[int, tuple[Any, int, float]] = {}  # fd -> (peer, its reader's progress, since)
+        self._stalled: dict[int, tuple[Any, tuple[int, int], float]] = {}  # fd -> (peer, (frames, progress), since)
         self.dropped = 0
 
     def due(self, now: float) -> bool:
@@ -49,13 +49,17 @@ class IdleSweep:
         assert self.timeout_s is not None
         self.next_at = now + self.every_s
         quiet: dict[int, tuple[Any, int, float]] = {}
-        stalled: dict[int, tuple[Any, int, float]] = {}
+        stalled: dict[int, tuple[Any, tuple[int, int], float]] = {}
         for peer in reactor._peer_list():
             fd = peer.fd
             if peer.reader.mid_frame and not peer.reader.buffered:  # (part of a frame in, waiting for the rest)
-                progress = peer.reader.progress
-                seen = self._stalled.get(fd)
-                since = seen[2] if seen is not None and seen[0] is peer and seen[1] == progress else now
+                progress = (peer.frames, peer.reader.progress)
+                stalled_since = self._stalled.get(fd)
+                since = (
+                    stalled_since[2]
+                    if stalled_since is not None and stalled_since[0] is peer and stalled_since[1] == progress
+                    else now
+                )
                 if now - since >= self.timeout_s:
                     self.dropped += 1
                     reason = f"closed after {self.timeout_s:g} s stalled mid-frame (idle_timeout_s)"

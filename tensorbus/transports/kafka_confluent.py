@@ -188,6 +188,9 @@ class ConfluentKafkaTransport(KafkaTransport):
             except KafkaException as exc:
                 self._settle(nbytes, None)
                 raise translate_error(exc.args[0], self._shown, nbytes) from None
+            except BaseException:  # (a Ctrl-C while librdkafka's queue was full: the record was never queued)
+                self._settle(nbytes, None)
+                raise
         producer.poll(0)
 
     def _queue(
@@ -277,7 +280,12 @@ class ConfluentKafkaTransport(KafkaTransport):
             # (records a send on another thread counted before it produced them, after the flush above began)
             with self._lock:
                 producer = self._current_rd_producer()
-            producer.flush(FLUSH_SLICE_S if left is None else min(FLUSH_SLICE_S, left))
+            wait_s = FLUSH_SLICE_S if left is None else min(FLUSH_SLICE_S, left)
+            if len(producer):
+                producer.flush(wait_s)
+            else:  # (counted, not produced yet: librdkafka's flush of an empty queue returns at once)
+                with self._pending:
+                    self._pending.wait(wait_s)
             self._flush_again(deadline)
 
     def _flush_again(self, deadline: float | None) -> None:

@@ -255,6 +255,7 @@ class QueueConsumer:
             positions = self.deliver.ledger.stream()
         else:
             positions = self.deliver.ledger.stream(lambda released: self._post(_ACK, released))
+        resume_at: int | None = None  # a stream's offset whose delivery failed (for want of memory): read again
         while True:
             item = self._inbox.get()
             if item is _STOP:
@@ -265,6 +266,9 @@ class QueueConsumer:
             except Exception as exc:  # (no memory for it: not the message's fault; anything else: a bug of ours)
                 if not isinstance(exc, MemoryError):
                     log.exception("%s: delivering a message failed", self.t.shown)
+                if self.stream and isinstance(offset, int):  # (a stream is read again from it, not past it)
+                    resume_at = offset if resume_at is None else min(resume_at, offset)
+                    self.position = resume_at
                 self.again.set()  # unacknowledged, it comes again on the next connection; this thread goes on
                 continue
             if result.turned_away:  # aborted: take nothing more; what is unacked goes back to the queue
@@ -274,8 +278,10 @@ class QueueConsumer:
                 self._post(_ACK, [delivery])
                 if isinstance(offset, int):
                     positions.record(offset, result)
+                    if resume_at is not None and offset <= resume_at:  # (the one that failed, read again)
+                        resume_at = None
                     # (in memory, for this consumer's reconnects only: what is in its table is not read again)
-                    self.position = positions.first_unreceived()
+                    self.position = positions.first_unreceived() if resume_at is None else resume_at
             else:
                 # held even when released at once: its `_ack`, posted first, left it in `_acked_early`,
                 # which this hold clears (a hold posted only for unreleased ones let that set grow)

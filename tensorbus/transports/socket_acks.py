@@ -64,7 +64,7 @@ def next_step(steps: Generator[AckStep, None, None], error: BaseException | None
         return None
 
 
-def _readable(sock: socket.socket, wait_s: float) -> bool:
+def readable(sock: socket.socket, wait_s: float = 0.0) -> bool:
     """Whether `sock` has bytes (or an error) to read within `wait_s`; poll, as select() fails on fds >= 1024."""
     poller = select.poll()
     poller.register(sock, select.POLLIN)
@@ -183,7 +183,7 @@ class ProducerAcks(ProducerSide):
         sock = self._sock
         assert sock is not None
         pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
-        if not pending and not _readable(sock, wait_s):
+        if not pending and not readable(sock, wait_s):
             return False
         data = _recv_now(sock)
         if data is None:

@@ -365,15 +365,20 @@ def test_deliveries_taken_after_an_untaken_one_are_acked_without_it(url: str, ta
             pytest.fail(f"the successor got {message.key} again")
 
 
+@pytest.mark.parametrize("queue_type", ["quorum", "stream"])
 def test_running_out_of_memory_for_a_message_reconnects_and_the_message_comes_again(
-    url: str, monkeypatch: pytest.MonkeyPatch
+    url: str, queue_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The delivering thread lives on: the consumer reconnects, and RabbitMQ delivers again what it had not acked."""
+    """The delivering thread lives on: the consumer reconnects, and RabbitMQ delivers again what it had not acked
+    (a stream: read again from that message, not past it, though the one after it was delivered meanwhile)."""
     from tests.faults import fail_feed_once
 
+    url = f"{url}&queue_type={queue_type}"
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
         raised = fail_feed_once(monkeypatch, consumer, MemoryError())
         producer.send("k", np.arange(3))
+        producer.send("after", np.arange(2))
         producer.flush(timeout=30)
         assert consumer.recv("k", timeout=60).tolist() == [0, 1, 2]
+        assert consumer.recv("after", timeout=60).tolist() == [0, 1]
         assert len(raised) == 1 and consumer.transport.consumer.worker.is_alive()  # type: ignore[attr-defined]
