@@ -188,9 +188,6 @@ class ConfluentKafkaTransport(KafkaTransport):
             except KafkaException as exc:
                 self._settle(nbytes, None)
                 raise translate_error(exc.args[0], self._shown, nbytes) from None
-            except BaseException:  # (a Ctrl-C while librdkafka's queue was full: the record was never queued)
-                self._settle(nbytes, None)
-                raise
         producer.poll(0)
 
     def _queue(
@@ -285,7 +282,7 @@ class ConfluentKafkaTransport(KafkaTransport):
                 producer.flush(wait_s)
             else:  # (counted, not produced yet: librdkafka's flush of an empty queue returns at once)
                 with self._pending:
-                    self._pending.wait(wait_s)
+                    self._wait_pending(lambda: self._error or not self._unconfirmed, wait_s)
             self._flush_again(deadline)
 
     def _flush_again(self, deadline: float | None) -> None:
