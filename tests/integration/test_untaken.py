@@ -302,13 +302,20 @@ def test_a_flush_after_the_consumer_took_a_large_tensor_asks_and_keeps_no_copy(
         assert kept._untaken_bytes == 0 and not kept._unacked
 
 
+@pytest.mark.parametrize("case", ["many small tensors", "one large tensor"])
 def test_an_asyncio_flush_copies_untaken_frames_in_slices_the_loop_runs_between(
-    monkeypatch: pytest.MonkeyPatch,
+    case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A flush makes the kept copies of untaken frames the producer's own; on an event loop it copies them a
-    slice at a time (socket_acks.py, `_own_untaken`), the loop's other tasks running between two slices."""
+    slice at a time (socket_acks.py, `_own_untaken`: OWN_SLICE_FRAMES frames, or OWN_SLICE_BYTES of one large
+    array), the loop's other tasks running between two slices."""
     monkeypatch.setattr(socket_acks, "OWN_SLICE_FRAMES", 100)
-    count = 1000
+    if case == "many small tensors":
+        arrays, slices = [tensor(i) for i in range(1000)], 1000 // 100
+    else:
+        arrays = [np.arange(4 << 20, dtype=np.float32)]  # (16 MiB)
+        slices = arrays[0].nbytes // socket_acks.OWN_SLICE_BYTES
+    last = arrays[-1].copy()
     loop = asyncio.new_event_loop()
     with tb.Consumer("tcp://127.0.0.1:0") as consumer:
         producer = tba.Producer(consumer.address)
@@ -334,10 +341,9 @@ def test_an_asyncio_flush_copies_untaken_frames_in_slices_the_loop_runs_between(
                         await asyncio.sleep(0)
 
                 beside = asyncio.create_task(other_task())
-                arrays = [tensor(i) for i in range(count)]
                 for i, array in enumerate(arrays):
                     await producer.send(f"t{i}", array)
-                wait_for(lambda: len(consumer.table) == count, WAIT_S, "every tensor in the table, untaken")
+                wait_for(lambda: len(consumer.table) == len(arrays), WAIT_S, "every tensor in the table, untaken")
                 await producer.flush(WAIT_S)
                 stop.set()
                 await beside
@@ -345,57 +351,13 @@ def test_an_asyncio_flush_copies_untaken_frames_in_slices_the_loop_runs_between(
                     array[:] = -1  # (the producer's copies are its own now)
 
             loop.run_until_complete(flush_beside_a_task())
-            assert during and during[0] >= count // 100 - 1  # a turn of the other task after each slice
+            assert during and during[0] >= slices - 1  # a turn of the other task after each slice
             assert all(isinstance(part, (bytes, bytearray)) for frame, _ in kept._unacked for part in frame)
-            assert len(kept._unacked) == count
+            assert len(kept._unacked) == len(arrays)
         finally:
             loop.run_until_complete(producer.close())
             loop.close()
-        np.testing.assert_array_equal(consumer.recv("t7", timeout=WAIT_S), tensor(7))
-
-
-def test_an_asyncio_flush_copies_one_large_untaken_tensor_in_slices_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A single array of many slices is copied a slice at a time as well: the loop's other tasks run between."""
-    loop = asyncio.new_event_loop()
-    big = np.arange(4 << 20, dtype=np.float32)  # (16 MiB: 16 slices of OWN_SLICE_BYTES)
-    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
-        producer = tba.Producer(consumer.address)
-        try:
-            loop.run_until_complete(producer.open())
-            kept: Any = producer.blocking.transport
-            turns, during = [0], []
-            original = kept._own_untaken
-
-            def watched() -> Iterator[Any]:
-                before = turns[0]
-                yield from original()
-                during.append(turns[0] - before)
-
-            monkeypatch.setattr(kept, "_own_untaken", watched)
-
-            async def flush_beside_a_task() -> None:
-                stop = asyncio.Event()
-
-                async def other_task() -> None:
-                    while not stop.is_set():
-                        turns[0] += 1
-                        await asyncio.sleep(0)
-
-                beside = asyncio.create_task(other_task())
-                await producer.send("big", big)
-                wait_for(lambda: len(consumer.table) == 1, WAIT_S, "the tensor in the table, untaken")
-                await producer.flush(WAIT_S)
-                stop.set()
-                await beside
-
-            loop.run_until_complete(flush_beside_a_task())
-            assert during and during[0] >= big.nbytes // socket_acks.OWN_SLICE_BYTES - 1  # a turn after each slice
-            assert all(isinstance(part, (bytes, bytearray)) for frame, _ in kept._unacked for part in frame)
-            big[:] = -1  # (the producer's copy is its own now)
-        finally:
-            loop.run_until_complete(producer.close())
-            loop.close()
-        np.testing.assert_array_equal(consumer.recv("big", timeout=WAIT_S), np.arange(4 << 20, dtype=np.float32))
+        np.testing.assert_array_equal(consumer.recv(f"t{len(arrays) - 1}", timeout=WAIT_S), last)
 
 
 @pytest.mark.broker
