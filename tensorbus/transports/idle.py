@@ -37,8 +37,9 @@ class IdleSweep:
         self.timeout_s = timeout_s
         self.every_s = 0.0 if timeout_s is None else min(max(timeout_s / 4, SWEEP_S[0]), SWEEP_S[1])
         self.next_at = time.monotonic() + self.every_s
-        self._quiet: dict[int, tuple[Any, int, float]] = {}  # fd -> (peer, its frame count, quiet since)
-        self._stalled: dict[int, tuple[Any, tuple[int, int], float]] = {}  # fd -> (peer, (frames, progress), since)
+        #: fd -> (peer, where it was at the last look: its frame count, with how far the frame under way got when
+        #: it is stalled in one, since when it has been there)
+        self._still: dict[int, tuple[Any, object, float]] = {}
         self.dropped = 0
 
     def due(self, now: float) -> bool:
@@ -48,30 +49,16 @@ class IdleSweep:
         """Drop the connections idle for `timeout_s`; acknowledge the quiet ones that are owed an ack."""
         assert self.timeout_s is not None
         self.next_at = now + self.every_s
-        quiet: dict[int, tuple[Any, int, float]] = {}
-        stalled: dict[int, tuple[Any, tuple[int, int], float]] = {}
+        still: dict[int, tuple[Any, object, float]] = {}
         for peer in reactor._peer_list():
             fd = peer.fd
-            if peer.reader.mid_frame and not peer.reader.buffered:  # (part of a frame in, waiting for the rest)
-                progress = (peer.frames, peer.reader.progress)
-                stalled_since = self._stalled.get(fd)
-                since = (
-                    stalled_since[2]
-                    if stalled_since is not None and stalled_since[0] is peer and stalled_since[1] == progress
-                    else now
-                )
-                if now - since >= self.timeout_s:
-                    self.dropped += 1
-                    reason = f"closed after {self.timeout_s:g} s stalled mid-frame (idle_timeout_s)"
-                    reactor._drop(peer, reason, logging.WARNING)
-                    continue
-                stalled[fd] = (peer, progress, since)
+            stalled = peer.reader.mid_frame and not peer.reader.buffered  # (part of a frame in, waiting for the rest)
+            if not stalled and in_flight(peer):
                 continue
-            if in_flight(peer):
-                continue
-            seen = self._quiet.get(fd)
-            since = seen[2] if seen is not None and seen[0] is peer and seen[1] == peer.frames else now
-            if peer.frames > peer.acked or peer.frames > peer.taken:
+            mark = (peer.frames, peer.reader.progress) if stalled else peer.frames
+            seen = self._still.get(fd)
+            since = seen[2] if seen is not None and seen[0] is peer and seen[1] == mark else now
+            if not stalled and (peer.frames > peer.acked or peer.frames > peer.taken):
                 try:
                     reactor._ack(peer)  # (delivered, just not acknowledged yet: the producer may let them go)
                 except Exception as exc:  # (OSError, or an ack cut short)
@@ -80,7 +67,11 @@ class IdleSweep:
                 since = now
             elif now - since >= self.timeout_s:
                 self.dropped += 1
-                reactor._drop(peer, f"closed after {self.timeout_s:g} s idle (idle_timeout_s)", logging.INFO)
+                if stalled:
+                    reason = f"closed after {self.timeout_s:g} s stalled mid-frame (idle_timeout_s)"
+                    reactor._drop(peer, reason, logging.WARNING)
+                else:
+                    reactor._drop(peer, f"closed after {self.timeout_s:g} s idle (idle_timeout_s)", logging.INFO)
                 continue
-            quiet[fd] = (peer, peer.frames, since)
-        self._quiet, self._stalled = quiet, stalled
+            still[fd] = (peer, mark, since)
+        self._still = still

@@ -52,7 +52,7 @@ class SocketEndpoint(Endpoint):
             context = ssl.create_default_context(purpose, cafile=o.ssl_cafile)
             if o.ssl_certfile:
                 context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
-        except (OSError, ssl.SSLError) as exc:  # (a file missing or unreadable, a certificate or key that is not one)
+        except OSError as exc:  # (a file missing or unreadable; an ssl.SSLError: a certificate or key that is not one)
             files = {"ssl_cafile": o.ssl_cafile, "ssl_certfile": o.ssl_certfile, "ssl_keyfile": o.ssl_keyfile}
             named = ", ".join(f"{name}={path!r}" for name, path in files.items() if path)
             raise ConfigError(f"cannot load the TLS files ({named}): {exc}") from exc
