@@ -181,6 +181,7 @@ class SubscribingSide:
 
     def __init__(self, url: urllib.parse.SplitResult, options: KafkaOptions, receive: Receiver) -> None:
         self._transport = _transport(url, options)
+        self._transport._ssl_context()  # (a missing or bad TLS file fails the constructor, not each read)
         self._receive = receive
         self._stop = threading.Event()
         receive.latest.hold()  # until the topic is read up to where it ends now

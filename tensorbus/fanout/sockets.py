@@ -244,6 +244,7 @@ class SubscribingSide:
 
     def __init__(self, url: urllib.parse.SplitResult, options: SocketOptions, receive: Receiver) -> None:
         self._where = SocketEndpoint(url, options)
+        self._context = self._where._ssl_context(server_side=False)  # (here: a missing CA file fails the constructor)
         self.options, self._receive = options, receive
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -295,9 +296,8 @@ class SubscribingSide:
             self._sock = sock
         sock.settimeout(self.options.connect_timeout_s)
         sock.connect(where.target)  # (a `close` meanwhile cannot stop it: it is checked below)
-        context = where._ssl_context(server_side=False)
-        if context is not None:
-            sock = context.wrap_socket(sock, server_hostname=where.target[0])
+        if self._context is not None:
+            sock = self._context.wrap_socket(sock, server_hostname=where.target[0])
         with self._lock:
             self._sock = sock
             if self._closed.is_set():  # (`_run` closes the socket)

@@ -16,6 +16,7 @@ from ..errors import ConfigError, TransportError
 from .base import Transport, backoff_s
 from .kafka_options import KafkaOptions, check_min_insync
 from .kafka_python import Fatal, KafkaAdminClient, ke, map_errors, retrying
+from .tls import context_from_files
 
 log = logging.getLogger(__name__)
 _TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -115,13 +116,7 @@ class KafkaEndpoint(Transport):
         if self.url.scheme != "kafkas":
             return None
         o = self.options
-        try:
-            context = ssl.create_default_context(cafile=o.ssl_cafile)
-            if o.ssl_certfile:
-                context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile, o.ssl_password)
-        except OSError as exc:
-            raise ConfigError(f"the TLS files for {self._shown} cannot be used: {exc}") from None
-        return context
+        return context_from_files(o.ssl_cafile, o.ssl_certfile, o.ssl_keyfile, o.ssl_password)
 
     def _ensure_topic(self) -> None:
         """Create the topic (partitions, replication_factor) unless it exists."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import ssl
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from ..errors import ConfigError, TransportError
 from .base import Deliver, Transport, TransportOptions, backoff_s
 from .rabbitmq_consumer import QueueConsumer
 from .rabbitmq_publisher import Publisher
+from .tls import context_from_files
 
 log = logging.getLogger(__name__)
 CONTENT_TYPE = "application/vnd.tensorbus.frame"
@@ -178,9 +178,7 @@ class RabbitMQTransport(Transport):
         url, o = self.url, self.options
         ssl_options = None
         if url.scheme == "amqps":
-            context = ssl.create_default_context(cafile=o.ssl_cafile)
-            if o.ssl_certfile:
-                context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
+            context = context_from_files(o.ssl_cafile, o.ssl_certfile, o.ssl_keyfile)
             ssl_options = pika.SSLOptions(context, host)
         vhost = urllib.parse.unquote(url.path[1:]) if len(url.path) > 1 else "/"
         user, _, password = url.netloc.rpartition("@")[0].partition(":")

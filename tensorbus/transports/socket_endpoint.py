@@ -9,6 +9,7 @@ import urllib.parse
 from ..errors import ConfigError
 from .base import Endpoint
 from .stream import SocketOptions
+from .tls import context_from_files
 
 
 class SocketEndpoint(Endpoint):
@@ -47,13 +48,4 @@ class SocketEndpoint(Endpoint):
         o = self.options
         if server_side and not o.ssl_certfile:
             raise ConfigError("a tcps:// consumer needs ssl_certfile (and ssl_keyfile) or ssl_context")
-        try:
-            purpose = ssl.Purpose.CLIENT_AUTH if server_side else ssl.Purpose.SERVER_AUTH
-            context = ssl.create_default_context(purpose, cafile=o.ssl_cafile)
-            if o.ssl_certfile:
-                context.load_cert_chain(o.ssl_certfile, o.ssl_keyfile)
-        except OSError as exc:  # (a file missing or unreadable; an ssl.SSLError: a certificate or key that is not one)
-            files = {"ssl_cafile": o.ssl_cafile, "ssl_certfile": o.ssl_certfile, "ssl_keyfile": o.ssl_keyfile}
-            named = ", ".join(f"{name}={path!r}" for name, path in files.items() if path)
-            raise ConfigError(f"cannot load the TLS files ({named}): {exc}") from exc
-        return context
+        return context_from_files(o.ssl_cafile, o.ssl_certfile, o.ssl_keyfile, server_side=server_side)

@@ -373,9 +373,3 @@ def test_a_fault_in_a_subscribers_receiving_thread_fails_its_receives(monkeypatc
         pub.publish("w", np.arange(4), version=1)
         with pytest.raises(tb.TransportError, match="receiving failed"):
             sub.latest("w", timeout=30)  # (told, rather than left waiting)
-
-
-def test_a_tcps_publisher_whose_certificate_is_missing_says_so() -> None:
-    for end in (tb.Publisher, tb.Consumer):
-        with pytest.raises(tb.ConfigError, match=r"cannot load the TLS files.*missing\.pem"):
-            end("tcps://127.0.0.1:0", ssl_certfile="/nonexistent/missing.pem")
