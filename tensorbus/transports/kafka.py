@@ -26,7 +26,7 @@ import random
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ..codec.frame import Buffer, Limits
@@ -141,9 +141,15 @@ class KafkaTransport(KafkaEndpoint):
                     except BaseException:  # (its I/O thread and connections are not left behind)
                         producer.close(timeout=0)
                         raise
-                    self._keyless_partition = random.choice(sorted(partitions))
+                    self._pin_keyless(partitions)
                 self._producer, self._failed = producer, False
             return self._producer
+
+    def _pin_keyless(self, partitions: Collection[int]) -> None:
+        """Choose the partition of this producer's keyless records, at random; a replacement producer (after a
+        failed record) keeps it while the topic has it: a chunked message's chunks must all land in one."""
+        if self._keyless_partition not in partitions:
+            self._keyless_partition = random.choice(sorted(partitions))
 
     def send(self, frame: list[Buffer], *, key: str | None) -> None:
         """Queue one frame as one record; blocks only while max_pending_bytes are unacknowledged."""

@@ -10,7 +10,6 @@ places keyed records with `murmur2_random`: the same partitions as kafka-python'
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 import urllib.parse
@@ -111,7 +110,7 @@ class ConfluentKafkaTransport(KafkaTransport):
                 partitions = self._partitions(producer, time.monotonic() + o.connect_timeout_s)
             except KafkaException as exc:
                 raise translate_error(exc.args[0], self._shown) from None
-            self._keyless_partition = random.choice(sorted(partitions))
+            self._pin_keyless(partitions)
             self._replaced_now = replaced = threading.Event()
             self._on_delivery = lambda error, message: self._delivered(error, message, not replaced.is_set())
             self._on_timed_delivery = lambda error, message: self._delivered(

@@ -442,3 +442,51 @@ def test_a_kafka_python_flush_with_no_producer_left_raises_the_failure_its_close
     transport._error = tb.TransportError("a record failed as the producer closed")
     with pytest.raises(tb.TransportError, match="failed as the producer closed"):
         transport.flush(1.0)
+
+
+def _producer_of(transport: KafkaTransport) -> object:
+    """The client producer a kafka:// transport sends through now (replaced after a failed record)."""
+    return transport._rd_producer if isinstance(transport, ConfluentKafkaTransport) else transport._producer
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("client", ["kafka-python", "confluent"])
+def test_keyless_records_stay_in_one_partition_when_the_producer_is_replaced(client: str) -> None:
+    """A producer's keyless records go to one partition, chosen once (a chunked keyless message's chunks must
+    all land in it): a producer replaced after a failed record (one over the topic's max.message.bytes) keeps
+    it. Four replacements: a partition chosen afresh each time would match the first by chance 1 in 8**4."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    url = on(endpoint_url("kafka"), client)
+    topic = urllib.parse.urlsplit(url).path.strip("/")
+    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
+    try:
+        admin.create_topics([NewTopic(topic, 8, 1, topic_configs={"max.message.bytes": "20000"})])
+    finally:
+        admin.close()
+    producers: list[object] = []  # (held: a freed producer's id could be its successor's)
+    with tb.Producer(url, batch_linger_s=0) as producer:
+        for round_ in range(5):
+            for i in range(3):
+                producer.send(None, np.full(16, 10 * round_ + i))
+            producer.flush(30)
+            producers.append(_producer_of(producer.transport))
+            if round_ < 4:
+                with pytest.raises(tb.TransportError):  # refused by the broker: the producer is failed
+                    producer.send("big", np.zeros(20_000, np.float32))
+                    producer.flush(30)
+    assert len({id(p) for p in producers}) == 5  # (replaced after each refusal)
+    consumer = KafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False, auto_offset_reset="earliest")
+    keyless: dict[int, int] = {}
+    try:
+        consumer.assign([TopicPartition(topic, p) for p in range(8)])
+        deadline = time.monotonic() + 30
+        while sum(keyless.values()) < 15 and time.monotonic() < deadline:
+            for tp, records in consumer.poll(timeout_ms=500).items():
+                for record in records:
+                    if record.key is None:
+                        keyless[tp.partition] = keyless.get(tp.partition, 0) + 1
+    finally:
+        consumer.close()
+    assert sum(keyless.values()) == 15 and len(keyless) == 1, keyless
