@@ -1,9 +1,12 @@
 """The asyncio producer: a `tensorbus.Producer` whose sends are awaited on the event loop.
 
-tcp:// and unix:// producers send on the loop itself (socket_sending.py: no thread). Every other
-producer (memory://, tcps://, brokers; any with metrics, tracing, compression or signing on) is driven
-from one worker thread of its own (`tensorbus-aio-send`): every call runs there, in order, and the
-coroutine awaits its result,
+tcp:// and unix:// producers send on the loop itself (socket_sending.py: no thread). A memory://
+producer sends a plain ndarray under MEMORY_ON_LOOP_BELOW on the loop too, when its consumer has room for
+it (`MemoryTransport.has_room`) and no call of its own waits on the worker thread: the frame is copied into
+the endpoint's queue, or delivered into its consumer's table, on the loop (an asyncio consumer on the same
+loop gets it at once). Every other call (tcps://, brokers; any producer with metrics, tracing, compression
+or signing on; a memory:// tensor that is large, or must wait for room) is driven from one worker thread
+of its own (`tensorbus-aio-send`): every call runs there, in order, and the coroutine awaits its result,
 so a send that waits for the consumer (`max_unacked_bytes`, bounded by `send_timeout_s`), for a
 broker's confirm or for a socket's room waits there, never on the loop. A producer that sends on the loop
 makes a large strided array contiguous on that worker thread first (numpy lets go of the GIL as it copies).
@@ -22,13 +25,17 @@ import numpy as np
 from .. import api
 from ..codec import MessageId
 from ..errors import Closed
+from ..transports.memory import MemoryTransport
 from .socket_sending import SCHEMES, LoopSender, sends_on_loop
-from .turns import sent
+from .turns import Turns, sent
 
 _T = TypeVar("_T")
 #: a strided (not C-contiguous) ndarray of this many bytes or more, sent on the loop, is copied into one piece
 #: on the worker thread first (the frame needs its bytes in one piece: copied on the loop, 64 MB held it 150 ms)
 STRIDED_OFF_LOOP_FROM = 1 << 20
+#: a memory:// producer sends a plain ndarray smaller than this on the loop (a copy of microseconds); a larger
+#: one on the worker thread (copying 256 MB into the endpoint's queue would hold the loop for ~50 ms)
+MEMORY_ON_LOOP_BELOW = 1 << 20
 
 
 class Producer:
@@ -45,6 +52,9 @@ class Producer:
         self._blocking: api.Producer | None = None
         self._sender: LoopSender | None = None  # sends on the loop (tcp://, unix://)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # made at its first use
+        self._last_call: concurrent.futures.Future[Any] | None = None  # the worker's latest call (in order)
+        self._memory: MemoryTransport | None = None  # a memory:// producer that may send on the loop
+        self._turns = Turns()
         self._closed = False
 
     async def _run(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -53,7 +63,7 @@ class Producer:
                 raise Closed(f"the Producer of {self.url} is closed")
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-send")
         try:
-            future = self._worker.submit(call, *args, **kwargs)
+            future = self._last_call = self._worker.submit(call, *args, **kwargs)
         except RuntimeError:  # (its worker shut down: `close` ran meanwhile)
             raise Closed(f"the Producer of {self.url} is closed") from None
         return await asyncio.wrap_future(future)
@@ -62,7 +72,14 @@ class Producer:
         """Make the producer (idempotent; `send` opens a producer not opened). Sockets connect at the first send."""
         if self._closed:
             raise Closed("open of a closed Producer")
-        if self._blocking is None and urllib.parse.urlsplit(self.url).scheme in SCHEMES:
+        scheme = urllib.parse.urlsplit(self.url).scheme
+        if self._blocking is None and scheme == "memory":  # (no I/O: made on the loop)
+            made = self._blocking = api.Producer(self.url, **self._options)
+            plain = made._monitor is None and made._encoding.plain_flags is not None  # (as `sends_on_loop` asks)
+            if plain and isinstance(made.transport, MemoryTransport):
+                self._memory = made.transport
+            return self
+        if self._blocking is None and scheme in SCHEMES:
             made = api.Producer(self.url, **self._options)  # (no I/O: it connects at its first send)
             if sends_on_loop(made):
                 self._blocking, self._sender = made, LoopSender(made)
@@ -95,7 +112,29 @@ class Producer:
             if type(tensor) is np.ndarray and tensor.nbytes >= STRIDED_OFF_LOOP_FROM and not tensor.flags.c_contiguous:
                 tensor = await self._run(np.ascontiguousarray, tensor)
             return await self._sender.send(key, tensor, metadata)
+        if self._memory is not None and self._sends_on_loop(tensor):
+            if not self._turns.due():  # (ten thousand sends in a row must not hold the loop: turns.py)
+                return self.blocking.send(key, tensor, metadata=metadata)
+            await asyncio.sleep(0)
+            if self._closed:
+                raise Closed("send on a closed Producer")
+            if self._sends_on_loop(tensor):  # (still: the turn may have let another call go to the worker)
+                return self.blocking.send(key, tensor, metadata=metadata)
         return await self._run(self._send, key, tensor, metadata)
+
+    def _sends_on_loop(self, tensor: Any) -> bool:
+        """Whether a memory:// send of `tensor` goes out on the loop now: a small plain ndarray, room for it, and
+        no call waiting on the worker thread (it would be overtaken, and the producer is one thread's at a time:
+        a finished call's future was set after the worker's last step, so this thread sees all it did)."""
+        assert self._memory is not None
+        last = self._last_call
+        return (
+            type(tensor) is np.ndarray
+            and tensor.nbytes < MEMORY_ON_LOOP_BELOW
+            and (last is None or last.done())
+            and self._memory.max_frame_bytes is None
+            and self._memory.has_room()
+        )
 
     def _send(self, key: str | None, tensor: Any, metadata: dict[str, Any] | None) -> MessageId:
         return self._opened().send(key, tensor, metadata=metadata)
@@ -122,6 +161,8 @@ class Producer:
             await self._sender.close()
             return
         if self._worker is None:
+            if self._blocking is not None:  # (memory://, made on the loop and never used off it: its close waits for
+                self._blocking.close()  # nothing)
             return
         try:
             await self._run(self._close)

@@ -140,6 +140,10 @@ class MemoryTransport(NamedTransport):
             f"(max_unacked_bytes={limit}): is a consumer listening, and receiving?"
         )
 
+    def has_room(self) -> bool:
+        """Whether a new message would go out now, with no wait for the consumer (`wait_for_room`)."""
+        return self._frames.has_room(self.options.max_unacked_bytes, self._source)
+
     def flush(self, timeout: float | None = None) -> None:
         """Wait until a consumer's delivery took every frame this producer sent, as a socket producer waits for
         its acks: up to `timeout`, and up to `reconnect_timeout_s` while no consumer listens."""

@@ -6,6 +6,7 @@ takes them, or has `put` deliver them itself while nothing is queued.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
@@ -23,6 +24,16 @@ _NOTHING = object()
 #: receive waits for a reply (a round trip), which comes quickly, so its wait spins; one that only receives
 #: (a stream) sleeps at once, as its producer sends on and lets go of the interpreter lock only every burst
 _SENDING = threading.local()
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread runs an event loop: a producer there never pauses for a receive (`Pace`), which may
+    be a task of that very loop; it takes turns with the loop's other tasks instead (aio/turns.py)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class Frames:
@@ -106,7 +117,7 @@ class Frames:
         producers delivered themselves fell a burst behind (`pace`)."""
         _SENDING.sent = True
         until = self._deliver_or_queue(frame, source, front, nbytes, crc)
-        if until is not None:  # (without this queue's lock: the receive needs it)
+        if until is not None and not _on_event_loop():  # (without this queue's lock: the receive needs it)
             self.pace.pause(until)
 
     def _deliver_or_queue(
@@ -262,6 +273,11 @@ class Frames:
                 self._wanting_room -= 1
                 if tally is not None:  # (backpressure: the seconds waited, counted under this lock)
                     tally.blocked(started)
+
+    def has_room(self, limit: int, source: object) -> bool:
+        """Whether `source` has fewer than `limit` bytes queued: a send would not wait (`wait_for_room`)."""
+        with self._lock:
+            return self._bytes.get(source, 0) < limit
 
     def queued(self, source: object) -> int:
         """Bytes `source` has queued."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -11,6 +12,7 @@ import pytest
 
 import tensorbus as tb
 from benchmarks import (
+    aio_memory,
     aio_ping_cpu,
     amqp_large,
     consumer_floor,
@@ -23,6 +25,12 @@ from benchmarks import (
 from tensorbus.codec import native
 from tensorbus.transports import stream
 from tests.conftest import AMQP_URL, require_broker, require_native
+
+
+def test_the_aio_memory_benchmark_streams_and_echoes_through_one_loop() -> None:
+    tensor = np.ones(1024, np.float32)
+    assert asyncio.run(aio_memory.stream_rate(tensor, 50)) > 0
+    assert asyncio.run(aio_memory.round_trip(tensor, 20)) > 0
 
 
 def test_the_consumer_floor_benchmark_reads_a_real_producers_stream() -> None:
