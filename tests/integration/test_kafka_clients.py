@@ -125,21 +125,26 @@ def test_a_small_ndarrays_record_is_the_frame_encode_makes() -> None:
     assert record.value() == b"".join(encode(array, key="k", metadata={"i": 7}, message_id=message_id))
 
 
+def small_records_topic(url: str, partitions: int) -> str:
+    """`url`, its topic made with `partitions` and a max.message.bytes of 20,000 (a larger record is refused)."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
+    try:
+        topic = urllib.parse.urlsplit(url).path.strip("/")
+        admin.create_topics([NewTopic(topic, partitions, 1, topic_configs={"max.message.bytes": "20000"})])
+    finally:
+        admin.close()
+    return url
+
+
 @pytest.mark.broker
 def test_records_sent_by_several_threads_while_the_producer_is_replaced_are_all_settled() -> None:
     """A record the broker refuses (over the topic's max.message.bytes) fails the producer, and the next
     send replaces it, while three other threads keep sending: every record counted as pending is settled
     (acknowledged, or failed and reported), so nothing stays pending for ever and a flush succeeds."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-
-    url = on(endpoint_url("kafka"), "confluent")
-    topic = urllib.parse.urlsplit(url).path.strip("/")
-    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
-    try:
-        admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "20000"})])
-    finally:
-        admin.close()
+    url = small_records_topic(on(endpoint_url("kafka"), "confluent"), 1)
     failures: list[tb.TransportError] = []
 
     def send_small(name: str) -> None:
@@ -455,16 +460,8 @@ def test_keyless_records_stay_in_one_partition_when_the_producer_is_replaced(cli
     """A producer's keyless records go to one partition, chosen once (a chunked keyless message's chunks must
     all land in it): a producer replaced after a failed record (one over the topic's max.message.bytes) keeps
     it. Four replacements: a partition chosen afresh each time would match the first by chance 1 in 8**4."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-
-    url = on(endpoint_url("kafka"), client)
+    url = small_records_topic(on(endpoint_url("kafka"), client), 8)
     topic = urllib.parse.urlsplit(url).path.strip("/")
-    admin = KafkaAdminClient(bootstrap_servers=BOOTSTRAP)
-    try:
-        admin.create_topics([NewTopic(topic, 8, 1, topic_configs={"max.message.bytes": "20000"})])
-    finally:
-        admin.close()
     producers: list[object] = []  # (held: a freed producer's id could be its successor's)
     with tb.Producer(url, batch_linger_s=0) as producer:
         for round_ in range(5):
