@@ -15,6 +15,7 @@ makes a large strided array contiguous on that worker thread first (numpy lets g
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import urllib.parse
 from collections.abc import Callable
@@ -52,7 +53,8 @@ class Producer:
         self._blocking: api.Producer | None = None
         self._sender: LoopSender | None = None  # sends on the loop (tcp://, unix://)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None  # made at its first use
-        self._last_call: concurrent.futures.Future[Any] | None = None  # the worker's latest call (in order)
+        #: the worker's calls not known to be done, oldest first (the loop's thread's alone: `_run`, `_sends_on_loop`)
+        self._calls: collections.deque[concurrent.futures.Future[Any]] = collections.deque()
         self._memory: MemoryTransport | None = None  # a memory:// producer that may send on the loop
         self._turns = Turns()
         self._closed = False
@@ -63,7 +65,8 @@ class Producer:
                 raise Closed(f"the Producer of {self.url} is closed")
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-send")
         try:
-            future = self._last_call = self._worker.submit(call, *args, **kwargs)
+            future = self._worker.submit(call, *args, **kwargs)
+            self._calls.append(future)
         except RuntimeError:  # (its worker shut down: `close` ran meanwhile)
             raise Closed(f"the Producer of {self.url} is closed") from None
         return await asyncio.wrap_future(future)
@@ -72,14 +75,16 @@ class Producer:
         """Make the producer (idempotent; `send` opens a producer not opened). Sockets connect at the first send."""
         if self._closed:
             raise Closed("open of a closed Producer")
+        if self._blocking is not None:
+            return self
         scheme = urllib.parse.urlsplit(self.url).scheme
-        if self._blocking is None and scheme == "memory":  # (no I/O: made on the loop)
+        if scheme == "memory":  # (no I/O: made on the loop)
             made = self._blocking = api.Producer(self.url, **self._options)
             plain = made._monitor is None and made._encoding.plain_flags is not None  # (as `sends_on_loop` asks)
             if plain and isinstance(made.transport, MemoryTransport):
                 self._memory = made.transport
             return self
-        if self._blocking is None and scheme in SCHEMES:
+        if scheme in SCHEMES:
             made = api.Producer(self.url, **self._options)  # (no I/O: it connects at its first send)
             if sends_on_loop(made):
                 self._blocking, self._sender = made, LoopSender(made)
@@ -123,20 +128,26 @@ class Producer:
         return await self._run(self._send, key, tensor, metadata)
 
     def _sends_on_loop(self, tensor: Any) -> bool:
-        """Whether a memory:// send of `tensor` goes out on the loop now: a small plain ndarray, room for it, and
-        no call waiting on the worker thread (it would be overtaken, and the producer is one thread's at a time:
-        a finished call's future was set after the worker's last step, so this thread sees all it did)."""
+        """Whether a memory:// send of `tensor` goes out on the loop now: a small plain ndarray, room for it (the
+        transport's `has_room`, which also says no when it cannot tell at once), and no call of the worker thread
+        left (it would be overtaken, and the producer is one thread's at a time: a finished call's future was set
+        after the worker's last step, so this thread sees all it did). Every call is looked at, not the latest
+        alone: a call cancelled before it ran is done at once, while the one before it may still run."""
         assert self._memory is not None
-        last = self._last_call
+        calls = self._calls
+        while calls and calls[0].done():  # (the worker runs them in order: an earlier one not done holds the rest)
+            calls.popleft()
         return (
-            type(tensor) is np.ndarray
+            not calls
+            and type(tensor) is np.ndarray
             and tensor.nbytes < MEMORY_ON_LOOP_BELOW
-            and (last is None or last.done())
             and self._memory.max_frame_bytes is None
             and self._memory.has_room()
         )
 
     def _send(self, key: str | None, tensor: Any, metadata: dict[str, Any] | None) -> MessageId:
+        if self._memory is not None:  # (a pause the loop owed its consumer is paid here, where waiting is allowed)
+            self._memory.pay_pace()
         return self._opened().send(key, tensor, metadata=metadata)
 
     async def flush(self, timeout: float | None = None) -> None:

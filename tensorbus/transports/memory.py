@@ -141,8 +141,13 @@ class MemoryTransport(NamedTransport):
         )
 
     def has_room(self) -> bool:
-        """Whether a new message would go out now, with no wait for the consumer (`wait_for_room`)."""
+        """Whether a new message would go out now, with no wait for the consumer (`wait_for_room`), the pace
+        (memory_pacing.py) or another thread (`Frames.has_room`: False when it cannot tell at once)."""
         return self._frames.has_room(self.options.max_unacked_bytes, self._source)
+
+    def pay_pace(self) -> None:
+        """Wait out a pause this endpoint's pace owes (memory_pacing.py `Pace.owe`), on a thread that may wait."""
+        self._frames.pace.pay()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until a consumer's delivery took every frame this producer sent, as a socket producer waits for

@@ -28,7 +28,7 @@ _SENDING = threading.local()
 
 def _on_event_loop() -> bool:
     """Whether this thread runs an event loop: a producer there never pauses for a receive (`Pace`), which may
-    be a task of that very loop; it takes turns with the loop's other tasks instead (aio/turns.py)."""
+    be a task of that very loop; it owes the pause (`Pace.owe`), and its next sends go where they may wait."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -117,7 +117,11 @@ class Frames:
         producers delivered themselves fell a burst behind (`pace`)."""
         _SENDING.sent = True
         until = self._deliver_or_queue(frame, source, front, nbytes, crc)
-        if until is not None and not _on_event_loop():  # (without this queue's lock: the receive needs it)
+        if until is None:
+            return
+        if _on_event_loop():  # (its receive may be a task of this very loop, which a pause here would hold)
+            self.pace.owe(until)
+        else:  # (without this queue's lock: the receive needs it)
             self.pace.pause(until)
 
     def _deliver_or_queue(
@@ -275,9 +279,18 @@ class Frames:
                     tally.blocked(started)
 
     def has_room(self, limit: int, source: object) -> bool:
-        """Whether `source` has fewer than `limit` bytes queued: a send would not wait (`wait_for_room`)."""
-        with self._lock:
-            return self._bytes.get(source, 0) < limit
+        """Whether a send of `source` would go out at once, for a caller that must not wait to know (an event
+        loop): fewer than `limit` bytes queued (`wait_for_room`), no pause owed (`Pace.owe`), not a burst ahead of
+        the receives (`Pace.far_ahead`: a receive on another thread may not have run at all yet, and would not
+        while the loop's thread sends on), and this queue's lock free now (another thread may hold it while it
+        delivers a large frame itself). False if unsure."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            pace = self.pace
+            return self._bytes.get(source, 0) < limit and not pace.owing() and not pace.far_ahead(self._position)
+        finally:
+            self._lock.release()
 
     def queued(self, source: object) -> int:
         """Bytes `source` has queued."""

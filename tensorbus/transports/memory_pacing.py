@@ -50,6 +50,9 @@ class Pace:
         #: `_taken` from which a release wakes the pausing producers (the earliest one's; each looks again
         #: whether it may go on), while any pauses (under the lock)
         self._resume_at = math.inf
+        #: a pause a producer on an event loop owes (`owe`): the taken count it waits for, `_waits` then, and
+        #: until when (monotonic); None when none is owed (under the lock)
+        self._owed: tuple[int, int, float] | None = None
 
     def released(self, positions: list[Hashable]) -> None:
         """The consumer's ledger released `positions` (its receives took their tensors): the ledger's
@@ -90,16 +93,60 @@ class Pace:
         finally:
             self._lock.release()
 
+    def owe(self, until: int) -> None:
+        """A producer on an event loop's thread, which must not wait there, owes the pause `check` asked for: it
+        is `owing` while `pause(until)` would still wait, and a thread that may wait `pay`s it (a tensorbus.aio
+        producer's worker thread, to which its sends go meanwhile)."""
+        with self._lock:
+            self._owed = (until, self._waits, time.monotonic() + BURST_WAIT_S)
+
+    def far_ahead(self, handed: int) -> bool:
+        """Whether the consumer has a whole `BURST` of the `handed` positions not taken (another key's set aside):
+        a producer that must not wait (an event loop's) sends from a thread that may, until it took some."""
+        self._lock.acquire()
+        try:
+            return handed - self._taken - self._aside >= BURST
+        finally:
+            self._lock.release()
+
+    def owing(self) -> bool:
+        """Whether a pause owed (`owe`) has not ended yet: as `pause` would end it, by takes, a receive waiting
+        for more, or BURST_WAIT_S."""
+        self._lock.acquire()
+        try:
+            owed = self._owed
+            if owed is None:
+                return False
+            until, waits, deadline = owed
+            if self._taken >= until or self._waits != waits or time.monotonic() >= deadline:
+                self._owed = None
+                return False
+            return True
+        finally:
+            self._lock.release()
+
+    def pay(self) -> None:
+        """Wait out a pause owed (`owe`), if one is, on a thread that may wait: as `pause` would have, counted from
+        when it was owed."""
+        with self._progress:
+            owed, self._owed = self._owed, None
+            if owed is not None:
+                until, waits, deadline = owed
+                self._wait(until, waits, deadline - time.monotonic())
+
     def pause(self, until: int) -> None:
         """Wait until `until` positions are taken, a receive waits for more, or `BURST_WAIT_S` passed (the
         caller holds no other lock: the receive needs them)."""
         with self._progress:
-            waits = self._waits
-            self._pausing += 1
-            self._resume_at = min(self._resume_at, until)
-            try:
-                self._progress.wait_for(lambda: self._taken >= until or self._waits != waits, BURST_WAIT_S)
-            finally:
-                self._pausing -= 1
-                if not self._pausing:
-                    self._resume_at = math.inf
+            self._wait(until, self._waits, BURST_WAIT_S)
+
+    def _wait(self, until: int, waits: int, timeout: float) -> None:
+        """`pause`'s wait, from when `_waits` was `waits`, for `timeout` seconds at most (the caller holds the lock)."""
+        self._pausing += 1
+        self._resume_at = min(self._resume_at, until)
+        try:
+            self._progress.wait_for(lambda: self._taken >= until or self._waits != waits, max(0.0, timeout))
+        finally:
+            self._pausing -= 1
+            if not self._pausing:
+                self._resume_at = math.inf
