@@ -11,6 +11,7 @@ was killed frees them with its mappings.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import select
@@ -457,8 +458,13 @@ class ShmSender:
         """The consumer went away: what it may still map is retired; untaken frames wait for the next (and
         are owed acks again once sent to it: a `flush` that saw them acknowledged has returned)."""
         if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+            # what it said before it went still counts: a consumer that closed sent its last acks, and frames it
+            # took must not go to its successor again (a send that found it gone had not read them yet)
+            with contextlib.suppress(OSError, TransportError):
+                self._drain(blocking=False)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
         self._close_ring()
         self._untold.clear()  # (untaken: sent to the next consumer)
         self._unacked.clear()

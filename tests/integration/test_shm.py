@@ -404,6 +404,28 @@ def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -
     assert shm_files() == before
 
 
+@pytest.mark.parametrize("notices", ["ring", "datagrams"])
+def test_what_a_consumer_took_before_it_closed_does_not_go_to_its_successor(
+    notices: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer's close sends its last acks (the tensors it took); the producer's next send finds it gone
+    (EPIPE) and reads those acks before it lets go of the connection: its successor gets only the new tensor.
+    On both kinds of notices (the ring, or a datagram a frame where the ring is not built)."""
+    if notices == "datagrams":
+        monkeypatch.setattr("tensorbus.transports.shm_producer.shm_ring.available", lambda: False)
+    url = endpoint_url("shm")
+    with tb.Producer(url) as producer:
+        with tb.Consumer(url) as first:
+            for i in range(10):
+                producer.send("k", np.full(4, i, np.int32))
+            assert [int(first.recv("k", timeout=30)[0]) for _ in range(10)] == list(range(10))
+        with tb.Consumer(url) as successor:
+            producer.send("k", np.full(4, 99, np.int32))
+            producer.flush(30)
+            assert int(successor.recv("k", timeout=30)[0]) == 99
+            assert len(successor.table) == 0  # (none of the first's again)
+
+
 def test_consumer_killed_mid_stream_the_producer_reclaims_and_resends_to_the_next() -> None:
     before = shm_files()
     url = endpoint_url("shm")
