@@ -520,7 +520,15 @@ class ShmListener:
         del frame  # (the intake and the arrays it made keep it alive now, or nothing does)
         peer.acks.record(pos, result, length)
         if result.held is not None:
-            peer.held = result.held
+            self._hold(peer, result.held)
+
+    def _hold(self, peer: Peer, held: Held) -> None:
+        """Stop reading a producer whose message the full table cannot take, and stop watching its socket until
+        the message is taken (a watched socket with messages waiting made every wait return at once: the
+        leading thread spun a core while the application was behind)."""
+        peer.held = held
+        if peer.open:
+            self._selector.unregister(peer.sock)
 
     def _release(self, peer: Peer) -> None:
         """Offer a held message again; read its producer again once it is taken."""
@@ -536,6 +544,7 @@ class ShmListener:
         if not peer.open:
             self._peers.pop(id(peer), None)
             return
+        self._selector.register(peer.sock, selectors.EVENT_READ, peer)
         self._read(peer)
 
     def _close(self, peer: Peer) -> None:
@@ -546,7 +555,8 @@ class ShmListener:
             if peer.ring is not None:
                 peer.ring.close()
                 peer.ring = None
-            self._selector.unregister(peer.sock)
+            if peer.held is None:  # (a held one's is not watched: `_hold`)
+                self._selector.unregister(peer.sock)
             self._peers.pop(peer.sock.fileno(), None)
             peer.sock.close()
             peer.acks.close()

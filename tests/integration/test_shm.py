@@ -404,6 +404,45 @@ def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -
     assert shm_files() == before
 
 
+def test_a_consumer_holding_a_producer_back_does_not_spin_while_its_table_is_full() -> None:
+    """A full table holds a producer's next message back, and its socket is not read meanwhile: nor is it
+    watched, or every wait would return at once (its messages wait in it) and the reading thread spin a core
+    while the application is behind. The selector's waits in one second are counted: ~20 waiting idly, tens of
+    thousands spinning."""
+    url = endpoint_url("shm")
+    tensor = np.ones(1024, np.float32)
+    with tb.Consumer(url, max_buffered_bytes=256 << 10) as consumer:
+        producer = tb.Producer(url, send_timeout_s=60, close_timeout_s=0.5)
+        stopped = threading.Event()
+
+        def send_until_stopped() -> None:
+            with contextlib.suppress(tb.TensorBusError):
+                while not stopped.is_set():
+                    producer.send("k", tensor)
+
+        sending = threading.Thread(target=send_until_stopped)
+        sending.start()
+        try:
+            listener = consumer.transport._listener
+            wait_for(lambda: any(peer.held is not None for peer in listener._peers.values()), 30, "a producer held")
+            waits = [0]
+            select = listener._selector.select
+
+            def counted(timeout: float | None = None) -> Any:
+                waits[0] += 1
+                return select(timeout)
+
+            listener._selector.select = counted
+            time.sleep(1.0)  # (a window to count in, not a wait for an event)
+            assert waits[0] < 500, waits[0]
+            assert consumer.recv("k", timeout=30) is not None  # (and it still serves)
+        finally:
+            stopped.set()
+            consumer.abort("done")
+            sending.join(30)
+            producer.close()
+
+
 @pytest.mark.parametrize("notices", ["ring", "datagrams"])
 def test_what_a_consumer_took_before_it_closed_does_not_go_to_its_successor(
     notices: str, monkeypatch: pytest.MonkeyPatch
