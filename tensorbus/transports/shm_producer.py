@@ -253,7 +253,7 @@ class ShmSender:
         while True:
             self.poll()  # (finds a consumer gone)
             if self._sock is None and any(slot.untaken for slot in self._inflight.values()):
-                self._connect()
+                self._connect(deadline)
             if not self.unacked_bytes:
                 return
             # (a consumer lost meanwhile settles every ack owed: the loop then dials the next and waits for it)
@@ -276,7 +276,7 @@ class ShmSender:
                     f"(max_unacked_bytes={self.options.max_unacked_bytes}): is its consumer receiving, or aborted?"
                 )
             if self._sock is None:
-                self._connect()
+                self._connect(deadline)
                 asked = False
             sock = self._sock
             assert sock is not None
@@ -387,10 +387,14 @@ class ShmSender:
 
     # -- the connection --------------------------------------------------------------------------
 
-    def _connect(self) -> None:
-        """Connect (retrying up to `reconnect_timeout_s`) and send every frame not yet acknowledged; a
-        consumer that goes away again meanwhile is dialled again, within the same deadline."""
+    def _connect(self, until: float | None = None) -> None:
+        """Connect (retrying up to `reconnect_timeout_s`, or until `until` if sooner: a flush's or a close's
+        deadline) and send every frame not yet acknowledged; a consumer that goes away again meanwhile is
+        dialled again, within the same deadline."""
         deadline = time.monotonic() + self.options.reconnect_timeout_s
+        bound = f"reconnect_timeout_s={self.options.reconnect_timeout_s}s"
+        if until is not None and until < deadline:
+            deadline, bound = until, "the flush's timeout"
         delays = backoff_s()
         while True:
             while True:
@@ -400,8 +404,7 @@ class ShmSender:
                 except (TimeoutError, FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as exc:
                     if time.monotonic() + 0.05 > deadline:
                         raise TransportError(
-                            f"no consumer answers at shm://{self.name} ({self.path}: {exc}) within "
-                            f"reconnect_timeout_s={self.options.reconnect_timeout_s}s"
+                            f"no consumer answers at shm://{self.name} ({self.path}: {exc}) within {bound}"
                         ) from None
                     time.sleep(min(next(delays), max(deadline - time.monotonic(), 0.0)))
             self._announced = set()
@@ -416,8 +419,7 @@ class ShmSender:
                 self._lost()
                 if time.monotonic() > deadline:
                     raise TransportError(
-                        f"the consumer at shm://{self.name} keeps dropping the connection ({exc}) "
-                        f"within reconnect_timeout_s={self.options.reconnect_timeout_s}s"
+                        f"the consumer at shm://{self.name} keeps dropping the connection ({exc}) within {bound}"
                     ) from None
 
     def _handshake(self) -> tuple[socket.socket, ProducerRing | None]:

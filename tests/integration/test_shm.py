@@ -404,6 +404,22 @@ def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -
     assert shm_files() == before
 
 
+def test_a_producer_whose_consumer_left_tensors_untaken_closes_within_close_timeout_s() -> None:
+    """Its close flushes: the untaken tensors wait for a successor, dialled for `close_timeout_s` (the flush's
+    deadline), not for the longer `reconnect_timeout_s`; a flush's timeout bounds the dialling the same way."""
+    url = endpoint_url("shm")
+    producer = tb.Producer(url, close_timeout_s=1, reconnect_timeout_s=60)
+    with tb.Consumer(url):
+        for i in range(5):
+            producer.send("k", np.full(4, i, np.int32))
+        producer.flush(30)  # (in its table, untaken)
+    started = time.monotonic()
+    with pytest.raises(tb.TransportError, match="flush's timeout"):
+        producer.flush(1)
+    producer.close()
+    assert time.monotonic() - started < 20  # (60 s each, had they waited for reconnect_timeout_s)
+
+
 def test_a_consumer_holding_a_producer_back_does_not_spin_while_its_table_is_full() -> None:
     """A full table holds a producer's next message back, and its socket is not read meanwhile: nor is it
     watched, or every wait would return at once (its messages wait in it) and the reading thread spin a core
