@@ -60,17 +60,19 @@ ring_init(Ring *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "a ring's capacity is a power of two up to 2**24");
         return -1;
     }
-    if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE) < 0) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0) {
         return -1;
     }
-    self->has_view = 1;
+    /* (kept only once it passed every check: a Ring whose init failed holds no view, and its methods refuse) */
     uint64_t need = ENTRIES_AT + capacity * ENTRY_WORDS * sizeof(uint64_t);
-    if ((uint64_t)self->view.len < need || ((uintptr_t)self->view.buf & 63) != 0) {
+    if ((uint64_t)view.len < need || ((uintptr_t)view.buf & 63) != 0) {
         PyErr_Format(PyExc_ValueError, "a ring of %llu entries needs %llu aligned bytes, not %zd", capacity,
-                     (unsigned long long)need, self->view.len);
+                     (unsigned long long)need, view.len);
+        PyBuffer_Release(&view);
         return -1;
     }
-    uint8_t *base = self->view.buf;
+    uint8_t *base = view.buf;
     uint64_t *words = (uint64_t *)base;
     if (fresh) {
         memset(base, 0, ENTRIES_AT);
@@ -78,8 +80,11 @@ ring_init(Ring *self, PyObject *args, PyObject *kwargs)
         words[1] = capacity;
     } else if (words[0] != RING_MAGIC || words[1] != capacity) {
         PyErr_SetString(PyExc_ValueError, "not a ring of the announced capacity");
+        PyBuffer_Release(&view);
         return -1;
     }
+    self->view = view;
+    self->has_view = 1;
     self->capacity = capacity;
     self->tail = (uint64_t *)(base + TAIL_AT);
     self->head = (uint64_t *)(base + HEAD_AT);

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import operator
 import os
 import select
 import socket
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..buffers import address
+from ..codec.dtypes import describe
 from ..codec.frame import Buffer, join_into
 from ..codec.native import STREAMED_FROM, copy_streamed
 from ..errors import Timeout, TransportError
@@ -80,18 +82,28 @@ class ShmSender:
     # -- empty() ---------------------------------------------------------------------------------
 
     def empty(self, shape: Any, dtype: Any) -> np.ndarray:
-        """A writable array in a slot, with room before it for its frame's header."""
+        """A writable array in a slot, with room before it for its frame's header. A shape numpy refuses, or a
+        dtype no frame carries, is refused before a slot is taken."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        describe(dtype)  # (UnsupportedDtype: object arrays and the like could never be sent)
+        dims = tuple(operator.index(n) for n in (shape if isinstance(shape, tuple | list) else (shape,)))
+        if any(n < 0 for n in dims):
+            raise ValueError(f"negative dimensions are not allowed: {dims}")
+        nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
         self._settle_ended()
         slot = self.slots.take(HEAD_ROOM + nbytes, self._reclaim)
+        try:
+            start = slot.offset + HEAD_ROOM
+            base = np.frombuffer(slot.segment.view(start, nbytes), dtype)  # (its views keep it alive)
+            array = base.reshape(dims)
+        except BaseException:
+            self.slots.give_back(slot)
+            raise
         slot.leased = True
-        start = slot.offset + HEAD_ROOM
-        base = np.frombuffer(slot.segment.view(start, nbytes), dtype)  # (its views keep it alive)
         ender = weakref.finalize(base, self._lease_ended, slot)
         ender.atexit = False
         self._leases[int(base.__array_interface__["data"][0])] = slot
-        return base.reshape(shape)
+        return array
 
     def _lease_ended(self, slot: Slot) -> None:
         with self._ended_lock:

@@ -124,6 +124,19 @@ def test_empty_is_sent_in_place_without_copying_its_bytes() -> None:
         other.empty((2,), np.float32)
 
 
+def test_empty_refuses_what_numpy_or_a_frame_would_refuse_and_keeps_no_slot_for_it() -> None:
+    url = endpoint_url("shm")
+    with tb.Producer(url) as producer:
+        slots = producer.transport.sender_side.slots
+        with pytest.raises(ValueError, match="negative"):
+            producer.empty((-5, 3), np.float32)
+        for dtype in (object, "U5"):
+            with pytest.raises(tb.UnsupportedDtype):
+                producer.empty((4,), dtype)
+        assert sum(segment.in_use for segment in slots.segments.values()) == 0
+        assert producer.empty(3, np.int16).shape == (3,)
+
+
 def let_go(listener: Any) -> bool:
     """True once no array views a frame and the consumer sent its frees (an array dies on whichever thread held
     the last reference: the consumer's own may still hold the message it just delivered)."""

@@ -72,6 +72,20 @@ def test_a_ring_that_does_not_fit_its_memory_is_refused() -> None:
         Ring(memory, 8)
 
 
+@pytest.mark.parametrize("fault", ["not a ring", "too small"])
+def test_a_ring_whose_init_failed_refuses_its_methods_and_holds_no_memory(fault: str) -> None:
+    """A Ring object whose `__init__` was refused keeps no view of the memory, and its methods say it is closed
+    (they read words it never set: a crash, before)."""
+    memory = mmap.mmap(-1, shm_ring.size(8) if fault == "not a ring" else 64)
+    ring = Ring.__new__(Ring)
+    with pytest.raises(ValueError):
+        ring.__init__(memory, 8)
+    for method in (ring.pending, ring.take, ring.free, ring.sleep, ring.awake):
+        with pytest.raises(ValueError, match="closed"):
+            method()
+    memory.close()  # (no view of it is held: a held one would refuse this with BufferError)
+
+
 def test_a_closed_side_refuses_and_lets_its_memory_go() -> None:
     producer, consumer, memory = sides()
     consumer.close()
