@@ -94,13 +94,22 @@ def packer() -> msgpack.Packer:
     return msgpack.Packer(use_bin_type=True)
 
 
-def send(sock: socket.socket, *message: Any, fds: list[int] | None = None, by: msgpack.Packer | None = None) -> None:
-    """Send one control message (with descriptors), packed `by` the caller's packer if it has one."""
+def send(
+    sock: socket.socket,
+    *message: Any,
+    fds: list[int] | None = None,
+    by: msgpack.Packer | None = None,
+    wait: bool = True,
+) -> None:
+    """Send one control message (with descriptors), packed `by` the caller's packer if it has one; not `wait`ing
+    for room in the socket (`BlockingIOError` when it has none: the peer is not reading it). The socket must have
+    no timeout: Python waits out a socket's timeout even with MSG_DONTWAIT."""
     data = msgpack.packb(list(message), use_bin_type=True) if by is None else by.pack(list(message))
+    flags = 0 if wait else _DONTWAIT
     if fds:
-        socket.send_fds(sock, [data], fds)
+        socket.send_fds(sock, [data], fds, flags)
     else:
-        sock.send(data)
+        sock.send(data, flags)
 
 
 def receive(sock: socket.socket, *, blocking: bool = True) -> tuple[list[Any], list[int]] | None:

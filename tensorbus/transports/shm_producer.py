@@ -203,35 +203,43 @@ class ShmSender:
         self._connect()  # (it sends every untaken frame, this one too)
 
     def _tell(self, slot: Slot) -> None:
-        """Tell the consumer of `slot`'s frame: in the ring (a datagram only to wake a consumer that sleeps), or
-        in a "frame" datagram; a segment it has not seen is announced first (the notice must not overtake it)."""
-        assert self._sock is not None
-        segment = slot.segment
-        if segment.seg_id not in self._announced:
-            control.send(self._sock, "seg", segment.seg_id, segment.size, fds=[segment.fd])
-            self._announced.add(segment.seg_id)
+        """Tell the consumer of `slot`'s frame, now if there is room for its notice, else once there is (`_untold`:
+        no send waits inside `_tell`, where `send_timeout_s` could not bound it)."""
         slot.pinned = True
-        if self._ring is None:
-            control.send(self._sock, "frame", slot.pos, segment.seg_id, *slot.frame, by=self._packer)
-        elif self._untold or not self._put(slot):  # (behind frames waiting for room, or the ring is full)
+        if self._untold or not self._put(slot):  # (behind frames waiting for room, or no room)
             self._untold.append(slot)
 
     def _put(self, slot: Slot) -> bool:
-        """Put `slot`'s notice into the ring, waking the consumer if it said it sleeps: False if the ring is full."""
+        """Tell the consumer of `slot`'s frame: in the ring (a datagram only to wake a consumer that sleeps), or in
+        a "frame" datagram; a segment it has not seen is announced first (the notice must not overtake it). False,
+        with the notice not told, if the ring is full or the socket has no room (a consumer that stopped reading
+        it: its table is full, or it is stopped); nothing here waits for room."""
         ring, sock = self._ring, self._sock
-        assert ring is not None and sock is not None
+        assert sock is not None
+        segment = slot.segment
         try:
-            told = ring.put(slot.pos, slot.segment.seg_id, *slot.frame)
+            if segment.seg_id not in self._announced:
+                control.send(sock, "seg", segment.seg_id, segment.size, fds=[segment.fd], wait=False)
+                self._announced.add(segment.seg_id)
+            if ring is None:
+                control.send(sock, "frame", slot.pos, segment.seg_id, *slot.frame, by=self._packer, wait=False)
+                return True
+        except BlockingIOError:
+            return False
+        try:
+            told = ring.put(slot.pos, segment.seg_id, *slot.frame)
         except ValueError as exc:  # (the consumer's words in the ring are out of range)
             raise ConnectionResetError(f"the consumer's notification ring is corrupt: {exc}") from None
         if told > 0:  # (at most once a sleep: `put` takes the consumer's word back)
-            control.send(sock, "wake")
+            with contextlib.suppress(BlockingIOError):  # (a socket full of datagrams it has not read wakes it too)
+                control.send(sock, "wake", wait=False)
         return told >= 0
 
     def _tell_untold(self) -> None:
-        """Put the notices of `_untold` frames into the ring, oldest first, while it has room: a full ring (a
-        reconnect's resends, a tensor's chunks) keeps the rest, and the frames after them wait behind them, told
-        by the next send's `wait_for_room`, a flush, or a wait's look (never a wait inside `_tell`)."""
+        """Tell the consumer of `_untold` frames, oldest first, while there is room: a full ring or socket (a
+        reconnect's resends, a tensor's chunks, a consumer not reading) keeps the rest, and the frames after them
+        wait behind them, told by the next send's `wait_for_room`, a flush, or a wait's look (never a wait inside
+        `_tell`)."""
         while self._untold and self._put(self._untold[0]):
             self._untold.popleft()
 
@@ -252,11 +260,13 @@ class ShmSender:
             self._wait_for_room(lambda: self.unacked_bytes < limit)
         if self._untold and self._sock is not None:
             self._poll_untold()
-        ring = self._ring
+        ring, sock = self._ring, self._sock
         if ring is not None and (self._untold or not ring.free()):
             self._wait_for_room(
                 lambda: self._ring is not ring or (not self._untold and ring.free() > 0), poll_s=RING_RECHECK_S
             )
+        elif sock is not None and ring is None and self._untold:  # (a socket with no room for the notices)
+            self._wait_for_room(lambda: self._sock is not sock or not self._untold, poll_s=RING_RECHECK_S)
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the consumer has every frame sent in its table; one that went away is replaced by
@@ -281,8 +291,9 @@ class ShmSender:
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                full = self._ring is not None and (self._untold or not self._ring.free())
-                ring = f", its notification ring full ({len(self._untold)} frames wait for room)" if full else ""
+                full = self._untold or (self._ring is not None and not self._ring.free())
+                room = "notification ring" if self._ring is not None else "socket"
+                ring = f", its {room} full ({len(self._untold)} frames wait for room)" if full else ""
                 raise Timeout(
                     f"{what}: {self.unacked_bytes} bytes unacknowledged by shm://{self.name}{ring} after {timeout}s "
                     f"(max_unacked_bytes={self.options.max_unacked_bytes}): is its consumer receiving, or aborted?"
@@ -300,7 +311,9 @@ class ShmSender:
             if not asked:
                 asked = True
                 try:
-                    control.send(sock, "ask")
+                    control.send(sock, "ask", wait=False)
+                except BlockingIOError:  # (it has our messages to read first: they get acks too)
+                    pass
                 except OSError:
                     self._lost()
                     continue
@@ -393,9 +406,9 @@ class ShmSender:
             if seg_id in self._announced and self._sock is not None:
                 self._announced.discard(seg_id)
                 try:
-                    control.send(self._sock, "drop", seg_id)
+                    control.send(self._sock, "drop", seg_id, wait=False)
                 except OSError:
-                    pass  # (noticed at the next send)
+                    pass  # (gone: noticed at the next send; no room: it keeps the mapping until it leaves)
 
     # -- the connection --------------------------------------------------------------------------
 

@@ -417,6 +417,27 @@ def test_producer_killed_mid_stream_kept_arrays_stay_and_memory_is_reclaimed() -
     assert shm_files() == before
 
 
+@pytest.mark.parametrize("notices", ["ring", "datagrams"])
+def test_a_send_to_a_consumer_that_reads_no_more_times_out_after_send_timeout_s(
+    notices: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer whose table is full holds its producer back and reads none of its notices: a notice the
+    socket has no room for waits in the producer (never inside a blocking send, which no timeout bounded),
+    and the next send raises `Timeout` after `send_timeout_s`."""
+    if notices == "datagrams":
+        monkeypatch.setattr("tensorbus.transports.shm_producer.shm_ring.available", lambda: False)
+    url = endpoint_url("shm")
+    tensor = np.ones(1024, np.float32)
+    with tb.Consumer(url, max_buffered_bytes=1 << 20) as consumer:
+        with tb.Producer(url, send_timeout_s=2, close_timeout_s=0.5) as producer:
+            started = time.monotonic()
+            with pytest.raises(tb.Timeout):
+                for _ in range(1_000_000):
+                    producer.send("k", tensor)
+            assert time.monotonic() - started < 60
+            consumer.abort("done")
+
+
 def test_a_producer_whose_consumer_left_tensors_untaken_closes_within_close_timeout_s() -> None:
     """Its close flushes: the untaken tensors wait for a successor, dialled for `close_timeout_s` (the flush's
     deadline), not for the longer `reconnect_timeout_s`; a flush's timeout bounds the dialling the same way."""
