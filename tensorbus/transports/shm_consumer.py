@@ -33,7 +33,7 @@ from . import shm_control as control
 from . import shm_ring
 from .base import Deliver, Held
 from .leading import Leadership
-from .shm_segments import MAP_POPULATE, sealed_at
+from .shm_segments import MAP_POPULATE, reserved, sealed_at
 from .spinning import NEAR_MISS, STRETCH
 from .stream import proof
 
@@ -489,6 +489,8 @@ class ShmListener:
                 raise TransportError("malformed segment announcement")
             if not sealed_at(fds[0], size):
                 raise TransportError("a segment that is not sealed at its size")
+            if not reserved(fds[0], size):
+                raise TransportError("a segment whose memory its producer did not reserve")
             flags = mmap.MAP_SHARED | MAP_POPULATE
             peer.maps[seg_id] = mmap.mmap(fds[0], size, flags=flags, prot=mmap.PROT_READ)
         finally:

@@ -78,6 +78,13 @@ def sealed_at(fd: int, nbytes: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS and os.fstat(fd).st_size >= nbytes)
 
 
+def reserved(fd: int, nbytes: int) -> bool:
+    """Whether a peer's memfd has memory allocated for its first `nbytes` (its producer reserved them, as
+    `sealed_memfd` does): mapping it with MAP_POPULATE then allocates nothing more. A file of holes would have
+    the consumer allocate (and be charged for) pages the producer never paid for, as many as it announces."""
+    return os.fstat(fd).st_blocks * 512 >= nbytes
+
+
 def slot_size(nbytes: int) -> int:
     """The size class of a frame of `nbytes`: a power of two up to 1 MiB, then a multiple of 1 MiB."""
     if nbytes <= MIB:

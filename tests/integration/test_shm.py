@@ -570,7 +570,16 @@ def test_close_from_another_thread_while_a_recv_waits() -> None:
 
 
 @pytest.mark.parametrize(
-    "attack", ["unknown segment", "outside its segment", "unsealed segment", "garbage", "short drop", "empty"]
+    "attack",
+    [
+        "unknown segment",
+        "outside its segment",
+        "unsealed segment",
+        "unreserved segment",
+        "garbage",
+        "short drop",
+        "empty",
+    ],
 )
 def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -> None:
     url = endpoint_url("shm")
@@ -581,16 +590,19 @@ def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -
             sock.send(b"\xc1not msgpack")
         elif attack in ("short drop", "empty"):  # well-formed msgpack, too short for its kind
             control.send(sock, *(["drop"] if attack == "short drop" else []))
-        else:  # a segment that is not sealed, or a frame past the end of a sealed one
-            sealed = attack == "outside its segment"
+        else:  # a segment not sealed, or with no memory behind it (64 MiB of holes), or a frame past the end of one
+            sealed = attack != "unsealed segment"
+            size = 64 << 20 if attack == "unreserved segment" else 4096
             fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING if sealed else 0)
-            os.ftruncate(fd, 4096)
+            os.ftruncate(fd, size)
+            if attack == "outside its segment":
+                os.posix_fallocate(fd, 0, size)
             if sealed:
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            control.send(sock, "seg", 1, 4096, fds=[fd])
+            control.send(sock, "seg", 1, size, fds=[fd])
             os.close(fd)
-            if sealed:  # (an unsealed one is refused at once: a frame sent after it could meet a closed socket)
-                control.send(sock, "frame", 1, 1, 4000, 200)
+            if attack == "outside its segment":  # (the others are refused at once: a frame sent after could meet a
+                control.send(sock, "frame", 1, 1, 4000, 200)  # closed socket)
         dropped_and_served_on(sock, consumer, url)
         wait_for(lambda: "memfd:hostile" not in Path("/proc/self/maps").read_text(), 10, "its segment unmapped")
 
