@@ -12,6 +12,7 @@ Each segment is cut into equal slots of one size class; a frame is written into 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -25,6 +26,9 @@ from ..errors import TransportError
 
 #: the seals every segment carries before its descriptor leaves the producer (checked by the consumer)
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
+#: no writable mapping of the memfd made after the seal (Linux 5.1; Python 3.11's fcntl does not name it): a
+#: segment's consumer cannot write into the producer's memory, while the producer's own mapping, made first, can
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 #: map every page at once (fewer page faults than one per page on first touch), where the system has it
 MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: slots of a size class are made this many bytes of segment at a time (one slot per segment above it)
@@ -52,10 +56,13 @@ def check_available() -> None:
         )
 
 
-def sealed_memfd(name: str, nbytes: int, what: str, flags: int = 0) -> tuple[int, mmap.mmap]:
+def sealed_memfd(
+    name: str, nbytes: int, what: str, flags: int = 0, *, ours_to_write: bool = False
+) -> tuple[int, mmap.mmap]:
     """A new memfd of `nbytes` (its descriptor, and a writable mapping of it with `flags` added), its pages
-    reserved now (`posix_fallocate`: no SIGBUS when one is first touched) and sealed at that size; a failure is
-    a `TransportError` naming `what` it was for."""
+    reserved now (`posix_fallocate`: no SIGBUS when one is first touched) and sealed at that size; `ours_to_write`:
+    sealed against writable mappings made after ours too (where the kernel can), so that the peer it is passed
+    to can only read it. A failure is a `TransportError` naming `what` it was for."""
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
@@ -63,13 +70,28 @@ def sealed_memfd(name: str, nbytes: int, what: str, flags: int = 0) -> tuple[int
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | flags)
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | flags)
+        try:
+            seal(fd, SEALS | (F_SEAL_FUTURE_WRITE if ours_to_write else 0))
+        except BaseException:
+            mapped.close()
+            raise
+        return fd, mapped
     except OSError as exc:
         os.close(fd)
         raise TransportError(
             f"shm:// cannot reserve {what} of {nbytes} bytes: {exc} (is memory, or the memory cgroup, full?)"
         ) from None
+
+
+def seal(fd: int, seals: int) -> None:
+    """Add `seals` to a memfd; F_SEAL_FUTURE_WRITE left out where the kernel does not know it (before 5.1)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL or not seals & F_SEAL_FUTURE_WRITE:
+            raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals & ~F_SEAL_FUTURE_WRITE)
 
 
 def sealed_at(fd: int, nbytes: int) -> bool:
@@ -99,7 +121,9 @@ class Segment:
         self.seg_id, self.slot, self.slots = seg_id, slot, slots
         self.size = slot * slots
         check_available()
-        self.fd, self._map = sealed_memfd("tensorbus-shm", self.size, "a shared memory segment", MAP_POPULATE)
+        self.fd, self._map = sealed_memfd(
+            "tensorbus-shm", self.size, "a shared memory segment", MAP_POPULATE, ours_to_write=True
+        )
         self.array = np.frombuffer(self._map, np.uint8)  # (writable: the producer's side)
         self.in_use = 0  # slots handed out
         self.retired = False  # a consumer that went away may still map it: never written again

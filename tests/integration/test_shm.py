@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import mmap
 import multiprocessing
 import os
 import select
@@ -135,6 +136,23 @@ def test_empty_refuses_what_numpy_or_a_frame_would_refuse_and_keeps_no_slot_for_
                 producer.empty((4,), dtype)
         assert sum(segment.in_use for segment in slots.segments.values()) == 0
         assert producer.empty(3, np.int16).shape == (3,)
+
+
+def test_a_segment_passed_to_a_consumer_can_be_mapped_to_read_only() -> None:
+    """A segment's memfd is sealed against writable mappings made after the producer's own: a consumer cannot
+    write into the producer's memory (its `empty()` arrays, frames kept to be sent again)."""
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        producer.send("k", np.arange(1000))
+        assert same(consumer.recv("k", timeout=30), np.arange(1000))
+        segment = next(iter(producer.transport.sender_side.slots.segments.values()))
+        fd = os.dup(segment.fd)  # (as the consumer holds it: the same open file)
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, segment.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mmap.mmap(fd, segment.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ).close()
+        finally:
+            os.close(fd)
 
 
 def let_go(listener: Any) -> bool:
