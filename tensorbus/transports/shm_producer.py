@@ -86,7 +86,7 @@ class ShmSender:
         dtype no frame carries, is refused before a slot is taken."""
         dtype = np.dtype(dtype)
         describe(dtype)  # (UnsupportedDtype: object arrays and the like could never be sent)
-        dims = tuple(operator.index(n) for n in (shape if isinstance(shape, tuple | list) else (shape,)))
+        dims = tuple(operator.index(n) for n in np.atleast_1d(shape).tolist())  # (as numpy reads a shape)
         if any(n < 0 for n in dims):
             raise ValueError(f"negative dimensions are not allowed: {dims}")
         nbytes = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
@@ -197,6 +197,8 @@ class ShmSender:
             except OSError:
                 self._lost()
             else:
+                if self._untold:  # (no room to tell it now: the send returns once the consumer was told)
+                    self._wait_told()
                 if self._positions % POLL_EVERY == 0:
                     self.poll()
                 return
@@ -266,7 +268,7 @@ class ShmSender:
                 lambda: self._ring is not ring or (not self._untold and ring.free() > 0), poll_s=RING_RECHECK_S
             )
         elif sock is not None and ring is None and self._untold:  # (a socket with no room for the notices)
-            self._wait_for_room(lambda: self._sock is not sock or not self._untold, poll_s=RING_RECHECK_S)
+            self._wait_told()
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the consumer has every frame sent in its table; one that went away is replaced by
@@ -344,6 +346,14 @@ class ShmSender:
         finally:
             self.tally.blocked(started)
 
+    def _wait_told(self) -> None:
+        """Wait until the consumer was told of every frame sent (`_untold` empty), up to `send_timeout_s`: a send
+        must not return with its tensor's notice still here, which nothing would send while the producer idles
+        (a consumer that caught up would never see it). On `Timeout` the frames stay: told once there is room,
+        or sent to the next consumer of the name."""
+        sock = self._sock
+        self._wait_for_room(lambda: self._sock is not sock or not self._untold, poll_s=RING_RECHECK_S)
+
     def _poll_untold(self) -> None:
         """`_tell_untold`, a consumer gone meanwhile noticed (its untold frames wait for the next)."""
         try:
@@ -352,10 +362,13 @@ class ShmSender:
             self._lost()
 
     def poll(self) -> None:
-        """Take what the consumer has said so far (acks, frees), without waiting."""
+        """Take what the consumer has said so far (acks, frees), without waiting; tell it of segments dropped
+        that the socket had no room for before."""
         if self._sock is not None:
             try:
                 self._drain(blocking=False)
+                if self.slots.dropped:
+                    self._tell_dropped()
             except OSError:
                 self._lost()
 
@@ -401,14 +414,19 @@ class ShmSender:
         self.slots.give_back(slot)
 
     def _tell_dropped(self) -> None:
+        """Tell the consumer of the segments this side let go of, so that it unmaps them; one the socket has no
+        room for now stays in `slots.dropped`, told at the next look (a consumer's mapping keeps its memory)."""
         dropped, self.slots.dropped = self.slots.dropped, []
-        for seg_id in dropped:
+        for at, seg_id in enumerate(dropped):
             if seg_id in self._announced and self._sock is not None:
-                self._announced.discard(seg_id)
                 try:
                     control.send(self._sock, "drop", seg_id, wait=False)
+                except BlockingIOError:
+                    self.slots.dropped.extend(dropped[at:])
+                    return
                 except OSError:
-                    pass  # (gone: noticed at the next send; no room: it keeps the mapping until it leaves)
+                    return  # (gone: noticed at the next send, and every mapping goes with the connection)
+                self._announced.discard(seg_id)
 
     # -- the connection --------------------------------------------------------------------------
 

@@ -84,6 +84,25 @@ def sealed_memfd(
         ) from None
 
 
+def _seals_future_write() -> bool:
+    """Whether this kernel has F_SEAL_FUTURE_WRITE (Linux 5.1): asked of a memfd of no size, once."""
+    try:
+        fd = os.memfd_create("tensorbus-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (OSError, AttributeError):
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+#: whether segments are sealed against later writable mappings here; if so a consumer requires it of them
+FUTURE_WRITE_SEALS = bool(SEALS) and _seals_future_write()
+
+
 def seal(fd: int, seals: int) -> None:
     """Add `seals` to a memfd; F_SEAL_FUTURE_WRITE left out where the kernel does not know it (before 5.1)."""
     try:
@@ -101,10 +120,13 @@ def sealed_at(fd: int, nbytes: int) -> bool:
 
 
 def reserved(fd: int, nbytes: int) -> bool:
-    """Whether a peer's memfd has memory allocated for its first `nbytes` (its producer reserved them, as
-    `sealed_memfd` does): mapping it with MAP_POPULATE then allocates nothing more. A file of holes would have
-    the consumer allocate (and be charged for) pages the producer never paid for, as many as it announces."""
-    return os.fstat(fd).st_blocks * 512 >= nbytes
+    """Whether a peer's memfd has memory allocated for all of its first `nbytes` (no hole before them: its
+    producer reserved them, as `sealed_memfd` does), and is sealed so that none can be punched out later
+    (F_SEAL_FUTURE_WRITE, where the kernel has it): mapping it with MAP_POPULATE then allocates nothing more. A
+    file of holes would have the consumer allocate (and be charged for) pages the producer never paid for."""
+    if FUTURE_WRITE_SEALS and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE:
+        return False
+    return os.lseek(fd, 0, os.SEEK_HOLE) >= nbytes
 
 
 def slot_size(nbytes: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import gc
 import mmap
@@ -136,6 +137,7 @@ def test_empty_refuses_what_numpy_or_a_frame_would_refuse_and_keeps_no_slot_for_
                 producer.empty((4,), dtype)
         assert sum(segment.in_use for segment in slots.segments.values()) == 0
         assert producer.empty(3, np.int16).shape == (3,)
+        assert producer.empty(np.array([2, 3]), np.int16).shape == (2, 3)  # (any shape numpy takes)
 
 
 def test_a_segment_passed_to_a_consumer_can_be_mapped_to_read_only() -> None:
@@ -163,6 +165,37 @@ def let_go(listener: Any) -> bool:
             if peer.acks.pinned.total or peer.acks.owed():
                 return False
     return True
+
+
+def test_a_drop_the_socket_has_no_room_for_is_told_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment the producer lets go of is dropped by the consumer too (its mapping keeps its memory): a "drop"
+    the socket has no room for at first (a consumer behind) is sent again at the next look, not forgotten."""
+    monkeypatch.setattr("tensorbus.transports.shm_producer.POOLED_BYTES", 0)  # (an idle segment goes at once)
+    url = endpoint_url("shm")
+    with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
+        sender, listener = producer.transport.sender_side, consumer.transport._listener
+        producer.send("big", np.ones(8 << 20, np.uint8))
+        got = consumer.recv("big", timeout=30)
+        big = max(sender.slots.segments)
+        producer.send("small", np.arange(4))  # (the class last taken keeps its segment for a stream: now small's)
+        assert same(consumer.recv("small", timeout=30), np.arange(4))
+        peer = next(iter(listener._peers.values()))
+        assert big in peer.maps
+        refused: list[Any] = []
+        send = control.send
+
+        def no_room_for_the_first_drop(sock: Any, *message: Any, **options: Any) -> None:
+            if message[0] == "drop" and not refused:
+                refused.append(message)
+                raise BlockingIOError("no room")
+            send(sock, *message, **options)
+
+        monkeypatch.setattr(control, "send", no_room_for_the_first_drop)
+        del got
+        gc.collect()
+        wait_for(lambda: let_go(listener), 10, "the consumer's free sent")
+        unmapped = lambda: refused and big not in peer.maps and refused[0][1] not in peer.maps  # noqa: E731
+        wait_for(lambda: sender.poll() or unmapped(), 10, "the segments unmapped, the refused drop's too")
 
 
 def test_an_empty_array_sent_again_once_its_last_send_was_let_go_goes_in_place() -> None:
@@ -456,6 +489,34 @@ def test_a_send_to_a_consumer_that_reads_no_more_times_out_after_send_timeout_s(
             consumer.abort("done")
 
 
+@pytest.mark.parametrize("notices", ["ring", "datagrams"])
+def test_a_send_returns_once_its_consumer_was_told_of_it(notices: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer whose full table holds its producer back reads no notices for a while; a send that finds no
+    room for its notice waits for room (`send_timeout_s`) rather than return with it untold: a producer that
+    sends its last tensor and goes idle (waiting for an answer) must not leave it where nothing would send it."""
+    if notices == "datagrams":
+        monkeypatch.setattr("tensorbus.transports.shm_producer.shm_ring.available", lambda: False)
+    url = endpoint_url("shm")
+    tensor = np.ones(1024, np.float32)
+    count = 3_000
+    with tb.Consumer(url, max_buffered_bytes=256 << 10) as consumer:
+        got = []
+
+        def receive() -> None:
+            with contextlib.suppress(tb.Timeout):
+                for _ in range(count):
+                    got.append(consumer.recv("k", timeout=30))
+
+        receiving = threading.Thread(target=receive)
+        receiving.start()
+        with tb.Producer(url, send_timeout_s=60) as producer:
+            for _ in range(count):
+                producer.send("k", tensor)
+                assert not producer.transport.sender_side._untold
+            receiving.join(60)  # (no flush: every notice was in the socket or the ring when its send returned)
+            assert len(got) == count
+
+
 def test_a_producer_whose_consumer_left_tensors_untaken_closes_within_close_timeout_s() -> None:
     """Its close flushes: the untaken tensors wait for a successor, dialled for `close_timeout_s` (the flush's
     deadline), not for the longer `reconnect_timeout_s`; a flush's timeout bounds the dialling the same way."""
@@ -594,6 +655,7 @@ def test_close_from_another_thread_while_a_recv_waits() -> None:
         "outside its segment",
         "unsealed segment",
         "unreserved segment",
+        "reserved past its end",
         "garbage",
         "short drop",
         "empty",
@@ -610,11 +672,17 @@ def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -
             control.send(sock, *(["drop"] if attack == "short drop" else []))
         else:  # a segment not sealed, or with no memory behind it (64 MiB of holes), or a frame past the end of one
             sealed = attack != "unsealed segment"
-            size = 64 << 20 if attack == "unreserved segment" else 4096
+            size = 64 << 20 if attack in ("unreserved segment", "reserved past its end") else 4096
             fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING if sealed else 0)
             os.ftruncate(fd, size)
             if attack == "outside its segment":
                 os.posix_fallocate(fd, 0, size)
+            elif attack == "reserved past its end":  # (its memory counts as much as its size, all of it holes)
+                libc = ctypes.CDLL(None, use_errno=True)
+                keep_size = 1  # FALLOC_FL_KEEP_SIZE
+                fallocate = libc.fallocate
+                fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+                assert fallocate(fd, keep_size, size, size) == 0, os.strerror(ctypes.get_errno())
             if sealed:
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             control.send(sock, "seg", 1, size, fds=[fd])
