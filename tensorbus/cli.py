@@ -31,7 +31,7 @@ def _add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser], comm
     send.add_argument("--compression", choices=["lz4", "zstd"])
     send.add_argument(
         "--timeout",
-        type=seconds,
+        type=positive_seconds,
         default=None,
         help="seconds to keep trying to reach the consumer and have the tensor confirmed "
         "(bounds connect_timeout_s, reconnect_timeout_s, send_timeout_s and confirm_timeout_s; default: theirs, "
@@ -111,6 +111,14 @@ def seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type (its name shows in argparse's errors): a number of seconds > 0 (inf: no bound)."""
+    value = float(text)
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0 (a send takes some time)")
     return value
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import glob
 import itertools
+import math
 import multiprocessing
 import re
 import sys
@@ -107,7 +108,7 @@ SEND_TIMEOUTS = ("connect_timeout_s", "reconnect_timeout_s", "send_timeout_s", "
 
 def _bounded_by(url: str, timeout: float | None) -> dict[str, Any]:
     """The producer options that keep a send within `timeout` seconds (none lowered that the URL sets lower)."""
-    if timeout is None:
+    if timeout is None or math.isinf(timeout):  # (inf: as long as it takes, each option its own default)
         return {}
     cls, parsed = resolve_transport(url)
     query = urllib.parse.parse_qs(parsed.query)

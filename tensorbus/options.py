@@ -176,7 +176,16 @@ def merge(
             else:
                 options[name] = _check_type(name, value, known[name])
             _check_value(name, options[name])
+            if name.endswith("_s") and isinstance(options[name], (int, float)) and options[name] > LONGEST_S:
+                options[name] = LONGEST_S  # (as long as this platform's waits take: a socket's refuses inf)
     return options
+
+
+#: durations that cannot be 0, and why
+_NEVER_ZERO = {"connect_timeout_s": "a connection attempt of no time at all never completes"}
+#: a duration option longer than this (`math.inf`, say) is taken as this: half the longest wait of a lock or a
+#: socket here (~146 years), so that a deadline computed from it is still one they take
+LONGEST_S = _TIMEOUT_MAX / 2
 
 
 def _check_value(name: str, value: Any) -> None:
@@ -185,6 +194,8 @@ def _check_value(name: str, value: Any) -> None:
         return
     if name.endswith("_s") and not value >= 0:  # (NaN fails every comparison)
         raise ConfigError(f"option {name} must be a duration of 0 seconds or more, got {value!r}")
+    if name in _NEVER_ZERO and value == 0:
+        raise ConfigError(f"option {name} must be more than 0 seconds: {_NEVER_ZERO[name]}")
     if (_is_size(name) or name.endswith("_frames")) and not value > 0:
         raise ConfigError(f"option {name} must be positive, got {value!r}")
 

@@ -450,10 +450,14 @@ def test_send_to_nobody_names_the_option_that_bounds_the_wait_and_timeout_shorte
     assert "connect_timeout_s bounds each attempt" in result.stderr
 
 
-def test_send_timeout_bounds_the_confirmation_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize("timeout", ["20", "inf"])
+def test_send_timeout_bounds_the_confirmation_too(tmp_path: Path, timeout: str) -> None:
+    """(inf: each option its own bound, and a flush as long as it takes; 0 is refused, as no send takes no time)"""
     np.save(tmp_path / "w.npy", np.ones(2))
     receiver, address = listen("recv", "tcp://127.0.0.1:0", "k", "-o", str(tmp_path / "out.npy"), "--timeout", "30")
-    sent = tensorbus("send", address, "k", str(tmp_path / "w.npy"), "--timeout", "20")
+    refused = tensorbus("send", address, "k", str(tmp_path / "w.npy"), "--timeout", "0")
+    assert refused.returncode == 2 and "> 0" in refused.stderr, refused.stderr
+    sent = tensorbus("send", address, "k", str(tmp_path / "w.npy"), "--timeout", timeout)
     assert sent.returncode == 0, sent.stderr
     finish(receiver)
     assert np.load(tmp_path / "out.npy").tolist() == [1.0, 1.0]

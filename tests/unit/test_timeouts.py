@@ -57,3 +57,16 @@ def test_numbers_of_seconds_and_none_are_taken(timeout: Any) -> None:
         if timeout is not None:
             with pytest.raises(tb.Timeout, match=r"no tensor for key 'x' within"):
                 consumer.recv("x", timeout=timeout)
+
+
+def test_a_duration_option_of_inf_is_as_long_as_a_wait_takes_and_a_connect_of_no_time_is_refused() -> None:
+    """`connect_timeout_s=math.inf` (or 1e10 s) became an OverflowError at the first connect (a socket's timeout
+    refuses it); it is taken as the longest wait this platform has. A connect of 0 s never completes: refused."""
+    with tb.Consumer("tcp://127.0.0.1:0") as consumer:
+        for forever in (math.inf, 1e10):
+            with tb.Producer(consumer.address, connect_timeout_s=forever, send_timeout_s=forever) as producer:
+                producer.send("k", np.arange(3))
+                producer.flush(30)
+                assert consumer.recv("k", timeout=30).tolist() == [0, 1, 2]
+    with pytest.raises(tb.ConfigError, match="connect_timeout_s must be more than 0"):
+        tb.Producer("tcp://127.0.0.1:1?connect_timeout_s=0")
