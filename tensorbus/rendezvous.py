@@ -221,6 +221,8 @@ class Rendezvous(TableState):
     def recv_async(self, key: str, callback: Callback) -> RecvHandle:
         """Call `callback(message, None)` once `key` arrives, or `callback(None, error)`; never blocks."""
         check_key(key)  # (None: the messages sent with no key)
+        if not callable(callback):  # (here, not as a traceback logged when the tensor comes)
+            raise ConfigError(f"recv_async needs a callable callback(message, error), got {brief(callback)}")
         return self.wait_async(key, callback)
 
     def wait_async(self, key: object, callback: Callback) -> RecvHandle:

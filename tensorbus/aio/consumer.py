@@ -102,6 +102,8 @@ class Consumer:
 
     async def _received(self, key: Any, timeout: float | None) -> Message:
         """The next message of `key` (or ANY), counted as the blocking consumer's receives are (metrics)."""
+        if self._closed:  # (receives pending at close fail with Aborted, as documented; later ones say why)
+            raise Closed(f"receive on a closed Consumer of {self.url}")
         blocking = self.blocking
         started = time.perf_counter()
         reading = self._reading  # (a socket consumer read by its loop: receives run on that loop)
@@ -136,7 +138,7 @@ class Consumer:
         while True:
             try:
                 yield await self.next_message()
-            except Aborted:
+            except (Aborted, Closed):
                 if self._closed:
                     return
                 raise

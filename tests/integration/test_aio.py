@@ -408,9 +408,10 @@ def test_abort_fails_pending_and_later_receives(run: Any) -> None:
         async with tba.Consumer(endpoint_url("tcp")) as consumer:
             pending = [asyncio.create_task(consumer.recv("k"))]
             await until(lambda: waiting(consumer, "k"), "the receive to wait")
-        for call in (pending[0], consumer.recv("after close")):
-            with pytest.raises(tb.Aborted, match="consumer closed"):
-                await call
+        with pytest.raises(tb.Aborted, match="consumer closed"):  # (pending as it closed)
+            await pending[0]
+        with pytest.raises(tb.Closed):  # (made after: as the blocking consumer's)
+            await consumer.recv("after close")
 
     run(main())
 
@@ -501,6 +502,12 @@ def test_errors_are_the_blocking_apis(run: Any) -> None:
         async with tba.Consumer("memory://x") as consumer:
             with pytest.raises(tb.ConfigError):
                 await consumer.recv(17)  # type: ignore[arg-type]
+            with pytest.raises(tb.ConfigError, match="callable"):
+                consumer.blocking.recv_async("k", "not a function")  # type: ignore[arg-type]
+        for receive in (consumer.recv("k", timeout=1), consumer.next_message(timeout=1)):
+            with pytest.raises(tb.Closed):  # (as the blocking consumer's, after close)
+                await receive
+        assert [message async for message in consumer] == []  # (iteration ends)
 
     run(main())
 
