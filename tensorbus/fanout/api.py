@@ -20,7 +20,7 @@ from ..codec.compression import check_codec
 from ..codec.frame import Buffer, Limits
 from ..codec.signing import frame_key
 from ..codec.torch_bridge import check_like
-from ..errors import Closed, ConfigError
+from ..errors import Closed, ConfigError, brief
 from ..options import build, defaults, finite_timeout, merge, redact
 from ..transports import resolve_transport
 from .latest import Latest
@@ -215,6 +215,8 @@ class Subscriber:
 
     def latest(self, key: str, *, newer_than: int | None = None, timeout: float | None = None) -> VersionedMessage:
         """The newest version received of `key`, waiting up to `timeout` for one (newer than `newer_than`, if given)."""
+        if newer_than is not None and (isinstance(newer_than, bool) or not isinstance(newer_than, int)):
+            raise ConfigError(f"newer_than must be a version (an int) or None, got {brief(newer_than)}")
         return self._latest.latest(key, newer_than, finite_timeout(timeout))
 
     def version(self, key: str) -> int | None:

@@ -29,10 +29,14 @@ class VersionedMessage(Message):
     version: int = 0
 
 
-def check_version(version: object) -> int:
-    """A version must be a non-negative int (bool is not one)."""
-    if type(version) is not int or version < 0:
-        raise ConfigError(f"version must be a non-negative int, got {version!r}")
+#: the largest version a frame's header carries (a msgpack unsigned 64-bit int)
+MAX_VERSION = (1 << 64) - 1
+
+
+def check_version(version: object, name: str = "version") -> int:
+    """A version must be an int from 0 to MAX_VERSION (bool is not one)."""
+    if type(version) is not int or not 0 <= version <= MAX_VERSION:
+        raise ConfigError(f"{name} must be an int from 0 to 2**64-1, got {brief(version)}")
     return version
 
 

@@ -79,11 +79,14 @@ def test_publish_refuses_a_version_not_greater_than_the_last(ends: Ends) -> None
         for stale in (5, 4):
             with pytest.raises(tb.ConfigError, match="not greater"):
                 pub.publish("w", np.zeros(2), version=stale)
-        for bad in (-1, 1.5, True):
-            with pytest.raises(tb.ConfigError, match="non-negative int"):
+        for bad in (-1, 1.5, True, 2**70):  # (2**70: more than a frame's header carries)
+            with pytest.raises(tb.ConfigError, match="version must be an int from 0 to 2"):
                 pub.publish("w", np.zeros(2), version=bad)  # type: ignore[arg-type]
         pub.publish("other", np.zeros(2), version=1)  # versions are per key
         assert pub.versions() == {"w": 5, "other": 1}
+        pub.publish("big", np.zeros(2), version=2**64 - 1)  # (the largest one carried)
+    with tb.Subscriber("memory://never-published") as sub, pytest.raises(tb.ConfigError, match="newer_than"):
+        sub.latest("w", newer_than="1", timeout=0)  # type: ignore[arg-type]
 
 
 def test_versions_only_increase_for_a_subscriber_and_the_last_arrives(ends: Ends) -> None:
