@@ -189,15 +189,16 @@ def _write(output: str | Path, message: Message) -> Path:
 
 
 def _note_dropped(consumer: Consumer) -> None:
-    """Say so when tensors under other keys arrived, and which keys: closing drops them (a broker has them acked)."""
+    """Say so when more tensors arrived than were saved, and under which keys: not taken, they are not
+    acknowledged, and a broker or a live producer gives them to the endpoint's next consumer (docs/DELIVERY.md)."""
     keys = consumer.table.buffered_keys()
     if keys:
         first = itertools.islice(keys.items(), 5)
         shown = ", ".join(f"{brief(key)} ({n})" if n > 1 else brief(key) for key, n in first)
         more = f" and {len(keys) - 5} more keys" if len(keys) > 5 else ""
         print(
-            f"note: {sum(keys.values())} tensor(s) under other keys arrived here too and are dropped on exit: "
-            f"{shown}{more}",
+            f"note: {sum(keys.values())} more tensor(s) arrived here and were not saved: {shown}{more}; not taken, "
+            "so a broker (or their producer, while it runs) gives them to the endpoint's next consumer",
             file=sys.stderr,
         )
 
