@@ -29,6 +29,7 @@ class Latest:
         self._error: TensorBusError | None = None
         self._closed = False
         self._held = False  # a transport still catching up (reading a log from its start): no answers yet
+        self._trouble: str | None = None  # why the transport is not connected now, if it says (`trouble`)
         self.ignored = 0  # versions dropped as older than one already held
 
     def offer(self, message: VersionedMessage) -> bool:
@@ -88,8 +89,15 @@ class Latest:
                 raise self._error
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise Timeout(f"{self.name}: {what} within {timeout}s")
+                trouble = "" if self._trouble is None else f" (not connected: {self._trouble})"
+                raise Timeout(f"{self.name}: {what} within {timeout}s{trouble}")
             self._cond.wait(left)
+
+    def trouble(self, why: str | None) -> None:
+        """The transport's last connection failed (`why`), or it connected (None): a receive that times out
+        says why nothing came (a wrong port, say), not only that nothing did."""
+        with self._cond:
+            self._trouble = why
 
     def hold(self) -> None:
         """Answer nothing until `release`: the transport is reading what was published before it joined."""

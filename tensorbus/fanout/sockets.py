@@ -269,6 +269,7 @@ class SubscribingSide:
             except (OSError, TransportError, CodecError) as exc:
                 if self._closed.is_set():
                     return
+                self._receive.latest.trouble(f"{exc}" if str(exc) else repr(exc))
                 if self.frames > frames_before:  # (a connection that carried frames: dial again soon; one that
                     delays = backoff_s()  # fails before its first frame backs off further each time)
                 delay = next(delays)
@@ -316,6 +317,7 @@ class SubscribingSide:
         if sock.family != socket.AF_UNIX:
             keep_alive(sock)
         self.connects += 1
+        self._receive.latest.trouble(None)
         return sock
 
     def _read(self, sock: socket.socket) -> None:

@@ -376,3 +376,12 @@ def test_a_fault_in_a_subscribers_receiving_thread_fails_its_receives(monkeypatc
         pub.publish("w", np.arange(4), version=1)
         with pytest.raises(tb.TransportError, match="receiving failed"):
             sub.latest("w", timeout=30)  # (told, rather than left waiting)
+
+
+def test_a_subscriber_that_cannot_connect_says_why_when_its_wait_ends() -> None:
+    """A wrong port: the timeout says the connection was refused, not only that no version came."""
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+    with tb.Subscriber(url) as sub, pytest.raises(tb.Timeout, match=r"no version of 'w'.*not connected: .*refused"):
+        sub.latest("w", timeout=2)
