@@ -66,7 +66,7 @@ class Producer:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-send")
         try:
             future = self._worker.submit(call, *args, **kwargs)
-            self._calls.append(future)
+            self._outstanding().append(future)
         except RuntimeError:  # (its worker shut down: `close` ran meanwhile)
             raise Closed(f"the Producer of {self.url} is closed") from None
         return await asyncio.wrap_future(future)
@@ -131,19 +131,23 @@ class Producer:
         """Whether a memory:// send of `tensor` goes out on the loop now: a small plain ndarray, room for it (the
         transport's `has_room`, which also says no when it cannot tell at once), and no call of the worker thread
         left (it would be overtaken, and the producer is one thread's at a time: a finished call's future was set
-        after the worker's last step, so this thread sees all it did). Every call is looked at, not the latest
-        alone: a call cancelled before it ran is done at once, while the one before it may still run."""
+        after the worker's last step, so this thread sees all it did: `_outstanding`)."""
         assert self._memory is not None
-        calls = self._calls
-        while calls and calls[0].done():  # (the worker runs them in order: an earlier one not done holds the rest)
-            calls.popleft()
         return (
-            not calls
+            not self._outstanding()
             and type(tensor) is np.ndarray
             and tensor.nbytes < MEMORY_ON_LOOP_BELOW
             and self._memory.max_frame_bytes is None
             and self._memory.has_room()
         )
+
+    def _outstanding(self) -> collections.deque[concurrent.futures.Future[Any]]:
+        """The worker's calls not done yet, oldest first (the worker runs them in order: one not done holds the
+        rest, and a call cancelled before it ran is done at once, while the one before it may still run)."""
+        calls = self._calls
+        while calls and calls[0].done():
+            calls.popleft()
+        return calls
 
     def _send(self, key: str | None, tensor: Any, metadata: dict[str, Any] | None) -> MessageId:
         if self._memory is not None:  # (a pause the loop owed its consumer is paid here, where waiting is allowed)

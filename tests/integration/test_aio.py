@@ -785,9 +785,12 @@ def test_a_producer_that_compresses_or_signs_sends_off_the_loop(
     async def main() -> None:
         async with tba.Consumer("tcp://127.0.0.1:0", signing_key=options.get("signing_key")) as consumer:
             async with tba.Producer(consumer.address, **options) as producer:
-                await producer.send("w", array)
+                for _ in range(50):
+                    await producer.send("w", array)
                 assert producer._sender is None and producer._worker is not None
-                same(await consumer.recv("w", timeout=30), array)
+                assert len(producer._calls) <= 1  # (the worker's calls done are let go of, not kept)
+                for _ in range(50):
+                    assert same(await consumer.recv("w", timeout=30), array)
 
     run(main())
 
