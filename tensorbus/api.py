@@ -251,6 +251,8 @@ class Producer:
         return f"<Producer {redact(self.url)} {_state(self._closed)}>"
 
     def __enter__(self) -> Producer:
+        if self._closed:
+            raise Closed("`with` on a closed Producer")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -444,6 +446,8 @@ class Consumer:
         return f"<Consumer {self._shown} {_state(self._closed)}>"
 
     def __enter__(self) -> Consumer:
+        if self._closed:
+            raise Closed("`with` on a closed Consumer")
         return self
 
     def __exit__(self, *exc: object) -> None:

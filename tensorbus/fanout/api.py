@@ -194,6 +194,8 @@ class Publisher:
         self.side.close()
 
     def __enter__(self) -> Publisher:
+        if self._closed:
+            raise Closed("`with` on a closed Publisher")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -243,6 +245,8 @@ class Subscriber:
             self.side.close()
 
     def __enter__(self) -> Subscriber:
+        if self._closed:
+            raise Closed("`with` on a closed Subscriber")
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -56,6 +56,8 @@ class Latest:
     def version(self, key: str) -> int | None:
         """The newest version held of `key` (None: none yet)."""
         with self._cond:
+            if self._closed:
+                raise Closed(f"{self.name}: subscriber closed")
             held = self._latest.get(key)
             return None if held is None else held.version
 
@@ -82,6 +84,8 @@ class Latest:
 
     def _wait(self, ready: object, timeout: float | None, what: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._closed:  # (a version held already is not handed out after close either)
+            raise Closed(f"{self.name}: subscriber closed")
         while self._held or not ready():  # type: ignore[operator]
             if self._closed:
                 raise Closed(f"{self.name}: subscriber closed")

@@ -385,3 +385,17 @@ def test_a_subscriber_that_cannot_connect_says_why_when_its_wait_ends() -> None:
         url = f"tcp://127.0.0.1:{free.getsockname()[1]}"
     with tb.Subscriber(url) as sub, pytest.raises(tb.Timeout, match=r"no version of 'w'.*not connected: .*refused"):
         sub.latest("w", timeout=2)
+
+
+def test_a_closed_subscriber_or_publisher_refuses_every_use() -> None:
+    """As a Consumer or Producer does after close (the README's `Closed`): a version held already is not handed
+    out, and `with` on a closed one is refused."""
+    with tb.Publisher("memory://closed-ends") as pub, tb.Subscriber("memory://closed-ends") as sub:
+        pub.publish("w", np.arange(3), version=1)
+        assert sub.latest("w", timeout=30).version == 1
+    for call in (lambda: sub.latest("w", timeout=0), lambda: sub.version("w"), lambda: sub.next(timeout=0)):
+        with pytest.raises(tb.Closed):
+            call()
+    for closed in (sub, pub):
+        with pytest.raises(tb.Closed), closed:
+            pass

@@ -477,3 +477,12 @@ def test_a_memory_producer_queues_a_plain_tensor_as_the_codec_encodes_it_aligned
     assert bytes(frame) == b"".join(bytes(memoryview(part).cast("B")) for part in expected)
     assert tb.buffers.address(frame) % 64 == 0
     assert (tb.loads(frame) == tensor).all()
+
+
+def test_with_on_a_closed_producer_or_consumer_is_refused() -> None:
+    producer, consumer = tb.Producer("memory://closed-with"), tb.Consumer("memory://closed-with")
+    producer.close()
+    consumer.close()
+    for closed in (producer, consumer):
+        with pytest.raises(tb.Closed, match="closed"), closed:
+            pass
