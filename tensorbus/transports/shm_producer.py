@@ -29,7 +29,7 @@ from ..buffers import address
 from ..codec.dtypes import describe
 from ..codec.frame import Buffer, join_into
 from ..codec.native import STREAMED_FROM, copy_streamed
-from ..errors import Timeout, TransportError
+from ..errors import AuthRefused, Timeout, TransportError, brief
 from . import shm_control as control
 from . import shm_ring
 from .base import backoff_s
@@ -482,9 +482,11 @@ class ShmSender:
             control.send(sock, "proof", proof(self._secret, nonce))
             verdict = control.receive(sock)
             assert verdict is not None
-            if verdict[0][0] != "ok":
+            if verdict[0][0] != "ok":  # (the consumer refuses a producer for its proof alone: auth_secret)
                 reason = verdict[0][1] if len(verdict[0]) > 1 else "refused"
-                raise TransportError(f"shm://{self.name} refused this producer: {reason}")
+                raise AuthRefused(
+                    f"shm://{self.name} refused this producer: {brief(reason)}: check the auth_secret option"
+                )
             ring = None
             if offers[1:2] == [True] and shm_ring.available():  # (["hello", nonce, auth, ring offered])
                 ring = ProducerRing()

@@ -362,10 +362,10 @@ def test_a_flush_asks_a_sleeping_consumer_for_its_acks_and_gets_them_at_once(mon
 def test_auth_secret_guards_the_control_socket() -> None:
     url = endpoint_url("shm")
     with tb.Consumer(url, auth_secret="s3cret") as consumer:
-        with pytest.raises(tb.TransportError, match="auth_secret"), tb.Producer(url) as producer:
+        with pytest.raises(tb.AuthRefused, match="auth_secret"), tb.Producer(url) as producer:
             producer.send("a", np.arange(3))
         with tb.Producer(url, auth_secret="wrong", reconnect_timeout_s=1) as producer:
-            with pytest.raises(tb.TransportError, match="auth_secret"):
+            with pytest.raises(tb.AuthRefused, match="auth_secret"):
                 producer.send("a", np.arange(3))
         with tb.Producer(url, auth_secret="s3cret") as producer:
             producer.send("a", np.arange(3))
