@@ -286,7 +286,8 @@ def inspect(args: argparse.Namespace) -> int:
             raise BadMagic(f"{args.file} {where}: {exc}") from None
         if offset + total > len(data):
             raise TruncatedFrame(
-                f"frame {count} at byte {offset} needs {total} bytes, the file has {len(data) - offset}"
+                f"frame {count} at byte {offset} needs {total} bytes, the file has {len(data) - offset} from there "
+                f"({len(data)} in all)"
             )
         frame_bytes = data[offset : offset + total]
         header_len = PREFIX.unpack_from(frame_bytes)[4]

@@ -466,8 +466,9 @@ def test_send_timeout_bounds_the_confirmation_too(tmp_path: Path, timeout: str) 
 @pytest.mark.parametrize("damage", ["truncated", "bad header", "empty"])
 def test_inspect_exits_1_on_a_truncated_or_malformed_file_as_documented(tmp_path: Path, damage: str) -> None:
     frame = bytearray(tb.dumps(np.arange(100.0), key="k"))
-    if damage == "truncated":
-        frame = frame[:-10]
+    whole = len(frame)
+    if damage == "truncated":  # (a whole frame, then one cut short)
+        frame = frame + frame[:-10]
     elif damage == "bad header":
         frame[24:30] = b"\xc1" * 6  # (0xc1: never valid msgpack)
     else:
@@ -476,6 +477,9 @@ def test_inspect_exits_1_on_a_truncated_or_malformed_file_as_documented(tmp_path
     result = tensorbus("inspect", str(tmp_path / "f.tbf"))
     assert result.returncode == 1, result
     assert "Traceback" not in result.stderr and result.stderr.strip()
+    if damage == "truncated":
+        said = f"frame 1 at byte {whole} needs {whole} bytes, the file has {whole - 10} from there"
+        assert said in result.stderr, result.stderr
     assert "exit 1" in tensorbus("inspect", "--help").stdout
 
 
