@@ -104,17 +104,20 @@ def demo(args: argparse.Namespace) -> int:
 
 #: what `send --timeout` bounds, where the transport has the option: an attempt, the retries, a blocked send
 SEND_TIMEOUTS = ("connect_timeout_s", "reconnect_timeout_s", "send_timeout_s", "confirm_timeout_s")
+#: ... and a receive's: a broker's connect, which a consumer makes before it can wait
+RECV_TIMEOUTS = ("connect_timeout_s",)
 
 
-def _bounded_by(url: str, timeout: float | None) -> dict[str, Any]:
-    """The producer options that keep a send within `timeout` seconds (none lowered that the URL sets lower)."""
-    if timeout is None or math.isinf(timeout):  # (inf: as long as it takes, each option its own default)
+def _bounded_by(url: str, timeout: float | None, names: tuple[str, ...] = SEND_TIMEOUTS) -> dict[str, Any]:
+    """The options `names` that keep a command within `timeout` seconds (none lowered that the URL sets lower;
+    none for a timeout of 0, which bounds the wait alone, or inf)."""
+    if timeout is None or math.isinf(timeout) or timeout == 0:  # (inf: as long as it takes, each its own default)
         return {}
     cls, parsed = resolve_transport(url)
     query = urllib.parse.parse_qs(parsed.query)
     options = {}
     known = defaults(cls.Options)
-    for name in SEND_TIMEOUTS:
+    for name in names:
         if name in known:
             try:
                 options[name] = min(timeout, float(query.get(name, ["inf"])[-1]))
@@ -145,7 +148,7 @@ def _monitored(args: argparse.Namespace) -> dict[str, Any]:
 def recv(args: argparse.Namespace) -> int:
     """Listen at the URL, wait for one tensor under the key, and write it to a file."""
     check_writable(args.output)  # before the tensor is taken from the endpoint, not after
-    with Consumer(args.url, **_monitored(args)) as consumer:
+    with Consumer(args.url, **_monitored(args), **_bounded_by(args.url, args.timeout, RECV_TIMEOUTS)) as consumer:
         print(f"waiting for {args.key!r} on {redact(consumer.address)}", flush=True)
         try:
             message = consumer.recv_message(args.key, timeout=args.timeout)

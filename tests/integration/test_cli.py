@@ -521,3 +521,15 @@ def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(
         assert main(["send", url, "k", str(tmp_path / "w.npy"), "--timeout", str(timeout)]) == 2
         took = time.monotonic() - started
     assert 0.9 * timeout <= took <= 1.5 * timeout, took
+
+
+def test_recv_timeout_bounds_a_brokers_connect_too(tmp_path: Path) -> None:
+    """A consumer connects to its broker before it can wait: `--timeout` bounds that as well (Kafka's
+    connect_timeout_s, 10 s by default, is longer than the 1 s asked for)."""
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        url = f"kafka://127.0.0.1:{free.getsockname()[1]}/nobody"
+    started = time.monotonic()
+    result = tensorbus("recv", url, "k", "-o", str(tmp_path / "x.npy"), "--timeout", "1")
+    assert result.returncode != 0 and "no Kafka broker answers" in result.stderr, result.stderr
+    assert time.monotonic() - started < 9  # (over 10 before: the broker's connect was not bounded)
