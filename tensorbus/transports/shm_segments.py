@@ -12,7 +12,6 @@ Each segment is cut into equal slots of one size class; a frame is written into 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import mmap
 import os
@@ -61,8 +60,8 @@ def sealed_memfd(
 ) -> tuple[int, mmap.mmap]:
     """A new memfd of `nbytes` (its descriptor, and a writable mapping of it with `flags` added), its pages
     reserved now (`posix_fallocate`: no SIGBUS when one is first touched) and sealed at that size; `ours_to_write`:
-    sealed against writable mappings made after ours too (where the kernel can), so that the peer it is passed
-    to can only read it. A failure is a `TransportError` naming `what` it was for."""
+    sealed against writable mappings made after ours too (where the kernel can: `FUTURE_WRITE_SEALS`), so that the
+    peer it is passed to can only read it. A failure is a `TransportError` naming `what` it was for."""
     try:
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
@@ -72,7 +71,9 @@ def sealed_memfd(
         os.posix_fallocate(fd, 0, nbytes)
         mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | flags)
         try:
-            seal(fd, SEALS | (F_SEAL_FUTURE_WRITE if ours_to_write else 0))
+            fcntl.fcntl(
+                fd, fcntl.F_ADD_SEALS, SEALS | (F_SEAL_FUTURE_WRITE if ours_to_write and FUTURE_WRITE_SEALS else 0)
+            )
         except BaseException:
             mapped.close()
             raise
@@ -101,16 +102,6 @@ def _seals_future_write() -> bool:
 
 #: whether segments are sealed against later writable mappings here; if so a consumer requires it of them
 FUTURE_WRITE_SEALS = bool(SEALS) and _seals_future_write()
-
-
-def seal(fd: int, seals: int) -> None:
-    """Add `seals` to a memfd; F_SEAL_FUTURE_WRITE left out where the kernel does not know it (before 5.1)."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL or not seals & F_SEAL_FUTURE_WRITE:
-            raise
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals & ~F_SEAL_FUTURE_WRITE)
 
 
 def sealed_at(fd: int, nbytes: int) -> bool:
