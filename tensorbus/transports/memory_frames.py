@@ -280,15 +280,14 @@ class Frames:
 
     def has_room(self, limit: int, source: object) -> bool:
         """Whether a send of `source` would go out at once, for a caller that must not wait to know (an event
-        loop): fewer than `limit` bytes queued (`wait_for_room`), no pause owed (`Pace.owe`), not a burst ahead of
-        the receives (`Pace.far_ahead`: a receive on another thread may not have run at all yet, and would not
+        loop): fewer than `limit` bytes queued (`wait_for_room`), the pace not holding it back (`Pace.holds_back`:
+        a pause owed, or a burst ahead of the receives, which a receive on another thread may not run to take
         while the loop's thread sends on), and this queue's lock free now (another thread may hold it while it
         delivers a large frame itself). False if unsure."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            pace = self.pace
-            return self._bytes.get(source, 0) < limit and not pace.owing() and not pace.far_ahead(self._position)
+            return self._bytes.get(source, 0) < limit and not self.pace.holds_back(self._position)
         finally:
             self._lock.release()
 

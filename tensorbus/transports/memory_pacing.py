@@ -94,34 +94,27 @@ class Pace:
             self._lock.release()
 
     def owe(self, until: int) -> None:
-        """A producer on an event loop's thread, which must not wait there, owes the pause `check` asked for: it
-        is `owing` while `pause(until)` would still wait, and a thread that may wait `pay`s it (a tensorbus.aio
-        producer's worker thread, to which its sends go meanwhile)."""
+        """A producer on an event loop's thread, which must not wait there, owes the pause `check` asked for: it is
+        held back (`holds_back`) while `pause(until)` would still wait, and a thread that may wait `pay`s it (a
+        tensorbus.aio producer's worker thread, to which its sends go meanwhile)."""
         with self._lock:
             self._owed = (until, self._waits, time.monotonic() + BURST_WAIT_S)
 
-    def far_ahead(self, handed: int) -> bool:
-        """Whether the consumer has a whole `BURST` of the `handed` positions not taken (another key's set aside):
-        a producer that must not wait (an event loop's) sends from a thread that may, until it took some."""
-        self._lock.acquire()
-        try:
-            return handed - self._taken - self._aside >= BURST
-        finally:
-            self._lock.release()
-
-    def owing(self) -> bool:
-        """Whether a pause owed (`owe`) has not ended yet: as `pause` would end it, by takes, a receive waiting
-        for more, or BURST_WAIT_S."""
+    def holds_back(self, handed: int) -> bool:
+        """Whether a producer that must not wait (an event loop's) should send from a thread that may: a pause it
+        owes (`owe`) has not ended yet (as `pause` would end it: by takes, a receive waiting for more, or
+        BURST_WAIT_S), or the consumer has a whole `BURST` of the `handed` positions not taken (another key's set
+        aside: a receive on another thread may not have run at all yet)."""
         self._lock.acquire()
         try:
             owed = self._owed
-            if owed is None:
-                return False
-            until, waits, deadline = owed
-            if self._taken >= until or self._waits != waits or time.monotonic() >= deadline:
-                self._owed = None
-                return False
-            return True
+            if owed is not None:
+                until, waits, deadline = owed
+                if self._taken >= until or self._waits != waits or time.monotonic() >= deadline:
+                    self._owed = None
+                else:
+                    return True
+            return handed - self._taken - self._aside >= BURST
         finally:
             self._lock.release()
 
