@@ -84,9 +84,7 @@ class Latest:
 
     def _wait(self, ready: object, timeout: float | None, what: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._closed:  # (a version held already is not handed out after close either)
-            raise Closed(f"{self.name}: subscriber closed")
-        while self._held or not ready():  # type: ignore[operator]
+        while self._closed or self._held or not ready():  # type: ignore[operator]  # (closed: none handed out)
             if self._closed:
                 raise Closed(f"{self.name}: subscriber closed")
             if self._error is not None:

@@ -33,10 +33,10 @@ class VersionedMessage(Message):
 MAX_VERSION = (1 << 64) - 1
 
 
-def check_version(version: object, name: str = "version") -> int:
+def check_version(version: object) -> int:
     """A version must be an int from 0 to MAX_VERSION (bool is not one)."""
     if type(version) is not int or not 0 <= version <= MAX_VERSION:
-        raise ConfigError(f"{name} must be an int from 0 to 2**64-1, got {brief(version)}")
+        raise ConfigError(f"version must be an int from 0 to 2**64-1, got {brief(version)}")
     return version
 
 
