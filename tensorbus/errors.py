@@ -98,8 +98,9 @@ class TransportError(TensorBusError):
 
 class Rejected(TransportError):
     """The consumer refused a tensor this producer sent (over one of its limits, a bad signature, a stale
-    incarnation...) and said so (stream sockets). Raised by the producer's next `send`, which then sends
-    nothing, or its `flush`; once per refused message. The message is not sent again: it would be refused again.
+    incarnation...) and said so (stream sockets, memory://, shm://). Raised by the producer's next `send`, which
+    then sends nothing, or its `flush`; once per refused message. The message is not sent again: it would be
+    refused again.
     """
 
     retriable = False

@@ -239,7 +239,9 @@ class LoopSender:
             if p._closed:
                 raise Closed("send on a closed Producer")
             message_id = (p.producer_id, next(p._sequence))
-            if t._rejections or t._unacked_bytes >= t.options.max_unacked_bytes:  # (`_room`'s, without a coroutine)
+            if (
+                t._rejections.pending or t._unacked_bytes >= t.options.max_unacked_bytes
+            ):  # (`_room`'s, without a coroutine)
                 await self._room()
             t._raise_if_closed()
             t._probe_if_quiet()  # (a connection the consumer closed while quiet is replaced now)
@@ -305,7 +307,7 @@ class LoopSender:
         """Before a new message: await while `max_unacked_bytes` are unacknowledged (up to `send_timeout_s`)."""
         t = self.transport
         limit, timeout = t.options.max_unacked_bytes, t.options.send_timeout_s
-        if t._rejections:
+        if t._rejections.pending:
             t._raise_rejection()
         if t._unacked_bytes < limit:
             return

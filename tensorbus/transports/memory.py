@@ -33,6 +33,7 @@ from .memory_frames import Frames
 from .memory_pacing import BURST_BYTES
 from .memory_reading import MemoryReader
 from .named import NamedOptions, NamedTransport
+from .refusals import Refusals
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +124,19 @@ class MemoryTransport(NamedTransport):
         self._source = next(_SOURCES)
         #: the endpoint's queue, looked up once (it lives as long as the hub; `HUB.reset` is for between tests)
         self._frames = HUB.endpoint(self.name)
+        #: the consumer's refusals of this producer's messages (it tells them through the queue: `Frames.refused`)
+        self.refusals = Refusals(f"memory://{self.name}")
+        self._frames.tell_refusals(self._source, self.refusals)
         self._send_timeout = finite_timeout(options.send_timeout_s, "send_timeout_s")
 
     def wait_for_room(self) -> None:
         """Before a new message: wait while `max_unacked_bytes` wait for the consumer (up to `send_timeout_s`).
 
         Called between messages, never between the chunks of one, so a message larger than the
-        limit still goes out whole.
+        limit still goes out whole. First, `Rejected` for a message the consumer refused, if one was not raised yet.
         """
+        if self.refusals.pending:
+            self.refusals.raise_oldest()
         limit, queue, source = self.options.max_unacked_bytes, self._frames, self._source
         if queue.wait_for_room(limit, self._send_timeout, source, self.tally):
             return
@@ -151,7 +157,8 @@ class MemoryTransport(NamedTransport):
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until a consumer's delivery took every frame this producer sent, as a socket producer waits for
-        its acks: up to `timeout`, and up to `reconnect_timeout_s` while no consumer listens."""
+        its acks: up to `timeout`, and up to `reconnect_timeout_s` while no consumer listens. Then `Rejected`
+        for a message the consumer refused, if one was not raised yet."""
         queue, source = self._frames, self._source
         started = time.monotonic()
         deadline = math.inf if timeout is None else started + timeout
@@ -160,6 +167,7 @@ class MemoryTransport(NamedTransport):
             until = deadline if HUB.listening(self.name) else min(deadline, nobody_until)
             # (a second at most: a consumer that comes or goes is noticed, as a socket producer's ack wait does)
             if queue.wait_until_received(max(0.0, min(until - time.monotonic(), 1.0)), source):
+                self.refusals.raise_oldest()
                 return
             now, left = time.monotonic(), queue.unreceived(source)
             if now >= deadline:

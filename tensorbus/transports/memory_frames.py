@@ -10,10 +10,12 @@ import asyncio
 import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
-from ..codec.frame import Buffer
+from ..codec.frame import Buffer, MessageId
 from .memory_pacing import Pace
+from .refusals import Refusals
 from .tally import Tally
 from .wakeup import Wakeup
 
@@ -96,6 +98,8 @@ class Frames:
         #: inside this one; the consumer's ledger tells it what was taken: `Pace.released`)
         self.pace = Pace()
         self._unchecked = 1  # frames `put` delivers before it asks `pace` again (under the lock)
+        #: source -> its producer's record of refused messages (`refused` tells it; its own lock), while it lives
+        self._refusals: weakref.WeakValueDictionary[object, Refusals] = weakref.WeakValueDictionary()
 
     @property
     def nbytes(self) -> int:
@@ -225,6 +229,22 @@ class Frames:
         """Stop reading `source`: the consumer holds its tensor back (its bytes stay unreceived)."""
         with self._lock:
             self._held.add(source)
+
+    def tell_refusals(self, source: object, refusals: Refusals) -> None:
+        """Where to tell the producer `source` of its messages the consumer refused (for as long as it lives)."""
+        with self._lock:
+            self._refusals[source] = refusals
+
+    def refused(
+        self, source: object, reason: str, frame: Buffer | None, names: tuple[str | None, MessageId | None]
+    ) -> None:
+        """The consumer refused a message of `source` for `reason` (its `frame`, or where that is gone its `names`,
+        key and message id): its producer's next send or flush raises `Rejected` (told before `received`, so that
+        a flush ended by it sees the refusal)."""
+        with self._lock:
+            refusals = self._refusals.get(source)
+        if refusals is not None:
+            refusals.add(reason, frame, None if frame is not None else names)
 
     def received(self, source: object) -> None:
         """The consumer's table took (or settled) what the consumer had taken of `source`: read it again."""

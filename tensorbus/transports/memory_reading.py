@@ -116,6 +116,8 @@ class MemoryReader:
             self._frames.received(source)
             return True
         self._stream.record(position, result, item)
+        if result.refused is not None:
+            self._frames.refused(source, result.refused, frame, (None, result.message_id))
         if result.held is not None:
             self._held[source] = result.held
             self._frames.hold(source)  # (then offered again at once: the room may have opened meanwhile)
@@ -138,6 +140,8 @@ class MemoryReader:
                 self._held[source] = result.held
                 continue
             del self._held[source]
+            if result.refused is not None:  # (a chunked message is held decoded: no frame, its names)
+                self._frames.refused(source, result.refused, message.frame, (message.key, message.message_id))
             self._frames.received(source)
             self._deliver.ledger.apply(result)
             if result.turned_away:

@@ -71,6 +71,7 @@ class Peer:
         self.maps: dict[int, mmap.mmap] = {}
         self.acks = acks
         self.held: Held | None = None
+        self.held_at = 0  # the position of the frame held back (its refusal, when offered again, names it)
         self.ring: Any = None  # the producer's notification ring (shm_ring.py), once it passed one
 
 
@@ -398,7 +399,7 @@ class ShmListener:
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
         try:
-            control.send(sock, "hello", peer.nonce, self._secret is not None, shm_ring.available())
+            control.send(sock, "hello", peer.nonce, self._secret is not None, shm_ring.available(), True)
         except OSError:
             self._close(peer)
 
@@ -466,6 +467,8 @@ class ShmListener:
             pass  # (a wake-up for notices read already: one read before a segment's announcement, `_noticed`)
         elif kind == "ask" and not fds and len(message) == 1:
             self._asked = True  # (answered at the end of this step, or the next one's start)
+        elif kind == "refusals" and not fds and len(message) == 1:
+            peer.acks.tells_refusals = True
         elif kind == "ring" and len(fds) == 1 and len(message) == 2 and peer.ring is None:
             peer.ring = shm_ring.consumer_ring(fds[0], message[1])
         else:
@@ -519,9 +522,12 @@ class ShmListener:
             peer.acks.record_admitted(pos, taken.message_id, length)
             return
         result = self.deliver(frame, may_hold=True, source=peer)
+        if result.refused is not None:  # (told before its free: the producer reads the frame's names in its slot)
+            peer.acks.refuse(pos, result.refused)
         del frame  # (the intake and the arrays it made keep it alive now, or nothing does)
         peer.acks.record(pos, result, length)
         if result.held is not None:
+            peer.held_at = pos
             self._hold(peer, result.held)
 
     def _hold(self, peer: Peer, held: Held) -> None:
@@ -541,6 +547,8 @@ class ShmListener:
         if result.held is not None:
             peer.held = result.held
             return
+        if result.refused is not None:
+            peer.acks.refuse(peer.held_at, result.refused)
         peer.held = None
         self.deliver.ledger.apply(result)
         if not peer.open:

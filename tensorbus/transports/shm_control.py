@@ -7,10 +7,13 @@ it), so two users' endpoints of the same name never meet and another user cannot
 
 Every message is one msgpack list, its first item the kind:
 
-    consumer -> producer   ["hello", nonce, auth, ring]  on accept (auth: a proof is required; ring: it can
-                                                         read a notification ring, shm_ring.py)
+    consumer -> producer   ["hello", nonce, auth, ring, refusals]  on accept (auth: a proof is required; ring: it
+                                                         can read a notification ring, shm_ring.py; refusals: it
+                                                         tells a producer that asks which frames it refused)
     producer -> consumer   ["proof", proof]              HMAC of the nonce with auth_secret (stream.proof)
     consumer -> producer   ["ok"] | ["refused", reason]
+    producer -> consumer   ["refusals"]                  it wants "rejected" (if the consumer offered it); sent
+                                                         before the ring, so it comes before any frame
     producer -> consumer   ["ring", capacity]            with the ring's descriptor, if both sides have it
     producer -> consumer   ["seg", seg_id, size]         with the segment's descriptor
     producer -> consumer   ["frame", pos, seg_id, offset, length]   without a ring; with one, the same four
@@ -19,6 +22,8 @@ Every message is one msgpack list, its first item the kind:
     producer -> consumer   ["drop", seg_id]              the producer will never name this segment again
     producer -> consumer   ["ask"]                       it waits for acks (flush, room): the consumer sends
                                                          what it owes at once, not within LINGER_S
+    consumer -> producer   ["rejected", pos, reason]     the frame at pos was refused for good (a bad signature,
+                                                         over a limit...): sent before the "ack" covering it
     consumer -> producer   ["ack", pos, [taken...], [free...]]
                            every frame before pos is in the table or settled; "taken" positions were
                            released by the ledger (never to be sent again); "free" ones are viewed by
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from ..errors import TransportError
+from .refusals import reason_told
 
 if TYPE_CHECKING:
     from ..codec.frame import MessageId
@@ -181,7 +187,7 @@ class Acknowledgements:
     `unviewed` (called from whichever thread dropped the last view) turns into "free"; both wake the
     consumer's thread in batches only (`URGENT_COUNT`, `URGENT_BYTES`). `pending` gathers the control
     messages owed: "ack" (cumulative: every frame before it is in the table or settled, as
-    `Stream.first_unreceived` says), "taken" and "free".
+    `Stream.first_unreceived` says), "taken" and "free", after the "rejected" of frames refused (`refuse`).
     Lists are kept under an RLock: a finalizer may run on any thread, even inside these methods.
     """
 
@@ -194,6 +200,9 @@ class Acknowledgements:
         self._freed_bytes = 0  # of the frees not sent yet
         self._received_bytes = 0  # of the frames received since the last "ack"
         self._acked = 0  # the last cumulative "ack" sent
+        self._refused: list[list[Any]] = []  # the "rejected" messages not sent yet
+        #: the producer asked for "rejected" (a producer of a build without it would take one for an error)
+        self.tells_refusals = False
         self.pinned = PinnedBytes() if pinned is None else pinned  # (the consumer's, shared by its producers)
         self.stream = ledger.stream(self._released)
 
@@ -207,6 +216,15 @@ class Acknowledgements:
         self.stream.record_admitted(pos, message_id)
         self._received(nbytes)
 
+    def refuse(self, pos: int, reason: str) -> None:
+        """The frame at `pos` was refused for good: a producer that asked is told (at once), before the ack covering
+        it."""
+        if not self.tells_refusals:
+            return
+        with self._lock:
+            self._refused.append(["rejected", pos, reason_told(reason)])
+        self._poke()
+
     def _received(self, nbytes: int) -> None:
         with self._lock:
             self._received_bytes += nbytes
@@ -216,7 +234,8 @@ class Acknowledgements:
         `URGENT_BYTES` of frees, or of frames received since the last answer: the producer's credit)."""
         with self._lock:
             return (
-                len(self._taken) >= URGENT_COUNT
+                bool(self._refused)
+                or len(self._taken) >= URGENT_COUNT
                 or len(self._frees) >= URGENT_COUNT
                 or self._freed_bytes >= URGENT_BYTES
                 or self._received_bytes >= URGENT_BYTES
@@ -251,22 +270,23 @@ class Acknowledgements:
             self._poke()
 
     def owed(self) -> bool:
-        """True while "taken" or "free" messages wait to be sent (the thread answers within `LINGER_S`)."""
-        return bool(self._taken or self._frees)
+        """True while "rejected", "taken" or "free" messages wait to be sent (the thread answers within `LINGER_S`)."""
+        return bool(self._refused or self._taken or self._frees)
 
     def pending(self) -> list[list[Any]]:
-        """The "ack" messages owed to the producer now (none if nothing changed), emptied; `requeue` what
-        could not be sent."""
+        """The messages owed to the producer now, "rejected" first, then "ack" (none if nothing changed), emptied;
+        `requeue` what could not be sent."""
         received = self.stream.first_unreceived()
         with self._lock:
+            refused, self._refused = self._refused, []
             taken, self._taken = self._taken, []
             frees, self._frees = self._frees, []
             self._freed_bytes = self._received_bytes = 0
         if received == self._acked and not taken and not frees:
-            return []
+            return refused
         self._acked = received
         count = max(len(taken), len(frees), 1)
-        return [
+        return refused + [
             ["ack", received, taken[at : at + MAX_POSITIONS], frees[at : at + MAX_POSITIONS]]
             for at in range(0, count, MAX_POSITIONS)
         ]
@@ -274,9 +294,11 @@ class Acknowledgements:
     def requeue(self, messages: list[list[Any]]) -> None:
         """Messages `pending` gave that could not be sent (the producer's socket is full): sent later."""
         with self._lock:
-            for _, _, taken, frees in messages:
-                self._taken.extend(taken)
-                self._frees.extend(frees)
+            self._refused[:0] = [message for message in messages if message[0] == "rejected"]
+            for message in messages:
+                if message[0] == "ack":
+                    self._taken.extend(message[2])
+                    self._frees.extend(message[3])
         self._acked = 0  # (the cumulative ack goes again)
 
     def close(self) -> None:

@@ -29,10 +29,11 @@ from ..buffers import address
 from ..codec.dtypes import describe
 from ..codec.frame import Buffer, join_into
 from ..codec.native import STREAMED_FROM, copy_streamed
-from ..errors import AuthRefused, Timeout, TransportError, brief
+from ..errors import AuthRefused, Rejected, Timeout, TransportError, brief
 from . import shm_control as control
 from . import shm_ring
 from .base import backoff_s
+from .refusals import Refusals
 from .shm_ring import ProducerRing
 from .shm_segments import Slot, Slots
 from .stream import proof
@@ -78,6 +79,8 @@ class ShmSender:
         self._ended_lock = threading.Lock()
         self.stats = collections.Counter[str]()  # frames sent "in_place" (from `empty()`) and "copied"
         self._packer = control.packer()  # (this sender is used by one thread at a time: the transport's send lock)
+        #: the consumer's refusals of this producer's messages ("rejected"), raised by the next send or flush
+        self.refusals = Refusals(f"shm://{name}")
 
     # -- empty() ---------------------------------------------------------------------------------
 
@@ -254,7 +257,10 @@ class ShmSender:
 
     def wait_for_room(self) -> None:
         """Wait while `max_unacked_bytes` are unacknowledged, or the notification ring is full (the consumer
-        has not read what it holds), up to `send_timeout_s`."""
+        has not read what it holds), up to `send_timeout_s`. First, `Rejected` for a message the consumer refused,
+        if one was not raised yet."""
+        if self.refusals.pending:
+            self.refusals.raise_oldest()
         limit = self.options.max_unacked_bytes
         if self._sock is not None and self.unacked_bytes >= limit:
             self.poll()
@@ -272,13 +278,15 @@ class ShmSender:
 
     def flush(self, timeout: float | None) -> None:
         """Wait until the consumer has every frame sent in its table; one that went away is replaced by
-        the next consumer of the name, which is sent every frame the first did not hand out."""
+        the next consumer of the name, which is sent every frame the first did not hand out. Then `Rejected` for a
+        message the consumer refused, if one was not raised yet."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll()  # (finds a consumer gone)
             if self._sock is None and any(slot.untaken for slot in self._inflight.values()):
                 self._connect(deadline)
             if not self.unacked_bytes:
+                self.refusals.raise_oldest()
                 return
             # (a consumer lost meanwhile settles every ack owed: the loop then dials the next and waits for it)
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -383,6 +391,9 @@ class ShmSender:
             message, fds = got
             for fd in fds:  # (the consumer sends none)
                 os.close(fd)
+            if message[0] == "rejected" and len(message) == 3 and type(message[1]) is int:
+                self._rejected(message[1], str(message[2]))
+                continue
             if message[0] != "ack" or len(message) != 4 or type(message[1]) is not int:
                 raise TransportError(f"shm://{self.name}: unexpected control message {message[0]!r}")
             _, received, taken, frees = message
@@ -394,6 +405,12 @@ class ShmSender:
                         setattr(slot, field, False)
                         self._settle(slot)
             self._tell_dropped()
+
+    def _rejected(self, pos: int, reason: str) -> None:
+        """The consumer refused the frame at `pos`: a `Rejected` for the next send or flush (its names read from
+        the frame itself, still in its slot: the consumer frees it after this message)."""
+        slot = self._inflight.get(pos)
+        self.refusals.add(reason, slot.segment.view(*slot.frame) if slot is not None else None)
 
     def _acked_before(self, pos: int) -> None:
         """Every frame before `pos` is in the consumer's table (or settled): no longer counted as unacked."""
@@ -487,6 +504,8 @@ class ShmSender:
                 raise AuthRefused(
                     f"shm://{self.name} refused this producer: {brief(reason)}: check the auth_secret option"
                 )
+            if offers[2:3] == [True]:  # (["hello", nonce, auth, ring, refusals told]: before the ring, whose notices
+                control.send(sock, "refusals")  # the consumer may read before a later message)
             ring = None
             if offers[1:2] == [True] and shm_ring.available():  # (["hello", nonce, auth, ring offered])
                 ring = ProducerRing()
@@ -533,9 +552,12 @@ class ShmSender:
     def close(self, timeout: float | None) -> None:
         """Wait up to `timeout` for the consumer's acks (while connected), then let go of the connection and
         the segments; what is still unacknowledged then is logged, not raised."""
+        self.refusals.clear()  # (each was logged as it came)
         try:
             if self._sock is not None and self.unacked_bytes:
                 self.flush(timeout)
+        except Rejected:
+            pass  # (logged as it came)
         except (TransportError, Timeout) as exc:
             # (its text, not the error: a kept log record would keep its traceback, this sender and its segments)
             log.warning("shm://%s: closed with frames unacknowledged: %s", self.name, str(exc))

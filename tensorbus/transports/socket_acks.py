@@ -20,10 +20,11 @@ import threading
 import time
 from collections.abc import Callable, Generator
 
-from ..codec.frame import Buffer, MessageId
-from ..errors import Rejected, TransportError
+from ..codec.frame import Buffer
+from ..errors import TransportError
 from .base import ProducerSide
-from .stream import ACK, ACK_REQUEST_MARKER, REFUSAL, REFUSED, TAKEN, SocketOptions, names_in
+from .refusals import Refusals
+from .stream import ACK, ACK_REQUEST_MARKER, REFUSAL, REFUSED, TAKEN, SocketOptions
 
 log = logging.getLogger("tensorbus.transports.socket")  # (the socket transport's one logger)
 #: a producer reads the acks that arrived every this many sends (four times `ack_every_frames` unacked asks for one)
@@ -105,8 +106,7 @@ class ProducerAcks(ProducerSide):
         self._ack_buf = bytearray()
         self._ack_requested = False
         #: the consumer's refusals of this producer's messages, raised one by one by the next sends or flushes
-        self._rejections: collections.deque[Rejected] = collections.deque()
-        self._last_refused: MessageId | None = None  # (a message's other chunks are refused too: told once)
+        self._rejections = Refusals(self.address)
 
     def forget(self, frames: list[list[Buffer]]) -> None:
         """Drop `frames` (the chunks of a message that failed part way) from those resent on reconnect: a
@@ -339,25 +339,9 @@ class ProducerAcks(ProducerSide):
         index = field & ~REFUSED
         if not self._acked <= index < self._sent:
             raise ConnectionResetError(f"the consumer refused frame {index}; {self._sent} were sent")
-        key, message_id = names_in(self._unacked[index - self._taken][0][0])
-        if message_id is not None and message_id == self._last_refused:
-            return True  # another chunk of a message already refused (and perhaps raised already)
-        self._last_refused = message_id
-        log.warning("%s refused message %s (key %r): %s", self.address, message_id, key, reason)
-        self._rejections.append(
-            Rejected(
-                f"{self.address} refused message {message_id} (key {key!r}): {reason}; it is not sent again",
-                key=key,
-                message_id=message_id,
-                reason=reason,
-            )
-        )
+        self._rejections.add(reason, self._unacked[index - self._taken][0][0])
         return True
 
     def _raise_rejection(self) -> None:
         """Raise the consumer's oldest refusal not raised yet, if there is one."""
-        try:
-            rejection = self._rejections.popleft()
-        except IndexError:  # (none; or another thread's send raised the last one just now)
-            return
-        raise rejection
+        self._rejections.raise_oldest()

@@ -234,8 +234,8 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
             return False
         with self._lock:
             limit = self.options.max_unacked_bytes
-            if self._rejections or self._closed or self._unacked_bytes >= limit:  # (one test, mostly)
-                if self._rejections:
+            if self._rejections.pending or self._closed or self._unacked_bytes >= limit:  # (one test, mostly)
+                if self._rejections.pending:
                     self._raise_rejection()
                 if self._unacked_bytes >= limit:
                     return False  # (the general path waits for room)
@@ -329,7 +329,7 @@ class SocketProducer(SocketEndpoint, ProducerAcks):
         """
         limit, timeout = self.options.max_unacked_bytes, self.options.send_timeout_s
         with self._locked(timeout, "wait for room"):
-            if self._rejections:
+            if self._rejections.pending:
                 self._raise_rejection()
             if self._unacked_bytes < limit:
                 return

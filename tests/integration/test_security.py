@@ -48,7 +48,7 @@ def test_signed_endpoint_rejects_unsigned_and_tampered_frames(transport: str) ->
         assert consumer.recv("w", timeout=60)[0] == 9.0
         assert np.array_equal(consumer.recv("big", timeout=60), np.arange(300_000.0))
         assert consumer.stats["rejected"] == 3
-        sockets = transport in ("tcp", "unix")  # (brokers cannot tell the producer)
+        sockets = transport in ("tcp", "unix", "memory", "shm")  # (brokers cannot tell the producer)
         assert [(e.message_id, e.reason.split(":")[0]) for e in told] == [
             (unsigned_id, "frame is unsigned but this endpoint requires a signature"),
             (("evil", 1), "frame signature does not match"),

@@ -203,6 +203,8 @@ def test_a_small_compressed_frame_cannot_claim_more_than_max_decompressed_bytes(
     with tb.Consumer("memory://bombs", max_decompressed_bytes=1 << 20) as consumer:
         with tb.Producer("memory://bombs", compression="zstd") as producer:
             producer.send("k", np.zeros(16 << 20, np.uint8))
+            with pytest.raises(tb.Rejected, match="claims 16777216 bytes"):  # (told to the producer: raised once)
+                producer.flush(5)
             producer.send("k", np.zeros(1 << 10, np.uint8))
         assert consumer.recv("k", timeout=5).nbytes == 1 << 10 and consumer.stats["rejected"] == 1
 
