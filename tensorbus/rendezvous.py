@@ -332,7 +332,11 @@ class Rendezvous(TableState):
 
     def take_now(self, key: object) -> Message | None:
         """The oldest message of `key` (ANY: of any key) buffered now, handed out (taken); None when none
-        is, or the table was aborted (a wait says so). A receive that need not wait (tensorbus.aio)."""
+        is, or the table was aborted (a wait says so). A receive that need not wait (tensorbus.aio); a key's
+        taken in C where built, as `recv_message` takes it."""
+        take = self._take_buffered
+        if take is not None and key is not ANY and (message := take(key, None)) is not None:  # type: ignore[arg-type]
+            return self._hand_out(message)
         with self._lock:
             message = self._take(key) if self._aborted is None else None
         return None if message is None else self._hand_out(message)

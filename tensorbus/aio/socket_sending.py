@@ -78,13 +78,42 @@ def _settle(future: asyncio.Future[bool], value: bool) -> None:
         future.set_result(value)
 
 
+class Turn:
+    """One message (or flush) at a time on a connection: an `asyncio.Lock`, and the tasks that hold it or wait for
+    it (the loop's thread alone counts them). `free` when there are none: a lock just released is not locked while
+    the task it woke has not run yet, and a send that wrote then would come between that task and its turn."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self._tasks = 0
+
+    def free(self) -> bool:
+        """No task holds the turn or waits for it: taking it now would not suspend."""
+        return not self._tasks
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    async def __aenter__(self) -> None:
+        self._tasks += 1
+        try:
+            await self._lock.acquire()
+        except BaseException:
+            self._tasks -= 1
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._tasks -= 1
+
+
 class LoopSender:
     """Sends a blocking socket producer's messages on the running loop (see the module docstring)."""
 
     def __init__(self, producer: api.Producer) -> None:
         self.producer = producer
         self.transport: SocketProducer = producer.transport  # type: ignore[assignment]
-        self._turn = asyncio.Lock()  # one message (or flush) at a time on the connection
+        self._turn = Turn()
         self._turns = Turns()
 
     # -- waiting on the loop ------------------------------------------------------------------
@@ -129,26 +158,25 @@ class LoopSender:
         if not await self._ready(sock, True, timeout):
             raise TransportError(f"sending to {self.transport.address} made no progress for {timeout}s") from None
 
-    async def _send_frame(self, sock: socket.socket, frame: list[Buffer]) -> int:
+    async def _send_frame(self, sock: socket.socket, frame: list[Buffer], written: int = 0) -> int:
         """Write one frame as `stream.send_frame` would (sealed, or its CRC after it); the bytes of the frame.
+        `written`: bytes of it `send_frame_from` wrote on `sock` already.
 
         In C where it is built (`_stream.send_frame_from`: as far as the socket takes, each call), but for
         a large frame to checksum as it goes; else, and for that one, batch by batch (`stream.wire_batches`).
         """
         if SEND_FROM is not None:
-            progress = SEND_FROM(sock.fileno(), frame, 0, C_SENDS_BELOW, crc32c)
+            progress = SEND_FROM(sock.fileno(), frame, written, C_SENDS_BELOW, crc32c)
             if progress is not None:
                 sent, total = progress
                 while sent < total:
                     await self._room_to_write(sock)
                     sent = SEND_FROM(sock.fileno(), frame, sent, C_SENDS_BELOW, crc32c)[0]  # type: ignore[index]  # (None only from byte 0)
-                if self._turns.due():
-                    await asyncio.sleep(0)
                 return int(total)
-        for batch in wire_batches(frame, True):  # (~1 MiB each: the loop's tasks run between)
-            await self._write(sock, batch)
-            if self._turns.due():
+        for at, batch in enumerate(wire_batches(frame, True)):  # (~1 MiB each: the loop's tasks run between)
+            if at and self._turns.due():  # (not after the last: a frame written whole is booked before any yield)
                 await asyncio.sleep(0)
+            await self._write(sock, batch)
         return sum(memoryview(b).nbytes for b in frame)
 
     # -- connecting ---------------------------------------------------------------------------
@@ -192,6 +220,8 @@ class LoopSender:
                 for frame, _ in list(t._unacked):
                     await self._send_frame(sock, frame)
                     t._sent += 1
+                    if self._turns.due():
+                        await asyncio.sleep(0)
                 t._connects += 1
                 t._resent += len(t._unacked)
                 t._sock = sock
@@ -232,32 +262,99 @@ class LoopSender:
         A send cancelled while its frame is being written drops the connection (the consumer drops the
         part it got; the frames not acknowledged go again on the next one): a frame goes whole or not at all.
         """
-        p, t = self.producer, self.transport
         if self._turns.due():
             await asyncio.sleep(0)
+        if self._turn.free():  # (no send or flush under way, or waiting: nothing to wait behind)
+            begun = self._write_at_once(key, tensor, metadata)
+            if begun is not None:
+                message_id, frame, written, whole = begun
+                if whole:
+                    return message_id
+                async with self._turn:  # (taken at once: nothing ran since the check)
+                    if frame is None:  # (no plain frame for it: encoded as any tensor is)
+                        await self._send_message(tensor, key, metadata, message_id)
+                    elif written:  # (the rest, as the socket takes it)
+                        await self._send_retrying(frame, written)
+                    else:  # (a large frame, checksummed as it goes; or, the connection broken, on a new one)
+                        await self._send_retrying(frame, attempts=1 if self.transport._sock is None else 2)
+                return message_id
         async with self._turn:
+            p = self.producer
             if p._closed:
                 raise Closed("send on a closed Producer")
             message_id = (p.producer_id, next(p._sequence))
-            if (
-                t._rejections.pending or t._unacked_bytes >= t.options.max_unacked_bytes
-            ):  # (`_room`'s, without a coroutine)
-                await self._room()
-            t._raise_if_closed()
-            t._probe_if_quiet()  # (a connection the consumer closed while quiet is replaced now)
-            if t._sock is None:
-                await self._connect()
-            frames = self._frames(tensor, key, metadata, message_id)
-            sent: list[list[Buffer]] = []
-            try:
-                for frame in frames:
-                    await self._send_retrying(frame)
-                    sent.append(frame)
-            except BaseException:
-                if sent:  # the chunks that went out can never make a whole tensor: don't resend them
-                    t.forget(sent)
-                raise
+            await self._send_message(tensor, key, metadata, message_id)
         return message_id
+
+    def _write_at_once(
+        self, key: str | None, tensor: Any, metadata: dict[str, Any] | None
+    ) -> tuple[MessageId, list[Buffer] | None, int, bool] | None:
+        """A plain ndarray's send without suspending, where nothing needs awaiting (connected, room, no refusal
+        to raise): coroutines and a lock fewer per tensor, most of a small tensor's cost on the loop beside its
+        system call. None, with nothing done, where it does not apply. Else its message id, its frame (None: no
+        plain frame, encode it), the bytes of it the current connection took (0 where it broke: dropped), and
+        whether that is all of it (the send is done, booked as `_send_retrying` books it)."""
+        p, t = self.producer, self.transport
+        sock, flags, limit = t._sock, p._encoding.plain_flags, t.options.max_unacked_bytes
+        if (
+            SEND_FROM is None
+            or sock is None
+            or flags is None
+            or type(tensor) is not np.ndarray
+            or p._closed
+            or t._closed
+            or t._rejections.pending
+            or t._unacked_bytes >= limit
+        ):
+            return None
+        t._probe_if_quiet()
+        if t._sock is not sock:  # (the consumer had closed it: connecting awaits)
+            return None
+        message_id = (p.producer_id, next(p._sequence))
+        frame = t.plain_frame(tensor, key, metadata, message_id, flags)
+        if frame is None:
+            return message_id, None, 0, False
+        try:
+            t._signed_for_now(frame)
+            progress = SEND_FROM(sock.fileno(), frame, 0, C_SENDS_BELOW, crc32c)
+        except OSError as exc:
+            log.warning("connection to %s broke (%s); reconnecting", t.address, exc)
+            self._drop()
+            return message_id, frame, 0, False
+        except BaseException:
+            self._drop()
+            raise
+        if progress is None:  # (a large frame: checksummed slice by slice as it goes, awaited)
+            return message_id, frame, 0, False
+        sent, total = progress
+        if sent < total:
+            return message_id, frame, sent, False
+        self._book(frame, total)
+        return message_id, frame, total, True
+
+    async def _send_message(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId
+    ) -> None:
+        """Send one message's frames, holding the turn."""
+        t = self.transport
+        if t._rejections.pending or t._unacked_bytes >= t.options.max_unacked_bytes:  # (`_room`'s test)
+            await self._room()
+        t._raise_if_closed()
+        t._probe_if_quiet()  # (a connection the consumer closed while quiet is replaced now)
+        if t._sock is None:
+            await self._connect()
+        frames = self._frames(tensor, key, metadata, message_id)
+        sent: list[list[Buffer]] = []
+        try:
+            for frame in frames:
+                if sent and self._turns.due():  # (between chunks, each booked: a cancellation here forgets them)
+                    await asyncio.sleep(0)
+                await self._send_retrying(frame)
+                sent.append(frame)
+        except BaseException:
+            if sent:  # the chunks that went out can never make a whole tensor: don't resend them
+                t.forget(sent)
+            raise
 
     def _frames(self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId) -> Any:
         """The frames of one message: a plain ndarray's made as the blocking send makes it where it can be
@@ -272,23 +369,31 @@ class LoopSender:
             return [encoding.encode(tensor, key, metadata, message_id, bound_key)]
         return encoding.encode_chunks(tensor, key, metadata, message_id, t.max_frame_bytes, bound_key)
 
-    async def _send_retrying(self, frame: list[Buffer]) -> None:
-        """Write `frame`, reconnecting once after a broken connection; keep it until it is taken."""
+    async def _send_retrying(self, frame: list[Buffer], written: int = 0, attempts: int = 2) -> None:
+        """Write `frame` (from byte `written`: on the current connection, which took those already) in up to
+        `attempts` tries, reconnecting after a broken connection; keep it until it is taken."""
         t = self.transport
-        for attempt in (1, 2):
+        for attempt in range(1, attempts + 1):
             try:
                 sock = t._sock if t._sock is not None else await self._connect()
-                t._signed_for_now(frame)
-                nbytes = await self._send_frame(sock, frame)
+                if not written:
+                    t._signed_for_now(frame)
+                nbytes = await self._send_frame(sock, frame, written)
                 break
             except OSError as exc:
                 self._drop()
-                if attempt == 2:
+                written = 0
+                if attempt == attempts:
                     raise TransportError(f"sending to {t.address} failed: {exc}") from None
                 log.warning("connection to %s broke (%s); reconnecting", t.address, exc)
             except BaseException:  # cancelled (or timed out) part way
                 self._drop()
                 raise
+        self._book(frame, nbytes)
+
+    def _book(self, frame: list[Buffer], nbytes: int) -> None:
+        """Keep a frame written whole until it is taken; read the acks every READ_ACKS_EVERY frames."""
+        t = self.transport
         # `ProducerAcks._keep_until_acked`, less its ack request (a full socket would refuse it here:
         # `_room` asks, awaiting room to write)
         t._unacked.append((frame, nbytes))

@@ -21,7 +21,9 @@ import pytest
 
 import tensorbus as tb
 import tensorbus.aio as tba
-from tests.conftest import IN_CI, endpoint_url, require_module, transport_params
+from tensorbus.aio import socket_sending
+from tensorbus.aio.socket_sending import Turn
+from tests.conftest import IN_CI, endpoint_url, require_module, require_native, transport_params
 from tests.peers import Peer, make_tensor, same
 from tests.waiting import wait_for
 
@@ -852,5 +854,78 @@ def test_close_wakes_a_send_waiting_for_a_consumer_that_stopped_reading(
             await asyncio.wait_for(producer.close(), 20)
             with pytest.raises(tb.Closed):
                 await asyncio.wait_for(sending, 20)
+
+    run(main())
+
+
+def test_a_send_the_socket_takes_only_part_of_ends_in_its_turn_and_another_tasks_sends_wait_behind_it(
+    run: Callable[[Coroutine[Any, Any, Any]], Any],
+) -> None:
+    """A plain tensor's send writes at once, without the turn (socket_sending.py `_write_at_once`); where the
+    socket takes only part of it, the rest goes in the turn, and a second task's sends wait for it (and are not
+    overtaken by the first's next send while woken: `Turn.free`): no frame interleaves with another, and every
+    tensor arrives whole, in its task's order."""
+    require_native(socket_sending.SEND_FROM is not None, "the C frame sender (tensorbus/transports/_stream.c)")
+    count, size = 48, 1 << 18  # (2 x 12 MiB, far past what a consumer that stopped reading lets in)
+
+    async def main() -> None:
+        async with tba.Consumer("tcp://127.0.0.1:0", max_buffered_bytes=1 << 20) as consumer:
+            async with tba.Producer(consumer.address, max_unacked_bytes=1 << 30, send_timeout_s=60) as producer:
+                sender: Any = producer._sender
+                finished_in_turn: list[int] = []
+                send_retrying = sender._send_retrying
+
+                async def spied(frame: Any, written: int = 0) -> None:
+                    finished_in_turn.append(written)
+                    await send_retrying(frame, written)
+
+                sender._send_retrying = spied
+
+                async def produce(key: str) -> None:
+                    for i in range(count):
+                        await producer.send(key, np.full(size // 8, i, dtype=np.float64))
+
+                sending = [asyncio.create_task(produce("a"))]
+                await until(lambda: any(finished_in_turn), "a send the socket took only part of")
+                sending.append(asyncio.create_task(produce("b")))  # (its sends wait for that one's turn)
+                seen: dict[str, list[int]] = {"a": [], "b": []}
+                for _ in range(2 * count):  # (in arrival order: the table holds four of them)
+                    message = await consumer.next_message(timeout=60)
+                    got = message.tensor
+                    assert got.shape == (size // 8,) and bool((got == got[0]).all())
+                    seen[message.key].append(int(got[0]))
+                assert seen == {"a": list(range(count)), "b": list(range(count))}
+                await asyncio.gather(*sending)
+                assert consumer.stats["rejected"] == 0
+
+    run(main())
+
+
+def test_a_turn_just_handed_to_a_waiting_task_is_not_free(run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+    """Between a release and the woken task's run the lock is not locked; the turn is not free all the same (a send
+    that wrote then would put its frame between that task's and the connection's)."""
+
+    async def main() -> None:
+        turn, release, order = Turn(), asyncio.Event(), []
+
+        async def hold() -> None:
+            async with turn:
+                await release.wait()
+            order.append("first")
+
+        async def wait_for_it() -> None:
+            async with turn:
+                order.append("second")
+
+        tasks = [asyncio.create_task(hold())]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(wait_for_it()))
+        await asyncio.sleep(0)
+        assert turn.locked() and not turn.free()
+        release.set()
+        await asyncio.sleep(0)  # (the first ran, and released: the second is woken, not yet run)
+        assert order == ["first"] and not turn.locked() and not turn.free()
+        await asyncio.gather(*tasks)
+        assert order == ["first", "second"] and turn.free()
 
     run(main())

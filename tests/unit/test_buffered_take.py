@@ -66,6 +66,25 @@ def _unchanged(table: Rendezvous, key: object, timeout: object = None) -> None:
     assert state(table) == before
 
 
+def test_an_event_loops_take_of_a_buffered_key_is_cs_too_and_arrival_order_pythons() -> None:
+    # (`take_now`: tensorbus.aio's receive of a message there already)
+    c_side, python_side, c_handed, python_handed = twins()
+    python_takes = c_side._take
+    c_side._take = _no_python_take  # type: ignore[method-assign]
+    for table in (c_side, python_side):
+        for key, n in [("a", 3), (None, 1), ("a", 5), ("b", 2)]:
+            table.put(Message(key, np.arange(n, dtype=np.int16), {"n": n}))
+    for key in ["a", None, "a"]:
+        c_message, python_message = c_side.take_now(key), python_side.take_now(key)
+        assert c_message.metadata == python_message.metadata  # type: ignore[union-attr]
+        assert state(c_side) == state(python_side)
+    c_side._take = python_takes  # type: ignore[method-assign]  # (none buffered, and ANY, arrival order: Python's)
+    assert c_side.take_now("c") is None and python_side.take_now("c") is None
+    assert c_side.take_now(ANY).metadata == python_side.take_now(ANY).metadata == {"n": 2}  # type: ignore[union-attr]
+    assert [m.metadata["n"] for m in c_handed] == [m.metadata["n"] for m in python_handed] == [3, 1, 5, 2]
+    assert state(c_side) == state(python_side) and c_side.taken_count() == 4
+
+
 @pytest.mark.parametrize("timeout", ["1", -1, -0.5, math.nan, True, -(10**30)])
 def test_a_timeout_python_would_refuse_is_left_to_it_which_says_why(timeout: object) -> None:
     table = Rendezvous()
