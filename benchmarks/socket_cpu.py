@@ -9,12 +9,13 @@ What it measures
     CPU per tensor moves far less with the load than wall time does. The consumer's reader spins while it waits
     for bytes, so its figure is an upper bound when the producer is the slower side; `--spin-s 0` makes it sleep
     at once instead (its CPU is then its work and its wake-ups). With `--aio` the consumer is tensorbus.aio's,
-    on uvloop (asyncio's loop without it), receiving in arrival order (`async for`); with `--aio-producer` the
-    producer is tensorbus.aio's, awaiting each send.
+    on uvloop (asyncio's loop without it), receiving in arrival order (`async for`), or with `--keyed` by key
+    (`await recv_message(key)`, as the bench's link and the blocking consumer here do); with `--aio-producer`
+    the producer is tensorbus.aio's, awaiting each send.
 
 Run
     python -m benchmarks.socket_cpu [--transport tcp|unix|shm] [--size 4096] [--tensors 100000] [--rounds 1]
-        [--spin-s SECONDS] [--aio] [--aio-producer]
+        [--spin-s SECONDS] [--aio [--keyed]] [--aio-producer]
 """
 
 from __future__ import annotations
@@ -59,13 +60,14 @@ async def consume_async(
     """`consume` through tensorbus.aio, on the running loop."""
     import tensorbus.aio as tba
 
+    keyed = options.pop("keyed", False)
     async with tba.Consumer(url, **options) as consumer:
         addresses.put(consumer.address)
         arrivals = aiter(consumer)
-        message = await anext(arrivals)
+        message = await (consumer.recv_message(KEY, WAIT_S) if keyed else anext(arrivals))
         start = _usage()
         for _ in range(tensors - 1):
-            message = await anext(arrivals)
+            message = await (consumer.recv_message(KEY, WAIT_S) if keyed else anext(arrivals))
         del message
         results.put(("consumer", *_since(start, tensors - 1)))
 
@@ -158,17 +160,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--spin-s", type=float, default=None, help="the consumer's spin_s (default: its own)")
     parser.add_argument("--aio", action="store_true", help="the consumer through tensorbus.aio")
+    parser.add_argument("--keyed", action="store_true", help="the aio consumer receives by key, not in arrival order")
     parser.add_argument("--aio-producer", action="store_true", help="the producer through tensorbus.aio")
     args = parser.parse_args()
     for _ in range(args.rounds):
         options: dict[str, Any] = {} if args.spin_s is None else {"spin_s": args.spin_s}
         if args.aio:
             options["aio"] = True
+            options["keyed"] = args.keyed
         sides = one_round(args.transport, args.size, args.tensors, options, args.aio_producer)
         (producer_cpu, _, _), (consumer_cpu, consumer_wall, faults) = sides["producer"], sides["consumer"]
+        consumer = (" (aio consumer, keyed)" if args.keyed else " (aio consumer)") if args.aio else ""
+        producer = " (aio producer)" if args.aio_producer else ""
         print(
-            f"{args.transport}{' (aio consumer)' if args.aio else ''}{' (aio producer)' if args.aio_producer else ''} "
-            f"{args.size} B: producer "
+            f"{args.transport}{consumer}{producer} {args.size} B: producer "
             f"{producer_cpu * 1e6:.2f} µs/tensor, consumer {consumer_cpu * 1e6:.2f} µs/tensor, "
             f"{faults:.1f} faults/tensor, {(args.tensors - 1) / consumer_wall / 1e3:.1f}k tensors/s",
             flush=True,
