@@ -272,7 +272,7 @@ class LoopSender:
                     return message_id
                 async with self._turn:  # (taken at once: nothing ran since the check)
                     if frame is None:  # (no plain frame for it: encoded as any tensor is)
-                        await self._send_message(tensor, key, metadata, message_id)
+                        await self._send_message(tensor, key, metadata, message_id, plain=False)
                     elif written:  # (the rest, as the socket takes it)
                         await self._send_retrying(frame, written)
                     else:  # (a large frame, checksummed as it goes; or, the connection broken, on a new one)
@@ -333,9 +333,9 @@ class LoopSender:
         return message_id, frame, total, True
 
     async def _send_message(
-        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, plain: bool = True
     ) -> None:
-        """Send one message's frames, holding the turn."""
+        """Send one message's frames, holding the turn (`plain` False: the C head declined it already)."""
         t = self.transport
         if t._rejections.pending or t._unacked_bytes >= t.options.max_unacked_bytes:  # (`_room`'s test)
             await self._room()
@@ -343,7 +343,7 @@ class LoopSender:
         t._probe_if_quiet()  # (a connection the consumer closed while quiet is replaced now)
         if t._sock is None:
             await self._connect()
-        frames = self._frames(tensor, key, metadata, message_id)
+        frames = self._frames(tensor, key, metadata, message_id, plain)
         sent: list[list[Buffer]] = []
         try:
             for frame in frames:
@@ -356,11 +356,14 @@ class LoopSender:
                 t.forget(sent)
             raise
 
-    def _frames(self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId) -> Any:
+    def _frames(
+        self, tensor: Any, key: str | None, metadata: dict[str, Any] | None, message_id: MessageId, plain: bool = True
+    ) -> Any:
         """The frames of one message: a plain ndarray's made as the blocking send makes it where it can be
-        (`SocketProducer.plain_frame`), else the producer's encoding (in chunks past `max_frame_bytes`)."""
+        (`SocketProducer.plain_frame`; not tried again with `plain` False), else the producer's encoding (in chunks
+        past `max_frame_bytes`)."""
         t, encoding = self.transport, self.producer._encoding
-        if encoding.plain_flags is not None and type(tensor) is np.ndarray:
+        if plain and encoding.plain_flags is not None and type(tensor) is np.ndarray:
             frame = t.plain_frame(tensor, key, metadata, message_id, encoding.plain_flags)
             if frame is not None:
                 return [frame]

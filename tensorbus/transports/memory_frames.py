@@ -236,7 +236,11 @@ class Frames:
             self._refusals[source] = refusals
 
     def refused(
-        self, source: object, reason: str, frame: Buffer | None, names: tuple[str | None, MessageId | None]
+        self,
+        source: object,
+        reason: str,
+        frame: Buffer | None,
+        names: tuple[str | None, MessageId | None] | None = None,
     ) -> None:
         """The consumer refused a message of `source` for `reason` (its `frame`, or where that is gone its `names`,
         key and message id): its producer's next send or flush raises `Rejected` (told before `received`, so that
@@ -244,7 +248,7 @@ class Frames:
         with self._lock:
             refusals = self._refusals.get(source)
         if refusals is not None:
-            refusals.add(reason, frame, None if frame is not None else names)
+            refusals.add(reason, frame, names)
 
     def received(self, source: object) -> None:
         """The consumer's table took (or settled) what the consumer had taken of `source`: read it again."""

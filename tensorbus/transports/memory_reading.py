@@ -117,7 +117,7 @@ class MemoryReader:
             return True
         self._stream.record(position, result, item)
         if result.refused is not None:
-            self._frames.refused(source, result.refused, frame, (None, result.message_id))
+            self._frames.refused(source, result.refused, frame)
         if result.held is not None:
             self._held[source] = result.held
             self._frames.hold(source)  # (then offered again at once: the room may have opened meanwhile)

@@ -14,7 +14,7 @@ import threading
 
 from ..codec.frame import Buffer, MessageId
 from ..errors import Rejected
-from .stream import MAX_REASON_BYTES, names_in
+from .stream import names_in
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ class Refusals:
         self, reason: str, head: Buffer | None = None, names: tuple[str | None, MessageId | None] | None = None
     ) -> None:
         """The consumer refused a frame for `reason`: a `Rejected` for the next send or flush, logged here. The
-        message is named by the frame's `head` (its prefix and header), or by `names` (key, message id) where the
-        frame is gone; another chunk of the message refused last is not told again."""
-        key, message_id = names if names is not None else _names(head)
+        message is named by the frame's `head` (its prefix and header), or where that is gone by `names` (key,
+        message id); another chunk of the message refused last is not told again."""
+        key, message_id = _names(head) if head is not None or names is None else names
         what = f"message {message_id} (key {key!r})" if key is not None or message_id is not None else "a message"
         rejected = Rejected(
             f"{self.address} refused {what}: {reason}; it is not sent again",
@@ -64,11 +64,6 @@ class Refusals:
         """Forget the refusals not raised (the producer closes: each was logged when it was told)."""
         with self._lock:
             self.pending.clear()
-
-
-def reason_told(reason: str) -> str:
-    """A refusal's reason as a consumer tells it, cut to `MAX_REASON_BYTES` (a message has a size limit)."""
-    return reason.encode("utf-8", "replace")[:MAX_REASON_BYTES].decode("utf-8", "ignore")
 
 
 def _names(head: Buffer | None) -> tuple[str | None, MessageId | None]:

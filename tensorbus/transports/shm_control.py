@@ -23,7 +23,9 @@ Every message is one msgpack list, its first item the kind:
     producer -> consumer   ["ask"]                       it waits for acks (flush, room): the consumer sends
                                                          what it owes at once, not within LINGER_S
     consumer -> producer   ["rejected", pos, reason]     the frame at pos was refused for good (a bad signature,
-                                                         over a limit...): sent before the "ack" covering it
+                                                         over a limit...; reason: UTF-8 bytes, cut as a socket
+                                                         consumer's, `stream.reason_told`): before the "ack"
+                                                         covering it
     consumer -> producer   ["ack", pos, [taken...], [free...]]
                            every frame before pos is in the table or settled; "taken" positions were
                            released by the ledger (never to be sent again); "free" ones are viewed by
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from ..errors import TransportError
-from .refusals import reason_told
+from .stream import reason_told
 
 if TYPE_CHECKING:
     from ..codec.frame import MessageId

@@ -391,8 +391,8 @@ class ShmSender:
             message, fds = got
             for fd in fds:  # (the consumer sends none)
                 os.close(fd)
-            if message[0] == "rejected" and len(message) == 3 and type(message[1]) is int:
-                self._rejected(message[1], str(message[2]))
+            if message[0] == "rejected" and len(message) == 3 and type(message[1]) is int and type(message[2]) is bytes:
+                self._rejected(message[1], message[2].decode("utf-8", "replace"))
                 continue
             if message[0] != "ack" or len(message) != 4 or type(message[1]) is not int:
                 raise TransportError(f"shm://{self.name}: unexpected control message {message[0]!r}")

@@ -342,9 +342,15 @@ def _reason(sock: socket.socket) -> str:
     return "no reason given"
 
 
+def reason_told(reason: str) -> bytes:
+    """A refusal's reason as a consumer tells it to its producer, cut to `MAX_REASON_BYTES` (a producer decodes it
+    with "replace": a character cut in two shows as one replaced)."""
+    return reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+
+
 def refusal(index: int, reason: str) -> bytes:
     """The REFUSAL record of the frame `index` of a connection (counted from 0), its reason cut short if long."""
-    text = reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+    text = reason_told(reason)
     return REFUSAL.pack(REFUSED | index, len(text)) + text
 
 
