@@ -26,7 +26,7 @@ from tensorbus.transports import leading
 from tensorbus.transports import shm_control as control
 from tensorbus.transports.shm_consumer import BATCH
 from tensorbus.transports.shm_producer import ShmSender
-from tensorbus.transports.shm_segments import SEALS
+from tensorbus.transports.shm_segments import F_SEAL_FUTURE_WRITE, FUTURE_WRITE_SEALS, SEALS
 from tests.conftest import endpoint_url, require_native, require_torch
 from tests.peers import make_tensor, same
 from tests.shm_hostile import dropped_and_served_on, raw_producer
@@ -683,8 +683,9 @@ def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -
                 fallocate = libc.fallocate
                 fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
                 assert fallocate(fd, keep_size, size, size) == 0, os.strerror(ctypes.get_errno())
-            if sealed:
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            if sealed:  # (the one mapped as a producer's is sealed as one: it is the frame outside it that is refused)
+                future_write = F_SEAL_FUTURE_WRITE if attack == "outside its segment" and FUTURE_WRITE_SEALS else 0
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | future_write)
             control.send(sock, "seg", 1, size, fds=[fd])
             os.close(fd)
             if attack == "outside its segment":  # (the others are refused at once: a frame sent after could meet a
