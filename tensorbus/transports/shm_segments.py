@@ -112,9 +112,12 @@ def sealed_at(fd: int, nbytes: int) -> bool:
 
 def reserved(fd: int, nbytes: int) -> bool:
     """Whether a peer's memfd has memory allocated for all of its first `nbytes` (no hole before them: its
-    producer reserved them, as `sealed_memfd` does), and is sealed so that none can be punched out later
-    (F_SEAL_FUTURE_WRITE, where the kernel has it): mapping it with MAP_POPULATE then allocates nothing more. A
-    file of holes would have the consumer allocate (and be charged for) pages the producer never paid for."""
+    producer reserved them and touched them, as a `Segment` does), and is sealed so that none can be punched out
+    later (F_SEAL_FUTURE_WRITE, where the kernel has it): mapping it with MAP_POPULATE then allocates nothing
+    more. A file of holes would have the consumer allocate (and be charged for) pages the producer never paid for.
+    A page `posix_fallocate` reserved but nobody has touched may still read as a hole (Linux's shmem reports a
+    page that is not up to date as one, on some kernels and not on others): a producer maps its segment with
+    MAP_POPULATE, which touches every page, before it passes the segment on."""
     if FUTURE_WRITE_SEALS and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE:
         return False
     return os.lseek(fd, 0, os.SEEK_HOLE) >= nbytes

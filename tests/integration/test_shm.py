@@ -26,7 +26,13 @@ from tensorbus.transports import leading
 from tensorbus.transports import shm_control as control
 from tensorbus.transports.shm_consumer import BATCH
 from tensorbus.transports.shm_producer import ShmSender
-from tensorbus.transports.shm_segments import F_SEAL_FUTURE_WRITE, FUTURE_WRITE_SEALS, SEALS
+from tensorbus.transports.shm_segments import (
+    F_SEAL_FUTURE_WRITE,
+    FUTURE_WRITE_SEALS,
+    MAP_POPULATE,
+    SEALS,
+    sealed_memfd,
+)
 from tests.conftest import endpoint_url, require_native, require_torch
 from tests.peers import make_tensor, same
 from tests.shm_hostile import dropped_and_served_on, raw_producer
@@ -649,19 +655,21 @@ def test_close_from_another_thread_while_a_recv_waits() -> None:
 
 
 @pytest.mark.parametrize(
-    "attack",
+    ("attack", "reason"),
     [
-        "unknown segment",
-        "outside its segment",
-        "unsealed segment",
-        "unreserved segment",
-        "reserved past its end",
-        "garbage",
-        "short drop",
-        "empty",
+        ("unknown segment", "a frame in an unknown segment 99"),
+        ("outside its segment", "a frame outside its segment"),
+        ("unsealed segment", "not sealed at its size"),
+        ("unreserved segment", "did not reserve"),
+        ("reserved past its end", "did not reserve"),
+        ("garbage", ""),
+        ("short drop", "unexpected control message 'drop'"),
+        ("empty", ""),
     ],
 )
-def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -> None:
+def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(
+    attack: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer, contextlib.closing(raw_producer(consumer.transport.path)[0]) as sock:
         if attack == "unknown segment":
@@ -670,28 +678,32 @@ def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(attack: str) -
             sock.send(b"\xc1not msgpack")
         elif attack in ("short drop", "empty"):  # well-formed msgpack, too short for its kind
             control.send(sock, *(["drop"] if attack == "short drop" else []))
-        else:  # a segment not sealed, or with no memory behind it (64 MiB of holes), or a frame past the end of one
-            sealed = attack != "unsealed segment"
+        elif attack == "outside its segment":  # a segment made as a producer makes one, then a frame past its end
+            size = 4096
+            fd, mapped = sealed_memfd("hostile", size, "a hostile segment", MAP_POPULATE, ours_to_write=True)
+            control.send(sock, "seg", 1, size, fds=[fd])
+            os.close(fd)
+            control.send(sock, "frame", 1, 1, 4000, 200)
+            mapped.close()
+        else:  # a segment not sealed, or with no memory behind it (64 MiB of holes): refused at once, so nothing
+            sealed = attack != "unsealed segment"  # is sent after it (it could meet a closed socket)
             size = 64 << 20 if attack in ("unreserved segment", "reserved past its end") else 4096
             fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING if sealed else 0)
             os.ftruncate(fd, size)
-            if attack == "outside its segment":
-                os.posix_fallocate(fd, 0, size)
-            elif attack == "reserved past its end":  # (its memory counts as much as its size, all of it holes)
+            if attack == "reserved past its end":  # (its memory counts as much as its size, all of it holes)
                 libc = ctypes.CDLL(None, use_errno=True)
                 keep_size = 1  # FALLOC_FL_KEEP_SIZE
                 fallocate = libc.fallocate
                 fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
                 assert fallocate(fd, keep_size, size, size) == 0, os.strerror(ctypes.get_errno())
-            if sealed:  # (the one mapped as a producer's is sealed as one: it is the frame outside it that is refused)
-                future_write = F_SEAL_FUTURE_WRITE if attack == "outside its segment" and FUTURE_WRITE_SEALS else 0
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | future_write)
+            if sealed:  # (as a producer seals one: the holes are what refuses it, not a seal it lacks)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | (F_SEAL_FUTURE_WRITE if FUTURE_WRITE_SEALS else 0))
             control.send(sock, "seg", 1, size, fds=[fd])
             os.close(fd)
-            if attack == "outside its segment":  # (the others are refused at once: a frame sent after could meet a
-                control.send(sock, "frame", 1, 1, 4000, 200)  # closed socket)
         dropped_and_served_on(sock, consumer, url)
         wait_for(lambda: "memfd:hostile" not in Path("/proc/self/maps").read_text(), 10, "its segment unmapped")
+    drops = [r.getMessage() for r in caplog.records if "dropped a producer" in r.getMessage()]
+    assert len(drops) == 1 and reason in drops[0], drops  # (dropped for what it did, not for something else)
 
 
 def test_two_threads_sending_on_one_producer() -> None:
