@@ -107,6 +107,8 @@ class Consumer:
         blocking = self.blocking
         started = time.perf_counter()
         reading = self._reading  # (a socket consumer read by its loop: receives run on that loop)
+        if reading is not None and reading.loop is not None and reading.loop.is_closed():
+            reading.move_to(asyncio.get_running_loop())  # (opened in an `asyncio.run` that has ended)
         message = await wait_message(
             blocking.table,
             key,

@@ -123,6 +123,7 @@ class LoopReading:
         self._timer: asyncio.TimerHandle | None = None
         self._listening: int | None = None  # the listener's selector, watched
         self._table: Rendezvous | None = None
+        self._intake: Any = None
         self._free = False  # no receive came for linger_s: read ahead without the READ_AHEAD bound
         self._idle: asyncio.TimerHandle | None = None  # when reading goes free, while paused
         self._expire: Callable[[], None] | None = None  # the intake's expiry, run here rather than on a thread
@@ -158,7 +159,7 @@ class LoopReading:
             return False
         listener = transport._listener
         assert listener is not None
-        self._consumer, self._loop, self._table = transport, loop, table
+        self._consumer, self._loop, self._table, self._intake = transport, loop, table, intake
         transport.read_ahead(READ_AHEAD)
         self.poller.attach(loop, self._ready)
         self._listening = listener.selector
@@ -168,6 +169,16 @@ class LoopReading:
             self._expire, every_s = intake.expire, intake.expiry_interval_s
             self._expiring = loop.call_later(every_s, self._expiry, every_s)
         return True
+
+    def move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read on `loop` from now on (on its thread): the loop this reading was attached to has closed (a
+        consumer opened in one `asyncio.run` and used in the next). Its pending callbacks died with it: the
+        upkeep, an ack owed and a turn over bytes read ahead are due on `loop` at once."""
+        assert self._consumer is not None
+        self.detach()
+        self.attach(self._consumer, loop, self._table, self._intake)
+        self._ack_soon()
+        self._again = loop.call_soon(self._read_ahead)
 
     def _expiry(self, every_s: float) -> None:
         """The intake's expiry (`Intake.expire`), every `every_s`."""

@@ -95,6 +95,8 @@ class Turn:
         return self._lock.locked()
 
     async def __aenter__(self) -> None:
+        if not self._tasks:  # (a fresh lock: an asyncio.Lock serves the first loop it waited on only, and a
+            self._lock = asyncio.Lock()  # producer may be used in one `asyncio.run` after another)
         self._tasks += 1
         try:
             await self._lock.acquire()

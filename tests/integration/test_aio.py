@@ -88,6 +88,51 @@ def test_recv_before_and_after_send_and_arrival_order(run: Any, transport: str) 
     run(main())
 
 
+@pytest.mark.parametrize("transport", ["memory", "tcp", "unix"])
+def test_ends_opened_in_one_run_of_a_loop_serve_the_next(run: Any, transport: str) -> None:
+    """An endpoint opened under one `asyncio.run` and used under the next (module-level ends, a test
+    framework's loop per test): the consumer reads on the new loop, and the producer's sends, four tasks at
+    a time, take turns on it; nothing is lost."""
+    consumer = tba.Consumer(endpoint_url(transport))
+    producer: tba.Producer | None = None
+
+    async def first() -> None:
+        nonlocal producer
+        await consumer.open()
+        producer = await tba.Producer(consumer.address).open()
+        await producer.send("first", np.arange(3))
+        assert same(await consumer.recv("first", timeout=30), np.arange(3))
+
+    async def sends(run_number: int) -> None:
+        assert producer is not None
+
+        async def stream(task: int) -> None:  # (four at once: the turn is contended on this loop)
+            for i in range(50):
+                await producer.send(f"{run_number}-{task}", np.full(5000, i))
+
+        received = asyncio.create_task(receive(run_number))
+        await asyncio.gather(*(stream(task) for task in range(4)))
+        await producer.flush(timeout=30)
+        await received
+
+    async def receive(run_number: int) -> None:
+        for task in range(4):
+            for i in range(50):
+                assert same(await consumer.recv(f"{run_number}-{task}", timeout=30), np.full(5000, i))
+
+    async def last() -> None:
+        assert producer is not None
+        await producer.close()
+        await consumer.close()
+
+    try:
+        run(first())
+        run(sends(2))
+        run(sends(3))
+    finally:
+        run(last())
+
+
 @pytest.mark.parametrize("transport", transport_params("memory", "tcp", "unix", "amqp", "kafka"))
 def test_async_and_blocking_ends_talk_to_each_other(run: Any, transport: str) -> None:
     async def main() -> None:
