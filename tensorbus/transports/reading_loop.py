@@ -225,11 +225,16 @@ class ReadingLoop(PeerFrames):
         the upkeep.
         True while bytes read ahead wait, which the loop cannot see: call again soon.
 
-        Every frame a turn delivered is acked before it ends, whether or not bytes wait read ahead: the
+        A turn that leaves a connection with no bytes read ahead acks every frame it delivered from it: the
         loop may not run again for a while (an application between two `run_until_complete`), and a
-        stopped loop answers no ack request (the producer's `flush` would wait for it in vain). With
-        `ack=False` the caller acks them (`ack_read`) in a turn of its own, soon after (socket_reading.py:
-        with only the acks owed, while a receive waits again)."""
+        stopped loop answers no ack request (the producer's `flush` would wait for it in vain). One that
+        leaves bytes read ahead (FAIR_SHARE frames, or READ_AHEAD, read) leaves the acks to the turn that
+        reads on, or to the thresholds `_read` acks at, as a reading thread does: those bytes are a frame
+        not delivered yet, which the producer's `flush` waits for anyway, and an ack per turn of a stream
+        cost the loop a tenth of its time at 64 KB (a system call that wakes the producer: docs/PERFORMANCE.md).
+        An ack owed (asked for, refusals) goes at once. With `ack=False` the caller acks them (`ack_read`)
+        in a turn of its own, soon after (socket_reading.py: with only the acks owed, while a receive waits
+        again)."""
         if not self._leader.acquire(blocking=False):  # (`close` leads)
             return False
         try:
@@ -247,7 +252,7 @@ class ReadingLoop(PeerFrames):
             for peer in peers:
                 if not peer.gone and peer.held is None:
                     self._read(peer, never, room)
-                    if ack and not peer.gone and (peer.frames != peer.acked or peer.ack_owed):
+                    if ack and self._turn_acks(peer):
                         self._ack_now(peer)
             self._upkeep(time.monotonic())
         finally:
@@ -256,18 +261,25 @@ class ReadingLoop(PeerFrames):
         return bool(self._pending)
 
     def ack_read(self, owed_only: bool = False) -> None:
-        """Ack every frame read so far (`owed_only`: only where an ack is owed): an event loop's turn of its
-        own, after turns that read with `ack=False`."""
+        """Ack the connections `_turn_acks` says a turn's end acks (`owed_only`: only where an ack is owed): an
+        event loop's turn of its own, after turns that read with `ack=False`."""
         if not self._leader.acquire(blocking=False):  # (`close` leads, and acks all)
             return
         try:
             self._lead_as(threading.get_ident())
             for peer in self._peer_list():
-                if not peer.gone and (peer.ack_owed or (peer.frames != peer.acked and not owed_only)):
+                if self._turn_acks(peer, owed_only):
                     self._ack_now(peer)
         finally:
             self._lead_as(None)
             self._leader.release()
+
+    def _turn_acks(self, peer: Any, owed_only: bool = False) -> bool:
+        """Whether the end of an event loop's turn acks `peer`: an ack is owed, or (unless `owed_only`) frames
+        were delivered and no bytes wait read ahead (the turn that reads those on acks them: `read_ready`)."""
+        if peer.gone:
+            return False
+        return peer.ack_owed or (not owed_only and peer.frames != peer.acked and peer not in self._pending)
 
     def owes_acks(self) -> bool:
         """Whether a connection is owed an ack (asked for, refusals, one the socket had no room for): for
