@@ -101,7 +101,8 @@ class LoopPoller(Poller):
         """Have `loop` call `ready(data)` whenever a registered descriptor is readable."""
         self._loop, self._ready = loop, ready
         for fd, data in list(self._data.items()):
-            loop.add_reader(fd, ready, data)
+            if self._watched(data):  # (not the connections a pause stopped watching: `pause(False)` does)
+                loop.add_reader(fd, ready, data)
 
     def detach(self) -> None:
         """Stop watching (on the loop's thread)."""
@@ -126,6 +127,8 @@ class LoopReading:
         self._intake: Any = None
         self._free = False  # no receive came for linger_s: read ahead without the READ_AHEAD bound
         self._idle: asyncio.TimerHandle | None = None  # when reading goes free, while paused
+        self._takes = 0  # receives that took or waited (`taken`), counted
+        self._takes_seen = 0  # ... when `_idle` was armed
         self._expire: Callable[[], None] | None = None  # the intake's expiry, run here rather than on a thread
         self._expiring: asyncio.TimerHandle | None = None
         self._spinning: asyncio.Handle | None = None  # the next step of a spin (`spin`)
@@ -173,12 +176,12 @@ class LoopReading:
     def move_to(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read on `loop` from now on (on its thread): the loop this reading was attached to has closed (a
         consumer opened in one `asyncio.run` and used in the next). Its pending callbacks died with it: the
-        upkeep, an ack owed and a turn over bytes read ahead are due on `loop` at once."""
+        upkeep (which acks) and a turn over bytes read ahead are due on `loop` at once."""
         assert self._consumer is not None
         self.detach()
         self.attach(self._consumer, loop, self._table, self._intake)
-        self._ack_soon()
-        self._again = loop.call_soon(self._read_ahead)
+        if self._again is None:  # (the upkeep's turn `attach` ran may have asked for one)
+            self._again = loop.call_soon(self._read_ahead)
 
     def _expiry(self, every_s: float) -> None:
         """The intake's expiry (`Intake.expire`), every `every_s`."""
@@ -222,6 +225,7 @@ class LoopReading:
             self._looks = 0
         self.poller.pause(True)
         if self._idle is None:
+            self._takes_seen = self._takes
             self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)
 
     def _wanted(self, below: int | None = None) -> bool:
@@ -245,18 +249,24 @@ class LoopReading:
         return left if left > 0 or not self._receive_waits() else 1
 
     def _go_free(self) -> None:
-        """No receive came for `linger_s` while reading was paused: read on freely."""
+        """No receive came for `linger_s` while reading was paused: read on freely. One came meanwhile: if
+        reading is paused still (the receives took too little to resume it), wait `linger_s` again."""
+        assert self._loop is not None and self._consumer is not None and self._consumer.reactor is not None
         self._idle = None
+        if self._takes != self._takes_seen:
+            if self.poller is not None and self.poller.paused:
+                self._takes_seen = self._takes
+                self._idle = self._loop.call_later(self._consumer.reactor.linger_s, self._go_free)
+            return
         self._free = True
         self.resume()
 
     def taken(self) -> None:
         """A receive took a tensor or waits: read ahead only a little again, and now if it had stopped;
-        spin while a receive waits."""
+        spin while a receive waits. (The pause's timer stays: it looks at `_takes` when it fires, rather
+        than a timer cancelled and made again at every receive while reading is paused.)"""
         self._free = False
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._takes += 1
         self.resume()
         if self._receive_waits():
             self.spin()
@@ -352,7 +362,8 @@ class LoopReading:
         """Ack what a turn that served a waiting receive read in a callback of its own, just after: the
         receive's task is due first, so an application's reply goes out ahead of these acks. The loop runs
         it before it stops (`run_until_complete` stops a turn after the task ends; `loop.stop()` in the
-        task, after the turn that follows); a turn that serves no receive acks what it read itself."""
+        task, after the turn that follows); a turn that serves no receive acks what it read itself (when it
+        leaves no bytes read ahead: `ReadingLoop.read_ready`)."""
         if self._acking is None and self._loop is not None:
             self._acking = self._loop.call_soon(self._ack)
 

@@ -115,9 +115,9 @@ def reserved(fd: int, nbytes: int) -> bool:
     producer reserved them and touched them, as a `Segment` does), and is sealed so that none can be punched out
     later (F_SEAL_FUTURE_WRITE, where the kernel has it): mapping it with MAP_POPULATE then allocates nothing
     more. A file of holes would have the consumer allocate (and be charged for) pages the producer never paid for.
-    A page `posix_fallocate` reserved but nobody has touched may still read as a hole (Linux's shmem reports a
-    page that is not up to date as one, on some kernels and not on others): a producer maps its segment with
-    MAP_POPULATE, which touches every page, before it passes the segment on."""
+    A page `posix_fallocate` reserved but nobody has touched may read as a hole (Linux's shmem reports a page
+    that is not up to date as one; on the 6.18 kernel of docs/PERFORMANCE.md's VM it did in some runs and not
+    in others): a producer maps its segment with MAP_POPULATE, which touches every page, before passing it on."""
     if FUTURE_WRITE_SEALS and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE:
         return False
     return os.lseek(fd, 0, os.SEEK_HOLE) >= nbytes

@@ -44,9 +44,9 @@ def _queued(sock: Any) -> int:
     return int.from_bytes(count, "little")
 
 
-def _connected(loop: asyncio.AbstractEventLoop) -> tuple[tba.Consumer, tb.Producer]:
-    """An asyncio consumer on `loop` and a blocking producer connected to it (one tensor across)."""
-    consumer = loop.run_until_complete(tba.Consumer("tcp://127.0.0.1:0").open())
+def _connected(loop: asyncio.AbstractEventLoop, **options: Any) -> tuple[tba.Consumer, tb.Producer]:
+    """An asyncio consumer on `loop` (with `options`) and a blocking producer connected to it (one tensor across)."""
+    consumer = loop.run_until_complete(tba.Consumer("tcp://127.0.0.1:0", **options).open())
     producer = tb.Producer(consumer.address)
     loop.run_until_complete(asyncio.to_thread(producer.send, "k", np.zeros(4, np.float32)))
     assert loop.run_until_complete(consumer.recv("k", timeout=30)).shape == (4,)
@@ -202,6 +202,59 @@ def test_a_pause_stops_watching_only_once_the_connection_is_readable_again_and_r
         assert _watched(loop, peer)
     finally:
         _close(loop, consumer, producer)
+
+
+def test_reading_paused_goes_free_once_no_receive_came_for_linger_s_even_after_one_took_too_little(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading paused ahead of the receives, a receive that takes too little to resume it, then none: after
+    `linger_s` without one reading goes free (a send never waits for a receive). The receive used to cancel
+    the pause's timer for good, and with no bytes read ahead nothing armed it again."""
+    monkeypatch.setattr(socket_reading, "READ_AHEAD", 1)  # (one tensor in the table is enough)
+    monkeypatch.setattr(socket_reading, "TAKEN_EVERY_S", 3600.0)
+    consumer, producer = _connected(loop, linger_s=0.2)
+    reading = consumer._reading
+    assert reading is not None and reading.poller is not None
+    try:
+        producer.send("k", np.full(512, 1, np.float32))
+        loop.run_until_complete(_until(lambda: consumer.table.buffered_keys() == {"k": 1}, "the tensor read"))
+        reading._stop_reading()  # (as a turn past READ_AHEAD does: the pause's timer armed)
+        reading.taken()  # a receive took a tensor: the table holds one still, too much to resume
+        assert reading.poller.paused
+        loop.run_until_complete(_until(lambda: not reading.poller.paused, "reading to go free"))
+        assert reading._free
+    finally:
+        _close(loop, consumer, producer)
+
+
+def test_a_consumer_moved_to_another_loop_while_its_connections_are_unwatched_watches_none_until_it_resumes(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer whose loop closed while its pause stopped watching the connections, moved to a new loop
+    by its next receive (`LoopReading.move_to`), leaves them unwatched there too (watched, each readiness
+    would find reading paused and return: the loop would spin), and reads them again once it resumes."""
+    monkeypatch.setattr(socket_reading, "READ_AHEAD", 1)  # (one tensor in the table is enough)
+    monkeypatch.setattr(socket_reading, "TAKEN_EVERY_S", 3600.0)
+    consumer, producer = _connected(loop)
+    reading, (peer,) = consumer._reading, consumer.blocking.transport.reactor._peer_list()
+    assert reading is not None and reading.poller is not None
+    _send_while_the_loop_stands(consumer, producer)
+    assert int(loop.run_until_complete(consumer.recv("k", timeout=30))[0]) == 0
+    producer.send("k", np.full(512, FRAMES, np.float32))
+    wait_for(lambda: _queued(peer.conn) > 0, 30, "the tensor to reach the consumer's socket")
+    for _ in range(socket_reading.PAUSED_LOOKS):
+        reading._ready(peer)  # (what the loop calls when the socket is readable)
+    assert reading.poller.unwatched
+    loop.close()
+    second = asyncio.new_event_loop()
+    try:
+        reading.move_to(second)
+        assert not _watched(second, peer)
+        assert second.run_until_complete(_receive(consumer, FRAMES)) == list(range(1, FRAMES + 1))
+        assert _watched(second, peer)
+    finally:
+        _close(second, consumer, producer)
+        second.close()
 
 
 def _ping_pong(loop: asyncio.AbstractEventLoop, consumer: Any, producer: Any, rounds: int) -> None:
