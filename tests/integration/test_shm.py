@@ -671,7 +671,7 @@ def test_close_from_another_thread_while_a_recv_waits() -> None:
 def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(
     attack: str, reason: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="tensorbus")  # (the CLI's tests leave it at ERROR)
+    caplog.set_level(logging.WARNING, logger="tensorbus")  # (the CLI's in-process tests leave the root at CRITICAL)
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer, contextlib.closing(raw_producer(consumer.transport.path)[0]) as sock:
         if attack == "unknown segment":

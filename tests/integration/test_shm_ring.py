@@ -362,7 +362,7 @@ def _attack(sock: socket.socket, attack: str) -> None:
 def test_a_hostile_ring_drops_its_producer_and_the_consumer_serves_on(
     attack: str, reason: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="tensorbus")  # (the CLI's tests leave it at ERROR)
+    caplog.set_level(logging.WARNING, logger="tensorbus")  # (the CLI's in-process tests leave the root at CRITICAL)
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer:
         sock, offers = raw_producer(consumer.transport.path)  # type: ignore[attr-defined]
