@@ -7,6 +7,7 @@ These wait for the condition itself, with a deadline far past what it takes on a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -21,6 +22,14 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
+
+
+async def until(condition: Callable[[], Any], what: str, timeout: float = 30) -> None:
+    """Yield to the running event loop until `condition()` holds (the loop's twin of `wait_for`)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.001)
 
 
 def catching(failures: list[BaseException], call: Callable[..., Any], *args: Any) -> Callable[[], None]:

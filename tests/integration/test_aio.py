@@ -25,7 +25,7 @@ from tensorbus.aio import socket_sending
 from tensorbus.aio.socket_sending import Turn
 from tests.conftest import IN_CI, endpoint_url, require_module, require_native, transport_params
 from tests.peers import Peer, make_tensor, same
-from tests.waiting import wait_for
+from tests.waiting import until, wait_for
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -53,14 +53,6 @@ def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, Any]], 
 
 def waiting(consumer: tba.Consumer, key: object) -> bool:
     return bool(consumer.table._waiters.get(key))
-
-
-async def until(condition: Callable[[], Any], what: str, timeout: float = 30) -> None:
-    """Yield to the loop until `condition()` holds (event loop twin of tests.waiting.wait_for)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.001)
 
 
 @pytest.mark.parametrize("transport", ["memory", "tcp", "unix"])

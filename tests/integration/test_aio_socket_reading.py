@@ -25,7 +25,7 @@ from tensorbus.transports import reader as reader_module
 from tensorbus.transports.peer_frames import PeerFrames
 from tensorbus.transports.stream import SocketOptions
 from tests.conftest import require_native
-from tests.waiting import wait_for
+from tests.waiting import until, wait_for
 
 FRAMES = 20
 
@@ -75,14 +75,6 @@ async def _receive(consumer: tba.Consumer, count: int) -> list[int]:
     return [int((await consumer.recv("k", timeout=10))[0]) for _ in range(count)]
 
 
-async def _until(condition: Any, what: str, timeout: float = 30) -> None:
-    """Run the loop until `condition()` holds."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.001)
-
-
 def _close(loop: asyncio.AbstractEventLoop, consumer: tba.Consumer, producer: tb.Producer) -> None:
     producer.close()
     loop.run_until_complete(consumer.close())
@@ -130,7 +122,7 @@ def test_a_loop_that_stops_with_bytes_read_ahead_acks_them_once_it_reads_on(
         assert 1 < delivered < FRAMES, delivered  # (stopped with frames read ahead: the case under test)
         # no receive: the loop's turns read the rest ahead, the last of them the connection dry
         buffered = lambda: consumer.table.buffered_keys().get("k", 0) == FRAMES - 1  # noqa: E731
-        loop.run_until_complete(_until(buffered, "the rest read ahead"))
+        loop.run_until_complete(until(buffered, "the rest read ahead"))
         wait_for(lambda: _acks_read(producer) == 1 + FRAMES, 10, "the producer to see every frame acknowledged")
         assert loop.run_until_complete(_receive(consumer, FRAMES - 1)) == list(range(1, FRAMES))
     finally:
@@ -217,11 +209,11 @@ def test_reading_paused_goes_free_once_no_receive_came_for_linger_s_even_after_o
     assert reading is not None and reading.poller is not None
     try:
         producer.send("k", np.full(512, 1, np.float32))
-        loop.run_until_complete(_until(lambda: consumer.table.buffered_keys() == {"k": 1}, "the tensor read"))
+        loop.run_until_complete(until(lambda: consumer.table.buffered_keys() == {"k": 1}, "the tensor read"))
         reading._stop_reading()  # (as a turn past READ_AHEAD does: the pause's timer armed)
         reading.taken()  # a receive took a tensor: the table holds one still, too much to resume
         assert reading.poller.paused
-        loop.run_until_complete(_until(lambda: not reading.poller.paused, "reading to go free"))
+        loop.run_until_complete(until(lambda: not reading.poller.paused, "reading to go free"))
         assert reading._free
     finally:
         _close(loop, consumer, producer)

@@ -19,7 +19,8 @@ import tensorbus.aio as tba
 from tensorbus.aio import socket_reading, turns
 from tensorbus.aio.socket_reading import NEAR_MISS, SPIN_BACKOFF, STRETCH, LoopReading
 from tests.conftest import endpoint_url
-from tests.integration.test_aio import run, until, waiting  # noqa: F401  (`run`: the fixture)
+from tests.integration.test_aio import run, waiting  # noqa: F401  (`run`: the fixture)
+from tests.waiting import until
 
 
 def _reading(consumer: tba.Consumer) -> LoopReading:
