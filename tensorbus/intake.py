@@ -191,10 +191,14 @@ class Intake:
         """How many messages receives have taken from the table so far (`Rendezvous.taken_count`)."""
         return self.table.taken_count()
 
+    def fits(self, held: Held) -> bool:
+        """Whether the table has room for a held message now (`release` would take it)."""
+        return self.table.has_room_for(held.key, held.source)
+
     def release(self, held: Held) -> Delivered | None:
         """A held message offered again: decoded and taken (or turned away, or a duplicate, or refused)
         once it fits; else None (or held again: `Delivered.held`)."""
-        if not self.table.has_room_for(held.key, held.source):
+        if not self.fits(held):
             return None
         if held.frame is None:
             assert held.message is not None

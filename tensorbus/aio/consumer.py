@@ -154,7 +154,14 @@ class Consumer:
             self._blocking.table.abort("consumer closed")  # at once: pending receives end now
             if self._reading is not None:
                 self._reading.detach()  # (the close reads what already arrived, off the loop)
-            await asyncio.to_thread(self._blocking.close)
+            await asyncio.to_thread(self._close_blocking)
+
+    def _close_blocking(self) -> None:
+        """Off the loop: end the decoding thread of a socket consumer read by the loop, then close the consumer."""
+        if self._reading is not None:
+            self._reading.stop_decoding()
+        assert self._blocking is not None
+        self._blocking.close()
 
     async def __aenter__(self) -> Consumer:
         return await self.open()

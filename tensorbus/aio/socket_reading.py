@@ -16,14 +16,21 @@ a freshly allocated buffer, and fresh pages cost 0.4-0.7 GB/s on the 2-vCPU VM (
 frames read just ahead reuse the memory of those just taken. When no receive came for `linger_s`, it
 reads on freely, into the table up to its limits, until one comes (as the blocking reactor's background
 thread takes over after `linger_s`): sends and `flush` never wait for a receive.
+
+A frame whose decoding would hold the loop (a signature checked over, or a payload decompressed into, a
+MiB or more: `peer_frames.DECODE_ON_LOOP_BELOW`) is delivered on the consumer's decoding thread
+(`tensorbus-aio-decode`, made at the first such frame); its connection is read again once the loop
+booked it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..rendezvous import Rendezvous
@@ -141,6 +148,10 @@ class LoopReading:
         self._backoff = 0  # receives that sleep without a spin after the next spin that runs out, halved
         self._skip = 0  # receives left that sleep without a spin
         self._looks = 0  # readable connections found since reading paused (see PAUSED_LOOKS)
+        #: the decoding thread (`decode_off_loop`), made on the loop's thread at the first frame it takes; shut
+        #: by `stop_decoding` once the reading is detached
+        self._decoding: ThreadPoolExecutor | None = None
+        self._attached = False  # between `attach` and `detach` (a wake-up from the decoding thread may come after)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -164,6 +175,8 @@ class LoopReading:
         assert listener is not None
         self._consumer, self._loop, self._table, self._intake = transport, loop, table, intake
         transport.read_ahead(READ_AHEAD)
+        transport.reactor.off_loop = self.decode_off_loop
+        self._attached = True
         self.poller.attach(loop, self._ready)
         self._listening = listener.selector
         loop.add_reader(self._listening, self._turn)
@@ -183,6 +196,26 @@ class LoopReading:
         if self._again is None:  # (the upkeep's turn `attach` ran may have asked for one)
             self._again = loop.call_soon(self._read_ahead)
 
+    def decode_off_loop(self, delivery: Callable[[], None]) -> None:
+        """`PeerFrames.off_loop`: run a frame's `delivery` on the decoding thread, then have the loop book it
+        (a turn of `_ready`; if the loop has closed by then, the next one's first turn or upkeep does)."""
+        if self._decoding is None:
+            self._decoding = ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-decode")
+        self._decoding.submit(self._decode, delivery, self._loop)
+
+    def _decode(self, delivery: Callable[[], None], loop: asyncio.AbstractEventLoop | None) -> None:
+        """On the decoding thread: deliver, then wake `loop` (the reading's when the frame was read) to book it."""
+        delivery()
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(self._ready, None)
+
+    def stop_decoding(self) -> None:
+        """Wait for the frame being decoded off the loop, if any, and end the decoding thread (off the loop,
+        as the consumer closes)."""
+        if self._decoding is not None:
+            self._decoding.shutdown(wait=True)
+
     def _expiry(self, every_s: float) -> None:
         """The intake's expiry (`Intake.expire`), every `every_s`."""
         assert self._loop is not None and self._expire is not None
@@ -196,6 +229,8 @@ class LoopReading:
         """A connection (None: the wake-up pipe) is readable: read it."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
         assert self.poller is not None
+        if not self._attached:  # (the decoding thread's wake-up, after `detach`)
+            return
         if data is not None and self.poller.paused:  # (watched still: the pause is lazy)
             if not self._wanted(READ_AHEAD // 2):
                 self._looks += 1
@@ -398,6 +433,7 @@ class LoopReading:
 
     def detach(self) -> None:
         """Stop reading (on the loop's thread), before the consumer closes."""
+        self._attached = False
         for handle in (self._again, self._timer, self._idle, self._expiring, self._spinning, self._acking):
             if handle is not None:
                 handle.cancel()

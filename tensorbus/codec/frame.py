@@ -519,6 +519,22 @@ def decoded_size(frame: Buffer, limits: Limits = DEFAULT_LIMITS) -> int | None:
     return raw if type(raw) is int else None
 
 
+def decode_work(frame: Buffer, limits: Limits = DEFAULT_LIMITS) -> int:
+    """The bytes decoding a frame still has to go over once a stream reader checked its CRC: the payload
+    again for a signature, and the `raw` bytes a compressed payload expands to. 0 for any other frame (its
+    arrays are views of the payload) and for one whose header does not parse (refused at once)."""
+    try:
+        view = memoryview(frame).cast("B")
+        _, _, flags, _, header_len, payload_len, _ = PREFIX.unpack_from(view)
+        if header_len > limits.max_header_bytes:
+            return 0
+        header = _unpack_header(view[PREFIX.size : PREFIX.size + header_len])
+    except (CodecError, TypeError, ValueError, struct.error):
+        return 0
+    raw = header.get("raw") if header.get("comp") is not None else 0
+    return (payload_len if flags & FLAG_SIGNED else 0) + (raw if type(raw) is int and raw > 0 else 0)
+
+
 def checksum_of(data: Buffer) -> int:
     """CRC32C of what a frame's checksum covers, over the frame (or its head) in `data`: all but bytes 20-23."""
     view = memoryview(data)

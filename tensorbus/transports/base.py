@@ -196,6 +196,10 @@ class Deliver(Protocol):
         """
         ...
 
+    def fits(self, held: Held) -> bool:
+        """Whether `release` would find room for a held message now."""
+        ...
+
     def release(self, held: Held) -> Delivered | None:
         """Offer a held message again: what became of it, or None while there is still no room (or a
         `Delivered` whose `held` replaces it, when the room went while it was being decoded)."""

@@ -20,10 +20,10 @@ SWEEP_S = (0.05, 5.0)
 
 
 def in_flight(peer: Any) -> bool:
-    """Whether the consumer holds anything of this connection's: part of a frame, a held or replayed
-    frame, an incomplete chunked message or a tensor nobody took yet (closed, its producer would send it
+    """Whether the consumer holds anything of this connection's: part of a frame, a held, replayed
+    or decoding frame, an incomplete chunked message or a tensor nobody took yet (closed, its producer would send it
     again), an ack or refusal not yet sent."""
-    if peer.held is not None or peer.replay is not None or peer.ack_owed or peer.outbox:
+    if peer.paused or peer.replay is not None or peer.ack_owed or peer.outbox:
         return True
     if peer.positions.first_open() < peer.frames:
         return True

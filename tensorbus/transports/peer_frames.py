@@ -4,17 +4,23 @@ Each connection has a frame reader (reader.py: the C one for plain sockets where
 Python one for TLS), a small state machine that a producer stalling mid-frame holds up for nobody
 else; `_step` handles the events of either. A plain frame goes on into the consumer's table in C
 where it can (the intake's `fast`, `_intake.FastDelivery`); the intake's Python delivery takes the rest.
+
+An event loop that reads (tensorbus.aio) sets `off_loop`: a frame whose decoding would hold the loop
+(a signature over, or a decompression into, DECODE_ON_LOOP_BELOW bytes or more) is then delivered on
+another thread, and its connection is not read until that is done and booked here (its frames stay in
+order; the others are read meanwhile).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import ssl
 from collections.abc import Callable
 from typing import Any
 
 from ..buffers import BufferPool
-from ..codec.frame import PREFIX, Buffer, Limits, frame_length
+from ..codec.frame import PREFIX, Buffer, Limits, decode_work, frame_length
 from ..errors import CallbackInterrupted, CodecError, LimitExceeded
 from .base import Deliver, Delivered
 from .peers import Peer, PeerGone, Peers
@@ -31,6 +37,10 @@ TAKEN_WITHOUT_ID = Delivered(None, True)
 
 #: what a turn may read when nothing bounds it but FAIR_SHARE and the acks (`_read`'s `room`)
 UNBOUNDED = 1 << 62
+#: with `off_loop`, a frame whose decoding goes over this many bytes (`decode_work`) is decoded off the
+#: loop: as much as a turn reads of a large frame (reactor.LOOP_READ_BUDGET), a millisecond or so of the
+#: loop's time, where a thread's hand-off costs a tenth of that (docs/ASYNC.md)
+DECODE_ON_LOOP_BELOW = 1 << 20
 
 
 def never() -> bool:
@@ -52,6 +62,12 @@ class PeerFrames(Peers):
         self._fast = deliver.fast  # the intake's C delivery of plain frames
         self._largest_read = 0  # the largest frame read since an application thread took the lead
         self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
+        #: an event loop's: runs a delivery on another thread (see the module); None: deliver here
+        self.off_loop: Callable[[Callable[[], None]], None] | None = None
+        #: deliveries done off the loop, to book: (peer, the Delivered or what the delivery raised, whether it
+        #: was a held message's release), appended by that thread and taken by the leader (a deque: its appends
+        #: and pops are atomic)
+        self._decoded: collections.deque[tuple[Peer, Any, bool]] = collections.deque()
 
     def _read(self, peer: Peer, stop: Callable[[], bool], room: Callable[[], int] = unbounded) -> None:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds (and
@@ -64,8 +80,8 @@ class PeerFrames(Peers):
             steps = 0
             while steps < FAIR_SHARE:
                 left = room()
-                if peer.held is not None or (stop() and not self._has_bytes_ahead(peer)) or left <= 0:
-                    break  # held back, done and nothing read ahead says more is on its way, or enough read ahead
+                if peer.paused or (stop() and not self._has_bytes_ahead(peer)) or left <= 0:
+                    break  # paused, done and nothing read ahead says more is on its way, or enough read ahead
                 if runs and peer.replay is None:
                     taken, more = self._run(peer, FAIR_SHARE - steps, left)
                     steps += taken
@@ -77,7 +93,7 @@ class PeerFrames(Peers):
                     break
                 if peer.reader.drained and not peer.reader.buffered:
                     break  # the socket had no more: a poll says when it has (no read that finds nothing)
-            if peer.held is None and self._has_bytes_ahead(peer):
+            if not peer.paused and self._has_bytes_ahead(peer):
                 self._pending.add(peer)
         except PeerGone as exc:
             self._drop(peer, str(exc), exc.level)
@@ -172,6 +188,9 @@ class PeerFrames(Peers):
         """Hand a whole frame to the consumer and book it. Should that be interrupted (Ctrl-C in a
         `recv` reading for itself), the frame is kept and delivered again before anything else of
         its producer: it was read off the socket, and the acks count every frame."""
+        if self.off_loop is not None and decode_work(frame, self.limits) >= DECODE_ON_LOOP_BELOW:
+            self._deliver_off_loop(peer, frame, crc)
+            return
         try:
             result = self.deliver(frame, crc, may_hold=True, source=peer.source)
         except CallbackInterrupted:  # in a recv_async callback, which had its message: delivered
@@ -181,6 +200,78 @@ class PeerFrames(Peers):
             peer.replay = (frame, crc)
             raise
         self._finish(peer, result)
+
+    def _deliver_off_loop(self, peer: Peer, frame: memoryview, crc: int | None) -> None:
+        """Deliver a frame on `off_loop`'s thread; its connection is not read until `take_decoded` books it."""
+        deliver, source = self.deliver, peer.source
+        self._unwatch(peer)
+        self._off_loop(peer, lambda: deliver(frame, crc, may_hold=True, source=source))
+
+    def _release(self, peer: Peer) -> None:
+        """`Peers._release`, off the loop for a held frame whose decoding would hold it (once it fits)."""
+        held = peer.held
+        assert held is not None
+        if (
+            self.off_loop is None
+            or held.frame is None
+            or decode_work(held.frame, self.limits) < DECODE_ON_LOOP_BELOW
+            or not self.deliver.fits(held)
+        ):
+            super()._release(peer)
+            return
+        deliver = self.deliver
+        self._off_loop(peer, lambda: deliver.release(held), released=True)
+
+    def _off_loop(self, peer: Peer, delivery: Callable[[], Delivered | None], released: bool = False) -> None:
+        """Run `delivery` on `off_loop`'s thread; `take_decoded` books what it returned or raised."""
+        assert self.off_loop is not None
+        decoded = self._decoded
+
+        def run() -> None:
+            try:
+                outcome: Any = delivery()
+            except BaseException as exc:  # (booked by the leader, as a delivery here would have raised it)
+                outcome = exc
+            decoded.append((peer, outcome, released))
+
+        peer.decoding = True
+        self.off_loop(run)
+
+    def take_decoded(self) -> None:
+        """Book the frames delivered off the loop since the last call, and watch their connections again (with
+        bytes read ahead: in `_pending`). The leader calls it before it reads."""
+        while self._decoded:
+            peer, outcome, released = self._decoded.popleft()
+            peer.decoding = False
+            if peer.gone:  # (dropped meanwhile: its producer sends the frame again, dedup drops a copy)
+                continue
+            try:
+                if isinstance(outcome, CallbackInterrupted):  # (a recv_async callback had its message: taken)
+                    held = peer.held if released else None
+                    outcome = TAKEN_WITHOUT_ID if held is None else Delivered(held.message_id, True, admitted=True)
+                elif isinstance(outcome, MemoryError):
+                    raise outcome
+                elif isinstance(outcome, BaseException):
+                    raise PeerGone(
+                        f"dropped: delivering a frame failed ({type(outcome).__name__}); "
+                        "its unacknowledged frames come again",
+                        logging.WARNING,
+                    )
+                if released:  # (a held message offered again)
+                    self._released(peer, outcome)
+                else:
+                    self._finish(peer, outcome)
+            except PeerGone as exc:
+                self._drop(peer, str(exc), exc.level)
+                continue
+            except MemoryError:
+                self._drop(peer, "dropped: no memory for its next frame", logging.ERROR)
+                continue
+            except (OSError, ssl.SSLError) as exc:  # (an ack it sent)
+                self._drop(peer, f"connection failed: {exc}", logging.ERROR)
+                continue
+            if not peer.paused:  # (else held: the table had no room for it)
+                self._watch_again(peer)
 
     def _skip_length(self, prefix: Buffer, trailer: int) -> int:
         """Bytes to skip after a frame's prefix over this consumer's limits, which the consumer then counts

@@ -58,10 +58,16 @@ class Peer:
         #: the connection's frames (by index) in the consumer's ledger: what may be acked as received, as taken
         self.positions = positions
         self.held: Held | None = None  # a message the full table could not take: this peer is not read meanwhile
+        self.decoding = False  # its last frame is being decoded off the event loop: not read meanwhile
         self.replay: tuple[memoryview, int | None] | None = None  # a frame whose delivery was interrupted
         self.refusals = False  # the producer asked to be told which frames were refused (stream.REFUSALS_WANTED)
         self.outbox = bytearray()  # refusals not sent yet (the socket was full): they go before the next ack
         self.gone = False  # dropped: no longer read
+
+    @property
+    def paused(self) -> bool:
+        """Not to be read now: a message held back, or a frame being decoded off the loop (its next frames wait)."""
+        return self.held is not None or self.decoding
 
 
 class Peers:
@@ -132,23 +138,30 @@ class Peers:
         """Stop reading a peer whose message the full table cannot take: other peers go on."""
         peer.held = message
         self._held.append(peer)
-        self._pending.discard(peer)
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self._poller.unregister(peer.fd, peer)
+        self._unwatch(peer)
 
     def _release_held(self) -> None:
         """Offer held messages to the table again; read their peers again once they are taken."""
         for peer in list(self._held):
-            assert peer.held is not None
-            try:
-                result = self.deliver.release(peer.held)
-            except CallbackInterrupted:  # a recv_async callback had it: taken
-                self._read_again(peer, Delivered(peer.held.message_id, True, admitted=True))
-                raise
-            if result is not None and result.held is not None:
-                peer.held = result.held  # (no room after all: held again)
-            elif result is not None:
-                self._read_again(peer, result)
+            if not peer.decoding:  # (else offered already, off the loop: peer_frames.py)
+                self._release(peer)
+
+    def _release(self, peer: Peer) -> None:
+        """Offer a peer's held message to the table again: book it, if taken, and read the peer again."""
+        assert peer.held is not None
+        try:
+            result = self.deliver.release(peer.held)
+        except CallbackInterrupted:  # a recv_async callback had it: taken
+            self._read_again(peer, Delivered(peer.held.message_id, True, admitted=True))
+            raise
+        self._released(peer, result)
+
+    def _released(self, peer: Peer, result: Delivered | None) -> None:
+        """What became of a held message offered again (`Deliver.release`), booked."""
+        if result is not None and result.held is not None:
+            peer.held = result.held  # (no room after all: held again)
+        elif result is not None:
+            self._read_again(peer, result)
 
     def _read_again(self, peer: Peer, result: Delivered) -> None:
         """A held message was taken (or turned away): book it, and read its peer again."""
@@ -161,7 +174,17 @@ class Peers:
                 self._drop(peer, str(exc), exc.level)
                 return
         self.deliver.ledger.apply(result)
-        if not self._reads(peer):  # dropped while held (an ack failed): nothing left to read
+        self._watch_again(peer)
+
+    def _unwatch(self, peer: Peer) -> None:
+        """Stop watching a peer that is not to be read for now (`Peer.paused`)."""
+        self._pending.discard(peer)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._poller.unregister(peer.fd, peer)
+
+    def _watch_again(self, peer: Peer) -> None:
+        """Watch (and read) a peer again that was not read for a while (`Peer.paused`)."""
+        if not self._reads(peer):  # dropped meanwhile (an ack failed): nothing left to read
             return
         try:
             if not self._poller.watches(peer.fd, peer):  # (`add` may have registered it meanwhile)

@@ -97,7 +97,7 @@ class Reactor(ReadingLoop):
         # A leader may have read it before it was registered (a lone peer is read unpolled), and either
         # dropped it or held its message for a full table (`_hold` found nothing to unregister then):
         # neither may stay watched (a held peer is registered again when its message is taken).
-        if not self._reads(peer) or peer.held is not None:
+        if not self._reads(peer) or peer.paused:
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._poller.unregister(peer.fd, peer)
 

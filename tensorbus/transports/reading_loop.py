@@ -186,6 +186,8 @@ class ReadingLoop(PeerFrames):
         """
         polls = 0
         while not self._closed:
+            if self._decoded:
+                self.take_decoded()
             if self._held:
                 self._release_held()
             if stop():
@@ -238,7 +240,11 @@ class ReadingLoop(PeerFrames):
         if not self._leader.acquire(blocking=False):  # (`close` leads)
             return False
         try:
+            if self._closed:  # (a turn the loop had due when the consumer closed)
+                return False
             self._lead_as(threading.get_ident())
+            if self._decoded:  # (frames delivered off the loop: `off_loop`)
+                self.take_decoded()
             held = list(self._held)
             if held:
                 self._release_held()
@@ -250,7 +256,7 @@ class ReadingLoop(PeerFrames):
                 else:
                     peers.add(peer)
             for peer in peers:
-                if not peer.gone and peer.held is None:
+                if not peer.gone and not peer.paused:
                     self._read(peer, never, room)
                     if ack and self._turn_acks(peer):
                         self._ack_now(peer)
@@ -302,7 +308,7 @@ class ReadingLoop(PeerFrames):
         only = self._peer_list() if spin_s > 0 else []
         if len(only) == 1:
             lone, fill = only[0], only[0].reader.fill
-            while not lone.gone and lone.held is None and time.monotonic() < spin_until:
+            while not lone.gone and not lone.paused and time.monotonic() < spin_until:
                 if fill():  # (a Ctrl-C in here leaves no frame half taken: nothing to drop the connection for)
                     self._read(lone, stop)
                     if self._pending or stop():

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 import tensorbus as tb
 from tensorbus.codec.dtypes import DTYPES, ML_DTYPE_NAMES, NUMPY_DTYPE_NAMES
-from tensorbus.codec.frame import CRC_AT, PREFIX, encode
+from tensorbus.codec.frame import CRC_AT, PREFIX, decode_work, encode
 from tensorbus.codec.tensors import ALIGN
 from tensorbus.transports.stream import unsealed
 
@@ -158,6 +158,20 @@ def test_compression_round_trips_and_shrinks(codec: str) -> None:
     assert len(data) < array.nbytes // 10
     assert tb.codec.parse(data).header["comp"] == codec
     np.testing.assert_array_equal(tb.loads(data), array)
+
+
+def test_decode_work_counts_what_a_signature_or_a_decompression_goes_over() -> None:
+    """What decoding a frame costs past the reader's CRC (a tensorbus.aio consumer decodes costly frames off
+    its loop): the payload again for a signature, the raw bytes for a decompression, nothing otherwise."""
+    array = np.zeros(1 << 18, np.float32)  # (1 MiB)
+    plain, signed = tb.dumps(array), tb.dumps(array, signing_key=b"k")
+    compressed = tb.dumps(array, compression="zstd")
+    both = tb.dumps(array, compression="zstd", signing_key=b"k")
+    assert decode_work(plain) == 0
+    assert decode_work(signed) == len(tb.codec.parse(signed, signing_key=b"k").payload) == array.nbytes
+    assert decode_work(compressed) == array.nbytes
+    assert decode_work(both) == array.nbytes + len(tb.codec.parse(both, signing_key=b"k").payload)
+    assert decode_work(b"not a frame") == 0 and decode_work(signed[: PREFIX.size]) == 0
 
 
 def test_incompressible_payload_is_kept_raw() -> None:
