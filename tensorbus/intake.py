@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .codec import Limits, Message, MessageId, Reassembler
-from .codec.frame import Buffer, decoded_size, peek_message
+from .codec.frame import Buffer, decoded_size, is_chunk, peek_message
 from .dedup import SeenIds
 from .errors import Aborted, CallbackInterrupted, CodecError, ConfigError, TensorBusError
 from .intake_state import FAST, IntakeState
@@ -141,50 +141,100 @@ class Intake:
                 if interrupted is not None and interrupted[0] is frame:  # the same frame again: decoded already
                     message, state.interrupted = interrupted[1], None  # (kept until then: others may come first)
                 else:
-                    if may_hold and source is not None and self._full():
-                        self._evict_for(frame, source)
-                    if may_hold and (self._full() or self.table.at_share(source)):
-                        held = self._held(frame, crc, source)
-                        if held is not None:
-                            return Delivered(held.message_id, False, held=held)
+                    held = self._hold_undecoded(frame, crc, may_hold, source)
+                    if held is not None:
+                        return held
                     message = self._feed(frame, crc, redelivered, appended_at)
-            except CodecError as exc:
-                self.stats["rejected"] += 1
-                self.stats["rejected " + exc.reason_label] += 1  # (by reason: for metrics)
-                self._log_rejection("dropped a bad frame", exc)
-                return Delivered(None, True, refused=str(exc))
-            except MemoryError:
-                raise  # not the frame's fault: the transport drops the connection and the frame comes again
-            except Exception:  # a decoder bug must cost this one frame, not the connection or a recv
-                self.stats["rejected"] += 1
-                log.exception("%s: dropped a frame the decoder failed on", self._name)
-                return Delivered(None, True, refused="the consumer's decoder failed on it (see its log)")
-            message_id = self.reassembler.last_message_id if message is None else message.message_id
-            if self.table.aborted is not None:
-                # every frame, before dedup: a broker may hand a turned-away tensor to this consumer
-                # again (kafka:// after a rebalance), and it must not then pass for one already taken
-                return Delivered(message_id, False, turned_away=True)
-            if message is None:
-                self.stats["chunks"] += 1
-                return Delivered(message_id, not self.reassembler.is_pending(message_id))
-            if self._is_duplicate(message_id):
-                return Delivered(message_id, True, duplicate=True)
-            full = self._full()
-            if may_hold and (full or self.table.at_share(source)) and not self.table.has_room_for(message.key, source):
-                self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
-                held = Held(None, None, message.key, message_id, message=message, source=source)
-                return Delivered(message_id, False, held=held)
-            if message_id is not None:
-                self._seen.add(message_id)
+            except Exception as exc:  # (a CodecError, a MemoryError, a decoder's bug: `_not_decoded`)
+                return self._not_decoded(exc)
+            settled = self._settle(message, may_hold, source)
+            if settled is not None:
+                return settled
+        assert message is not None
+        return self._take_in(frame, message, may_hold, source)
+
+    def deliver_decoded_apart(
+        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+    ) -> Delivered:
+        """`__call__` (without `redelivered` or `appended_at`: a socket's frame) for a thread that may take its
+        time (tensorbus.aio's decoding thread): a whole message's frame is decoded outside the intake's lock,
+        so a 256 MB signature check or decompression holds up no other delivery, expiry or manual ack meanwhile.
+        A chunk changes the reassembler: `__call__` takes it, under the lock."""
+        if is_chunk(memoryview(frame).cast("B")):
+            return self(frame, crc, may_hold=may_hold, source=source)
+        with self._lock:
+            held = self._hold_undecoded(frame, crc, may_hold, source)
+        if held is not None:
+            return held
         try:
-            if full and not may_hold and not self.table.has_room_for(message.key):
+            message = self.reassembler.decode_whole(frame, crc=crc)
+        except Exception as exc:  # (a CodecError, a MemoryError, a decoder's bug: `_not_decoded`)
+            with self._lock:
+                return self._not_decoded(exc)
+        with self._lock:
+            settled = self._settle(message, may_hold, source)
+        return settled if settled is not None else self._take_in(frame, message, may_hold, source)
+
+    def _hold_undecoded(self, frame: Buffer, crc: int | None, may_hold: bool, source: object) -> Delivered | None:
+        """Hold a whole message's frame back undecoded (`Delivered.held`) when the table, or its source's share of
+        it, is full and the caller may hold it (caller holds `_lock`); None to decode it now."""
+        if may_hold and source is not None and self._full():
+            self._evict_for(frame, source)
+        if may_hold and (self._full() or self.table.at_share(source)):
+            held = self._held(frame, crc, source)
+            if held is not None:
+                return Delivered(held.message_id, False, held=held)
+        return None
+
+    def _not_decoded(self, exc: BaseException) -> Delivered:
+        """A frame the decoder raised on (caller holds `_lock`): refused and counted; a MemoryError raised on."""
+        if isinstance(exc, MemoryError):
+            raise exc  # not the frame's fault: the transport drops the connection and the frame comes again
+        self.stats["rejected"] += 1
+        if isinstance(exc, CodecError):
+            self.stats["rejected " + exc.reason_label] += 1  # (by reason: for metrics)
+            self._log_rejection("dropped a bad frame", exc)
+            return Delivered(None, True, refused=str(exc))
+        # a decoder bug must cost this one frame, not the connection or a recv
+        log.error("%s: dropped a frame the decoder failed on", self._name, exc_info=exc)
+        return Delivered(None, True, refused="the consumer's decoder failed on it (see its log)")
+
+    def _settle(self, message: Message | None, may_hold: bool, source: object) -> Delivered | None:
+        """What a decoded frame comes to before admission (caller holds `_lock`): turned away, a chunk, a
+        duplicate, or held back decoded; None when it goes on into the table (marked as seen)."""
+        message_id = self.reassembler.last_message_id if message is None else message.message_id
+        if self.table.aborted is not None:
+            # every frame, before dedup: a broker may hand a turned-away tensor to this consumer
+            # again (kafka:// after a rebalance), and it must not then pass for one already taken
+            return Delivered(message_id, False, turned_away=True)
+        if message is None:
+            self.stats["chunks"] += 1
+            return Delivered(message_id, not self.reassembler.is_pending(message_id))
+        if self._is_duplicate(message_id):
+            return Delivered(message_id, True, duplicate=True)
+        if (
+            may_hold
+            and (self._full() or self.table.at_share(source))
+            and not self.table.has_room_for(message.key, source)
+        ):
+            self._hold()  # not yet seen: a copy sent again meanwhile is taken instead, and this one dropped
+            held = Held(None, None, message.key, message_id, message=message, source=source)
+            return Delivered(message_id, False, held=held)
+        if message_id is not None:
+            self._seen.add(message_id)
+        return None
+
+    def _take_in(self, frame: Buffer, message: Message, may_hold: bool, source: object) -> Delivered:
+        """Admit a settled message (`_settle`), waiting for room first unless the caller may hold (backpressure)."""
+        try:
+            if not may_hold and self._full() and not self.table.has_room_for(message.key):
                 self._wait_for_room(message.key)
             return self._admit(message, source)
         except CallbackInterrupted:  # in a recv_async callback, which had the message: it was delivered
             raise
         except BaseException:  # e.g. Ctrl-C on a thread reading for its recv: the transport offers the frame again
-            self._forget(message_id)
-            state.interrupted = (frame, message)  # (the reassembler is done with a chunked one: keep what it made)
+            self._forget(message.message_id)
+            self.state.interrupted = (frame, message)  # (the reassembler is done with a chunked one: keep what it made)
             raise
 
     def taken_count(self) -> int:
@@ -195,9 +245,10 @@ class Intake:
         """Whether the table has room for a held message now (`release` would take it)."""
         return self.table.has_room_for(held.key, held.source)
 
-    def release(self, held: Held) -> Delivered | None:
+    def release(self, held: Held, apart: bool = False) -> Delivered | None:
         """A held message offered again: decoded and taken (or turned away, or a duplicate, or refused)
-        once it fits; else None (or held again: `Delivered.held`)."""
+        once it fits; else None (or held again: `Delivered.held`). `apart`: decoded outside the intake's
+        lock (`deliver_decoded_apart`)."""
         if not self.fits(held):
             return None
         if held.frame is None:
@@ -206,8 +257,9 @@ class Intake:
         with self._lock:
             self._held_bytes -= held.nbytes
             self._unhold()
+        deliver = self.deliver_decoded_apart if apart else self
         try:
-            result = self(held.frame, held.crc, may_hold=True, source=held.source)
+            result = deliver(held.frame, held.crc, may_hold=True, source=held.source)
         except CallbackInterrupted:  # in a recv_async callback, which had the message: taken
             raise
         except BaseException:  # still held: offered again later (decoded already: see `state.interrupted`)
@@ -354,16 +406,19 @@ class Intake:
         try:
             self.table.put(message, source=source)
         except CallbackInterrupted:  # in a recv_async callback, which had it: received all the same
-            self.stats["received"] += 1
+            with self._lock:  # (the counts: the C delivery and other threads' deliveries change them too)
+                self.stats["received"] += 1
             raise
         except Aborted:
             return Delivered(message_id, False, turned_away=True)
         except TensorBusError as exc:
-            self.stats["refused"] += 1
-            self.stats["rejected " + getattr(exc, "reason_label", "refused")] += 1  # (by reason: for metrics)
+            with self._lock:
+                self.stats["refused"] += 1
+                self.stats["rejected " + getattr(exc, "reason_label", "refused")] += 1  # (by reason: for metrics)
             self._log_rejection(f"refused message {message_id}", exc)
             return Delivered(message_id, True, refused=str(exc))
-        self.stats["received"] += 1
+        with self._lock:
+            self.stats["received"] += 1
         return Delivered(message_id, True, admitted=True)
 
     def _wait_for_room(self, key: str | None) -> None:

@@ -26,7 +26,6 @@ booked it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -197,18 +196,11 @@ class LoopReading:
             self._again = loop.call_soon(self._read_ahead)
 
     def decode_off_loop(self, delivery: Callable[[], None]) -> None:
-        """`PeerFrames.off_loop`: run a frame's `delivery` on the decoding thread, then have the loop book it
-        (a turn of `_ready`; if the loop has closed by then, the next one's first turn or upkeep does)."""
+        """`PeerFrames.off_loop`: run a frame's `delivery` on the decoding thread (which then wakes the loop
+        through the reactor's wake-up pipe, for a turn that books it)."""
         if self._decoding is None:
             self._decoding = ThreadPoolExecutor(1, thread_name_prefix="tensorbus-aio-decode")
-        self._decoding.submit(self._decode, delivery, self._loop)
-
-    def _decode(self, delivery: Callable[[], None], loop: asyncio.AbstractEventLoop | None) -> None:
-        """On the decoding thread: deliver, then wake `loop` (the reading's when the frame was read) to book it."""
-        delivery()
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
-                loop.call_soon_threadsafe(self._ready, None)
+        self._decoding.submit(delivery)
 
     def stop_decoding(self) -> None:
         """Wait for the frame being decoded off the loop, if any, and end the decoding thread (off the loop,
@@ -432,8 +424,11 @@ class LoopReading:
         self._turn()
 
     def detach(self) -> None:
-        """Stop reading (on the loop's thread), before the consumer closes."""
+        """Stop reading (on the loop's thread), before the consumer closes: the close reads what already arrived
+        on a thread of its own, and decodes there (`attach` hands decoding off the loop again)."""
         self._attached = False
+        if self._consumer is not None and self._consumer.reactor is not None:
+            self._consumer.reactor.off_loop = None
         for handle in (self._again, self._timer, self._idle, self._expiring, self._spinning, self._acking):
             if handle is not None:
                 handle.cancel()

@@ -273,6 +273,22 @@ class Reassembler:
         self.stats = collections.Counter[str]()
         self._pool = BufferPool(max_buffers=4)  # a consumer holds ~3 in flight: assembling, queued, in use
 
+    def decode_whole(self, data: Buffer, *, crc: int | None = None) -> Message:
+        """A whole message's frame (not a chunk) decoded as `feed` decodes it, with no state of the reassembler's
+        read or changed: a caller may run it without the lock that guards `feed` (the costly part of a large
+        signed or compressed frame). `data` is handed over, as with `feed(..., owned=True)`."""
+        view = memoryview(data).cast("B")
+        if type(data) is bytes:  # (see `feed`)
+            view = aligned(view, self._pool)
+        if self.signing_key is None:
+            message = decode_native(view, crc, self.limits, self.like)
+            if message is not None:
+                return message
+        frame = parse(view, limits=self.limits, signing_key=self.signing_key, crc=crc)
+        if frame.header.get("kind") == "chunk":
+            raise MalformedHeader("a chunk's frame whose header does not begin as a chunk's does")
+        return message_from_frame(frame, limits=self.limits, like=self.like)
+
     def feed(
         self,
         data: Buffer,

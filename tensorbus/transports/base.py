@@ -196,13 +196,21 @@ class Deliver(Protocol):
         """
         ...
 
+    def deliver_decoded_apart(
+        self, frame: Buffer, crc: int | None = None, *, may_hold: bool = False, source: object = None
+    ) -> Delivered:
+        """`__call__`, a whole message's frame decoded outside the consumer's lock: for a thread that may take its
+        time over a large signed or compressed frame while others deliver (tensorbus.aio's decoding thread)."""
+        ...
+
     def fits(self, held: Held) -> bool:
         """Whether `release` would find room for a held message now."""
         ...
 
-    def release(self, held: Held) -> Delivered | None:
+    def release(self, held: Held, apart: bool = False) -> Delivered | None:
         """Offer a held message again: what became of it, or None while there is still no room (or a
-        `Delivered` whose `held` replaces it, when the room went while it was being decoded)."""
+        `Delivered` whose `held` replaces it, when the room went while it was being decoded). `apart`: as
+        `deliver_decoded_apart` decodes."""
         ...
 
 

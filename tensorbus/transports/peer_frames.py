@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import ssl
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -61,13 +62,24 @@ class PeerFrames(Peers):
         self._ack_every = (options.ack_every_frames, options.ack_every_bytes)  # (read for every frame)
         self._fast = deliver.fast  # the intake's C delivery of plain frames
         self._largest_read = 0  # the largest frame read since an application thread took the lead
-        self.reading: Any = None  # the name of the connection being read (for the consumer's log lines)
+        #: per thread, the name of the connection whose frame it delivers (for the consumer's log lines: the
+        #: reading thread's, or the loop's, and a decoding thread's while it delivers a frame: `_off_loop`)
+        self._reading = threading.local()
         #: an event loop's: runs a delivery on another thread (see the module); None: deliver here
         self.off_loop: Callable[[Callable[[], None]], None] | None = None
         #: deliveries done off the loop, to book: (peer, the Delivered or what the delivery raised, whether it
         #: was a held message's release), appended by that thread and taken by the leader (a deque: its appends
         #: and pops are atomic)
         self._decoded: collections.deque[tuple[Peer, Any, bool]] = collections.deque()
+
+    @property
+    def reading(self) -> Any:
+        """The name of the connection whose frame the calling thread delivers (None: none)."""
+        return getattr(self._reading, "name", None)
+
+    @reading.setter
+    def reading(self, name: Any) -> None:
+        self._reading.name = name
 
     def _read(self, peer: Peer, stop: Callable[[], bool], room: Callable[[], int] = unbounded) -> None:
         """Deliver up to FAIR_SHARE frames the connection has ready; stop early once `stop()` holds (and
@@ -205,7 +217,7 @@ class PeerFrames(Peers):
         """Deliver a frame on `off_loop`'s thread; its connection is not read until `take_decoded` books it."""
         deliver, source = self.deliver, peer.source
         self._unwatch(peer)
-        self._off_loop(peer, lambda: deliver(frame, crc, may_hold=True, source=source))
+        self._off_loop(peer, lambda: deliver.deliver_decoded_apart(frame, crc, may_hold=True, source=source))
 
     def _release(self, peer: Peer) -> None:
         """`Peers._release`, off the loop for a held frame whose decoding would hold it (once it fits)."""
@@ -220,31 +232,35 @@ class PeerFrames(Peers):
             super()._release(peer)
             return
         deliver = self.deliver
-        self._off_loop(peer, lambda: deliver.release(held), released=True)
+        self._off_loop(peer, lambda: deliver.release(held, apart=True), released=True)
 
     def _off_loop(self, peer: Peer, delivery: Callable[[], Delivered | None], released: bool = False) -> None:
         """Run `delivery` on `off_loop`'s thread; `take_decoded` books what it returned or raised."""
         assert self.off_loop is not None
-        decoded = self._decoded
+        decoded, reading, name = self._decoded, self._reading, peer.name
 
         def run() -> None:
+            reading.name = name  # (this thread's log lines name the connection)
             try:
                 outcome: Any = delivery()
             except BaseException as exc:  # (booked by the leader, as a delivery here would have raised it)
                 outcome = exc
             decoded.append((peer, outcome, released))
+            self._decoded_ready()
 
         peer.decoding = True
         self.off_loop(run)
 
-    def take_decoded(self) -> None:
+    def _decoded_ready(self) -> None:
+        """A delivery off the loop is done (on its thread): have the leader book it (`take_decoded`)."""
+
+    def take_decoded(self) -> list[Peer]:
         """Book the frames delivered off the loop since the last call, and watch their connections again (with
-        bytes read ahead: in `_pending`). The leader calls it before it reads."""
+        bytes read ahead: in `_pending`): the leader calls it before it reads, and acks those it returns."""
+        booked = []
         while self._decoded:
             peer, outcome, released = self._decoded.popleft()
             peer.decoding = False
-            if peer.gone:  # (dropped meanwhile: its producer sends the frame again, dedup drops a copy)
-                continue
             try:
                 if isinstance(outcome, CallbackInterrupted):  # (a recv_async callback had its message: taken)
                     held = peer.held if released else None
@@ -257,21 +273,22 @@ class PeerFrames(Peers):
                         "its unacknowledged frames come again",
                         logging.WARNING,
                     )
-                if released:  # (a held message offered again)
+                if released:  # (a held message offered again; a dropped peer's too, as `_release_held` offers it)
                     self._released(peer, outcome)
-                else:
+                elif not peer.gone:
                     self._finish(peer, outcome)
+                elif outcome.held is not None:  # (dropped meanwhile: not booked, the frame comes again; but the
+                    self._hold(peer, outcome.held)  # consumer holds it: offered again, as a dropped held peer's is)
             except PeerGone as exc:
                 self._drop(peer, str(exc), exc.level)
-                continue
             except MemoryError:
                 self._drop(peer, "dropped: no memory for its next frame", logging.ERROR)
-                continue
             except (OSError, ssl.SSLError) as exc:  # (an ack it sent)
                 self._drop(peer, f"connection failed: {exc}", logging.ERROR)
-                continue
-            if not peer.paused:  # (else held: the table had no room for it)
+            if not peer.paused and not peer.gone:  # (else held: the table had no room for it)
                 self._watch_again(peer)
+                booked.append(peer)
+        return booked
 
     def _skip_length(self, prefix: Buffer, trailer: int) -> int:
         """Bytes to skip after a frame's prefix over this consumer's limits, which the consumer then counts

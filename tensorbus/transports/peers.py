@@ -105,6 +105,8 @@ class Peers:
             return self._peers.get(peer.fd) is peer
 
     def _drop(self, peer: Peer, reason: str, level: int) -> None:
+        if peer.gone:  # (dropped already: a delivery off the loop that failed after)
+            return
         log.log(level, "producer %s: %s", peer.name, reason)
         peer.positions.close()  # (what it did not ack, the producer sends again to whoever is there)
         self._pending.discard(peer)

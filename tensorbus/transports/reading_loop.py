@@ -243,13 +243,13 @@ class ReadingLoop(PeerFrames):
             if self._closed:  # (a turn the loop had due when the consumer closed)
                 return False
             self._lead_as(threading.get_ident())
-            if self._decoded:  # (frames delivered off the loop: `off_loop`)
-                self.take_decoded()
+            booked = self.take_decoded() if self._decoded else []  # (frames delivered off the loop: `off_loop`)
             held = list(self._held)
             if held:
                 self._release_held()
             peers, self._pending = self._pending, set()
             peers.update(held)  # (a held message the table took now was delivered this turn: acked with it)
+            peers.update(booked)  # (... as is a frame delivered off the loop)
             for peer in ready:
                 if peer is None:
                     self._drain_wake()
@@ -321,6 +321,10 @@ class ReadingLoop(PeerFrames):
                 return events
         left = deadline - time.monotonic()
         return poll(left) if left > 0 else []
+
+    def _decoded_ready(self) -> None:
+        """A delivery off the loop is done: wake the loop (it watches the wake-up pipe), which books it."""
+        self._wake()
 
     def room_opened(self) -> None:
         """Called under the table's lock when room opens: wake the leader if it holds messages back."""

@@ -899,6 +899,68 @@ def test_a_held_frame_is_decoded_off_the_loop_once_the_table_has_room(run: Any, 
     assert releases, "no held frame was offered again off the loop"
 
 
+def test_other_producers_are_served_while_a_large_frame_is_decoded_off_the_loop(run: Any, monkeypatch: Any) -> None:
+    """A 2 MiB signed frame's check is held at a gate on the decoding thread: meanwhile another producer's
+    tensors are delivered and received (the consumer's lock is not held through a decode); once the gate
+    opens, the large one comes too."""
+    from tensorbus.codec import chunking
+
+    gate, parse = threading.Event(), chunking.parse
+    at_gate = threading.Event()
+
+    def gated(view: Any, **options: Any) -> Any:
+        if len(view) > 1 << 20:
+            at_gate.set()
+            assert gate.wait(60), "the gate never opened"
+        return parse(view, **options)
+
+    monkeypatch.setattr(chunking, "parse", gated)
+    large, small = np.full(1 << 19, 7, np.float32), _signed_stream(8)[1:4]
+
+    async def main() -> None:
+        async with tba.Consumer("tcp://127.0.0.1:0", signing_key="k") as consumer:
+            sending = asyncio.create_task(asyncio.to_thread(_send_all, consumer.address, [large], signing_key="k"))
+            await asyncio.to_thread(at_gate.wait, 60)
+            await asyncio.to_thread(_send_all, consumer.address, small, signing_key="k")
+            for tensor in small:
+                assert same(await consumer.recv("k", timeout=30), tensor)
+            assert not gate.is_set()
+            gate.set()
+            assert same(await consumer.recv("k", timeout=30), large)
+            await sending
+
+    try:
+        run(main())
+    finally:
+        gate.set()
+
+
+def test_a_consumer_that_closes_while_a_large_frame_is_held_loses_nothing(run: Any) -> None:
+    """An aio consumer whose full table holds a signed 2 MiB frame back closes without an error (the close reads
+    and decodes on its own thread), and leaves no decoding thread; its successor gets every tensor."""
+    tensors = [np.full(1 << 19, i, np.float32) for i in range(6)]  # (2 MiB each)
+
+    async def main() -> str:
+        consumer = await tba.Consumer("tcp://127.0.0.1:0", signing_key="k", max_buffered_bytes=5 << 20).open()
+        producer = tb.Producer(consumer.address, signing_key="k", reconnect_timeout_s=60)
+        sending = asyncio.create_task(asyncio.to_thread(lambda: [producer.send("k", t) for t in tensors]))
+        reactor: Any = consumer.blocking.transport.reactor
+        await until(lambda: any(peer.held is not None for peer in reactor._peer_list()), "a frame held back")
+        await consumer.close()
+        assert reactor._closed
+        assert not [t for t in threading.enumerate() if t.name.startswith("tensorbus-aio-decode")]
+        await sending
+        with tb.Consumer(consumer.address, signing_key="k") as successor:
+            flushing = asyncio.create_task(asyncio.to_thread(producer.flush, 60))  # (it resends as it flushes)
+            for tensor in tensors:
+                assert same(await asyncio.to_thread(successor.recv, "k", 60), tensor)
+            await flushing
+        producer.close()
+        return consumer.address
+
+    run(main())
+
+
 def test_a_frame_refused_off_the_loop_costs_its_producer_alone(run: Any) -> None:
     """A 2 MiB frame signed with another key is refused on the decoding thread (counted, logged); a producer
     with the right key is served on, before and after it."""
@@ -907,9 +969,10 @@ def test_a_frame_refused_off_the_loop_costs_its_producer_alone(run: Any) -> None
     async def main() -> None:
         async with tba.Consumer("tcp://127.0.0.1:0", signing_key="k") as consumer:
             await asyncio.to_thread(_send_all, consumer.address, good[:4], signing_key="k")
-            with tb.Producer(consumer.address, signing_key="not k", send_timeout_s=30) as forger:
-                await asyncio.to_thread(forger.send, "k", np.zeros(1 << 19, np.float32))
-                await until(lambda: consumer.stats["rejected"] == 1, "the forged frame refused")
+            forger = tb.Producer(consumer.address, signing_key="not k", send_timeout_s=30)
+            await asyncio.to_thread(forger.send, "k", np.zeros(1 << 19, np.float32))
+            await until(lambda: consumer.stats["rejected"] == 1, "the forged frame refused")
+            await asyncio.to_thread(forger.close)  # (off the loop: its close waits for the loop's acks)
             await asyncio.to_thread(_send_all, consumer.address, good[4:], signing_key="k")
             for tensor in good:
                 assert same(await consumer.recv("k", timeout=30), tensor)
