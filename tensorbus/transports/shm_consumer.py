@@ -33,7 +33,7 @@ from . import shm_control as control
 from . import shm_ring
 from .base import Deliver, Held
 from .leading import Leadership
-from .shm_segments import MAP_POPULATE, reserved, sealed_at
+from .shm_segments import reserved, sealed_at, touch_pages
 from .spinning import NEAR_MISS, STRETCH
 from .stream import proof
 
@@ -494,8 +494,8 @@ class ShmListener:
                 raise TransportError("a segment that is not sealed at its size")
             if not reserved(fds[0], size):
                 raise TransportError("a segment whose memory its producer did not reserve")
-            flags = mmap.MAP_SHARED | MAP_POPULATE
-            peer.maps[seg_id] = mmap.mmap(fds[0], size, flags=flags, prot=mmap.PROT_READ)
+            mapped = peer.maps[seg_id] = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            touch_pages(mapped, write=False)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -28,8 +28,6 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(f
 #: no writable mapping of the memfd made after the seal (Linux 5.1; Python 3.11's fcntl does not name it): a
 #: segment's consumer cannot write into the producer's memory, while the producer's own mapping, made first, can
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
-#: map every page at once (fewer page faults than one per page on first touch), where the system has it
-MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: slots of a size class are made this many bytes of segment at a time (one slot per segment above it)
 SEGMENT_BYTES = 4 << 20
 #: the smallest slot; slots up to 1 MiB are powers of two, larger ones multiples of 1 MiB
@@ -55,10 +53,8 @@ def check_available() -> None:
         )
 
 
-def sealed_memfd(
-    name: str, nbytes: int, what: str, flags: int = 0, *, ours_to_write: bool = False
-) -> tuple[int, mmap.mmap]:
-    """A new memfd of `nbytes` (its descriptor, and a writable mapping of it with `flags` added), its pages
+def sealed_memfd(name: str, nbytes: int, what: str, *, ours_to_write: bool = False) -> tuple[int, mmap.mmap]:
+    """A new memfd of `nbytes` (its descriptor, and a writable mapping of it), its pages
     reserved now (`posix_fallocate`: no SIGBUS when one is first touched) and sealed at that size; `ours_to_write`:
     sealed against writable mappings made after ours too (where the kernel can: `FUTURE_WRITE_SEALS`), so that the
     peer it is passed to can only read it. A failure is a `TransportError` naming `what` it was for."""
@@ -69,7 +65,7 @@ def sealed_memfd(
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
-        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | flags)
+        mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         try:
             fcntl.fcntl(
                 fd, fcntl.F_ADD_SEALS, SEALS | (F_SEAL_FUTURE_WRITE if ours_to_write and FUTURE_WRITE_SEALS else 0)
@@ -104,6 +100,18 @@ def _seals_future_write() -> bool:
 FUTURE_WRITE_SEALS = bool(SEALS) and _seals_future_write()
 
 
+def touch_pages(mapped: mmap.mmap, *, write: bool) -> None:
+    """Fault in every page of a mapping now, by one byte of each written (a producer's new segment: its pages then
+    count as data, see `reserved`) or read (a consumer's mapping of one), without the interpreter lock (numpy lets
+    go of it over a long strided loop). `mmap.mmap(..., MAP_POPULATE)` does as much holding the lock: ~0.1-0.5 s
+    for 256 MB on the 2-vCPU VM of docs/PERFORMANCE.md, every other thread of the process (an event loop) stopped."""
+    pages = np.frombuffer(mapped, np.uint8)[:: mmap.PAGESIZE]
+    if write:
+        pages[:] = 0
+    else:
+        pages.max()
+
+
 def sealed_at(fd: int, nbytes: int) -> bool:
     """Whether a peer's memfd is sealed against shrinking and has `nbytes` at least: a mapping of them can trust
     its size (a file shrunk under it would raise SIGBUS)."""
@@ -113,11 +121,11 @@ def sealed_at(fd: int, nbytes: int) -> bool:
 def reserved(fd: int, nbytes: int) -> bool:
     """Whether a peer's memfd has memory allocated for all of its first `nbytes` (no hole before them: its
     producer reserved them and touched them, as a `Segment` does), and is sealed so that none can be punched out
-    later (F_SEAL_FUTURE_WRITE, where the kernel has it): mapping it with MAP_POPULATE then allocates nothing
-    more. A file of holes would have the consumer allocate (and be charged for) pages the producer never paid for.
+    later (F_SEAL_FUTURE_WRITE, where the kernel has it): touching its pages then allocates nothing more. A file
+    of holes would have the consumer allocate (and be charged for) pages the producer never paid for.
     A page `posix_fallocate` reserved but nobody has touched may read as a hole (Linux's shmem reports a page
     that is not up to date as one; on the 6.18 kernel of docs/PERFORMANCE.md's VM it did in some runs and not
-    in others): a producer maps its segment with MAP_POPULATE, which touches every page, before passing it on."""
+    in others): a producer writes to every page of its segment (`touch_pages`) before passing it on."""
     if FUTURE_WRITE_SEALS and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE:
         return False
     return os.lseek(fd, 0, os.SEEK_HOLE) >= nbytes
@@ -137,9 +145,8 @@ class Segment:
         self.seg_id, self.slot, self.slots = seg_id, slot, slots
         self.size = slot * slots
         check_available()
-        self.fd, self._map = sealed_memfd(
-            "tensorbus-shm", self.size, "a shared memory segment", MAP_POPULATE, ours_to_write=True
-        )
+        self.fd, self._map = sealed_memfd("tensorbus-shm", self.size, "a shared memory segment", ours_to_write=True)
+        touch_pages(self._map, write=True)
         self.array = np.frombuffer(self._map, np.uint8)  # (writable: the producer's side)
         self.in_use = 0  # slots handed out
         self.retired = False  # a consumer that went away may still map it: never written again

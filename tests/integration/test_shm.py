@@ -30,9 +30,9 @@ from tensorbus.transports.shm_producer import ShmSender
 from tensorbus.transports.shm_segments import (
     F_SEAL_FUTURE_WRITE,
     FUTURE_WRITE_SEALS,
-    MAP_POPULATE,
     SEALS,
     sealed_memfd,
+    touch_pages,
 )
 from tests.conftest import endpoint_url, require_native, require_torch
 from tests.peers import make_tensor, same
@@ -682,7 +682,8 @@ def test_a_hostile_producer_is_dropped_and_the_consumer_serves_on(
             control.send(sock, *(["drop"] if attack == "short drop" else []))
         elif attack == "outside its segment":  # a segment made as a producer makes one, then a frame past its end
             size = 4096
-            fd, mapped = sealed_memfd("hostile", size, "a hostile segment", MAP_POPULATE, ours_to_write=True)
+            fd, mapped = sealed_memfd("hostile", size, "a hostile segment", ours_to_write=True)
+            touch_pages(mapped, write=True)
             control.send(sock, "seg", 1, size, fds=[fd])
             os.close(fd)
             control.send(sock, "frame", 1, 1, 4000, 200)
