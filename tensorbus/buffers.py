@@ -46,6 +46,20 @@ def aligned_empty(n: int) -> np.ndarray:
     return raw[start : start + n]
 
 
+#: copies of this many bytes or more are made by numpy, which lets go of the interpreter lock while it copies: a
+#: memoryview's slice assignment holds it (256 MB held another thread, an event loop's, ~35 ms on the 2-vCPU VM,
+#: and 128 MB into fresh pages 0.1-0.4 s; numpy's held it 1-2 ms)
+COPY_LETS_GO_FROM = 1 << 20
+
+
+def copy_into(target: memoryview, source: bytes | bytearray | memoryview) -> None:
+    """Copy `source` into `target` (of the same length), letting other threads run meanwhile when it is large."""
+    if len(target) >= COPY_LETS_GO_FROM:
+        np.copyto(np.frombuffer(target, np.uint8), np.frombuffer(source, np.uint8))
+    else:
+        target[:] = source
+
+
 def aligned(data: bytes | bytearray | memoryview, pool: BufferPool | None = None) -> memoryview:
     """`data` itself where it starts at a multiple of ALIGN, else a copy that does (into `pool`'s buffers).
 
@@ -58,7 +72,7 @@ def aligned(data: bytes | bytearray | memoryview, pool: BufferPool | None = None
     if not view.nbytes or address(view) % ALIGN == 0:
         return view
     copy = pool.take(view.nbytes) if pool is not None else aligned_empty(view.nbytes).data
-    copy[:] = view
+    copy_into(copy, view)
     return copy
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from ..buffers import BufferPool, aligned
+from ..buffers import BufferPool, aligned, copy_into
 from ..errors import CodecError, ConfigError, LimitExceeded, MalformedHeader, brief
 from ..running_clock import CLOCK
 from .crc import combine
@@ -418,7 +418,7 @@ class Reassembler:
             self._charge(partial, len(payload))
         if partial.buffer is not None:  # (while its bytes are in cache: the CRC check just read them)
             if not placed:
-                partial.buffer[index * partial.stride : index * partial.stride + len(payload)] = payload
+                copy_into(partial.buffer[index * partial.stride : index * partial.stride + len(payload)], payload)
         else:
             keep = owned and _buffer_bytes(payload) <= 2 * len(payload) + PINNED_SLACK
             partial.pieces[index] = payload if keep else memoryview(bytes(payload))
@@ -432,7 +432,7 @@ class Reassembler:
         views it: fresh pages are slow) and move the chunks kept so far into it, unless it has one already."""
         buffer = partial.buffer if partial.buffer is not None else self._pool.take(partial.total)
         for index, piece in partial.pieces.items():
-            buffer[index * partial.stride : index * partial.stride + len(piece)] = piece
+            copy_into(buffer[index * partial.stride : index * partial.stride + len(piece)], piece)
         partial.buffer, partial.pieces, partial.allocated = buffer, {}, True
         self._charge(partial, partial.total + PARTIAL_OVERHEAD - partial.charged)
 

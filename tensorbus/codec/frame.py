@@ -14,6 +14,7 @@ from typing import Any, Protocol, cast
 import msgpack
 import numpy as np
 
+from ..buffers import copy_into
 from ..errors import (
     BadMagic,
     ChecksumMismatch,
@@ -430,11 +431,6 @@ def dumps(obj: Any, *, out: bytearray | memoryview | None = None, **options: Any
     return join_into(buffers, out)
 
 
-#: a part of a frame this large is copied by `join_into` without the interpreter lock: a memoryview's copy holds it,
-#: and 256 MB held another thread (an event loop's) for ~35 ms on the 2-vCPU VM; numpy's lets go (1.5 ms)
-COPY_LETS_GO_FROM = 1 << 20
-
-
 def join_into(buffers: Sequence[Buffer], out: bytearray | memoryview) -> memoryview:
     """Copy scatter-gather buffers back to back into `out`; return the used part of it (a `LimitExceeded`
     when it is too small: what fitted of the frame was copied, the rest not)."""
@@ -445,10 +441,7 @@ def join_into(buffers: Sequence[Buffer], out: bytearray | memoryview) -> memoryv
         end = at + view.nbytes
         if end > target.nbytes:
             raise LimitExceeded(f"out has {target.nbytes} bytes; the frame needs {sum(v.nbytes for v in views)}")
-        if view.nbytes >= COPY_LETS_GO_FROM:  # (numpy lets go of the interpreter lock as it copies)
-            np.copyto(np.frombuffer(target[at:end], np.uint8), np.frombuffer(view, np.uint8))
-        else:
-            target[at:end] = view
+        copy_into(target[at:end], view)
         at = end
     return target[:at]
 

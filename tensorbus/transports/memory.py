@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..buffers import BufferPool
+from ..buffers import BufferPool, copy_into
 from ..codec.frame import CRC_AT, FLAG_CHECKSUM, NATIVE, Buffer, Limits, MessageId, checksum_of, flat_bytes, join_into
 from ..codec.native import crc32c, crc32c_copy
 from ..errors import TransportError
@@ -209,7 +209,7 @@ class MemoryTransport(NamedTransport):
         copy[:at] = head
         crc = None
         if not flags & FLAG_CHECKSUM:
-            copy[at:] = payload
+            copy_into(copy[at:], payload)
         elif nbytes >= LET_GO_FROM:  # (copied and checksummed in one pass, the consumer's thread running meanwhile)
             crc = crc32c_copy(copy[at:], payload, checksum_of(head))
         else:  # (copied, then checksummed in the caches, holding the interpreter lock throughout)
