@@ -159,11 +159,16 @@ class Intake:
         """`__call__` (without `redelivered` or `appended_at`: a socket's frame) for a thread that may take its
         time (tensorbus.aio's decoding thread): a whole message's frame is decoded outside the intake's lock,
         so a 256 MB signature check or decompression holds up no other delivery, expiry or manual ack meanwhile.
-        A chunk changes the reassembler: `__call__` takes it, under the lock."""
+        A chunk changes the reassembler, and a frame whose admission was interrupted is decoded already:
+        `__call__` takes those, under the lock."""
         if is_chunk(memoryview(frame).cast("B")):
             return self(frame, crc, may_hold=may_hold, source=source)
         with self._lock:
-            held = self._hold_undecoded(frame, crc, may_hold, source)
+            interrupted = self.state.interrupted
+            again = interrupted is not None and interrupted[0] is frame  # (decoded already: `__call__` takes it)
+            held = None if again else self._hold_undecoded(frame, crc, may_hold, source)
+        if again:
+            return self(frame, crc, may_hold=may_hold, source=source)
         if held is not None:
             return held
         try:
