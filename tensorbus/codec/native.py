@@ -20,6 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..buffers import copy_into
 from ..errors import UnsupportedDtype
 from .dtypes import DTYPES, describe, resolve
 
@@ -113,8 +114,9 @@ crc32c = _crc32c()
 
 
 def plain_copy(dst: Buffer, src: Buffer) -> None:
-    """`copy_streamed`'s readable path: `dst[:] = src` (glibc's memcpy)."""
-    memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+    """`copy_streamed`'s readable path: `dst[:] = src` (glibc's memcpy), letting other threads run meanwhile
+    when it is large (`buffers.copy_into`)."""
+    copy_into(memoryview(dst).cast("B"), memoryview(src).cast("B"))
 
 
 def copy_then_crc(dst: Buffer, src: Buffer, value: int = 0) -> int:
