@@ -150,7 +150,6 @@ class LoopReading:
         #: the decoding thread (`decode_off_loop`), made on the loop's thread at the first frame it takes; shut
         #: by `stop_decoding` once the reading is detached
         self._decoding: ThreadPoolExecutor | None = None
-        self._attached = False  # between `attach` and `detach` (a wake-up from the decoding thread may come after)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -175,7 +174,6 @@ class LoopReading:
         self._consumer, self._loop, self._table, self._intake = transport, loop, table, intake
         transport.read_ahead(READ_AHEAD)
         transport.reactor.off_loop = self.decode_off_loop
-        self._attached = True
         self.poller.attach(loop, self._ready)
         self._listening = listener.selector
         loop.add_reader(self._listening, self._turn)
@@ -221,8 +219,6 @@ class LoopReading:
         """A connection (None: the wake-up pipe) is readable: read it."""
         assert self._consumer is not None and self._consumer.reactor is not None and self._loop is not None
         assert self.poller is not None
-        if not self._attached:  # (the decoding thread's wake-up, after `detach`)
-            return
         if data is not None and self.poller.paused:  # (watched still: the pause is lazy)
             if not self._wanted(READ_AHEAD // 2):
                 self._looks += 1
@@ -426,7 +422,6 @@ class LoopReading:
     def detach(self) -> None:
         """Stop reading (on the loop's thread), before the consumer closes: the close reads what already arrived
         on a thread of its own, and decodes there (`attach` hands decoding off the loop again)."""
-        self._attached = False
         if self._consumer is not None and self._consumer.reactor is not None:
             self._consumer.reactor.off_loop = None
         for handle in (self._again, self._timer, self._idle, self._expiring, self._spinning, self._acking):
