@@ -16,7 +16,8 @@ Both turn bytes off a non-blocking stream socket into events, with one interface
   whose records come one at a time): then nothing is there to read until a poll says so, and a reader
   that stops there saves the system call that would find nothing.
 - `budget`: bytes of a frame's body one `read()` takes at most before it returns None (0, the default:
-  no limit); an event loop's turn (tensorbus.aio) is bounded so, whatever pace the bytes come at.
+  no limit), none of its receives asking for more; an event loop's turn (tensorbus.aio) is bounded so,
+  whatever pace the bytes come at and however far the socket's receive buffer grew.
 
 It reads ahead (one system call for several small frames), sizes each frame from its prefix, receives
 it into one buffer (large frames straight into place, checksummed slice by slice), and moves a CRC sent
@@ -234,6 +235,8 @@ class PyStreamReader:
             if self._budget and taken_now >= self._budget:
                 return None  # (an event loop's turn is over: the rest comes with the next)
             end = min(self._got + self._crc_slice, self._total) if self._crc is not None else self._total
+            if self._budget:  # (one receive asks for no more than the turn has left: a receive buffer grown to
+                end = min(end, self._got + self._budget - taken_now)  # tens of MB would be copied in one)
             # (the end of a frame of LARGE_FRAME up to SCATTER_BELOW bytes: the next SHORT_READ_AHEAD in the same call)
             scatter = end == self._total and LARGE_FRAME <= self._total < SCATTER_BELOW
             ahead = SHORT_READ_AHEAD if scatter else 0

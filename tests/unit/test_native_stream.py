@@ -673,8 +673,16 @@ def test_recv_lowat_is_used_only_on_kernels_that_cannot_hang_on_it(system: str, 
 
 
 @pytest.mark.parametrize("budget", [256 << 10, 0])
-def test_a_budget_bounds_the_bytes_of_a_frame_one_read_takes(make_reader: Any, budget: int) -> None:
-    """An event loop's reader takes a large frame in turns (`budget` bytes each), even with all of it there."""
+@pytest.mark.parametrize(
+    "checksum_from, crc_slice",
+    [(1 << 20, 64 << 10), (1 << 20, 8 << 20), (1 << 30, 64 << 10)],
+    ids=["checksummed in 64 KB slices", "checksummed in 8 MB slices", "not checksummed while received"],
+)
+def test_a_budget_bounds_the_bytes_of_a_frame_one_read_takes(
+    make_reader: Any, budget: int, checksum_from: int, crc_slice: int
+) -> None:
+    """An event loop's reader takes a large frame in turns (`budget` bytes each), even with all of it there, and
+    however much one receive could take (slices of the CRC larger than the budget, or none: a signed frame's)."""
     tensor = np.arange(2 << 20, dtype=np.uint8)
     data = b"".join(bytes(b) for b in encode(tensor))
     ours, theirs = socket.socketpair()
@@ -683,7 +691,7 @@ def test_a_budget_bounds_the_bytes_of_a_frame_one_read_takes(make_reader: Any, b
         theirs.sendall(data)  # (all of it waits in the socket)
         ours.setblocking(False)
         pool = BufferPool()
-        reader = make_reader(ours, 1 << 20, 1 << 30, pool.take, crc32c.crc32c, 1 << 20, 1 << 20, 64 << 10)
+        reader = make_reader(ours, 1 << 20, 1 << 30, pool.take, crc32c.crc32c, 1 << 20, checksum_from, crc_slice)
         reader.budget = budget
         turns = 0
         event = reader.read()
@@ -692,9 +700,11 @@ def test_a_budget_bounds_the_bytes_of_a_frame_one_read_takes(make_reader: Any, b
             assert turns < 100
             event = reader.read()
         frame_view, crc = event
-        assert bytes(frame_view) == data and crc == native.crc32c(
-            frame_view[PREFIX.size :], native.crc32c(frame_view[:CRC_AT])
-        )
+        assert bytes(frame_view) == data
+        if checksum_from <= len(data):
+            assert crc == native.crc32c(frame_view[PREFIX.size :], native.crc32c(frame_view[:CRC_AT]))
+        else:
+            assert crc is None
         assert turns == 0 if budget == 0 else len(data) // budget - 1 <= turns <= len(data) // budget
         with pytest.raises(ValueError):
             reader.budget = -1
