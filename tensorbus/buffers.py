@@ -11,6 +11,7 @@ no view is alive.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 import threading
 from collections.abc import Callable
@@ -29,6 +30,9 @@ RECYCLED_BYTES = 1 << 20
 RECYCLED_AT_MOST = 8 << 20
 #: where receive buffers start: the frame's payload alignment (`codec.tensors.ALIGN`, which a test holds equal)
 ALIGN = 64
+#: numpy asks for transparent huge pages from this size (`madvise(MADV_HUGEPAGE)`); a pool with `huge_pages`
+#: off maps its buffers of this size and up without them (see `small_pages_empty`)
+HUGE_PAGES_FROM = 4 << 20
 
 
 def address(data: bytes | bytearray | memoryview) -> int:
@@ -39,11 +43,24 @@ def address(data: bytes | bytearray | memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).__array_interface__["data"][0])
 
 
-def aligned_empty(n: int) -> np.ndarray:
-    """`n` uninitialised bytes starting at a multiple of ALIGN (numpy's own start at a multiple of 16)."""
+def aligned_empty(n: int, huge_pages: bool = True) -> np.ndarray:
+    """`n` uninitialised bytes starting at a multiple of ALIGN (numpy's own start at a multiple of 16); with
+    `huge_pages` False and n from HUGE_PAGES_FROM, in pages of the base size (`small_pages_empty`)."""
+    if not huge_pages and n >= HUGE_PAGES_FROM and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return small_pages_empty(n)
     raw = np.empty(n + ALIGN, np.uint8)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN  # type: ignore[arg-type]  # (`address` less its checks)
     return raw[start : start + n]
+
+
+def small_pages_empty(n: int) -> np.ndarray:
+    """`n` bytes of fresh anonymous memory (page-aligned, so at a multiple of ALIGN), never backed by transparent
+    huge pages: a fault in a huge page's range may compact memory to make one (with the kernel's `defrag` at
+    `madvise`, which numpy's large arrays ask for), and a receive into such memory then took an event loop's
+    thread 6-35 ms instead of 1-2 (docs/PERFORMANCE.md). Unmapped once no array views it."""
+    region = mmap.mmap(-1, n)
+    region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, np.uint8)
 
 
 #: copies of this many bytes or more are made by numpy, which lets go of the interpreter lock while it copies: a
@@ -84,6 +101,9 @@ class BufferPool:
     def __init__(self, max_buffers: int = 4, recycled_bytes: int = RECYCLED_BYTES) -> None:
         self.max_buffers = max_buffers
         self.recycled_bytes = recycled_bytes
+        #: whether new buffers may be backed by transparent huge pages (off for a consumer read on an event
+        #: loop: `aligned_empty`); set by `SocketConsumer.read_ahead` on the thread that then takes them
+        self.huge_pages = True
         self._buffers: list[np.ndarray] = []  # from POOLED_FROM
         self._recycled: list[np.ndarray] = []  # from RECYCLED_FROM, below POOLED_FROM
         self._recycled_bytes = 0
@@ -139,7 +159,7 @@ class BufferPool:
             reused = self._free(n)
             if reused is not None:
                 return reused
-            base = aligned_empty(n)
+            base = aligned_empty(n, self.huge_pages)
             kept = self.max_buffers + (self._more if n <= self._more_up_to else 0)
             if len(self._buffers) >= kept:  # evict the first free buffer, if any
                 free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]

@@ -100,3 +100,37 @@ def test_a_pool_whose_buffers_are_all_in_use_looks_at_each_once_a_take(monkeypat
     del live[0]  # one free now, of the same size: taken again
     live.append(pool.take(n))
     assert pool.reused == 1 and len(looks) == 1
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and MADV_NOHUGEPAGE are Linux's")
+def test_a_pool_without_huge_pages_maps_its_large_buffers_so_and_reuses_them_as_any() -> None:
+    """An event loop's pool (`huge_pages` off): buffers from HUGE_PAGES_FROM in mappings marked no-huge-page ("nh"),
+    aligned, writable and pooled as any; smaller ones and a default pool's large ones as numpy makes them."""
+    pool = buffers.BufferPool()
+    pool.huge_pages = False
+    large = pool.take(buffers.HUGE_PAGES_FROM + 100)
+    assert len(large) == buffers.HUGE_PAGES_FROM + 100 and not large.readonly
+    assert buffers.address(large) % buffers.ALIGN == 0
+    large[-1] = 7
+    assert "nh" in _vm_flags(buffers.address(large))
+    at = buffers.address(large)
+    del large
+    assert buffers.address(pool.take(buffers.HUGE_PAGES_FROM + 50)) == at and pool.reused == 1
+    below = pool.take(buffers.POOLED_FROM)
+    assert "nh" not in _vm_flags(buffers.address(below))
+    default = buffers.BufferPool().take(buffers.HUGE_PAGES_FROM + 100)
+    assert "nh" not in _vm_flags(buffers.address(default))
