@@ -55,9 +55,9 @@ def aligned_empty(n: int, huge_pages: bool = True) -> np.ndarray:
 
 def small_pages_empty(n: int) -> np.ndarray:
     """`n` bytes of fresh anonymous memory (page-aligned, so at a multiple of ALIGN), never backed by transparent
-    huge pages: a fault in a huge page's range may compact memory to make one (with the kernel's `defrag` at
-    `madvise`, which numpy's large arrays ask for), and a receive into such memory then took an event loop's
-    thread 6-35 ms instead of 1-2 (docs/PERFORMANCE.md). Unmapped once no array views it."""
+    huge pages: a receive into memory numpy asked them for faults in and zeroes 2 MiB at a time, and the slowest
+    1 MiB read of a large frame took 6-9 ms of the reading thread against 1-2 in base pages (docs/PERFORMANCE.md,
+    2026-12-02). Unmapped once no array views it."""
     region = mmap.mmap(-1, n)
     region.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(region, np.uint8)

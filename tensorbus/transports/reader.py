@@ -235,8 +235,10 @@ class PyStreamReader:
             if self._budget and taken_now >= self._budget:
                 return None  # (an event loop's turn is over: the rest comes with the next)
             end = min(self._got + self._crc_slice, self._total) if self._crc is not None else self._total
-            if self._budget:  # (one receive asks for no more than the turn has left: a receive buffer grown to
-                end = min(end, self._got + self._budget - taken_now)  # tens of MB would be copied in one)
+            # (one receive asks for no more than the turn has left: a receive buffer grown to tens of MB would
+            # be copied in one)
+            if self._budget:
+                end = min(end, self._got + self._budget - taken_now)
             # (the end of a frame of LARGE_FRAME up to SCATTER_BELOW bytes: the next SHORT_READ_AHEAD in the same call)
             scatter = end == self._total and LARGE_FRAME <= self._total < SCATTER_BELOW
             ahead = SHORT_READ_AHEAD if scatter else 0

@@ -69,7 +69,7 @@ class SocketConsumer(SocketEndpoint, ConsumerSide):
         before; none more if `pooled_buffers` is 0. Its new buffers take no transparent huge pages."""
         if self.options.pooled_buffers:
             self._pool.keep_more(nbytes // POOLED_FROM, nbytes // 2)
-        self._pool.huge_pages = False  # (a receive that faults one in may compact memory while the loop waits)
+        self._pool.huge_pages = False  # (a receive that faults one in zeroes 2 MiB while the loop waits)
 
     def sender(self) -> str | None:
         """The address of the producer connection being read (on the reading thread)."""

@@ -158,11 +158,13 @@ SOCKET_THREADS = ("tensorbus-reader", "tensorbus-accept", "tensorbus-aio-send", 
 def test_socket_ends_read_and_write_on_the_loop_and_start_no_thread(run: Any, transport: str) -> None:
     """tcp:// and unix:// ends read, accept, write and expire on the event loop itself: while small and
     large tensors cross, in order and whole, no reading, accepting, sending or expiring thread of theirs
-    is alive (a thread would make the loop wait for the GIL whenever the kernel kept it off a CPU)."""
+    is alive (a thread would make the loop wait for the GIL whenever the kernel kept it off a CPU); its large
+    receive buffers take no transparent huge pages (a fault in one zeroes 2 MiB while the loop waits)."""
     big = make_tensor({"seed": 4, "n": 3_000_000})
 
     async def main() -> None:
         async with tba.Consumer(endpoint_url(transport)) as consumer, tba.Producer(consumer.address) as producer:
+            assert consumer.blocking.transport._pool.huge_pages is False
             for i in range(200):
                 await producer.send("k", np.full(1000 + i, i))
             await producer.send("big", big)
