@@ -102,7 +102,7 @@ class BufferPool:
         self.max_buffers = max_buffers
         self.recycled_bytes = recycled_bytes
         #: whether new buffers may be backed by transparent huge pages (off for a consumer read on an event
-        #: loop: `aligned_empty`); set by `SocketConsumer.read_ahead` on the thread that then takes them
+        #: loop: `aligned_empty`); set by its `Reactor` as it is made, before any buffer is taken
         self.huge_pages = True
         self._buffers: list[np.ndarray] = []  # from POOLED_FROM
         self._recycled: list[np.ndarray] = []  # from RECYCLED_FROM, below POOLED_FROM

@@ -67,9 +67,13 @@ class Reactor(ReadingLoop):
     def __init__(
         self, deliver: Deliver, limits: Limits, options: SocketOptions, pool: BufferPool, poller: Poller | None = None
     ) -> None:
-        """`poller`: an event loop's (tensorbus/aio), which then reads through `read_ready`; no thread starts."""
+        """`poller`: an event loop's (tensorbus/aio), which then reads through `read_ready`; no thread starts, and
+        the pool's new buffers take no transparent huge pages (a receive that faults one in zeroes 2 MiB while the
+        loop waits: `buffers.small_pages_empty`)."""
         super().__init__(deliver, limits, options, pool, Poller() if poller is None else poller)
-        if poller is None:
+        if poller is not None:
+            pool.huge_pages = False
+        else:
             self._background = threading.Thread(target=self._lead_in_background, daemon=True, name="tensorbus-reader")
             self._background.start()
 

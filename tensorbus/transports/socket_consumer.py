@@ -66,10 +66,9 @@ class SocketConsumer(SocketEndpoint, ConsumerSide):
     def read_ahead(self, nbytes: int) -> None:
         """Frames are read up to `nbytes` ahead of the receives (an event loop's reading): the pool keeps as
         many more buffers of up to half that (several such frames fit), so those frames too land in memory used
-        before; none more if `pooled_buffers` is 0. Its new buffers take no transparent huge pages."""
+        before; none more if `pooled_buffers` is 0."""
         if self.options.pooled_buffers:
             self._pool.keep_more(nbytes // POOLED_FROM, nbytes // 2)
-        self._pool.huge_pages = False  # (a receive that faults one in zeroes 2 MiB while the loop waits)
 
     def sender(self) -> str | None:
         """The address of the producer connection being read (on the reading thread)."""
