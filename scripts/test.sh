@@ -5,7 +5,9 @@
 # brokers are stopped before that pass, which needs none, and the broker integration tests run once more
 # against Docker Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the
 # background meanwhile, and whose brokers start during the pass of the Python paths; TENSORBUS_COMPOSE=0
-# leaves that out). Each part says how long it took, each pytest pass which tests took longest.
+# leaves that out). The heartbeat tests (a 1 ms beat in an event loop while tensors cross it, held to
+# 50 ms) that need no broker run last, on both paths, once every broker is down. Each part says how long
+# it took, each pytest pass which tests took longest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 took() { echo "[test.sh] $1: $((SECONDS - t0))s" >&2; t0=$SECONDS; }
@@ -21,6 +23,7 @@ python3 -m venv .venv
 
 took "venv"
 native=0 compose=0 prep=0 up=0 compose_up=0 engine_was_up=0
+not_heartbeat="not never_blocked"
 [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && native=1
 ((native)) && [ "${TENSORBUS_COMPOSE:-1}" != 0 ] && compose=1
 native_down() { bash scripts/brokers.sh cluster down; bash scripts/brokers.sh down; }
@@ -57,7 +60,8 @@ fi
 .venv/bin/python -m mypy tensorbus
 # say in the log what the folding-CRC tests (tests/unit/test_crc_folding.py) skip for on a CPU without it
 .venv/bin/python -c "from tensorbus.codec import native; m = native.load('tensorbus.codec._crc'); print('[test.sh] folding CRC32C:', 'used (AVX2 + VPCLMULQDQ)' if m and m.ACCELERATED else 'this CPU lacks AVX2 + VPCLMULQDQ: its tests skip, and frames are checksummed (and tested) with the crc32c package')"
-.venv/bin/python -m pytest --durations=30 "$@"   # (the slowest 30 named: where the run's time goes)
+# (the slowest 30 named: where the run's time goes; the heartbeat tests but those through brokers run last)
+.venv/bin/python -m pytest --durations=30 -k "$not_heartbeat or amqp or kafka" "$@"
 took "ruff, mypy, pytest"
 prepared=0
 if ((compose)); then  # Compose's brokers start while the next pass, which needs none, runs
@@ -77,11 +81,9 @@ fi
 # their transports use only the codec, and the unit tests cover its Python path). Not again here: the
 # tests of the layers above the API (the CLI, the README's examples, the bench's harness and scripts,
 # the API's signatures as mypy sees them), which run in the pass above and reach the Python paths only
-# through the API the tests here call directly. The heartbeat tests (a 1 ms beat in an event loop while
-# tensors cross it, held to 50 ms) run last, on their own, once Compose's brokers have started: brokers
-# starting beside them make beats 50-70 ms late (docs/TESTING.md).
+# through the API the tests here call directly.
 python_paths=(env TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q -m "not broker")
-"${python_paths[@]}" --durations=15 tests/unit tests/integration -k "not never_blocked" \
+"${python_paths[@]}" --durations=15 tests/unit tests/integration -k "$not_heartbeat" \
   --ignore=tests/integration/test_cli.py --ignore=tests/integration/test_fanout_cli.py \
   --ignore=tests/integration/test_readme.py --ignore=tests/integration/test_benchmarks.py \
   --ignore=tests/unit/test_bench.py --deselect tests/unit/test_api_signature.py::test_mypy_sees_the_option_types \
@@ -99,8 +101,6 @@ if ((compose && prepared)); then
   ((status == 0)) || { echo "[test.sh] starting Compose's brokers failed (log above)" >&2; exit 1; }
   took "waiting for Compose's brokers"
 fi
-"${python_paths[@]}" tests/integration/test_aio.py -k never_blocked
-took "the heartbeat tests of the Python paths"
 
 if ((compose)); then
   ((prepared)) || { tail -n 40 .brokers/compose-prepare.log; echo "[test.sh] preparing Docker failed (log above)" >&2; exit 1; }
@@ -108,3 +108,11 @@ if ((compose)); then
   bash scripts/test-compose.sh --tests
   took "compose pass"
 fi
+
+# The heartbeat tests that need no broker, on the C paths and on the Python paths, with every broker down:
+# a beat waits for the interpreter lock whenever the kernel keeps the thread holding it from a CPU, and
+# brokers starting or settling beside them made beats 50-70 ms late (docs/TESTING.md).
+if ((native)); then native_down; native=0; fi
+.venv/bin/python -m pytest -q -m "not broker" tests/integration/test_aio.py -k never_blocked
+"${python_paths[@]}" tests/integration/test_aio.py -k never_blocked
+took "the heartbeat tests, C and Python paths"
