@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -63,6 +64,46 @@ def small_pages_empty(n: int) -> np.ndarray:
     return np.frombuffer(region, np.uint8)
 
 
+class Releaser:
+    """Drops buffers on a thread of its own, `tensorbus-release` (started at the first): unmapping 256 MB of base
+    pages (`small_pages_empty`) takes the thread that drops the last reference 54-68 ms on the 2-vCPU VM, an
+    event loop's pool evicting one would stand still that long (docs/PERFORMANCE.md, 2026-12-02)."""
+
+    def __init__(self) -> None:
+        self._pending: list[np.ndarray] = []
+        self._wake = threading.Condition()  # (guards `_pending` and `_thread`)
+        self._thread: threading.Thread | None = None
+
+    def release(self, held: list[np.ndarray]) -> None:
+        """Take the buffers out of `held`, whose references must be the caller's only ones, and drop them on the
+        releasing thread (the caller keeps none that the thread could outlive, so the unmap is never the caller's)."""
+        with self._wake:
+            self._pending.extend(held)
+            held.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="tensorbus-release")
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending:
+                    self._wake.wait()
+                dropping, self._pending = self._pending, []
+            dropping.clear()  # (here, outside the lock: the unmap)
+
+    def _forked(self) -> None:
+        """In a forked child: the thread is not there; the next release starts one."""
+        self._pending, self._wake, self._thread = [], threading.Condition(), None
+
+
+#: the process's one releasing thread's owner
+RELEASER = Releaser()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=RELEASER._forked)
+
+
 #: copies of this many bytes or more are made by numpy, which lets go of the interpreter lock while it copies: a
 #: memoryview's slice assignment holds it (256 MB held another thread, an event loop's, ~35 ms on the 2-vCPU VM,
 #: and 128 MB into fresh pages 0.1-0.4 s; numpy's held it 1-2 ms)
@@ -102,7 +143,8 @@ class BufferPool:
         self.max_buffers = max_buffers
         self.recycled_bytes = recycled_bytes
         #: whether new buffers may be backed by transparent huge pages (off for a consumer read on an event
-        #: loop: `aligned_empty`); set by its `Reactor` as it is made, before any buffer is taken
+        #: loop: `aligned_empty`, and then a large buffer let go is dropped by the `RELEASER`); set by its
+        #: `Reactor` as it is made, before any buffer is taken
         self.huge_pages = True
         self._buffers: list[np.ndarray] = []  # from POOLED_FROM
         self._recycled: list[np.ndarray] = []  # from RECYCLED_FROM, below POOLED_FROM
@@ -164,7 +206,10 @@ class BufferPool:
             if len(self._buffers) >= kept:  # evict the first free buffer, if any
                 free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) <= 2]
                 if free:
-                    del self._buffers[free[0]]
+                    evicted = [self._buffers.pop(free[0])]
+                    if not self.huge_pages:  # (base pages: unmapped on the releasing thread, not the loop's)
+                        RELEASER.release(evicted)
+                    del evicted
             if len(self._buffers) < kept:
                 self._buffers.append(base)
             return base.data[:n]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+import threading
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -134,3 +136,36 @@ def test_a_pool_without_huge_pages_maps_its_large_buffers_so_and_reuses_them_as_
     assert "nh" not in _vm_flags(buffers.address(below))
     default = buffers.BufferPool().take(buffers.HUGE_PAGES_FROM + 100)
     assert "nh" not in _vm_flags(buffers.address(default))
+
+
+def _dropped_on(base: np.ndarray) -> tuple[threading.Event, list[str]]:
+    """An event set, and a list given the thread's name, where `base`'s last reference goes."""
+    gone, where = threading.Event(), []
+    weakref.finalize(base, lambda: (where.append(threading.current_thread().name), gone.set()))
+    return gone, where
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_a_large_buffer_an_event_loops_pool_evicts_is_dropped_on_the_releasing_thread(huge_pages: bool) -> None:
+    """An event loop's pool (`huge_pages` off) hands a large buffer it evicts to `tensorbus-release`, which unmaps
+    it (~60 ms for 256 MB of base pages): the evicting thread, the loop's, only lets go of it. A pool read on a
+    thread of its own drops it there."""
+    pool = buffers.BufferPool(max_buffers=1)
+    pool.huge_pages = huge_pages
+    first = pool.take(buffers.HUGE_PAGES_FROM)
+    gone, where = _dropped_on(pool._buffers[0])
+    del first
+    larger = pool.take(2 * buffers.HUGE_PAGES_FROM + 1)  # none fits it: the free one is evicted for it
+    assert len(pool._buffers) == 1 and len(pool._buffers[0]) == len(larger)
+    assert gone.wait(10), "the evicted buffer was never dropped"
+    assert where == (["MainThread"] if huge_pages else ["tensorbus-release"])
+
+
+def test_the_releaser_drops_what_it_is_given_and_takes_the_callers_references() -> None:
+    releaser = buffers.Releaser()
+    held = [buffers.small_pages_empty(1 << 20) for _ in range(3)]
+    events = [_dropped_on(base) for base in held]
+    releaser.release(held)
+    assert held == []  # (the caller's references are the releaser's now)
+    for gone, where in events:
+        assert gone.wait(10) and where == ["tensorbus-release"]
