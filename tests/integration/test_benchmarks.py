@@ -12,6 +12,7 @@ import pytest
 
 import tensorbus as tb
 from benchmarks import (
+    aio_loop_stalls,
     aio_memory,
     aio_ping_cpu,
     amqp_large,
@@ -31,6 +32,12 @@ def test_the_aio_memory_benchmark_streams_and_echoes_through_one_loop() -> None:
     tensor = np.ones(1024, np.float32)
     assert asyncio.run(aio_memory.stream_rate(tensor, 50)) > 0
     assert asyncio.run(aio_memory.round_trip(tensor, 20)) > 0
+
+
+def test_the_loop_stalls_benchmark_times_the_heartbeat_while_each_tensor_crosses() -> None:
+    tensors = [np.ones(size << 18, np.float32) for size in (8, 2, 12)]  # (MB)
+    beats = asyncio.run(aio_loop_stalls.latest_beats("tcp://127.0.0.1:0", tensors))
+    assert len(beats) == 3 and max(beats) > 0 and min(beats) >= 0
 
 
 def test_the_consumer_floor_benchmark_reads_a_real_producers_stream() -> None:
