@@ -11,6 +11,7 @@ no view is alive.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import sys
@@ -18,6 +19,8 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 #: buffers at least this large are pooled, `max_buffers` of them
 POOLED_FROM = 1 << 20
@@ -71,18 +74,24 @@ class Releaser:
 
     def __init__(self) -> None:
         self._pending: list[np.ndarray] = []
-        self._wake = threading.Condition()  # (guards `_pending` and `_thread`)
-        self._thread: threading.Thread | None = None
+        self._wake = threading.Condition()  # (guards `_pending` and `_running`)
+        self._running = False
 
     def release(self, held: list[np.ndarray]) -> None:
-        """Take the buffers out of `held`, whose references must be the caller's only ones, and drop them on the
-        releasing thread (the caller keeps none that the thread could outlive, so the unmap is never the caller's)."""
+        """Take the buffers out of `held`, which holds the caller's only references to them, and drop them on the
+        releasing thread: with no reference left to the caller, the unmap is never the caller's. Where no thread
+        can start, they are dropped here (and said so)."""
         with self._wake:
             self._pending.extend(held)
             held.clear()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name="tensorbus-release")
-                self._thread.start()
+            if not self._running:
+                try:
+                    threading.Thread(target=self._run, daemon=True, name="tensorbus-release").start()
+                except RuntimeError as exc:  # (no thread to be had)
+                    log.warning("no thread to release buffers on (%s): the thread letting them go unmaps them", exc)
+                    self._pending.clear()
+                    return
+                self._running = True
             self._wake.notify()
 
     def _run(self) -> None:
@@ -93,15 +102,15 @@ class Releaser:
                 dropping, self._pending = self._pending, []
             dropping.clear()  # (here, outside the lock: the unmap)
 
-    def _forked(self) -> None:
+    def forked(self) -> None:
         """In a forked child: the thread is not there; the next release starts one."""
-        self._pending, self._wake, self._thread = [], threading.Condition(), None
+        self._pending, self._wake, self._running = [], threading.Condition(), False
 
 
 #: the process's one releasing thread's owner
 RELEASER = Releaser()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=RELEASER._forked)
+    os.register_at_fork(after_in_child=RELEASER.forked)
 
 
 #: copies of this many bytes or more are made by numpy, which lets go of the interpreter lock while it copies: a
@@ -143,7 +152,7 @@ class BufferPool:
         self.max_buffers = max_buffers
         self.recycled_bytes = recycled_bytes
         #: whether new buffers may be backed by transparent huge pages (off for a consumer read on an event
-        #: loop: `aligned_empty`, and then a large buffer let go is dropped by the `RELEASER`); set by its
+        #: loop: `aligned_empty`, and then a large buffer evicted is dropped by the `RELEASER`); set by its
         #: `Reactor` as it is made, before any buffer is taken
         self.huge_pages = True
         self._buffers: list[np.ndarray] = []  # from POOLED_FROM

@@ -162,10 +162,45 @@ def test_a_large_buffer_an_event_loops_pool_evicts_is_dropped_on_the_releasing_t
 
 
 def test_the_releaser_drops_what_it_is_given_and_takes_the_callers_references() -> None:
-    releaser = buffers.Releaser()
     held = [buffers.small_pages_empty(1 << 20) for _ in range(3)]
     events = [_dropped_on(base) for base in held]
-    releaser.release(held)
+    buffers.RELEASER.release(held)
     assert held == []  # (the caller's references are the releaser's now)
     for gone, where in events:
         assert gone.wait(10) and where == ["tensorbus-release"]
+
+
+def test_a_releaser_in_a_forked_child_starts_a_thread_of_its_own() -> None:
+    """After a fork the child has no releasing thread (`forked`, run by `os.register_at_fork`): its first release
+    starts one, and what it is given is dropped there, not left pending for a thread that is not there."""
+    releaser = buffers.Releaser()
+    releaser.release([])
+    before = {thread for thread in threading.enumerate() if thread.name == "tensorbus-release"}
+    releaser.forked()  # (as in the child: the parent's thread is not its)
+    held = [buffers.small_pages_empty(1 << 20)]
+    gone, where = _dropped_on(held[0])
+    releaser.release(held)
+    assert gone.wait(10) and where == ["tensorbus-release"]
+    after = {thread for thread in threading.enumerate() if thread.name == "tensorbus-release"}
+    assert after - before  # (a new thread: the one it had before the fork would have waited for good)
+
+
+def test_a_releaser_that_cannot_start_its_thread_drops_the_buffers_where_it_is_called(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    releaser = buffers.Releaser()
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    held = [buffers.small_pages_empty(1 << 20)]
+    gone, where = _dropped_on(held[0])
+    with caplog.at_level("WARNING", logger="tensorbus.buffers"):
+        releaser.release(held)
+    assert gone.is_set() and where == ["MainThread"] and held == []
+    assert "no thread to release buffers on" in caplog.text
+    monkeypatch.undo()
+    again = [buffers.small_pages_empty(1 << 20)]
+    gone, where = _dropped_on(again[0])
+    releaser.release(again)  # (a thread is to be had again: it starts)
+    assert gone.wait(10) and where == ["tensorbus-release"]
