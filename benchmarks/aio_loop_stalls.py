@@ -30,20 +30,23 @@ DEFAULT_SIZES_MB = "256,100,40,16,6,300,120,50,20,8,256"
 
 
 async def latest_beats(url: str, tensors: list[np.ndarray]) -> list[float]:
-    """Send and receive each of `tensors` in turn on one loop; the latest heartbeat (s) while each crossed."""
+    """Send and receive each of `tensors` in turn on one loop; the latest heartbeat (s) while each crossed (the
+    ends' opening and closing not counted)."""
     latest = [0.0] * len(tensors)
-    crossing = [0]  # (the index of the tensor crossing now, which the heartbeat reads)
+    crossing = [-1]  # (the index of the tensor crossing now, which the heartbeat reads; -1: none)
     stop = asyncio.Event()
 
     async def heartbeat() -> None:
         while not stop.is_set():
+            index = crossing[0]  # (the tensor crossing as the beat was asked for is the one it waited on)
             due = time.perf_counter() + 0.001
             await asyncio.sleep(0.001)
-            latest[crossing[0]] = max(latest[crossing[0]], time.perf_counter() - due)
+            if index >= 0:
+                latest[index] = max(latest[index], time.perf_counter() - due)
 
-    beating = asyncio.create_task(heartbeat())
-    try:
-        async with tba.Consumer(url) as consumer, tba.Producer(consumer.address) as producer:
+    async with tba.Consumer(url) as consumer, tba.Producer(consumer.address) as producer:
+        beating = asyncio.create_task(heartbeat())
+        try:
             for index, tensor in enumerate(tensors):
                 crossing[0] = index
                 await producer.send("t", tensor)
@@ -51,9 +54,10 @@ async def latest_beats(url: str, tensors: list[np.ndarray]) -> list[float]:
                 if received.shape != tensor.shape:
                     raise AssertionError(f"received {received.shape}, sent {tensor.shape}")
                 del received
-    finally:
-        stop.set()
-        await beating
+            crossing[0] = -1
+        finally:
+            stop.set()
+            await beating
     return latest
 
 

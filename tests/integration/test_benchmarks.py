@@ -35,9 +35,9 @@ def test_the_aio_memory_benchmark_streams_and_echoes_through_one_loop() -> None:
 
 
 def test_the_loop_stalls_benchmark_times_the_heartbeat_while_each_tensor_crosses() -> None:
-    tensors = [np.ones(size << 18, np.float32) for size in (8, 2, 12)]  # (MB)
+    tensors = [np.ones(size << 18, np.float32) for size in (8, 2, 12, 6, 16, 4)]  # (MB: more sizes than pooled)
     beats = asyncio.run(aio_loop_stalls.latest_beats("tcp://127.0.0.1:0", tensors))
-    assert len(beats) == 3 and max(beats) > 0 and min(beats) >= 0
+    assert len(beats) == len(tensors) and max(beats) > 0  # (beats were timed while tensors crossed)
 
 
 def test_the_consumer_floor_benchmark_reads_a_real_producers_stream() -> None:
