@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Run the whole test suite from nothing: a venv with every extra (and the checkout's bytecode), the
 # brokers started natively (scripts/brokers.sh), ruff (lint and format), mypy on the package, pytest,
-# then the unit and socket tests again on the Python paths alone (TENSORBUS_NATIVE=0); the native
-# brokers are stopped before that pass, which needs none, and the broker integration tests run once more
-# against Docker Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the
+# then the unit and socket tests again on the Python paths alone (TENSORBUS_NATIVE=0); where Compose's
+# tests follow, the native brokers are stopped before that pass, which needs none, and the broker
+# integration tests run once more against Docker Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the
 # background meanwhile, and whose brokers start during the pass of the Python paths; TENSORBUS_COMPOSE=0
 # leaves that out). The heartbeat tests (a 1 ms beat in an event loop while tensors cross it, held to
-# 50 ms) that need no broker run last, on both paths, once every broker is down. Each part says how long
-# it took, each pytest pass which tests took longest.
+# 50 ms) that need no broker run last, on both paths, once the brokers this script started are stopped
+# (a `-k` of your own among the arguments replaces the one that leaves them out of the main pass). Each
+# part says how long it took, each pytest pass which tests took longest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 took() { echo "[test.sh] $1: $((SECONDS - t0))s" >&2; t0=$SECONDS; }
@@ -61,7 +62,7 @@ fi
 # say in the log what the folding-CRC tests (tests/unit/test_crc_folding.py) skip for on a CPU without it
 .venv/bin/python -c "from tensorbus.codec import native; m = native.load('tensorbus.codec._crc'); print('[test.sh] folding CRC32C:', 'used (AVX2 + VPCLMULQDQ)' if m and m.ACCELERATED else 'this CPU lacks AVX2 + VPCLMULQDQ: its tests skip, and frames are checksummed (and tested) with the crc32c package')"
 # (the slowest 30 named: where the run's time goes; the heartbeat tests but those through brokers run last)
-.venv/bin/python -m pytest --durations=30 -k "$not_heartbeat or amqp or kafka" "$@"
+.venv/bin/python -m pytest --durations=30 -k "$not_heartbeat or broker" "$@"
 took "ruff, mypy, pytest"
 prepared=0
 if ((compose)); then  # Compose's brokers start while the next pass, which needs none, runs
@@ -100,19 +101,20 @@ if ((compose && prepared)); then
   cat .brokers/compose-up.log >&2
   ((status == 0)) || { echo "[test.sh] starting Compose's brokers failed (log above)" >&2; exit 1; }
   took "waiting for Compose's brokers"
-fi
-
-if ((compose)); then
-  ((prepared)) || { tail -n 40 .brokers/compose-prepare.log; echo "[test.sh] preparing Docker failed (log above)" >&2; exit 1; }
   compose_up=0   # (`--tests` takes them down, whatever the tests do)
   bash scripts/test-compose.sh --tests
   took "compose pass"
 fi
 
-# The heartbeat tests that need no broker, on the C paths and on the Python paths, with every broker down:
+# The heartbeat tests that need no broker, on the C paths and on the Python paths, the brokers stopped:
 # a beat waits for the interpreter lock whenever the kernel keeps the thread holding it from a CPU, and
 # brokers starting or settling beside them made beats 50-70 ms late (docs/TESTING.md).
 if ((native)); then native_down; native=0; fi
 .venv/bin/python -m pytest -q -m "not broker" tests/integration/test_aio.py -k never_blocked
 "${python_paths[@]}" tests/integration/test_aio.py -k never_blocked
 took "the heartbeat tests, C and Python paths"
+if ((compose && !prepared)); then
+  tail -n 40 .brokers/compose-prepare.log
+  echo "[test.sh] preparing Docker failed (log above)" >&2
+  exit 1
+fi
