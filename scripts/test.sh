@@ -3,9 +3,9 @@
 # brokers started natively (scripts/brokers.sh), ruff (lint and format), mypy on the package, pytest,
 # then the unit and socket tests again on the Python paths alone (TENSORBUS_NATIVE=0); where Compose's
 # tests follow, the native brokers are stopped before that pass, which needs none, and the broker
-# integration tests run once more against Docker Compose's brokers (scripts/test-compose.sh, whose engine and images are prepared in the
-# background meanwhile, and whose brokers start during the pass of the Python paths; TENSORBUS_COMPOSE=0
-# leaves that out). The heartbeat tests (a 1 ms beat in an event loop while tensors cross it, held to
+# integration tests run once more against Docker Compose's brokers (scripts/test-compose.sh, whose
+# engine and images are prepared in the background meanwhile, and whose brokers start during the pass
+# of the Python paths; TENSORBUS_COMPOSE=0 leaves that out). The heartbeat tests (a 1 ms beat in an event loop while tensors cross it, held to
 # 50 ms) that need no broker run last, on both paths, once the brokers this script started are stopped
 # (a `-k` of your own among the arguments replaces the one that leaves them out of the main pass). Each
 # part says how long it took, each pytest pass which tests took longest.
