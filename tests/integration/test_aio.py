@@ -751,11 +751,12 @@ LOOP_CASE_OPTIONS: dict[str, dict[str, Any]] = {
 #: the latest beat and the 99th percentile allowed, by case: 50 and 20 ms, but through a broker a beat waits for
 #: the interpreter lock while a client's thread holds it (kafka-python builds records and requests in Python,
 #: 60-165 ms at a time with 1 MB records; confluent-kafka's `produce` holds it while it waits for librdkafka, up
-#: to 175 ms; pika decodes frames in Python, 20-56 ms), so there the latest may be 0.5 s late (docs/ASYNC.md)
+#: to 175 ms; pika decodes frames in Python, 20-56 ms), so there the latest may be 0.5 s late and the 99th
+#: percentile 50 ms (26 ms on confluent against Compose's nine brokers in a CI rehearsal; docs/ASYNC.md)
 LOOP_LIMITS: dict[str, tuple[float, float]] = {
-    "amqp": (0.5, 0.020),
-    "kafka": (0.5, 0.020),
-    "kafka-confluent": (0.5, 0.020),
+    "amqp": (0.5, 0.050),
+    "kafka": (0.5, 0.050),
+    "kafka-confluent": (0.5, 0.050),
 }
 
 
