@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import select
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +25,21 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
+
+
+def child_exit_code(pid: int, timeout: float = 30) -> int:
+    """The exit code of forked child `pid`, waited for through a pidfd (Linux); a child still running after
+    `timeout` seconds is killed and the wait fails, rather than hanging the test run."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        ended, _, _ = select.select([pidfd], [], [], timeout)
+        if not ended:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
+    assert ended, f"the forked child did not end in {timeout} s"
+    return os.waitstatus_to_exitcode(status)
 
 
 async def until(condition: Callable[[], Any], what: str, timeout: float = 30) -> None:

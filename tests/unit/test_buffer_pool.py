@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
-import signal
 import sys
 import threading
 import types
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 
 from tensorbus import buffers
+from tests.waiting import child_exit_code
 
 
 def test_a_middle_sized_buffer_comes_back_once_nothing_views_it_and_never_while_something_does() -> None:
@@ -188,16 +187,7 @@ def test_in_a_forked_child_the_releaser_starts_a_thread_of_its_own() -> None:
             code = 0 if gone.wait(10) and where == ["tensorbus-release"] else 3
         finally:
             os._exit(code)
-    pidfd = os.pidfd_open(pid)
-    try:
-        ended, _, _ = select.select([pidfd], [], [], 30)
-        if not ended:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(pidfd)
-    assert ended, "the forked child did not end in 30 s"
-    assert os.waitstatus_to_exitcode(status) == 0, "the child's release was not dropped on a thread of its own"
+    assert child_exit_code(pid) == 0, "the child's release was not dropped on a thread of its own"
 
 
 def test_a_releaser_that_cannot_start_its_thread_drops_the_buffers_where_it_is_called(

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tensorbus.running_clock import CLOCK, RunningClock
+from tests.waiting import child_exit_code
 
 #: a child that holds a chunked tensor incomplete, waits for a line, then feeds its last chunk (the clock it
 #: measures expiry on named by argv[1]); prints whether the tensor came out whole, how many tensors expired, and
@@ -76,7 +77,7 @@ def test_the_clock_runs_with_the_process() -> None:
     assert 0.04 <= CLOCK.now() - before < 1.0
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX")
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="forks, and waits on the child through a pidfd (Linux)")
 def test_a_forked_child_starts_its_own_ticker_and_its_clock_goes_on_from_the_parents() -> None:
     before = CLOCK.now()  # the parent's ticker runs
     pid = os.fork()
@@ -86,8 +87,7 @@ def test_a_forked_child_starts_its_own_ticker_and_its_clock_goes_on_from_the_par
             ok = CLOCK.now() >= before and any(t.name == "tensorbus-running-clock" for t in threading.enumerate())
         finally:
             os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_exit_code(pid) == 0
 
 
 def test_with_no_ticker_to_be_had_the_clock_is_the_monotonic_one(monkeypatch: pytest.MonkeyPatch) -> None:
