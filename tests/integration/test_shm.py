@@ -649,7 +649,7 @@ def test_close_from_another_thread_while_a_recv_waits() -> None:
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.1)
+    wait_for(lambda: consumer.table._waiters.get("never"), 30, "the recv waiting in the table")
     consumer.close()
     waiter.join(10)
     assert isinstance(errors[0], tb.Aborted)
