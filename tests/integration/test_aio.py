@@ -797,7 +797,7 @@ LOOP_CASE_OPTIONS: dict[str, dict[str, Any]] = {
 #: the interpreter lock while a client's thread holds it (kafka-python builds records and requests in Python,
 #: 60-165 ms at a time with 1 MB records; confluent-kafka's `produce` holds it while it waits for librdkafka, up
 #: to 175 ms; pika decodes frames in Python, 20-56 ms), so there the latest may be 0.5 s late and the 99th
-#: percentile 50 ms (26 ms on confluent against Compose's nine brokers in a CI rehearsal; docs/ASYNC.md)
+#: percentile 50 ms (26 ms on confluent against Compose's nine brokers in a full test run; docs/ASYNC.md)
 LOOP_LIMITS: dict[str, tuple[float, float]] = {
     "amqp": (0.5, 0.050),
     "kafka": (0.5, 0.050),

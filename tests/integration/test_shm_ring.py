@@ -351,8 +351,8 @@ def _attack(sock: socket.socket, attack: str) -> None:
 
 def _wake(sock: socket.socket) -> None:
     """Tell the consumer to look at the ring, which it may have done already: it reads the ring's notices at each
-    of its steps, and one that finds them bad drops the producer before the wake comes (a CI rehearsal's
-    BrokenPipeError on this send)."""
+    of its steps, and one that finds them bad drops the producer before the wake comes (this send then meets a
+    closed socket: BrokenPipeError)."""
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         control.send(sock, "wake")
 
