@@ -66,12 +66,12 @@ class IdleSweep:
                     continue
                 since = now
             elif now - since >= self.timeout_s:
-                self.dropped += 1
                 if stalled:
                     reason = f"closed after {self.timeout_s:g} s stalled mid-frame (idle_timeout_s)"
                     reactor._drop(peer, reason, logging.WARNING)
                 else:
                     reactor._drop(peer, f"closed after {self.timeout_s:g} s idle (idle_timeout_s)", logging.INFO)
+                self.dropped += 1  # (after the close: who sees the count may rely on the connection being gone)
                 continue
             still[fd] = (peer, mark, since)
         self._still = still

@@ -845,6 +845,7 @@ def _echo(fwd: str, bwd: str, count: int) -> None:
     with tb.Consumer(fwd, spin_s=60.0) as consumer, tb.Producer(bwd) as producer:
         for _ in range(count):
             producer.send("pong", consumer.recv("ping", timeout=30))
+        consumer.recv("stop", timeout=30)  # (its flush's request would meet the last receive's read on)
         producer.flush(30)
 
 
@@ -868,6 +869,7 @@ def _ping_pong(monkeypatch: pytest.MonkeyPatch, count: int) -> tuple[Any, list[i
                 for i in range(count):
                     producer.send("ping", np.full(1024, i, np.float32))
                     assert (consumer.recv("pong", timeout=30) == i).all()
+                producer.send("stop", np.zeros(1))
         finally:
             echo.join(30)
         assert echo.exitcode == 0

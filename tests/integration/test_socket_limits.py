@@ -146,6 +146,16 @@ def test_a_connection_with_a_message_in_flight_is_not_idle() -> None:
         waiting.close()
 
 
+#: Linux's TCP state of a socket whose peer closed its side (`tcpi_state`, the first byte of TCP_INFO)
+TCP_CLOSE_WAIT = 8
+
+
+def _tcp_state(producer: tb.Producer) -> int:
+    """The TCP state of a socket producer's connection (-1: none)."""
+    sock = producer.transport._sock  # type: ignore[attr-defined]
+    return -1 if sock is None else sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
 def test_a_quiet_producer_loses_nothing_when_its_idle_connection_is_closed() -> None:
     # idle_timeout_s of at least PROBE_AFTER_S: the producer then always looks at its socket before it
     # sends again, reads the last acks and the close, and resends nothing (with 0.3 s, a send on a busy
@@ -160,6 +170,9 @@ def test_a_quiet_producer_loses_nothing_when_its_idle_connection_is_closed() -> 
                 for i in range(5):  # (a connection with tensors nobody took is not idle: see the next test)
                     assert consumer.recv(f"r{round_}-{i}", timeout=5).tolist() == [i, i]
                 wait_for(lambda r=round_: reactor.idle.dropped > r, 10, "the idle connection closed")
+                # (and its end come to the producer's socket: a send's look before it then finds it; a send
+                # a moment sooner would go into the closed connection, and out again only on the next call)
+                wait_for(lambda: _tcp_state(producer) == TCP_CLOSE_WAIT, 5, "the close come to the producer")
             producer.send("last", np.ones(2))
             producer.flush(5)
         assert consumer.recv("last", timeout=5).tolist() == [1, 1]
