@@ -14,7 +14,7 @@ import pytest
 
 import tensorbus as tb
 from tests.conftest import endpoint_url, require_native
-from tests.waiting import wait_for
+from tests.waiting import once, wait_for
 
 TRANSPORTS = ["memory", "shm"]
 
@@ -49,6 +49,16 @@ def delivering_threads(consumer: tb.Consumer) -> list[str]:
     return names
 
 
+def once_leading(consumer: tb.Consumer, action: Any) -> threading.Thread:
+    """Run `action` on another thread once this thread leads the consumer's reading (in a recv): what it
+    sends is then delivered by this thread. (Not after a fixed delay: a loaded machine may not have let the
+    recv start by then, and the background thread would deliver it.)"""
+    transport: Any = consumer.transport
+    leadership = (transport._reader if transport.url.scheme == "memory" else transport._listener).leadership
+    me = threading.get_ident()
+    return once(lambda: leadership._leading == me, action, "this thread to lead the reading")
+
+
 def tensor(consumer: tb.Consumer, value: np.ndarray) -> Any:
     """What the tests send: `value`, or on memory:// a bundle of it (never delivered on the producer's thread)."""
     return {"x": value} if consumer.transport.url.scheme == "memory" else value
@@ -72,8 +82,8 @@ def test_a_waiting_recv_delivers_its_tensor_on_its_own_thread(pair: tuple[tb.Con
     consumer, producer = pair
     names = delivering_threads(consumer)
     for i in range(5):
-        later = threading.Timer(0.02, producer.send, ("reply", tensor(consumer, np.full(3, float(i)))))
-        later.start()
+        reply = tensor(consumer, np.full(3, float(i)))
+        later = once_leading(consumer, lambda reply=reply: producer.send("reply", reply))
         assert first(consumer.recv("reply", timeout=10)) == i
         later.join()
     assert names == [threading.current_thread().name] * 5
@@ -107,11 +117,12 @@ def test_two_threads_waiting_each_get_their_tensor(pair: tuple[tb.Consumer, tb.P
 
 def test_an_abort_ends_a_leading_recv(pair: tuple[tb.Consumer, tb.Producer]) -> None:
     consumer, _ = pair
-    threading.Timer(0.05, consumer.abort, ("stop",)).start()
+    aborting = once_leading(consumer, lambda: consumer.abort("stop"))
     started = time.monotonic()
     with pytest.raises(tb.Aborted):
         consumer.recv("never", timeout=30)
     assert time.monotonic() - started < 10
+    aborting.join(10)
 
 
 def test_a_callback_may_close_the_consumer_on_the_leading_thread(pair: tuple[tb.Consumer, tb.Producer]) -> None:
@@ -123,8 +134,7 @@ def test_a_callback_may_close_the_consumer_on_the_leading_thread(pair: tuple[tb.
         closed.set()
 
     consumer.recv_async("cb", close_in_callback)
-    later = threading.Timer(0.02, producer.send, ("cb", np.ones(1)))
-    later.start()
+    later = once_leading(consumer, lambda: producer.send("cb", np.ones(1)))
     with pytest.raises(tb.Aborted):  # this recv leads, runs the callback, and sees its consumer closed
         consumer.recv("never", timeout=30)
     later.join()

@@ -734,6 +734,8 @@ class _SelectSpy:
     def __init__(self, listener: Any, ident: int) -> None:
         self.select, self.ident = listener._selector.select, ident
         self.polled = multiprocessing.get_context("fork").Event()  # (a forked producer may wait for it)
+        #: set as a wait of a second or more begins: a receive's, toward its deadline (not the few ms acks owed leave)
+        self.slept = multiprocessing.get_context("fork").Event()
         self.sleeps: list[float | None] = []
         listener._selector.select = self
 
@@ -743,6 +745,8 @@ class _SelectSpy:
                 self.polled.set()
             else:
                 self.sleeps.append(timeout)
+                if timeout is None or timeout >= 1.0:
+                    self.slept.set()
         return self.select(timeout)
 
 
@@ -778,7 +782,7 @@ def _send_when(url: str, polled: Any) -> None:
 
 
 def _send_late(url: str, starts: list[Any], late_s: list[float]) -> None:
-    """A producer: "warm" at once, then each tensor `late_s` after its receive began to poll (`starts`)."""
+    """A producer: "warm" at once, then each tensor `late_s` after its event in `starts` (set by the receive)."""
     with tb.Producer(url) as producer:
         producer.send("warm", np.zeros(4, np.float32))
         for i, (started, late) in enumerate(zip(starts, late_s, strict=True)):
@@ -794,21 +798,23 @@ def test_a_near_miss_makes_the_next_spin_longer_and_it_catches_a_reply_as_late(m
     two ends of a ping-pong do not sleep in turn round after round (transports/spinning.py)."""
     monkeypatch.setattr(control, "IDLE_S", 60.0)
     monkeypatch.setattr(leading, "POLL_S", 60.0)
-    spin_s = 0.2
+    spin_s = 0.4
     url = endpoint_url("shm")
     context = multiprocessing.get_context("fork")
     starts = [context.Event(), context.Event()]
-    # the first frame 1.5 spins after its receive began (the spin ran out half a spin before: a near miss), the
-    # second 2 spins after (past a spin of spin_s, within one of STRETCH spins)
+    # the first frame half a spin after its receive's spin ran out and it sleeps toward its deadline (a near miss:
+    # timed from the sleep, not from the receive's start, a receive the machine kept off the CPU cannot find it
+    # still spinning), the second 1.5 spins after its receive began to poll (past a spin of spin_s, within one
+    # of STRETCH spins)
     with tb.Consumer(url, spin_s=spin_s) as consumer:
-        sender = context.Process(target=_send_late, args=(url, starts, [1.5 * spin_s, 2 * spin_s]))
+        sender = context.Process(target=_send_late, args=(url, starts, [0.5 * spin_s, 1.5 * spin_s]))
         sender.start()
         try:
             assert same(consumer.recv("warm", timeout=30), np.zeros(4, np.float32))
             listener = consumer.transport._listener
             spy = _SelectSpy(listener, threading.get_ident())
             before = listener.spins.copy()
-            spy.polled = starts[0]
+            spy.slept = starts[0]
             assert same(consumer.recv("k0", timeout=10), np.full(256, 0, np.float32))
             assert listener.spins["near"] == before["near"] + 1, listener.spins
             spy.sleeps.clear()

@@ -218,6 +218,10 @@ def test_a_memory_flush_waits_for_a_tensor_held_back_by_a_full_table_to_enter_it
         with tb.Producer("memory://held-flush") as producer:
             producer.send("a", one)
             producer.send("b", one + 1)
+            frames = producer.transport._frames  # type: ignore[attr-defined]
+            source = producer.transport._source  # type: ignore[attr-defined]
+            # (without the C delivery a reading thread takes "a" in, not the send: until then both count as untaken)
+            wait_for(lambda: frames.unreceived(source) < 2 * one.nbytes, 30, '"a" taken into the table')
             with pytest.raises(tb.TransportError, match=r"1048\d{3} bytes sent were not taken into .* table"):
                 producer.flush(timeout=0.5)
             assert consumer.stats["received"] == 1  # "b" is held back, not in the table
@@ -350,8 +354,13 @@ def test_a_delivery_held_up_by_a_full_table_goes_to_a_receiver_that_waits_for_it
 def test_partly_received_tensors_do_not_expire_while_a_full_table_holds_up_delivery() -> None:
     # a broker delivered every chunk; the consumer just stopped reading them: expiring the tensor
     # meanwhile lost it (and its chunks were acknowledged as given up on)
-    options = {"max_buffered_bytes": 1000, "reassembly_timeout_s": 1.0}  # (a stall outside the hold can't expire it)
+    options = {"max_buffered_bytes": 1000, "reassembly_timeout_s": 1.0}
     with tb.Consumer("memory://held-up-chunks", **options) as consumer:
+        # the reassembler's clock is the test's: it moves only while the delivery is held up (on the real one, a
+        # thread the machine is slow to start would let the tensor expire before the hold began)
+        now = [0.0]
+        reassembler = consumer.intake.reassembler
+        reassembler.clock = lambda: now[0]
         big = np.arange(3000, dtype=np.float64)
         chunks = tb.codec.encode_chunks(big, max_chunk_bytes=8192, message_id=("p", 1), key="big")
         assert len(chunks) > 2
@@ -361,7 +370,9 @@ def test_partly_received_tensors_do_not_expire_while_a_full_table_holds_up_deliv
             target=consumer.intake, args=(tb.dumps(np.zeros(8, np.uint8), key="c", message_id=("p", 3)),)
         )
         delivering.start()
-        time.sleep(3.0)  # three reassembly timeouts with delivery held up
+        wait_for(lambda: consumer.intake._held_up == 1, 30, "the delivery held up by the full table")
+        now[0] += 3.0  # three reassembly timeouts with delivery held up
+        consumer.intake.expire()  # (as the intake's expiry thread does, every quarter of the timeout)
         consumer.recv("a", timeout=5)
         delivering.join(5)
         for chunk in chunks[1:]:
