@@ -279,7 +279,8 @@ class ShmListener:
         From the SPIN_MISSES-th spin in a row that ran out, each makes the next steps sleep at once (1, 2,
         4... up to SPIN_BACKOFF of them): a producer that answers slowly, or a busy machine where the spin
         takes the CPU the producer needs, costs no spin per step. But a message that came just after a spin
-        ran out (a near miss, `_judge`) makes the next spin longer instead."""
+        ran out (a near miss, `_judge`) makes the next spin longer instead. A spin cut short by the step's wait
+        (acks owed go after LINGER_S; the receive's deadline) is no miss: the next step spins again, stretch kept."""
         if self._spin_s <= 0 or (wait is not None and wait <= 0):
             return None
         if self._skip > 0:
@@ -291,7 +292,8 @@ class ShmListener:
         select = self._selector.select
         stretched, self._stretch = self._stretch, False
         spin_s = self._spin_s * (STRETCH if stretched else 1.0)
-        until = time.monotonic() + (spin_s if wait is None else min(spin_s, wait))
+        cut = wait is not None and wait < spin_s  # (the acks owed go first, or the deadline comes: no miss)
+        until = time.monotonic() + (wait if cut and wait is not None else spin_s)
         polls = 0
         ring = None if lone is None else lone.ring
         while not stop():
@@ -312,6 +314,9 @@ class ShmListener:
                 break
         else:
             return []
+        if cut:
+            self._stretch = stretched
+            return None
         self._misses += 1
         if self._misses >= SPIN_MISSES:
             self._backoff = self._skip = min(max(1, 2 * self._backoff), SPIN_BACKOFF)

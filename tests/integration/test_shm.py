@@ -802,12 +802,13 @@ def test_a_near_miss_makes_the_next_spin_longer_and_it_catches_a_reply_as_late(m
     url = endpoint_url("shm")
     context = multiprocessing.get_context("fork")
     starts = [context.Event(), context.Event()]
-    # the first frame half a spin after its receive's spin ran out and it sleeps toward its deadline (a near miss:
+    # the first frame as soon as its receive's spin ran out and it sleeps toward its deadline (a near miss:
     # timed from the sleep, not from the receive's start, a receive the machine kept off the CPU cannot find it
     # still spinning), the second 1.5 spins after its receive began to poll (past a spin of spin_s, within one
-    # of STRETCH spins)
+    # of STRETCH spins; the first frame's ack, owed meanwhile, cuts the step's spin to LINGER_S, and the next
+    # step's spin is the longer one)
     with tb.Consumer(url, spin_s=spin_s) as consumer:
-        sender = context.Process(target=_send_late, args=(url, starts, [0.5 * spin_s, 1.5 * spin_s]))
+        sender = context.Process(target=_send_late, args=(url, starts, [0.0, 1.5 * spin_s]))
         sender.start()
         try:
             assert same(consumer.recv("warm", timeout=30), np.zeros(4, np.float32))
