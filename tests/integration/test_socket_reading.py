@@ -79,7 +79,8 @@ def counting_polls(consumer: tb.Consumer) -> list[float]:
 
 def test_with_one_producer_a_waiting_recv_busy_polls_by_reading_the_connection() -> None:
     require_native(reader_module.NATIVE_STREAM is not None, "the C stream reader (tensorbus/transports/_stream.c)")
-    with tb.Consumer("tcp://127.0.0.1:0?spin_s=2.0") as consumer, tb.Producer(consumer.address) as producer:
+    # (a spin far longer than the 0.05 s the reply takes: however late the timer's thread runs, it is caught spinning)
+    with tb.Consumer("tcp://127.0.0.1:0?spin_s=30.0") as consumer, tb.Producer(consumer.address) as producer:
         producer.send("warm-up", np.zeros(1))
         assert consumer.recv("warm-up", timeout=10)[0] == 0
         polls = counting_polls(consumer)
