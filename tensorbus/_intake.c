@@ -1010,6 +1010,20 @@ wakeup_wait(Wakeup *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(rung);
 }
 
+static PyObject *
+wakeup_get_halvings(Wakeup *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(atomic_load_explicit(&self->halvings, memory_order_relaxed));
+}
+
+static PyGetSetDef wakeup_getset[] = {
+    {"halvings", (getter)wakeup_get_halvings, NULL,
+     PyDoc_STR("how often the next wait's spin is halved: 0 after a spin that was rung, one more after each that ran "
+               "out, up to 6 (the wait sleeps at once)"),
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMethodDef wakeup_methods[] = {
     {"ring", (PyCFunction)wakeup_ring, METH_NOARGS, wakeup_ring_doc},
     {"wait", (PyCFunction)(void (*)(void))wakeup_wait, METH_FASTCALL, wakeup_wait_doc},
@@ -1025,6 +1039,7 @@ static PyTypeObject WakeupType = {
     .tp_new = wakeup_new,
     .tp_dealloc = (destructor)wakeup_dealloc,
     .tp_methods = wakeup_methods,
+    .tp_getset = wakeup_getset,
 };
 
 /* ---- module ------------------------------------------------------------------------------------------------ */

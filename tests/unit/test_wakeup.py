@@ -91,20 +91,27 @@ def test_a_nan_timeout_is_refused(make: Any) -> None:
 
 def test_a_c_wait_whose_spins_ran_out_sleeps_at_once() -> None:
     """A spin that ran out halves the next one, down to none: where the ring comes late, a wait stops taking
-    a CPU for nothing. Measured in the waiting thread's CPU time: a fresh wait spins through most of its
-    0.2 s (at least 10 ms of CPU even on a loaded machine), one after six spins that ran out sleeps (next to none)."""
+    a CPU for nothing. A fresh wait spins (its spin, run out, counts one halving), one after six spins that ran
+    out sleeps at once: next to no CPU for the waiting thread. (Not the fresh spin's own CPU: a spin yields its
+    CPU at every turn, and on a busy machine another thread may take most of the 0.2 s.)"""
     make = _c_wakeup()
     fresh, spent = make(), make()
-    for _ in range(6):
+    for done in range(6):
+        assert spent.halvings == done
         assert spent.wait(0.001, 0.001) is False
+    assert fresh.halvings == 0 and spent.halvings == 6
     cpu = []
     for bell in (fresh, spent):
         started = time.thread_time()
         assert bell.wait(0.2, 0.2) is False
         cpu.append(time.thread_time() - started)
-    assert cpu[0] >= 0.01 and cpu[1] < 0.005, cpu
+    assert fresh.halvings == 1 and spent.halvings == 6  # (the fresh wait spun; the spent one did not)
+    assert cpu[1] < 0.005, cpu
     spent.ring()
-    assert spent.wait(0, 0.2) is True  # (rung at once: the next spins in full again)
+    assert spent.wait(0, 0.2) is True and spent.halvings == 6  # (rung before the wait: no spin, nothing counted)
+    assert spent.wait(0.01, 0.01) is False and spent.halvings == 6
+    fresh.ring()
+    assert fresh.wait(0.2, 0.2) is True and fresh.halvings == 0  # (a spin that was rung: the next spins in full)
 
 
 class _Recorder:
