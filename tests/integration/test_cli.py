@@ -501,9 +501,9 @@ NOBODY = {
 def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(
     tmp_path: Path, timeout: float, endpoint: str
 ) -> None:
-    """`send --timeout T` keeps trying for T: it gives up within [0.9, 1.5] x T (timed in this process, with the
-    transport's modules imported first, so that neither the interpreter's start-up nor an import is counted),
-    not a backoff step early."""
+    """`send --timeout T` keeps trying for T: it gives up within [0.9 T, T + max(0.5 T, 1 s)] (timed in this
+    process, with the transport's modules imported first, so that neither the interpreter's start-up nor an
+    import is counted), not a backoff step early."""
     from tensorbus.cli import main
     from tensorbus.transports import resolve_transport
 
@@ -520,7 +520,7 @@ def test_send_to_nobody_gives_up_at_its_timeout_not_a_fraction_of_it(
         started = time.monotonic()
         assert main(["send", url, "k", str(tmp_path / "w.npy"), "--timeout", str(timeout)]) == 2
         took = time.monotonic() - started
-    assert 0.9 * timeout <= took <= 1.5 * timeout, took
+    assert 0.9 * timeout <= took <= timeout + max(0.5 * timeout, 1.0), took  # (the producer's close is timed too)
 
 
 def test_recv_timeout_bounds_a_brokers_connect_too(tmp_path: Path) -> None:
