@@ -75,6 +75,22 @@ def once(condition: Callable[[], Any], action: Callable[[], Any], what: str, tim
     return thread
 
 
+def once_leading(consumer: Any, action: Callable[[], Any]) -> threading.Thread:
+    """Run `action` on another thread once this thread leads the consumer's reading (in a recv): what it sends is
+    then read and delivered by this thread. (Sent after a fixed delay instead, it found a recv that a loaded
+    machine had not yet let start, and the background reader took it.) Sockets, memory:// and shm://."""
+    transport = consumer.transport
+    scheme = transport.url.scheme  # (who leads: a `Leadership`'s field, or the socket reactor's own)
+    if scheme == "memory":
+        state = transport._reader.leadership
+    elif scheme == "shm":
+        state = transport._listener.leadership
+    else:
+        state = transport.reactor
+    me = threading.get_ident()
+    return once(lambda: state._leading == me, action, "this thread to lead the reading")
+
+
 @contextlib.contextmanager
 def held_elsewhere(lock: Any) -> Iterator[None]:
     """`lock` held by another thread for as long as the body runs (let go, and the thread joined, after)."""

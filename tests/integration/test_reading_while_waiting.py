@@ -14,7 +14,7 @@ import pytest
 
 import tensorbus as tb
 from tests.conftest import endpoint_url, require_native
-from tests.waiting import once, wait_for
+from tests.waiting import once_leading, wait_for
 
 TRANSPORTS = ["memory", "shm"]
 
@@ -47,16 +47,6 @@ def delivering_threads(consumer: tb.Consumer) -> list[str]:
 
     setattr(owner, attribute, Recording())
     return names
-
-
-def once_leading(consumer: tb.Consumer, action: Any) -> threading.Thread:
-    """Run `action` on another thread once this thread leads the consumer's reading (in a recv): what it
-    sends is then delivered by this thread. (Not after a fixed delay: a loaded machine may not have let the
-    recv start by then, and the background thread would deliver it.)"""
-    transport: Any = consumer.transport
-    leadership = (transport._reader if transport.url.scheme == "memory" else transport._listener).leadership
-    me = threading.get_ident()
-    return once(lambda: leadership._leading == me, action, "this thread to lead the reading")
 
 
 def tensor(consumer: tb.Consumer, value: np.ndarray) -> Any:

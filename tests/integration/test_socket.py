@@ -36,7 +36,7 @@ from tensorbus.transports.stream import (
 from tests.conftest import require_native
 from tests.faults import fail_feed_once
 from tests.peers import Peer, make_tensor, same
-from tests.waiting import once, wait_for
+from tests.waiting import once_leading, wait_for
 
 
 def handshake_as_consumer(sock: socket.socket, secret: bytes | None) -> bool:
@@ -407,15 +407,6 @@ def test_acks_flow_while_the_application_is_not_receiving() -> None:
             producer.send(f"k{i}", np.full(1000, i))
         producer.flush(timeout=10)
         assert len(consumer.table) == 100
-
-
-def once_leading(consumer: tb.Consumer, action: Any) -> threading.Thread:
-    """Run `action` on another thread once this thread leads the consumer's reading (in a recv): what it
-    sends is then read by this thread. (Sent after a fixed delay instead, it found a recv that a loaded
-    machine had not yet let start, and the background reader took it.)"""
-    reactor = consumer.transport.reactor  # type: ignore[attr-defined]
-    me = threading.get_ident()
-    return once(lambda: reactor._leading == me, action, "this thread to lead the reading")
 
 
 class _CountedLooks:
