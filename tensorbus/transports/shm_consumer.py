@@ -292,8 +292,9 @@ class ShmListener:
         select = self._selector.select
         stretched, self._stretch = self._stretch, False
         spin_s = self._spin_s * (STRETCH if stretched else 1.0)
-        cut = wait is not None and wait < spin_s  # (the acks owed go first, or the deadline comes: no miss)
-        until = time.monotonic() + (wait if cut and wait is not None else spin_s)
+        span = spin_s if wait is None else min(spin_s, wait)
+        cut = span < spin_s  # (the acks owed go first, or the deadline comes: no miss)
+        until = time.monotonic() + span
         polls = 0
         ring = None if lone is None else lone.ring
         while not stop():
