@@ -199,6 +199,11 @@ def test_a_consumer_that_closes_after_receiving_everything_acks_it_on_the_way_ou
 TCP_ESTABLISHED, TCP_CLOSE_WAIT = 1, 8  # (include/net/tcp_states.h)
 
 
+def tcp_state(sock: socket.socket) -> int:
+    """A TCP socket's state (Linux's TCP_INFO: `tcpi_state`, its first byte)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
 @pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="reads a TCP socket's state with Linux's TCP_INFO")
 def test_a_closing_consumer_reads_what_comes_after_its_farewell_ack_and_ends_the_stream_without_a_reset(
     monkeypatch: pytest.MonkeyPatch,
@@ -224,9 +229,8 @@ def test_a_closing_consumer_reads_what_comes_after_its_farewell_ack_and_ends_the
 
     monkeypatch.setattr(reactor.Reactor, "_ack", farewell_then_a_request)
     consumer.close()
-    state = lambda: sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]  # noqa: E731  # (Linux: tcpi_state)
-    wait_for(lambda: state() != TCP_ESTABLISHED, 10, "the consumer's end of the stream")
-    assert state() == TCP_CLOSE_WAIT  # its end was closed, not reset (TCP_CLOSE, 7)
+    wait_for(lambda: tcp_state(sock) != TCP_ESTABLISHED, 10, "the consumer's end of the stream")
+    assert tcp_state(sock) == TCP_CLOSE_WAIT  # its end was closed, not reset (TCP_CLOSE, 7)
     producer.flush(5)  # the farewell ack, read
     assert not producer.transport._unacked
     producer.close()

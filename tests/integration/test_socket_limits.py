@@ -16,7 +16,7 @@ import pytest
 
 import tensorbus as tb
 from tensorbus.transports.socket import PROBE_AFTER_S
-from tests.integration.test_socket import raw_peer
+from tests.integration.test_socket import TCP_CLOSE_WAIT, raw_peer, tcp_state
 from tests.integration.test_socket_hostile import _chunk_frames
 from tests.waiting import wait_for
 
@@ -146,14 +146,10 @@ def test_a_connection_with_a_message_in_flight_is_not_idle() -> None:
         waiting.close()
 
 
-#: Linux's TCP state of a socket whose peer closed its side (`tcpi_state`, the first byte of TCP_INFO)
-TCP_CLOSE_WAIT = 8
-
-
 def _tcp_state(producer: tb.Producer) -> int:
     """The TCP state of a socket producer's connection (-1: none)."""
     sock = producer.transport._sock  # type: ignore[attr-defined]
-    return -1 if sock is None else sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    return -1 if sock is None else tcp_state(sock)
 
 
 def test_a_quiet_producer_loses_nothing_when_its_idle_connection_is_closed() -> None:
