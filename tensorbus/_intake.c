@@ -1019,7 +1019,7 @@ wakeup_get_halvings(Wakeup *self, void *Py_UNUSED(closure))
 static PyGetSetDef wakeup_getset[] = {
     {"halvings", (getter)wakeup_get_halvings, NULL,
      PyDoc_STR("how often the next wait's spin is halved: 0 after a spin that was rung, one more after each that ran "
-               "out, up to 6 (the wait sleeps at once)"),
+               "out, up to _intake.c's SPIN_HALVINGS (the wait then sleeps at once)"),
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
