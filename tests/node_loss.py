@@ -4,8 +4,9 @@ The producer sends `count` tensors of mixed sizes (log-uniform from 4 KB to 4 MB
 `large_bytes` ones that travel chunked), each with its index and CRC32C in the metadata, then a
 last tensor that marks the end. The consumer checks every tensor's CRC and reports each one to
 this process over a queue, with the time it arrived; faults (kill or start a broker node) run here
-when the consumer has received a given number. A semaphore keeps the producer at most `window`
-tensors ahead of the consumer, so a fault lands in the middle of the stream at both ends.
+when the consumer has received a given number (in the stream's way, or beside it on a thread:
+`Fault.background`). A semaphore keeps the producer at most `window` tensors ahead of the consumer,
+so a fault lands in the middle of the stream at both ends.
 
 `run` returns a `NodeLossResult` (sent, received, lost, duplicated to the application, corrupted,
 the longest stall) and `table` prints results side by side. Every wait is on an event or on the
@@ -15,6 +16,7 @@ queue, bounded by `timeout_s`.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -41,11 +43,16 @@ SMALL_BYTES, BIG_BYTES = 4 << 10, 4 << 20
 
 @dataclasses.dataclass
 class Fault:
-    """`action` runs (in the test process) once the consumer has received `after_received` tensors."""
+    """`action` runs (in the test process) once the consumer has received `after_received` tensors.
+
+    `background`: it runs on a thread of its own while the stream goes on (a node's start, which returns only once
+    the node is back in its cluster: ~10 s), and `run` waits for it before it returns, raising what it raised.
+    """
 
     after_received: int
     action: Callable[[], None]
     name: str = ""
+    background: bool = False
 
 
 @dataclasses.dataclass
@@ -244,6 +251,8 @@ def run(
     consumer_stats: dict[str, int] = {}
     logs: dict[str, list[str]] = {}
     producer_done = consumer_done = False
+    apart = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="node-loss-fault")  # (threads made on use)
+    running: list[concurrent.futures.Future[None]] = []
     try:
         while not consumer_done and time.monotonic() < deadline:
             try:
@@ -278,9 +287,13 @@ def run(
             while pending and received >= pending[0].after_received:
                 fault = pending.pop(0)
                 mid_stream.append(not producer_done and received < count)
-                fault.action()
+                if fault.background:
+                    running.append(apart.submit(fault.action))
+                else:
+                    fault.action()
                 ran.append(f"{fault.name or fault.action.__name__} after {fault.after_received}")
     finally:
+        apart.shutdown(wait=True)  # (a node's start is bounded by `cluster`'s own timeout)
         stop.set()
         for process in (producer, consumer):
             if process.is_alive() or process.pid is not None:
@@ -288,6 +301,8 @@ def run(
                 if process.is_alive():
                     process.kill()
                     process.join(5)
+    for fault_run in running:
+        fault_run.result()  # (a background fault that failed fails the case)
     if not producer_done and producer_error is None:
         producer_error = "the producer did not finish in time"
     return NodeLossResult(

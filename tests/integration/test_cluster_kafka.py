@@ -34,9 +34,11 @@ SERVERS = urllib.parse.urlsplit(CLUSTER_URL).netloc.split(",")
 #: broker id -> host:port, as `brokers.sh cluster up` numbers them (node ids 1, 2, 3 in URL order)
 BROKERS = {i + 1: server for i, server in enumerate(SERVERS)}
 #: tensors per node-loss case (4 KB..4 MB, three of 24 MB), and after how many received a broker is killed and
-#: started again: the kill lands mid-stream at both ends (`check` asserts it) with a quarter of the stream done
+#: started again: the kill lands mid-stream at both ends (`check` asserts it) with a quarter of the stream done;
+#: the start, once the stream has gone on past the kill, runs beside it (`Fault.background`), so the broker
+#: rejoins its ISRs while tensors still flow
 COUNT = 400
-KILL_AT, START_AT = COUNT // 4, COUNT * 3 // 5
+KILL_AT, START_AT = COUNT // 4, COUNT // 4 + COUNT // 10
 #: the cluster's __consumer_offsets partitions (scripts/kafka/cluster.properties: offsets.topic.num.partitions)
 OFFSETS_PARTITIONS = 10
 
@@ -201,7 +203,10 @@ def test_killing_the_bootstrap_broker_and_group_coordinator_mid_stream_loses_not
         url,
         name=f"kafka ({kafka_client}): bootstrap broker + group coordinator killed, restarted",
         count=COUNT,
-        faults=[Fault(KILL_AT, kill, "kill kafka1"), Fault(START_AT, lambda: cluster("start", 1), "start kafka1")],
+        faults=[
+            Fault(KILL_AT, kill, "kill kafka1"),
+            Fault(START_AT, lambda: cluster("start", 1), "start kafka1", background=True),
+        ],
         consumer_options={"group": group},
     )
     assert killed == [1]
@@ -222,7 +227,7 @@ def test_killing_the_partition_leader_mid_stream_loses_nothing(topic: str, kafka
         count=COUNT,
         faults=[
             Fault(KILL_AT, kill_leader, "kill the leader"),
-            Fault(START_AT, lambda: cluster("start", victim[0]), "start"),
+            Fault(START_AT, lambda: cluster("start", victim[0]), "start", background=True),
         ],
     )
     check(result, topic)

@@ -44,6 +44,20 @@ def test_the_harness_counts_a_clean_stream_and_runs_each_fault_once_at_its_point
     assert "log lines" not in node_loss.table([result])
 
 
+def test_a_background_fault_runs_beside_the_stream_and_what_it_raises_fails_the_run() -> None:
+    later_ran = threading.Event()
+
+    def start() -> None:  # (as a node's start: returns long after it began, here once a later fault ran)
+        assert later_ran.wait(30), "the stream did not go on while a background fault ran"
+        raise RuntimeError("the node did not start")
+
+    plan = [node_loss.Fault(10, start, "start", background=True), node_loss.Fault(40, later_ran.set, "later")]
+    url = f"tcp://127.0.0.1:{faults.free_port()}"
+    with pytest.raises(RuntimeError, match="the node did not start"):
+        node_loss.run(url, count=60, large_count=0, faults=plan, timeout_s=60.0, drain_s=0.2)
+    assert later_ran.is_set()
+
+
 def test_a_failed_case_names_what_was_lost_and_repeated_and_what_the_consumer_counted() -> None:
     result = node_loss.NodeLossResult(
         "case", 10, 9, 2, 1, 0, 0.5, 3.0, missing=[3, 4, 5, 9], repeated=[7], consumer_stats={"duplicates": 4},
