@@ -87,7 +87,7 @@ python_paths=(env TENSORBUS_NATIVE=0 .venv/bin/python -m pytest -q -m "not broke
 "${python_paths[@]}" --durations=15 tests/unit tests/integration -k "$not_heartbeat" \
   --ignore=tests/integration/test_cli.py --ignore=tests/integration/test_fanout_cli.py \
   --ignore=tests/integration/test_readme.py --ignore=tests/integration/test_benchmarks.py \
-  --ignore=tests/unit/test_bench.py --deselect tests/unit/test_api_signature.py::test_mypy_sees_the_option_types \
+  --ignore=tests/unit/test_bench.py --ignore=tests/unit/test_bench_metrics.py --deselect tests/unit/test_api_signature.py::test_mypy_sees_the_option_types \
   --ignore=tests/unit/test_native.py --ignore=tests/unit/test_crc_folding.py --ignore=tests/unit/test_native_stream.py --ignore=tests/unit/test_fast_delivery.py --ignore=tests/integration/test_socket_send.py \
   --deselect tests/integration/test_socket.py::test_plain_connections_are_read_by_the_c_reader_and_tls_ones_in_python \
   --deselect tests/integration/test_socket.py::test_a_ctrl_c_just_after_the_c_delivery_loses_no_tensor_and_delivers_it_once \
