@@ -105,8 +105,8 @@ if ((compose && prepared)); then
   compose_up=0   # (`--tests` takes them down, whatever the tests do)
   # Every broker test on kafka-python, and on confluent-kafka the behaviour suite and test_kafka.py: how a broker
   # was started does not change what a client does with it, and the native pass ran every test on both clients.
-  # The rest of confluent's cases against Compose's brokers (the node-loss ones, ~3 of the ~5 minutes left out)
-  # run by hand: `bash scripts/test-compose.sh` (docs/TESTING.md).
+  # The rest of confluent's cases against Compose's brokers (the node-loss ones among them: ~3.5 of the pass's ~16
+  # minutes) run by hand: `bash scripts/test-compose.sh` (docs/TESTING.md).
   bash scripts/test-compose.sh --tests -k "not confluent or test_behaviour or test_kafka.py"
   took "compose pass"
 fi
