@@ -7,7 +7,7 @@
 # test_kafka.py: below; scripts/test-compose.sh, whose
 # engine and images are prepared in the background meanwhile, and whose brokers start during the pass
 # of the Python paths; TENSORBUS_COMPOSE=0 leaves that out). The heartbeat tests (a 1 ms beat in an event loop while tensors cross it, held to
-# 50 ms) that need no broker run last, on both paths, once the brokers this script started are stopped
+# 50 ms) that need no broker run last, on both paths, once the brokers (and Docker's engine) this script started are stopped
 # (a `-k` of your own among the arguments replaces the one that leaves them out of the main pass). Each
 # part says how long it took, each pytest pass which tests took longest.
 set -euo pipefail
@@ -24,7 +24,7 @@ python3 -m venv .venv
   || echo "[test.sh] compileall: some files did not compile (ruff and pytest below say which)" >&2
 
 took "venv"
-native=0 compose=0 prep=0 up=0 compose_up=0 engine_was_up=0
+native=0 compose=0 prep=0 up=0 compose_up=0 engine_ours=0
 not_heartbeat="not never_blocked"
 [ "${TENSORBUS_BROKERS:-auto}" != "external" ] && native=1
 ((native)) && [ "${TENSORBUS_COMPOSE:-1}" != 0 ] && compose=1
@@ -38,7 +38,7 @@ cleanup() {  # (errexit is off here: one failing step must not skip the others)
     bash scripts/test-compose.sh --down >/dev/null 2>&1
   fi
   if ((native)); then native_down; fi
-  if ((compose && !engine_was_up)); then bash scripts/docker.sh down; fi
+  if ((engine_ours)); then bash scripts/docker.sh down; fi
   return 0
 }
 trap cleanup EXIT
@@ -51,7 +51,7 @@ took "native brokers up"
 if ((compose)); then
   # The Docker engine, Compose and the images take many minutes on a fresh machine: made ready at the
   # lowest CPU and I/O priority while the native passes run, and waited for before the compose pass.
-  timeout 20 docker info >/dev/null 2>&1 && engine_was_up=1
+  timeout 20 docker info >/dev/null 2>&1 || engine_ours=1   # (an engine found running is left alone)
   mkdir -p .brokers
   setsid nice -n 19 ionice -c 3 bash scripts/test-compose.sh --prepare >.brokers/compose-prepare.log 2>&1 &
   prep=$!
@@ -109,6 +109,9 @@ if ((compose && prepared)); then
   # minutes) run by hand: `bash scripts/test-compose.sh` (docs/TESTING.md).
   bash scripts/test-compose.sh --tests -k "not confluent or test_behaviour or test_kafka.py"
   took "compose pass"
+  # the engine this script started stops before the heartbeat tests, which want a machine with nothing else running
+  if ((engine_ours)); then bash scripts/docker.sh down; engine_ours=0; fi
+  took "stopping Docker's engine"
 fi
 
 # The heartbeat tests that need no broker, on the C paths and on the Python paths, the brokers stopped:
