@@ -900,7 +900,7 @@ def test_the_loop_is_never_blocked_while_tensors_cross(run: Any, transport: str,
     thread was neither on a CPU nor waiting for one, up to that steal (`ThreadClock.late`); or, if more, the
     time the whole machine stopped: what every witness, a process per CPU that only sleeps, lost at the same
     moments to something other than a wait for a CPU (tests/machine_witness.py: a VM the host paused counts
-    no steal, and its thread's "on a CPU" holds the pause). It counts everything else: the thread's own CPU
+    no steal, and a thread's "on a CPU" may hold the pause). It counts everything else: the thread's own CPU
     (page faults included), waits for the GIL with no vCPU stolen
     (also those for a thread preempted while it held it: telling those apart from the process's own doing
     took away the test's power to see a blocked loop). A beat 15 ms late or more is printed with what it was
