@@ -25,6 +25,9 @@ from collections.abc import Sequence
 NOTED_FROM_S = 0.002
 #: how long a witness may take to start, and to end once told
 WITNESS_WAIT_S = 30.0
+#: witnesses at most, on the first CPUs (a pause of the VM stops them all; on a machine of many CPUs, one per CPU
+#: would cost a core or more of wake-ups)
+MOST_WITNESSES = 4
 
 #: a witness: pinned to its CPU, beats until its stdin closes (or `limit` seconds), then prints "woke late stall"
 #: per stall noted; its own session, so a Ctrl-C meant for the tests does not end it first
@@ -65,8 +68,8 @@ def _runs_here() -> bool:
 
 
 class MachineWitness:
-    """The witnesses, one per CPU this process may run on, from `start` to `stop` (a context manager);
-    `stalls` (one list per witness) once stopped."""
+    """The witnesses, one per CPU this process may run on (MOST_WITNESSES at most), from `start` to `stop` (a
+    context manager); `stalls` (one list per witness) once stopped."""
 
     def __init__(self, limit_s: float = 600.0) -> None:
         self._limit_s = limit_s
@@ -74,7 +77,7 @@ class MachineWitness:
         self.stalls: list[list[Stall]] = []
 
     def start(self) -> MachineWitness:
-        cpus = sorted(os.sched_getaffinity(0)) if _runs_here() else []
+        cpus = sorted(os.sched_getaffinity(0))[:MOST_WITNESSES] if _runs_here() else []
         try:
             for cpu in cpus:
                 args = [sys.executable, "-c", _CODE, str(self._limit_s), str(NOTED_FROM_S), str(cpu)]

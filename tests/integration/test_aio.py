@@ -25,7 +25,7 @@ import tensorbus.aio as tba
 from tensorbus.aio import socket_sending
 from tensorbus.aio.socket_sending import Turn
 from tests.conftest import IN_CI, endpoint_url, require_module, require_native, transport_params
-from tests.machine_witness import MachineWitness, machine_took, witness_took
+from tests.machine_witness import MOST_WITNESSES, MachineWitness, machine_took, witness_took
 from tests.peers import Peer, make_tensor, same
 from tests.waiting import until, wait_for
 
@@ -826,7 +826,7 @@ def test_the_witnesses_note_a_stop_of_the_machine_and_it_excuses_only_what_every
         finally:
             for pid in witness.pids:  # (the first beat of each after this notes the stall, before `stop` ends it)
                 os.kill(pid, signal.SIGCONT)
-    assert len(witness.stalls) == len(os.sched_getaffinity(0))
+    assert len(witness.stalls) == min(len(os.sched_getaffinity(0)), MOST_WITNESSES)
     for one in witness.stalls:
         woke, late, stall = max(one, key=lambda noted: noted[2])
         assert 0.1 <= stall <= late and woke >= resumed, one  # (less its waits for a CPU before it stopped, after)
