@@ -1,12 +1,13 @@
 """Witnesses of the whole machine stopping, for tests that time an event loop's beats.
 
-One process per CPU, pinned to it, does nothing but sleep 1 ms at a time and notes every beat (from one waking
-to the next) that took longer for a reason not its own: longer by more than the time the kernel kept it waiting
-for a CPU (its schedstat). A moment that every witness lost so, each on its own CPU, is one the whole machine
-lost: a VM the host paused (which the guest does not count as steal), not anything a process on it did. A loop
-thread's beat late across such moments is excused them; a witness alone late (its vCPU taken while the other
-ran, or an interrupt's work charged to it: this VM's kernel has no IRQ time accounting) excuses nothing, so a
-loop that tensorbus holds while it keeps the other CPU busy still counts in full.
+One process per CPU (MOST_WITNESSES at most), pinned to it, does nothing but sleep 1 ms at a time and notes
+every beat (from one waking to the next) that took longer for a reason not its own: longer by more than the time
+the kernel kept it waiting for a CPU (its schedstat). A moment that every witness lost so, each on its own CPU,
+is one the whole machine lost: a VM the host paused (which the guest need not count as steal), not anything a
+process on it did. A loop thread's beat late across such moments is excused them; a witness alone late (its
+vCPU taken while the other ran, or an interrupt's work charged to it: this VM's kernel has no IRQ time
+accounting) excuses nothing, so a loop that tensorbus holds while it keeps the other CPU busy still counts in
+full.
 
 On the 2-vCPU VM a lone sleeper woke 5-19 ms late a few times a minute that way, charged up to 13 ms "on a CPU"
 for a 1 ms sleep (docs/TESTING.md). Linux only (/proc, CPU affinity); elsewhere no witness runs and nothing is
