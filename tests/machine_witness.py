@@ -64,7 +64,8 @@ print("\n".join(f"{now!r} {late!r} {stall!r}" for now, late, stall in stalls), f
 Stall = tuple[float, float, float]
 
 
-def _runs_here() -> bool:
+def witnesses_run_here() -> bool:
+    """Whether witnesses can run on this machine (Linux's /proc and CPU affinity)."""
     return hasattr(os, "sched_getaffinity") and os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat")
 
 
@@ -78,7 +79,7 @@ class MachineWitness:
         self.stalls: list[list[Stall]] = []
 
     def start(self) -> MachineWitness:
-        cpus = sorted(os.sched_getaffinity(0))[:MOST_WITNESSES] if _runs_here() else []
+        cpus = sorted(os.sched_getaffinity(0))[:MOST_WITNESSES] if witnesses_run_here() else []
         try:
             for cpu in cpus:
                 args = [sys.executable, "-c", _CODE, str(self._limit_s), str(NOTED_FROM_S), str(cpu)]
