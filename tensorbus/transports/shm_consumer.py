@@ -385,6 +385,8 @@ class ShmListener:
                 peer.acks.requeue(messages)
             except OSError:
                 self._close(peer)
+            finally:
+                peer.acks.sent()
 
     # -- producers -------------------------------------------------------------------------------
 

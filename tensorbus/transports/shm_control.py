@@ -203,6 +203,7 @@ class Acknowledgements:
         self._received_bytes = 0  # of the frames received since the last "ack"
         self._acked = 0  # the last cumulative "ack" sent
         self._refused: list[list[Any]] = []  # the "rejected" messages not sent yet
+        self._sending = False  # `pending` gave messages the consumer's thread has not yet sent (or requeued)
         #: the producer asked for "rejected" (a producer of a build without it would take one for an error)
         self.tells_refusals = False
         self.pinned = PinnedBytes() if pinned is None else pinned  # (the consumer's, shared by its producers)
@@ -272,8 +273,10 @@ class Acknowledgements:
             self._poke()
 
     def owed(self) -> bool:
-        """True while "rejected", "taken" or "free" messages wait to be sent (the thread answers within `LINGER_S`)."""
-        return bool(self._refused or self._taken or self._frees)
+        """True while "rejected", "taken" or "free" messages wait to be sent, including those `pending` gave until
+        `sent` (the thread answers within `LINGER_S`)."""
+        with self._lock:
+            return self._sending or bool(self._refused or self._taken or self._frees)
 
     def pending(self) -> list[list[Any]]:
         """The messages owed to the producer now, "rejected" first, then "ack" (none if nothing changed), emptied;
@@ -284,14 +287,21 @@ class Acknowledgements:
             taken, self._taken = self._taken, []
             frees, self._frees = self._frees, []
             self._freed_bytes = self._received_bytes = 0
-        if received == self._acked and not taken and not frees:
-            return refused
-        self._acked = received
-        count = max(len(taken), len(frees), 1)
+            if received == self._acked and not taken and not frees:
+                self._sending = bool(refused)
+                return refused
+            self._acked = received
+            count = max(len(taken), len(frees), 1)
+            self._sending = True
         return refused + [
             ["ack", received, taken[at : at + MAX_POSITIONS], frees[at : at + MAX_POSITIONS]]
             for at in range(0, count, MAX_POSITIONS)
         ]
+
+    def sent(self) -> None:
+        """What `pending` gave was sent (or requeued, or the connection ended): no longer owed."""
+        with self._lock:
+            self._sending = False
 
     def requeue(self, messages: list[list[Any]]) -> None:
         """Messages `pending` gave that could not be sent (the producer's socket is full): sent later."""

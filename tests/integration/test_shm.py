@@ -205,9 +205,22 @@ def test_a_drop_the_socket_has_no_room_for_is_told_later(monkeypatch: pytest.Mon
         wait_for(lambda: sender.poll() or unmapped(), 10, "the segments unmapped, the refused drop's too")
 
 
-def test_an_empty_array_sent_again_once_its_last_send_was_let_go_goes_in_place() -> None:
+@pytest.mark.parametrize("answer", ["prompt", "slow"])
+def test_an_empty_array_sent_again_once_its_last_send_was_let_go_goes_in_place(
+    answer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The producer reads the consumer's "free" before it decides: an `empty()` array whose last send no array
-    views any more is sent in place again, not copied, whether or not the producer had read that yet."""
+    views any more is sent in place again, not copied, whether or not the producer had read that yet. A "slow"
+    consumer thread takes 50 ms between gathering its acks and sending them: they are owed until sent."""
+    if answer == "slow":
+        send = control.send
+
+        def slow_ack(sock: Any, *message: Any, **options: Any) -> None:
+            if message[0] == "ack":
+                time.sleep(0.05)
+            send(sock, *message, **options)
+
+        monkeypatch.setattr(control, "send", slow_ack)
     url = endpoint_url("shm")
     with tb.Consumer(url) as consumer, tb.Producer(url) as producer:
         array = producer.empty((MIB // 4,), np.float32)

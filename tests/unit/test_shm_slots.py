@@ -92,9 +92,12 @@ def test_acknowledgements_turn_the_ledger_and_the_views_into_control_messages() 
     assert acks.pinned.total == 0 and acks.owed() and pokes == []  # batched: nothing urgent yet
     assert not acks.urgent()
     unsent = acks.pending()
-    assert unsent == [["ack", 2, [1], [1]]]
+    assert unsent == [["ack", 2, [1], [1]]] and acks.owed()  # owed until the thread says it sent them
     acks.requeue(unsent)  # (the producer's socket was full)
-    assert acks.pending() == unsent
+    acks.sent()
+    assert acks.owed() and acks.pending() == unsent
+    acks.sent()
+    assert not acks.owed()
     for pos in range(3, 3 + URGENT_COUNT):
         acks.unviewed(pos, 0)
     assert pokes and acks.urgent()  # enough frees wake the thread, and go with its next step
