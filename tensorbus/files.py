@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .codec import encode
-from .codec.dtypes import DTYPES
+from .codec.dtypes import dtype_named
 from .errors import ConfigError, TensorBusError
 
 FORMATS = (".npy", ".npz", ".safetensors", ".tbf")
@@ -64,7 +64,7 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
 
     out = {}
     for name, spec in deserialize(path.read_bytes()):
-        dtype = DTYPES.get(SAFETENSORS_DTYPES.get(spec["dtype"], ""))
+        dtype = dtype_named(SAFETENSORS_DTYPES.get(spec["dtype"], ""))
         if dtype is None:
             raise ConfigError(f"cannot read {path}: tensor {name!r} is of safetensors dtype {spec['dtype']}")
         out[name] = np.frombuffer(spec["data"], dtype.newbyteorder("<")).reshape(spec["shape"])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
+from collections.abc import Callable
+from types import ModuleType
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import UnsupportedDtype, brief
@@ -47,9 +49,54 @@ ML_DTYPE_NAMES = [
     "uint4",
 ]
 
-#: name -> native-order dtype; the only dtypes a decoder will build.
-DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in dict.fromkeys(NUMPY_DTYPE_NAMES)}
-DTYPES.update({name: np.dtype(getattr(ml_dtypes, name)) for name in ML_DTYPE_NAMES if hasattr(ml_dtypes, name)})
+#: name -> native-order dtype; the only dtypes a decoder will build. numpy's from the start, ml_dtypes' from the
+#: first use of one of their names (`_with_ml_dtypes`): ml_dtypes 0.7 takes ~1 s to import, which a process that
+#: never meets one of its dtypes should not pay. Replaced whole, never changed in place (readers take no lock).
+_whitelist: dict[str, np.dtype] = {name: np.dtype(name) for name in dict.fromkeys(NUMPY_DTYPE_NAMES)}
+_ml_lock = threading.Lock()  # (one thread imports ml_dtypes and widens the whitelist; the others wait for it)
+_ml_module: ModuleType | None = None
+_widened: list[Callable[[], None]] = []  # called once ml_dtypes' dtypes joined the whitelist
+
+
+def dtype_named(name: str) -> np.dtype | None:
+    """The native-order dtype of that name if it may travel, else None (an ml_dtypes name imports ml_dtypes)."""
+    dtype = _whitelist.get(name)
+    if dtype is None and name in ML_DTYPE_NAMES:
+        dtype = _with_ml_dtypes().get(name)
+    return dtype
+
+
+def whitelist() -> dict[str, np.dtype]:
+    """Every dtype that may travel, by name (ml_dtypes' included: it imports ml_dtypes)."""
+    return _with_ml_dtypes()
+
+
+def loaded_whitelist() -> dict[str, np.dtype]:
+    """The dtypes that may travel that are known so far, without importing ml_dtypes (the C codec's table)."""
+    return _whitelist
+
+
+def when_widened(callback: Callable[[], None]) -> None:
+    """Call `callback` each time ml_dtypes' dtypes join the whitelist (the C codec's table follows it)."""
+    _widened.append(callback)
+
+
+def _with_ml_dtypes() -> dict[str, np.dtype]:
+    """The whitelist with ml_dtypes' dtypes in it, importing ml_dtypes the first time."""
+    global _whitelist, _ml_module
+    if _ml_module is not None:
+        return _whitelist
+    with _ml_lock:
+        if _ml_module is None:
+            import ml_dtypes as module
+
+            ml = {name: np.dtype(getattr(module, name)) for name in ML_DTYPE_NAMES if hasattr(module, name)}
+            _whitelist = {**_whitelist, **ml}
+            _ml_module = module
+            for callback in _widened:
+                callback()
+    return _whitelist
+
 
 NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
 
@@ -58,7 +105,7 @@ NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
 def describe(dtype: np.dtype) -> tuple[str, str]:
     """Return (name, byte order) for a dtype that may travel, or raise `UnsupportedDtype`."""
     name = dtype.name
-    if DTYPES.get(name) is None or dtype.fields is not None or dtype.subdtype is not None:
+    if dtype_named(name) is None or dtype.fields is not None or dtype.subdtype is not None:
         raise UnsupportedDtype(
             f"dtype {dtype!s} cannot be sent: only numeric, bool and ml_dtypes dtypes travel "
             "(object, structured and void dtypes would need pickling)"
@@ -73,7 +120,7 @@ def describe(dtype: np.dtype) -> tuple[str, str]:
 
 def resolve(name: object, order: object) -> np.dtype:
     """Build the dtype a header names, refusing anything outside the whitelist."""
-    dtype = DTYPES.get(name) if isinstance(name, str) else None
+    dtype = dtype_named(name) if isinstance(name, str) else None
     if dtype is None:
         raise UnsupportedDtype(f"frame names dtype {brief(name)}, which this build does not know")
     if order not in ("<", ">", "|"):

@@ -22,15 +22,16 @@ from typing import Any
 
 from ..buffers import copy_into
 from ..errors import UnsupportedDtype
-from .dtypes import DTYPES, describe, resolve
+from .dtypes import describe, loaded_whitelist, resolve, when_widened
 
 Buffer = Any  # (frame.Buffer: any buffer; frame imports this module)
 
 
 def _resolved() -> dict[str, dict[str, object]]:
-    """Every (name, byte order) `resolve` accepts, with the dtype it builds."""
+    """Every (name, byte order) `resolve` accepts, with the dtype it builds (of the dtypes known so far: a frame
+    of another one goes to Python, whose `resolve` imports ml_dtypes and widens this table for the next)."""
     table: dict[str, dict[str, object]] = {}
-    for name in DTYPES:
+    for name in loaded_whitelist():
         for order in ("<", ">", "|"):
             try:
                 table.setdefault(name, {})[order] = resolve(name, order)
@@ -167,6 +168,7 @@ def _load() -> ModuleType | None:
     native = load(f"{__package__}._native")
     if native is not None:
         configure(native)
+        when_widened(lambda: configure(native))
     return native
 
 

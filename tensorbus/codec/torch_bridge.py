@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from ..errors import ConfigError, UnsupportedDtype
+from . import dtypes
 
 #: ml_dtypes floats whose bits torch reads the same way, under the same name (sub-byte ints differ: torch packs them)
 _TORCH_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
@@ -29,9 +29,9 @@ def torch_to_numpy(tensor: Any) -> np.ndarray:
         )
     tensor = tensor.detach().resolve_conj().resolve_neg()
     name = str(tensor.dtype).removeprefix("torch.")
-    if name in _TORCH_FLOATS and hasattr(ml_dtypes, name):
+    if name in _TORCH_FLOATS and (ml := dtypes.dtype_named(name)) is not None:
         as_int = torch.int8 if tensor.element_size() == 1 else torch.int16
-        return tensor.view(as_int).numpy().view(getattr(ml_dtypes, name))
+        return tensor.view(as_int).numpy().view(ml)
     try:
         return tensor.numpy()
     except (TypeError, RuntimeError) as exc:
