@@ -6,7 +6,6 @@ import functools
 import sys
 import threading
 from collections.abc import Callable
-from types import ModuleType
 
 import numpy as np
 
@@ -50,11 +49,12 @@ ML_DTYPE_NAMES = [
 ]
 
 #: name -> native-order dtype; the only dtypes a decoder will build. numpy's from the start, ml_dtypes' from the
-#: first use of one of their names (`_with_ml_dtypes`): ml_dtypes 0.7 takes ~1 s to import, which a process that
-#: never meets one of its dtypes should not pay. Replaced whole, never changed in place (readers take no lock).
+#: first use of one of their names (`_with_ml_dtypes`): ml_dtypes 0.7's import takes most of a process's start
+#: (docs/PERFORMANCE.md), which a process that never meets one of its dtypes should not pay. Replaced whole, never
+#: changed in place (readers take no lock).
 _whitelist: dict[str, np.dtype] = {name: np.dtype(name) for name in dict.fromkeys(NUMPY_DTYPE_NAMES)}
 _ml_lock = threading.Lock()  # (one thread imports ml_dtypes and widens the whitelist; the others wait for it)
-_ml_module: ModuleType | None = None
+_ml_loaded = False  # (set after `_whitelist` holds them)
 _widened: list[Callable[[], None]] = []  # called once ml_dtypes' dtypes joined the whitelist
 
 
@@ -83,16 +83,16 @@ def when_widened(callback: Callable[[], None]) -> None:
 
 def _with_ml_dtypes() -> dict[str, np.dtype]:
     """The whitelist with ml_dtypes' dtypes in it, importing ml_dtypes the first time."""
-    global _whitelist, _ml_module
-    if _ml_module is not None:
+    global _whitelist, _ml_loaded
+    if _ml_loaded:
         return _whitelist
     with _ml_lock:
-        if _ml_module is None:
-            import ml_dtypes as module
+        if not _ml_loaded:
+            import ml_dtypes
 
-            ml = {name: np.dtype(getattr(module, name)) for name in ML_DTYPE_NAMES if hasattr(module, name)}
+            ml = {name: np.dtype(getattr(ml_dtypes, name)) for name in ML_DTYPE_NAMES if hasattr(ml_dtypes, name)}
             _whitelist = {**_whitelist, **ml}
-            _ml_module = module
+            _ml_loaded = True
             for callback in _widened:
                 callback()
     return _whitelist

@@ -1,5 +1,5 @@
-"""ml_dtypes is imported on the first use of one of its dtypes, not with tensorbus (ml_dtypes 0.7 takes ~1 s to
-import): each case runs in a fresh interpreter, where nothing imported it yet."""
+"""ml_dtypes is imported on the first use of one of its dtypes, not with tensorbus (its import is slow:
+docs/PERFORMANCE.md): each case runs in a fresh interpreter, where nothing imported it yet."""
 
 from __future__ import annotations
 
